@@ -1,0 +1,1 @@
+//! strata-plan library: accounting, split search, packing, verifier, cost model, report.

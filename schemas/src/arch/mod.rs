@@ -1,0 +1,1 @@
+//! Per-architecture tensor layouts (llama.cpp names and GGUF shapes): synthesis and checking.

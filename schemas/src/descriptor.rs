@@ -1,0 +1,1 @@
+//! Descriptor TOML: hyperparameters plus a quant recipe, synthesized into an inventory.

@@ -1,0 +1,1 @@
+//! GGUF headers: reading (validated, hostile-input safe) and writing.

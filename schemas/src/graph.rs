@@ -1,0 +1,1 @@
+//! The forward graph: per-architecture ops and the buffers each needs, with lifetimes.

@@ -1,0 +1,15 @@
+//! strata-schemas: Strata's vocabulary and every on-disk format. Nothing here touches a GPU;
+//! the planner and the executor both read the world through these types.
+
+pub mod arch;
+pub mod descriptor;
+pub mod ggml;
+pub mod gguf;
+pub mod graph;
+pub mod inventory;
+pub mod plan;
+pub mod planfile;
+pub mod probe;
+pub mod profile;
+pub mod safetensors;
+pub mod serve;

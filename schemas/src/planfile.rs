@@ -1,0 +1,1 @@
+//! The plan file: fixed header plus a validated rkyv archive.

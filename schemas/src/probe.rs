@@ -1,0 +1,309 @@
+//! The hardware probe (TOML): host RAM limits and the devices a plan may use.
+//! Invariant: unknown keys, zero sizes and duplicate device indices are errors that name the
+//! file and key; every default filled in here is documented on its field.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::Path;
+
+/// Device vendor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Vendor {
+    Nvidia,
+    Amd,
+    Cpu,
+}
+
+impl Vendor {
+    /// Runtime reserve assumed when the probe gives none: context, loaded modules, BLAS
+    /// workspace and graphs. NVIDIA and AMD figures are what a CUDA 12/13 or ROCm 6 context
+    /// with cuBLAS/hipBLAS and our kernels takes on a consumer card, rounded up.
+    pub fn default_runtime_reserve(self) -> u64 {
+        match self {
+            Vendor::Nvidia => 640 * MIB,
+            Vendor::Amd => 768 * MIB,
+            Vendor::Cpu => 64 * MIB,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Vendor::Nvidia => "nvidia",
+            Vendor::Amd => "amd",
+            Vendor::Cpu => "cpu",
+        }
+    }
+}
+
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+
+/// `[host]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostProbe {
+    /// Physical RAM.
+    pub ram_bytes: u64,
+    /// `MemAvailable` when probed.
+    pub available_bytes: u64,
+    /// `ulimit -l` in bytes; absent = unlimited.
+    #[serde(default)]
+    pub memlock_limit_bytes: Option<u64>,
+    /// Sequential read speed of the disk holding the model, for the cost of experts that page
+    /// from disk; absent = 2 GB/s (a mid-range NVMe drive) and the report says it assumed so.
+    #[serde(default)]
+    pub disk_read_gbps: Option<f64>,
+}
+
+/// One `[[device]]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceProbe {
+    pub index: u32,
+    pub name: String,
+    pub vendor: Vendor,
+    /// e.g. "sm_86", "gfx1201", "x86_64".
+    pub arch: String,
+    pub vram_bytes: u64,
+    /// Free memory after context creation; absent = `vram_bytes` minus the runtime reserve.
+    #[serde(default)]
+    pub free_bytes: Option<u64>,
+    /// Measured runtime reserve; absent = the vendor default.
+    #[serde(default)]
+    pub runtime_reserve_bytes: Option<u64>,
+    /// Memory bandwidth (datasheet or measured); absent = 300 GB/s.
+    #[serde(default)]
+    pub mem_bandwidth_gbps: Option<f64>,
+    /// Host-to-device bandwidth; absent = derived from the PCIe link, else 12 GB/s.
+    #[serde(default)]
+    pub h2d_gbps: Option<f64>,
+    #[serde(default)]
+    pub pcie_gen: Option<u32>,
+    #[serde(default)]
+    pub pcie_width: Option<u32>,
+}
+
+impl DeviceProbe {
+    pub fn runtime_reserve(&self) -> u64 {
+        self.runtime_reserve_bytes
+            .unwrap_or_else(|| self.vendor.default_runtime_reserve())
+    }
+    pub fn mem_bandwidth(&self) -> f64 {
+        self.mem_bandwidth_gbps.unwrap_or(300.0)
+    }
+    /// Host-to-device GB/s: measured, else ~80% of the PCIe link, else 12.
+    pub fn h2d(&self) -> f64 {
+        if let Some(v) = self.h2d_gbps {
+            return v;
+        }
+        if self.vendor == Vendor::Cpu {
+            return self.mem_bandwidth();
+        }
+        match (self.pcie_gen, self.pcie_width) {
+            (Some(g), Some(w)) if g >= 1 => {
+                let per_lane = match g {
+                    1 => 0.25,
+                    2 => 0.5,
+                    3 => 0.985,
+                    4 => 1.969,
+                    5 => 3.938,
+                    _ => 7.563,
+                };
+                per_lane * w as f64 * 0.8
+            }
+            _ => 12.0,
+        }
+    }
+}
+
+/// A whole probe file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareProbe {
+    pub host: HostProbe,
+    #[serde(rename = "device", default)]
+    pub devices: Vec<DeviceProbe>,
+}
+
+/// Errors reading a probe.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("cannot read hardware probe {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("hardware probe {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("hardware probe {path}: `{key}` {reason}")]
+    Invalid {
+        path: String,
+        key: String,
+        reason: String,
+    },
+}
+
+impl HardwareProbe {
+    /// Read and validate a probe file.
+    pub fn from_file(path: &Path) -> Result<Self, ProbeError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ProbeError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text, &path.display().to_string())
+    }
+
+    /// Parse and validate probe text; `origin` names it in errors.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ProbeError> {
+        let probe: HardwareProbe = toml::from_str(text).map_err(|e| ProbeError::Parse {
+            path: origin.to_string(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        probe.validate(origin)?;
+        Ok(probe)
+    }
+
+    fn validate(&self, origin: &str) -> Result<(), ProbeError> {
+        let bad = |key: String, reason: &str| ProbeError::Invalid {
+            path: origin.to_string(),
+            key,
+            reason: reason.to_string(),
+        };
+        if self.host.ram_bytes == 0 {
+            return Err(bad("host.ram_bytes".into(), "must be greater than zero"));
+        }
+        if self.host.available_bytes == 0 {
+            return Err(bad("host.available_bytes".into(), "must be greater than zero"));
+        }
+        if self.host.available_bytes > self.host.ram_bytes {
+            return Err(bad(
+                "host.available_bytes".into(),
+                "is larger than host.ram_bytes",
+            ));
+        }
+        if let Some(g) = self.host.disk_read_gbps {
+            if !(g.is_finite() && g > 0.0) {
+                return Err(bad("host.disk_read_gbps".into(), "must be a positive number"));
+            }
+        }
+        if self.devices.is_empty() {
+            return Err(bad(
+                "device".into(),
+                "is missing: a probe needs at least one [[device]] (vendor = \"cpu\" for a CPU plan)",
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, d) in self.devices.iter().enumerate() {
+            let k = |f: &str| format!("device[{i}].{f}");
+            if !seen.insert(d.index) {
+                return Err(bad(k("index"), "repeats an index used by an earlier device"));
+            }
+            if d.vram_bytes == 0 {
+                return Err(bad(k("vram_bytes"), "must be greater than zero"));
+            }
+            if let Some(f) = d.free_bytes {
+                if f > d.vram_bytes {
+                    return Err(bad(k("free_bytes"), "is larger than vram_bytes"));
+                }
+            }
+            if d.runtime_reserve() >= d.vram_bytes {
+                return Err(bad(
+                    k("runtime_reserve_bytes"),
+                    "leaves nothing of vram_bytes for the plan",
+                ));
+            }
+            for (name, v) in [
+                ("mem_bandwidth_gbps", d.mem_bandwidth_gbps),
+                ("h2d_gbps", d.h2d_gbps),
+            ] {
+                if let Some(v) = v {
+                    if !(v.is_finite() && v > 0.0) {
+                        return Err(bad(k(name), "must be a positive number"));
+                    }
+                }
+            }
+            if d.name.trim().is_empty() {
+                return Err(bad(k("name"), "is empty"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The device with probe index `index`.
+    pub fn device(&self, index: u32) -> Option<&DeviceProbe> {
+        self.devices.iter().find(|d| d.index == index)
+    }
+
+    /// Fingerprint of what a plan depends on and live hardware must match: each device's
+    /// index, name, vendor, arch and total memory, in probe order. Free memory, bandwidths
+    /// and host RAM are checked at start-up against the plan's numbers, not fingerprinted.
+    pub fn fingerprint(&self) -> String {
+        let mut h = Sha256::new();
+        for d in &self.devices {
+            h.update(d.index.to_le_bytes());
+            h.update(d.name.as_bytes());
+            h.update([0]);
+            h.update(d.vendor.as_str().as_bytes());
+            h.update(d.arch.as_bytes());
+            h.update([0]);
+            h.update(d.vram_bytes.to_le_bytes());
+        }
+        crate::inventory::hex16(&h.finalize())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OK: &str = r#"
+[host]
+ram_bytes = 68719476736
+available_bytes = 64000000000
+
+[[device]]
+index = 0
+name = "NVIDIA GeForce RTX 3060"
+vendor = "nvidia"
+arch = "sm_86"
+vram_bytes = 12884901888
+mem_bandwidth_gbps = 360.0
+pcie_gen = 4
+pcie_width = 16
+"#;
+
+    #[test]
+    fn parses_and_fills_defaults() {
+        let p = HardwareProbe::from_toml(OK, "t.toml").unwrap();
+        assert_eq!(p.devices.len(), 1);
+        assert_eq!(p.host.memlock_limit_bytes, None);
+        let d = &p.devices[0];
+        assert_eq!(d.runtime_reserve(), 640 * MIB);
+        assert!((d.h2d() - 25.2).abs() < 0.1, "{}", d.h2d());
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let text = OK.replace("pcie_width = 16", "pcie_widht = 16");
+        let e = HardwareProbe::from_toml(&text, "t.toml").unwrap_err().to_string();
+        assert!(e.contains("pcie_widht"), "{e}");
+        assert!(e.contains("t.toml"), "{e}");
+    }
+
+    #[test]
+    fn zero_vram_and_duplicate_index_are_refused() {
+        let text = OK.replace("vram_bytes = 12884901888", "vram_bytes = 0");
+        let e = HardwareProbe::from_toml(&text, "t.toml").unwrap_err().to_string();
+        assert!(e.contains("device[0].vram_bytes"), "{e}");
+        let dup = format!("{OK}\n{}", &OK[OK.find("[[device]]").unwrap()..]);
+        let e = HardwareProbe::from_toml(&dup, "t.toml").unwrap_err().to_string();
+        assert!(e.contains("device[1].index"), "{e}");
+    }
+
+    #[test]
+    fn negative_size_is_a_parse_error_naming_the_key() {
+        let text = OK.replace("ram_bytes = 68719476736", "ram_bytes = -1");
+        let e = HardwareProbe::from_toml(&text, "t.toml").unwrap_err().to_string();
+        assert!(e.contains("ram_bytes"), "{e}");
+    }
+}

@@ -1,0 +1,1 @@
+//! The expert profile file: per-layer, per-expert routing counts.

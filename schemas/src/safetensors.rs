@@ -1,0 +1,1 @@
+//! safetensors folders: config.json plus header JSON, validated.
