@@ -236,6 +236,35 @@ impl HParams {
     }
 }
 
+/// The vision tower (an mmproj file or a descriptor `[vision]` section), as planning needs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VisionSpec {
+    /// Bytes of all vision-tower weights (projector included).
+    pub weights_bytes: u64,
+    /// Width of the vision encoder.
+    pub n_embd: u64,
+    /// Encoder blocks.
+    pub n_layer: u32,
+    /// Attention heads of the encoder.
+    pub n_head: u64,
+    /// Encoder FFN width.
+    pub n_ff: u64,
+    /// Patch tokens of the largest image the encoder takes in one pass.
+    pub max_image_tokens: u64,
+}
+
+impl VisionSpec {
+    /// Activation workspace for one image: two residual streams, the FFN hidden, QKV and the
+    /// score rows of one head at a time (f32), rounded up to 1 MiB.
+    pub fn workspace_bytes(&self) -> u64 {
+        let t = self.max_image_tokens;
+        let per_token = 2 * self.n_embd + 3 * self.n_embd + self.n_ff.max(self.n_embd);
+        let bytes = t * per_token * 4 + t * t * 4;
+        bytes.div_ceil(1 << 20) * (1 << 20)
+    }
+}
+
 /// A model reduced to what planning needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelInventory {
@@ -246,6 +275,9 @@ pub struct ModelInventory {
     pub hparams: HParams,
     /// Every weight tensor, in source order.
     pub tensors: Vec<TensorInfo>,
+    /// The vision tower, when the source describes one (a descriptor `[vision]` section).
+    #[serde(default)]
+    pub vision: Option<VisionSpec>,
 }
 
 impl ModelInventory {
