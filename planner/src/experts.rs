@@ -1,0 +1,185 @@
+//! Which experts start resident in each device's cache, and the hit rate that buys.
+//! Invariant: selection is by greatest marginal hit gain (expected uses per token) with a
+//! deterministic tie order (rank within layer, then layer), so equal inputs pick equal sets;
+//! without a profile every expert of a layer is equally likely (n_expert_used / n_expert).
+
+use crate::facts::ModelFacts;
+use strata_schemas::profile::ExpertProfile;
+
+struct LayerProbs {
+    /// Expected uses per token, descending.
+    sorted: Vec<f64>,
+    /// prefix[i] = sum of sorted[..i].
+    prefix: Vec<f64>,
+    /// Expert ids in the order of `sorted`.
+    order: Vec<u32>,
+}
+
+/// Expected expert uses per token, per main layer, from a profile or uniform.
+pub struct ExpertOracle {
+    n_expert: u64,
+    n_expert_used: u64,
+    /// `None` for a layer without experts.
+    layers: Vec<Option<LayerProbs>>,
+    uniform: bool,
+}
+
+impl ExpertOracle {
+    pub fn new(facts: &ModelFacts, profile: Option<&ExpertProfile>) -> Self {
+        let e = facts.n_expert;
+        let used = facts.n_expert_used;
+        let mut layers = Vec::with_capacity(facts.n_layer as usize);
+        for l in 0..facts.n_layer {
+            if facts.expert[l as usize] == 0 || e == 0 {
+                layers.push(None);
+                continue;
+            }
+            let probs: Vec<f64> = match profile {
+                Some(p) if l < p.layers => p.probabilities(l, used),
+                _ => vec![used as f64 / e as f64; e as usize],
+            };
+            let mut order: Vec<u32> = (0..e as u32).collect();
+            order.sort_by(|a, b| {
+                probs[*b as usize]
+                    .total_cmp(&probs[*a as usize])
+                    .then(a.cmp(b))
+            });
+            let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
+            let mut prefix = vec![0.0; sorted.len() + 1];
+            for (i, p) in sorted.iter().enumerate() {
+                prefix[i + 1] = prefix[i] + p;
+            }
+            layers.push(Some(LayerProbs {
+                sorted,
+                prefix,
+                order,
+            }));
+        }
+        Self {
+            n_expert: e,
+            n_expert_used: used,
+            layers,
+            uniform: profile.is_none(),
+        }
+    }
+
+    /// Expected expert uses per token over layers `[a, b)`.
+    pub fn total_mass(&self, a: u32, b: u32) -> f64 {
+        self.layers[a as usize..b as usize]
+            .iter()
+            .flatten()
+            .count() as f64
+            * self.n_expert_used as f64
+    }
+
+    /// Expected uses per token served from cache when `slots` slots hold the best experts of
+    /// layers `[a, b)`.
+    pub fn cached_mass(&self, a: u32, b: u32, slots: u64) -> f64 {
+        let range = &self.layers[a as usize..b as usize];
+        let n_layers = range.iter().flatten().count() as u64;
+        let all = n_layers * self.n_expert;
+        if slots >= all {
+            return self.total_mass(a, b);
+        }
+        if self.uniform {
+            return slots as f64 * self.n_expert_used as f64 / self.n_expert as f64;
+        }
+        // Threshold search: the `slots` largest values over the union of sorted layers.
+        let count_above = |x: f64| -> (u64, f64) {
+            let mut c = 0u64;
+            let mut s = 0.0;
+            for lp in range.iter().flatten() {
+                let k = lp.sorted.partition_point(|v| *v > x);
+                c += k as u64;
+                s += lp.prefix[k];
+            }
+            (c, s)
+        };
+        let mut lo = 0.0f64;
+        let mut hi = range
+            .iter()
+            .flatten()
+            .map(|lp| lp.sorted[0])
+            .fold(0.0, f64::max);
+        for _ in 0..48 {
+            let mid = 0.5 * (lo + hi);
+            if count_above(mid).0 >= slots {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let (c, s) = count_above(hi);
+        s + (slots.saturating_sub(c)) as f64 * hi
+    }
+
+    /// The experts to make resident: `slots` (layer, expert) pairs of layers `[a, b)`, best
+    /// first.
+    pub fn select(&self, a: u32, b: u32, slots: u64) -> Vec<(u32, u32)> {
+        let mut all: Vec<(f64, u32, u32, u32)> = Vec::new();
+        for l in a..b {
+            if let Some(lp) = &self.layers[l as usize] {
+                for (rank, (p, e)) in lp.sorted.iter().zip(&lp.order).enumerate() {
+                    all.push((*p, rank as u32, l, *e));
+                }
+            }
+        }
+        all.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+        all.truncate(slots as usize);
+        all.into_iter().map(|(_, _, l, e)| (l, e)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn oracle_from(counts: Vec<Vec<u64>>, used: u64) -> ExpertOracle {
+        let e = counts[0].len() as u64;
+        let layers = counts.len() as u32;
+        let profile = ExpertProfile {
+            layers,
+            experts: e as u32,
+            counts: counts.into_iter().flatten().collect(),
+        };
+        let layers_probs = (0..layers)
+            .map(|l| {
+                let probs = profile.probabilities(l, used);
+                let mut order: Vec<u32> = (0..e as u32).collect();
+                order.sort_by(|a, b| probs[*b as usize].total_cmp(&probs[*a as usize]).then(a.cmp(b)));
+                let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
+                let mut prefix = vec![0.0; sorted.len() + 1];
+                for (i, p) in sorted.iter().enumerate() {
+                    prefix[i + 1] = prefix[i] + p;
+                }
+                Some(LayerProbs { sorted, prefix, order })
+            })
+            .collect();
+        ExpertOracle { n_expert: e, n_expert_used: used, layers: layers_probs, uniform: false }
+    }
+
+    #[test]
+    fn cached_mass_matches_brute_force_top_k() {
+        let counts = vec![vec![10, 0, 5, 5, 1, 9], vec![3, 3, 3, 30, 0, 1], vec![0, 0, 0, 0, 0, 0]];
+        let o = oracle_from(counts, 2);
+        let mut all: Vec<f64> = Vec::new();
+        for l in 0..3 {
+            all.extend(o.layers[l].as_ref().unwrap().sorted.iter());
+        }
+        all.sort_by(|a, b| b.total_cmp(a));
+        for k in 0..=18u64 {
+            let brute: f64 = all.iter().take(k as usize).sum();
+            let got = o.cached_mass(0, 3, k);
+            assert!((brute - got).abs() < 1e-9, "k={k} brute={brute} got={got}");
+        }
+        assert!((o.total_mass(0, 3) - 6.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn select_takes_hottest_first_deterministically() {
+        let o = oracle_from(vec![vec![1, 50, 2, 0], vec![40, 0, 0, 60]], 1);
+        let s = o.select(0, 2, 3);
+        assert_eq!(s, vec![(1, 3), (0, 1), (1, 0)]);
+        assert_eq!(o.select(0, 2, 3), s);
+    }
+}

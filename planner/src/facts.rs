@@ -1,0 +1,135 @@
+//! Per-model numbers the planner needs many times (per-layer dense, expert, KV and state
+//! bytes, with prefix sums), computed once from the inventory.
+//! Invariant: every figure here is derived from the inventory and hyperparameters alone;
+//! nothing depends on the hardware or the serve settings except the KV element type.
+
+use strata_schemas::ggml::GgmlType;
+use strata_schemas::inventory::{LayerKind, ModelInventory, TensorRole};
+
+/// Precomputed per-layer sizes of the main blocks and the MTP block(s).
+#[derive(Debug, Clone)]
+pub struct ModelFacts {
+    pub n_layer: u32,
+    pub n_expert: u64,
+    pub n_expert_used: u64,
+    /// Non-expert bytes of main block l.
+    pub dense: Vec<u64>,
+    /// Bytes of one expert (gate + up + down) of main block l; 0 when the block has none.
+    pub expert: Vec<u64>,
+    /// KV bytes per cell of main block l (0 for linear-attention blocks).
+    pub kv_cell: Vec<u64>,
+    /// Linear-attention state bytes per slot of main block l.
+    pub linear_state: Vec<u64>,
+    pub embedding_bytes: u64,
+    /// Head plus output norm (the embedding table again when tied and the head is elsewhere).
+    pub head_bytes: u64,
+    pub tied_embeddings: bool,
+    /// MTP blocks: dense + expert bytes (all resident in the `mtp` region) and KV per cell.
+    pub mtp_weight_bytes: u64,
+    pub mtp_expert_bytes_total: u64,
+    pub mtp_dense_bytes: u64,
+    pub mtp_kv_cell: u64,
+    pub has_mtp: bool,
+    prefix_dense: Vec<u64>,
+    prefix_expert_total: Vec<u64>,
+    prefix_kv_cell: Vec<u64>,
+    prefix_linear: Vec<u64>,
+}
+
+impl ModelFacts {
+    pub fn new(inv: &ModelInventory, kv: GgmlType) -> Self {
+        let hp = &inv.hparams;
+        let n = hp.n_layer;
+        let kv_layer = hp.kv_bytes_per_cell_layer(kv);
+        let mut dense = Vec::with_capacity(n as usize);
+        let mut expert = Vec::with_capacity(n as usize);
+        let mut kv_cell = Vec::with_capacity(n as usize);
+        let mut linear_state = Vec::with_capacity(n as usize);
+        for l in 0..n {
+            dense.push(inv.dense_bytes(l));
+            expert.push(inv.expert_bytes(l));
+            match hp.layer_kind(l) {
+                LayerKind::FullAttention => {
+                    kv_cell.push(kv_layer);
+                    linear_state.push(0);
+                }
+                LayerKind::LinearAttention => {
+                    kv_cell.push(0);
+                    linear_state.push(hp.linear_state_bytes_per_layer());
+                }
+            }
+        }
+        let mut mtp_dense = 0;
+        let mut mtp_experts = 0;
+        for l in n..hp.n_blocks_total() {
+            mtp_dense += inv.dense_bytes(l);
+            mtp_experts += inv.expert_bytes(l) * hp.n_expert;
+        }
+        let embedding_bytes = inv.global_bytes(TensorRole::Embedding);
+        let head_only = inv.global_bytes(TensorRole::Head);
+        let tied = hp.tied_embeddings || head_only == 0;
+        let head_bytes = inv.global_bytes(TensorRole::OutputNorm) + head_only;
+        let prefix = |v: &Vec<u64>| {
+            let mut p = vec![0u64; v.len() + 1];
+            for (i, x) in v.iter().enumerate() {
+                p[i + 1] = p[i] + x;
+            }
+            p
+        };
+        let expert_total: Vec<u64> = expert.iter().map(|e| e * hp.n_expert).collect();
+        Self {
+            n_layer: n,
+            n_expert: hp.n_expert,
+            n_expert_used: hp.n_expert_used,
+            prefix_dense: prefix(&dense),
+            prefix_expert_total: prefix(&expert_total),
+            prefix_kv_cell: prefix(&kv_cell),
+            prefix_linear: prefix(&linear_state),
+            dense,
+            expert,
+            kv_cell,
+            linear_state,
+            embedding_bytes,
+            head_bytes,
+            tied_embeddings: tied,
+            mtp_weight_bytes: mtp_dense + mtp_experts,
+            mtp_expert_bytes_total: mtp_experts,
+            mtp_dense_bytes: mtp_dense,
+            mtp_kv_cell: kv_layer * (hp.n_blocks_total() - n) as u64,
+            has_mtp: hp.nextn_predict_layers > 0,
+        }
+    }
+
+    pub fn dense_range(&self, a: u32, b: u32) -> u64 {
+        self.prefix_dense[b as usize] - self.prefix_dense[a as usize]
+    }
+    /// All experts of the blocks in range.
+    pub fn experts_range(&self, a: u32, b: u32) -> u64 {
+        self.prefix_expert_total[b as usize] - self.prefix_expert_total[a as usize]
+    }
+    pub fn kv_cell_range(&self, a: u32, b: u32) -> u64 {
+        self.prefix_kv_cell[b as usize] - self.prefix_kv_cell[a as usize]
+    }
+    pub fn linear_range(&self, a: u32, b: u32) -> u64 {
+        self.prefix_linear[b as usize] - self.prefix_linear[a as usize]
+    }
+    /// Largest single expert in range: the size of one cache slot there.
+    pub fn slot_bytes(&self, a: u32, b: u32) -> u64 {
+        self.expert[a as usize..b as usize]
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+    /// Blocks in range that have routed experts.
+    pub fn expert_layers(&self, a: u32, b: u32) -> u64 {
+        self.expert[a as usize..b as usize]
+            .iter()
+            .filter(|e| **e > 0)
+            .count() as u64
+    }
+    /// KV bytes per cell of every full-attention block, MTP included when planned.
+    pub fn kv_cell_all(&self, mtp: bool) -> u64 {
+        self.kv_cell_range(0, self.n_layer) + if mtp { self.mtp_kv_cell } else { 0 }
+    }
+}
