@@ -1,1 +1,1016 @@
 //! Per-architecture tensor layouts (llama.cpp names and GGUF shapes): synthesis and checking.
+//! Invariant: one spec list per architecture is the single source of truth for the tensors a
+//! model has; the descriptor synthesizer, the GGUF reader and the safetensors reader all go
+//! through it, and every role comes from [`classify`], so a synthesized inventory and a real
+//! file of the same model agree tensor for tensor.
+//!
+//! Shapes are in GGUF order (`dims[0]` is the contiguous dimension), exactly as llama.cpp's
+//! `create_tensor` calls spell them. The quant recipe ([`QuantRecipe`]) decides each tensor's
+//! ggml type the way `llama-quantize` does (see the preset table in [`QuantRecipe::preset`]).
+
+mod qwen3moe;
+mod qwen3next;
+
+use crate::ggml::GgmlType;
+use crate::inventory::{HParams, InventoryError, TensorInfo, TensorRole};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Architectures whose tensor layout Strata knows (llama.cpp `general.architecture` names).
+pub const SUPPORTED: &[&str] = &["qwen3moe", "qwen3next"];
+
+/// Sanity limit for any width (n_embd, head dims, FFN widths, ssm sizes): 2^20.
+const MAX_WIDTH: u64 = 1 << 20;
+/// Sanity limit for the vocabulary: 2^24 rows.
+const MAX_VOCAB: u64 = 1 << 24;
+/// Sanity limit for head and expert counts: 2^16.
+const MAX_COUNT: u64 = 1 << 16;
+/// Sanity limit for the number of blocks: 4096.
+const MAX_LAYERS: u32 = 4096;
+
+// ---------------------------------------------------------------------------------------------
+// Classification
+// ---------------------------------------------------------------------------------------------
+
+/// Role and block of a tensor from its llama.cpp name, for ANY architecture.
+///
+/// `token_embd.*` -> Embedding, `output.*` -> Head, `output_norm.*` -> OutputNorm,
+/// `blk.N.nextn.*` -> MtpExtra, `blk.N.*_exps.*` (weights, biases, scales: gpt-oss's
+/// `ffn_down_exps.bias` too) -> ExpertStack, any other `blk.N.*` -> Dense (the router
+/// `ffn_gate_inp` included), anything else -> Dense with no layer.
+pub fn classify(name: &str) -> (TensorRole, Option<u32>) {
+    if let Some(rest) = name.strip_prefix("blk.") {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits > 0 && rest.as_bytes().get(digits) == Some(&b'.') {
+            if let Ok(layer) = rest[..digits].parse::<u32>() {
+                let tail = &rest[digits + 1..];
+                let role = if tail.starts_with("nextn.") {
+                    TensorRole::MtpExtra
+                } else if is_expert_stack(tail) {
+                    TensorRole::ExpertStack
+                } else {
+                    TensorRole::Dense
+                };
+                return (role, Some(layer));
+            }
+        }
+        return (TensorRole::Dense, None);
+    }
+    let stem = name.split('.').next().unwrap_or(name);
+    let role = match stem {
+        "token_embd" => TensorRole::Embedding,
+        "output" => TensorRole::Head,
+        "output_norm" => TensorRole::OutputNorm,
+        _ => TensorRole::Dense,
+    };
+    (role, None)
+}
+
+/// `ffn_gate_exps.weight`, `ffn_down_exps.bias`, `ffn_gate_up_exps.weight`, ...: the part
+/// before the first dot ends in `_exps`.
+fn is_expert_stack(tail: &str) -> bool {
+    let base = tail.split('.').next().unwrap_or(tail);
+    base.ends_with("_exps")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quant recipe
+// ---------------------------------------------------------------------------------------------
+
+/// One per-tensor-name override: the first pattern that matches wins (like llama-quantize's
+/// `--tensor-type`). Patterns are globs over the full tensor name where `*` matches any run of
+/// characters (`blk.*.ffn_down_exps.weight`, `*attn_v*`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorOverride {
+    pub pattern: String,
+    #[serde(rename = "type")]
+    pub ggml_type: GgmlType,
+}
+
+/// Per-role ggml types for synthesizing a quantized model, with llama.cpp-like rules.
+///
+/// Rules, in order, for each tensor:
+/// 1. Tensors llama.cpp never quantizes keep a float type: 1-D tensors (norms, `ssm_a`,
+///    `ssm_dt.bias`, `ffn_gate_inp_shexp`) and `ssm_conv1d` take `norms` (F32 in every preset:
+///    the converter writes them F32 and `llama-quantize` skips them); the router
+///    `ffn_gate_inp` takes `router` (F32 in every preset, likewise never quantized).
+/// 2. Otherwise the first matching `overrides` pattern decides.
+/// 3. Otherwise the role's field: `embedding`, `head`, `attention` (full-attention q/k/v/o),
+///    `ssm` (linear-attention projections `attn_qkv`, `attn_gate`, `ssm_ba`, `ssm_out`,
+///    legacy `ssm_in`), `expert_gate_up`, `expert_down`, `shared_expert`, and `default` for
+///    anything else (the MTP `nextn.eh_proj`). Then llama.cpp's `use_more_bits` bump: when
+///    `more_bits` is set and has more bits per weight, the "attn_v-like" tensors (`attn_v`,
+///    `attn_qkv`) and every `ffn_down*` tensor of blocks `i < n/8 || i >= 7n/8 ||
+///    (i - n/8) % 3 == 2` (n = all blocks, MTP included) take it (Q4_K_M: Q6_K).
+/// 4. Fallback when the type cannot hold a row (`ne0` not a multiple of its block), as
+///    llama.cpp's `tensor_type_fallback`: IQ1/IQ2/IQ3/IQ4_XS -> IQ4_NL, Q2_K/Q3_K/TQ -> Q4_0,
+///    Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; and F16 if that still does not fit (or for
+///    any other type that does not fit).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuantRecipe {
+    /// Preset name this recipe started from (for reports).
+    pub preset: String,
+    pub default: GgmlType,
+    pub embedding: GgmlType,
+    pub head: GgmlType,
+    pub attention: GgmlType,
+    pub expert_gate_up: GgmlType,
+    pub expert_down: GgmlType,
+    pub shared_expert: GgmlType,
+    pub ssm: GgmlType,
+    /// MoE router (`ffn_gate_inp`); F32 in every preset.
+    pub router: GgmlType,
+    /// 1-D tensors and `ssm_conv1d`; F32 in every preset.
+    pub norms: GgmlType,
+    /// llama.cpp's `use_more_bits` bump for attn_v-like and ffn_down tensors (Q4_K_M: Q6_K).
+    pub more_bits: Option<GgmlType>,
+    #[serde(default)]
+    pub overrides: Vec<TensorOverride>,
+}
+
+/// Preset names [`QuantRecipe::preset`] accepts.
+pub const PRESETS: &[&str] = &["Q4_K_M", "Q4_K", "Q8_0", "IQ3_S", "F16", "BF16", "F32"];
+
+impl QuantRecipe {
+    /// A recipe with every role at `t` (norms and router F32, no bump).
+    fn uniform(preset: &str, t: GgmlType) -> Self {
+        Self {
+            preset: preset.to_string(),
+            default: t,
+            embedding: t,
+            head: t,
+            attention: t,
+            expert_gate_up: t,
+            expert_down: t,
+            shared_expert: t,
+            ssm: t,
+            router: GgmlType::F32,
+            norms: GgmlType::F32,
+            more_bits: None,
+            overrides: Vec::new(),
+        }
+    }
+
+    /// A named preset approximating llama.cpp's mixes (case-insensitive):
+    ///
+    /// | preset  | what it chooses |
+    /// |---------|-----------------|
+    /// | Q4_K_M  | llama.cpp's Q4_K_M: Q4_K everywhere (embedding too), head Q6_K, and Q6_K for `attn_v`/`attn_qkv` and `ffn_down*` of the `use_more_bits` blocks |
+    /// | Q4_K    | "pure" Q4_K (`llama-quantize --pure`): every quantizable tensor Q4_K, head included |
+    /// | Q8_0    | llama.cpp's Q8_0: every quantizable tensor Q8_0, head included |
+    /// | IQ3_S   | DESIGN.md's worked mix, not llama.cpp's IQ3_S ftype: routed experts IQ3_S, every other matrix Q4_K (attention, linear attention, shared expert, embedding), head Q6_K |
+    /// | F16, BF16, F32 | every matrix in that type |
+    ///
+    /// Norms, 1-D tensors, `ssm_conv1d` and the router stay F32 in every preset.
+    pub fn preset(name: &str) -> Option<Self> {
+        use GgmlType::*;
+        let upper = name.to_ascii_uppercase();
+        let r = match upper.as_str() {
+            "Q4_K_M" => Self {
+                head: Q6K,
+                more_bits: Some(Q6K),
+                ..Self::uniform("Q4_K_M", Q4K)
+            },
+            "Q4_K" => Self::uniform("Q4_K", Q4K),
+            "Q8_0" => Self::uniform("Q8_0", Q8_0),
+            "IQ3_S" => Self {
+                head: Q6K,
+                expert_gate_up: Iq3S,
+                expert_down: Iq3S,
+                ..Self::uniform("IQ3_S", Q4K)
+            },
+            "F16" => Self::uniform("F16", F16),
+            "BF16" => Self::uniform("BF16", BF16),
+            "F32" => Self::uniform("F32", F32),
+            _ => return None,
+        };
+        Some(r)
+    }
+
+    /// The type the tensor `spec` gets (see the struct docs for the rules).
+    fn type_for(&self, spec: &Spec, n_blocks: u32) -> GgmlType {
+        let ne0 = spec.dims.first().copied().unwrap_or(1);
+        let t = self.choose(spec, n_blocks);
+        fallback(t, ne0)
+    }
+
+    fn choose(&self, spec: &Spec, n_blocks: u32) -> GgmlType {
+        if n_dims(&spec.dims) < 2 || spec.kind == Kind::ConvKernel {
+            return self.norms;
+        }
+        if spec.kind == Kind::Router {
+            return self.router;
+        }
+        if let Some(o) = self
+            .overrides
+            .iter()
+            .find(|o| glob_match(&o.pattern, &spec.name))
+        {
+            return o.ggml_type;
+        }
+        let base = match spec.kind {
+            Kind::Embedding => self.embedding,
+            Kind::Head => self.head,
+            Kind::Attention | Kind::AttentionV => self.attention,
+            Kind::Linear | Kind::LinearQkv => self.ssm,
+            Kind::ExpertGateUp => self.expert_gate_up,
+            Kind::ExpertDown => self.expert_down,
+            Kind::SharedGateUp | Kind::SharedDown => self.shared_expert,
+            Kind::Other => self.default,
+            // Handled above; kept for exhaustiveness.
+            Kind::Norm | Kind::ConvKernel | Kind::Router => self.norms,
+        };
+        let bumpable = matches!(
+            spec.kind,
+            Kind::AttentionV | Kind::LinearQkv | Kind::ExpertDown | Kind::SharedDown
+        );
+        match (self.more_bits, spec.layer) {
+            (Some(more), Some(layer))
+                if bumpable
+                    && use_more_bits(layer, n_blocks)
+                    && more.bits_per_weight() > base.bits_per_weight() =>
+            {
+                more
+            }
+            _ => base,
+        }
+    }
+}
+
+/// llama.cpp's `use_more_bits(i, n)`.
+fn use_more_bits(i: u32, n: u32) -> bool {
+    let (i, n) = (i64::from(i), i64::from(n));
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+}
+
+/// ggml_n_dims: dims after dropping trailing 1s (at least 1).
+fn n_dims(dims: &[u64]) -> usize {
+    dims.iter().rposition(|d| *d != 1).map_or(1, |p| p + 1)
+}
+
+/// llama.cpp's `tensor_type_fallback`, plus F16 for any type that cannot hold the row.
+pub fn fallback(t: GgmlType, ne0: u64) -> GgmlType {
+    use GgmlType::*;
+    if ne0 % t.block_elems() == 0 {
+        return t;
+    }
+    let next = match t {
+        Iq1S | Iq1M | Iq2Xxs | Iq2Xs | Iq2S | Iq3Xxs | Iq3S | Iq4Xs => Iq4Nl,
+        Q2K | Q3K | Tq1_0 | Tq2_0 => Q4_0,
+        Q4K => Q5_0,
+        Q5K => Q5_1,
+        Q6K => Q8_0,
+        _ => F16,
+    };
+    if ne0 % next.block_elems() == 0 {
+        next
+    } else {
+        F16
+    }
+}
+
+/// Glob match where `*` matches any (possibly empty) run of characters.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let p = pattern.as_bytes();
+    let n = name.as_bytes();
+    let (mut pi, mut ni) = (0usize, 0usize);
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, ni));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == n[ni] {
+            pi += 1;
+            ni += 1;
+        } else if let Some((sp, sn)) = star {
+            pi = sp + 1;
+            ni = sn + 1;
+            star = Some((sp, sn + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == b'*')
+}
+
+// ---------------------------------------------------------------------------------------------
+// Specs
+// ---------------------------------------------------------------------------------------------
+
+/// What a tensor is, as far as the quant recipe cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Embedding,
+    Head,
+    /// 1-D: norms, `ssm_a`, `ssm_dt.bias`, `ffn_gate_inp_shexp`.
+    Norm,
+    /// Full-attention q/k/output.
+    Attention,
+    /// Full-attention v (llama.cpp's attn_v category).
+    AttentionV,
+    /// Linear-attention fused q/k/v (`attn_qkv`, attn_v-like for llama.cpp).
+    LinearQkv,
+    /// Other linear-attention projections (`attn_gate`, `ssm_ba`, `ssm_out`, `ssm_in`).
+    Linear,
+    /// `ssm_conv1d`: never quantized.
+    ConvKernel,
+    /// `ffn_gate_inp`: never quantized.
+    Router,
+    ExpertGateUp,
+    ExpertDown,
+    SharedGateUp,
+    SharedDown,
+    /// Anything else (MTP `eh_proj`).
+    Other,
+}
+
+/// One expected tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Spec {
+    pub name: String,
+    pub dims: Vec<u64>,
+    pub kind: Kind,
+    pub layer: Option<u32>,
+    /// llama.cpp loads it with TENSOR_NOT_REQUIRED: accepted when present, fine when absent.
+    /// Synthesis leaves optional tensors out.
+    pub optional: bool,
+}
+
+impl Spec {
+    pub(crate) fn new(name: String, dims: Vec<u64>, kind: Kind, layer: Option<u32>) -> Self {
+        Self {
+            name,
+            dims,
+            kind,
+            layer,
+            optional: false,
+        }
+    }
+    pub(crate) fn optional(mut self) -> Self {
+        self.optional = true;
+        self
+    }
+}
+
+/// `blk.{layer}.{rest}`.
+pub(crate) fn blk(layer: u32, rest: &str) -> String {
+    format!("blk.{layer}.{rest}")
+}
+
+/// Global tensors every supported arch has: embedding, final norm, head (unless tied).
+pub(crate) fn global_specs(hp: &HParams) -> (Vec<Spec>, Vec<Spec>) {
+    let head = vec![Spec::new(
+        "token_embd.weight".into(),
+        vec![hp.n_embd, hp.n_vocab],
+        Kind::Embedding,
+        None,
+    )];
+    let mut tail = vec![Spec::new(
+        "output_norm.weight".into(),
+        vec![hp.n_embd],
+        Kind::Norm,
+        None,
+    )];
+    if !hp.tied_embeddings {
+        tail.push(Spec::new(
+            "output.weight".into(),
+            vec![hp.n_embd, hp.n_vocab],
+            Kind::Head,
+            None,
+        ));
+    }
+    (head, tail)
+}
+
+fn unsupported(arch: &str) -> InventoryError {
+    InventoryError::UnsupportedArch {
+        arch: arch.to_string(),
+        supported: SUPPORTED.join(", "),
+    }
+}
+
+pub(crate) fn bad(key: &str, reason: impl Into<String>) -> InventoryError {
+    InventoryError::BadHParam {
+        key: key.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Check the hyperparameters every supported arch shares: nonzero sizes within sanity limits,
+/// heads dividing, `n_expert_used <= n_expert`.
+fn validate_common(hp: &HParams) -> Result<(), InventoryError> {
+    fn positive(key: &str, v: u64, max: u64) -> Result<(), InventoryError> {
+        if v == 0 {
+            return Err(bad(key, "must be greater than 0"));
+        }
+        if v > max {
+            return Err(bad(key, format!("{v} is above the sanity limit {max}")));
+        }
+        Ok(())
+    }
+    if hp.n_layer == 0 {
+        return Err(bad("n_layer", "must be greater than 0"));
+    }
+    if hp.n_layer > MAX_LAYERS {
+        return Err(bad(
+            "n_layer",
+            format!("{} is above {MAX_LAYERS}", hp.n_layer),
+        ));
+    }
+    if hp.nextn_predict_layers > 16 {
+        return Err(bad("nextn_predict_layers", "more than 16 MTP blocks"));
+    }
+    positive("n_embd", hp.n_embd, MAX_WIDTH)?;
+    positive("n_vocab", hp.n_vocab, MAX_VOCAB)?;
+    if hp.n_ctx_train == 0 {
+        return Err(bad("n_ctx_train", "must be greater than 0"));
+    }
+    positive("n_head", hp.n_head, MAX_COUNT)?;
+    positive("n_head_kv", hp.n_head_kv, MAX_COUNT)?;
+    if hp.n_head % hp.n_head_kv != 0 {
+        return Err(bad(
+            "n_head_kv",
+            format!(
+                "n_head {} is not a multiple of n_head_kv {}",
+                hp.n_head, hp.n_head_kv
+            ),
+        ));
+    }
+    positive("head_dim_k", hp.head_dim_k, MAX_WIDTH)?;
+    positive("head_dim_v", hp.head_dim_v, MAX_WIDTH)?;
+    positive("n_expert", hp.n_expert, MAX_COUNT)?;
+    positive("n_expert_used", hp.n_expert_used, MAX_COUNT)?;
+    if hp.n_expert_used > hp.n_expert {
+        return Err(bad(
+            "n_expert_used",
+            format!(
+                "{} experts per token but only n_expert = {}",
+                hp.n_expert_used, hp.n_expert
+            ),
+        ));
+    }
+    positive("n_ff_exp", hp.n_ff_exp, MAX_WIDTH)?;
+    if hp.n_ff > MAX_WIDTH {
+        return Err(bad("n_ff", "above the sanity limit"));
+    }
+    if hp.n_ff_shexp > MAX_WIDTH {
+        return Err(bad("n_ff_shexp", "above the sanity limit"));
+    }
+    if hp.n_leading_dense != 0 {
+        return Err(bad(
+            "n_leading_dense",
+            "this architecture has experts in every block; set 0",
+        ));
+    }
+    if let Some(r) = hp.rope_dim {
+        if r == 0 || r > hp.head_dim_k || r % 2 != 0 {
+            return Err(bad(
+                "rope_dim",
+                format!(
+                    "{r} must be even, nonzero and at most head_dim_k {}",
+                    hp.head_dim_k
+                ),
+            ));
+        }
+    }
+    if !(hp.rope_theta.is_finite() && hp.rope_theta > 0.0) {
+        return Err(bad("rope_theta", "must be a positive number"));
+    }
+    if !(hp.rms_eps.is_finite() && hp.rms_eps > 0.0) {
+        return Err(bad("rms_eps", "must be a positive number"));
+    }
+    Ok(())
+}
+
+/// Check `hp` for `arch`: zero sizes, heads that do not divide, fields the arch does not have.
+/// Errors name the hyperparameter key (`InventoryError::BadHParam`).
+pub fn validate_hparams(arch: &str, hp: &HParams) -> Result<(), InventoryError> {
+    match arch {
+        "qwen3moe" => {
+            validate_common(hp)?;
+            qwen3moe::validate(hp)
+        }
+        "qwen3next" => {
+            validate_common(hp)?;
+            qwen3next::validate(hp)
+        }
+        _ => Err(unsupported(arch)),
+    }
+}
+
+/// Specs after validation; `present` (names in a real file) picks between layouts llama.cpp
+/// accepts, e.g. qwen3next's legacy fused `ssm_in`.
+fn specs(
+    arch: &str,
+    hp: &HParams,
+    present: Option<&BTreeSet<&str>>,
+) -> Result<Vec<Spec>, InventoryError> {
+    validate_hparams(arch, hp)?;
+    Ok(match arch {
+        "qwen3moe" => qwen3moe::specs(hp),
+        "qwen3next" => qwen3next::specs(hp, present),
+        _ => return Err(unsupported(arch)),
+    })
+}
+
+/// Every tensor a converted + quantized `arch` model with `hp` has, in canonical order
+/// (token embedding, blocks 0.., MTP blocks, output norm, head), each with its role from
+/// [`classify`], its layer and its type from `recipe`. MTP block tensors appear only when
+/// `hp.nextn_predict_layers > 0`; optional llama.cpp tensors are left out.
+pub fn expected_tensors(
+    arch: &str,
+    hp: &HParams,
+    recipe: &QuantRecipe,
+) -> Result<Vec<TensorInfo>, InventoryError> {
+    let n_blocks = hp.n_blocks_total();
+    specs(arch, hp, None)?
+        .into_iter()
+        .filter(|s| !s.optional)
+        .map(|s| {
+            let t = recipe.type_for(&s, n_blocks);
+            let (role, layer) = classify(&s.name);
+            debug_assert_eq!(layer, s.layer);
+            TensorInfo::new(s.name, s.dims, t, role, layer)
+        })
+        .collect()
+}
+
+/// Names and GGUF dims of every required tensor (no types).
+pub fn expected_shapes(
+    arch: &str,
+    hp: &HParams,
+) -> Result<Vec<(String, Vec<u64>)>, InventoryError> {
+    Ok(specs(arch, hp, None)?
+        .into_iter()
+        .filter(|s| !s.optional)
+        .map(|s| (s.name, s.dims))
+        .collect())
+}
+
+/// Dims with trailing 1s dropped (llama.cpp compares shapes that way: `[2048, 1]` == `[2048]`).
+fn trimmed(dims: &[u64]) -> &[u64] {
+    &dims[..n_dims(dims).min(dims.len())]
+}
+
+/// Check a real file's tensor table against the layout: the first missing required tensor
+/// (in canonical order), then the first tensor with a wrong shape, then the first tensor the
+/// arch does not have (in the given order). Trailing dims of 1 are ignored, as llama.cpp does.
+pub fn check_tensors(
+    arch: &str,
+    hp: &HParams,
+    tensors: &[TensorInfo],
+) -> Result<(), InventoryError> {
+    let present: BTreeSet<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+    let specs = specs(arch, hp, Some(&present))?;
+    let given: BTreeMap<&str, &TensorInfo> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    for s in &specs {
+        if !s.optional && !given.contains_key(s.name.as_str()) {
+            return Err(InventoryError::Missing {
+                arch: arch.to_string(),
+                tensor: s.name.clone(),
+            });
+        }
+    }
+    for s in &specs {
+        if let Some(t) = given.get(s.name.as_str()) {
+            if trimmed(&t.dims) != trimmed(&s.dims) {
+                return Err(InventoryError::WrongShape {
+                    arch: arch.to_string(),
+                    tensor: s.name.clone(),
+                    found: t.dims.clone(),
+                    expected: s.dims.clone(),
+                });
+            }
+        }
+    }
+    let known: BTreeSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+    if let Some(t) = tensors.iter().find(|t| !known.contains(t.name.as_str())) {
+        return Err(InventoryError::Unexpected {
+            arch: arch.to_string(),
+            tensor: t.name.clone(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::inventory::{ModelInventory, SsmParams};
+
+    pub(crate) fn qwen3_30b() -> HParams {
+        HParams {
+            n_layer: 48,
+            n_embd: 2048,
+            n_vocab: 151936,
+            n_ctx_train: 40960,
+            n_head: 32,
+            n_head_kv: 4,
+            head_dim_k: 128,
+            head_dim_v: 128,
+            n_ff: 0,
+            n_expert: 128,
+            n_expert_used: 8,
+            n_ff_exp: 768,
+            n_ff_shexp: 0,
+            n_leading_dense: 0,
+            full_attention_interval: None,
+            ssm: None,
+            nextn_predict_layers: 0,
+            rope_theta: 1e6,
+            rope_dim: None,
+            rms_eps: 1e-6,
+            norm_topk_prob: true,
+            tied_embeddings: false,
+        }
+    }
+
+    pub(crate) fn qwen3_next() -> HParams {
+        HParams {
+            n_layer: 48,
+            n_embd: 2048,
+            n_vocab: 151936,
+            n_ctx_train: 262144,
+            n_head: 16,
+            n_head_kv: 2,
+            head_dim_k: 256,
+            head_dim_v: 256,
+            n_ff: 0,
+            n_expert: 512,
+            n_expert_used: 10,
+            n_ff_exp: 512,
+            n_ff_shexp: 512,
+            n_leading_dense: 0,
+            full_attention_interval: Some(4),
+            ssm: Some(SsmParams {
+                conv_kernel: 4,
+                state_size: 128,
+                group_count: 16,
+                time_step_rank: 32,
+                inner_size: 4096,
+            }),
+            nextn_predict_layers: 1,
+            rope_theta: 1e7,
+            rope_dim: Some(64),
+            rms_eps: 1e-6,
+            norm_topk_prob: true,
+            tied_embeddings: false,
+        }
+    }
+
+    fn inventory(arch: &str, hp: HParams, preset: &str) -> ModelInventory {
+        let recipe = QuantRecipe::preset(preset).unwrap();
+        let tensors = expected_tensors(arch, &hp, &recipe).unwrap();
+        ModelInventory {
+            arch: arch.into(),
+            name: "test".into(),
+            hparams: hp,
+            tensors,
+            vision: None,
+        }
+    }
+
+    #[test]
+    fn classify_representative_names() {
+        use TensorRole::*;
+        let cases: &[(&str, TensorRole, Option<u32>)] = &[
+            ("token_embd.weight", Embedding, None),
+            ("output.weight", Head, None),
+            ("output_norm.weight", OutputNorm, None),
+            ("output_norm.bias", OutputNorm, None),
+            ("blk.0.attn_q.weight", Dense, Some(0)),
+            ("blk.12.ffn_gate_inp.weight", Dense, Some(12)),
+            ("blk.3.ffn_gate_exps.weight", ExpertStack, Some(3)),
+            ("blk.3.ffn_up_exps.weight", ExpertStack, Some(3)),
+            ("blk.47.ffn_down_exps.weight", ExpertStack, Some(47)),
+            ("blk.5.ffn_down_exps.bias", ExpertStack, Some(5)),
+            ("blk.5.ffn_gate_up_exps.weight", ExpertStack, Some(5)),
+            ("blk.7.ffn_gate_shexp.weight", Dense, Some(7)),
+            ("blk.7.ffn_gate_inp_shexp.weight", Dense, Some(7)),
+            ("blk.0.ssm_a", Dense, Some(0)),
+            ("blk.0.ssm_dt.bias", Dense, Some(0)),
+            ("blk.48.nextn.eh_proj.weight", MtpExtra, Some(48)),
+            ("blk.48.nextn.shared_head_norm.weight", MtpExtra, Some(48)),
+            ("blk.48.attn_q.weight", Dense, Some(48)),
+            ("blk.48.ffn_up_exps.weight", ExpertStack, Some(48)),
+            ("rope_freqs.weight", Dense, None),
+            ("blk.x.attn_q.weight", Dense, None),
+            ("blk.", Dense, None),
+            ("", Dense, None),
+        ];
+        for (name, role, layer) in cases {
+            assert_eq!(classify(name), (*role, *layer), "{name}");
+        }
+    }
+
+    #[test]
+    fn glob_and_fallback() {
+        assert!(glob_match(
+            "blk.*.ffn_down_exps.weight",
+            "blk.17.ffn_down_exps.weight"
+        ));
+        assert!(!glob_match(
+            "blk.*.ffn_down_exps.weight",
+            "blk.17.ffn_down_shexp.weight"
+        ));
+        assert!(glob_match("*attn_v*", "blk.3.attn_v.weight"));
+        assert!(glob_match("output.weight", "output.weight"));
+        assert!(!glob_match("output", "output.weight"));
+        assert!(glob_match("*", ""));
+        // llama.cpp's fallback table.
+        assert_eq!(fallback(GgmlType::Q4K, 2048), GgmlType::Q4K);
+        assert_eq!(fallback(GgmlType::Q4K, 4304), GgmlType::F16); // 4304 % 32 == 16
+        assert_eq!(fallback(GgmlType::Q4K, 1408), GgmlType::Q5_0);
+        assert_eq!(fallback(GgmlType::Q6K, 1408), GgmlType::Q8_0);
+        assert_eq!(fallback(GgmlType::Iq3S, 1408), GgmlType::Iq4Nl);
+        assert_eq!(fallback(GgmlType::Q3K, 1408), GgmlType::Q4_0);
+        assert_eq!(fallback(GgmlType::Q8_0, 100), GgmlType::F16);
+        assert!(QuantRecipe::preset("nope").is_none());
+        for p in PRESETS {
+            assert!(QuantRecipe::preset(p).is_some(), "{p}");
+        }
+    }
+
+    #[test]
+    fn design_worked_numbers_next_iq3s() {
+        let inv = inventory("qwen3next", qwen3_next(), "IQ3_S");
+        // One routed expert of one layer: 3 x 2048 x 512 at IQ3_S = 1,351,680 B.
+        for l in [0, 3, 47, 48] {
+            assert_eq!(inv.expert_bytes(l), 1_351_680, "layer {l}");
+        }
+        // A layer's 512 experts ~ 0.69 GB.
+        let layer = 512 * inv.expert_bytes(0);
+        assert_eq!(layer, 692_060_160);
+        // 48 layers + the MTP block ~ 33.9 GB.
+        let all: u64 = inv
+            .tensors
+            .iter()
+            .filter(|t| t.role == TensorRole::ExpertStack)
+            .map(|t| t.bytes)
+            .sum();
+        assert_eq!(all, 49 * 692_060_160);
+        assert!((33.85e9..33.95e9).contains(&(all as f64)), "{all}");
+        // Dense matrices Q4_K, head Q6_K, norms and router F32.
+        assert_eq!(
+            inv.tensor("blk.0.attn_qkv.weight").unwrap().ggml_type,
+            GgmlType::Q4K
+        );
+        assert_eq!(
+            inv.tensor("blk.3.attn_q.weight").unwrap().ggml_type,
+            GgmlType::Q4K
+        );
+        assert_eq!(
+            inv.tensor("output.weight").unwrap().ggml_type,
+            GgmlType::Q6K
+        );
+        assert_eq!(
+            inv.tensor("token_embd.weight").unwrap().ggml_type,
+            GgmlType::Q4K
+        );
+        assert_eq!(
+            inv.tensor("blk.0.ffn_gate_inp.weight").unwrap().ggml_type,
+            GgmlType::F32
+        );
+        assert_eq!(
+            inv.tensor("blk.0.ssm_conv1d.weight").unwrap().ggml_type,
+            GgmlType::F32
+        );
+        assert_eq!(inv.tensor("blk.0.ssm_a").unwrap().ggml_type, GgmlType::F32);
+        assert_eq!(
+            inv.tensor("blk.0.ssm_dt.bias").unwrap().ggml_type,
+            GgmlType::F32
+        );
+        assert_eq!(
+            inv.tensor("blk.0.ffn_down_shexp.weight").unwrap().ggml_type,
+            GgmlType::Q4K
+        );
+        assert_eq!(
+            inv.tensor("blk.48.nextn.eh_proj.weight").unwrap().ggml_type,
+            GgmlType::Q4K
+        );
+        assert_eq!(
+            inv.tensor("blk.48.nextn.enorm.weight").unwrap().role,
+            TensorRole::MtpExtra
+        );
+    }
+
+    #[test]
+    fn qwen3_30b_q8_0_matches_real_file_size() {
+        let inv = inventory("qwen3moe", qwen3_30b(), "Q8_0");
+        let params: u64 = inv.tensors.iter().map(|t| t.elements()).sum();
+        // 30.53B parameters (Qwen's model card: 30.5B).
+        assert!((30.4e9..30.65e9).contains(&(params as f64)), "{params}");
+        // Real Qwen3-30B-A3B-Q8_0.gguf: 32.48 GB (weights plus a few MB of metadata).
+        let total = inv.total_bytes() as f64;
+        let real = 32.48e9;
+        assert!((total - real).abs() / real < 0.01, "{total}");
+        assert_eq!(inv.tensors.len(), 579);
+        assert_eq!(
+            inv.tensor("blk.0.ffn_gate_inp.weight").unwrap().ggml_type,
+            GgmlType::F32
+        );
+        assert_eq!(
+            inv.tensor("output.weight").unwrap().ggml_type,
+            GgmlType::Q8_0
+        );
+    }
+
+    #[test]
+    fn q4_k_m_bumps_like_llama_cpp() {
+        let inv = inventory("qwen3moe", qwen3_30b(), "Q4_K_M");
+        // use_more_bits(i, 48): i < 6, i >= 42, or (i - 6) % 3 == 2.
+        let bumped: Vec<u32> = (0..48)
+            .filter(|l| {
+                inv.tensor(&format!("blk.{l}.attn_v.weight"))
+                    .unwrap()
+                    .ggml_type
+                    == GgmlType::Q6K
+            })
+            .collect();
+        let expect: Vec<u32> = (0..48).filter(|l| use_more_bits(*l, 48)).collect();
+        assert_eq!(bumped, expect);
+        assert_eq!(bumped[..7], [0, 1, 2, 3, 4, 5, 8]);
+        for l in 0..48 {
+            let down = inv
+                .tensor(&format!("blk.{l}.ffn_down_exps.weight"))
+                .unwrap();
+            let gate = inv
+                .tensor(&format!("blk.{l}.ffn_gate_exps.weight"))
+                .unwrap();
+            assert_eq!(gate.ggml_type, GgmlType::Q4K);
+            let want = if use_more_bits(l, 48) {
+                GgmlType::Q6K
+            } else {
+                GgmlType::Q4K
+            };
+            assert_eq!(down.ggml_type, want, "layer {l}");
+            let q = inv.tensor(&format!("blk.{l}.attn_q.weight")).unwrap();
+            assert_eq!(q.ggml_type, GgmlType::Q4K);
+        }
+        assert_eq!(
+            inv.tensor("output.weight").unwrap().ggml_type,
+            GgmlType::Q6K
+        );
+        assert_eq!(
+            inv.tensor("token_embd.weight").unwrap().ggml_type,
+            GgmlType::Q4K
+        );
+        // Next: attn_qkv is attn_v-like, shared ffn_down bumps too, the MTP block (48 of 49)
+        // is in the last eighth.
+        let next = inventory("qwen3next", qwen3_next(), "Q4_K_M");
+        assert_eq!(
+            next.tensor("blk.0.attn_qkv.weight").unwrap().ggml_type,
+            GgmlType::Q6K
+        );
+        assert_eq!(
+            next.tensor("blk.9.attn_qkv.weight").unwrap().ggml_type,
+            GgmlType::Q4K
+        );
+        assert_eq!(
+            next.tensor("blk.0.attn_gate.weight").unwrap().ggml_type,
+            GgmlType::Q4K
+        );
+        assert_eq!(
+            next.tensor("blk.0.ffn_down_shexp.weight")
+                .unwrap()
+                .ggml_type,
+            GgmlType::Q6K
+        );
+        assert_eq!(
+            next.tensor("blk.48.attn_v.weight").unwrap().ggml_type,
+            GgmlType::Q6K
+        );
+        assert_eq!(
+            next.tensor("blk.48.ffn_down_exps.weight")
+                .unwrap()
+                .ggml_type,
+            GgmlType::Q6K
+        );
+    }
+
+    #[test]
+    fn overrides_and_fallback_apply() {
+        let mut r = QuantRecipe::preset("Q4_K_M").unwrap();
+        r.overrides.push(TensorOverride {
+            pattern: "blk.*.ffn_down_exps.weight".into(),
+            ggml_type: GgmlType::Q5K,
+        });
+        r.overrides.push(TensorOverride {
+            pattern: "*ffn_gate_inp.weight".into(),
+            ggml_type: GgmlType::Q8_0,
+        });
+        let t = expected_tensors("qwen3moe", &qwen3_30b(), &r).unwrap();
+        let get = |n: &str| t.iter().find(|x| x.name == n).unwrap().ggml_type;
+        assert_eq!(get("blk.0.ffn_down_exps.weight"), GgmlType::Q5K);
+        // The router is never quantized, as in llama-quantize.
+        assert_eq!(get("blk.0.ffn_gate_inp.weight"), GgmlType::F32);
+        // A width that no 256-block type holds falls back like llama.cpp.
+        let mut hp = qwen3_30b();
+        hp.n_ff_exp = 1408;
+        let t = expected_tensors("qwen3moe", &hp, &QuantRecipe::preset("Q4_K_M").unwrap()).unwrap();
+        let down = t
+            .iter()
+            .find(|x| x.name == "blk.10.ffn_down_exps.weight")
+            .unwrap();
+        assert_eq!(down.ggml_type, GgmlType::Q5_0);
+        assert_eq!(down.dims, vec![1408, 2048, 128]);
+        let down = t
+            .iter()
+            .find(|x| x.name == "blk.0.ffn_down_exps.weight")
+            .unwrap();
+        assert_eq!(down.ggml_type, GgmlType::Q8_0);
+    }
+
+    #[test]
+    fn check_tensors_catches_missing_extra_and_misshaped() {
+        for (arch, hp) in [("qwen3moe", qwen3_30b()), ("qwen3next", qwen3_next())] {
+            let good = expected_tensors(arch, &hp, &QuantRecipe::preset("Q8_0").unwrap()).unwrap();
+            assert_eq!(check_tensors(arch, &hp, &good), Ok(()));
+
+            let mut missing = good.clone();
+            let gone = missing.remove(5).name;
+            assert_eq!(
+                check_tensors(arch, &hp, &missing),
+                Err(InventoryError::Missing {
+                    arch: arch.into(),
+                    tensor: gone
+                })
+            );
+
+            let mut extra = good.clone();
+            extra.push(
+                TensorInfo::new(
+                    "blk.0.bogus.weight",
+                    vec![32],
+                    GgmlType::F32,
+                    TensorRole::Dense,
+                    Some(0),
+                )
+                .unwrap(),
+            );
+            assert_eq!(
+                check_tensors(arch, &hp, &extra),
+                Err(InventoryError::Unexpected {
+                    arch: arch.into(),
+                    tensor: "blk.0.bogus.weight".into()
+                })
+            );
+
+            let mut wrong = good.clone();
+            let i = wrong
+                .iter()
+                .position(|t| t.name == "blk.1.ffn_up_exps.weight")
+                .unwrap();
+            wrong[i].dims = vec![2048, 100, hp.n_expert];
+            match check_tensors(arch, &hp, &wrong) {
+                Err(InventoryError::WrongShape {
+                    tensor,
+                    found,
+                    expected,
+                    ..
+                }) => {
+                    assert_eq!(tensor, "blk.1.ffn_up_exps.weight");
+                    assert_eq!(found, vec![2048, 100, hp.n_expert]);
+                    assert_eq!(expected, vec![2048, hp.n_ff_exp, hp.n_expert]);
+                }
+                other => panic!("{other:?}"),
+            }
+
+            // Trailing 1s are the same shape, as llama.cpp reads them.
+            let mut padded = good.clone();
+            padded[1].dims.push(1);
+            assert_eq!(check_tensors(arch, &hp, &padded), Ok(()));
+        }
+    }
+
+    #[test]
+    fn bad_hparams_name_the_key() {
+        let mut hp = qwen3_30b();
+        hp.n_expert_used = 200;
+        assert!(matches!(
+            validate_hparams("qwen3moe", &hp),
+            Err(InventoryError::BadHParam { key, .. }) if key == "n_expert_used"
+        ));
+        let mut hp = qwen3_30b();
+        hp.n_head_kv = 5;
+        assert!(matches!(
+            validate_hparams("qwen3moe", &hp),
+            Err(InventoryError::BadHParam { key, .. }) if key == "n_head_kv"
+        ));
+        let mut hp = qwen3_next();
+        hp.ssm = None;
+        assert!(matches!(
+            expected_shapes("qwen3next", &hp),
+            Err(InventoryError::BadHParam { key, .. }) if key == "ssm"
+        ));
+        assert!(matches!(
+            expected_shapes("llama", &qwen3_30b()),
+            Err(InventoryError::UnsupportedArch { .. })
+        ));
+        let mut hp = qwen3_30b();
+        hp.n_embd = u64::MAX;
+        assert!(validate_hparams("qwen3moe", &hp).is_err());
+    }
+}
