@@ -1,1 +1,0 @@
-//! safetensors folders: config.json plus header JSON, validated.
