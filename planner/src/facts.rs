@@ -3,6 +3,7 @@
 //! Invariant: every figure here is derived from the inventory and hyperparameters alone;
 //! nothing depends on the hardware or the serve settings except the KV element type.
 
+use crate::account::align;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::inventory::{LayerKind, ModelInventory, TensorRole};
 
@@ -45,8 +46,12 @@ impl ModelFacts {
         let mut expert = Vec::with_capacity(n as usize);
         let mut kv_cell = Vec::with_capacity(n as usize);
         let mut linear_state = Vec::with_capacity(n as usize);
+        // Bytes a set of tensors takes when each is placed at an aligned offset.
+        let placed = |f: &dyn Fn(&strata_schemas::inventory::TensorInfo) -> bool| -> u64 {
+            inv.tensors.iter().filter(|t| f(t)).map(|t| align(t.bytes)).sum()
+        };
         for l in 0..n {
-            dense.push(inv.dense_bytes(l));
+            dense.push(placed(&|t| t.layer == Some(l) && t.role != TensorRole::ExpertStack));
             expert.push(inv.expert_bytes(l));
             match hp.layer_kind(l) {
                 LayerKind::FullAttention => {
@@ -59,16 +64,17 @@ impl ModelFacts {
                 }
             }
         }
-        let mut mtp_dense = 0;
-        let mut mtp_experts = 0;
-        for l in n..hp.n_blocks_total() {
-            mtp_dense += inv.dense_bytes(l);
-            mtp_experts += inv.expert_bytes(l) * hp.n_expert;
-        }
-        let embedding_bytes = inv.global_bytes(TensorRole::Embedding);
-        let head_only = inv.global_bytes(TensorRole::Head);
+        let mtp_dense = placed(&|t| {
+            t.layer.is_some_and(|l| l >= n) && t.role != TensorRole::ExpertStack
+        });
+        let mtp_experts = placed(&|t| {
+            t.layer.is_some_and(|l| l >= n) && t.role == TensorRole::ExpertStack
+        });
+        let embedding_bytes = placed(&|t| t.role == TensorRole::Embedding && t.layer.is_none());
+        let head_only = placed(&|t| t.role == TensorRole::Head && t.layer.is_none());
         let tied = hp.tied_embeddings || head_only == 0;
-        let head_bytes = inv.global_bytes(TensorRole::OutputNorm) + head_only;
+        let head_bytes =
+            head_only + placed(&|t| t.role == TensorRole::OutputNorm && t.layer.is_none());
         let prefix = |v: &Vec<u64>| {
             let mut p = vec![0u64; v.len() + 1];
             for (i, x) in v.iter().enumerate() {

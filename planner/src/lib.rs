@@ -9,4 +9,5 @@ pub mod pack;
 pub mod report;
 pub mod solve;
 pub mod split;
+pub mod testing;
 pub mod verify;

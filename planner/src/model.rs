@@ -7,10 +7,7 @@ use strata_schemas::inventory::ModelInventory;
 /// Load the inventory behind `--model PATH`.
 pub fn load_model(path: &Path) -> Result<ModelInventory, String> {
     if path.is_dir() {
-        return Err(format!(
-            "--model {}: safetensors folders are not supported by this build yet",
-            path.display()
-        ));
+        return strata_schemas::safetensors::load_folder(path).map_err(|e| e.to_string());
     }
     match path.extension().and_then(|e| e.to_str()) {
         Some("toml") => strata_schemas::descriptor::load_descriptor(path).map_err(|e| e.to_string()),

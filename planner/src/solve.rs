@@ -20,6 +20,8 @@ use strata_schemas::serve::{ExpertCache, LayerSplit, ServeSettings};
 
 /// RAM the plan leaves to the OS and other processes beyond what it pins or maps.
 pub const HOST_HEADROOM: u64 = GIB;
+/// Weight of the memory-balance tie-break in the split search, in seconds per token.
+const BALANCE_WEIGHT: f64 = 1e-6;
 /// Disk read speed assumed when the probe gives none.
 pub const DEFAULT_DISK_GBPS: f64 = 2.0;
 
@@ -171,7 +173,12 @@ pub fn solve(req: &PlanRequest) -> Result<Outcome, PlanError> {
         ));
     }
     if let Some(p) = req.profile {
-        p.check_against(hp.n_layer, hp.n_expert, s.expert_profile.as_deref().unwrap_or("--expert-profile"))
+        p.check_against_model(
+            hp.n_layer,
+            hp.nextn_predict_layers,
+            hp.n_expert,
+            s.expert_profile.as_deref().unwrap_or("--expert-profile"),
+        )
             .map_err(|e| PlanError::BadInput(e.to_string()))?;
     }
     if let LayerSplit::Bounds(b) = &s.layer_split {
@@ -377,7 +384,11 @@ impl<'a> Solver<'a> {
         best_split(n, self.n_layer(), |d, a, b| {
             let dem = self.demand(d, a, b, slots, resident);
             let cache = self.sizing.policy_slots(&dem)?;
-            Some(self.device_seconds(d, a, b, cache))
+            // Tie-break towards balanced memory: at most a microsecond per token, so it only
+            // separates splits the cost model cannot tell apart (e.g. every expert resident).
+            let used = (dem.fixed() + (cache - dem.min_slots) * dem.slot_bytes) as f64
+                / dem.usable().max(1) as f64;
+            Some(self.device_seconds(d, a, b, cache) + BALANCE_WEIGHT * used * used)
         })
         .or_else(|| self.greedy_bounds(slots, resident).map(|b| (b, 0.0)))
         .map(|(b, _)| b)
@@ -918,10 +929,17 @@ impl<'a> Solver<'a> {
         let want = s.batch as u64;
         let degraded = degradations.iter().any(|d| d.what == "batch" || d.what == "kv_resident");
         if degraded {
-            out.push(format!(
-                "largest batch at --max-context {}: --batch {} --kv-resident {}",
-                self.ctx, c.slots, c.resident
-            ));
+            if c.slots < want {
+                out.push(format!(
+                    "largest batch at --max-context {}: --batch {} --kv-resident {}",
+                    self.ctx, c.slots, c.resident
+                ));
+            } else {
+                out.push(format!(
+                    "largest VRAM window for --batch {want} at --max-context {}: --kv-resident {}",
+                    self.ctx, c.resident
+                ));
+            }
             // Largest context at the requested batch.
             let (mut lo, mut hi) = (0u64, self.ctx);
             let fits_ctx = |ctx: u64| -> bool {
@@ -1025,4 +1043,48 @@ fn push_chunks(out: &mut Vec<PinnedChunk>, purpose: &str, device: u32, bytes: u6
 /// Bytes as GiB with two decimals.
 pub fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / GIB as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+
+    fn run(inv: &ModelInventory, probe: &HardwareProbe, s: &ServeSettings) -> Outcome {
+        let req = PlanRequest {
+            inventory: inv,
+            model_source: "test".into(),
+            probe,
+            probe_source: "probe.toml".into(),
+            settings: s,
+            profile: None,
+            vision: if s.vision.is_some() { inv.vision.as_ref() } else { None },
+        };
+        solve(&req).unwrap()
+    }
+
+    #[test]
+    fn smoke_next_two_cards() {
+        let inv = inventory("qwen3next", qwen3next_hparams(), "IQ3_S");
+        let probe = probe(&[(32 * G, 640.0), (32 * G, 640.0)], 63 * G, 58 * G);
+        let s = ServeSettings {
+            max_context: 1 << 20,
+            batch: 4,
+            kv: strata_schemas::serve::KvType::Q8_0,
+            kv_resident: Some(32768),
+            mtp: true,
+            spec: 4,
+            vision: Some(None),
+            vram_reserve_mib: 500,
+            rope_scaling: Some(strata_schemas::serve::RopeScaling { kind: "yarn".into(), factor: 4.0, orig_ctx: Some(262144) }),
+            ..Default::default()
+        };
+        match run(&inv, &probe, &s) {
+            Outcome::Planned(p) => {
+                eprintln!("{}", crate::report::plan_text(&p));
+                assert_eq!(p.serve.batch, 4);
+            }
+            Outcome::Infeasible(i) => panic!("{}", crate::report::infeasible_text(&i)),
+        }
+    }
 }
