@@ -5,6 +5,9 @@
 
 pub mod qwen3moe;
 
+#[cfg(test)]
+mod hf_reference;
+
 use crate::quant::{self, QuantError};
 use std::collections::HashMap;
 use strata_schemas::ggml::GgmlType;
