@@ -188,7 +188,7 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     }
     match ty {
         GgmlType::F32 => {
-            // Decode into a small stack buffer per 64 elements so the f32 order matches dot_f32.
+            // The same eight-lane summation order as dot_f32, so both F32 paths agree exactly.
             let mut acc = [0f32; 8];
             let mut tail = 0f32;
             let full = x.len() / 8 * 8;
