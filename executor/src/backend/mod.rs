@@ -1,0 +1,4 @@
+//! Compute backends. `cpu` is the reference every device kernel is tested against.
+//! Invariant: backends take pre-validated shapes and never size memory from what is free.
+
+pub mod cpu;
