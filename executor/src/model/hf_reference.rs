@@ -359,7 +359,6 @@ fn mapping_renames_and_stacks_without_changing_values() {
 }
 
 #[test]
-#[ignore = "needs tests/data/tiny-qwen3moe from `python3 scripts/make_reference.py --out tests/data/tiny-qwen3moe` (torch + transformers)"]
 fn matches_transformers_reference() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3moe");
     let mut checked = 0;
