@@ -135,7 +135,11 @@ impl<'a> Sizing<'a> {
         }
         let params = GraphParams {
             tokens: self.step_tokens(slots),
-            logits_rows: if last { (slots * (1 + self.spec)).max(1) } else { 0 },
+            logits_rows: if last {
+                (slots * (1 + self.spec)).max(1)
+            } else {
+                0
+            },
             ctx_cells: resident,
         };
         let value = match forward_graph(&self.inv.arch, &self.inv.hparams, &params) {
@@ -196,7 +200,10 @@ impl<'a> Sizing<'a> {
         if mtp_here {
             let work = slots * (1 + self.spec) * (hp.n_vocab * 4 + 4 * hp.n_embd * 4);
             let kv = slots * resident * f.mtp_kv_cell;
-            regions.push((RegionKind::Mtp, align(f.mtp_weight_bytes) + align(kv) + align(work)));
+            regions.push((
+                RegionKind::Mtp,
+                align(f.mtp_weight_bytes) + align(kv) + align(work),
+            ));
         }
         if first {
             if let Some(v) = self.vision {
@@ -210,10 +217,7 @@ impl<'a> Sizing<'a> {
             RegionKind::KvCache,
             align(slots * resident * f.kv_cell_range(a, b)),
         ));
-        regions.push((
-            RegionKind::LinearState,
-            align(slots * f.linear_range(a, b)),
-        ));
+        regions.push((RegionKind::LinearState, align(slots * f.linear_range(a, b))));
         let per_slot = per_slot_session_bytes(&self.inv.arch, hp, self.spec as u32);
         regions.push((RegionKind::SlotSessions, align(slots * per_slot)));
         regions.push((RegionKind::Scratch, self.scratch(slots, resident, last).0));

@@ -65,10 +65,7 @@ impl ExpertOracle {
 
     /// Expected expert uses per token over layers `[a, b)`.
     pub fn total_mass(&self, a: u32, b: u32) -> f64 {
-        self.layers[a as usize..b as usize]
-            .iter()
-            .flatten()
-            .count() as f64
+        self.layers[a as usize..b as usize].iter().flatten().count() as f64
             * self.n_expert_used as f64
     }
 
@@ -146,21 +143,38 @@ mod tests {
             .map(|l| {
                 let probs = profile.probabilities(l, used);
                 let mut order: Vec<u32> = (0..e as u32).collect();
-                order.sort_by(|a, b| probs[*b as usize].total_cmp(&probs[*a as usize]).then(a.cmp(b)));
+                order.sort_by(|a, b| {
+                    probs[*b as usize]
+                        .total_cmp(&probs[*a as usize])
+                        .then(a.cmp(b))
+                });
                 let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
                 let mut prefix = vec![0.0; sorted.len() + 1];
                 for (i, p) in sorted.iter().enumerate() {
                     prefix[i + 1] = prefix[i] + p;
                 }
-                Some(LayerProbs { sorted, prefix, order })
+                Some(LayerProbs {
+                    sorted,
+                    prefix,
+                    order,
+                })
             })
             .collect();
-        ExpertOracle { n_expert: e, n_expert_used: used, layers: layers_probs, uniform: false }
+        ExpertOracle {
+            n_expert: e,
+            n_expert_used: used,
+            layers: layers_probs,
+            uniform: false,
+        }
     }
 
     #[test]
     fn cached_mass_matches_brute_force_top_k() {
-        let counts = vec![vec![10, 0, 5, 5, 1, 9], vec![3, 3, 3, 30, 0, 1], vec![0, 0, 0, 0, 0, 0]];
+        let counts = vec![
+            vec![10, 0, 5, 5, 1, 9],
+            vec![3, 3, 3, 30, 0, 1],
+            vec![0, 0, 0, 0, 0, 0],
+        ];
         let o = oracle_from(counts, 2);
         let mut all: Vec<f64> = Vec::new();
         for l in 0..3 {

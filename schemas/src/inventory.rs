@@ -287,9 +287,7 @@ impl ModelInventory {
         let mut h = Sha256::new();
         h.update(self.arch.as_bytes());
         h.update([0]);
-        h.update(
-            serde_json::to_vec(&self.hparams).expect("hparams serialize to JSON infallibly"),
-        );
+        h.update(serde_json::to_vec(&self.hparams).expect("hparams serialize to JSON infallibly"));
         for t in &self.tensors {
             h.update(t.name.as_bytes());
             h.update([0]);
