@@ -36,8 +36,11 @@ pub struct Sizing<'a> {
     pub vram_reserve: u64,
     pub n_devices: usize,
     pub expert_cache: ExpertCache,
-    scratch: RefCell<BTreeMap<(u64, u64, bool), (u64, Vec<ScratchBuffer>)>>,
+    scratch: RefCell<ScratchMemo>,
 }
+
+/// Packed scratch by (slots, resident cells, holds the head): (bytes, buffers).
+type ScratchMemo = BTreeMap<(u64, u64, bool), (u64, Vec<ScratchBuffer>)>;
 
 /// One device's demand for a layer range at `slots` slots with `resident` cells each.
 #[derive(Debug, Clone)]

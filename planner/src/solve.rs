@@ -1047,9 +1047,8 @@ impl<'a> Solver<'a> {
             let keeps_all = |r: u64| {
                 rs.iter().enumerate().all(|(i, (a, b))| {
                     let d = self.demand(i, *a, *b, c.slots, r);
-                    d.remainder().map_or(false, |rem| {
-                        rem >= (d.experts_here - d.min_slots) * d.slot_bytes
-                    })
+                    d.remainder()
+                        .is_ok_and(|rem| rem >= (d.experts_here - d.min_slots) * d.slot_bytes)
                 })
             };
             let (mut lo, mut hi) = (c.resident, self.ctx);

@@ -497,7 +497,7 @@ fn degraded_request_is_listed_and_strict_exits_3() {
     let j = json_of(&out);
     check_accounting(&j);
     let planned = u(&j["serve"]["batch"]);
-    assert!(planned < 64 && planned >= 1, "{planned}");
+    assert!((1..64).contains(&planned), "{planned}");
     let degs = j["degradations"].as_array().unwrap();
     let batch = degs
         .iter()
