@@ -566,14 +566,24 @@ impl<'a> Solver<'a> {
             .collect();
         let mut degradations = Vec::new();
         if let ExpertCache::Slots(cap) = s.expert_cache {
+            // The minimum working sets are required; the cap shares out what is above them,
+            // in pipeline order.
             let possible: u64 = slots.iter().sum();
-            let mut left = cap;
+            let minimum: u64 = demands.iter().map(|d| d.min_slots).sum();
+            let mut left = cap.saturating_sub(minimum);
             for (i, d) in demands.iter().enumerate() {
-                let give = slots[i].min(left.max(d.min_slots));
-                left = left.saturating_sub(give);
-                slots[i] = give;
+                let extra = (slots[i] - d.min_slots).min(left);
+                left -= extra;
+                slots[i] = d.min_slots + extra;
             }
-            if possible < cap {
+            if cap < minimum {
+                degradations.push(Degradation {
+                    what: "expert_cache".into(),
+                    requested: format!("{cap} slots"),
+                    planned: format!("{minimum} slots"),
+                    reason: "each device holding experts needs its minimum working set (2 x experts per token) to run a layer".into(),
+                });
+            } else if possible < cap {
                 degradations.push(Degradation {
                     what: "expert_cache".into(),
                     requested: format!("{cap} slots"),

@@ -571,3 +571,161 @@ fn help_teaches_the_flags_and_exit_codes() {
         assert!(h.contains(needle), "--help lacks {needle}");
     }
 }
+
+#[test]
+fn expert_cache_policies_cap_and_off() {
+    let base = [
+        "--hardware",
+        "plans/hardware/rtx3060-x3.toml",
+        "--model",
+        NEXT_IQ3S,
+        "--max-context",
+        "8192",
+        "--format",
+        "json",
+    ];
+    let slots = |extra: &[&str]| -> (u64, Value) {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        let out = plan_cmd(&a);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j = json_of(&out);
+        check_accounting(&j);
+        let s = j["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| u(&d["expert_cache_slots"]))
+            .sum();
+        (s, j)
+    };
+    let (auto, _) = slots(&[]);
+    let (capped, _) = slots(&["--expert-cache", "1000"]);
+    let (off, j) = slots(&["--expert-cache", "off"]);
+    assert!(auto > 10_000, "{auto}");
+    assert_eq!(capped, 1000);
+    // Off keeps only the minimum working set: 2 x top-k (10) per device.
+    assert_eq!(off, 3 * 20);
+    assert!(j["predicted"]["expert_hit_rate"].as_f64().unwrap() < 0.01);
+    let (_, j) = slots(&["--expert-cache", "999999"]);
+    let d = j["degradations"].as_array().unwrap();
+    assert!(d.iter().any(|x| x["what"] == "expert_cache"), "{d:?}");
+}
+
+#[test]
+fn gpu_order_is_the_pipeline_order() {
+    let out = plan_cmd(&[
+        "--hardware",
+        "plans/hardware/mixed-3060-4090.toml",
+        "--model",
+        NEXT_IQ3S,
+        "--gpu",
+        "1,0",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = json_of(&out);
+    let d = j["devices"].as_array().unwrap();
+    assert_eq!(d[0]["index"], 1);
+    assert_eq!(d[0]["holds"]["embedding"], true);
+    assert_eq!(d[1]["index"], 0);
+    assert_eq!(d[1]["holds"]["head"], true);
+    assert_eq!(u(&d[0]["layers"][0]), 0);
+}
+
+#[test]
+fn requests_the_model_cannot_serve_are_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    // MTP on a model without an MTP block.
+    let out = plan_cmd(&[
+        "--hardware",
+        "plans/hardware/h100.toml",
+        "--model",
+        "plans/models/qwen3-30b-a3b-q8_0.toml",
+        "--mtp",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("MTP"));
+    // Vision without a tower.
+    let out = plan_cmd(&[
+        "--hardware",
+        "plans/hardware/h100.toml",
+        "--model",
+        "plans/models/qwen3-30b-a3b-q8_0.toml",
+        "--vision",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--vision"));
+    // A profile with the wrong shape.
+    let prof = write(
+        dir.path(),
+        "p.txt",
+        "# strata expert profile v1\nlayers = 2\nexperts = 3\n0: 1 2 3\n1: 4 5 6\n",
+    );
+    let out = plan_cmd(&[
+        "--hardware",
+        "plans/hardware/h100.toml",
+        "--model",
+        NEXT_IQ3S,
+        "--expert-profile",
+        &prof,
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("p.txt"));
+}
+
+#[test]
+fn a_profile_raises_the_predicted_hit_rate_over_uniform() {
+    let dir = tempfile::tempdir().unwrap();
+    // Skewed routing: expert e of every block is chosen ~1/(e+1) as often.
+    let mut text = String::from("# strata expert profile v1\nlayers = 49\nexperts = 512\n");
+    for l in 0..49 {
+        let row: Vec<String> = (0..512u64)
+            .map(|e| (100_000 / (e + 1)).to_string())
+            .collect();
+        text.push_str(&format!("{l}: {}\n", row.join(" ")));
+    }
+    let prof = write(dir.path(), "skew.txt", &text);
+    let args = [
+        "--hardware",
+        "plans/hardware/rtx4090.toml",
+        "--model",
+        NEXT_IQ3S,
+        "--format",
+        "json",
+    ];
+    let uniform = json_of(&plan_cmd(&args));
+    let mut a = args.to_vec();
+    a.extend(["--expert-profile", prof.as_str()]);
+    let out = plan_cmd(&a);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let skew = json_of(&out);
+    let hu = uniform["predicted"]["expert_hit_rate"].as_f64().unwrap();
+    let hs = skew["predicted"]["expert_hit_rate"].as_f64().unwrap();
+    assert!(hs > hu + 0.05, "profile {hs} vs uniform {hu}");
+    assert!(
+        skew["predicted"]["decode_tok_s"].as_f64().unwrap()
+            > uniform["predicted"]["decode_tok_s"].as_f64().unwrap()
+    );
+}
