@@ -15,6 +15,28 @@ struct LayerProbs {
     order: Vec<u32>,
 }
 
+impl LayerProbs {
+    /// Sort one layer's expected uses, best first (ties by expert id).
+    fn new(probs: &[f64]) -> Self {
+        let mut order: Vec<u32> = (0..probs.len() as u32).collect();
+        order.sort_by(|a, b| {
+            probs[*b as usize]
+                .total_cmp(&probs[*a as usize])
+                .then(a.cmp(b))
+        });
+        let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
+        let mut prefix = vec![0.0; sorted.len() + 1];
+        for (i, p) in sorted.iter().enumerate() {
+            prefix[i + 1] = prefix[i] + p;
+        }
+        Self {
+            sorted,
+            prefix,
+            order,
+        }
+    }
+}
+
 /// Expected expert uses per token, per main layer, from a profile or uniform.
 pub struct ExpertOracle {
     n_expert: u64,
@@ -38,22 +60,7 @@ impl ExpertOracle {
                 Some(p) if l < p.layers => p.probabilities(l, used),
                 _ => vec![used as f64 / e as f64; e as usize],
             };
-            let mut order: Vec<u32> = (0..e as u32).collect();
-            order.sort_by(|a, b| {
-                probs[*b as usize]
-                    .total_cmp(&probs[*a as usize])
-                    .then(a.cmp(b))
-            });
-            let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
-            let mut prefix = vec![0.0; sorted.len() + 1];
-            for (i, p) in sorted.iter().enumerate() {
-                prefix[i + 1] = prefix[i] + p;
-            }
-            layers.push(Some(LayerProbs {
-                sorted,
-                prefix,
-                order,
-            }));
+            layers.push(Some(LayerProbs::new(&probs)));
         }
         Self {
             n_expert: e,
@@ -140,25 +147,7 @@ mod tests {
             counts: counts.into_iter().flatten().collect(),
         };
         let layers_probs = (0..layers)
-            .map(|l| {
-                let probs = profile.probabilities(l, used);
-                let mut order: Vec<u32> = (0..e as u32).collect();
-                order.sort_by(|a, b| {
-                    probs[*b as usize]
-                        .total_cmp(&probs[*a as usize])
-                        .then(a.cmp(b))
-                });
-                let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
-                let mut prefix = vec![0.0; sorted.len() + 1];
-                for (i, p) in sorted.iter().enumerate() {
-                    prefix[i + 1] = prefix[i] + p;
-                }
-                Some(LayerProbs {
-                    sorted,
-                    prefix,
-                    order,
-                })
-            })
+            .map(|l| Some(LayerProbs::new(&profile.probabilities(l, used))))
             .collect();
         ExpertOracle {
             n_expert: e,

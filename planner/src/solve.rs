@@ -10,8 +10,7 @@ use crate::cost::{device_token_seconds, DeviceWork, PREDICT_CONTEXT};
 use crate::experts::ExpertOracle;
 use crate::facts::ModelFacts;
 use crate::split::{best_split, check_bounds, ranges, Bounds};
-use crate::verify::{verify_regions, verify_scratch};
-use strata_schemas::graph::BufferSpec;
+use crate::verify::verify_device;
 use strata_schemas::inventory::{ModelInventory, TensorRole, VisionSpec};
 use strata_schemas::plan::*;
 use strata_schemas::probe::{DeviceProbe, HardwareProbe, GIB, MIB};
@@ -674,27 +673,8 @@ impl<'a> Solver<'a> {
                 offset: top - dem.runtime_reserve - dem.user_reserve,
                 bytes: dem.user_reserve,
             });
-            let named: Vec<(String, u64, u64)> = regions
-                .iter()
-                .map(|r| (r.kind.as_str().to_string(), r.offset, r.bytes))
-                .collect();
-            verify_regions(dev.vram_bytes, &named)
-                .map_err(|e| PlanError::Internal(format!("device {}: {e}", dev.index)))?;
-
-            // Scratch buffers with their packed offsets, verified independently.
-            let (scratch_total, scratch) = self.sizing.scratch(c.slots, c.resident, last);
-            let specs: Vec<BufferSpec> = scratch
-                .iter()
-                .map(|b| BufferSpec {
-                    name: b.name.clone(),
-                    bytes: b.bytes,
-                    first_op: b.first_op,
-                    last_op: b.last_op,
-                })
-                .collect();
-            let offs: Vec<u64> = scratch.iter().map(|b| b.offset).collect();
-            verify_scratch(&specs, &offs, scratch_total)
-                .map_err(|e| PlanError::Internal(format!("device {} scratch: {e}", dev.index)))?;
+            // Scratch buffers with their packed offsets (verified with the regions below).
+            let (_, scratch) = self.sizing.scratch(c.slots, c.resident, last);
 
             // Tensor placements.
             let mut cursor = std::collections::BTreeMap::<RegionKind, u64>::new();
@@ -852,6 +832,9 @@ impl<'a> Solver<'a> {
                 linear_layers,
                 predicted_token_seconds: secs,
             });
+            let planned = device_plans.last().expect("just pushed");
+            verify_device(planned)
+                .map_err(|e| PlanError::Internal(format!("device {}: {e}", dev.index)))?;
         }
         // Tensors not placed on any device (an MTP block nobody asked for).
         for t in &inv.tensors {

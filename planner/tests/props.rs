@@ -5,9 +5,8 @@
 use proptest::prelude::*;
 use strata_plan::solve::{solve, Outcome, PlanRequest};
 use strata_plan::testing::probe;
-use strata_plan::verify::{verify_regions, verify_scratch};
+use strata_plan::verify::verify_device;
 use strata_schemas::arch::{expected_tensors, QuantRecipe, PRESETS};
-use strata_schemas::graph::BufferSpec;
 use strata_schemas::inventory::{HParams, ModelInventory, SsmParams};
 use strata_schemas::plan::{Placement, Plan, RegionKind};
 use strata_schemas::planfile::{plan_to_bytes, read_plan_bytes};
@@ -143,12 +142,7 @@ fn case() -> impl Strategy<Value = (ModelInventory, Vec<(u64, f64)>, u64, ServeS
 
 fn check_plan(plan: &Plan) {
     for d in &plan.devices {
-        let regions: Vec<(String, u64, u64)> = d
-            .regions
-            .iter()
-            .map(|r| (r.kind.as_str().to_string(), r.offset, r.bytes))
-            .collect();
-        verify_regions(d.vram_bytes, &regions).expect("regions fit and do not overlap");
+        verify_device(d).expect("regions fit without overlap; scratch packing verified");
         assert!(d.planned_bytes() <= d.vram_bytes);
         for r in &d.regions {
             if r.kind.in_arena() {
@@ -159,19 +153,6 @@ fn check_plan(plan: &Plan) {
                 );
             }
         }
-        let scratch = d.region(RegionKind::Scratch).expect("scratch region");
-        let specs: Vec<BufferSpec> = d
-            .scratch
-            .iter()
-            .map(|b| BufferSpec {
-                name: b.name.clone(),
-                bytes: b.bytes,
-                first_op: b.first_op,
-                last_op: b.last_op,
-            })
-            .collect();
-        let offs: Vec<u64> = d.scratch.iter().map(|b| b.offset).collect();
-        verify_scratch(&specs, &offs, scratch.bytes).expect("scratch packing verified");
         assert_eq!(d.expert_cache_slots, d.resident_experts.len() as u64);
         let mut seen = std::collections::BTreeSet::new();
         for e in &d.resident_experts {
