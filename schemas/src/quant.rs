@@ -5,7 +5,7 @@
 //! ggml block table before touching a byte; none allocates except `quantize_row`'s append.
 
 use half::{bf16, f16};
-use strata_schemas::ggml::GgmlType;
+use crate::ggml::GgmlType;
 
 /// Elements per Q8_0 block.
 pub const QK8_0: usize = 32;
@@ -558,13 +558,28 @@ fn quantize_block_q4_k(x: &[f32], out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    /// splitmix64: a tiny deterministic generator for test inputs.
+    struct StdRng(u64);
+    impl StdRng {
+        fn seed_from_u64(s: u64) -> Self {
+            Self(s)
+        }
+        fn unit(&mut self) -> f32 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 24) as f32
+        }
+    }
 
     fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
         // Sum of 4 uniforms: roughly normal, with some spread between blocks.
         (0..n)
             .map(|_| {
-                let s: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum();
+                let s: f32 = (0..4).map(|_| rng.unit() - 0.5).sum();
                 s * scale
             })
             .collect()
