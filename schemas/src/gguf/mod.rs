@@ -4,6 +4,7 @@
 //! [`read`]; its tensors lie inside their part's data section and never overlap.
 
 pub mod read;
+pub mod write;
 #[cfg(test)]
 pub(crate) mod testutil;
 
