@@ -1063,7 +1063,7 @@ pub fn random_values(seed: u64, name: &str, ne0: u64, row0: u64, n_rows: u64) ->
 pub struct RandomOptions {
     /// `general.name`.
     pub name: String,
-    /// Worker threads (0: the machine's available parallelism).
+    /// Generator threads (0: the machine's available parallelism minus one, for the writer).
     pub threads: usize,
     /// Tokenizer metadata to include.
     pub vocab: Option<Vocab>,
@@ -1166,7 +1166,8 @@ pub fn write_random_tensors(
         w.on_progress(p);
     }
     let threads = match opts.threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        // One core is left to the thread that writes (and to the kernel's page-cache copy).
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
         n => n,
     };
     let mut s = w.begin()?;

@@ -61,7 +61,7 @@ struct RandomArgs {
     /// Seed of the weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Worker threads (0: all cores).
+    /// Generator threads (0: all cores but one, which writes).
     #[arg(long, default_value_t = 0)]
     threads: usize,
     /// general.name (default: from the descriptor or "random <arch>").
