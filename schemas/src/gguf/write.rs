@@ -991,12 +991,10 @@ fn dist_for(name: &str) -> Dist {
             mean: 1.0,
             std: 0.02,
         }
-    } else if base.ends_with("ssm_dt.bias") || base.ends_with("ssm_dt") {
-        Dist::Normal {
-            mean: 0.0,
-            std: 0.1,
-        }
-    } else if base.ends_with("ssm_conv1d") {
+    } else if base.ends_with("ssm_dt.bias")
+        || base.ends_with("ssm_dt")
+        || base.ends_with("ssm_conv1d")
+    {
         Dist::Normal {
             mean: 0.0,
             std: 0.1,
