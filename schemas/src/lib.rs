@@ -12,5 +12,6 @@ pub mod plan;
 pub mod planfile;
 pub mod probe;
 pub mod profile;
+pub mod quant;
 pub mod safetensors;
 pub mod serve;

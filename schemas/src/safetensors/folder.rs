@@ -400,7 +400,12 @@ impl Cfg<'_> {
                 _ => return Err(self.err("architectures", "must be a non-empty array of strings")),
             },
             Some(_) => return Err(self.err("architectures", "must be an array of strings")),
-            None => return Err(self.err("architectures", "is missing; it names the model class")),
+            // transformers 5 may leave `architectures` out; `model_type` still names the family.
+            None => match self.m.get("model_type") {
+                Some(Value::String(t)) if t == "qwen3_moe" => "Qwen3MoeForCausalLM".to_string(),
+                Some(Value::String(t)) if t == "qwen3_next" => "Qwen3NextForCausalLM".to_string(),
+                _ => return Err(self.err("architectures", "is missing; it names the model class")),
+            },
         };
         match first.as_str() {
             "Qwen3MoeForCausalLM" => Ok(Arch::Qwen3Moe),
@@ -499,7 +504,11 @@ impl Cfg<'_> {
                 n_embd / n_head
             }
         };
-        let n_expert = self.pos("num_experts")?;
+        // transformers 5 writes `num_local_experts` where 4.x wrote `num_experts`.
+        let n_expert = match self.u64_opt("num_experts")? {
+            None if self.m.contains_key("num_local_experts") => self.pos("num_local_experts")?,
+            _ => self.pos("num_experts")?,
+        };
         let n_expert_used = self.pos("num_experts_per_tok")?;
         if n_expert_used > n_expert {
             return Err(self.err(

@@ -4,8 +4,8 @@
 //! Invariant: every function checks that the byte row and the element count agree with the
 //! ggml block table before touching a byte; none allocates except `quantize_row`'s append.
 
+use crate::ggml::GgmlType;
 use half::{bf16, f16};
-use strata_schemas::ggml::GgmlType;
 
 /// Elements per Q8_0 block.
 pub const QK8_0: usize = 32;
@@ -394,7 +394,22 @@ fn quantize_block_q8_0(x: &[f32], out: &mut [u8]) {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
     for (j, v) in x.iter().enumerate() {
-        out[2 + j] = ((v * id).round() as i32).clamp(-128, 127) as i8 as u8;
+        out[2 + j] = round_away(v * id).clamp(-128, 127) as i8 as u8;
+    }
+}
+
+/// `roundf` (ties away from zero) without the libm call `f32::round` compiles to on baseline
+/// x86-64: truncate, then step by one when the exact remainder is at least a half. NaN -> 0.
+#[inline]
+fn round_away(v: f32) -> i32 {
+    let t = v as i32;
+    let f = v - t as f32;
+    if f >= 0.5 {
+        t.saturating_add(1)
+    } else if f <= -0.5 {
+        t.saturating_sub(1)
+    } else {
+        t
     }
 }
 
@@ -558,13 +573,28 @@ fn quantize_block_q4_k(x: &[f32], out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    /// splitmix64: a tiny deterministic generator for test inputs.
+    struct StdRng(u64);
+    impl StdRng {
+        fn seed_from_u64(s: u64) -> Self {
+            Self(s)
+        }
+        fn unit(&mut self) -> f32 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 24) as f32
+        }
+    }
 
     fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
         // Sum of 4 uniforms: roughly normal, with some spread between blocks.
         (0..n)
             .map(|_| {
-                let s: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum();
+                let s: f32 = (0..4).map(|_| rng.unit() - 0.5).sum();
                 s * scale
             })
             .collect()
@@ -596,6 +626,30 @@ mod tests {
         assert_eq!(back[0], -2.0);
         assert_eq!(back[31], 3.5);
         assert_eq!(back[1..31].iter().filter(|v| **v != 0.0).count(), 0);
+    }
+
+    #[test]
+    fn round_away_is_roundf() {
+        for v in [
+            0.0f32,
+            0.5,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            0.49999997,
+            -0.49999997,
+            126.5,
+            -127.5,
+            3.7,
+            -3.7,
+            1e-8,
+            8388607.5,
+            f32::NAN,
+        ] {
+            assert_eq!(round_away(v), v.round() as i32, "{v}");
+        }
+        assert_eq!(round_away(f32::INFINITY), i32::MAX);
     }
 
     #[test]

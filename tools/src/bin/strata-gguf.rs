@@ -1,0 +1,390 @@
+//! `strata-gguf`: writes GGUF model files for tests and benchmarks — random weights at any
+//! shape in llama.cpp's layout (`random`), or a converted Hugging Face folder (`convert`).
+//! Invariant: every tensor table comes from `strata_schemas::arch` (directly or through a
+//! descriptor), so what this writes is what the planner synthesizes; errors name the flag or
+//! file and exit 1 (clap usage errors exit 2).
+
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+use strata_schemas::arch::{self, QuantRecipe, PRESETS};
+use strata_schemas::descriptor::load_descriptor;
+use strata_schemas::ggml::GgmlType;
+use strata_schemas::gguf::write::{
+    convert_hf_folder, file_type, write_random_model, write_random_tensors, ProgressFn,
+    RandomOptions, WriteSummary,
+};
+use strata_schemas::inventory::{HParams, SsmParams};
+
+#[derive(Parser)]
+#[command(
+    name = "strata-gguf",
+    version,
+    about = "Write GGUF model files: random weights at any shape, or a converted Hugging Face folder"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+// Parsed once; boxing the larger variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
+enum Cmd {
+    /// Random-weight model in llama.cpp's layout (deterministic from --seed).
+    ///
+    /// Hyperparameters start from the architecture's flagship model (qwen3moe: Qwen3-30B-A3B,
+    /// qwen3next: Qwen3-Next-80B-A3B) and each flag overrides one; or take them, and the quant
+    /// mix, from a model descriptor (--descriptor plans/models/qwen3-30b-a3b-q8_0.toml).
+    /// Weights are written as F32, F16, BF16, Q8_0 or Q4_K; presets needing other types
+    /// (Q4_K_M's Q6_K, IQ3_S) fail unless --zero-unsupported.
+    Random(RandomArgs),
+    /// Convert a Hugging Face qwen3moe folder (F32/F16/BF16 safetensors) to GGUF.
+    Convert(ConvertArgs),
+}
+
+#[derive(Args)]
+struct RandomArgs {
+    /// Architecture: qwen3moe or qwen3next (taken from the descriptor when one is given).
+    #[arg(long)]
+    arch: Option<String>,
+    /// Quant preset: Q4_K_M, Q4_K, Q8_0, IQ3_S, F16, BF16, F32 (default: the descriptor's
+    /// mix, else Q8_0).
+    #[arg(long)]
+    preset: Option<String>,
+    /// Output file.
+    #[arg(long)]
+    out: PathBuf,
+    /// Model descriptor TOML (hyperparameters and quant mix); excludes the shape flags.
+    #[arg(long, conflicts_with_all = ["layers", "embd", "heads", "kv_heads", "head_dim", "experts", "experts_used", "ff_exp", "ff_shexp", "vocab", "ctx", "mtp", "full_attn_interval", "ssm_state", "ssm_groups", "ssm_heads", "ssm_inner", "ssm_conv"])]
+    descriptor: Option<PathBuf>,
+    /// Seed of the weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Generator threads (0: all cores but one, which writes).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// general.name (default: from the descriptor or "random <arch>").
+    #[arg(long)]
+    name: Option<String>,
+    /// Write all-zero blocks for types the quantizers do not produce (Q6_K, IQ3_S, Q5_0...).
+    #[arg(long)]
+    zero_unsupported: bool,
+    /// Main blocks (block_count without MTP blocks).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// embedding_length.
+    #[arg(long)]
+    embd: Option<u64>,
+    /// attention.head_count.
+    #[arg(long)]
+    heads: Option<u64>,
+    /// attention.head_count_kv.
+    #[arg(long)]
+    kv_heads: Option<u64>,
+    /// attention.key_length = value_length.
+    #[arg(long)]
+    head_dim: Option<u64>,
+    /// expert_count.
+    #[arg(long)]
+    experts: Option<u64>,
+    /// expert_used_count.
+    #[arg(long)]
+    experts_used: Option<u64>,
+    /// expert_feed_forward_length.
+    #[arg(long)]
+    ff_exp: Option<u64>,
+    /// expert_shared_feed_forward_length (qwen3next).
+    #[arg(long)]
+    ff_shexp: Option<u64>,
+    /// Vocabulary size (rows of token_embd).
+    #[arg(long)]
+    vocab: Option<u64>,
+    /// context_length.
+    #[arg(long)]
+    ctx: Option<u64>,
+    /// MTP blocks (qwen3next nextn_predict_layers).
+    #[arg(long)]
+    mtp: Option<u32>,
+    /// full_attention_interval (qwen3next).
+    #[arg(long)]
+    full_attn_interval: Option<u32>,
+    /// ssm.state_size (qwen3next key head dim).
+    #[arg(long)]
+    ssm_state: Option<u64>,
+    /// ssm.group_count (qwen3next key heads).
+    #[arg(long)]
+    ssm_groups: Option<u64>,
+    /// ssm.time_step_rank (qwen3next value heads).
+    #[arg(long)]
+    ssm_heads: Option<u64>,
+    /// ssm.inner_size (qwen3next value heads x value head dim).
+    #[arg(long)]
+    ssm_inner: Option<u64>,
+    /// ssm.conv_kernel (qwen3next).
+    #[arg(long)]
+    ssm_conv: Option<u64>,
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    /// Hugging Face model folder (config.json + model.safetensors or an index and shards).
+    dir: PathBuf,
+    /// Matrix type: f32, f16, bf16, q8_0, q4_k (norms and the router stay F32).
+    #[arg(long = "type", default_value = "q8_0")]
+    ty: String,
+    /// Output file.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn qwen3_30b_a3b() -> HParams {
+    HParams {
+        n_layer: 48,
+        n_embd: 2048,
+        n_vocab: 151_936,
+        n_ctx_train: 40_960,
+        n_head: 32,
+        n_head_kv: 4,
+        head_dim_k: 128,
+        head_dim_v: 128,
+        n_ff: 0,
+        n_expert: 128,
+        n_expert_used: 8,
+        n_ff_exp: 768,
+        n_ff_shexp: 0,
+        n_leading_dense: 0,
+        full_attention_interval: None,
+        ssm: None,
+        nextn_predict_layers: 0,
+        rope_theta: 1e6,
+        rope_dim: None,
+        rms_eps: 1e-6,
+        norm_topk_prob: true,
+        tied_embeddings: false,
+    }
+}
+
+fn qwen3_next_80b_a3b() -> HParams {
+    HParams {
+        n_layer: 48,
+        n_embd: 2048,
+        n_vocab: 151_936,
+        n_ctx_train: 262_144,
+        n_head: 16,
+        n_head_kv: 2,
+        head_dim_k: 256,
+        head_dim_v: 256,
+        n_ff: 0,
+        n_expert: 512,
+        n_expert_used: 10,
+        n_ff_exp: 512,
+        n_ff_shexp: 512,
+        n_leading_dense: 0,
+        full_attention_interval: Some(4),
+        ssm: Some(SsmParams {
+            conv_kernel: 4,
+            state_size: 128,
+            group_count: 16,
+            time_step_rank: 32,
+            inner_size: 4096,
+        }),
+        nextn_predict_layers: 1,
+        rope_theta: 1e7,
+        rope_dim: Some(64),
+        rms_eps: 1e-6,
+        norm_topk_prob: true,
+        tied_embeddings: false,
+    }
+}
+
+/// The flagship's hyperparameters with the shape flags applied.
+fn hparams_from_flags(arch: &str, a: &RandomArgs) -> Result<HParams, String> {
+    let mut hp = match arch {
+        "qwen3moe" => qwen3_30b_a3b(),
+        "qwen3next" => qwen3_next_80b_a3b(),
+        other => {
+            return Err(format!(
+                "--arch {other}: not supported (supported: {})",
+                arch::SUPPORTED.join(", ")
+            ))
+        }
+    };
+    let set = |v: &mut u64, f: Option<u64>| {
+        if let Some(x) = f {
+            *v = x;
+        }
+    };
+    if let Some(l) = a.layers {
+        hp.n_layer = l;
+    }
+    set(&mut hp.n_embd, a.embd);
+    set(&mut hp.n_head, a.heads);
+    set(&mut hp.n_head_kv, a.kv_heads);
+    set(&mut hp.head_dim_k, a.head_dim);
+    set(&mut hp.head_dim_v, a.head_dim);
+    set(&mut hp.n_expert, a.experts);
+    set(&mut hp.n_expert_used, a.experts_used);
+    set(&mut hp.n_ff_exp, a.ff_exp);
+    set(&mut hp.n_vocab, a.vocab);
+    set(&mut hp.n_ctx_train, a.ctx);
+    let ssm_flags = [
+        a.ssm_state,
+        a.ssm_groups,
+        a.ssm_heads,
+        a.ssm_inner,
+        a.ssm_conv,
+    ];
+    match hp.ssm.as_mut() {
+        Some(s) => {
+            set(&mut s.state_size, a.ssm_state);
+            set(&mut s.group_count, a.ssm_groups);
+            set(&mut s.time_step_rank, a.ssm_heads);
+            set(&mut s.inner_size, a.ssm_inner);
+            set(&mut s.conv_kernel, a.ssm_conv);
+            set(&mut hp.n_ff_shexp, a.ff_shexp);
+            if let Some(m) = a.mtp {
+                hp.nextn_predict_layers = m;
+            }
+            if let Some(i) = a.full_attn_interval {
+                hp.full_attention_interval = Some(i);
+            }
+            if a.head_dim.is_some() && hp.rope_dim.is_some() {
+                // Keep Qwen3-Next's partial rotary fraction: a quarter of the head.
+                hp.rope_dim = Some((hp.head_dim_k / 4).max(2) & !1);
+            }
+        }
+        None => {
+            if ssm_flags.iter().any(Option::is_some)
+                || a.ff_shexp.is_some()
+                || a.mtp.is_some()
+                || a.full_attn_interval.is_some()
+            {
+                return Err(format!(
+                    "--arch {arch} has no linear attention, shared expert or MTP block; drop the --ssm-*, --ff-shexp, --mtp and --full-attn-interval flags"
+                ));
+            }
+        }
+    }
+    Ok(hp)
+}
+
+fn recipe(preset: &str) -> Result<QuantRecipe, String> {
+    QuantRecipe::preset(preset)
+        .ok_or_else(|| format!("--preset {preset}: unknown (known: {})", PRESETS.join(", ")))
+}
+
+/// Prints `written / total MB (MB/s)` to stderr, overwriting the line.
+fn progress(label: String) -> ProgressFn {
+    let start = Instant::now();
+    Box::new(move |done, total| {
+        let mb = |b: u64| b as f64 / 1e6;
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        let mut e = std::io::stderr().lock();
+        let _ = write!(
+            e,
+            "\r{label}: {:.0} / {:.0} MB ({:.1}%), {:.0} MB/s   ",
+            mb(done),
+            mb(total),
+            100.0 * done as f64 / total.max(1) as f64,
+            mb(done) / secs
+        );
+        if done >= total {
+            let _ = writeln!(e);
+        }
+    })
+}
+
+fn report(s: &WriteSummary) {
+    eprintln!(
+        "wrote {} ({} tensors, {} bytes, data at byte {}) in {:.1} s, {:.0} MB/s",
+        s.path.display(),
+        s.n_tensors,
+        s.file_bytes,
+        s.data_offset,
+        s.seconds,
+        s.file_bytes as f64 / 1e6 / s.seconds.max(1e-9)
+    );
+}
+
+fn run_random(a: RandomArgs) -> Result<WriteSummary, String> {
+    let label = a.out.display().to_string();
+    let mut opts = RandomOptions {
+        threads: a.threads,
+        zero_fill_unsupported: a.zero_unsupported,
+        progress: Some(progress(label)),
+        ..Default::default()
+    };
+    if let Some(d) = &a.descriptor {
+        let inv = load_descriptor(d).map_err(|e| e.to_string())?;
+        if let Some(arch) = &a.arch {
+            if *arch != inv.arch {
+                return Err(format!(
+                    "--arch {arch} disagrees with {} (arch = \"{}\"); drop --arch",
+                    d.display(),
+                    inv.arch
+                ));
+            }
+        }
+        opts.name = a.name.clone().unwrap_or_else(|| inv.name.clone());
+        return match &a.preset {
+            Some(p) => {
+                write_random_model(&a.out, &inv.arch, &inv.hparams, &recipe(p)?, a.seed, opts)
+            }
+            None => {
+                let ft = file_type("", &inv.tensors);
+                write_random_tensors(
+                    &a.out,
+                    &inv.arch,
+                    &inv.hparams,
+                    &inv.tensors,
+                    ft,
+                    a.seed,
+                    opts,
+                )
+            }
+        }
+        .map_err(|e| e.to_string());
+    }
+    let arch = a
+        .arch
+        .clone()
+        .ok_or("--arch is required without --descriptor (qwen3moe or qwen3next)")?;
+    let hp = hparams_from_flags(&arch, &a)?;
+    let r = recipe(a.preset.as_deref().unwrap_or("Q8_0"))?;
+    opts.name = a.name.clone().unwrap_or_else(|| format!("random {arch}"));
+    write_random_model(&a.out, &arch, &hp, &r, a.seed, opts).map_err(|e| e.to_string())
+}
+
+fn run_convert(a: ConvertArgs) -> Result<WriteSummary, String> {
+    let ty = GgmlType::from_name(&a.ty.to_ascii_uppercase())
+        .filter(|t| {
+            matches!(
+                t,
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4K
+            )
+        })
+        .ok_or_else(|| format!("--type {}: use f32, f16, bf16, q8_0 or q4_k", a.ty))?;
+    let label = a.out.display().to_string();
+    convert_hf_folder(&a.dir, &a.out, ty, Some(progress(label))).map_err(|e| e.to_string())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.cmd {
+        Cmd::Random(a) => run_random(a),
+        Cmd::Convert(a) => run_convert(a),
+    };
+    match res {
+        Ok(s) => {
+            report(&s);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("strata-gguf: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! `strata-gguf` end to end: a tiny random model from flags reads back with the layout the
+//! planner synthesizes, a descriptor conflict and a bad preset fail with exit 1 and a message.
+
+use std::process::Command;
+use strata_schemas::arch::{expected_tensors, QuantRecipe};
+use strata_schemas::gguf::read_gguf;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_strata-gguf"))
+}
+
+#[test]
+fn random_from_flags_matches_the_synthesized_layout() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("tiny.gguf");
+    let o = bin()
+        .args([
+            "random", "--arch", "qwen3moe", "--preset", "Q8_0", "--layers", "2",
+        ])
+        .args([
+            "--embd",
+            "64",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "32",
+        ])
+        .args([
+            "--experts",
+            "4",
+            "--experts-used",
+            "2",
+            "--ff-exp",
+            "32",
+            "--vocab",
+            "64",
+        ])
+        .args(["--seed", "3", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("MB/s"), "{err}");
+    let f = read_gguf(&out).unwrap();
+    assert_eq!(f.get_str("general.name").unwrap(), Some("random qwen3moe"));
+    let mut hp = strata_schemas::inventory::HParams {
+        n_layer: 2,
+        n_embd: 64,
+        n_vocab: 64,
+        n_head: 2,
+        n_head_kv: 1,
+        head_dim_k: 32,
+        head_dim_v: 32,
+        n_expert: 4,
+        n_expert_used: 2,
+        n_ff_exp: 32,
+        n_ctx_train: 40_960,
+        n_ff: 0,
+        n_ff_shexp: 0,
+        n_leading_dense: 0,
+        full_attention_interval: None,
+        ssm: None,
+        nextn_predict_layers: 0,
+        rope_theta: 1e6,
+        rope_dim: None,
+        rms_eps: 1e-6,
+        norm_topk_prob: true,
+        tied_embeddings: false,
+    };
+    let want = expected_tensors("qwen3moe", &hp, &QuantRecipe::preset("Q8_0").unwrap()).unwrap();
+    let got: Vec<_> = f
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dims.clone(), t.ggml_type))
+        .collect();
+    let exp: Vec<_> = want
+        .iter()
+        .map(|t| (t.name.clone(), t.dims.clone(), t.ggml_type))
+        .collect();
+    assert_eq!(got, exp);
+    hp.n_layer = 3;
+    assert_ne!(
+        expected_tensors("qwen3moe", &hp, &QuantRecipe::preset("Q8_0").unwrap())
+            .unwrap()
+            .len(),
+        got.len()
+    );
+}
+
+#[test]
+fn bad_input_exits_1_with_a_message() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("x.gguf");
+    let o = bin()
+        .args(["random", "--arch", "qwen3moe", "--preset", "Q9", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--preset Q9") && err.contains("Q8_0"), "{err}");
+    let o = bin()
+        .args(["random", "--arch", "qwen3moe", "--ssm-inner", "64", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--ssm-*"));
+    let o = bin()
+        .args(["convert", "/nonexistent-dir", "--type", "q6_k", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--type q6_k"));
+    assert!(!out.exists());
+}
