@@ -358,6 +358,7 @@ fn model_info_on_a_plannable_gguf_and_a_descriptor() {
     let b = json_of(&plan_cmd(&["model-info", &d, "--format", "json"]));
     assert_eq!(a["arch"], "qwen3moe");
     assert_eq!(a["plannable"], true);
+    assert_eq!(a["planning_note"], Value::Null);
     assert_eq!(a["name"], "Tiny-MoE");
     for k in ["params", "total_bytes", "bytes", "quant_mix", "tensors"] {
         assert_eq!(a[k], b[k], "{k}");

@@ -13,6 +13,7 @@
 use crate::arch;
 use crate::ggml::GgmlType;
 use crate::gguf::{model, GgufFile, GgufValue};
+use crate::graph::{forward_graph, GraphParams};
 use crate::inventory::{ModelInventory, TensorRole};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -176,14 +177,7 @@ pub fn model_info_from_gguf(g: &GgufFile) -> ModelInfo {
     }
     let (bytes, quant_mix, params, total_bytes, tensors) = acc.mix();
     let (plannable, planning_note) = match model::inventory_from_gguf(g) {
-        Ok(_) if model::is_fully_checked(&arch) => (true, None),
-        Ok(_) => (
-            true,
-            Some(format!(
-                "`{arch}` is mapped for planning sizes only (tensor layout not checked in full; the executor runs {})",
-                arch::SUPPORTED.join(", ")
-            )),
-        ),
+        Ok(inv) => (true, planning_note(&inv)),
         Err(e) => (false, Some(e.to_string())),
     };
     ModelInfo {
@@ -199,6 +193,34 @@ pub fn model_info_from_gguf(g: &GgufFile) -> ModelInfo {
         hparams,
         plannable,
         planning_note,
+    }
+}
+
+/// What is approximate when planning `inv`: a layout mapped for sizes only, and a missing
+/// forward graph (the planner then cannot size the scratch).
+fn planning_note(inv: &ModelInventory) -> Option<String> {
+    let arch = inv.arch.as_str();
+    let mut notes = Vec::new();
+    if !model::is_fully_checked(arch) {
+        notes.push(format!(
+            "`{arch}` is mapped for planning sizes only (tensor layout not checked in full; the executor runs {})",
+            arch::SUPPORTED.join(", ")
+        ));
+    }
+    let probe = GraphParams {
+        tokens: 1,
+        logits_rows: 1,
+        ctx_cells: 1,
+    };
+    if forward_graph(arch, &inv.hparams, &probe).is_err() {
+        notes.push(format!(
+            "no forward graph for `{arch}` yet: plans leave its scratch unsized"
+        ));
+    }
+    if notes.is_empty() {
+        None
+    } else {
+        Some(notes.join("; "))
     }
 }
 
@@ -231,7 +253,7 @@ pub fn model_info_from_inventory(inv: &ModelInventory, source: &str) -> ModelInf
         quant_mix,
         hparams,
         plannable: model::PLANNABLE.contains(&inv.arch.as_str()),
-        planning_note: None,
+        planning_note: planning_note(inv),
     }
 }
 
@@ -419,6 +441,7 @@ mod tests {
         assert_eq!(b.experts, experts);
         assert_eq!(b.embedding, inv.tensor("token_embd.weight").unwrap().bytes);
         assert!(a.plannable);
+        assert_eq!(a.planning_note, None);
 
         // The same model as a GGUF describes the same.
         let kv = kv(

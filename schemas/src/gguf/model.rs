@@ -679,6 +679,7 @@ pub(crate) mod testfile {
     /// A metadata value for [`gguf_bytes`].
     #[derive(Clone, Debug)]
     pub enum V {
+        U16(u16),
         U32(u32),
         U64(u64),
         F32(f32),
@@ -696,6 +697,7 @@ pub(crate) mod testfile {
         let mut b = B::new().header(3, tensors.len() as u64, kv.len() as u64);
         for (k, v) in kv {
             b = match v {
+                V::U16(x) => b.kv_u16(k, *x),
                 V::U32(x) => b.kv_u32(k, *x),
                 V::U64(x) => b.str(k).u32(t::U64).u64(*x),
                 V::F32(x) => b.str(k).u32(t::F32).bytes(&x.to_le_bytes()),
@@ -906,6 +908,40 @@ mod tests {
             loc.offset,
             g.data_offset + g.tensor("blk.4.nextn.eh_proj.weight").unwrap().offset
         );
+    }
+
+    #[test]
+    fn split_files_map_with_per_part_offsets() {
+        let hp = small_moe();
+        let want = descriptor_inv("qwen3moe", &hp);
+        let all = table(&want.tensors);
+        let (a, b) = all.split_at(all.len() / 2);
+        let split = |no: u16| {
+            vec![
+                ("split.no".to_string(), V::U16(no)),
+                ("split.count".to_string(), V::U16(2)),
+            ]
+        };
+        let mut kv1 = meta("qwen3moe", &hp);
+        kv1.extend(split(0));
+        let dir = tempfile::tempdir().unwrap();
+        let first = dir.path().join("m-00001-of-00002.gguf");
+        std::fs::write(&first, gguf_bytes(&kv1, a)).unwrap();
+        std::fs::write(
+            dir.path().join("m-00002-of-00002.gguf"),
+            gguf_bytes(&split(1), b),
+        )
+        .unwrap();
+        let (inv, g) = load_gguf_model(&first).unwrap();
+        assert_eq!(g.parts.len(), 2);
+        assert_eq!(inv.fingerprint(), want.fingerprint());
+        // The first tensor of part 2 starts its data section: offset 0 there.
+        let name = &b[0].0;
+        assert_eq!(inv.tensor(name).unwrap().file_offset, Some(0));
+        let loc = tensor_location(&g, name).unwrap();
+        assert_eq!(loc.part, 1);
+        assert!(loc.path.ends_with("m-00002-of-00002.gguf"));
+        assert_eq!(loc.offset, g.parts[1].data_offset);
     }
 
     #[test]
