@@ -89,7 +89,7 @@ fn gguf(kv: &[(String, V)], tensors: &[Tensor]) -> Vec<u8> {
         b.extend(off.to_le_bytes());
         off += ty.tensor_bytes(dims).unwrap().div_ceil(32) * 32;
     }
-    while b.len() % 32 != 0 {
+    while !b.len().is_multiple_of(32) {
         b.push(0);
     }
     b.resize(b.len() + off as usize, 0);

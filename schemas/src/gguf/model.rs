@@ -101,13 +101,14 @@ impl GgufModelError {
     pub fn tensor(&self) -> Option<&str> {
         match self {
             GgufModelError::BadTensor { tensor, .. } => Some(tensor),
-            GgufModelError::Layout { source, .. } => match source {
-                InventoryError::BadShape { tensor, .. }
-                | InventoryError::Missing { tensor, .. }
-                | InventoryError::Unexpected { tensor, .. }
-                | InventoryError::WrongShape { tensor, .. } => Some(tensor),
-                _ => None,
-            },
+            GgufModelError::Layout {
+                source:
+                    InventoryError::BadShape { tensor, .. }
+                    | InventoryError::Missing { tensor, .. }
+                    | InventoryError::Unexpected { tensor, .. }
+                    | InventoryError::WrongShape { tensor, .. },
+                ..
+            } => Some(tensor),
             _ => None,
         }
     }
@@ -234,7 +235,7 @@ fn sort_canonical(tensors: &mut [TensorInfo], canonical: &BTreeMap<String, usize
             ((group, t.layer.unwrap_or(0), canon, i), t)
         })
         .collect();
-    keyed.sort_by(|a, b| a.0.cmp(&b.0));
+    keyed.sort_by_key(|k| k.0);
     for (slot, (_, t)) in tensors.iter_mut().zip(keyed) {
         *slot = t;
     }
@@ -570,7 +571,7 @@ impl Meta<'_> {
         let periodic = main
             .iter()
             .enumerate()
-            .all(|(i, r)| *r == ((i as u64 + 1) % u64::from(k) != 0));
+            .all(|(i, r)| *r != (i as u64 + 1).is_multiple_of(u64::from(k)));
         if !periodic {
             return Err(self.bad(
                 "attention.recurrent_layers",
@@ -605,7 +606,7 @@ impl Meta<'_> {
                 ),
             ));
         }
-        if hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0 {
+        if hp.n_head_kv == 0 || !hp.n_head.is_multiple_of(hp.n_head_kv) {
             return Err(self.bad(
                 "attention.head_count_kv",
                 format!(
