@@ -4,5 +4,7 @@
 //! float32, and allocates nothing per token once its scratch is warm.
 
 pub mod backend;
+pub mod engine;
 pub mod model;
 pub mod quant;
+pub mod sampler;

@@ -384,7 +384,7 @@ mod tests {
     }
 
     fn next_hp() -> HParams {
-        let mut hp = crate::arch::tests::qwen3_next();
+        let mut hp = crate::known::qwen3_next_80b_a3b();
         hp.n_layer = 4;
         hp.n_embd = 64;
         hp.n_vocab = 128;

@@ -1,0 +1,59 @@
+//! The seam between the executor and whoever drives it (the CLI, the HTTP server): a fixed
+//! set of slots, prefill in chunks, decode of several slots together.
+//! Invariant: an engine never allocates per token after start-up, and every slot's context is
+//! bounded by `EngineInfo::max_context` (the plan's); requests beyond it are refused, not grown.
+
+/// What a driver needs to know about an engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineInfo {
+    /// Model name (for `/v1/models`).
+    pub model_name: String,
+    /// Planned slots.
+    pub n_slots: usize,
+    /// Planned cells per slot (prompt + generated tokens).
+    pub max_context: u64,
+    /// Largest prefill chunk.
+    pub ubatch: usize,
+    pub n_vocab: usize,
+}
+
+/// Counters a driver reports (e.g. on `/metrics`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub expert_hits: u64,
+    pub expert_misses: u64,
+    /// Context cells in use, per slot.
+    pub kv_cells_in_use: Vec<u64>,
+}
+
+/// A request an engine cannot run, or a failure inside it.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The request is wrong (bad slot, context overflow, token out of the vocabulary).
+    #[error("{0}")]
+    Request(String),
+    /// Something failed inside the engine.
+    #[error("engine failure: {0}")]
+    Internal(String),
+}
+
+/// A model bound to planned memory, driven one step at a time.
+pub trait Engine: Send {
+    fn info(&self) -> &EngineInfo;
+    /// Append up to `info().ubatch` prompt tokens to `slot`'s context. When `want_logits`,
+    /// returns the logits (n_vocab) of the last token fed.
+    fn prefill(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        want_logits: bool,
+    ) -> Result<Option<&[f32]>, EngineError>;
+    /// One decode step of several slots together: entry i appends `token` to `slot` and
+    /// gets logits row i (`batch.len() x n_vocab`).
+    fn decode(&mut self, batch: &[(usize, u32)]) -> Result<&[f32], EngineError>;
+    /// Forget `slot`'s context so it can take a new request.
+    fn reset_slot(&mut self, slot: usize);
+    /// Cells of `slot`'s context in use.
+    fn slot_len(&self, slot: usize) -> u64;
+    fn stats(&self) -> EngineStats;
+}
