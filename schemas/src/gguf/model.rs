@@ -724,6 +724,9 @@ pub(crate) mod testfile {
         b.done()
     }
 
+    /// One tensor record: name, GGUF dims, type.
+    pub type TestTensor = (String, Vec<u64>, GgmlType);
+
     /// The tensor table of an inventory, as `gguf_bytes` takes it.
     pub fn table(ts: &[TensorInfo]) -> Vec<(String, Vec<u64>, GgmlType)> {
         ts.iter()
@@ -1028,7 +1031,7 @@ mod tests {
     }
 
     /// A deepseek2-Lite-like file: 1 leading dense block, MLA, 2 shared experts.
-    fn deepseek2_file(n_exp_in_file: u64) -> (Vec<(String, V)>, Vec<(String, Vec<u64>, GgmlType)>) {
+    fn deepseek2_file(n_exp_in_file: u64) -> (Vec<(String, V)>, Vec<TestTensor>) {
         let (e, v, ne, ff, fe) = (64u64, 128u64, 8u64, 96u64, 32u64);
         let kv = kv(
             "deepseek2",
