@@ -57,6 +57,15 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
+    /// Describe a model: architecture, parameters, bytes by role (dense, experts, embedding,
+    /// head, MTP), quant mix and hyperparameters. Takes any valid GGUF (also architectures
+    /// Strata cannot plan), a safetensors folder or a descriptor .toml.
+    ModelInfo {
+        /// A .gguf file, a safetensors folder or a descriptor .toml.
+        path: PathBuf,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
@@ -157,6 +166,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Some(Cmd::Inspect { plan, format }) => inspect(&plan, format),
+        Some(Cmd::ModelInfo { path, format }) => model_info(&path, format),
         None => plan(&cli.plan),
     };
     match result {
@@ -176,6 +186,18 @@ fn inspect(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> {
             serde_json::to_string_pretty(&report::plan_json(&plan)).expect("JSON value prints")
         ),
         Format::Text => print!("{}", report::plan_text(&plan)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn model_info(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> {
+    let info = strata_plan::model::model_info(path).map_err(Fail::Bad)?;
+    match format {
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&info.to_json()).expect("JSON value prints")
+        ),
+        Format::Text => print!("{}", info.to_text()),
     }
     Ok(ExitCode::SUCCESS)
 }

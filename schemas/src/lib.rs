@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod graph;
 pub mod inventory;
 pub mod known;
+pub mod modelinfo;
 pub mod plan;
 pub mod planfile;
 pub mod probe;

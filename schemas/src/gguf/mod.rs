@@ -4,6 +4,8 @@
 //! dimension, offset and size in the file was checked against the file size and the caps in
 //! [`read`]; its tensors lie inside their part's data section and never overlap.
 
+pub mod mmproj;
+pub mod model;
 pub mod read;
 pub mod write;
 #[cfg(test)]

@@ -1,0 +1,1226 @@
+//! GGUF header -> planner inventory: llama.cpp metadata keys (`{arch}.block_count`,
+//! `{arch}.expert_count`, `{arch}.ssm.*`, ...) become [`HParams`], tensor records become
+//! [`TensorInfo`]s whose role and block come from [`arch::classify`].
+//! Invariant: an inventory is returned only when its tensors match the architecture — for
+//! `qwen3moe` / `qwen3next` exactly (every tensor, every shape, via [`arch::check_tensors`]),
+//! for the planning-only architectures (`qwen2moe`, `gpt-oss`, `deepseek2`) every expert stack
+//! has `expert_count` experts and every block index exists; any mismatch is an error naming
+//! the tensor or the key.
+//!
+//! Mapping decisions (the same model from a descriptor, a safetensors folder or a GGUF must
+//! give the same [`HParams`]):
+//! - `block_count` counts the MTP blocks too (llama.cpp: `n_layer() = block_count -
+//!   nextn_predict_layers`), so `n_layer = block_count - nextn_predict_layers`.
+//! - `n_ff` is 0 when every block is MoE, even though real files carry `feed_forward_length`
+//!   (6144 for Qwen3-30B-A3B): the descriptors set 0 and nothing reads it for MoE blocks. It is
+//!   `feed_forward_length` only when there are leading dense blocks (deepseek2).
+//! - `rope_dim` is `None` when `rope.dimension_count` equals the head dim (the whole head).
+//! - f32 metadata (`layer_norm_rms_epsilon`, `rope.freq_base`) is widened through its shortest
+//!   decimal form, so `1e-6f32` becomes `1e-6`, as a descriptor writes it.
+//! - `n_vocab` is the row count of `token_embd.weight`; tied embeddings = no `output.weight`.
+//! - `qwen3next`: `full_attention_interval` defaults to 4 (llama.cpp's default) and may come from
+//!   a periodic `attention.recurrent_layers` array; `n_ff_shexp` falls back to
+//!   `feed_forward_length` (llama.cpp's fallback).
+//! - `deepseek2` (MLA): llama.cpp caches one latent per cell — `kv_lora_rank` + the rope dims —
+//!   and reads V from it, so `n_head_kv = 1`, `head_dim_k = kv_lora_rank +
+//!   rope.dimension_count`, `head_dim_v = 0`; `n_leading_dense = leading_dense_block_count`;
+//!   the shared expert width is `expert_feed_forward_length * expert_shared_count`.
+//! - `gpt-oss`: every other block uses a 128-cell sliding window; all blocks are counted as
+//!   full attention (an over-estimate of KV, never an under-estimate).
+//! - `qwen2moe`: shared expert width from `expert_shared_feed_forward_length` (or the
+//!   `ffn_up_shexp` tensor).
+//!
+//! Tensor order: the inventory is sorted into the canonical order of
+//! [`arch::expected_tensors`] (embedding, blocks, MTP blocks, output norm, head; extras of a
+//! block after its canonical tensors), not file order, so a real file and its descriptor
+//! fingerprint the same. `TensorInfo::file_offset` is the offset relative to the data section
+//! of the split part that holds the tensor; the part itself is in the [`GgufFile`], which the
+//! caller keeps ([`load_gguf_model`] returns both, [`tensor_location`] resolves a name to the
+//! part file and absolute offset).
+
+use super::{read_gguf, GgufError, GgufFile, GgufValue};
+use crate::arch;
+use crate::inventory::{
+    HParams, InventoryError, ModelInventory, SsmParams, TensorInfo, TensorRole,
+};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Architectures `strata-plan` can plan from a GGUF file (llama.cpp `general.architecture`).
+pub const PLANNABLE: &[&str] = &["qwen3moe", "qwen3next", "qwen2moe", "gpt-oss", "deepseek2"];
+
+/// Whether `arch` is checked tensor for tensor against its layout (the executor can run it);
+/// the other [`PLANNABLE`] architectures are mapped for planning sizes only.
+pub fn is_fully_checked(arch: &str) -> bool {
+    arch::SUPPORTED.contains(&arch)
+}
+
+/// Sanity cap for block counts read from metadata.
+const MAX_BLOCKS: u64 = 4096;
+
+/// Why a GGUF file cannot be turned into a planning inventory. Every message names the file
+/// and the key or tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum GgufModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("{file}: metadata key `{key}` is missing; {hint}")]
+    MissingKey {
+        file: String,
+        key: String,
+        hint: String,
+    },
+    #[error("{file}: metadata key `{key}`: {reason}")]
+    BadKey {
+        file: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{file}: architecture `{arch}` is not supported for planning; supported are {supported} (`strata-plan model-info` still describes the file)")]
+    UnsupportedArch {
+        file: String,
+        arch: String,
+        supported: String,
+    },
+    #[error("{file}: {source}")]
+    Layout {
+        file: String,
+        #[source]
+        source: InventoryError,
+    },
+    #[error("{file}: tensor `{tensor}`: {reason}")]
+    BadTensor {
+        file: String,
+        tensor: String,
+        reason: String,
+    },
+}
+
+impl GgufModelError {
+    /// The tensor the error is about, if any.
+    pub fn tensor(&self) -> Option<&str> {
+        match self {
+            GgufModelError::BadTensor { tensor, .. } => Some(tensor),
+            GgufModelError::Layout {
+                source:
+                    InventoryError::BadShape { tensor, .. }
+                    | InventoryError::Missing { tensor, .. }
+                    | InventoryError::Unexpected { tensor, .. }
+                    | InventoryError::WrongShape { tensor, .. },
+                ..
+            } => Some(tensor),
+            _ => None,
+        }
+    }
+}
+
+/// Where a tensor's bytes are: the part file, the absolute offset in it and the length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorLocation {
+    /// Index into [`GgufFile::parts`].
+    pub part: u32,
+    /// Path of that part.
+    pub path: String,
+    /// Absolute byte offset of the tensor data in `path`.
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// Resolve a tensor name to its part file and absolute offset.
+pub fn tensor_location(g: &GgufFile, name: &str) -> Option<TensorLocation> {
+    let t = g.tensor(name)?;
+    let part = g.parts.get(t.part as usize)?;
+    Some(TensorLocation {
+        part: t.part,
+        path: part.path.clone(),
+        offset: g.tensor_file_offset(t)?,
+        bytes: t.bytes,
+    })
+}
+
+/// Read a GGUF (all parts of a split model) and map it: the inventory and the header the
+/// executor needs to find each tensor's part.
+pub fn load_gguf_model(path: &Path) -> Result<(ModelInventory, GgufFile), GgufModelError> {
+    let g = read_gguf(path)?;
+    let inv = inventory_from_gguf(&g)?;
+    Ok((inv, g))
+}
+
+/// `general.architecture` of a file, required.
+pub fn architecture(g: &GgufFile) -> Result<&str, GgufModelError> {
+    g.get_str("general.architecture")?
+        .ok_or_else(|| GgufModelError::MissingKey {
+            file: g.path.clone(),
+            key: "general.architecture".into(),
+            hint: "every llama.cpp model GGUF has it; re-convert the model with llama.cpp's convert_hf_to_gguf.py".into(),
+        })
+}
+
+/// Map a validated GGUF header to the planner's inventory (see the module docs for every
+/// mapping decision). Unsupported architectures are refused with the supported list.
+pub fn inventory_from_gguf(g: &GgufFile) -> Result<ModelInventory, GgufModelError> {
+    let arch = architecture(g)?.to_string();
+    if !PLANNABLE.contains(&arch.as_str()) {
+        return Err(GgufModelError::UnsupportedArch {
+            file: g.path.clone(),
+            arch,
+            supported: PLANNABLE.join(", "),
+        });
+    }
+    let file = g.path.clone();
+    let layout = |source| GgufModelError::Layout {
+        file: file.clone(),
+        source,
+    };
+
+    let mut tensors = Vec::with_capacity(g.tensors.len());
+    for t in &g.tensors {
+        let (role, layer) = arch::classify(&t.name);
+        let mut info = TensorInfo::new(t.name.clone(), t.dims.clone(), t.ggml_type, role, layer)
+            .map_err(layout)?;
+        info.file_offset = Some(t.offset);
+        tensors.push(info);
+    }
+
+    let m = Meta { g, arch: &arch };
+    let hp = m.hparams(&tensors)?;
+
+    let canonical: BTreeMap<String, usize> = if is_fully_checked(&arch) {
+        arch::validate_hparams(&arch, &hp).map_err(layout)?;
+        arch::check_tensors(&arch, &hp, &tensors).map_err(layout)?;
+        arch::expected_shapes(&arch, &hp)
+            .map_err(layout)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, _))| (name, i))
+            .collect()
+    } else {
+        m.check_planning(&hp, &tensors)?;
+        BTreeMap::new()
+    };
+    sort_canonical(&mut tensors, &canonical);
+
+    let name = match g.get_str("general.name")? {
+        Some(n) if !n.trim().is_empty() => n.to_string(),
+        _ => Path::new(&g.path)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into()),
+    };
+    Ok(ModelInventory {
+        arch,
+        name,
+        hparams: hp,
+        tensors,
+        vision: None,
+    })
+}
+
+/// Canonical order: embedding, blocks in order (canonical tensors first, in spec order, then
+/// extras in file order), output norm, head, then any other global tensor.
+fn sort_canonical(tensors: &mut [TensorInfo], canonical: &BTreeMap<String, usize>) {
+    let mut keyed: Vec<((u8, u32, usize, usize), TensorInfo)> = tensors
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, t)| {
+            let group = match (t.role, t.layer) {
+                (TensorRole::Embedding, None) => 0,
+                (_, Some(_)) => 1,
+                (TensorRole::OutputNorm, None) => 2,
+                (TensorRole::Head, None) => 3,
+                _ => 4,
+            };
+            let canon = canonical.get(&t.name).copied().unwrap_or(usize::MAX);
+            ((group, t.layer.unwrap_or(0), canon, i), t)
+        })
+        .collect();
+    keyed.sort_by_key(|k| k.0);
+    for (slot, (_, t)) in tensors.iter_mut().zip(keyed) {
+        *slot = t;
+    }
+}
+
+/// f32 metadata widened through its shortest decimal form (`1e-6f32` -> `1e-6`).
+fn widen(v: &GgufValue) -> Option<f64> {
+    match v {
+        GgufValue::F32(x) => x.to_string().parse::<f64>().ok(),
+        other => other.as_f64(),
+    }
+}
+
+/// Typed access to `{arch}.*` keys with errors naming the full key.
+struct Meta<'a> {
+    g: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl Meta<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    fn bad(&self, k: &str, reason: impl Into<String>) -> GgufModelError {
+        GgufModelError::BadKey {
+            file: self.g.path.clone(),
+            key: self.key(k),
+            reason: reason.into(),
+        }
+    }
+
+    fn missing(&self, k: &str) -> GgufModelError {
+        GgufModelError::MissingKey {
+            file: self.g.path.clone(),
+            key: self.key(k),
+            hint: format!(
+                "llama.cpp's `{}` loader needs it; the file is incomplete or was written by an old converter",
+                self.arch
+            ),
+        }
+    }
+
+    /// An unsigned integer, or a per-layer array of them. Arrays must be uniform for the
+    /// fully checked architectures; for the planning-only ones their maximum is used (the
+    /// larger size never under-plans).
+    fn u64_opt(&self, k: &str) -> Result<Option<u64>, GgufModelError> {
+        let key = self.key(k);
+        match self.g.get(&key) {
+            None => Ok(None),
+            Some(GgufValue::Array(a)) => {
+                let vals = a
+                    .to_u64_vec()
+                    .ok_or_else(|| self.bad(k, "is an array, but not of non-negative integers"))?;
+                let Some(max) = vals.iter().copied().max() else {
+                    return Err(self.bad(k, "is an empty array"));
+                };
+                if is_fully_checked(self.arch) && vals.iter().any(|v| *v != max) {
+                    return Err(self.bad(
+                        k,
+                        format!(
+                            "per-layer values {vals:?} differ; {} needs one value for every layer",
+                            self.arch
+                        ),
+                    ));
+                }
+                Ok(Some(max))
+            }
+            Some(_) => Ok(self.g.get_u64(&key)?),
+        }
+    }
+
+    fn u64_req(&self, k: &str) -> Result<u64, GgufModelError> {
+        self.u64_opt(k)?.ok_or_else(|| self.missing(k))
+    }
+
+    fn f64_opt(&self, k: &str) -> Result<Option<f64>, GgufModelError> {
+        let key = self.key(k);
+        match self.g.get(&key) {
+            None => Ok(None),
+            Some(v) => match widen(v) {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                Some(x) => Err(self.bad(k, format!("{x} is not a finite number"))),
+                None => Err(self.bad(k, format!("expected a number, found {}", v.type_name()))),
+            },
+        }
+    }
+
+    fn bool_opt(&self, k: &str) -> Result<Option<bool>, GgufModelError> {
+        Ok(self.g.get_bool(&self.key(k))?)
+    }
+
+    fn u32_of(&self, k: &str, v: u64) -> Result<u32, GgufModelError> {
+        if v > MAX_BLOCKS {
+            return Err(self.bad(k, format!("{v} is above the sanity limit {MAX_BLOCKS}")));
+        }
+        u32::try_from(v).map_err(|_| self.bad(k, format!("{v} does not fit in u32")))
+    }
+
+    /// `blk.{l}.{rest}` dims, if the tensor is present.
+    fn dims_of<'t>(&self, tensors: &'t [TensorInfo], name: &str) -> Option<&'t [u64]> {
+        tensors
+            .iter()
+            .find(|t| t.name == name)
+            .map(|t| t.dims.as_slice())
+    }
+
+    fn layout(&self, source: InventoryError) -> GgufModelError {
+        GgufModelError::Layout {
+            file: self.g.path.clone(),
+            source,
+        }
+    }
+
+    fn hparams(&self, tensors: &[TensorInfo]) -> Result<HParams, GgufModelError> {
+        let arch = self.arch;
+        let strict = is_fully_checked(arch);
+        let block_count = self.u64_req("block_count")?;
+        let block_count = self.u32_of("block_count", block_count)?;
+        let nextn = match self.u64_opt("nextn_predict_layers")? {
+            Some(n) => self.u32_of("nextn_predict_layers", n)?,
+            None => 0,
+        };
+        if nextn >= block_count {
+            return Err(self.bad(
+                "nextn_predict_layers",
+                format!("{nextn} MTP blocks but block_count is only {block_count} (block_count counts the MTP blocks too)"),
+            ));
+        }
+        let n_layer = block_count - nextn;
+        let n_embd = self.u64_req("embedding_length")?;
+        let n_vocab = match self.dims_of(tensors, "token_embd.weight") {
+            Some(d) if d.len() >= 2 => d[1],
+            Some(d) => {
+                return Err(GgufModelError::BadTensor {
+                    file: self.g.path.clone(),
+                    tensor: "token_embd.weight".into(),
+                    reason: format!("dims {d:?}: expected [n_embd, n_vocab]"),
+                })
+            }
+            None => {
+                return Err(self.layout(InventoryError::Missing {
+                    arch: arch.into(),
+                    tensor: "token_embd.weight".into(),
+                }))
+            }
+        };
+        let n_ctx_train = self.u64_req("context_length")?;
+        let n_head = self.u64_req("attention.head_count")?;
+        if n_head == 0 {
+            return Err(self.bad("attention.head_count", "must be greater than 0"));
+        }
+        let n_head_kv = self.u64_opt("attention.head_count_kv")?.unwrap_or(n_head);
+        let default_hd = if n_embd % n_head == 0 {
+            Some(n_embd / n_head)
+        } else {
+            None
+        };
+        let head_dim = |k: &str| -> Result<u64, GgufModelError> {
+            match (self.u64_opt(k)?, default_hd) {
+                (Some(v), _) | (None, Some(v)) => Ok(v),
+                (None, None) => Err(self.bad(
+                    k,
+                    format!("is missing and embedding_length {n_embd} is not a multiple of attention.head_count {n_head}"),
+                )),
+            }
+        };
+        let head_dim_k = head_dim("attention.key_length")?;
+        let head_dim_v = head_dim("attention.value_length")?;
+        let n_expert = self.u64_req("expert_count")?;
+        let n_expert_used = self.u64_req("expert_used_count")?;
+        let n_ff_exp = match self.u64_opt("expert_feed_forward_length")? {
+            Some(v) => v,
+            None if !strict => self
+                .first_expert_width(tensors)
+                .ok_or_else(|| self.missing("expert_feed_forward_length"))?,
+            None => return Err(self.missing("expert_feed_forward_length")),
+        };
+        let rms_eps = match self.f64_opt("attention.layer_norm_rms_epsilon")? {
+            Some(e) => e,
+            None if strict => return Err(self.missing("attention.layer_norm_rms_epsilon")),
+            None => 1e-6,
+        };
+        // llama.cpp's default freq_base.
+        let rope_theta = self.f64_opt("rope.freq_base")?.unwrap_or(10_000.0);
+        let rope_dim = self.u64_opt("rope.dimension_count")?;
+        let norm_default = matches!(arch, "qwen3moe" | "qwen3next" | "gpt-oss");
+        let norm_topk_prob = self
+            .bool_opt("expert_weights_norm")?
+            .unwrap_or(norm_default);
+
+        let mut hp = HParams {
+            n_layer,
+            n_embd,
+            n_vocab,
+            n_ctx_train,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            n_ff: 0,
+            n_expert,
+            n_expert_used,
+            n_ff_exp,
+            n_ff_shexp: 0,
+            n_leading_dense: 0,
+            full_attention_interval: None,
+            ssm: None,
+            nextn_predict_layers: nextn,
+            rope_theta,
+            rope_dim: None,
+            rms_eps,
+            norm_topk_prob,
+            tied_embeddings: !tensors.iter().any(|t| t.name == "output.weight"),
+        };
+
+        match arch {
+            "qwen3next" => {
+                hp.ssm = Some(SsmParams {
+                    conv_kernel: self.u64_req("ssm.conv_kernel")?,
+                    state_size: self.u64_req("ssm.state_size")?,
+                    group_count: self.u64_req("ssm.group_count")?,
+                    time_step_rank: self.u64_req("ssm.time_step_rank")?,
+                    inner_size: self.u64_req("ssm.inner_size")?,
+                });
+                hp.full_attention_interval =
+                    Some(self.full_attention_interval(block_count, n_layer)?);
+                hp.n_ff_shexp = match self.u64_opt("expert_shared_feed_forward_length")? {
+                    Some(v) => v,
+                    None => self
+                        .u64_opt("feed_forward_length")?
+                        .ok_or_else(|| self.missing("expert_shared_feed_forward_length"))?,
+                };
+            }
+            "qwen2moe" => {
+                hp.n_ff_shexp = match self.u64_opt("expert_shared_feed_forward_length")? {
+                    Some(v) => v,
+                    None => self
+                        .dims_of(tensors, "blk.0.ffn_up_shexp.weight")
+                        .and_then(|d| d.get(1).copied())
+                        .unwrap_or(0),
+                };
+            }
+            "deepseek2" => {
+                let leading = self.u64_opt("leading_dense_block_count")?.unwrap_or(0);
+                let leading = self.u32_of("leading_dense_block_count", leading)?;
+                if leading > n_layer {
+                    return Err(self.bad(
+                        "leading_dense_block_count",
+                        format!("{leading} dense blocks but only {n_layer} blocks"),
+                    ));
+                }
+                hp.n_leading_dense = leading;
+                if leading > 0 {
+                    hp.n_ff = self.u64_req("feed_forward_length")?;
+                }
+                let shared = self.u64_opt("expert_shared_count")?.unwrap_or(0);
+                hp.n_ff_shexp = n_ff_exp.checked_mul(shared).ok_or_else(|| {
+                    self.bad(
+                        "expert_shared_count",
+                        "times expert_feed_forward_length overflows",
+                    )
+                })?;
+                // MLA: one latent of kv_lora_rank plus the rope dims per cell, V read from it.
+                let kv_lora = self.u64_req("attention.kv_lora_rank")?;
+                let rope = rope_dim.ok_or_else(|| self.missing("rope.dimension_count"))?;
+                hp.n_head_kv = 1;
+                hp.head_dim_k = kv_lora.checked_add(rope).ok_or_else(|| {
+                    self.bad(
+                        "attention.kv_lora_rank",
+                        "plus rope.dimension_count overflows",
+                    )
+                })?;
+                hp.head_dim_v = 0;
+            }
+            // qwen3moe, gpt-oss: every block MoE, no shared expert.
+            _ => {}
+        }
+        hp.rope_dim = rope_dim.filter(|r| *r != hp.head_dim_k);
+        Ok(hp)
+    }
+
+    /// Width of the first routed expert stack (`ffn_up_exps` or `ffn_gate_exps`, dims[1]).
+    fn first_expert_width(&self, tensors: &[TensorInfo]) -> Option<u64> {
+        tensors
+            .iter()
+            .filter(|t| t.role == TensorRole::ExpertStack)
+            .find(|t| {
+                t.name.contains("ffn_up_exps.weight") || t.name.contains("ffn_gate_exps.weight")
+            })
+            .and_then(|t| t.dims.get(1).copied())
+    }
+
+    /// qwen3next: `full_attention_interval`, else a periodic `attention.recurrent_layers`
+    /// array, else llama.cpp's default 4.
+    fn full_attention_interval(
+        &self,
+        block_count: u32,
+        n_layer: u32,
+    ) -> Result<u32, GgufModelError> {
+        if let Some(k) = self.u64_opt("full_attention_interval")? {
+            return u32::try_from(k).ok().filter(|k| *k > 0).ok_or_else(|| {
+                self.bad(
+                    "full_attention_interval",
+                    format!("{k} must be between 1 and 2^32-1"),
+                )
+            });
+        }
+        let key = self.key("attention.recurrent_layers");
+        let Some(a) = self.g.get_array(&key)? else {
+            return Ok(4);
+        };
+        let flags: Vec<bool> = match a {
+            super::GgufArray::Bool(v) => v.clone(),
+            other => other
+                .to_u64_vec()
+                .map(|v| v.iter().map(|x| *x != 0).collect())
+                .ok_or_else(|| {
+                    self.bad("attention.recurrent_layers", "must be an array of bools")
+                })?,
+        };
+        if flags.len() != block_count as usize && flags.len() != n_layer as usize {
+            return Err(self.bad(
+                "attention.recurrent_layers",
+                format!("{} entries, block_count is {block_count}", flags.len()),
+            ));
+        }
+        let main = &flags[..(n_layer as usize).min(flags.len())];
+        let Some(first_full) = main.iter().position(|r| !r) else {
+            return Err(self.bad("attention.recurrent_layers", "no full-attention layer"));
+        };
+        let k = u32::try_from(first_full + 1).unwrap_or(u32::MAX);
+        let periodic = main
+            .iter()
+            .enumerate()
+            .all(|(i, r)| *r != (i as u64 + 1).is_multiple_of(u64::from(k)));
+        if !periodic {
+            return Err(self.bad(
+                "attention.recurrent_layers",
+                "the layer pattern is not periodic (every k-th layer full attention); Strata cannot plan it",
+            ));
+        }
+        Ok(k)
+    }
+
+    /// Checks for the planning-only architectures: every block index exists, every expert
+    /// stack has `expert_count` experts and sits in a block that has experts, and every MoE
+    /// block has its down-projection stack.
+    fn check_planning(&self, hp: &HParams, tensors: &[TensorInfo]) -> Result<(), GgufModelError> {
+        let file = &self.g.path;
+        let bad_tensor = |t: &TensorInfo, reason: String| GgufModelError::BadTensor {
+            file: file.clone(),
+            tensor: t.name.clone(),
+            reason,
+        };
+        if hp.n_embd == 0 {
+            return Err(self.bad("embedding_length", "must be greater than 0"));
+        }
+        if hp.n_expert == 0 {
+            return Err(self.bad("expert_count", "must be greater than 0 for an MoE model"));
+        }
+        if hp.n_expert_used == 0 || hp.n_expert_used > hp.n_expert {
+            return Err(self.bad(
+                "expert_used_count",
+                format!(
+                    "{} must be between 1 and expert_count {}",
+                    hp.n_expert_used, hp.n_expert
+                ),
+            ));
+        }
+        if hp.n_head_kv == 0 || !hp.n_head.is_multiple_of(hp.n_head_kv) {
+            return Err(self.bad(
+                "attention.head_count_kv",
+                format!(
+                    "{} must divide attention.head_count {}",
+                    hp.n_head_kv, hp.n_head
+                ),
+            ));
+        }
+        let blocks = hp.n_blocks_total();
+        for t in tensors {
+            if let Some(l) = t.layer {
+                if l >= blocks {
+                    return Err(bad_tensor(
+                        t,
+                        format!("belongs to block {l}, but block_count is {blocks}"),
+                    ));
+                }
+            }
+            if t.role == TensorRole::ExpertStack {
+                let last = t.dims.last().copied().unwrap_or(1);
+                if last != hp.n_expert {
+                    return Err(bad_tensor(
+                        t,
+                        format!(
+                            "dims {:?}: the last dim is the expert index and must be expert_count {}",
+                            t.dims, hp.n_expert
+                        ),
+                    ));
+                }
+                match t.layer {
+                    Some(l) if hp.layer_has_experts(l) => {}
+                    Some(l) => {
+                        return Err(bad_tensor(
+                            t,
+                            format!(
+                                "block {l} is one of the leading_dense_block_count {} dense blocks",
+                                hp.n_leading_dense
+                            ),
+                        ))
+                    }
+                    None => return Err(bad_tensor(t, "an expert stack outside any block".into())),
+                }
+            }
+        }
+        for l in hp.n_leading_dense..hp.n_layer {
+            let has_down = tensors.iter().any(|t| {
+                t.layer == Some(l)
+                    && t.role == TensorRole::ExpertStack
+                    && t.name.contains("ffn_down_exps")
+            });
+            if !has_down {
+                return Err(self.layout(InventoryError::Missing {
+                    arch: self.arch.into(),
+                    tensor: format!("blk.{l}.ffn_down_exps.weight"),
+                }));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Test-only GGUF writer: metadata and tensors (zero data) with correct alignment, for the
+/// tests of this module, `mmproj` and `modelinfo`.
+#[cfg(test)]
+pub(crate) mod testfile {
+    use super::super::testutil::B;
+    use super::super::value_type as t;
+    use crate::ggml::GgmlType;
+    use crate::inventory::TensorInfo;
+
+    /// A metadata value for [`gguf_bytes`].
+    #[derive(Clone, Debug)]
+    pub enum V {
+        U16(u16),
+        U32(u32),
+        U64(u64),
+        F32(f32),
+        Bool(bool),
+        Str(String),
+        BoolArr(Vec<bool>),
+    }
+
+    pub fn s(v: &str) -> V {
+        V::Str(v.to_string())
+    }
+
+    /// A GGUF v3 file with `kv` and `tensors` (data zero-filled, 32-byte aligned).
+    pub fn gguf_bytes(kv: &[(String, V)], tensors: &[(String, Vec<u64>, GgmlType)]) -> Vec<u8> {
+        let mut b = B::new().header(3, tensors.len() as u64, kv.len() as u64);
+        for (k, v) in kv {
+            b = match v {
+                V::U16(x) => b.kv_u16(k, *x),
+                V::U32(x) => b.kv_u32(k, *x),
+                V::U64(x) => b.str(k).u32(t::U64).u64(*x),
+                V::F32(x) => b.str(k).u32(t::F32).bytes(&x.to_le_bytes()),
+                V::Bool(x) => b.kv_bool(k, u8::from(*x)),
+                V::Str(x) => b.kv_str(k, x),
+                V::BoolArr(xs) => {
+                    let mut b = b.str(k).u32(t::ARRAY).u32(t::BOOL).u64(xs.len() as u64);
+                    for x in xs {
+                        b = b.u8(u8::from(*x));
+                    }
+                    b
+                }
+            };
+        }
+        let mut offset = 0u64;
+        for (name, dims, ty) in tensors {
+            b = b.tensor(name, dims, ty.id(), offset);
+            let bytes = ty.tensor_bytes(dims).expect("test tensor fits its type");
+            offset += bytes.div_ceil(32) * 32;
+        }
+        let mut b = b.pad(32);
+        b.buf.resize(b.buf.len() + offset as usize, 0);
+        b.done()
+    }
+
+    /// One tensor record: name, GGUF dims, type.
+    pub type TestTensor = (String, Vec<u64>, GgmlType);
+
+    /// The tensor table of an inventory, as `gguf_bytes` takes it.
+    pub fn table(ts: &[TensorInfo]) -> Vec<(String, Vec<u64>, GgmlType)> {
+        ts.iter()
+            .map(|t| (t.name.clone(), t.dims.clone(), t.ggml_type))
+            .collect()
+    }
+
+    pub fn kv(arch: &str, pairs: &[(&str, V)]) -> Vec<(String, V)> {
+        let mut out = vec![("general.architecture".to_string(), s(arch))];
+        for (k, v) in pairs {
+            let key = if k.starts_with("general.") || k.starts_with("clip.") {
+                k.to_string()
+            } else {
+                format!("{arch}.{k}")
+            };
+            out.push((key, v.clone()));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testfile::*;
+    use super::*;
+    use crate::arch::{expected_tensors, QuantRecipe};
+    use crate::ggml::GgmlType;
+    use crate::gguf::parse_gguf_bytes;
+
+    fn small_moe() -> HParams {
+        HParams {
+            n_layer: 2,
+            n_embd: 64,
+            n_vocab: 128,
+            n_ctx_train: 4096,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim_k: 16,
+            head_dim_v: 16,
+            n_ff: 0,
+            n_expert: 4,
+            n_expert_used: 2,
+            n_ff_exp: 32,
+            n_ff_shexp: 0,
+            n_leading_dense: 0,
+            full_attention_interval: None,
+            ssm: None,
+            nextn_predict_layers: 0,
+            rope_theta: 1e6,
+            rope_dim: None,
+            rms_eps: 1e-6,
+            norm_topk_prob: true,
+            tied_embeddings: false,
+        }
+    }
+
+    fn small_next() -> HParams {
+        HParams {
+            n_layer: 4,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim_k: 32,
+            head_dim_v: 32,
+            n_ff_shexp: 32,
+            full_attention_interval: Some(4),
+            ssm: Some(SsmParams {
+                conv_kernel: 4,
+                state_size: 16,
+                group_count: 2,
+                time_step_rank: 4,
+                inner_size: 64,
+            }),
+            nextn_predict_layers: 1,
+            rope_theta: 1e7,
+            rope_dim: Some(8),
+            ..small_moe()
+        }
+    }
+
+    /// llama.cpp metadata for `hp` (what the converter writes), with the real-file extras a
+    /// descriptor does not have (`feed_forward_length`, a full-head `rope.dimension_count`).
+    fn meta(arch: &str, hp: &HParams) -> Vec<(String, V)> {
+        let mut p: Vec<(&str, V)> = vec![
+            ("general.name", s("tiny")),
+            ("block_count", V::U32(hp.n_blocks_total())),
+            ("context_length", V::U64(hp.n_ctx_train)),
+            ("embedding_length", V::U32(hp.n_embd as u32)),
+            ("feed_forward_length", V::U32(96)),
+            ("attention.head_count", V::U32(hp.n_head as u32)),
+            ("attention.head_count_kv", V::U32(hp.n_head_kv as u32)),
+            ("attention.key_length", V::U32(hp.head_dim_k as u32)),
+            ("attention.value_length", V::U32(hp.head_dim_v as u32)),
+            ("rope.freq_base", V::F32(hp.rope_theta as f32)),
+            (
+                "rope.dimension_count",
+                V::U32(hp.rope_dim.unwrap_or(hp.head_dim_k) as u32),
+            ),
+            (
+                "attention.layer_norm_rms_epsilon",
+                V::F32(hp.rms_eps as f32),
+            ),
+            ("expert_count", V::U32(hp.n_expert as u32)),
+            ("expert_used_count", V::U32(hp.n_expert_used as u32)),
+            ("expert_feed_forward_length", V::U32(hp.n_ff_exp as u32)),
+        ];
+        if hp.n_ff_shexp > 0 {
+            p.push((
+                "expert_shared_feed_forward_length",
+                V::U32(hp.n_ff_shexp as u32),
+            ));
+        }
+        if hp.nextn_predict_layers > 0 {
+            p.push(("nextn_predict_layers", V::U32(hp.nextn_predict_layers)));
+        }
+        if let Some(s) = &hp.ssm {
+            p.push(("ssm.conv_kernel", V::U32(s.conv_kernel as u32)));
+            p.push(("ssm.state_size", V::U32(s.state_size as u32)));
+            p.push(("ssm.group_count", V::U32(s.group_count as u32)));
+            p.push(("ssm.time_step_rank", V::U32(s.time_step_rank as u32)));
+            p.push(("ssm.inner_size", V::U32(s.inner_size as u32)));
+        }
+        if let Some(k) = hp.full_attention_interval {
+            p.push(("full_attention_interval", V::U32(k)));
+        }
+        kv(arch, &p)
+    }
+
+    fn parse(kv: &[(String, V)], ts: &[(String, Vec<u64>, GgmlType)]) -> GgufFile {
+        parse_gguf_bytes(&gguf_bytes(kv, ts), "test.gguf").expect("valid test GGUF")
+    }
+
+    fn descriptor_inv(arch: &str, hp: &HParams) -> ModelInventory {
+        let tensors = expected_tensors(arch, hp, &QuantRecipe::preset("Q8_0").unwrap()).unwrap();
+        ModelInventory {
+            arch: arch.into(),
+            name: "tiny".into(),
+            hparams: hp.clone(),
+            tensors,
+            vision: None,
+        }
+    }
+
+    #[test]
+    fn real_file_maps_to_the_descriptor_inventory() {
+        for (arch, hp) in [("qwen3moe", small_moe()), ("qwen3next", small_next())] {
+            let want = descriptor_inv(arch, &hp);
+            // File order differs from canonical order: reversed.
+            let mut table = table(&want.tensors);
+            table.reverse();
+            let g = parse(&meta(arch, &hp), &table);
+            let got = inventory_from_gguf(&g).unwrap();
+            assert_eq!(got.hparams, hp, "{arch}");
+            assert_eq!(got.tensors.len(), want.tensors.len());
+            for (a, b) in got.tensors.iter().zip(&want.tensors) {
+                assert_eq!(
+                    (&a.name, &a.dims, a.ggml_type, a.role, a.layer, a.bytes),
+                    (&b.name, &b.dims, b.ggml_type, b.role, b.layer, b.bytes)
+                );
+                // The offset is the tensor's own, relative to the data section.
+                assert_eq!(a.file_offset, Some(g.tensor(&a.name).unwrap().offset));
+            }
+            assert_eq!(got.fingerprint(), want.fingerprint(), "{arch}");
+            assert_eq!(got.name, "tiny");
+        }
+        // The MTP block is index n_layer: block_count 5 = 4 + 1.
+        let g = parse(
+            &meta("qwen3next", &small_next()),
+            &table(&descriptor_inv("qwen3next", &small_next()).tensors),
+        );
+        let inv = inventory_from_gguf(&g).unwrap();
+        assert_eq!(inv.hparams.n_layer, 4);
+        assert_eq!(
+            inv.tensor("blk.4.nextn.eh_proj.weight").unwrap().role,
+            TensorRole::MtpExtra
+        );
+        assert_eq!(
+            inv.tensor("blk.4.ffn_up_exps.weight").unwrap().layer,
+            Some(4)
+        );
+        let loc = tensor_location(&g, "blk.4.nextn.eh_proj.weight").unwrap();
+        assert_eq!(loc.part, 0);
+        assert_eq!(
+            loc.offset,
+            g.data_offset + g.tensor("blk.4.nextn.eh_proj.weight").unwrap().offset
+        );
+    }
+
+    #[test]
+    fn split_files_map_with_per_part_offsets() {
+        let hp = small_moe();
+        let want = descriptor_inv("qwen3moe", &hp);
+        let all = table(&want.tensors);
+        let (a, b) = all.split_at(all.len() / 2);
+        let split = |no: u16| {
+            vec![
+                ("split.no".to_string(), V::U16(no)),
+                ("split.count".to_string(), V::U16(2)),
+            ]
+        };
+        let mut kv1 = meta("qwen3moe", &hp);
+        kv1.extend(split(0));
+        let dir = tempfile::tempdir().unwrap();
+        let first = dir.path().join("m-00001-of-00002.gguf");
+        std::fs::write(&first, gguf_bytes(&kv1, a)).unwrap();
+        std::fs::write(
+            dir.path().join("m-00002-of-00002.gguf"),
+            gguf_bytes(&split(1), b),
+        )
+        .unwrap();
+        let (inv, g) = load_gguf_model(&first).unwrap();
+        assert_eq!(g.parts.len(), 2);
+        assert_eq!(inv.fingerprint(), want.fingerprint());
+        // The first tensor of part 2 starts its data section: offset 0 there.
+        let name = &b[0].0;
+        assert_eq!(inv.tensor(name).unwrap().file_offset, Some(0));
+        let loc = tensor_location(&g, name).unwrap();
+        assert_eq!(loc.part, 1);
+        assert!(loc.path.ends_with("m-00002-of-00002.gguf"));
+        assert_eq!(loc.offset, g.parts[1].data_offset);
+    }
+
+    #[test]
+    fn tied_embeddings_and_recurrent_layer_array() {
+        let mut hp = small_next();
+        hp.tied_embeddings = true;
+        let want = descriptor_inv("qwen3next", &hp);
+        let mut kv = meta("qwen3next", &hp);
+        kv.retain(|(k, _)| k != "qwen3next.full_attention_interval");
+        // 4 main blocks + MTP: linear, linear, linear, full, (MTP) full.
+        kv.push((
+            "qwen3next.attention.recurrent_layers".into(),
+            V::BoolArr(vec![true, true, true, false, false]),
+        ));
+        let got = inventory_from_gguf(&parse(&kv, &table(&want.tensors))).unwrap();
+        assert!(got.hparams.tied_embeddings);
+        assert_eq!(got.hparams.full_attention_interval, Some(4));
+        assert_eq!(got.fingerprint(), want.fingerprint());
+        // Non-periodic patterns are refused, naming the key.
+        let n = kv.len() - 1;
+        kv[n].1 = V::BoolArr(vec![true, false, true, true, false]);
+        let e = inventory_from_gguf(&parse(&kv, &table(&want.tensors))).unwrap_err();
+        assert!(e.to_string().contains("attention.recurrent_layers"), "{e}");
+    }
+
+    #[test]
+    fn layout_errors_name_the_tensor() {
+        let hp = small_moe();
+        let good = table(&descriptor_inv("qwen3moe", &hp).tensors);
+        let kv = meta("qwen3moe", &hp);
+
+        let mut missing = good.clone();
+        missing.retain(|t| t.0 != "blk.1.attn_k.weight");
+        let e = inventory_from_gguf(&parse(&kv, &missing)).unwrap_err();
+        assert_eq!(e.tensor(), Some("blk.1.attn_k.weight"), "{e}");
+        assert!(e.to_string().contains("missing"), "{e}");
+
+        let mut extra = good.clone();
+        extra.push(("blk.0.bogus.weight".into(), vec![64], GgmlType::F32));
+        let e = inventory_from_gguf(&parse(&kv, &extra)).unwrap_err();
+        assert_eq!(e.tensor(), Some("blk.0.bogus.weight"), "{e}");
+
+        let mut wrong = good.clone();
+        let i = wrong
+            .iter()
+            .position(|t| t.0 == "blk.0.ffn_up_exps.weight")
+            .unwrap();
+        wrong[i].1 = vec![64, 64, 4];
+        let e = inventory_from_gguf(&parse(&kv, &wrong)).unwrap_err();
+        assert_eq!(e.tensor(), Some("blk.0.ffn_up_exps.weight"), "{e}");
+        assert!(e.to_string().contains("[64, 32, 4]"), "{e}");
+
+        // A missing required key names the full key.
+        let mut kv2 = kv.clone();
+        kv2.retain(|(k, _)| k != "qwen3moe.expert_count");
+        let e = inventory_from_gguf(&parse(&kv2, &good)).unwrap_err();
+        assert!(e.to_string().contains("`qwen3moe.expert_count`"), "{e}");
+        // A bad hyperparameter from validate_hparams names it too.
+        let mut kv3 = kv.clone();
+        for (k, v) in kv3.iter_mut() {
+            if k == "qwen3moe.expert_used_count" {
+                *v = V::U32(9);
+            }
+        }
+        let e = inventory_from_gguf(&parse(&kv3, &good)).unwrap_err();
+        assert!(e.to_string().contains("n_expert_used"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_arch_lists_the_supported_ones() {
+        let g = parse_gguf_bytes(&super::super::testutil::valid(3), "llama.gguf").unwrap();
+        let e = inventory_from_gguf(&g).unwrap_err();
+        assert!(matches!(&e, GgufModelError::UnsupportedArch { arch, .. } if arch == "llama"));
+        let msg = e.to_string();
+        for a in PLANNABLE {
+            assert!(msg.contains(a), "{msg}");
+        }
+        assert!(msg.contains("llama.gguf"), "{msg}");
+    }
+
+    fn t(name: String, dims: Vec<u64>, ty: GgmlType) -> (String, Vec<u64>, GgmlType) {
+        (name, dims, ty)
+    }
+
+    /// A deepseek2-Lite-like file: 1 leading dense block, MLA, 2 shared experts.
+    fn deepseek2_file(n_exp_in_file: u64) -> (Vec<(String, V)>, Vec<TestTensor>) {
+        let (e, v, ne, ff, fe) = (64u64, 128u64, 8u64, 96u64, 32u64);
+        let kv = kv(
+            "deepseek2",
+            &[
+                ("block_count", V::U32(3)),
+                ("context_length", V::U32(8192)),
+                ("embedding_length", V::U32(e as u32)),
+                ("feed_forward_length", V::U32(ff as u32)),
+                ("attention.head_count", V::U32(4)),
+                ("attention.head_count_kv", V::U32(4)),
+                ("attention.key_length", V::U32(24)),
+                ("attention.value_length", V::U32(16)),
+                ("attention.kv_lora_rank", V::U32(32)),
+                ("rope.dimension_count", V::U32(8)),
+                ("rope.freq_base", V::F32(10000.0)),
+                ("attention.layer_norm_rms_epsilon", V::F32(1e-6)),
+                ("leading_dense_block_count", V::U32(1)),
+                ("expert_count", V::U32(ne as u32)),
+                ("expert_used_count", V::U32(2)),
+                ("expert_shared_count", V::U32(2)),
+                ("expert_feed_forward_length", V::U32(fe as u32)),
+            ],
+        );
+        let f = GgmlType::F32;
+        let mut ts = vec![t("token_embd.weight".into(), vec![e, v], f)];
+        for l in 0..3u32 {
+            let b = |r: &str| format!("blk.{l}.{r}");
+            ts.push(t(b("attn_norm.weight"), vec![e], f));
+            ts.push(t(b("attn_q.weight"), vec![e, 4 * 24], f));
+            ts.push(t(b("attn_kv_a_mqa.weight"), vec![e, 32 + 8], f));
+            ts.push(t(b("attn_kv_a_norm.weight"), vec![32], f));
+            ts.push(t(b("attn_kv_b.weight"), vec![32, 4 * (16 + 16)], f));
+            ts.push(t(b("attn_output.weight"), vec![4 * 16, e], f));
+            ts.push(t(b("ffn_norm.weight"), vec![e], f));
+            if l == 0 {
+                ts.push(t(b("ffn_gate.weight"), vec![e, ff], f));
+                ts.push(t(b("ffn_up.weight"), vec![e, ff], f));
+                ts.push(t(b("ffn_down.weight"), vec![ff, e], f));
+            } else {
+                ts.push(t(b("ffn_gate_inp.weight"), vec![e, ne], f));
+                ts.push(t(b("ffn_gate_exps.weight"), vec![e, fe, ne], f));
+                ts.push(t(b("ffn_up_exps.weight"), vec![e, fe, n_exp_in_file], f));
+                ts.push(t(b("ffn_down_exps.weight"), vec![fe, e, ne], f));
+                ts.push(t(b("ffn_gate_shexp.weight"), vec![e, 2 * fe], f));
+                ts.push(t(b("ffn_up_shexp.weight"), vec![e, 2 * fe], f));
+                ts.push(t(b("ffn_down_shexp.weight"), vec![2 * fe, e], f));
+            }
+        }
+        ts.push(t("output_norm.weight".into(), vec![e], f));
+        ts.push(t("output.weight".into(), vec![e, v], f));
+        (kv, ts)
+    }
+
+    #[test]
+    fn deepseek2_maps_mla_and_leading_dense_blocks() {
+        let (kv, ts) = deepseek2_file(8);
+        let inv = inventory_from_gguf(&parse(&kv, &ts)).unwrap();
+        let hp = &inv.hparams;
+        assert_eq!((hp.n_layer, hp.n_leading_dense, hp.n_ff), (3, 1, 96));
+        assert_eq!((hp.n_head_kv, hp.head_dim_k, hp.head_dim_v), (1, 40, 0));
+        assert_eq!(hp.rope_dim, Some(8));
+        assert_eq!(hp.n_ff_shexp, 64);
+        assert!(!hp.norm_topk_prob);
+        assert!(!hp.layer_has_experts(0) && hp.layer_has_experts(1));
+        // KV per cell per layer at f16: (40 + 0) x 2 B.
+        assert_eq!(hp.kv_bytes_per_cell_layer(GgmlType::F16), 80);
+        assert_eq!(inv.expert_bytes(0), 0);
+        assert_eq!(inv.expert_bytes(1), 3 * 64 * 32 * 4);
+        assert_eq!(
+            inv.tensors.iter().map(|t| t.bytes).sum::<u64>(),
+            inv.total_bytes()
+        );
+
+        // An expert stack with the wrong expert count names the tensor.
+        let (kv, ts) = deepseek2_file(6);
+        let e = inventory_from_gguf(&parse(&kv, &ts)).unwrap_err();
+        assert_eq!(e.tensor(), Some("blk.1.ffn_up_exps.weight"), "{e}");
+        assert!(e.to_string().contains("expert_count 8"), "{e}");
+    }
+
+    #[test]
+    fn gpt_oss_and_qwen2moe_plan_sizes() {
+        let f = GgmlType::F32;
+        let (e, v, ne, fe) = (64u64, 128u64, 4u64, 64u64);
+        // gpt-oss: MXFP4 experts with biases, attention sinks, no shared expert.
+        let kv_oss = kv(
+            "gpt-oss",
+            &[
+                ("block_count", V::U32(2)),
+                ("context_length", V::U32(131072)),
+                ("embedding_length", V::U32(e as u32)),
+                ("feed_forward_length", V::U32(fe as u32)),
+                ("attention.head_count", V::U32(8)),
+                ("attention.head_count_kv", V::U32(2)),
+                ("attention.key_length", V::U32(16)),
+                ("attention.value_length", V::U32(16)),
+                ("attention.sliding_window", V::U32(128)),
+                ("rope.freq_base", V::F32(150000.0)),
+                ("attention.layer_norm_rms_epsilon", V::F32(1e-5)),
+                ("expert_count", V::U32(ne as u32)),
+                ("expert_used_count", V::U32(2)),
+                ("expert_feed_forward_length", V::U32(fe as u32)),
+            ],
+        );
+        let mut ts = vec![t("token_embd.weight".into(), vec![e, v], f)];
+        for l in 0..2u32 {
+            let b = |r: &str| format!("blk.{l}.{r}");
+            ts.push(t(b("attn_norm.weight"), vec![e], f));
+            ts.push(t(b("attn_q.weight"), vec![e, 128], f));
+            ts.push(t(b("attn_q.bias"), vec![128], f));
+            ts.push(t(b("attn_k.weight"), vec![e, 32], f));
+            ts.push(t(b("attn_v.weight"), vec![e, 32], f));
+            ts.push(t(b("attn_output.weight"), vec![128, e], f));
+            ts.push(t(b("attn_sinks.weight"), vec![8], f));
+            ts.push(t(b("post_attention_norm.weight"), vec![e], f));
+            ts.push(t(b("ffn_gate_inp.weight"), vec![e, ne], f));
+            ts.push(t(b("ffn_gate_inp.bias"), vec![ne], f));
+            ts.push(t(
+                b("ffn_gate_exps.weight"),
+                vec![e, fe, ne],
+                GgmlType::MXFP4,
+            ));
+            ts.push(t(b("ffn_gate_exps.bias"), vec![fe, ne], f));
+            ts.push(t(b("ffn_up_exps.weight"), vec![e, fe, ne], GgmlType::MXFP4));
+            ts.push(t(
+                b("ffn_down_exps.weight"),
+                vec![fe, e, ne],
+                GgmlType::MXFP4,
+            ));
+            ts.push(t(b("ffn_down_exps.bias"), vec![e, ne], f));
+        }
+        ts.push(t("output_norm.weight".into(), vec![e], f));
+        ts.push(t("output.weight".into(), vec![e, v], f));
+        let inv = inventory_from_gguf(&parse(&kv_oss, &ts)).unwrap();
+        assert_eq!(inv.arch, "gpt-oss");
+        let hp = &inv.hparams;
+        assert_eq!(
+            (hp.n_layer, hp.n_ff, hp.n_ff_exp, hp.n_ff_shexp),
+            (2, 0, 64, 0)
+        );
+        assert_eq!((hp.n_head, hp.n_head_kv, hp.head_dim_k), (8, 2, 16));
+        assert_eq!(hp.rope_theta, 150000.0);
+        assert_eq!(hp.rms_eps, 1e-5);
+        assert!(hp.full_attention_interval.is_none());
+        // One expert: 3 MXFP4 slices (64x64 at 17 B per 32) + the bias slices (64 + 64) x 4 B.
+        assert_eq!(inv.expert_bytes(0), 3 * 64 * 64 / 32 * 17 + (64 + 64) * 4);
+        assert_eq!(
+            inv.tensor("blk.1.ffn_down_exps.bias").unwrap().role,
+            TensorRole::ExpertStack
+        );
+
+        // qwen2moe: shared expert width from the tensor when the key is absent.
+        let kv_q2 = kv(
+            "qwen2moe",
+            &[
+                ("block_count", V::U32(1)),
+                ("context_length", V::U32(8192)),
+                ("embedding_length", V::U32(e as u32)),
+                ("attention.head_count", V::U32(4)),
+                ("attention.layer_norm_rms_epsilon", V::F32(1e-6)),
+                ("expert_count", V::U32(ne as u32)),
+                ("expert_used_count", V::U32(2)),
+                ("expert_feed_forward_length", V::U32(32)),
+            ],
+        );
+        let b = |r: &str| format!("blk.0.{r}");
+        let ts = vec![
+            t("token_embd.weight".into(), vec![e, v], f),
+            t(b("attn_q.weight"), vec![e, e], f),
+            t(b("attn_q.bias"), vec![e], f),
+            t(b("ffn_gate_inp.weight"), vec![e, ne], f),
+            t(b("ffn_gate_exps.weight"), vec![e, 32, ne], f),
+            t(b("ffn_up_exps.weight"), vec![e, 32, ne], f),
+            t(b("ffn_down_exps.weight"), vec![32, e, ne], f),
+            t(b("ffn_gate_inp_shexp.weight"), vec![e], f),
+            t(b("ffn_up_shexp.weight"), vec![e, 160], f),
+            t("output_norm.weight".into(), vec![e], f),
+        ];
+        let inv = inventory_from_gguf(&parse(&kv_q2, &ts)).unwrap();
+        let hp = &inv.hparams;
+        assert_eq!((hp.n_ff_shexp, hp.head_dim_k, hp.n_head_kv), (160, 16, 4));
+        assert!(hp.tied_embeddings);
+        assert!(!hp.norm_topk_prob);
+        assert_eq!(inv.tensors.last().unwrap().name, "output_norm.weight");
+
+        // A tensor past block_count is named.
+        let mut ts2 = ts.clone();
+        ts2.push(t("blk.7.attn_norm.weight".into(), vec![e], f));
+        let e2 = inventory_from_gguf(&parse(&kv_q2, &ts2)).unwrap_err();
+        assert_eq!(e2.tensor(), Some("blk.7.attn_norm.weight"), "{e2}");
+    }
+}
