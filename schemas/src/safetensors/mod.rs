@@ -972,6 +972,56 @@ mod tests {
         assert_eq!(StDtype::F4.bits(), 4);
     }
 
+    /// The fuzz seed corpus (see FUZZING.md): when STRATA_SAFETENSORS_SEED_DIR is set (to
+    /// `fuzz/seeds/safetensors_header`), writes the seeds there; always checks they parse.
+    #[test]
+    fn seed_corpus() {
+        let seeds: Vec<(&str, Vec<u8>)> = vec![
+            (
+                "two_tensors",
+                st_file(&[("a.weight", "BF16", &[2, 3]), ("b", "F32", &[4])]),
+            ),
+            (
+                "many_dtypes",
+                st_file(&[
+                    ("x", "F16", &[]),
+                    ("y", "I8", &[3, 1]),
+                    ("z", "F8_E4M3", &[2]),
+                    ("w", "BOOL", &[2, 2]),
+                    ("v", "U64", &[1]),
+                    ("e", "F32", &[0, 5]),
+                ]),
+            ),
+            (
+                // Out-of-order offsets, gaps, a 4-bit dtype, padded JSON, two metadata keys.
+                "padded_gap_meta",
+                raw_file(
+                    concat!(
+                        r#"{"__metadata__":{"format":"pt","note":"é"},"#,
+                        r#""late":{"dtype":"BF16","shape":[2],"data_offsets":[8,12]},"#,
+                        r#""f4":{"dtype":"F4","shape":[2,2],"data_offsets":[12,14]},"#,
+                        r#""early":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}   "#
+                    ),
+                    16,
+                ),
+            ),
+            ("empty_header", raw_file("{}", 0)),
+        ];
+        let mut total = 0;
+        for (name, bytes) in &seeds {
+            assert!(parse(bytes).is_ok(), "{name}: {:?}", parse(bytes));
+            total += bytes.len();
+        }
+        assert!(total < 8 << 10, "seeds are {total} bytes; keep them small");
+        if let Some(out) = std::env::var_os("STRATA_SAFETENSORS_SEED_DIR") {
+            let out = std::path::PathBuf::from(out);
+            std::fs::create_dir_all(&out).unwrap();
+            for (name, bytes) in &seeds {
+                std::fs::write(out.join(name), bytes).unwrap();
+            }
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
         /// Random byte flips, insertions and truncations of a valid file never panic, and
