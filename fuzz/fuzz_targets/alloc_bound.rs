@@ -4,6 +4,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 pub struct Counting;
 
@@ -34,7 +35,8 @@ unsafe impl GlobalAlloc for Counting {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             if new_size >= layout.size() {
-                let now = CURRENT.fetch_add(new_size - layout.size(), Relaxed) + new_size - layout.size();
+                let now =
+                    CURRENT.fetch_add(new_size - layout.size(), Relaxed) + new_size - layout.size();
                 PEAK.fetch_max(now, Relaxed);
             } else {
                 CURRENT.fetch_sub(layout.size() - new_size, Relaxed);
@@ -54,4 +56,14 @@ pub fn reset() -> usize {
 /// Peak bytes held above `base` since `reset` returned it.
 pub fn peak_above(base: usize) -> usize {
     PEAK.load(Relaxed).saturating_sub(base)
+}
+
+/// When `STRATA_FUZZ_ALLOC_LOG` is set, print `alloc <input bytes> <peak bytes>` to stderr for
+/// every input, so a corpus replay (`-runs=0`) measures the real peak-to-size ratio.
+#[allow(dead_code)] // not every target logs
+pub fn log(len: usize, peak: usize) {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("STRATA_FUZZ_ALLOC_LOG").is_some()) {
+        eprintln!("alloc {len} {peak}");
+    }
 }

@@ -314,12 +314,7 @@ fn check_payload<'a>(
             found: hex(&sha),
         });
     }
-    let archived = rkyv::access::<ArchivedPlan, rancor::Error>(payload).map_err(|e| {
-        PlanFileError::Archive {
-            origin: origin.to_string(),
-            reason: e.to_string(),
-        }
-    })?;
+    let archived = access_archive(payload, origin)?;
     let pairs = [
         (
             "model",
@@ -345,6 +340,14 @@ fn check_payload<'a>(
     Ok(archived)
 }
 
+/// Validate (bytecheck) a `PAYLOAD_ALIGN`-aligned archive and return its root.
+fn access_archive<'a>(payload: &'a [u8], origin: &str) -> Result<&'a ArchivedPlan, PlanFileError> {
+    rkyv::access::<ArchivedPlan, rancor::Error>(payload).map_err(|e| PlanFileError::Archive {
+        origin: origin.to_string(),
+        reason: e.to_string(),
+    })
+}
+
 fn deserialize(archived: &ArchivedPlan, origin: &str) -> Result<Plan, PlanFileError> {
     rkyv::deserialize::<Plan, rancor::Error>(archived).map_err(|e| PlanFileError::Archive {
         origin: origin.to_string(),
@@ -361,14 +364,31 @@ pub fn read_plan_bytes(bytes: &[u8]) -> Result<Plan, PlanFileError> {
 /// `read_plan_bytes` with errors naming `origin`.
 pub fn read_plan_bytes_from(bytes: &[u8], origin: &str) -> Result<Plan, PlanFileError> {
     let header = parse_header(bytes, origin)?;
-    let payload = &bytes[HDR..];
-    if (payload.as_ptr() as usize) & (PAYLOAD_ALIGN - 1) == 0 {
-        deserialize(check_payload(&header, payload, origin)?, origin)
+    with_aligned(&bytes[HDR..], |p| {
+        deserialize(check_payload(&header, p, origin)?, origin)
+    })
+}
+
+/// Run `f` on `bytes` at `PAYLOAD_ALIGN` alignment: in place when it already is, else on a
+/// single aligned copy.
+fn with_aligned<T>(bytes: &[u8], f: impl FnOnce(&[u8]) -> T) -> T {
+    if (bytes.as_ptr() as usize) & (PAYLOAD_ALIGN - 1) == 0 {
+        f(bytes)
     } else {
-        let mut aligned = AlignedVec::<PAYLOAD_ALIGN>::with_capacity(payload.len());
-        aligned.extend_from_slice(payload);
-        deserialize(check_payload(&header, aligned.as_slice(), origin)?, origin)
+        let mut aligned = AlignedVec::<PAYLOAD_ALIGN>::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        f(aligned.as_slice())
     }
+}
+
+/// Validate and decode a bare rkyv payload (the bytes after the 160-byte header) with no
+/// header, checksum or fingerprint check: the archive validator is the only guard. Meant for
+/// the `plan_payload` fuzz target, which must reach the validator that the payload checksum
+/// otherwise shields from mutated input; readers of plan files use `read_plan_bytes` or
+/// `open_plan`. Unaligned input is copied once.
+pub fn read_plan_payload(payload: &[u8]) -> Result<Plan, PlanFileError> {
+    let origin = "plan payload";
+    with_aligned(payload, |p| deserialize(access_archive(p, origin)?, origin))
 }
 
 /// Read and fully decode a plan file (copying; use `open_plan` for zero-copy access).
@@ -657,6 +677,7 @@ pub mod testing {
 mod tests {
     use super::testing::sample_plan;
     use super::*;
+    use crate::plan::Degradation;
     use proptest::prelude::*;
 
     fn valid() -> Vec<u8> {
@@ -897,6 +918,73 @@ mod tests {
             let e = read_plan_bytes(&b).unwrap_err();
             assert!(matches!(e, PlanFileError::Archive { .. }), "{n}: {e}");
         }
+    }
+
+    #[test]
+    fn bare_payload_reads_aligned_and_unaligned() {
+        let plan = sample_plan();
+        let b = valid();
+        let payload = &b[HDR..];
+        assert_eq!(read_plan_payload(payload).unwrap(), plan);
+        // Shift by one byte so the slice is surely unaligned: the copy path.
+        let mut shifted = vec![0u8; payload.len() + 1];
+        shifted[1..].copy_from_slice(payload);
+        assert_ne!((shifted[1..].as_ptr() as usize) % PAYLOAD_ALIGN, 0);
+        assert_eq!(read_plan_payload(&shifted[1..]).unwrap(), plan);
+        // rkyv puts the root at the end and ignores bytes no pointer reaches, so a whole
+        // file also decodes as a payload (the header is never read here; that is why real
+        // readers check `payload_len` and the checksum first).
+        assert_eq!(read_plan_payload(&b).unwrap(), plan);
+        for n in [0usize, 1, 8, 16] {
+            let e = read_plan_payload(&payload[..n]).unwrap_err();
+            assert!(matches!(e, PlanFileError::Archive { .. }), "{n}: {e}");
+        }
+    }
+
+    /// The fuzz seed corpora (see FUZZING.md): when STRATA_PLAN_SEED_DIR is set (to
+    /// `fuzz/seeds`), writes `plan_file/*` (whole files) and `plan_payload/*` (their rkyv
+    /// payloads); always checks that every seed reads back.
+    #[test]
+    fn seed_corpus() {
+        let mut small = sample_plan();
+        small.devices.truncate(1);
+        small.tensors.truncate(1);
+        small.degradations.clear();
+        small.suggestions.clear();
+        small.host.memlock_limit_bytes = Some(64 << 30);
+        small.devices[0].scratch.clear();
+        // Many short strings: the densest owned-vs-archived growth (an 8-byte archived
+        // string becomes 24 bytes + heap); the allocation bound is measured on this one.
+        let mut dense = sample_plan();
+        dense.suggestions = (0..64).map(|i| format!("s{i:07}")).collect();
+        dense.degradations = (0..32)
+            .map(|i| Degradation {
+                what: format!("w{i}"),
+                requested: String::new(),
+                planned: "12345678".into(),
+                reason: format!("r{i:07}"),
+            })
+            .collect();
+        let seeds = [
+            ("sample", sample_plan()),
+            ("small", small),
+            ("dense_strings", dense),
+        ];
+        let mut total = 0;
+        for (name, plan) in &seeds {
+            let file = plan_to_bytes(plan).unwrap();
+            assert_eq!(&read_plan_bytes(&file).unwrap(), plan, "{name}");
+            assert_eq!(&read_plan_payload(&file[HDR..]).unwrap(), plan, "{name}");
+            total += 2 * file.len() - HDR;
+            if let Some(out) = std::env::var_os("STRATA_PLAN_SEED_DIR") {
+                let out = PathBuf::from(out);
+                for (target, bytes) in [("plan_file", &file[..]), ("plan_payload", &file[HDR..])] {
+                    fs::create_dir_all(out.join(target)).unwrap();
+                    fs::write(out.join(target).join(name), bytes).unwrap();
+                }
+            }
+        }
+        assert!(total < 32 << 10, "seeds are {total} bytes; keep them small");
     }
 
     #[test]

@@ -446,14 +446,16 @@ fn validate(
     }
     let metadata = raw.metadata.into_iter().next().unwrap_or_default();
     {
-        let mut seen = HashSet::new();
-        for (k, _) in &metadata {
-            if !seen.insert(k.as_str()) {
-                return Err(SafetensorsError::BadMetadata {
-                    file: file(),
-                    reason: format!("key `{}` appears more than once", short(k)),
-                });
-            }
+        // A sorted list of exact capacity (16 bytes a key), not a growing HashSet: `"a":"",`
+        // is 7 input bytes, and a set's bucket overshoot on top of the 48-byte pairs broke
+        // the 16x allocation bound (see FUZZING.md).
+        let mut keys: Vec<&str> = metadata.iter().map(|(k, _)| k.as_str()).collect();
+        keys.sort_unstable();
+        if let Some(w) = keys.windows(2).find(|w| w[0] == w[1]) {
+            return Err(SafetensorsError::BadMetadata {
+                file: file(),
+                reason: format!("key `{}` appears more than once", short(w[0])),
+            });
         }
     }
 
@@ -624,6 +626,9 @@ impl<'de> Deserialize<'de> for RawMeta {
                     })?;
                     out.push((k, v));
                 }
+                // Give back the doubling overshoot: 48 bytes a pair, from as little as 6
+                // bytes of input (`"":"",`), must not be held twice over.
+                out.shrink_to_fit();
                 Ok(RawMeta(out))
             }
         }
@@ -970,6 +975,91 @@ mod tests {
         assert_eq!(StDtype::BF16.ggml_type(), Some(GgmlType::BF16));
         assert_eq!(StDtype::F8E4M3.ggml_type(), None);
         assert_eq!(StDtype::F4.bits(), 4);
+    }
+
+    /// Regression (allocation bound, found by hand while sizing the fuzz target's bound):
+    /// 4097 metadata pairs with 1- and 2-character keys, 32,709 bytes, made the reader hold
+    /// 610,245 bytes (18.7x; the fuzz bound is 16x + 64 KiB): the pairs' Vec at twice its
+    /// length plus a HashSet of the keys at up to 2.3 buckets a key. Now the pairs are shrunk
+    /// to fit and duplicates are found by sorting; the fuzz target replays it at 12.4x.
+    #[test]
+    fn many_short_metadata_keys_are_held_compactly() {
+        let chars: Vec<char> = (0x20u8..0x7f)
+            .map(char::from)
+            .filter(|c| *c != '"' && *c != '\\')
+            .collect();
+        let mut keys: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
+        for a in &chars {
+            keys.extend(chars.iter().map(|b| format!("{a}{b}")));
+        }
+        keys.truncate(4097);
+        let pairs: Vec<String> = keys.iter().map(|k| format!("\"{k}\":\"\"")).collect();
+        let bytes = raw_file(&format!("{{\"__metadata__\":{{{}}}}}", pairs.join(",")), 0);
+        assert_eq!(bytes.len(), 32_709);
+        let h = parse(&bytes).unwrap();
+        assert_eq!(h.metadata.len(), 4097);
+        assert_eq!(h.metadata.capacity(), 4097, "metadata not shrunk to fit");
+        // A duplicate among them is still found.
+        let mut dup = pairs.clone();
+        dup.push(r#""A~":"""#.to_string());
+        let bytes = raw_file(&format!("{{\"__metadata__\":{{{}}}}}", dup.join(",")), 0);
+        let Err(e) = parse(&bytes) else {
+            panic!("a duplicate metadata key was accepted")
+        };
+        assert!(
+            e.to_string().contains("key `A~` appears more than once"),
+            "{e}"
+        );
+    }
+
+    /// The fuzz seed corpus (see FUZZING.md): when STRATA_SAFETENSORS_SEED_DIR is set (to
+    /// `fuzz/seeds/safetensors_header`), writes the seeds there; always checks they parse.
+    #[test]
+    fn seed_corpus() {
+        let seeds: Vec<(&str, Vec<u8>)> = vec![
+            (
+                "two_tensors",
+                st_file(&[("a.weight", "BF16", &[2, 3]), ("b", "F32", &[4])]),
+            ),
+            (
+                "many_dtypes",
+                st_file(&[
+                    ("x", "F16", &[]),
+                    ("y", "I8", &[3, 1]),
+                    ("z", "F8_E4M3", &[2]),
+                    ("w", "BOOL", &[2, 2]),
+                    ("v", "U64", &[1]),
+                    ("e", "F32", &[0, 5]),
+                ]),
+            ),
+            (
+                // Out-of-order offsets, gaps, a 4-bit dtype, padded JSON, two metadata keys.
+                "padded_gap_meta",
+                raw_file(
+                    concat!(
+                        r#"{"__metadata__":{"format":"pt","note":"é"},"#,
+                        r#""late":{"dtype":"BF16","shape":[2],"data_offsets":[8,12]},"#,
+                        r#""f4":{"dtype":"F4","shape":[2,2],"data_offsets":[12,14]},"#,
+                        r#""early":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}   "#
+                    ),
+                    16,
+                ),
+            ),
+            ("empty_header", raw_file("{}", 0)),
+        ];
+        let mut total = 0;
+        for (name, bytes) in &seeds {
+            assert!(parse(bytes).is_ok(), "{name}: {:?}", parse(bytes));
+            total += bytes.len();
+        }
+        assert!(total < 8 << 10, "seeds are {total} bytes; keep them small");
+        if let Some(out) = std::env::var_os("STRATA_SAFETENSORS_SEED_DIR") {
+            let out = std::path::PathBuf::from(out);
+            std::fs::create_dir_all(&out).unwrap();
+            for (name, bytes) in &seeds {
+                std::fs::write(out.join(name), bytes).unwrap();
+            }
+        }
     }
 
     proptest! {
