@@ -4,7 +4,11 @@
 //! float32, and allocates nothing per token once its scratch is warm.
 
 pub mod backend;
+pub mod bind;
 pub mod engine;
+pub mod exec;
+pub mod experts;
+pub mod load;
 pub mod model;
 pub mod quant;
 pub mod sampler;
