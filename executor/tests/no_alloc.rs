@@ -83,7 +83,10 @@ fn warm_prefill_and_decode_allocate_nothing() {
         COUNTING.store(false, Ordering::SeqCst);
     });
     let n = ALLOCS.load(Ordering::SeqCst);
-    assert_eq!(n, 0, "{n} allocations in 20 decode steps and a prefill chunk");
+    assert_eq!(
+        n, 0,
+        "{n} allocations in 20 decode steps and a prefill chunk"
+    );
     // The steps did work: misses were served (copies into cache slots) and cells filled
     // past the 6-cell resident window into the spill chunks.
     assert!(e.stats().expert_misses > misses_before);

@@ -51,7 +51,12 @@ fn matches_transformers_on_every_variant() {
             // (model::hf_reference) and this engine is bit-identical to it given the same KV.
             let mut worst = 0f64;
             for (pos, row) in want.iter().enumerate() {
-                let row: Vec<f64> = row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+                let row: Vec<f64> = row
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect();
                 let scale = row.iter().fold(0f64, |m, x| m.max(x.abs()));
                 for (j, x) in row.iter().enumerate() {
                     let d = (logits[pos * v + j] as f64 - x).abs() / scale;
@@ -90,7 +95,12 @@ fn split_plans_small_caches_and_kv_spill_give_identical_logits() {
     assert_eq!(two.devices.len(), 2);
     assert_eq!(two.serve.kv_resident, 5);
     assert!(two.devices.iter().all(|d| d.expert_cache_slots == 4));
-    let spill = two.host.pinned_chunks.iter().filter(|c| c.purpose == "kv_spill").count();
+    let spill = two
+        .host
+        .pinned_chunks
+        .iter()
+        .filter(|c| c.purpose == "kv_spill")
+        .count();
     assert!(spill >= 2, "KV spill chunks on both devices");
     let mut e2 = engine("base", &two);
     assert_eq!(e2.stage_devices(), vec![0, 1]);
@@ -159,7 +169,10 @@ fn start_up_refuses_mismatches_with_numbers() {
         .unwrap();
     let msg = err.to_string();
     assert!(matches!(err, StartError::Fingerprint { .. }));
-    assert!(msg.contains(&p.model.fingerprint) && msg.contains("yarn"), "{msg}");
+    assert!(
+        msg.contains(&p.model.fingerprint) && msg.contains("yarn"),
+        "{msg}"
+    );
     // Not enough memory.
     let host = SafetensorsModel::open(&data("base")).unwrap();
     let opts = EngineOptions {
@@ -167,12 +180,23 @@ fn start_up_refuses_mismatches_with_numbers() {
         ..EngineOptions::default()
     };
     let err = PlanEngine::start(&p, Box::new(host), opts).err().unwrap();
-    assert!(matches!(err, StartError::Bind(BindError::Memory { available: 1000, .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            StartError::Bind(BindError::Memory {
+                available: 1000,
+                ..
+            })
+        ),
+        "{err}"
+    );
     // A GPU plan.
     let mut gpu = p.clone();
     gpu.devices[0].vendor = "nvidia".into();
     let host = SafetensorsModel::open(&data("base")).unwrap();
-    let err = PlanEngine::start(&gpu, Box::new(host), EngineOptions::default()).err().unwrap();
+    let err = PlanEngine::start(&gpu, Box::new(host), EngineOptions::default())
+        .err()
+        .unwrap();
     assert!(err.to_string().contains("CUDA"), "{err}");
     // A request beyond the context.
     let mut e = engine("base", &p);

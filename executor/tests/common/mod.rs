@@ -27,7 +27,8 @@ pub fn data(variant: &str) -> PathBuf {
     if dir.join("model.safetensors").exists() {
         return dir;
     }
-    let tmp = dir.with_extension(format!("tmp{:?}", std::thread::current().id()).replace(['(', ')'], ""));
+    let tmp =
+        dir.with_extension(format!("tmp{:?}", std::thread::current().id()).replace(['(', ')'], ""));
     std::fs::create_dir_all(&tmp).unwrap();
     let src = source(variant);
     let mut cfg: Value =
@@ -42,7 +43,11 @@ pub fn data(variant: &str) -> PathBuf {
     if cfg.get("rope_theta").is_none() {
         cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"].clone();
     }
-    std::fs::write(tmp.join("config.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    std::fs::write(
+        tmp.join("config.json"),
+        serde_json::to_vec_pretty(&cfg).unwrap(),
+    )
+    .unwrap();
     std::fs::copy(src.join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
     // Another test thread may have won the race; either copy is the same.
     let _ = std::fs::rename(&tmp, &dir);
@@ -51,8 +56,7 @@ pub fn data(variant: &str) -> PathBuf {
 }
 
 pub fn reference(variant: &str) -> Value {
-    serde_json::from_slice(&std::fs::read(source(variant).join("reference.json")).unwrap())
-        .unwrap()
+    serde_json::from_slice(&std::fs::read(source(variant).join("reference.json")).unwrap()).unwrap()
 }
 
 /// `n` cpu devices of 256 MiB on a host with 8 GiB available.
@@ -125,7 +129,10 @@ pub fn plan(variant: &str, ask: &Ask) -> Plan {
         kv_resident: ask.resident,
         ubatch: ask.ubatch,
         expert_cache: ask.cache,
-        layer_split: ask.split.clone().map_or(LayerSplit::Auto, LayerSplit::Bounds),
+        layer_split: ask
+            .split
+            .clone()
+            .map_or(LayerSplit::Auto, LayerSplit::Bounds),
         pinned_chunk_mib: 1,
         rope_scaling,
         ..ServeSettings::default()
