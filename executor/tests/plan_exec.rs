@@ -207,3 +207,39 @@ fn start_up_refuses_mismatches_with_numbers() {
     assert_eq!(e.slot_len(0), 64);
     assert!(e.decode(&[(0, 1)]).is_err(), "context full");
 }
+
+#[test]
+fn one_two_and_three_device_plans_agree_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    random_folder(dir.path(), 3, 64, 8, 2, 32, 128, 11);
+    let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % 128).collect();
+    let mut reference: Option<(Vec<f32>, Vec<u32>)> = None;
+    for (n, split, cache) in [
+        (1, None, ExpertCache::Auto),
+        (2, Some(vec![2]), ExpertCache::Slots(8)),
+        (3, Some(vec![1, 2]), ExpertCache::Off),
+    ] {
+        let p = plan_folder(dir.path(), n, split, cache, Some(7));
+        assert_eq!(p.devices.len(), n);
+        let host = SafetensorsModel::open(dir.path()).unwrap();
+        let mut e = PlanEngine::start(&p, Box::new(host), EngineOptions::default()).unwrap();
+        assert_eq!(
+            e.allocations(),
+            n as u64 + p.host.pinned_chunks.len() as u64
+        );
+        let got = run(&mut e, 1, &prompt, 10);
+        if n == 3 {
+            assert!(
+                e.stats().expert_misses > 0,
+                "cache off: every expert beyond the working set misses"
+            );
+        }
+        match &reference {
+            None => reference = Some(got),
+            Some(r) => {
+                assert_eq!(r.0, got.0, "{n} devices: prompt logits");
+                assert_eq!(r.1, got.1, "{n} devices: greedy tokens");
+            }
+        }
+    }
+}

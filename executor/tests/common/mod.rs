@@ -175,3 +175,130 @@ pub fn prompts(r: &Value) -> Vec<Vec<u32>> {
 pub fn argmax(row: &[f32]) -> u32 {
     strata_exec::sampler::argmax(row)
 }
+
+/// A random Qwen3-MoE Hugging Face folder (F32, single `model.safetensors`) in `dir`.
+pub fn random_folder(
+    dir: &Path,
+    n_layer: u32,
+    hidden: u64,
+    n_expert: u64,
+    used: u64,
+    ff: u64,
+    vocab: u64,
+    seed: u64,
+) {
+    let (heads, kv_heads, hd) = (4u64, 2u64, hidden / 4);
+    std::fs::create_dir_all(dir).unwrap();
+    let cfg = serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": hidden, "intermediate_size": 2 * ff, "moe_intermediate_size": ff,
+        "num_hidden_layers": n_layer, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": hd, "num_experts": n_expert, "num_experts_per_tok": used,
+        "norm_topk_prob": true, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "vocab_size": vocab, "tie_word_embeddings": false,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "float32"
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&cfg).unwrap(),
+    )
+    .unwrap();
+    let mut specs: Vec<(String, Vec<u64>, f32, f32)> = vec![
+        (
+            "model.embed_tokens.weight".into(),
+            vec![vocab, hidden],
+            1.0,
+            0.0,
+        ),
+        ("lm_head.weight".into(), vec![vocab, hidden], 0.2, 0.0),
+        ("model.norm.weight".into(), vec![hidden], 0.2, 1.0),
+    ];
+    for l in 0..n_layer {
+        let p = format!("model.layers.{l}");
+        let w = 1.0 / (hidden as f32).sqrt();
+        for (s, shape, sc, off) in [
+            ("input_layernorm", vec![hidden], 0.2, 1.0),
+            ("post_attention_layernorm", vec![hidden], 0.2, 1.0),
+            ("self_attn.q_norm", vec![hd], 0.2, 1.0),
+            ("self_attn.k_norm", vec![hd], 0.2, 1.0),
+            ("self_attn.q_proj", vec![heads * hd, hidden], w, 0.0),
+            ("self_attn.k_proj", vec![kv_heads * hd, hidden], w, 0.0),
+            ("self_attn.v_proj", vec![kv_heads * hd, hidden], w, 0.0),
+            ("self_attn.o_proj", vec![hidden, heads * hd], w, 0.0),
+            ("mlp.gate", vec![n_expert, hidden], w, 0.0),
+        ] {
+            specs.push((format!("{p}.{s}.weight"), shape, sc, off));
+        }
+        for e in 0..n_expert {
+            let m = format!("{p}.mlp.experts.{e}");
+            specs.push((format!("{m}.gate_proj.weight"), vec![ff, hidden], w, 0.0));
+            specs.push((format!("{m}.up_proj.weight"), vec![ff, hidden], w, 0.0));
+            specs.push((
+                format!("{m}.down_proj.weight"),
+                vec![hidden, ff],
+                1.0 / (ff as f32).sqrt(),
+                0.0,
+            ));
+        }
+    }
+    let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
+    let mut rnd = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let mut header = serde_json::Map::new();
+    let mut data: Vec<u8> = Vec::new();
+    for (name, shape, sc, off) in &specs {
+        let n: u64 = shape.iter().product();
+        let start = data.len();
+        for _ in 0..n {
+            data.extend_from_slice(&(off + sc * rnd()).to_le_bytes());
+        }
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    let h = serde_json::to_vec(&Value::Object(header)).unwrap();
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&h);
+    file.extend_from_slice(&data);
+    std::fs::write(dir.join("model.safetensors"), file).unwrap();
+}
+
+/// Plan a folder on `n` cpu devices with an explicit split.
+pub fn plan_folder(
+    dir: &Path,
+    n: usize,
+    split: Option<Vec<u32>>,
+    cache: ExpertCache,
+    resident: Option<u64>,
+) -> Plan {
+    let inv = strata_plan::model::load_model(dir).unwrap();
+    let probe = cpu_probe(n);
+    let settings = ServeSettings {
+        max_context: 64,
+        batch: 2,
+        kv_resident: resident,
+        ubatch: 8,
+        expert_cache: cache,
+        layer_split: split.map_or(LayerSplit::Auto, LayerSplit::Bounds),
+        pinned_chunk_mib: 1,
+        ..ServeSettings::default()
+    };
+    let req = PlanRequest {
+        inventory: &inv,
+        model_source: dir.display().to_string(),
+        probe: &probe,
+        probe_source: "test probe".into(),
+        settings: &settings,
+        profile: None,
+        vision: None,
+    };
+    match solve(&req).unwrap() {
+        Outcome::Planned(p) => *p,
+        Outcome::Infeasible(i) => panic!("infeasible: {:?}", i.reasons),
+    }
+}
