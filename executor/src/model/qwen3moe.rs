@@ -1109,7 +1109,7 @@ impl<'a> Model<'a> {
             for &t in tokens {
                 self.check_token(t)?;
             }
-        } else if hidden_in.map_or(true, |h| h.len() < n * self.d.n_embd) {
+        } else if hidden_in.is_none_or(|h| h.len() < n * self.d.n_embd) {
             return Err(ModelError::Request(format!(
                 "stage [{}, {}) needs the previous stage's hidden states ({} values)",
                 self.stage.layer_first,

@@ -176,6 +176,7 @@ pub fn argmax(row: &[f32]) -> u32 {
     strata_exec::sampler::argmax(row)
 }
 
+#[allow(clippy::too_many_arguments)]
 /// A random Qwen3-MoE Hugging Face folder (F32, single `model.safetensors`) in `dir`.
 pub fn random_folder(
     dir: &Path,
