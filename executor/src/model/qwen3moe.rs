@@ -7,7 +7,7 @@
 //! token's logits never depend on which other tokens share its batch.
 
 use super::{WeightSource, WeightView};
-use crate::backend::cpu::{self, AttnShape, KvLayer, Matrix, OpError, Rope, Yarn};
+use crate::backend::cpu::{self, AttnShape, Matrix, OpError, Rope, Yarn};
 use crate::quant::{self, QuantError};
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::inventory::{HParams, LayerKind};
@@ -131,6 +131,15 @@ struct KvGeom {
 
 impl KvGeom {
     fn new(hp: &HParams, ty: GgmlType, n_cells: usize) -> Result<Self, ModelError> {
+        Self::for_layers(hp, ty, hp.n_layer as usize, n_cells)
+    }
+
+    fn for_layers(
+        hp: &HParams,
+        ty: GgmlType,
+        n_layer: usize,
+        n_cells: usize,
+    ) -> Result<Self, ModelError> {
         if !quant::is_kv_type(ty) {
             return Err(ModelError::Kv(format!(
                 "type {ty} cannot hold KV rows: use f16 or q8_0 (or f32)"
@@ -147,7 +156,7 @@ impl KvGeom {
         let vrb = quant::row_bytes(ty, v_row_elems).map_err(kv_err)?;
         Ok(Self {
             ty,
-            n_layer: hp.n_layer as usize,
+            n_layer,
             n_cells,
             k_row_elems,
             v_row_elems,
@@ -162,8 +171,9 @@ impl KvGeom {
             .checked_mul((self.krb + self.vrb) as u64)
     }
 
-    fn layer_bytes(&self) -> usize {
-        self.n_cells * (self.krb + self.vrb)
+    /// Bytes of one cell across every layer (K and V rows).
+    fn cell_bytes(&self) -> usize {
+        self.n_layer * (self.krb + self.vrb)
     }
 }
 
@@ -195,7 +205,11 @@ impl KvBuf<'_> {
 pub struct KvCache<'a> {
     g: KvGeom,
     len: usize,
+    /// Cells `[0, n_res)`, layer-major: per layer `n_res` K rows then `n_res` V rows.
     buf: KvBuf<'a>,
+    n_res: usize,
+    /// Cells `[n_res, n_cells)`, one slice each: per layer a K row then a V row.
+    spill: Vec<&'a mut [u8]>,
 }
 
 impl<'a> KvCache<'a> {
@@ -218,6 +232,8 @@ impl<'a> KvCache<'a> {
             g,
             len: 0,
             buf: KvBuf::Owned(vec![0u8; n]),
+            n_res: n_cells,
+            spill: Vec::new(),
         })
     }
 
@@ -242,7 +258,60 @@ impl<'a> KvCache<'a> {
             g,
             len: 0,
             buf: KvBuf::Region(&mut region[..need]),
+            n_res: n_cells,
+            spill: Vec::new(),
         })
+    }
+
+    /// Bytes one cell takes across `n_layer` layers (a K row and a V row per layer): the
+    /// size of one spilled cell, and `resident / n_res` of a resident window.
+    pub fn cell_bytes(hp: &HParams, ty: GgmlType, n_layer: usize) -> Result<u64, ModelError> {
+        Ok(KvGeom::for_layers(hp, ty, n_layer, 1)?.cell_bytes() as u64)
+    }
+
+    /// A cache of a stage holding `n_layer` layers, whose first `resident_cells` cells live in
+    /// `resident` (a planned `kv_cache` slice, layer-major) and whose other cells each live
+    /// in one slice of `spill` (planned `kv_spill` host memory); capacity is
+    /// `resident_cells + spill.len()`.
+    pub fn split(
+        hp: &HParams,
+        ty: GgmlType,
+        n_layer: usize,
+        resident_cells: usize,
+        resident: &'a mut [u8],
+        spill: Vec<&'a mut [u8]>,
+    ) -> Result<Self, ModelError> {
+        let g = KvGeom::for_layers(hp, ty, n_layer, resident_cells + spill.len())?;
+        let need = g.cell_bytes() * resident_cells;
+        if resident.len() < need {
+            return Err(ModelError::Kv(format!(
+                "the resident KV slice holds {} bytes but {resident_cells} cells of {n_layer} layers of {ty} need {need}",
+                resident.len()
+            )));
+        }
+        if let Some((i, c)) = spill
+            .iter()
+            .enumerate()
+            .find(|(_, c)| c.len() < g.cell_bytes())
+        {
+            return Err(ModelError::Kv(format!(
+                "spilled KV cell {i} holds {} bytes but a cell of {n_layer} layers of {ty} needs {}",
+                c.len(),
+                g.cell_bytes()
+            )));
+        }
+        Ok(Self {
+            g,
+            len: 0,
+            buf: KvBuf::Region(&mut resident[..need]),
+            n_res: resident_cells,
+            spill,
+        })
+    }
+
+    /// Cells kept in the resident window (the rest are spilled).
+    pub fn resident_cells(&self) -> usize {
+        self.n_res
     }
 
     /// Cells filled.
@@ -275,30 +344,134 @@ impl<'a> KvCache<'a> {
         self.len = self.len.min(len);
     }
 
-    fn layer(&self, l: usize) -> KvLayer<'_> {
-        let g = &self.g;
-        let base = l * g.layer_bytes();
-        let b = self.buf.bytes();
-        let kend = base + g.n_cells * g.krb;
-        KvLayer {
-            ty: g.ty,
-            k: &b[base..kend],
-            v: &b[kend..kend + g.n_cells * g.vrb],
-            n_cells: g.n_cells,
-            k_row_elems: g.k_row_elems,
-            v_row_elems: g.v_row_elems,
+    fn layer(&self, l: usize) -> KvRead<'_> {
+        KvRead {
+            g: self.g,
+            l,
+            n_res: self.n_res,
+            res: self.buf.bytes(),
+            spill: &self.spill,
         }
     }
 
     fn write(&mut self, l: usize, cell: usize, k: &[f32], v: &[f32]) -> Result<(), QuantError> {
         let g = self.g;
-        let base = l * g.layer_bytes();
-        let b = self.buf.bytes_mut();
-        let ko = base + cell * g.krb;
-        quant::quantize_row_into(g.ty, &k[..g.k_row_elems], &mut b[ko..ko + g.krb])?;
-        let vo = base + g.n_cells * g.krb + cell * g.vrb;
-        quant::quantize_row_into(g.ty, &v[..g.v_row_elems], &mut b[vo..vo + g.vrb])
+        let (kb, vb): (&mut [u8], &mut [u8]) = if cell < self.n_res {
+            let base = l * self.n_res * (g.krb + g.vrb);
+            let b = self.buf.bytes_mut();
+            let (head, tail) = b[base..].split_at_mut(self.n_res * g.krb);
+            (
+                &mut head[cell * g.krb..(cell + 1) * g.krb],
+                &mut tail[cell * g.vrb..(cell + 1) * g.vrb],
+            )
+        } else {
+            let c = &mut self.spill[cell - self.n_res];
+            let off = l * (g.krb + g.vrb);
+            let (kb, vb) = c[off..off + g.krb + g.vrb].split_at_mut(g.krb);
+            (kb, vb)
+        };
+        quant::quantize_row_into(g.ty, &k[..g.k_row_elems], kb)?;
+        quant::quantize_row_into(g.ty, &v[..g.v_row_elems], vb)
     }
+}
+
+/// Read access to one layer of one slot's KV, wherever its cells live.
+#[derive(Clone, Copy)]
+struct KvRead<'b> {
+    g: KvGeom,
+    l: usize,
+    n_res: usize,
+    res: &'b [u8],
+    spill: &'b [&'b mut [u8]],
+}
+
+impl KvRead<'_> {
+    fn k_row(&self, c: usize) -> &[u8] {
+        let g = &self.g;
+        if c < self.n_res {
+            let base = self.l * self.n_res * (g.krb + g.vrb);
+            &self.res[base + c * g.krb..base + (c + 1) * g.krb]
+        } else {
+            let off = self.l * (g.krb + g.vrb);
+            &self.spill[c - self.n_res][off..off + g.krb]
+        }
+    }
+    fn v_row(&self, c: usize) -> &[u8] {
+        let g = &self.g;
+        if c < self.n_res {
+            let base = self.l * self.n_res * (g.krb + g.vrb) + self.n_res * g.krb;
+            &self.res[base + c * g.vrb..base + (c + 1) * g.vrb]
+        } else {
+            let off = self.l * (g.krb + g.vrb) + g.krb;
+            &self.spill[c - self.n_res][off..off + g.vrb]
+        }
+    }
+}
+
+/// Causal GQA attention over KV that may be split between a resident window and spilled
+/// cells; the same arithmetic, in the same order, as `backend::cpu::attention`, so a split
+/// cache gives bit-identical results to a contiguous one.
+fn attention_split<'b, F>(
+    shape: AttnShape,
+    q: &[f32],
+    n_tok: usize,
+    kv_of: F,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<(), ModelError>
+where
+    F: Fn(usize) -> (KvRead<'b>, usize) + Sync,
+{
+    use rayon::prelude::*;
+    let AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim_k: hdk,
+        head_dim_v: hdv,
+    } = shape;
+    for t in 0..n_tok {
+        let (kv, n_ctx) = kv_of(t);
+        if n_ctx == 0 || n_ctx > kv.g.n_cells {
+            return Err(OpError::KvRange {
+                token: t,
+                n_ctx,
+                n_cells: kv.g.n_cells,
+            }
+            .into());
+        }
+    }
+    let group = n_head / n_head_kv;
+    out[..n_tok * n_head * hdv]
+        .par_chunks_mut(hdv)
+        .enumerate()
+        .for_each(|(idx, o)| {
+            let (t, h) = (idx / n_head, idx % n_head);
+            let kvh = h / group;
+            let qh = &q[idx * hdk..(idx + 1) * hdk];
+            let (kv, n_ctx) = kv_of(t);
+            let (ty, kre, vre) = (kv.g.ty, kv.g.k_row_elems, kv.g.v_row_elems);
+            let score = |c: usize| {
+                quant::dot_range(ty, kv.k_row(c), kre, kvh * hdk, qh).unwrap_or(f32::NAN) * scale
+            };
+            let mut m = f32::NEG_INFINITY;
+            for c in 0..n_ctx {
+                m = m.max(score(c));
+            }
+            o.fill(0.0);
+            let mut sum = 0f32;
+            for c in 0..n_ctx {
+                let e = (score(c) - m).exp();
+                sum += e;
+                if quant::axpy_range(ty, kv.v_row(c), vre, kvh * hdv, e, o).is_err() {
+                    o.fill(f32::NAN);
+                    return;
+                }
+            }
+            for v in o.iter_mut() {
+                *v /= sum;
+            }
+        });
+    Ok(())
 }
 
 /// A merged expert stack (`[cols, rows, n_expert]` in GGUF order).
@@ -322,13 +495,53 @@ impl<'a> Experts<'a> {
     }
 }
 
+/// One routed expert's three matrices as a fetcher hands them out: (type, bytes) of gate
+/// (`n_ff_exp` rows of `n_embd`), up (same) and down (`n_embd` rows of `n_ff_exp`).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertBytes<'b> {
+    pub gate: (GgmlType, &'b [u8]),
+    pub up: (GgmlType, &'b [u8]),
+    pub down: (GgmlType, &'b [u8]),
+}
+
+/// Where a stage built without expert stacks gets routed experts (an expert cache). Called
+/// once per (layer, expert) a forward step uses, in increasing expert order; the bytes need
+/// only stay valid until the next call.
+pub trait ExpertFetch {
+    fn fetch(&mut self, layer: u32, expert: u32) -> Result<ExpertBytes<'_>, ModelError>;
+}
+
+/// Which part of the model a [`Model`] holds: blocks `[layer_first, layer_end)`, and the
+/// embedding / output head when it is the first / last stage of a pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageSpec {
+    pub layer_first: u32,
+    pub layer_end: u32,
+    pub embedding: bool,
+    pub head: bool,
+    /// Read routed experts from the merged stacks (`true`) or through an [`ExpertFetch`].
+    pub expert_stacks: bool,
+}
+
+impl StageSpec {
+    /// The whole model, experts from their stacks.
+    pub fn whole(hp: &HParams) -> Self {
+        Self {
+            layer_first: 0,
+            layer_end: hp.n_layer,
+            embedding: true,
+            head: true,
+            expert_stacks: true,
+        }
+    }
+}
+
 #[derive(Debug)]
 enum Ffn<'a> {
     Moe {
         gate_inp: Matrix<'a>,
-        gate: Experts<'a>,
-        up: Experts<'a>,
-        down: Experts<'a>,
+        /// gate, up, down stacks; `None` when experts come through an [`ExpertFetch`].
+        stacks: Option<(Experts<'a>, Experts<'a>, Experts<'a>)>,
     },
     Dense {
         gate: Matrix<'a>,
@@ -380,10 +593,11 @@ struct Scratch {
 pub struct Model<'a> {
     d: Dims,
     max_tok: usize,
-    embd: Matrix<'a>,
+    stage: StageSpec,
+    embd: Option<Matrix<'a>>,
     layers: Vec<Layer<'a>>,
     out_norm: Vec<f32>,
-    output: Matrix<'a>,
+    output: Option<Matrix<'a>>,
     rope: Rope,
     slots: Vec<KvCache<'a>>,
     s: Scratch,
@@ -479,6 +693,18 @@ impl<'a> Model<'a> {
         source: &'a S,
         opts: ModelOptions,
     ) -> Result<Self, ModelError> {
+        Self::new_stage(hp, source, opts, StageSpec::whole(hp))
+    }
+
+    /// Like [`Model::new`] for one pipeline stage: only the stage's tensors are read (blocks
+    /// `[layer_first, layer_end)`, the embedding and the head only where `stage` says).
+    /// Slots hold KV for the stage's blocks only.
+    pub fn new_stage<S: WeightSource + ?Sized>(
+        hp: &HParams,
+        source: &'a S,
+        opts: ModelOptions,
+        stage: StageSpec,
+    ) -> Result<Self, ModelError> {
         let hperr = |key: &'static str, reason: String| ModelError::HParam { key, reason };
         let d = Dims {
             n_layer: hp.n_layer as usize,
@@ -553,13 +779,31 @@ impl<'a> Model<'a> {
                 max: 0,
             });
         }
+        if stage.layer_first > stage.layer_end || stage.layer_end > hp.n_layer {
+            return Err(hperr(
+                "block_count",
+                format!(
+                    "stage layers [{}, {}) are not inside the model's {} blocks",
+                    stage.layer_first, stage.layer_end, hp.n_layer
+                ),
+            ));
+        }
         let ld = Loader { src: source };
-        let embd = ld.matrix("token_embd.weight", d.n_embd, d.n_vocab)?;
-        let out_norm = ld.vector("output_norm.weight", d.n_embd)?;
-        let output = if source.tensor("output.weight").is_some() || !hp.tied_embeddings {
-            ld.matrix("output.weight", d.n_embd, d.n_vocab)?
+        let embd = if stage.embedding {
+            Some(ld.matrix("token_embd.weight", d.n_embd, d.n_vocab)?)
         } else {
-            embd
+            None
+        };
+        let (out_norm, output) = if stage.head {
+            let out_norm = ld.vector("output_norm.weight", d.n_embd)?;
+            let output = if source.tensor("output.weight").is_some() || !hp.tied_embeddings {
+                ld.matrix("output.weight", d.n_embd, d.n_vocab)?
+            } else {
+                ld.matrix("token_embd.weight", d.n_embd, d.n_vocab)?
+            };
+            (out_norm, Some(output))
+        } else {
+            (Vec::new(), None)
         };
         let (q_out, kv_k, kv_v) = (
             d.n_head * d.hd_k,
@@ -567,14 +811,21 @@ impl<'a> Model<'a> {
             d.n_head_kv * d.hd_v,
         );
         let mut layers = Vec::with_capacity(d.n_layer);
-        for l in 0..d.n_layer {
+        for l in stage.layer_first as usize..stage.layer_end as usize {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             let ffn = if hp.layer_has_experts(l as u32) {
+                let stacks = if stage.expert_stacks {
+                    Some((
+                        ld.experts(&n("ffn_gate_exps"), d.n_embd, d.n_ff_exp, d.n_expert)?,
+                        ld.experts(&n("ffn_up_exps"), d.n_embd, d.n_ff_exp, d.n_expert)?,
+                        ld.experts(&n("ffn_down_exps"), d.n_ff_exp, d.n_embd, d.n_expert)?,
+                    ))
+                } else {
+                    None
+                };
                 Ffn::Moe {
                     gate_inp: ld.matrix(&n("ffn_gate_inp"), d.n_embd, d.n_expert)?,
-                    gate: ld.experts(&n("ffn_gate_exps"), d.n_embd, d.n_ff_exp, d.n_expert)?,
-                    up: ld.experts(&n("ffn_up_exps"), d.n_embd, d.n_ff_exp, d.n_expert)?,
-                    down: ld.experts(&n("ffn_down_exps"), d.n_ff_exp, d.n_embd, d.n_expert)?,
+                    stacks,
                 }
             } else {
                 if d.n_ff == 0 {
@@ -632,6 +883,7 @@ impl<'a> Model<'a> {
         Ok(Self {
             d,
             max_tok: t,
+            stage,
             embd,
             layers,
             out_norm,
@@ -653,10 +905,25 @@ impl<'a> Model<'a> {
         &self.rope
     }
 
+    /// The largest number of tokens one forward step takes.
+    pub fn max_batch_tokens(&self) -> usize {
+        self.max_tok
+    }
+
+    /// Hidden size.
+    pub fn n_embd(&self) -> usize {
+        self.d.n_embd
+    }
+
+    /// The part of the model this holds.
+    pub fn stage(&self) -> StageSpec {
+        self.stage
+    }
+
     /// Attach a slot's KV cache (built for these hyperparameters); returns its slot id.
     pub fn add_slot(&mut self, kv: KvCache<'a>) -> Result<usize, ModelError> {
         let d = &self.d;
-        if kv.g.n_layer != d.n_layer
+        if kv.g.n_layer != self.layers.len()
             || kv.g.k_row_elems != d.n_head_kv * d.hd_k
             || kv.g.v_row_elems != d.n_head_kv * d.hd_v
         {
@@ -665,7 +932,7 @@ impl<'a> Model<'a> {
                 kv.g.n_layer,
                 kv.g.k_row_elems,
                 kv.g.v_row_elems,
-                d.n_layer,
+                self.layers.len(),
                 d.n_head_kv * d.hd_k,
                 d.n_head_kv * d.hd_v
             )));
@@ -720,6 +987,7 @@ impl<'a> Model<'a> {
         ubatch: usize,
         want_all_logits: bool,
     ) -> Result<&[f32], ModelError> {
+        self.check_whole()?;
         if tokens.is_empty() {
             return Err(ModelError::Request("prefill of no tokens".into()));
         }
@@ -749,7 +1017,7 @@ impl<'a> Model<'a> {
                 self.s.slot_of[i] = slot;
                 self.s.pos[i] = (start + i) as u32;
             }
-            self.forward(n)?;
+            self.forward(n, None, None)?;
             self.slots[slot].len += n;
             if want_all_logits {
                 self.head(0, n, ci * ubatch)?;
@@ -763,6 +1031,7 @@ impl<'a> Model<'a> {
     /// One decode step for every listed slot together: each `(slot, token)` appends one
     /// token. Returns `batch.len() x n_vocab` logits, row `i` for `batch[i]`.
     pub fn decode(&mut self, batch: &[(usize, u32)]) -> Result<&[f32], ModelError> {
+        self.check_whole()?;
         let n = batch.len();
         if n == 0 {
             return Err(ModelError::Request("decode of an empty batch".into()));
@@ -788,7 +1057,7 @@ impl<'a> Model<'a> {
             self.s.slot_of[i] = slot;
             self.s.pos[i] = self.slots[slot].len as u32;
         }
-        self.forward(n)?;
+        self.forward(n, None, None)?;
         for &(slot, _) in batch {
             self.slots[slot].len += 1;
         }
@@ -796,10 +1065,114 @@ impl<'a> Model<'a> {
         Ok(&self.logits[..n * self.d.n_vocab])
     }
 
+    fn check_whole(&self) -> Result<(), ModelError> {
+        let st = self.stage;
+        if !(st.embedding && st.head && st.expert_stacks)
+            || st.layer_first != 0
+            || st.layer_end as usize != self.d.n_layer
+        {
+            return Err(ModelError::Request(
+                "prefill/decode run a whole model; drive a pipeline stage with Model::step".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One forward step of a pipeline stage over `n = slots.len()` tokens: token `i` of slot
+    /// `slots[i]` at position `pos[i]` (its K/V are written at that cell). The first stage
+    /// embeds `tokens`; the others take `hidden_in` (`n x n_embd`, the previous stage's
+    /// [`Model::hidden`]). Routed experts come from the stacks or from `experts`. Slot
+    /// lengths are not advanced: call [`Model::advance`] when every stage has run.
+    pub fn step(
+        &mut self,
+        tokens: &[u32],
+        slots: &[usize],
+        pos: &[u32],
+        hidden_in: Option<&[f32]>,
+        experts: Option<&mut dyn ExpertFetch>,
+    ) -> Result<(), ModelError> {
+        let n = slots.len();
+        if n == 0 || n > self.max_tok || pos.len() != n {
+            return Err(ModelError::BatchTooLarge {
+                what: "stage step",
+                n,
+                max: self.max_tok,
+            });
+        }
+        if self.stage.embedding {
+            if tokens.len() != n {
+                return Err(ModelError::Request(format!(
+                    "stage step of {n} slots got {} tokens",
+                    tokens.len()
+                )));
+            }
+            for &t in tokens {
+                self.check_token(t)?;
+            }
+        } else if hidden_in.is_none_or(|h| h.len() < n * self.d.n_embd) {
+            return Err(ModelError::Request(format!(
+                "stage [{}, {}) needs the previous stage's hidden states ({} values)",
+                self.stage.layer_first,
+                self.stage.layer_end,
+                n * self.d.n_embd
+            )));
+        }
+        for i in 0..n {
+            let kv = self.slots.get(slots[i]).ok_or(ModelError::NoSlot {
+                slot: slots[i],
+                n_slots: self.slots.len(),
+            })?;
+            if pos[i] as usize >= kv.capacity() {
+                return Err(ModelError::ContextFull {
+                    slot: slots[i],
+                    len: pos[i] as usize,
+                    capacity: kv.capacity(),
+                    more: 1,
+                });
+            }
+            self.s.tok[i] = tokens.get(i).copied().unwrap_or(0);
+            self.s.slot_of[i] = slots[i];
+            self.s.pos[i] = pos[i];
+        }
+        self.forward(n, hidden_in, experts)
+    }
+
+    /// The hidden states the last [`Model::step`] left (`n x n_embd`).
+    pub fn hidden(&self, n: usize) -> &[f32] {
+        &self.s.x[..(n * self.d.n_embd).min(self.s.x.len())]
+    }
+
+    /// Mark `n` more cells of `slot` as filled (after a step wrote them).
+    pub fn advance(&mut self, slot: usize, n: usize) -> Result<(), ModelError> {
+        let cap = self.check_slot(slot, n);
+        cap?;
+        self.slots[slot].len += n;
+        Ok(())
+    }
+
+    /// Output norm and LM head over rows `first..first+n` of the last step (last stage
+    /// only): `n x n_vocab` logits.
+    pub fn head_rows(&mut self, first: usize, n: usize) -> Result<&[f32], ModelError> {
+        if first + n > self.max_tok {
+            return Err(ModelError::BatchTooLarge {
+                what: "head rows",
+                n: first + n,
+                max: self.max_tok,
+            });
+        }
+        self.head(first, n, 0)?;
+        Ok(&self.logits[..n * self.d.n_vocab])
+    }
+
     /// Output norm and LM head for tokens `first..first+n` of the last forward, into logits
     /// rows `out_row..out_row+n`.
     fn head(&mut self, first: usize, n: usize, out_row: usize) -> Result<(), ModelError> {
         let (e, v) = (self.d.n_embd, self.d.n_vocab);
+        let Some(output) = self.output.as_ref() else {
+            return Err(ModelError::Request(
+                "this stage does not hold the output head".into(),
+            ));
+        };
         let s = &mut self.s;
         cpu::rmsnorm_rows(
             &s.x[first * e..(first + n) * e],
@@ -809,7 +1182,7 @@ impl<'a> Model<'a> {
             &mut s.xn,
         )?;
         cpu::matmul(
-            &self.output,
+            output,
             &s.xn,
             n,
             &mut self.logits[out_row * v..(out_row + n) * v],
@@ -820,7 +1193,12 @@ impl<'a> Model<'a> {
 
     /// Run the `n` tokens staged in scratch (`tok`, `slot_of`, `pos`) through every layer,
     /// writing their K/V into their slots; the final hidden states are left in `s.x`.
-    fn forward(&mut self, n: usize) -> Result<(), ModelError> {
+    fn forward(
+        &mut self,
+        n: usize,
+        hidden_in: Option<&[f32]>,
+        mut experts: Option<&mut dyn ExpertFetch>,
+    ) -> Result<(), ModelError> {
         let d = self.d;
         let Model {
             embd,
@@ -828,11 +1206,22 @@ impl<'a> Model<'a> {
             rope,
             slots,
             s,
+            stage,
             ..
         } = self;
         let e = d.n_embd;
-        for t in 0..n {
-            embd.dequantize_row(s.tok[t] as usize, &mut s.x[t * e..(t + 1) * e])?;
+        match (embd.as_ref(), hidden_in) {
+            (Some(embd), _) => {
+                for t in 0..n {
+                    embd.dequantize_row(s.tok[t] as usize, &mut s.x[t * e..(t + 1) * e])?;
+                }
+            }
+            (None, Some(h)) if h.len() >= n * e => s.x[..n * e].copy_from_slice(&h[..n * e]),
+            _ => {
+                return Err(ModelError::Request(
+                    "a stage without the embedding needs hidden states".into(),
+                ))
+            }
         }
         let (qw, kw, vw) = (
             d.n_head * d.hd_k,
@@ -868,7 +1257,7 @@ impl<'a> Model<'a> {
             {
                 let slots = &*slots;
                 let (slot_of, pos) = (&s.slot_of, &s.pos);
-                cpu::attention(
+                attention_split(
                     shape,
                     &s.q,
                     n,
@@ -881,12 +1270,18 @@ impl<'a> Model<'a> {
             add_into(&mut s.x[..n * e], &s.proj[..n * e]);
             cpu::rmsnorm_rows(&s.x, &layer.ffn_norm, d.eps, n, &mut s.xn)?;
             match &layer.ffn {
-                Ffn::Moe {
-                    gate_inp,
-                    gate,
-                    up,
-                    down,
-                } => moe(&d, s, n, gate_inp, gate, up, down)?,
+                Ffn::Moe { gate_inp, stacks } => {
+                    let src = match (stacks, experts.as_deref_mut()) {
+                        (Some(st), _) => ExpertSrc::Stacks(st),
+                        (None, Some(f)) => ExpertSrc::Fetch(f),
+                        (None, None) => {
+                            return Err(ModelError::Request(
+                                "this stage reads experts through an expert cache; pass one".into(),
+                            ))
+                        }
+                    };
+                    moe(&d, s, n, gate_inp, src, stage.layer_first + l as u32)?
+                }
                 Ffn::Dense { gate, up, down } => {
                     let f = d.n_ff;
                     cpu::matmul(gate, &s.xn, n, &mut s.ex_g, &mut s.tmp)?;
@@ -933,14 +1328,33 @@ fn add_into(x: &mut [f32], y: &[f32]) {
 /// The sparse MoE block: router softmax over all experts, top-k (renormalized when
 /// `norm_topk_prob`), then each expert runs once over the tokens that picked it; a token's
 /// output sums its experts in increasing expert index (as HF's loop does). Result in `s.proj`.
+fn expert_matrix<'b>(
+    ex: usize,
+    layer: u32,
+    what: &str,
+    (ty, data): (GgmlType, &'b [u8]),
+    cols: usize,
+    rows: usize,
+) -> Result<Matrix<'b>, ModelError> {
+    Matrix::new(ty, cols, rows, data).map_err(|err| {
+        ModelError::Request(format!(
+            "expert {ex} of layer {layer}: {what} from the expert cache: {err}"
+        ))
+    })
+}
+
+enum ExpertSrc<'x, 'a> {
+    Stacks(&'x (Experts<'a>, Experts<'a>, Experts<'a>)),
+    Fetch(&'x mut dyn ExpertFetch),
+}
+
 fn moe(
     d: &Dims,
     s: &mut Scratch,
     n: usize,
     gate_inp: &Matrix<'_>,
-    gate: &Experts<'_>,
-    up: &Experts<'_>,
-    down: &Experts<'_>,
+    mut src: ExpertSrc<'_, '_>,
+    layer: u32,
 ) -> Result<(), ModelError> {
     let (e, ne, k, f) = (d.n_embd, d.n_expert, d.n_used, d.n_ff_exp);
     cpu::matmul(gate_inp, &s.xn, n, &mut s.router, &mut s.tmp)?;
@@ -984,12 +1398,23 @@ fn moe(
         if cnt == 0 {
             continue;
         }
-        cpu::matmul(&gate.expert(ex)?, &s.ex_x, cnt, &mut s.ex_g, &mut s.tmp)?;
-        cpu::matmul(&up.expert(ex)?, &s.ex_x, cnt, &mut s.ex_u, &mut s.tmp)?;
+        let (gate, up, down) = match &mut src {
+            ExpertSrc::Stacks((g, u, dn)) => (g.expert(ex)?, u.expert(ex)?, dn.expert(ex)?),
+            ExpertSrc::Fetch(fe) => {
+                let b = fe.fetch(layer, ex as u32)?;
+                (
+                    expert_matrix(ex, layer, "gate", b.gate, e, f)?,
+                    expert_matrix(ex, layer, "up", b.up, e, f)?,
+                    expert_matrix(ex, layer, "down", b.down, f, e)?,
+                )
+            }
+        };
+        cpu::matmul(&gate, &s.ex_x, cnt, &mut s.ex_g, &mut s.tmp)?;
+        cpu::matmul(&up, &s.ex_x, cnt, &mut s.ex_u, &mut s.tmp)?;
         for (g, u) in s.ex_g[..cnt * f].iter_mut().zip(&s.ex_u[..cnt * f]) {
             *g = cpu::silu(*g) * u;
         }
-        cpu::matmul(&down.expert(ex)?, &s.ex_g, cnt, &mut s.ex_d, &mut s.tmp)?;
+        cpu::matmul(&down, &s.ex_g, cnt, &mut s.ex_d, &mut s.tmp)?;
         for i in 0..cnt {
             let (t, w) = (s.ex_tok[i], s.ex_w[i]);
             for (o, y) in s.proj[t * e..(t + 1) * e]

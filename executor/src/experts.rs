@@ -1,0 +1,338 @@
+//! The expert cache: a device's planned `expert_cache` slots, seeded with the plan's
+//! `resident_experts`, refilled on a miss by copying the expert (gate | up | down) from the
+//! host copy of its stacks. The replacement policy ([`LruPolicy`]) is pure bookkeeping so the
+//! CUDA backend runs the same decisions with device copies.
+//! Invariant: a slot holds at most one (layer, expert) and the map and the slot contents
+//! always agree; a miss evicts the least recently used slot (empty slots first, then the
+//! oldest use; seeds start in plan order, best first, so the coldest seed goes first);
+//! nothing is allocated after construction.
+
+use crate::model::qwen3moe::{ExpertBytes, ExpertFetch, ModelError};
+use strata_schemas::ggml::GgmlType;
+use strata_schemas::plan::ResidentExpert;
+
+const NONE: u32 = u32::MAX;
+
+/// What a lookup decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    Hit {
+        slot: u32,
+    },
+    /// Fill `slot` (it held `evicted`, if anything).
+    Miss {
+        slot: u32,
+        evicted: Option<(u32, u32)>,
+    },
+}
+
+/// LRU over a fixed set of slots for the experts of layers `[layer_first, layer_end)`.
+#[derive(Debug, Clone)]
+pub struct LruPolicy {
+    layer_first: u32,
+    layer_end: u32,
+    n_expert: u32,
+    /// slot of (layer - layer_first) * n_expert + expert, or NONE.
+    slot_of: Vec<u32>,
+    owner: Vec<Option<(u32, u32)>>,
+    last_use: Vec<u64>,
+    clock: u64,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+impl LruPolicy {
+    /// `n_slots` slots; `resident` (plan order, best first) seeds them.
+    pub fn new(
+        layer_first: u32,
+        layer_end: u32,
+        n_expert: u32,
+        n_slots: u32,
+        resident: &[ResidentExpert],
+    ) -> Result<Self, String> {
+        let n_layers = layer_end.saturating_sub(layer_first) as usize;
+        let mut p = Self {
+            layer_first,
+            layer_end,
+            n_expert,
+            slot_of: vec![NONE; n_layers * n_expert as usize],
+            owner: vec![None; n_slots as usize],
+            last_use: vec![0; n_slots as usize],
+            clock: resident.len() as u64 + 1,
+            hits: 0,
+            misses: 0,
+        };
+        for (rank, r) in resident.iter().enumerate() {
+            let i = p.index(r.layer, r.expert).ok_or_else(|| {
+                format!(
+                    "resident expert {} of layer {} is outside layers [{layer_first}, {layer_end}) x {n_expert} experts",
+                    r.expert, r.layer
+                )
+            })?;
+            if r.slot >= n_slots || p.owner[r.slot as usize].is_some() || p.slot_of[i] != NONE {
+                return Err(format!(
+                    "resident expert {} of layer {} names slot {} (of {n_slots}) twice or out of range",
+                    r.expert, r.layer, r.slot
+                ));
+            }
+            p.slot_of[i] = r.slot;
+            p.owner[r.slot as usize] = Some((r.layer, r.expert));
+            p.last_use[r.slot as usize] = (resident.len() - rank) as u64;
+        }
+        Ok(p)
+    }
+
+    fn index(&self, layer: u32, expert: u32) -> Option<usize> {
+        (layer >= self.layer_first && layer < self.layer_end && expert < self.n_expert)
+            .then(|| ((layer - self.layer_first) * self.n_expert + expert) as usize)
+    }
+
+    pub fn n_slots(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// The slot holding (layer, expert), if any (no bookkeeping).
+    pub fn slot_of(&self, layer: u32, expert: u32) -> Option<u32> {
+        self.index(layer, expert)
+            .map(|i| self.slot_of[i])
+            .filter(|s| *s != NONE)
+    }
+
+    /// Record a use of (layer, expert): a hit refreshes it, a miss picks the slot to fill.
+    pub fn lookup(&mut self, layer: u32, expert: u32) -> Result<Lookup, String> {
+        let i = self.index(layer, expert).ok_or_else(|| {
+            format!("expert {expert} of layer {layer} is not served by this cache")
+        })?;
+        if self.owner.is_empty() {
+            return Err(format!(
+                "the expert cache has no slots but expert {expert} of layer {layer} is needed (re-plan: the minimum working set is 2 x experts used)"
+            ));
+        }
+        self.clock += 1;
+        let s = self.slot_of[i];
+        if s != NONE {
+            self.hits += 1;
+            self.last_use[s as usize] = self.clock;
+            return Ok(Lookup::Hit { slot: s });
+        }
+        self.misses += 1;
+        let victim = (0..self.owner.len())
+            .min_by_key(|&k| (self.owner[k].is_some(), self.last_use[k], k))
+            .unwrap_or(0);
+        let evicted = self.owner[victim];
+        if let Some((l, e)) = evicted {
+            if let Some(j) = self.index(l, e) {
+                self.slot_of[j] = NONE;
+            }
+        }
+        self.owner[victim] = Some((layer, expert));
+        self.slot_of[i] = victim as u32;
+        self.last_use[victim] = self.clock;
+        Ok(Lookup::Miss {
+            slot: victim as u32,
+            evicted,
+        })
+    }
+}
+
+/// The host copy of one layer's three expert stacks.
+#[derive(Debug, Clone, Copy)]
+pub struct HostStacks<'h> {
+    pub gate: (GgmlType, &'h [u8]),
+    pub up: (GgmlType, &'h [u8]),
+    pub down: (GgmlType, &'h [u8]),
+}
+
+/// A CPU expert cache over a planned `expert_cache` region.
+pub struct CpuExpertCache<'a> {
+    policy: LruPolicy,
+    slots: &'a mut [u8],
+    slot_bytes: usize,
+    n_expert: usize,
+    /// Per layer of the range (None: a layer without experts).
+    stacks: Vec<Option<HostStacks<'a>>>,
+}
+
+impl<'a> CpuExpertCache<'a> {
+    /// `slots` is the `expert_cache` region (`n_slots x slot_bytes`); `stacks[l]` is layer
+    /// `layer_first + l`'s host stacks. Seeds every resident expert's slot now.
+    pub fn new(
+        policy: LruPolicy,
+        slots: &'a mut [u8],
+        slot_bytes: u64,
+        n_expert: u32,
+        stacks: Vec<Option<HostStacks<'a>>>,
+    ) -> Result<Self, String> {
+        let slot_bytes = slot_bytes as usize;
+        if slots.len() < policy.n_slots() * slot_bytes {
+            return Err(format!(
+                "the expert_cache region holds {} bytes but {} slots of {slot_bytes} need {}",
+                slots.len(),
+                policy.n_slots(),
+                policy.n_slots() * slot_bytes
+            ));
+        }
+        for (l, st) in stacks.iter().enumerate() {
+            if let Some(st) = st {
+                let per: usize = [st.gate, st.up, st.down]
+                    .iter()
+                    .map(|(_, b)| b.len() / n_expert.max(1) as usize)
+                    .sum();
+                if per > slot_bytes {
+                    return Err(format!(
+                        "one expert of layer {} takes {per} bytes but a cache slot holds {slot_bytes}",
+                        policy.layer_first as usize + l
+                    ));
+                }
+            }
+        }
+        let mut c = Self {
+            policy,
+            slots,
+            slot_bytes,
+            n_expert: n_expert as usize,
+            stacks,
+        };
+        let seeds: Vec<(u32, u32, u32)> = c
+            .policy
+            .owner
+            .iter()
+            .enumerate()
+            .filter_map(|(s, o)| o.map(|(l, e)| (l, e, s as u32)))
+            .collect();
+        for (l, e, s) in seeds {
+            c.fill(l, e, s)?;
+        }
+        Ok(c)
+    }
+
+    /// Copy expert `e` of `layer` from the host stacks into `slot`.
+    fn fill(&mut self, layer: u32, e: u32, slot: u32) -> Result<(), String> {
+        let st = self
+            .stacks
+            .get((layer - self.policy.layer_first) as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| format!("layer {layer} has no expert stacks"))?;
+        let base = slot as usize * self.slot_bytes;
+        let mut at = base;
+        for (_, bytes) in [st.gate, st.up, st.down] {
+            let per = bytes.len() / self.n_expert;
+            let src = &bytes[e as usize * per..(e as usize + 1) * per];
+            self.slots[at..at + per].copy_from_slice(src);
+            at += per;
+        }
+        Ok(())
+    }
+
+    /// Hit and miss counts so far (seeding is neither).
+    pub fn counters(&self) -> (u64, u64) {
+        (self.policy.hits, self.policy.misses)
+    }
+
+    pub fn policy(&self) -> &LruPolicy {
+        &self.policy
+    }
+}
+
+impl ExpertFetch for CpuExpertCache<'_> {
+    fn fetch(&mut self, layer: u32, expert: u32) -> Result<ExpertBytes<'_>, ModelError> {
+        let slot = match self
+            .policy
+            .lookup(layer, expert)
+            .map_err(ModelError::Request)?
+        {
+            Lookup::Hit { slot } => slot,
+            Lookup::Miss { slot, .. } => {
+                self.fill(layer, expert, slot)
+                    .map_err(ModelError::Request)?;
+                slot
+            }
+        };
+        let st = self.stacks[(layer - self.policy.layer_first) as usize]
+            .ok_or_else(|| ModelError::Request(format!("layer {layer} has no experts")))?;
+        let base = slot as usize * self.slot_bytes;
+        let n = self.n_expert;
+        let (g, u, d) = (st.gate.1.len() / n, st.up.1.len() / n, st.down.1.len() / n);
+        let s = &self.slots[base..base + g + u + d];
+        Ok(ExpertBytes {
+            gate: (st.gate.0, &s[..g]),
+            up: (st.up.0, &s[g..g + u]),
+            down: (st.down.0, &s[g + u..]),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn re(layer: u32, expert: u32, slot: u32) -> ResidentExpert {
+        ResidentExpert {
+            layer,
+            expert,
+            slot,
+        }
+    }
+
+    #[test]
+    fn lru_evicts_empty_then_coldest_seed_then_oldest() {
+        // 3 slots, 2 seeds: (2,5) best in slot 1, (3,0) in slot 0; slot 2 empty.
+        let mut p = LruPolicy::new(2, 4, 8, 3, &[re(2, 5, 1), re(3, 0, 0)]).unwrap();
+        assert_eq!(p.lookup(2, 5).unwrap(), Lookup::Hit { slot: 1 });
+        assert_eq!(
+            p.lookup(3, 7).unwrap(),
+            Lookup::Miss {
+                slot: 2,
+                evicted: None
+            }
+        );
+        // Now every slot is full; the oldest use is seed (3,0) in slot 0.
+        assert_eq!(
+            p.lookup(2, 1).unwrap(),
+            Lookup::Miss {
+                slot: 0,
+                evicted: Some((3, 0))
+            }
+        );
+        assert_eq!(p.slot_of(3, 0), None);
+        assert_eq!(p.slot_of(2, 1), Some(0));
+        // (2,5) was used before (3,7): it goes next.
+        assert_eq!(
+            p.lookup(3, 3).unwrap(),
+            Lookup::Miss {
+                slot: 1,
+                evicted: Some((2, 5))
+            }
+        );
+        assert_eq!((p.hits, p.misses), (1, 3));
+        assert!(p.lookup(4, 0).is_err(), "layer outside the range");
+        assert!(LruPolicy::new(0, 1, 4, 1, &[re(0, 1, 0), re(0, 2, 0)]).is_err());
+    }
+
+    #[test]
+    fn cache_serves_the_right_bytes_through_misses() {
+        // One layer, 4 experts of 3 bytes per matrix; 2 slots.
+        let gate: Vec<u8> = (0..12).collect();
+        let up: Vec<u8> = (100..112).collect();
+        let down: Vec<u8> = (200..212).collect();
+        let st = HostStacks {
+            gate: (GgmlType::F32, &gate),
+            up: (GgmlType::F32, &up),
+            down: (GgmlType::F32, &down),
+        };
+        let mut region = vec![0u8; 2 * 16];
+        let pol = LruPolicy::new(0, 1, 4, 2, &[re(0, 2, 1)]).unwrap();
+        let mut c = CpuExpertCache::new(pol, &mut region, 16, 4, vec![Some(st)]).unwrap();
+        for e in [2u32, 0, 3, 2, 1, 1] {
+            let b = c.fetch(0, e).unwrap();
+            let k = 3 * e as u8;
+            assert_eq!(b.gate.1, &[k, k + 1, k + 2]);
+            assert_eq!(b.up.1, &[100 + k, 101 + k, 102 + k]);
+            assert_eq!(b.down.1, &[200 + k, 201 + k, 202 + k]);
+        }
+        // 2 hit (seed), 0 miss (empty slot), 3 miss (evicts 2), 2 miss (evicts 0), 1 miss
+        // (evicts 3), 1 hit.
+        assert_eq!(c.counters(), (2, 4));
+    }
+}

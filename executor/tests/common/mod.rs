@@ -1,0 +1,305 @@
+//! Shared helpers of the executor's integration tests: CPU probes, plans of the tiny
+//! reference models made with the planner library, and the reference data.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use strata_exec::exec::{EngineOptions, PlanEngine};
+use strata_exec::load::SafetensorsModel;
+use strata_plan::solve::{solve, Outcome, PlanRequest};
+use strata_schemas::plan::Plan;
+use strata_schemas::probe::{DeviceProbe, HardwareProbe, HostProbe, Vendor, GIB, MIB};
+use strata_schemas::serve::{ExpertCache, KvType, LayerSplit, RopeScaling, ServeSettings};
+
+pub fn source(variant: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/data/tiny-qwen3moe")
+        .join(variant)
+}
+
+/// A runnable copy of a reference folder: transformers 5 saved `config.json` without
+/// `architectures` and with `num_local_experts` / `rope_parameters`, which the folder reader
+/// does not read yet, so the copy adds the older keys.
+pub fn data(variant: &str) -> PathBuf {
+    let dir = std::env::temp_dir()
+        .join(format!("strata-exec-test-{}", std::process::id()))
+        .join(variant);
+    if dir.join("model.safetensors").exists() {
+        return dir;
+    }
+    let tmp =
+        dir.with_extension(format!("tmp{:?}", std::thread::current().id()).replace(['(', ')'], ""));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let src = source(variant);
+    let mut cfg: Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    // transformers 5 spellings -> the keys the folder reader knows.
+    if cfg.get("architectures").is_none() {
+        cfg["architectures"] = serde_json::json!(["Qwen3MoeForCausalLM"]);
+    }
+    if cfg.get("num_experts").is_none() {
+        cfg["num_experts"] = cfg["num_local_experts"].clone();
+    }
+    if cfg.get("rope_theta").is_none() {
+        cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"].clone();
+    }
+    std::fs::write(
+        tmp.join("config.json"),
+        serde_json::to_vec_pretty(&cfg).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(src.join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
+    // Another test thread may have won the race; either copy is the same.
+    let _ = std::fs::rename(&tmp, &dir);
+    let _ = std::fs::remove_dir_all(&tmp);
+    dir
+}
+
+pub fn reference(variant: &str) -> Value {
+    serde_json::from_slice(&std::fs::read(source(variant).join("reference.json")).unwrap()).unwrap()
+}
+
+/// `n` cpu devices of 256 MiB on a host with 8 GiB available.
+pub fn cpu_probe(n: usize) -> HardwareProbe {
+    HardwareProbe {
+        host: HostProbe {
+            ram_bytes: 16 * GIB,
+            available_bytes: 8 * GIB,
+            memlock_limit_bytes: None,
+            disk_read_gbps: None,
+        },
+        devices: (0..n)
+            .map(|i| DeviceProbe {
+                index: i as u32,
+                name: format!("cpu{i}"),
+                vendor: Vendor::Cpu,
+                arch: std::env::consts::ARCH.into(),
+                vram_bytes: 256 * MIB,
+                free_bytes: None,
+                runtime_reserve_bytes: Some(16 * MIB),
+                mem_bandwidth_gbps: Some(20.0),
+                h2d_gbps: Some(20.0),
+                pcie_gen: None,
+                pcie_width: None,
+            })
+            .collect(),
+    }
+}
+
+pub struct Ask {
+    pub devices: usize,
+    pub split: Option<Vec<u32>>,
+    pub batch: u32,
+    pub ctx: u64,
+    pub resident: Option<u64>,
+    pub kv: KvType,
+    pub ubatch: u32,
+    pub cache: ExpertCache,
+}
+
+impl Default for Ask {
+    fn default() -> Self {
+        Self {
+            devices: 1,
+            split: None,
+            batch: 1,
+            ctx: 64,
+            resident: None,
+            kv: KvType::F16,
+            ubatch: 8,
+            cache: ExpertCache::Auto,
+        }
+    }
+}
+
+pub fn plan(variant: &str, ask: &Ask) -> Plan {
+    let dir = data(variant);
+    let inv = strata_plan::model::load_model(&dir).unwrap();
+    let probe = cpu_probe(ask.devices);
+    let r = reference(variant);
+    let rope_scaling = r["yarn"].as_object().map(|y| RopeScaling {
+        kind: "yarn".into(),
+        factor: y["factor"].as_f64().unwrap(),
+        orig_ctx: y["orig_ctx"].as_u64(),
+    });
+    let settings = ServeSettings {
+        max_context: ask.ctx,
+        batch: ask.batch,
+        kv: ask.kv,
+        kv_resident: ask.resident,
+        ubatch: ask.ubatch,
+        expert_cache: ask.cache,
+        layer_split: ask
+            .split
+            .clone()
+            .map_or(LayerSplit::Auto, LayerSplit::Bounds),
+        pinned_chunk_mib: 1,
+        rope_scaling,
+        ..ServeSettings::default()
+    };
+    let req = PlanRequest {
+        inventory: &inv,
+        model_source: dir.display().to_string(),
+        probe: &probe,
+        probe_source: "test probe".into(),
+        settings: &settings,
+        profile: None,
+        vision: None,
+    };
+    match solve(&req).unwrap() {
+        Outcome::Planned(p) => *p,
+        Outcome::Infeasible(i) => panic!("infeasible: {:?}", i.reasons),
+    }
+}
+
+pub fn engine(variant: &str, plan: &Plan) -> PlanEngine {
+    let host = SafetensorsModel::open(&data(variant)).unwrap();
+    PlanEngine::start(plan, Box::new(host), EngineOptions::default()).unwrap()
+}
+
+pub fn prompts(r: &Value) -> Vec<Vec<u32>> {
+    r["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+pub fn argmax(row: &[f32]) -> u32 {
+    strata_exec::sampler::argmax(row)
+}
+
+#[allow(clippy::too_many_arguments)]
+/// A random Qwen3-MoE Hugging Face folder (F32, single `model.safetensors`) in `dir`.
+pub fn random_folder(
+    dir: &Path,
+    n_layer: u32,
+    hidden: u64,
+    n_expert: u64,
+    used: u64,
+    ff: u64,
+    vocab: u64,
+    seed: u64,
+) {
+    let (heads, kv_heads, hd) = (4u64, 2u64, hidden / 4);
+    std::fs::create_dir_all(dir).unwrap();
+    let cfg = serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": hidden, "intermediate_size": 2 * ff, "moe_intermediate_size": ff,
+        "num_hidden_layers": n_layer, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": hd, "num_experts": n_expert, "num_experts_per_tok": used,
+        "norm_topk_prob": true, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "vocab_size": vocab, "tie_word_embeddings": false,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "float32"
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&cfg).unwrap(),
+    )
+    .unwrap();
+    let mut specs: Vec<(String, Vec<u64>, f32, f32)> = vec![
+        (
+            "model.embed_tokens.weight".into(),
+            vec![vocab, hidden],
+            1.0,
+            0.0,
+        ),
+        ("lm_head.weight".into(), vec![vocab, hidden], 0.2, 0.0),
+        ("model.norm.weight".into(), vec![hidden], 0.2, 1.0),
+    ];
+    for l in 0..n_layer {
+        let p = format!("model.layers.{l}");
+        let w = 1.0 / (hidden as f32).sqrt();
+        for (s, shape, sc, off) in [
+            ("input_layernorm", vec![hidden], 0.2, 1.0),
+            ("post_attention_layernorm", vec![hidden], 0.2, 1.0),
+            ("self_attn.q_norm", vec![hd], 0.2, 1.0),
+            ("self_attn.k_norm", vec![hd], 0.2, 1.0),
+            ("self_attn.q_proj", vec![heads * hd, hidden], w, 0.0),
+            ("self_attn.k_proj", vec![kv_heads * hd, hidden], w, 0.0),
+            ("self_attn.v_proj", vec![kv_heads * hd, hidden], w, 0.0),
+            ("self_attn.o_proj", vec![hidden, heads * hd], w, 0.0),
+            ("mlp.gate", vec![n_expert, hidden], w, 0.0),
+        ] {
+            specs.push((format!("{p}.{s}.weight"), shape, sc, off));
+        }
+        for e in 0..n_expert {
+            let m = format!("{p}.mlp.experts.{e}");
+            specs.push((format!("{m}.gate_proj.weight"), vec![ff, hidden], w, 0.0));
+            specs.push((format!("{m}.up_proj.weight"), vec![ff, hidden], w, 0.0));
+            specs.push((
+                format!("{m}.down_proj.weight"),
+                vec![hidden, ff],
+                1.0 / (ff as f32).sqrt(),
+                0.0,
+            ));
+        }
+    }
+    let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
+    let mut rnd = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let mut header = serde_json::Map::new();
+    let mut data: Vec<u8> = Vec::new();
+    for (name, shape, sc, off) in &specs {
+        let n: u64 = shape.iter().product();
+        let start = data.len();
+        for _ in 0..n {
+            data.extend_from_slice(&(off + sc * rnd()).to_le_bytes());
+        }
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    let h = serde_json::to_vec(&Value::Object(header)).unwrap();
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&h);
+    file.extend_from_slice(&data);
+    std::fs::write(dir.join("model.safetensors"), file).unwrap();
+}
+
+/// Plan a folder on `n` cpu devices with an explicit split.
+pub fn plan_folder(
+    dir: &Path,
+    n: usize,
+    split: Option<Vec<u32>>,
+    cache: ExpertCache,
+    resident: Option<u64>,
+) -> Plan {
+    let inv = strata_plan::model::load_model(dir).unwrap();
+    let probe = cpu_probe(n);
+    let settings = ServeSettings {
+        max_context: 64,
+        batch: 2,
+        kv_resident: resident,
+        ubatch: 8,
+        expert_cache: cache,
+        layer_split: split.map_or(LayerSplit::Auto, LayerSplit::Bounds),
+        pinned_chunk_mib: 1,
+        ..ServeSettings::default()
+    };
+    let req = PlanRequest {
+        inventory: &inv,
+        model_source: dir.display().to_string(),
+        probe: &probe,
+        probe_source: "test probe".into(),
+        settings: &settings,
+        profile: None,
+        vision: None,
+    };
+    match solve(&req).unwrap() {
+        Outcome::Planned(p) => *p,
+        Outcome::Infeasible(i) => panic!("infeasible: {:?}", i.reasons),
+    }
+}
