@@ -8,3 +8,5 @@ pub mod engine;
 pub mod model;
 pub mod quant;
 pub mod sampler;
+pub mod serve;
+pub mod tokenizer;
