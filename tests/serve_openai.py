@@ -149,14 +149,23 @@ def seeded_sampling_is_reproducible(client, addr):
 @check
 def stop_sequences_cut_the_text(client, addr):
     base = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0).choices[0].text
-    visible = base.replace("\ufffd", "")
-    if len(visible) < 4:
-        return  # nothing to cut in this greedy continuation
-    stop = visible[2:4]
-    cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stop=[stop])
-    assert cut.choices[0].finish_reason == "stop"
-    assert stop not in cut.choices[0].text
-    assert base.startswith(cut.choices[0].text)
+    cands = [base[i:i + 2] for i in range(1, len(base) - 1) if "\ufffd" not in base[i:i + 2]]
+    if not cands:
+        raise AssertionError(f"no clean two-character piece to stop on in {base!r}")
+    stop = cands[0]
+    for stream in (False, True):
+        kw = dict(model=MODEL, prompt="Hello", max_tokens=24, temperature=0, stop=[stop])
+        if stream:
+            parts, finish = [], None
+            for chunk in client.completions.create(stream=True, **kw):
+                parts.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            text = "".join(parts)
+        else:
+            cut = client.completions.create(**kw)
+            text, finish = cut.choices[0].text, cut.choices[0].finish_reason
+        assert finish == "stop", (stream, finish)
+        assert text == base[:base.index(stop)], (stream, text, base, stop)
 
 
 @check

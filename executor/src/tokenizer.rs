@@ -24,7 +24,9 @@ pub enum TokenizerError {
         path: String,
         source: std::io::Error,
     },
-    #[error("`{path}` is not a valid tokenizer: {reason} (expected a Hugging Face tokenizer.json)")]
+    #[error(
+        "`{path}` is not a valid tokenizer: {reason} (expected a Hugging Face tokenizer.json)"
+    )]
     Parse { path: String, reason: String },
     #[error("`{path}`: tokenizer_config.json is not valid JSON: {reason}")]
     Config { path: String, reason: String },
@@ -89,10 +91,12 @@ impl Tokenizer {
             .unwrap_or(Path::new("."))
             .join("tokenizer_config.json");
         let cfg: Option<serde_json::Value> = match std::fs::read(&cfg_path) {
-            Ok(b) => Some(serde_json::from_slice(&b).map_err(|e| TokenizerError::Config {
-                path: cfg_path.display().to_string(),
-                reason: e.to_string(),
-            })?),
+            Ok(b) => Some(
+                serde_json::from_slice(&b).map_err(|e| TokenizerError::Config {
+                    path: cfg_path.display().to_string(),
+                    reason: e.to_string(),
+                })?,
+            ),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(source) => {
                 return Err(TokenizerError::Io {
@@ -218,8 +222,12 @@ impl Tokenizer {
                 "ignore_merges": false, "vocab": vocab, "merges": merges,
             },
         });
-        let inner = tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes())
-            .map_err(|e| err(format!("the embedded vocabulary does not form a BPE tokenizer: {e}")))?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes()).map_err(|e| {
+                err(format!(
+                    "the embedded vocabulary does not form a BPE tokenizer: {e}"
+                ))
+            })?;
         let id_key = |key: &str| -> Result<Option<u32>, TokenizerError> {
             match gguf.get(key) {
                 None => Ok(None),
@@ -346,9 +354,10 @@ mod tests {
     fn gguf_of(t: &Tokenizer) -> GgufFile {
         let n = t.vocab_size();
         let tokens: Vec<String> = (0..n as u32).map(|i| t.token(i).unwrap()).collect();
-        let json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(fixture().join("tokenizer.json")).unwrap())
-                .unwrap();
+        let json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture().join("tokenizer.json")).unwrap(),
+        )
+        .unwrap();
         let merges: Vec<String> = json["model"]["merges"]
             .as_array()
             .unwrap()
@@ -362,10 +371,22 @@ mod tests {
             path: "tiny.gguf".into(),
             version: 3,
             metadata: vec![
-                ("tokenizer.ggml.model".into(), GgufValue::String("gpt2".into())),
-                ("tokenizer.ggml.tokens".into(), GgufValue::Array(GgufArray::Strings(tokens))),
-                ("tokenizer.ggml.merges".into(), GgufValue::Array(GgufArray::Strings(merges))),
-                ("tokenizer.ggml.token_type".into(), GgufValue::Array(GgufArray::I32(types))),
+                (
+                    "tokenizer.ggml.model".into(),
+                    GgufValue::String("gpt2".into()),
+                ),
+                (
+                    "tokenizer.ggml.tokens".into(),
+                    GgufValue::Array(GgufArray::Strings(tokens)),
+                ),
+                (
+                    "tokenizer.ggml.merges".into(),
+                    GgufValue::Array(GgufArray::Strings(merges)),
+                ),
+                (
+                    "tokenizer.ggml.token_type".into(),
+                    GgufValue::Array(GgufArray::I32(types)),
+                ),
                 ("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(399)),
                 (
                     "tokenizer.chat_template".into(),
@@ -407,8 +428,16 @@ mod tests {
     fn gguf_vocabulary_builds_the_same_tokenizer() {
         let t = Tokenizer::from_file(fixture()).unwrap();
         let g = Tokenizer::from_gguf(&gguf_of(&t)).unwrap();
-        for text in ["Once upon a time there was a little robot.", "a'll  \n\n x=1+2;", "日本語 ok"] {
-            assert_eq!(g.encode(text, false).unwrap(), t.encode(text, false).unwrap(), "{text}");
+        for text in [
+            "Once upon a time there was a little robot.",
+            "a'll  \n\n x=1+2;",
+            "日本語 ok",
+        ] {
+            assert_eq!(
+                g.encode(text, false).unwrap(),
+                t.encode(text, false).unwrap(),
+                "{text}"
+            );
         }
         assert_eq!(g.eos_ids()[0], 399);
         assert_eq!(g.chat_template(), t.chat_template());

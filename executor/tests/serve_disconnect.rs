@@ -14,7 +14,13 @@ const STEP: Duration = Duration::from_millis(25);
 
 async fn server() -> TestServer {
     TestServer::start(
-        TinyConfig { n_slots: 2, max_context: 512, ubatch: 4, step_delay: STEP, ..Default::default() },
+        TinyConfig {
+            n_slots: 2,
+            max_context: 512,
+            ubatch: 4,
+            step_delay: STEP,
+            ..Default::default()
+        },
         ServeOptions::default(),
     )
     .await
@@ -23,7 +29,14 @@ async fn server() -> TestServer {
 /// Send a request on a connection we keep, so the test can drop it.
 async fn open(s: &TestServer, path: &str, body: serde_json::Value) -> TcpStream {
     let mut st = TcpStream::connect(s.addr).await.unwrap();
-    st.write_all(&request_bytes("POST", path, &[], body.to_string().as_bytes())).await.unwrap();
+    st.write_all(&request_bytes(
+        "POST",
+        path,
+        &[],
+        body.to_string().as_bytes(),
+    ))
+    .await
+    .unwrap();
     st
 }
 
@@ -35,7 +48,10 @@ async fn wait_state(s: &TestServer, state: &str) -> serde_json::Value {
         if let Some(x) = v.as_array().unwrap().iter().find(|x| x["state"] == state) {
             return x.clone();
         }
-        assert!(t0.elapsed() < Duration::from_secs(20), "no slot reached {state}: {v}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no slot reached {state}: {v}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -66,17 +82,36 @@ async fn disconnect_mid_prefill_frees_the_slot() {
     let s = server().await;
     for stream in [true, false] {
         let before = cancelled(&s).await;
-        let conn = open(&s, "/v1/completions", json!({"prompt": long_prompt(), "max_tokens": 8, "stream": stream})).await;
+        let conn = open(
+            &s,
+            "/v1/completions",
+            json!({"prompt": long_prompt(), "max_tokens": 8, "stream": stream}),
+        )
+        .await;
         let v = wait_state(&s, "prefill").await;
-        let (done, total) = (v["prompt_done"].as_u64().unwrap(), v["prompt_tokens"].as_u64().unwrap());
+        let (done, total) = (
+            v["prompt_done"].as_u64().unwrap(),
+            v["prompt_tokens"].as_u64().unwrap(),
+        );
         assert!(total > 100 && done < total, "{v}");
         let took = drop_and_time(&s, conn).await;
-        assert!(took < STEP * 12, "slot freed after {took:?} (stream {stream})");
+        assert!(
+            took < STEP * 12,
+            "slot freed after {took:?} (stream {stream})"
+        );
         assert_eq!(cancelled(&s).await, before + 1);
         let last = s.slots().await;
-        assert!(last.as_array().unwrap().iter().all(|x| x["kv_cells"] == 0), "{last}");
+        assert!(
+            last.as_array().unwrap().iter().all(|x| x["kv_cells"] == 0),
+            "{last}"
+        );
     }
-    let r = s.post_json("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 2})).await;
+    let r = s
+        .post_json(
+            "/v1/completions",
+            &json!({"prompt": "Hello", "max_tokens": 2}),
+        )
+        .await;
     assert_eq!(r.status, 200);
     s.stop().await;
 }
@@ -91,7 +126,11 @@ async fn disconnect_mid_decode_frees_the_slot() {
     let mut buf = [0u8; 4096];
     while got.windows(6).filter(|w| w == b"data: ").count() < 4 {
         let n = conn.read(&mut buf).await.unwrap();
-        assert!(n > 0, "stream ended early: {}", String::from_utf8_lossy(&got));
+        assert!(
+            n > 0,
+            "stream ended early: {}",
+            String::from_utf8_lossy(&got)
+        );
         got.extend_from_slice(&buf[..n]);
     }
     let v = wait_state(&s, "decode").await;
@@ -100,10 +139,18 @@ async fn disconnect_mid_decode_frees_the_slot() {
     assert!(took < STEP * 12, "slot freed after {took:?}");
     assert_eq!(cancelled(&s).await, before + 1);
     // Not streaming: the dropped handler frees the slot as well.
-    let conn = open(&s, "/v1/completions", json!({"prompt": "Hello", "max_tokens": 400})).await;
+    let conn = open(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 400}),
+    )
+    .await;
     wait_state(&s, "decode").await;
     let took = drop_and_time(&s, conn).await;
-    assert!(took < STEP * 12, "slot freed after {took:?} (non-streaming)");
+    assert!(
+        took < STEP * 12,
+        "slot freed after {took:?} (non-streaming)"
+    );
     assert_eq!(cancelled(&s).await, before + 2);
     s.stop().await;
 }

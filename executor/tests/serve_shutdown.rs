@@ -11,7 +11,18 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Start `strata-serve-test` on a free port; returns the child and its address.
 fn spawn(extra: &[&str]) -> (Child, std::net::SocketAddr) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_strata-serve-test"))
-        .args(["--tokenizer", TOK_DIR, "--port", "0", "--slots", "2", "--ctx", "512", "--ubatch", "4"])
+        .args([
+            "--tokenizer",
+            TOK_DIR,
+            "--port",
+            "0",
+            "--slots",
+            "2",
+            "--ctx",
+            "512",
+            "--ubatch",
+            "4",
+        ])
         .args(extra)
         .stderr(Stdio::piped())
         .spawn()
@@ -29,7 +40,10 @@ fn spawn(extra: &[&str]) -> (Child, std::net::SocketAddr) {
 }
 
 fn signal(child: &Child, sig: &str) {
-    let ok = Command::new("kill").args([sig, &child.id().to_string()]).status().unwrap();
+    let ok = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(ok.success());
 }
 
@@ -65,8 +79,16 @@ async fn sigint_ends_running_streams_and_exits_zero() {
     wait_health(addr).await;
     // A long stream that will not finish within the grace period.
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let body = serde_json::json!({"prompt": "Hello", "max_tokens": 500, "stream": true}).to_string();
-    conn.write_all(&request_bytes("POST", "/v1/completions", &[], body.as_bytes())).await.unwrap();
+    let body =
+        serde_json::json!({"prompt": "Hello", "max_tokens": 500, "stream": true}).to_string();
+    conn.write_all(&request_bytes(
+        "POST",
+        "/v1/completions",
+        &[],
+        body.as_bytes(),
+    ))
+    .await
+    .unwrap();
     let mut buf = [0u8; 4096];
     let n = conn.read(&mut buf).await.unwrap();
     assert!(n > 0);
@@ -75,7 +97,10 @@ async fn sigint_ends_running_streams_and_exits_zero() {
     // The stream is ended by the server (error event then [DONE]), not left hanging.
     let mut rest = buf[..n].to_vec();
     loop {
-        let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf)).await.expect("stream ends").unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf))
+            .await
+            .expect("stream ends")
+            .unwrap();
         if n == 0 {
             break;
         }
@@ -83,9 +108,15 @@ async fn sigint_ends_running_streams_and_exits_zero() {
     }
     let text = String::from_utf8_lossy(&rest);
     assert!(text.contains("[DONE]"), "{text}");
-    let code = tokio::task::spawn_blocking(move || wait_exit(&mut child, Duration::from_secs(10))).await.unwrap();
+    let code = tokio::task::spawn_blocking(move || wait_exit(&mut child, Duration::from_secs(10)))
+        .await
+        .unwrap();
     assert_eq!(code, 0);
-    assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
     // Nothing listens any more.
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
 }
@@ -94,9 +125,19 @@ async fn sigint_ends_running_streams_and_exits_zero() {
 async fn sigterm_when_idle_exits_zero() {
     let (mut child, addr) = spawn(&[]);
     wait_health(addr).await;
-    let r = request(addr, "POST", "/v1/completions", &[], br#"{"prompt":"Hi","max_tokens":2}"#).await.unwrap();
+    let r = request(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        br#"{"prompt":"Hi","max_tokens":2}"#,
+    )
+    .await
+    .unwrap();
     assert_eq!(r.status, 200);
     signal(&child, "-TERM");
-    let code = tokio::task::spawn_blocking(move || wait_exit(&mut child, Duration::from_secs(10))).await.unwrap();
+    let code = tokio::task::spawn_blocking(move || wait_exit(&mut child, Duration::from_secs(10)))
+        .await
+        .unwrap();
     assert_eq!(code, 0);
 }

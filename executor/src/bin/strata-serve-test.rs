@@ -30,11 +30,17 @@ fn main() {
         let Some(v) = args.get(i + 1).cloned() else {
             bad(format!("{flag} needs a value"))
         };
-        let num = |v: &str| -> u64 { v.parse().unwrap_or_else(|_| bad(format!("{flag} takes a number, got `{v}`"))) };
+        let num = |v: &str| -> u64 {
+            v.parse()
+                .unwrap_or_else(|_| bad(format!("{flag} takes a number, got `{v}`")))
+        };
         match flag {
             "--tokenizer" => tok_path = Some(v),
             "--host" => opts.host = v,
-            "--port" => opts.port = u16::try_from(num(&v)).unwrap_or_else(|_| bad(format!("--port {v} is not a port"))),
+            "--port" => {
+                opts.port = u16::try_from(num(&v))
+                    .unwrap_or_else(|_| bad(format!("--port {v} is not a port")))
+            }
             "--api-key" => opts.api_key = Some(v),
             "--slots" => cfg.n_slots = num(&v) as usize,
             "--ctx" => cfg.max_context = num(&v),
@@ -58,7 +64,10 @@ fn main() {
             cfg.n_vocab = t.vocab_size() as u64;
         }
         let engine = TinyEngine::new(&cfg).map_err(|e| e.to_string())?;
-        Ok((Box::new(engine) as Box<dyn strata_exec::engine::Engine>, tok))
+        Ok((
+            Box::new(engine) as Box<dyn strata_exec::engine::Engine>,
+            tok,
+        ))
     });
     if let Err(e) = serve_with_loader_blocking(loader, opts) {
         eprintln!("strata-serve-test: {e}");

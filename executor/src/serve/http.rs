@@ -41,7 +41,8 @@ impl IntoResponse for ApiError {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut r = (status, Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
     }
@@ -77,7 +78,11 @@ async fn not_found(req: Request) -> ApiError {
         404,
         "invalid_request_error",
         Some("not_found"),
-        format!("no route {} {}; see /v1/models, /v1/completions, /v1/chat/completions", req.method(), req.uri().path()),
+        format!(
+            "no route {} {}; see /v1/models, /v1/completions, /v1/chat/completions",
+            req.method(),
+            req.uri().path()
+        ),
     )
 }
 
@@ -111,7 +116,8 @@ async fn auth(State(app): AppState, req: Request, next: Next) -> Response {
                 } else {
                     "an API key is required: send `Authorization: Bearer KEY`"
                 };
-                return ApiError::new(401, "authentication_error", Some("invalid_api_key"), msg).into_response();
+                return ApiError::new(401, "authentication_error", Some("invalid_api_key"), msg)
+                    .into_response();
             }
         }
     }
@@ -123,9 +129,19 @@ fn ready(app: &App) -> Result<&Ready, ApiError> {
         return Ok(r);
     }
     Err(match app.shared.load_error.get() {
-        Some(e) => ApiError::new(503, "server_error", Some("model_load_failed"), format!("the model failed to load: {e}")),
-        None => ApiError::new(503, "server_error", Some("model_loading"), "the model is still loading; retry shortly")
-            .with_retry_after(1),
+        Some(e) => ApiError::new(
+            503,
+            "server_error",
+            Some("model_load_failed"),
+            format!("the model failed to load: {e}"),
+        ),
+        None => ApiError::new(
+            503,
+            "server_error",
+            Some("model_loading"),
+            "the model is still loading; retry shortly",
+        )
+        .with_retry_after(1),
     })
 }
 
@@ -137,9 +153,15 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rej| {
         let status = rej.status().as_u16();
         let (code, msg) = if status == 413 {
-            ("body_too_large", "the request body is larger than this server accepts".to_string())
+            (
+                "body_too_large",
+                "the request body is larger than this server accepts".to_string(),
+            )
         } else {
-            ("invalid_body", format!("cannot read the request body: {}", rej.body_text()))
+            (
+                "invalid_body",
+                format!("cannot read the request body: {}", rej.body_text()),
+            )
         };
         ApiError::new(status, "invalid_request_error", Some(code), msg)
     })
@@ -158,13 +180,17 @@ async fn health(State(app): AppState) -> Response {
         Json(json!({"status": status, "error": {"message": err, "type": "server_error", "code": status}})),
     )
         .into_response();
-    r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1u32));
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(1u32));
     r
 }
 
 async fn metrics(State(app): AppState) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         app.shared.prometheus(),
     )
         .into_response()
@@ -196,19 +222,37 @@ fn tokenizer_of(r: &Ready) -> Result<&Arc<Tokenizer>, ApiError> {
     })
 }
 
-async fn tokenize(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn tokenize(
+    State(app): AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let body = body_bytes(body)?;
     let r = ready(&app)?;
     let m = openai::parse_object(&body)?;
     let text = match m.get("content") {
         Some(Value::String(s)) => s,
-        Some(_) => return Err(ApiError::param("invalid_type", "`content` must be a string")),
-        None => return Err(ApiError::param("missing_parameter", "`content` is required")),
+        Some(_) => {
+            return Err(ApiError::param(
+                "invalid_type",
+                "`content` must be a string",
+            ))
+        }
+        None => {
+            return Err(ApiError::param(
+                "missing_parameter",
+                "`content` is required",
+            ))
+        }
     };
     let add_special = match m.get("add_special") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::param("invalid_type", "`add_special` must be a boolean")),
+        Some(_) => {
+            return Err(ApiError::param(
+                "invalid_type",
+                "`add_special` must be a boolean",
+            ))
+        }
     };
     let ids = tokenizer_of(r)?
         .encode(text, add_special)
@@ -216,7 +260,10 @@ async fn tokenize(State(app): AppState, body: Result<Bytes, BytesRejection>) -> 
     Ok(Json(json!({"tokens": ids})).into_response())
 }
 
-async fn detokenize(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn detokenize(
+    State(app): AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let body = body_bytes(body)?;
     let r = ready(&app)?;
     let m = openai::parse_object(&body)?;
@@ -232,15 +279,25 @@ async fn detokenize(State(app): AppState, body: Result<Bytes, BytesRejection>) -
                     .ok_or_else(|| {
                         ApiError::param(
                             "invalid_value",
-                            format!("`tokens[{i}]` must be a token id below {}, got {v}", t.vocab_size()),
+                            format!(
+                                "`tokens[{i}]` must be a token id below {}, got {v}",
+                                t.vocab_size()
+                            ),
                         )
                     })
             })
             .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::param("invalid_type", "`tokens` must be an array of token ids")),
+        Some(_) => {
+            return Err(ApiError::param(
+                "invalid_type",
+                "`tokens` must be an array of token ids",
+            ))
+        }
         None => return Err(ApiError::param("missing_parameter", "`tokens` is required")),
     };
-    let text = t.decode(&ids, false).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let text = t
+        .decode(&ids, false)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
     Ok(Json(json!({"content": text})).into_response())
 }
 
@@ -250,7 +307,10 @@ fn check_model(app: &App, r: &Ready, asked: &Option<String>) -> Result<(), ApiEr
             404,
             "invalid_request_error",
             Some("model_not_found"),
-            format!("the model `{m}` does not exist here; this server serves `{}`", model_name(app, r)),
+            format!(
+                "the model `{m}` does not exist here; this server serves `{}`",
+                model_name(app, r)
+            ),
         )),
         _ => Ok(()),
     }
@@ -266,12 +326,22 @@ struct Started {
 fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Started, ApiError> {
     let ctx = r.info.max_context;
     if prompt.is_empty() {
-        return Err(ApiError::param("invalid_value", "the prompt is empty: it must hold at least one token"));
-    }
-    if let Some((i, t)) = prompt.iter().enumerate().find(|(_, &t)| t as usize >= r.info.n_vocab) {
         return Err(ApiError::param(
             "invalid_value",
-            format!("prompt token {i} is id {t}, outside the model's vocabulary of {}", r.info.n_vocab),
+            "the prompt is empty: it must hold at least one token",
+        ));
+    }
+    if let Some((i, t)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= r.info.n_vocab)
+    {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "prompt token {i} is id {t}, outside the model's vocabulary of {}",
+                r.info.n_vocab
+            ),
         ));
     }
     let p = prompt.len() as u64;
@@ -307,7 +377,11 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
         arrived: Instant::now(),
     };
     match app.sched.submit(job) {
-        Ok(()) => Ok(Started { rx, prompt_tokens: p, id }),
+        Ok(()) => Ok(Started {
+            rx,
+            prompt_tokens: p,
+            id,
+        }),
         Err(SubmitError::QueueFull) => Err(ApiError::new(
             503,
             "server_error",
@@ -360,9 +434,14 @@ impl TextOut {
             self.read = self.ids.len();
             return;
         };
-        let prev = t.decode(&self.ids[self.prefix..self.read], true).unwrap_or_default();
+        let prev = t
+            .decode(&self.ids[self.prefix..self.read], true)
+            .unwrap_or_default();
         let full = t.decode(&self.ids[self.prefix..], true).unwrap_or_default();
-        if full.len() > prev.len() && (last || !full.ends_with('\u{FFFD}')) && full.is_char_boundary(prev.len()) {
+        if full.len() > prev.len()
+            && (last || !full.ends_with('\u{FFFD}'))
+            && full.is_char_boundary(prev.len())
+        {
             self.pending.push_str(&full[prev.len()..]);
             self.prefix = self.read;
             self.read = self.ids.len();
@@ -417,7 +496,12 @@ impl TextOut {
 }
 
 fn scheduler_gone() -> ApiError {
-    ApiError::new(500, "server_error", Some("internal_error"), "the scheduler stopped before the request finished")
+    ApiError::new(
+        500,
+        "server_error",
+        Some("internal_error"),
+        "the scheduler stopped before the request finished",
+    )
 }
 
 /// Run a request to the end and return its text.
@@ -435,13 +519,26 @@ async fn collect(mut s: Started, mut out: TextOut) -> Result<(String, Finish, Us
             }
             Some(Event::Done { eos }) => {
                 text.push_str(&out.flush());
-                break if eos || out.stopped { Finish::Stop } else { Finish::Length };
+                break if eos || out.stopped {
+                    Finish::Stop
+                } else {
+                    Finish::Length
+                };
             }
-            Some(Event::Error(m)) => return Err(ApiError::new(500, "server_error", Some("engine_error"), m)),
+            Some(Event::Error(m)) => {
+                return Err(ApiError::new(500, "server_error", Some("engine_error"), m))
+            }
             None => return Err(scheduler_gone()),
         }
     };
-    Ok((text, finish, Usage { prompt: s.prompt_tokens, completion: n }))
+    Ok((
+        text,
+        finish,
+        Usage {
+            prompt: s.prompt_tokens,
+            completion: n,
+        },
+    ))
 }
 
 #[derive(PartialEq)]
@@ -469,7 +566,11 @@ struct StreamState {
 impl StreamState {
     fn chunk(&self, text: &str, finish: Option<Finish>) -> SseEvent {
         let v = if self.chat {
-            let delta = if finish.is_some() { json!({}) } else { json!({"content": text}) };
+            let delta = if finish.is_some() {
+                json!({})
+            } else {
+                json!({"content": text})
+            };
             openai::chat_chunk(&self.meta, delta, finish)
         } else {
             openai::completion_chunk(&self.meta, text, finish)
@@ -482,7 +583,11 @@ impl StreamState {
             match self.phase {
                 Phase::Role => {
                     self.phase = Phase::Body;
-                    let v = openai::chat_chunk(&self.meta, json!({"role": "assistant", "content": ""}), None);
+                    let v = openai::chat_chunk(
+                        &self.meta,
+                        json!({"role": "assistant", "content": ""}),
+                        None,
+                    );
                     return Some(SseEvent::default().data(v.to_string()));
                 }
                 Phase::Body => {
@@ -505,7 +610,11 @@ impl StreamState {
                         }
                         Some(Event::Done { eos }) => {
                             let t = self.out.flush();
-                            self.finish = if eos || self.out.stopped { Finish::Stop } else { Finish::Length };
+                            self.finish = if eos || self.out.stopped {
+                                Finish::Stop
+                            } else {
+                                Finish::Length
+                            };
                             self.phase = Phase::Final;
                             self.rx = None;
                             if !t.is_empty() {
@@ -520,17 +629,27 @@ impl StreamState {
                         }
                         None => {
                             self.phase = Phase::DoneMarker;
-                            return Some(SseEvent::default().data(scheduler_gone().body().to_string()));
+                            return Some(
+                                SseEvent::default().data(scheduler_gone().body().to_string()),
+                            );
                         }
                     }
                 }
                 Phase::Final => {
-                    self.phase = if self.include_usage { Phase::Usage } else { Phase::DoneMarker };
+                    self.phase = if self.include_usage {
+                        Phase::Usage
+                    } else {
+                        Phase::DoneMarker
+                    };
                     return Some(self.chunk("", Some(self.finish)));
                 }
                 Phase::Usage => {
                     self.phase = Phase::DoneMarker;
-                    let object = if self.chat { "chat.completion.chunk" } else { "text_completion" };
+                    let object = if self.chat {
+                        "chat.completion.chunk"
+                    } else {
+                        "text_completion"
+                    };
                     let v = openai::usage_chunk(&self.meta, object, self.usage);
                     return Some(SseEvent::default().data(v.to_string()));
                 }
@@ -552,7 +671,13 @@ fn now_secs() -> u64 {
 }
 
 /// Respond to a started request, streaming or not.
-async fn respond(app: &App, r: &Ready, s: Started, gen: GenParams, chat: bool) -> Result<Response, ApiError> {
+async fn respond(
+    app: &App,
+    r: &Ready,
+    s: Started,
+    gen: GenParams,
+    chat: bool,
+) -> Result<Response, ApiError> {
     let meta = RespMeta {
         id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, s.id),
         created: now_secs(),
@@ -569,7 +694,10 @@ async fn respond(app: &App, r: &Ready, s: Started, gen: GenParams, chat: bool) -
         return Ok(Json(body).into_response());
     }
     let st = StreamState {
-        usage: Usage { prompt: s.prompt_tokens, completion: 0 },
+        usage: Usage {
+            prompt: s.prompt_tokens,
+            completion: 0,
+        },
         rx: Some(s.rx),
         out,
         meta,
@@ -592,7 +720,10 @@ fn count_rejected<T>(app: &App, r: Result<T, ApiError>) -> Result<T, ApiError> {
     r
 }
 
-async fn completions(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn completions(
+    State(app): AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     app.shared.requests_total.fetch_add(1, Relaxed);
     let prepared = (|| {
         let body = body_bytes(body)?;
@@ -603,7 +734,9 @@ async fn completions(State(app): AppState, body: Result<Bytes, BytesRejection>) 
             Prompt::Tokens(t) => t,
             Prompt::Text(text) => {
                 let t = tokenizer_of(r)?;
-                let mut ids = t.encode(&text, true).map_err(|e| ApiError::invalid(e.to_string()))?;
+                let mut ids = t
+                    .encode(&text, true)
+                    .map_err(|e| ApiError::invalid(e.to_string()))?;
                 if ids.is_empty() {
                     ids.extend(t.bos_id());
                 }
@@ -617,7 +750,10 @@ async fn completions(State(app): AppState, body: Result<Bytes, BytesRejection>) 
     respond(&app, r, s, gen, false).await
 }
 
-async fn chat_completions(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn chat_completions(
+    State(app): AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     app.shared.requests_total.fetch_add(1, Relaxed);
     let prepared = (|| {
         let body = body_bytes(body)?;
@@ -632,7 +768,9 @@ async fn chat_completions(State(app): AppState, body: Result<Bytes, BytesRejecti
             )
         })?;
         let text = tpl.render(&req.messages, true).map_err(ApiError::invalid)?;
-        let prompt = t.encode(&text, false).map_err(|e| ApiError::invalid(e.to_string()))?;
+        let prompt = t
+            .encode(&text, false)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
         let s = start(&app, r, prompt, &req.gen)?;
         Ok((r, s, req.gen))
     })();
@@ -645,7 +783,13 @@ mod tests {
     use super::*;
 
     fn tok() -> Arc<Tokenizer> {
-        Arc::new(Tokenizer::from_file(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/tiny-chat")).unwrap())
+        Arc::new(
+            Tokenizer::from_file(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../tests/data/tiny-chat"
+            ))
+            .unwrap(),
+        )
     }
 
     #[test]

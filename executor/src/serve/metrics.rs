@@ -80,27 +80,109 @@ impl Shared {
     pub fn prometheus(&self) -> String {
         let mut o = String::with_capacity(2048);
         let mut m = |name: &str, kind: &str, help: &str, v: String| {
-            let _ = writeln!(o, "# HELP strata_{name} {help}\n# TYPE strata_{name} {kind}\nstrata_{name} {v}");
+            let _ = writeln!(
+                o,
+                "# HELP strata_{name} {help}\n# TYPE strata_{name} {kind}\nstrata_{name} {v}"
+            );
         };
         let g = |a: &AtomicU64| a.load(Relaxed).to_string();
-        m("ready", "gauge", "1 once the model is loaded", u8::from(self.ready.get().is_some()).to_string());
-        m("requests_total", "counter", "Generation requests received", g(&self.requests_total));
-        m("requests_rejected_total", "counter", "Requests refused before running (4xx, queue full)", g(&self.requests_rejected));
-        m("requests_finished_total", "counter", "Requests that completed", g(&self.requests_finished));
-        m("requests_cancelled_total", "counter", "Requests whose client went away", g(&self.requests_cancelled));
-        m("requests_failed_total", "counter", "Requests that failed inside the engine", g(&self.requests_failed));
-        m("requests_running", "gauge", "Requests holding a slot", g(&self.running));
-        m("requests_queued", "gauge", "Requests waiting for a slot", g(&self.queued));
-        m("prompt_tokens_total", "counter", "Prompt tokens prefilled", g(&self.prompt_tokens));
-        m("generated_tokens_total", "counter", "Tokens generated", g(&self.generated_tokens));
-        m("tokens_per_second", "gauge", "Recent decode throughput over all slots", format!("{:.3}", self.tokens_per_s()));
-        m("time_to_first_token_seconds_sum", "counter", "Sum of time from arrival to first token", format!("{:.6}", self.ttft_us_sum.load(Relaxed) as f64 / 1e6));
-        m("time_to_first_token_seconds_count", "counter", "Requests that produced a first token", g(&self.ttft_count));
-        m("expert_cache_hits_total", "counter", "Expert cache hits reported by the engine", g(&self.expert_hits));
-        m("expert_cache_misses_total", "counter", "Expert cache misses reported by the engine", g(&self.expert_misses));
+        m(
+            "ready",
+            "gauge",
+            "1 once the model is loaded",
+            u8::from(self.ready.get().is_some()).to_string(),
+        );
+        m(
+            "requests_total",
+            "counter",
+            "Generation requests received",
+            g(&self.requests_total),
+        );
+        m(
+            "requests_rejected_total",
+            "counter",
+            "Requests refused before running (4xx, queue full)",
+            g(&self.requests_rejected),
+        );
+        m(
+            "requests_finished_total",
+            "counter",
+            "Requests that completed",
+            g(&self.requests_finished),
+        );
+        m(
+            "requests_cancelled_total",
+            "counter",
+            "Requests whose client went away",
+            g(&self.requests_cancelled),
+        );
+        m(
+            "requests_failed_total",
+            "counter",
+            "Requests that failed inside the engine",
+            g(&self.requests_failed),
+        );
+        m(
+            "requests_running",
+            "gauge",
+            "Requests holding a slot",
+            g(&self.running),
+        );
+        m(
+            "requests_queued",
+            "gauge",
+            "Requests waiting for a slot",
+            g(&self.queued),
+        );
+        m(
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens prefilled",
+            g(&self.prompt_tokens),
+        );
+        m(
+            "generated_tokens_total",
+            "counter",
+            "Tokens generated",
+            g(&self.generated_tokens),
+        );
+        m(
+            "tokens_per_second",
+            "gauge",
+            "Recent decode throughput over all slots",
+            format!("{:.3}", self.tokens_per_s()),
+        );
+        m(
+            "time_to_first_token_seconds_sum",
+            "counter",
+            "Sum of time from arrival to first token",
+            format!("{:.6}", self.ttft_us_sum.load(Relaxed) as f64 / 1e6),
+        );
+        m(
+            "time_to_first_token_seconds_count",
+            "counter",
+            "Requests that produced a first token",
+            g(&self.ttft_count),
+        );
+        m(
+            "expert_cache_hits_total",
+            "counter",
+            "Expert cache hits reported by the engine",
+            g(&self.expert_hits),
+        );
+        m(
+            "expert_cache_misses_total",
+            "counter",
+            "Expert cache misses reported by the engine",
+            g(&self.expert_misses),
+        );
         let _ = writeln!(o, "# HELP strata_kv_cells_in_use KV cells in use per slot\n# TYPE strata_kv_cells_in_use gauge");
         for s in self.slots() {
-            let _ = writeln!(o, "strata_kv_cells_in_use{{slot=\"{}\"}} {}", s.id, s.kv_cells);
+            let _ = writeln!(
+                o,
+                "strata_kv_cells_in_use{{slot=\"{}\"}} {}",
+                s.id, s.kv_cells
+            );
         }
         o
     }
@@ -114,7 +196,11 @@ mod tests {
     fn prometheus_text_has_every_family_once() {
         let s = Shared::new();
         s.requests_total.store(3, Relaxed);
-        s.slots.lock().unwrap().push(SlotView { id: 1, kv_cells: 17, ..Default::default() });
+        s.slots.lock().unwrap().push(SlotView {
+            id: 1,
+            kv_cells: 17,
+            ..Default::default()
+        });
         let t = s.prometheus();
         assert!(t.contains("strata_requests_total 3\n"), "{t}");
         assert!(t.contains("strata_kv_cells_in_use{slot=\"1\"} 17\n"), "{t}");

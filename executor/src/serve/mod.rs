@@ -56,8 +56,13 @@ impl Default for ServeOptions {
 /// Why the server could not start or run.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    #[error("cannot listen on {addr}: {source} (is another server on that port? pick one with --port)")]
-    Bind { addr: String, source: std::io::Error },
+    #[error(
+        "cannot listen on {addr}: {source} (is another server on that port? pick one with --port)"
+    )]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
     #[error("the model failed to load: {0}")]
     Load(String),
     #[error("server I/O: {0}")]
@@ -69,7 +74,12 @@ pub(crate) fn make_ready(info: &EngineInfo, tok: Option<Tokenizer>) -> Result<Re
     let mut eos: Vec<u32> = Vec::new();
     let mut template = None;
     if let Some(t) = &tok {
-        eos.extend(t.eos_ids().iter().copied().filter(|&i| (i as usize) < info.n_vocab));
+        eos.extend(
+            t.eos_ids()
+                .iter()
+                .copied()
+                .filter(|&i| (i as usize) < info.n_vocab),
+        );
         if t.vocab_size() > info.n_vocab {
             eprintln!(
                 "strata-exec serve: warning: the tokenizer `{}` has {} tokens but the model {}; prompts using the extra ids are refused",
@@ -123,7 +133,11 @@ pub async fn shutdown_signal() {
 }
 
 /// Serve `engine` on `opts.host:opts.port` until SIGINT/SIGTERM.
-pub async fn serve(engine: Box<dyn Engine>, tokenizer: Option<Tokenizer>, opts: ServeOptions) -> Result<(), ServeError> {
+pub async fn serve(
+    engine: Box<dyn Engine>,
+    tokenizer: Option<Tokenizer>,
+    opts: ServeOptions,
+) -> Result<(), ServeError> {
     serve_with_loader(Box::new(move || Ok((engine, tokenizer))), opts).await
 }
 
@@ -133,7 +147,10 @@ pub async fn serve_with_loader(loader: Loader, opts: ServeOptions) -> Result<(),
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
-        .map_err(|source| ServeError::Bind { addr: addr.clone(), source })?;
+        .map_err(|source| ServeError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
     let shown = listener.local_addr().map(|a| a.to_string()).unwrap_or(addr);
     eprintln!("strata-exec serve: listening on http://{shown}");
     serve_on(listener, loader, opts, shutdown_signal()).await
@@ -188,7 +205,11 @@ pub async fn serve_on(
 }
 
 /// [`serve`] on a fresh multi-threaded tokio runtime, for callers that are not async.
-pub fn serve_blocking(engine: Box<dyn Engine>, tokenizer: Option<Tokenizer>, opts: ServeOptions) -> Result<(), ServeError> {
+pub fn serve_blocking(
+    engine: Box<dyn Engine>,
+    tokenizer: Option<Tokenizer>,
+    opts: ServeOptions,
+) -> Result<(), ServeError> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?

@@ -20,7 +20,12 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: u16, kind: &'static str, code: Option<&'static str>, msg: impl Into<String>) -> Self {
+    pub fn new(
+        status: u16,
+        kind: &'static str,
+        code: Option<&'static str>,
+        msg: impl Into<String>,
+    ) -> Self {
         Self {
             status,
             message: msg.into(),
@@ -118,15 +123,24 @@ fn wrong(key: &str, want: &str, v: &Value) -> ApiError {
 /// The request body as a JSON object.
 pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     if body.is_empty() {
-        return Err(ApiError::invalid("the request body is empty; send a JSON object"));
+        return Err(ApiError::invalid(
+            "the request body is empty; send a JSON object",
+        ));
     }
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::param("invalid_json", format!("the request body is not valid JSON: {e}")))?;
+    let v: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::param(
+            "invalid_json",
+            format!("the request body is not valid JSON: {e}"),
+        )
+    })?;
     match v {
         Value::Object(m) => Ok(m),
         other => Err(ApiError::param(
             "invalid_json",
-            format!("the request body must be a JSON object, got {}", type_name(&other)),
+            format!(
+                "the request body must be a JSON object, got {}",
+                type_name(&other)
+            ),
         )),
     }
 }
@@ -167,7 +181,9 @@ impl Obj<'_> {
                         Some(f) => {
                             return Err(ApiError::param(
                                 "invalid_value",
-                                format!("`{key}` must be an integer between {lo} and {hi}, got {f}"),
+                                format!(
+                                    "`{key}` must be an integer between {lo} and {hi}, got {f}"
+                                ),
                             ))
                         }
                         None => return Err(wrong(key, "an integer", v)),
@@ -201,7 +217,11 @@ impl Obj<'_> {
     }
 
     /// Reject a parameter we do not implement unless it has its neutral value.
-    fn unsupported_unless(&self, key: &str, neutral: impl Fn(&Value) -> bool) -> Result<(), ApiError> {
+    fn unsupported_unless(
+        &self,
+        key: &str,
+        neutral: impl Fn(&Value) -> bool,
+    ) -> Result<(), ApiError> {
         match self.get(key) {
             Some(v) if !neutral(v) => Err(ApiError::param(
                 "unsupported_parameter",
@@ -237,7 +257,10 @@ fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
     };
     if let Some(n) = o.int_in("n", 1, i64::MAX)? {
         if n != 1 {
-            return Err(ApiError::param("unsupported_parameter", format!("`n` must be 1, got {n}")));
+            return Err(ApiError::param(
+                "unsupported_parameter",
+                format!("`n` must be 1, got {n}"),
+            ));
         }
     }
     let stop = match o.get("stop") {
@@ -258,10 +281,16 @@ fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
     if stop.len() > MAX_STOPS {
         return Err(ApiError::param(
             "invalid_value",
-            format!("`stop` holds {} strings; at most {MAX_STOPS} are accepted", stop.len()),
+            format!(
+                "`stop` holds {} strings; at most {MAX_STOPS} are accepted",
+                stop.len()
+            ),
         ));
     }
-    if let Some(s) = stop.iter().find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+    if let Some(s) = stop
+        .iter()
+        .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
         return Err(ApiError::param(
             "invalid_value",
             format!(
@@ -282,9 +311,13 @@ fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
     }
     o.unsupported_unless("logprobs", |v| v == &Value::Bool(false))?;
     o.unsupported_unless("top_logprobs", |v| v.as_f64() == Some(0.0))?;
-    o.unsupported_unless("logit_bias", |v| v.as_object().is_some_and(|m| m.is_empty()))?;
+    o.unsupported_unless("logit_bias", |v| {
+        v.as_object().is_some_and(|m| m.is_empty())
+    })?;
     o.unsupported_unless("tools", |v| v.as_array().is_some_and(|a| a.is_empty()))?;
-    o.unsupported_unless("response_format", |v| v.get("type").and_then(Value::as_str) == Some("text"))?;
+    o.unsupported_unless("response_format", |v| {
+        v.get("type").and_then(Value::as_str) == Some("text")
+    })?;
     o.unsupported_unless("best_of", |v| v.as_i64() == Some(1))?;
     o.unsupported_unless("echo", |v| v == &Value::Bool(false))?;
     o.unsupported_unless("suffix", |v| v.as_str() == Some(""))?;
@@ -327,7 +360,10 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
         None => return Err(ApiError::param("missing_parameter", "`prompt` is required")),
         Some(Value::String(s)) => Prompt::Text(s.clone()),
         Some(Value::Array(a)) if a.is_empty() => {
-            return Err(ApiError::param("invalid_value", "`prompt` is an empty array"))
+            return Err(ApiError::param(
+                "invalid_value",
+                "`prompt` is an empty array",
+            ))
         }
         Some(Value::Array(a)) => match &a[0] {
             Value::String(_) | Value::Array(_) if a.len() > 1 => {
@@ -340,7 +376,13 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
             Value::Array(inner) => Prompt::Tokens(token_ids("prompt[0]", inner)?),
             _ => Prompt::Tokens(token_ids("prompt", a)?),
         },
-        Some(v) => return Err(wrong("prompt", "a string, an array of token ids, or an array of one string", v)),
+        Some(v) => {
+            return Err(wrong(
+                "prompt",
+                "a string, an array of token ids, or an array of one string",
+                v,
+            ))
+        }
     };
     Ok(CompletionRequest {
         model,
@@ -357,7 +399,12 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     let o = Obj(&m);
     let model = o.string("model")?.map(str::to_string);
     let msgs = match o.get("messages") {
-        None => return Err(ApiError::param("missing_parameter", "`messages` is required")),
+        None => {
+            return Err(ApiError::param(
+                "missing_parameter",
+                "`messages` is required",
+            ))
+        }
         Some(Value::Array(a)) => a,
         Some(v) => return Err(wrong("messages", "an array of messages", v)),
     };
@@ -379,11 +426,19 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
                 let v = mo.0.get("role").unwrap_or(&Value::Null);
                 wrong(&format!("messages[{i}].role"), "a string", v)
             })?
-            .ok_or_else(|| ApiError::param("missing_parameter", format!("`messages[{i}].role` is required")))?;
+            .ok_or_else(|| {
+                ApiError::param(
+                    "missing_parameter",
+                    format!("`messages[{i}].role` is required"),
+                )
+            })?;
         if !ROLES.contains(&role) {
             return Err(ApiError::param(
                 "invalid_value",
-                format!("`messages[{i}].role` is `{role}`; use one of {}", ROLES.join(", ")),
+                format!(
+                    "`messages[{i}].role` is `{role}`; use one of {}",
+                    ROLES.join(", ")
+                ),
             ));
         }
         let content = match mo.get("content") {
@@ -427,7 +482,13 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
                 }
                 text
             }
-            Some(v) => return Err(wrong(&format!("messages[{i}].content"), "a string or an array of parts", v)),
+            Some(v) => {
+                return Err(wrong(
+                    &format!("messages[{i}].content"),
+                    "a string or an array of parts",
+                    v,
+                ))
+            }
         };
         let name = mo.string("name")?.map(str::to_string);
         messages.push(ChatMessage {
@@ -545,10 +606,14 @@ mod tests {
         assert_eq!(r.gen.sampling.seed, 7);
         assert_eq!(r.gen.stop, vec!["x".to_string()]);
         assert!(r.gen.stream && r.gen.include_usage);
-        let r = parse_completion(br#"{"prompt":[1,2,3],"user":"ignored","n":1,"logprobs":null}"#).unwrap();
+        let r = parse_completion(br#"{"prompt":[1,2,3],"user":"ignored","n":1,"logprobs":null}"#)
+            .unwrap();
         assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
         assert_eq!(r.gen.sampling.temperature, 1.0);
-        assert_eq!(parse_completion(br#"{"prompt":[[4,5]]}"#).unwrap().prompt, Prompt::Tokens(vec![4, 5]));
+        assert_eq!(
+            parse_completion(br#"{"prompt":[[4,5]]}"#).unwrap().prompt,
+            Prompt::Tokens(vec![4, 5])
+        );
     }
 
     #[test]
@@ -573,10 +638,22 @@ mod tests {
         ] {
             let e = err(parse_completion(body));
             assert_eq!(e.status, 400);
-            assert!(e.message.contains(needle), "{}: {}", String::from_utf8_lossy(body), e.message);
+            assert!(
+                e.message.contains(needle),
+                "{}: {}",
+                String::from_utf8_lossy(body),
+                e.message
+            );
             assert_eq!(e.body()["error"]["type"], "invalid_request_error");
         }
-        for body in [&b""[..], b"{", b"[1]", b"\xff\xfe", b"{\"prompt\":\"\xff\"}", b"null"] {
+        for body in [
+            &b""[..],
+            b"{",
+            b"[1]",
+            b"\xff\xfe",
+            b"{\"prompt\":\"\xff\"}",
+            b"null",
+        ] {
             assert_eq!(err(parse_completion(body)).status, 400);
         }
     }
@@ -592,12 +669,20 @@ mod tests {
             (br#"{"messages":[{"role":"user"}]}"#, "content"),
             (br#"{"messages":[{"role":"user","content":5}]}"#, "content"),
             (br#"{"messages":[{"content":"x"}]}"#, "role"),
-            (br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#, "image_url"),
+            (
+                br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+                "image_url",
+            ),
             (br#"{}"#, "messages"),
         ] {
             let e = err(parse_chat(body));
             assert_eq!(e.status, 400);
-            assert!(e.message.contains(needle), "{}: {}", String::from_utf8_lossy(body), e.message);
+            assert!(
+                e.message.contains(needle),
+                "{}: {}",
+                String::from_utf8_lossy(body),
+                e.message
+            );
         }
     }
 }

@@ -172,7 +172,12 @@ struct Sched {
 }
 
 impl Sched {
-    fn new(engine: Box<dyn Engine>, rx: mpsc::Receiver<Job>, shared: Arc<Shared>, stop: Arc<Stop>) -> Self {
+    fn new(
+        engine: Box<dyn Engine>,
+        rx: mpsc::Receiver<Job>,
+        shared: Arc<Shared>,
+        stop: Arc<Stop>,
+    ) -> Self {
         let info = engine.info().clone();
         let n = info.n_slots;
         if let Ok(mut v) = shared.slots.lock() {
@@ -282,7 +287,10 @@ impl Sched {
             }
             // Drop requests whose client went away.
             for slot in 0..self.slots.len() {
-                if self.slots[slot].as_ref().is_some_and(|a| a.job.events.is_closed()) {
+                if self.slots[slot]
+                    .as_ref()
+                    .is_some_and(|a| a.job.events.is_closed())
+                {
                     let shared = self.shared.clone();
                     self.free(slot, &shared.requests_cancelled);
                 }
@@ -299,7 +307,11 @@ impl Sched {
             .slots
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| s.as_ref().filter(|a| a.phase == Phase::Prefill).map(|a| (a.job.id, i)))
+            .filter_map(|(i, s)| {
+                s.as_ref()
+                    .filter(|a| a.phase == Phase::Prefill)
+                    .map(|a| (a.job.id, i))
+            })
             .min()
             .map(|(_, i)| i)
         else {
@@ -317,18 +329,27 @@ impl Sched {
                 self.finish(slot, Event::Error(msg));
             }
             Ok(logits) => {
-                self.shared.prompt_tokens.fetch_add((end - a.fed) as u64, Relaxed);
+                self.shared
+                    .prompt_tokens
+                    .fetch_add((end - a.fed) as u64, Relaxed);
                 a.fed = end;
                 if !last {
                     return;
                 }
                 let Some(logits) = logits else {
-                    self.finish(slot, Event::Error("the engine returned no logits for the last prompt chunk".into()));
+                    self.finish(
+                        slot,
+                        Event::Error(
+                            "the engine returned no logits for the last prompt chunk".into(),
+                        ),
+                    );
                     return;
                 };
                 let tok = a.sampler.sample(logits);
                 let ttft = a.job.arrived.elapsed();
-                self.shared.ttft_us_sum.fetch_add(ttft.as_micros() as u64, Relaxed);
+                self.shared
+                    .ttft_us_sum
+                    .fetch_add(ttft.as_micros() as u64, Relaxed);
                 self.shared.ttft_count.fetch_add(1, Relaxed);
                 a.phase = Phase::Decode;
                 self.after_sample(slot, tok);
@@ -384,7 +405,10 @@ impl Sched {
             Ok(logits) => {
                 self.sampled.clear();
                 for (row, &slot) in self.batch_slot.iter().enumerate() {
-                    let tok = match (self.slots[slot].as_mut(), logits.get(row * n_vocab..(row + 1) * n_vocab)) {
+                    let tok = match (
+                        self.slots[slot].as_mut(),
+                        logits.get(row * n_vocab..(row + 1) * n_vocab),
+                    ) {
                         (Some(a), Some(l)) => a.sampler.sample(l),
                         _ => u32::MAX,
                     };
@@ -395,13 +419,20 @@ impl Sched {
         let dt = t0.elapsed().as_secs_f64().max(1e-9);
         let rate = self.batch.len() as f64 / dt;
         let old = self.shared.tokens_per_s();
-        let new = if old == 0.0 { rate } else { 0.9 * old + 0.1 * rate };
+        let new = if old == 0.0 {
+            rate
+        } else {
+            0.9 * old + 0.1 * rate
+        };
         self.shared.tokens_per_s.store(new.to_bits(), Relaxed);
         for k in 0..self.batch_slot.len() {
             let slot = self.batch_slot[k];
             let tok = self.sampled[k];
             if tok == u32::MAX {
-                self.finish(slot, Event::Error("the engine returned too few logits rows".into()));
+                self.finish(
+                    slot,
+                    Event::Error("the engine returned too few logits rows".into()),
+                );
             } else {
                 self.after_sample(slot, tok);
             }
@@ -411,7 +442,9 @@ impl Sched {
     fn publish(&mut self) {
         let stats = self.engine.stats();
         self.shared.expert_hits.store(stats.expert_hits, Relaxed);
-        self.shared.expert_misses.store(stats.expert_misses, Relaxed);
+        self.shared
+            .expert_misses
+            .store(stats.expert_misses, Relaxed);
         let Ok(mut views) = self.shared.slots.lock() else {
             return;
         };
@@ -448,7 +481,9 @@ impl Sched {
         }
         while let Ok(job) = self.rx.try_recv() {
             self.shared.queued.fetch_sub(1, Relaxed);
-            let _ = job.events.send(Event::Error("the server is shutting down".into()));
+            let _ = job
+                .events
+                .send(Event::Error("the server is shutting down".into()));
         }
         self.publish();
     }

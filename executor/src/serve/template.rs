@@ -46,8 +46,18 @@ fn strftime_now(fmt: String) -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September",
-        "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     fmt.replace("%d", &format!("{d:02}"))
         .replace("%m", &format!("{m:02}"))
@@ -74,7 +84,11 @@ impl ChatTemplate {
 
     /// The prompt for `messages`, ending with the assistant's turn opener when
     /// `add_generation_prompt`.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, String> {
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let t = self
             .env
             .get_template("chat")
@@ -117,14 +131,24 @@ mod tests {
             .unwrap(),
         )
         .unwrap();
-        let t = ChatTemplate::new(cfg["chat_template"].as_str().unwrap(), None, Some("<|im_end|>".into())).unwrap();
+        let t = ChatTemplate::new(
+            cfg["chat_template"].as_str().unwrap(),
+            None,
+            Some("<|im_end|>".into()),
+        )
+        .unwrap();
         let out = t.render(&[msg("user", "  Hi there \n")], true).unwrap();
         assert_eq!(
             out,
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
         );
-        let out = t.render(&[msg("system", "S"), msg("user", "U")], false).unwrap();
-        assert_eq!(out, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n");
+        let out = t
+            .render(&[msg("system", "S"), msg("user", "U")], false)
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+        );
     }
 
     #[test]

@@ -138,7 +138,11 @@ impl TinyEngine {
         let max_batch = cfg.ubatch.max(cfg.n_slots).max(1);
         let mut model = Model::new(&hp, weights, ModelOptions::new(max_batch))?;
         for _ in 0..cfg.n_slots {
-            model.add_slot(KvCache::new_owned(&hp, GgmlType::F32, cfg.max_context as usize)?)?;
+            model.add_slot(KvCache::new_owned(
+                &hp,
+                GgmlType::F32,
+                cfg.max_context as usize,
+            )?)?;
         }
         Ok(Self {
             model,
@@ -165,7 +169,12 @@ impl Engine for TinyEngine {
         &self.info
     }
 
-    fn prefill(&mut self, slot: usize, tokens: &[u32], want_logits: bool) -> Result<Option<&[f32]>, EngineError> {
+    fn prefill(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        want_logits: bool,
+    ) -> Result<Option<&[f32]>, EngineError> {
         if tokens.len() > self.info.ubatch {
             return Err(EngineError::Request(format!(
                 "prefill chunk of {} tokens exceeds the ubatch {}",
@@ -209,7 +218,11 @@ mod tests {
 
     #[test]
     fn tiny_engine_is_deterministic_and_slots_are_independent() {
-        let cfg = TinyConfig { n_slots: 2, ubatch: 4, ..Default::default() };
+        let cfg = TinyConfig {
+            n_slots: 2,
+            ubatch: 4,
+            ..Default::default()
+        };
         let mut a = TinyEngine::new(&cfg).unwrap();
         let prompt = [5u32, 17, 42, 3, 96, 0, 61];
         let run = |e: &mut TinyEngine, slot: usize| -> Vec<u32> {
@@ -234,6 +247,9 @@ mod tests {
         assert_eq!(a.slot_len(1), 12);
         let mut b = TinyEngine::new(&cfg).unwrap();
         assert_eq!(run(&mut b, 0), x);
-        assert!(a.prefill(0, &[1; 5], true).is_err(), "chunks beyond ubatch are refused");
+        assert!(
+            a.prefill(0, &[1; 5], true).is_err(),
+            "chunks beyond ubatch are refused"
+        );
     }
 }

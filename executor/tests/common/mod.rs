@@ -25,7 +25,11 @@ impl TestServer {
         Self::start_with_load_delay(cfg, opts, Duration::ZERO).await
     }
 
-    pub async fn start_with_load_delay(mut cfg: TinyConfig, opts: ServeOptions, load: Duration) -> Self {
+    pub async fn start_with_load_delay(
+        mut cfg: TinyConfig,
+        opts: ServeOptions,
+        load: Duration,
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -34,12 +38,19 @@ impl TestServer {
             let tok = Tokenizer::from_file(TOK_DIR).map_err(|e| e.to_string())?;
             cfg.n_vocab = tok.vocab_size() as u64;
             let e = TinyEngine::new(&cfg).map_err(|e| e.to_string())?;
-            Ok((Box::new(e) as Box<dyn strata_exec::engine::Engine>, Some(tok)))
+            Ok((
+                Box::new(e) as Box<dyn strata_exec::engine::Engine>,
+                Some(tok),
+            ))
         });
         let join = tokio::spawn(serve_on(listener, loader, opts, async move {
             let _ = rx.await;
         }));
-        let s = Self { addr, stop: Some(tx), join: Some(join) };
+        let s = Self {
+            addr,
+            stop: Some(tx),
+            join: Some(join),
+        };
         if load.is_zero() {
             s.wait_ready().await;
         }
@@ -63,9 +74,15 @@ impl TestServer {
     }
 
     pub async fn post(&self, path: &str, body: &[u8]) -> Resp {
-        request(self.addr, "POST", path, &[("Content-Type", "application/json")], body)
-            .await
-            .unwrap()
+        request(
+            self.addr,
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            body,
+        )
+        .await
+        .unwrap()
     }
 
     pub async fn post_json(&self, path: &str, v: &serde_json::Value) -> Resp {
@@ -82,7 +99,9 @@ impl TestServer {
             let _ = tx.send(());
         }
         if let Some(j) = self.join.take() {
-            let r = tokio::time::timeout(Duration::from_secs(30), j).await.expect("server stops in time");
+            let r = tokio::time::timeout(Duration::from_secs(30), j)
+                .await
+                .expect("server stops in time");
             r.unwrap().unwrap();
         }
     }
@@ -134,10 +153,17 @@ pub fn request_bytes(method: &str, path: &str, headers: &[(&str, &str)], body: &
 }
 
 /// One request on a fresh connection, read to the end (60 s limit).
-pub async fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> std::io::Result<Resp> {
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<Resp> {
     tokio::time::timeout(Duration::from_secs(60), async {
         let mut s = TcpStream::connect(addr).await?;
-        s.write_all(&request_bytes(method, path, headers, body)).await?;
+        s.write_all(&request_bytes(method, path, headers, body))
+            .await?;
         let mut raw = Vec::new();
         s.read_to_end(&mut raw).await?;
         Ok(parse(&raw))
@@ -147,10 +173,20 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&st
 }
 
 fn parse(raw: &[u8]) -> Resp {
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("response has a header");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("response has a header");
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
     let mut lines = head.split("\r\n");
-    let status: u16 = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let status: u16 = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
@@ -162,7 +198,11 @@ fn parse(raw: &[u8]) -> Resp {
     if chunked {
         body = dechunk(&body);
     }
-    Resp { status, headers, body }
+    Resp {
+        status,
+        headers,
+        body,
+    }
 }
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
@@ -192,7 +232,11 @@ pub fn stream_text(r: &Resp, chat: bool) -> (String, Option<String>) {
         let v: serde_json::Value = serde_json::from_str(&d).unwrap();
         assert!(v.get("error").is_none(), "stream error: {d}");
         if let Some(c) = v["choices"].as_array().and_then(|a| a.first()) {
-            let piece = if chat { &c["delta"]["content"] } else { &c["text"] };
+            let piece = if chat {
+                &c["delta"]["content"]
+            } else {
+                &c["text"]
+            };
             if let Some(s) = piece.as_str() {
                 text.push_str(s);
             }
