@@ -140,7 +140,12 @@ mod tests {
     #[test]
     fn seeded_sampling_is_reproducible_and_respects_cuts() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
-        let params = SamplingParams { temperature: 0.8, top_k: 5, top_p: 0.9, seed: 42 };
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 5,
+            top_p: 0.9,
+            seed: 42,
+        };
         let a: Vec<u32> = {
             let mut s = Sampler::new(params);
             (0..200).map(|_| s.sample(&logits)).collect()
@@ -156,7 +161,16 @@ mod tests {
         assert!(a.iter().all(|t| top5.contains(t)), "top-k 5 respected");
         let distinct: std::collections::BTreeSet<_> = a.iter().collect();
         assert!(distinct.len() > 1, "temperature sampling is not greedy");
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1e-6, seed: 1 });
-        assert_eq!(s.sample(&logits), order[0], "a tiny top_p keeps only the best token");
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1e-6,
+            seed: 1,
+        });
+        assert_eq!(
+            s.sample(&logits),
+            order[0],
+            "a tiny top_p keeps only the best token"
+        );
     }
 }

@@ -36,8 +36,11 @@ pub struct Sizing<'a> {
     pub vram_reserve: u64,
     pub n_devices: usize,
     pub expert_cache: ExpertCache,
-    scratch: RefCell<BTreeMap<(u64, u64, bool), (u64, Vec<ScratchBuffer>)>>,
+    scratch: RefCell<ScratchMemo>,
 }
+
+/// Packed scratch by (slots, resident cells, holds the head): (bytes, buffers).
+type ScratchMemo = BTreeMap<(u64, u64, bool), (u64, Vec<ScratchBuffer>)>;
 
 /// One device's demand for a layer range at `slots` slots with `resident` cells each.
 #[derive(Debug, Clone)]
@@ -135,7 +138,11 @@ impl<'a> Sizing<'a> {
         }
         let params = GraphParams {
             tokens: self.step_tokens(slots),
-            logits_rows: if last { (slots * (1 + self.spec)).max(1) } else { 0 },
+            logits_rows: if last {
+                (slots * (1 + self.spec)).max(1)
+            } else {
+                0
+            },
             ctx_cells: resident,
         };
         let value = match forward_graph(&self.inv.arch, &self.inv.hparams, &params) {
@@ -196,7 +203,10 @@ impl<'a> Sizing<'a> {
         if mtp_here {
             let work = slots * (1 + self.spec) * (hp.n_vocab * 4 + 4 * hp.n_embd * 4);
             let kv = slots * resident * f.mtp_kv_cell;
-            regions.push((RegionKind::Mtp, align(f.mtp_weight_bytes) + align(kv) + align(work)));
+            regions.push((
+                RegionKind::Mtp,
+                align(f.mtp_weight_bytes) + align(kv) + align(work),
+            ));
         }
         if first {
             if let Some(v) = self.vision {
@@ -210,10 +220,7 @@ impl<'a> Sizing<'a> {
             RegionKind::KvCache,
             align(slots * resident * f.kv_cell_range(a, b)),
         ));
-        regions.push((
-            RegionKind::LinearState,
-            align(slots * f.linear_range(a, b)),
-        ));
+        regions.push((RegionKind::LinearState, align(slots * f.linear_range(a, b))));
         let per_slot = per_slot_session_bytes(&self.inv.arch, hp, self.spec as u32);
         regions.push((RegionKind::SlotSessions, align(slots * per_slot)));
         regions.push((RegionKind::Scratch, self.scratch(slots, resident, last).0));

@@ -15,6 +15,28 @@ struct LayerProbs {
     order: Vec<u32>,
 }
 
+impl LayerProbs {
+    /// Sort one layer's expected uses, best first (ties by expert id).
+    fn new(probs: &[f64]) -> Self {
+        let mut order: Vec<u32> = (0..probs.len() as u32).collect();
+        order.sort_by(|a, b| {
+            probs[*b as usize]
+                .total_cmp(&probs[*a as usize])
+                .then(a.cmp(b))
+        });
+        let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
+        let mut prefix = vec![0.0; sorted.len() + 1];
+        for (i, p) in sorted.iter().enumerate() {
+            prefix[i + 1] = prefix[i] + p;
+        }
+        Self {
+            sorted,
+            prefix,
+            order,
+        }
+    }
+}
+
 /// Expected expert uses per token, per main layer, from a profile or uniform.
 pub struct ExpertOracle {
     n_expert: u64,
@@ -38,22 +60,7 @@ impl ExpertOracle {
                 Some(p) if l < p.layers => p.probabilities(l, used),
                 _ => vec![used as f64 / e as f64; e as usize],
             };
-            let mut order: Vec<u32> = (0..e as u32).collect();
-            order.sort_by(|a, b| {
-                probs[*b as usize]
-                    .total_cmp(&probs[*a as usize])
-                    .then(a.cmp(b))
-            });
-            let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
-            let mut prefix = vec![0.0; sorted.len() + 1];
-            for (i, p) in sorted.iter().enumerate() {
-                prefix[i + 1] = prefix[i] + p;
-            }
-            layers.push(Some(LayerProbs {
-                sorted,
-                prefix,
-                order,
-            }));
+            layers.push(Some(LayerProbs::new(&probs)));
         }
         Self {
             n_expert: e,
@@ -65,10 +72,7 @@ impl ExpertOracle {
 
     /// Expected expert uses per token over layers `[a, b)`.
     pub fn total_mass(&self, a: u32, b: u32) -> f64 {
-        self.layers[a as usize..b as usize]
-            .iter()
-            .flatten()
-            .count() as f64
+        self.layers[a as usize..b as usize].iter().flatten().count() as f64
             * self.n_expert_used as f64
     }
 
@@ -143,24 +147,23 @@ mod tests {
             counts: counts.into_iter().flatten().collect(),
         };
         let layers_probs = (0..layers)
-            .map(|l| {
-                let probs = profile.probabilities(l, used);
-                let mut order: Vec<u32> = (0..e as u32).collect();
-                order.sort_by(|a, b| probs[*b as usize].total_cmp(&probs[*a as usize]).then(a.cmp(b)));
-                let sorted: Vec<f64> = order.iter().map(|i| probs[*i as usize]).collect();
-                let mut prefix = vec![0.0; sorted.len() + 1];
-                for (i, p) in sorted.iter().enumerate() {
-                    prefix[i + 1] = prefix[i] + p;
-                }
-                Some(LayerProbs { sorted, prefix, order })
-            })
+            .map(|l| Some(LayerProbs::new(&profile.probabilities(l, used))))
             .collect();
-        ExpertOracle { n_expert: e, n_expert_used: used, layers: layers_probs, uniform: false }
+        ExpertOracle {
+            n_expert: e,
+            n_expert_used: used,
+            layers: layers_probs,
+            uniform: false,
+        }
     }
 
     #[test]
     fn cached_mass_matches_brute_force_top_k() {
-        let counts = vec![vec![10, 0, 5, 5, 1, 9], vec![3, 3, 3, 30, 0, 1], vec![0, 0, 0, 0, 0, 0]];
+        let counts = vec![
+            vec![10, 0, 5, 5, 1, 9],
+            vec![3, 3, 3, 30, 0, 1],
+            vec![0, 0, 0, 0, 0, 0],
+        ];
         let o = oracle_from(counts, 2);
         let mut all: Vec<f64> = Vec::new();
         for l in 0..3 {

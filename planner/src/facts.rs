@@ -48,10 +48,16 @@ impl ModelFacts {
         let mut linear_state = Vec::with_capacity(n as usize);
         // Bytes a set of tensors takes when each is placed at an aligned offset.
         let placed = |f: &dyn Fn(&strata_schemas::inventory::TensorInfo) -> bool| -> u64 {
-            inv.tensors.iter().filter(|t| f(t)).map(|t| align(t.bytes)).sum()
+            inv.tensors
+                .iter()
+                .filter(|t| f(t))
+                .map(|t| align(t.bytes))
+                .sum()
         };
         for l in 0..n {
-            dense.push(placed(&|t| t.layer == Some(l) && t.role != TensorRole::ExpertStack));
+            dense.push(placed(&|t| {
+                t.layer == Some(l) && t.role != TensorRole::ExpertStack
+            }));
             expert.push(inv.expert_bytes(l));
             match hp.layer_kind(l) {
                 LayerKind::FullAttention => {
@@ -64,12 +70,10 @@ impl ModelFacts {
                 }
             }
         }
-        let mtp_dense = placed(&|t| {
-            t.layer.is_some_and(|l| l >= n) && t.role != TensorRole::ExpertStack
-        });
-        let mtp_experts = placed(&|t| {
-            t.layer.is_some_and(|l| l >= n) && t.role == TensorRole::ExpertStack
-        });
+        let mtp_dense =
+            placed(&|t| t.layer.is_some_and(|l| l >= n) && t.role != TensorRole::ExpertStack);
+        let mtp_experts =
+            placed(&|t| t.layer.is_some_and(|l| l >= n) && t.role == TensorRole::ExpertStack);
         let embedding_bytes = placed(&|t| t.role == TensorRole::Embedding && t.layer.is_none());
         let head_only = placed(&|t| t.role == TensorRole::Head && t.layer.is_none());
         let tied = hp.tied_embeddings || head_only == 0;

@@ -8,7 +8,9 @@ use std::process::ExitCode;
 use strata_plan::report;
 use strata_plan::solve::{solve, Outcome, PlanRequest};
 use strata_schemas::probe::HardwareProbe;
-use strata_schemas::serve::{ExpertCache, KvType, LayerSplit, RopeScaling, ServeSettings, ServeToml};
+use strata_schemas::serve::{
+    ExpertCache, KvType, LayerSplit, RopeScaling, ServeSettings, ServeToml,
+};
 
 const AFTER_HELP: &str = "\
 Examples:
@@ -125,7 +127,12 @@ struct PlanArgs {
     #[arg(long, value_name = "auto|B1,B2,..", help_heading = "Serve")]
     layer_split: Option<String>,
     /// Probe device indices to use, in pipeline order [default: all].
-    #[arg(long, value_name = "0,1,2", value_delimiter = ',', help_heading = "Serve")]
+    #[arg(
+        long,
+        value_name = "0,1,2",
+        value_delimiter = ',',
+        help_heading = "Serve"
+    )]
     gpu: Option<Vec<u32>>,
     /// Largest single pinned host allocation, in MiB [default: 256].
     #[arg(long, value_name = "MIB", help_heading = "Serve")]
@@ -231,7 +238,10 @@ fn settings(a: &PlanArgs) -> Result<ServeSettings, Fail> {
                 .clone()
                 .or_else(|| prev.as_ref().map(|p| p.kind.clone()))
                 .unwrap_or_else(|| "yarn".into()),
-            factor: a.rope_scale.or(prev.as_ref().map(|p| p.factor)).unwrap_or(0.0),
+            factor: a
+                .rope_scale
+                .or(prev.as_ref().map(|p| p.factor))
+                .unwrap_or(0.0),
             orig_ctx: a.yarn_orig_ctx.or(prev.and_then(|p| p.orig_ctx)),
         });
     }
@@ -241,7 +251,10 @@ fn settings(a: &PlanArgs) -> Result<ServeSettings, Fail> {
 
 fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
     let hw = a.hardware.as_ref().ok_or_else(|| {
-        Fail::Bad("--hardware PROBE.toml is required (see plans/hardware/ or `strata-plan --help`)".into())
+        Fail::Bad(
+            "--hardware PROBE.toml is required (see plans/hardware/ or `strata-plan --help`)"
+                .into(),
+        )
     })?;
     let model_path = a.model.as_ref().ok_or_else(|| {
         Fail::Bad("--model PATH is required: a descriptor .toml (plans/models/), a .gguf file or a safetensors folder".into())
@@ -259,7 +272,9 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
     let vision = match &s.vision {
         None => None,
         Some(None) => inventory.vision.clone(),
-        Some(Some(path)) => Some(strata_plan::model::load_vision(std::path::Path::new(path)).map_err(Fail::Bad)?),
+        Some(Some(path)) => {
+            Some(strata_plan::model::load_vision(std::path::Path::new(path)).map_err(Fail::Bad)?)
+        }
     };
     let req = PlanRequest {
         inventory: &inventory,
@@ -276,7 +291,8 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
             match a.format {
                 Format::Json => println!(
                     "{}",
-                    serde_json::to_string_pretty(&report::infeasible_json(&inf)).expect("JSON value prints")
+                    serde_json::to_string_pretty(&report::infeasible_json(&inf))
+                        .expect("JSON value prints")
                 ),
                 Format::Text => print!("{}", report::infeasible_text(&inf)),
             }
@@ -291,7 +307,8 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
             match a.format {
                 Format::Json => println!(
                     "{}",
-                    serde_json::to_string_pretty(&report::plan_json(&plan)).expect("JSON value prints")
+                    serde_json::to_string_pretty(&report::plan_json(&plan))
+                        .expect("JSON value prints")
                 ),
                 Format::Text => {
                     print!("{}", report::plan_text(&plan));
@@ -303,7 +320,11 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
             if refuse {
                 eprintln!(
                     "strata-plan: --strict: the plan is degraded ({}); no plan written, exit 3",
-                    plan.degradations.iter().map(|d| d.what.as_str()).collect::<Vec<_>>().join(", ")
+                    plan.degradations
+                        .iter()
+                        .map(|d| d.what.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 );
                 return Ok(ExitCode::from(3));
             }

@@ -10,7 +10,9 @@ pub fn load_model(path: &Path) -> Result<ModelInventory, String> {
         return strata_schemas::safetensors::load_folder(path).map_err(|e| e.to_string());
     }
     match path.extension().and_then(|e| e.to_str()) {
-        Some("toml") => strata_schemas::descriptor::load_descriptor(path).map_err(|e| e.to_string()),
+        Some("toml") => {
+            strata_schemas::descriptor::load_descriptor(path).map_err(|e| e.to_string())
+        }
         _ => Err(format!(
             "--model {}: expected a descriptor .toml, a .gguf file or a safetensors folder",
             path.display()

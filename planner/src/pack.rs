@@ -91,7 +91,10 @@ mod tests {
     use crate::verify::verify_scratch;
     use proptest::prelude::*;
     use strata_schemas::graph::{forward_graph, GraphParams, SCRATCH_ALIGN};
-    use strata_schemas::inventory::{HParams, SsmParams};
+    use strata_schemas::inventory::HParams;
+    use strata_schemas::known::{
+        qwen3_30b_a3b as qwen3moe_30b, qwen3_next_80b_a3b as qwen3next_80b,
+    };
 
     fn b(name: &str, bytes: u64, first_op: u32, last_op: u32) -> BufferSpec {
         BufferSpec {
@@ -169,58 +172,6 @@ mod tests {
         assert_eq!(pack_best_fit(&bufs, 256), p);
         verify_scratch(&bufs, &p.offsets, p.total_bytes).unwrap();
         assert_eq!(pack_best_fit(&[], 256).total_bytes, 0);
-    }
-
-    fn qwen3moe_30b() -> HParams {
-        HParams {
-            n_layer: 48,
-            n_embd: 2048,
-            n_vocab: 151936,
-            n_ctx_train: 262144,
-            n_head: 32,
-            n_head_kv: 4,
-            head_dim_k: 128,
-            head_dim_v: 128,
-            n_ff: 0,
-            n_expert: 128,
-            n_expert_used: 8,
-            n_ff_exp: 768,
-            n_ff_shexp: 0,
-            n_leading_dense: 0,
-            full_attention_interval: None,
-            ssm: None,
-            nextn_predict_layers: 0,
-            rope_theta: 1e6,
-            rope_dim: None,
-            rms_eps: 1e-6,
-            norm_topk_prob: true,
-            tied_embeddings: false,
-        }
-    }
-
-    fn qwen3next_80b() -> HParams {
-        HParams {
-            n_head: 16,
-            n_head_kv: 2,
-            head_dim_k: 256,
-            head_dim_v: 256,
-            n_expert: 512,
-            n_expert_used: 10,
-            n_ff_exp: 512,
-            n_ff_shexp: 512,
-            full_attention_interval: Some(4),
-            ssm: Some(SsmParams {
-                conv_kernel: 4,
-                state_size: 128,
-                group_count: 16,
-                time_step_rank: 32,
-                inner_size: 4096,
-            }),
-            nextn_predict_layers: 1,
-            rope_theta: 1e7,
-            rope_dim: Some(64),
-            ..qwen3moe_30b()
-        }
     }
 
     const MIB: u64 = 1 << 20;

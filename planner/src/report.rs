@@ -175,7 +175,11 @@ pub fn plan_text(plan: &Plan) -> String {
         ));
         for r in &d.regions {
             if r.bytes > 0 {
-                o.push_str(&format!("    {:<16} {:>12}\n", r.kind.as_str(), gib(r.bytes)));
+                o.push_str(&format!(
+                    "    {:<16} {:>12}\n",
+                    r.kind.as_str(),
+                    gib(r.bytes)
+                ));
             }
         }
         o.push_str(&format!(
@@ -244,7 +248,8 @@ pub fn plan_text(plan: &Plan) -> String {
 
 /// Human report when nothing fits.
 pub fn infeasible_text(inf: &Infeasible) -> String {
-    let mut o = String::from("strata-plan: INFEASIBLE — the required items do not fit; no plan written\n");
+    let mut o =
+        String::from("strata-plan: INFEASIBLE — the required items do not fit; no plan written\n");
     for r in &inf.reasons {
         o.push_str(&format!("  - {r}\n"));
     }
@@ -258,7 +263,11 @@ pub fn infeasible_text(inf: &Infeasible) -> String {
             gib(d.needed_bytes),
             gib(d.vram_bytes),
             if d.shortfall_bytes > 0 {
-                format!(", SHORT BY {} ({} bytes)", gib(d.shortfall_bytes), d.shortfall_bytes)
+                format!(
+                    ", SHORT BY {} ({} bytes)",
+                    gib(d.shortfall_bytes),
+                    d.shortfall_bytes
+                )
             } else {
                 String::new()
             }

@@ -10,8 +10,7 @@ use crate::cost::{device_token_seconds, DeviceWork, PREDICT_CONTEXT};
 use crate::experts::ExpertOracle;
 use crate::facts::ModelFacts;
 use crate::split::{best_split, check_bounds, ranges, Bounds};
-use crate::verify::{verify_regions, verify_scratch};
-use strata_schemas::graph::BufferSpec;
+use crate::verify::verify_device;
 use strata_schemas::inventory::{ModelInventory, TensorRole, VisionSpec};
 use strata_schemas::plan::*;
 use strata_schemas::probe::{DeviceProbe, HardwareProbe, GIB, MIB};
@@ -95,7 +94,8 @@ struct Solver<'a> {
 /// Plan `req`.
 pub fn solve(req: &PlanRequest) -> Result<Outcome, PlanError> {
     let s = req.settings;
-    s.validate("").map_err(|e| PlanError::BadInput(e.to_string()))?;
+    s.validate("")
+        .map_err(|e| PlanError::BadInput(e.to_string()))?;
     let inv = req.inventory;
     let hp = &inv.hparams;
 
@@ -142,7 +142,12 @@ pub fn solve(req: &PlanRequest) -> Result<Outcome, PlanError> {
         match req.probe.device(*i) {
             Some(d) => devices.push(d),
             None => {
-                let have: Vec<String> = req.probe.devices.iter().map(|d| d.index.to_string()).collect();
+                let have: Vec<String> = req
+                    .probe
+                    .devices
+                    .iter()
+                    .map(|d| d.index.to_string())
+                    .collect();
                 return Err(PlanError::BadInput(format!(
                     "--gpu {i}: the probe {} has no device with index {i} (it has {})",
                     req.probe_source,
@@ -179,7 +184,7 @@ pub fn solve(req: &PlanRequest) -> Result<Outcome, PlanError> {
             hp.n_expert,
             s.expert_profile.as_deref().unwrap_or("--expert-profile"),
         )
-            .map_err(|e| PlanError::BadInput(e.to_string()))?;
+        .map_err(|e| PlanError::BadInput(e.to_string()))?;
     }
     if let LayerSplit::Bounds(b) = &s.layer_split {
         check_bounds(b, devices.len(), hp.n_layer).map_err(PlanError::BadInput)?;
@@ -280,7 +285,12 @@ impl<'a> Solver<'a> {
                 break;
             }
             // Largest e in (a, hi] that fits.
-            if a + 1 > hi || self.demand(i, a, a + 1, slots, resident).remainder().is_err() {
+            if a + 1 > hi
+                || self
+                    .demand(i, a, a + 1, slots, resident)
+                    .remainder()
+                    .is_err()
+            {
                 return None;
             }
             let (mut lo, mut up) = (a + 1, hi);
@@ -336,7 +346,8 @@ impl<'a> Solver<'a> {
 
     fn search(&self) -> Option<Choice> {
         let want = self.req.settings.batch as u64;
-        let pick = |slots: u64| -> Option<(u64, u64)> { self.resident_for(slots).map(|r| (slots, r)) };
+        let pick =
+            |slots: u64| -> Option<(u64, u64)> { self.resident_for(slots).map(|r| (slots, r)) };
         let (slots, resident) = match pick(want) {
             Some(v) => v,
             None => {
@@ -396,7 +407,9 @@ impl<'a> Solver<'a> {
 
     fn run(&self) -> Result<Outcome, PlanError> {
         match self.search() {
-            Some(choice) => self.assemble(&choice).map(|p| Outcome::Planned(Box::new(p))),
+            Some(choice) => self
+                .assemble(&choice)
+                .map(|p| Outcome::Planned(Box::new(p))),
             None => Ok(Outcome::Infeasible(self.infeasible())),
         }
     }
@@ -493,7 +506,10 @@ impl<'a> Solver<'a> {
             if let Some(b) = self.auto_bounds_that_fit() {
                 suggestions.push(format!(
                     "--layer-split {} fits (or --layer-split auto)",
-                    b.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+                    b.iter()
+                        .map(|x| x.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
                 ));
             }
         }
@@ -508,9 +524,16 @@ impl<'a> Solver<'a> {
 
     /// With an explicit split that fails, does some other split fit at one slot?
     fn auto_bounds_that_fit(&self) -> Option<Bounds> {
-        let resident = self.req.settings.kv_resident_cells().min(MIN_RESIDENT_CELLS.min(self.ctx));
+        let resident = self
+            .req
+            .settings
+            .kv_resident_cells()
+            .min(MIN_RESIDENT_CELLS.min(self.ctx));
         best_split(self.devices.len(), self.n_layer(), |i, a, b| {
-            self.demand(i, a, b, 1, resident).remainder().ok().map(|_| 0.0)
+            self.demand(i, a, b, 1, resident)
+                .remainder()
+                .ok()
+                .map(|_| 0.0)
         })
         .map(|(b, _)| b)
     }
@@ -542,14 +565,24 @@ impl<'a> Solver<'a> {
             .collect();
         let mut degradations = Vec::new();
         if let ExpertCache::Slots(cap) = s.expert_cache {
+            // The minimum working sets are required; the cap shares out what is above them,
+            // in pipeline order.
             let possible: u64 = slots.iter().sum();
-            let mut left = cap;
+            let minimum: u64 = demands.iter().map(|d| d.min_slots).sum();
+            let mut left = cap.saturating_sub(minimum);
             for (i, d) in demands.iter().enumerate() {
-                let give = slots[i].min(left.max(d.min_slots));
-                left = left.saturating_sub(give);
-                slots[i] = give;
+                let extra = (slots[i] - d.min_slots).min(left);
+                left -= extra;
+                slots[i] = d.min_slots + extra;
             }
-            if possible < cap {
+            if cap < minimum {
+                degradations.push(Degradation {
+                    what: "expert_cache".into(),
+                    requested: format!("{cap} slots"),
+                    planned: format!("{minimum} slots"),
+                    reason: "each device holding experts needs its minimum working set (2 x experts per token) to run a layer".into(),
+                });
+            } else if possible < cap {
                 degradations.push(Degradation {
                     what: "expert_cache".into(),
                     requested: format!("{cap} slots"),
@@ -615,12 +648,10 @@ impl<'a> Solver<'a> {
             let mut regions = Vec::new();
             let mut off = 0u64;
             let mut offset_of = std::collections::BTreeMap::new();
-            for (kind, bytes) in dem
-                .regions
-                .iter()
-                .copied()
-                .chain(std::iter::once((RegionKind::ExpertCache, slots[i] * dem.slot_bytes)))
-            {
+            for (kind, bytes) in dem.regions.iter().copied().chain(std::iter::once((
+                RegionKind::ExpertCache,
+                slots[i] * dem.slot_bytes,
+            ))) {
                 offset_of.insert(kind, off);
                 regions.push(Region {
                     kind,
@@ -642,27 +673,8 @@ impl<'a> Solver<'a> {
                 offset: top - dem.runtime_reserve - dem.user_reserve,
                 bytes: dem.user_reserve,
             });
-            let named: Vec<(String, u64, u64)> = regions
-                .iter()
-                .map(|r| (r.kind.as_str().to_string(), r.offset, r.bytes))
-                .collect();
-            verify_regions(dev.vram_bytes, &named)
-                .map_err(|e| PlanError::Internal(format!("device {}: {e}", dev.index)))?;
-
-            // Scratch buffers with their packed offsets, verified independently.
-            let (scratch_total, scratch) = self.sizing.scratch(c.slots, c.resident, last);
-            let specs: Vec<BufferSpec> = scratch
-                .iter()
-                .map(|b| BufferSpec {
-                    name: b.name.clone(),
-                    bytes: b.bytes,
-                    first_op: b.first_op,
-                    last_op: b.last_op,
-                })
-                .collect();
-            let offs: Vec<u64> = scratch.iter().map(|b| b.offset).collect();
-            verify_scratch(&specs, &offs, scratch_total)
-                .map_err(|e| PlanError::Internal(format!("device {} scratch: {e}", dev.index)))?;
+            // Scratch buffers with their packed offsets (verified with the regions below).
+            let (_, scratch) = self.sizing.scratch(c.slots, c.resident, last);
 
             // Tensor placements.
             let mut cursor = std::collections::BTreeMap::<RegionKind, u64>::new();
@@ -718,7 +730,10 @@ impl<'a> Solver<'a> {
             }
             // Everything placed must sit inside its region.
             for (kind, used) in &cursor {
-                let region = regions.iter().find(|r| r.kind == *kind).expect("region exists");
+                let region = regions
+                    .iter()
+                    .find(|r| r.kind == *kind)
+                    .expect("region exists");
                 if *used > align(region.bytes) {
                     return Err(PlanError::Internal(format!(
                         "device {}: tensors overflow region {} ({used} > {})",
@@ -731,7 +746,10 @@ impl<'a> Solver<'a> {
 
             // Resident experts.
             let chosen = self.oracle.select(a, b, slots[i]);
-            let resident_bytes: u64 = chosen.iter().map(|(l, _)| self.facts.expert[*l as usize]).sum();
+            let resident_bytes: u64 = chosen
+                .iter()
+                .map(|(l, _)| self.facts.expert[*l as usize])
+                .sum();
             experts_host += self.facts.experts_range(a, b) - resident_bytes;
             let resident_experts: Vec<ResidentExpert> = chosen
                 .iter()
@@ -750,9 +768,20 @@ impl<'a> Solver<'a> {
 
             // Pinned host chunks for this device: KV spill and upload staging.
             let cell = self.facts.kv_cell_range(a, b)
-                + if last && self.sizing.mtp { self.facts.mtp_kv_cell } else { 0 };
+                + if last && self.sizing.mtp {
+                    self.facts.mtp_kv_cell
+                } else {
+                    0
+                };
             let spill = c.slots * (self.ctx - c.resident) * cell;
-            push_chunks(&mut pinned_chunks, "kv_spill", dev.index, spill, chunk_max, cell.max(1));
+            push_chunks(
+                &mut pinned_chunks,
+                "kv_spill",
+                dev.index,
+                spill,
+                chunk_max,
+                cell.max(1),
+            );
             let mut staging = 0;
             if slots[i] < dem.experts_here {
                 staging += 2 * dem.slot_bytes;
@@ -760,11 +789,22 @@ impl<'a> Solver<'a> {
             if nd > 1 {
                 staging += 2 * self.sizing.step_tokens(c.slots) * hp.n_embd * 4;
             }
-            push_chunks(&mut pinned_chunks, "staging", dev.index, staging, chunk_max, ALIGN_PINNED);
+            push_chunks(
+                &mut pinned_chunks,
+                "staging",
+                dev.index,
+                staging,
+                chunk_max,
+                ALIGN_PINNED,
+            );
 
             let kv_layers: Vec<u32> = (a..b)
                 .filter(|l| self.facts.kv_cell[*l as usize] > 0)
-                .chain(if last && self.sizing.mtp { n..hp.n_blocks_total() } else { n..n })
+                .chain(if last && self.sizing.mtp {
+                    n..hp.n_blocks_total()
+                } else {
+                    n..n
+                })
                 .collect();
             let linear_layers: Vec<u32> = (a..b)
                 .filter(|l| self.facts.linear_state[*l as usize] > 0)
@@ -792,6 +832,9 @@ impl<'a> Solver<'a> {
                 linear_layers,
                 predicted_token_seconds: secs,
             });
+            let planned = device_plans.last().expect("just pushed");
+            verify_device(planned)
+                .map_err(|e| PlanError::Internal(format!("device {}: {e}", dev.index)))?;
         }
         // Tensors not placed on any device (an MTP block nobody asked for).
         for t in &inv.tensors {
@@ -831,7 +874,11 @@ impl<'a> Solver<'a> {
             basis.push_str(&format!(
                 "; {:.0}% of missed experts read from disk at {disk} GB/s{}",
                 frac * 100.0,
-                if host.disk_read_gbps.is_none() { " (assumed: the probe gives no host.disk_read_gbps)" } else { "" }
+                if host.disk_read_gbps.is_none() {
+                    " (assumed: the probe gives no host.disk_read_gbps)"
+                } else {
+                    ""
+                }
             ));
             degradations.push(Degradation {
                 what: "experts_in_ram".into(),
@@ -848,7 +895,11 @@ impl<'a> Solver<'a> {
                 ),
             });
         }
-        let hit_rate = if total_mass > 0.0 { total_cached / total_mass } else { 1.0 };
+        let hit_rate = if total_mass > 0.0 {
+            total_cached / total_mass
+        } else {
+            1.0
+        };
         let decode = if seconds > 0.0 { 1.0 / seconds } else { 0.0 };
 
         let suggestions = self.suggestions(c, &demands, &slots, &degradations);
@@ -927,7 +978,9 @@ impl<'a> Solver<'a> {
         let s = self.req.settings;
         let mut out = Vec::new();
         let want = s.batch as u64;
-        let degraded = degradations.iter().any(|d| d.what == "batch" || d.what == "kv_resident");
+        let degraded = degradations
+            .iter()
+            .any(|d| d.what == "batch" || d.what == "kv_resident");
         if degraded {
             if c.slots < want {
                 out.push(format!(
@@ -981,18 +1034,14 @@ impl<'a> Solver<'a> {
             }
         }
         // VRAM left once every expert of a device is resident: room for a larger KV window.
-        let all_resident = demands
-            .iter()
-            .zip(slots)
-            .all(|(d, s)| *s >= d.experts_here);
+        let all_resident = demands.iter().zip(slots).all(|(d, s)| *s >= d.experts_here);
         if all_resident && c.resident < self.ctx {
             let rs = ranges(&c.bounds, self.n_layer());
             let keeps_all = |r: u64| {
                 rs.iter().enumerate().all(|(i, (a, b))| {
                     let d = self.demand(i, *a, *b, c.slots, r);
-                    d.remainder().map_or(false, |rem| {
-                        rem >= (d.experts_here - d.min_slots) * d.slot_bytes
-                    })
+                    d.remainder()
+                        .is_ok_and(|rem| rem >= (d.experts_here - d.min_slots) * d.slot_bytes)
                 })
             };
             let (mut lo, mut hi) = (c.resident, self.ctx);
@@ -1023,7 +1072,14 @@ impl<'a> Solver<'a> {
 const ALIGN_PINNED: u64 = 4096;
 
 /// Split `bytes` into chunks of at most `max`, each a whole number of `granule`s.
-fn push_chunks(out: &mut Vec<PinnedChunk>, purpose: &str, device: u32, bytes: u64, max: u64, granule: u64) {
+fn push_chunks(
+    out: &mut Vec<PinnedChunk>,
+    purpose: &str,
+    device: u32,
+    bytes: u64,
+    max: u64,
+    granule: u64,
+) {
     if bytes == 0 {
         return;
     }
@@ -1058,7 +1114,11 @@ mod tests {
             probe_source: "probe.toml".into(),
             settings: s,
             profile: None,
-            vision: if s.vision.is_some() { inv.vision.as_ref() } else { None },
+            vision: if s.vision.is_some() {
+                inv.vision.as_ref()
+            } else {
+                None
+            },
         };
         solve(&req).unwrap()
     }
@@ -1076,7 +1136,11 @@ mod tests {
             spec: 4,
             vision: Some(None),
             vram_reserve_mib: 500,
-            rope_scaling: Some(strata_schemas::serve::RopeScaling { kind: "yarn".into(), factor: 4.0, orig_ctx: Some(262144) }),
+            rope_scaling: Some(strata_schemas::serve::RopeScaling {
+                kind: "yarn".into(),
+                factor: 4.0,
+                orig_ctx: Some(262144),
+            }),
             ..Default::default()
         };
         match run(&inv, &probe, &s) {

@@ -59,6 +59,7 @@ pub fn ranges(bounds: &[u32], n_layer: u32) -> Vec<(u32, u32)> {
 
 /// Minimise `sum cost(device, a, b)` over contiguous splits; `cost` returns `None` when the
 /// device cannot hold that range. Returns the bounds and the total cost.
+#[allow(clippy::needless_range_loop)] // the DP reads clearer with explicit indices
 pub fn best_split<F>(devices: usize, n_layer: u32, mut cost: F) -> Option<(Bounds, f64)>
 where
     F: FnMut(usize, u32, u32) -> Option<f64>,

@@ -186,6 +186,33 @@ pub fn verify_regions(capacity: u64, regions: &[(String, u64, u64)]) -> Result<(
     Ok(())
 }
 
+/// Check one planned device end to end: its regions fit its memory without overlapping, and
+/// its scratch buffers are a valid lifetime packing of its scratch region.
+pub fn verify_device(d: &strata_schemas::plan::DevicePlan) -> Result<(), VerifyError> {
+    let regions: Vec<(String, u64, u64)> = d
+        .regions
+        .iter()
+        .map(|r| (r.kind.as_str().to_string(), r.offset, r.bytes))
+        .collect();
+    verify_regions(d.vram_bytes, &regions)?;
+    let specs: Vec<BufferSpec> = d
+        .scratch
+        .iter()
+        .map(|b| BufferSpec {
+            name: b.name.clone(),
+            bytes: b.bytes,
+            first_op: b.first_op,
+            last_op: b.last_op,
+        })
+        .collect();
+    let offsets: Vec<u64> = d.scratch.iter().map(|b| b.offset).collect();
+    verify_scratch(
+        &specs,
+        &offsets,
+        d.region_bytes(strata_schemas::plan::RegionKind::Scratch),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

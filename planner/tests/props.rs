@@ -5,9 +5,8 @@
 use proptest::prelude::*;
 use strata_plan::solve::{solve, Outcome, PlanRequest};
 use strata_plan::testing::probe;
-use strata_plan::verify::{verify_regions, verify_scratch};
+use strata_plan::verify::verify_device;
 use strata_schemas::arch::{expected_tensors, QuantRecipe, PRESETS};
-use strata_schemas::graph::BufferSpec;
 use strata_schemas::inventory::{HParams, ModelInventory, SsmParams};
 use strata_schemas::plan::{Placement, Plan, RegionKind};
 use strata_schemas::planfile::{plan_to_bytes, read_plan_bytes};
@@ -27,39 +26,44 @@ fn hparams() -> impl Strategy<Value = (String, HParams)> {
         prop::bool::ANY,
         2u32..5,
     )
-        .prop_map(|(next, n_layer, n_embd, (nh, nkv, hd), n_expert, used, ff, mtp, interval)| {
-            let hp = HParams {
-                n_layer,
-                n_embd,
-                n_vocab: 1024,
-                n_ctx_train: 32768,
-                n_head: nh,
-                n_head_kv: nkv,
-                head_dim_k: hd,
-                head_dim_v: hd,
-                n_ff: 0,
-                n_expert,
-                n_expert_used: used.min(n_expert),
-                n_ff_exp: ff,
-                n_ff_shexp: if next { ff } else { 0 },
-                n_leading_dense: 0,
-                full_attention_interval: next.then_some(interval),
-                ssm: next.then_some(SsmParams {
-                    conv_kernel: 4,
-                    state_size: 32,
-                    group_count: 2,
-                    time_step_rank: 4,
-                    inner_size: 128,
-                }),
-                nextn_predict_layers: u32::from(next && mtp),
-                rope_theta: 1e6,
-                rope_dim: None,
-                rms_eps: 1e-6,
-                norm_topk_prob: true,
-                tied_embeddings: false,
-            };
-            ((if next { "qwen3next" } else { "qwen3moe" }).to_string(), hp)
-        })
+        .prop_map(
+            |(next, n_layer, n_embd, (nh, nkv, hd), n_expert, used, ff, mtp, interval)| {
+                let hp = HParams {
+                    n_layer,
+                    n_embd,
+                    n_vocab: 1024,
+                    n_ctx_train: 32768,
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    head_dim_k: hd,
+                    head_dim_v: hd,
+                    n_ff: 0,
+                    n_expert,
+                    n_expert_used: used.min(n_expert),
+                    n_ff_exp: ff,
+                    n_ff_shexp: if next { ff } else { 0 },
+                    n_leading_dense: 0,
+                    full_attention_interval: next.then_some(interval),
+                    ssm: next.then_some(SsmParams {
+                        conv_kernel: 4,
+                        state_size: 32,
+                        group_count: 2,
+                        time_step_rank: 4,
+                        inner_size: 128,
+                    }),
+                    nextn_predict_layers: u32::from(next && mtp),
+                    rope_theta: 1e6,
+                    rope_dim: None,
+                    rms_eps: 1e-6,
+                    norm_topk_prob: true,
+                    tied_embeddings: false,
+                };
+                (
+                    (if next { "qwen3next" } else { "qwen3moe" }).to_string(),
+                    hp,
+                )
+            },
+        )
 }
 
 fn settings(n_layer: u32, n_dev: usize, has_mtp: bool) -> impl Strategy<Value = ServeSettings> {
@@ -71,40 +75,46 @@ fn settings(n_layer: u32, n_dev: usize, has_mtp: bool) -> impl Strategy<Value = 
         prop::sample::select(vec![16u32, 64, 512]),
         prop::bool::ANY,
         prop::sample::select(vec![0u64, 64]),
-        prop::sample::select(vec![ExpertCache::Auto, ExpertCache::Off, ExpertCache::Slots(7)]),
+        prop::sample::select(vec![
+            ExpertCache::Auto,
+            ExpertCache::Off,
+            ExpertCache::Slots(7),
+        ]),
         prop::bool::ANY,
         prop::sample::select(vec![1u64, 4, 256]),
         prop::collection::vec(1u32..64, n_dev.saturating_sub(1)),
     )
-        .prop_map(move |(ctx, batch, q8, res, ubatch, mtp, reserve, cache, auto, chunk, cuts)| {
-            let mut bounds: Vec<u32> = cuts.iter().map(|c| 1 + c % (n_layer - 1)).collect();
-            bounds.sort_unstable();
-            bounds.dedup();
-            let split = if auto || bounds.len() + 1 != n_dev {
-                LayerSplit::Auto
-            } else {
-                LayerSplit::Bounds(bounds)
-            };
-            ServeSettings {
-                max_context: ctx,
-                batch,
-                kv: if q8 { KvType::Q8_0 } else { KvType::F16 },
-                kv_resident: res.map(|r| r.min(ctx)),
-                ubatch,
-                mtp: mtp && has_mtp,
-                spec: if mtp && has_mtp { 2 } else { 0 },
-                vram_reserve_mib: reserve,
-                expert_cache: cache,
-                layer_split: split,
-                pinned_chunk_mib: chunk,
-                ..Default::default()
-            }
-        })
+        .prop_map(
+            move |(ctx, batch, q8, res, ubatch, mtp, reserve, cache, auto, chunk, cuts)| {
+                let mut bounds: Vec<u32> = cuts.iter().map(|c| 1 + c % (n_layer - 1)).collect();
+                bounds.sort_unstable();
+                bounds.dedup();
+                let split = if auto || bounds.len() + 1 != n_dev {
+                    LayerSplit::Auto
+                } else {
+                    LayerSplit::Bounds(bounds)
+                };
+                ServeSettings {
+                    max_context: ctx,
+                    batch,
+                    kv: if q8 { KvType::Q8_0 } else { KvType::F16 },
+                    kv_resident: res.map(|r| r.min(ctx)),
+                    ubatch,
+                    mtp: mtp && has_mtp,
+                    spec: if mtp && has_mtp { 2 } else { 0 },
+                    vram_reserve_mib: reserve,
+                    expert_cache: cache,
+                    layer_split: split,
+                    pinned_chunk_mib: chunk,
+                    ..Default::default()
+                }
+            },
+        )
 }
 
 fn case() -> impl Strategy<Value = (ModelInventory, Vec<(u64, f64)>, u64, ServeSettings)> {
-    (hparams(), prop::sample::select(PRESETS.to_vec()), 1usize..5)
-        .prop_flat_map(|((arch, hp), preset, n_dev)| {
+    (hparams(), prop::sample::select(PRESETS.to_vec()), 1usize..5).prop_flat_map(
+        |((arch, hp), preset, n_dev)| {
             let n_dev = n_dev.min(hp.n_layer as usize);
             let recipe = QuantRecipe::preset(preset).expect("preset");
             let inv = ModelInventory {
@@ -117,37 +127,32 @@ fn case() -> impl Strategy<Value = (ModelInventory, Vec<(u64, f64)>, u64, ServeS
             (
                 Just(inv),
                 prop::collection::vec(
-                    (prop::sample::select(vec![768 * MIB, 1024 * MIB, 2048 * MIB, 6144 * MIB]), 50.0f64..2000.0),
+                    (
+                        prop::sample::select(vec![768 * MIB, 1024 * MIB, 2048 * MIB, 6144 * MIB]),
+                        50.0f64..2000.0,
+                    ),
                     n_dev,
                 ),
                 prop::sample::select(vec![2u64 << 30, 8 << 30, 64 << 30]),
                 settings(hp.n_layer, n_dev, hp.nextn_predict_layers > 0),
             )
-        })
+        },
+    )
 }
 
 fn check_plan(plan: &Plan) {
     for d in &plan.devices {
-        let regions: Vec<(String, u64, u64)> = d
-            .regions
-            .iter()
-            .map(|r| (r.kind.as_str().to_string(), r.offset, r.bytes))
-            .collect();
-        verify_regions(d.vram_bytes, &regions).expect("regions fit and do not overlap");
+        verify_device(d).expect("regions fit without overlap; scratch packing verified");
         assert!(d.planned_bytes() <= d.vram_bytes);
         for r in &d.regions {
             if r.kind.in_arena() {
-                assert!(r.offset + r.bytes <= d.arena_bytes, "{:?} outside the arena", r.kind);
+                assert!(
+                    r.offset + r.bytes <= d.arena_bytes,
+                    "{:?} outside the arena",
+                    r.kind
+                );
             }
         }
-        let scratch = d.region(RegionKind::Scratch).expect("scratch region");
-        let specs: Vec<BufferSpec> = d
-            .scratch
-            .iter()
-            .map(|b| BufferSpec { name: b.name.clone(), bytes: b.bytes, first_op: b.first_op, last_op: b.last_op })
-            .collect();
-        let offs: Vec<u64> = d.scratch.iter().map(|b| b.offset).collect();
-        verify_scratch(&specs, &offs, scratch.bytes).expect("scratch packing verified");
         assert_eq!(d.expert_cache_slots, d.resident_experts.len() as u64);
         let mut seen = std::collections::BTreeSet::new();
         for e in &d.resident_experts {
@@ -159,26 +164,49 @@ fn check_plan(plan: &Plan) {
             .tensors
             .iter()
             .filter_map(|t| match t.placement {
-                Placement::Device { device, offset } if device == d.index => Some((offset, offset + t.bytes, t.name.as_str())),
+                Placement::Device { device, offset } if device == d.index => {
+                    Some((offset, offset + t.bytes, t.name.as_str()))
+                }
                 _ => None,
             })
             .collect();
         spans.sort();
         for w in spans.windows(2) {
-            assert!(w[0].1 <= w[1].0, "tensors {} and {} overlap", w[0].2, w[1].2);
+            assert!(
+                w[0].1 <= w[1].0,
+                "tensors {} and {} overlap",
+                w[0].2,
+                w[1].2
+            );
         }
         for (a, b, name) in &spans {
             let inside = d.regions.iter().any(|r| {
-                matches!(r.kind, RegionKind::DenseWeights | RegionKind::Embedding | RegionKind::Head | RegionKind::Mtp)
-                    && *a >= r.offset
+                matches!(
+                    r.kind,
+                    RegionKind::DenseWeights
+                        | RegionKind::Embedding
+                        | RegionKind::Head
+                        | RegionKind::Mtp
+                ) && *a >= r.offset
                     && *b <= r.offset + r.bytes
             });
             assert!(inside, "tensor {name} is outside every weight region");
         }
     }
-    let layers: u32 = plan.devices.iter().map(|d| d.layer_end - d.layer_first).sum();
-    assert_eq!(layers, plan.model.n_layer, "every layer on exactly one device");
-    assert!(plan.host.pinned_chunks.iter().all(|c| c.bytes <= plan.serve.pinned_chunk_bytes.max(4096)));
+    let layers: u32 = plan
+        .devices
+        .iter()
+        .map(|d| d.layer_end - d.layer_first)
+        .sum();
+    assert_eq!(
+        layers, plan.model.n_layer,
+        "every layer on exactly one device"
+    );
+    assert!(plan
+        .host
+        .pinned_chunks
+        .iter()
+        .all(|c| c.bytes <= plan.serve.pinned_chunk_bytes.max(4096)));
     let bytes = plan_to_bytes(plan).expect("serializes");
     let back = read_plan_bytes(&bytes).expect("reads back");
     assert_eq!(&back, plan, "plan round-trips");

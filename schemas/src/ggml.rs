@@ -232,7 +232,9 @@ impl GgmlType {
     pub fn tensor_bytes(self, dims: &[u64]) -> Option<u64> {
         let first = *dims.first().unwrap_or(&1);
         let row = self.bytes_for(first)?;
-        dims.iter().skip(1).try_fold(row, |acc, d| acc.checked_mul(*d))
+        dims.iter()
+            .skip(1)
+            .try_fold(row, |acc, d| acc.checked_mul(*d))
     }
 
     /// Bits per weight, for reports.

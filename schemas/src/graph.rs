@@ -718,69 +718,9 @@ pub fn per_slot_session_bytes(arch: &str, hp: &HParams, spec: u32) -> u64 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::inventory::SsmParams;
-
-    /// Qwen3-30B-A3B.
-    pub(crate) fn qwen3moe_30b() -> HParams {
-        HParams {
-            n_layer: 48,
-            n_embd: 2048,
-            n_vocab: 151936,
-            n_ctx_train: 262144,
-            n_head: 32,
-            n_head_kv: 4,
-            head_dim_k: 128,
-            head_dim_v: 128,
-            n_ff: 0,
-            n_expert: 128,
-            n_expert_used: 8,
-            n_ff_exp: 768,
-            n_ff_shexp: 0,
-            n_leading_dense: 0,
-            full_attention_interval: None,
-            ssm: None,
-            nextn_predict_layers: 0,
-            rope_theta: 1e6,
-            rope_dim: None,
-            rms_eps: 1e-6,
-            norm_topk_prob: true,
-            tied_embeddings: false,
-        }
-    }
-
-    /// Qwen3-Next-80B-A3B.
-    pub(crate) fn qwen3next_80b() -> HParams {
-        HParams {
-            n_layer: 48,
-            n_embd: 2048,
-            n_vocab: 151936,
-            n_ctx_train: 262144,
-            n_head: 16,
-            n_head_kv: 2,
-            head_dim_k: 256,
-            head_dim_v: 256,
-            n_ff: 0,
-            n_expert: 512,
-            n_expert_used: 10,
-            n_ff_exp: 512,
-            n_ff_shexp: 512,
-            n_leading_dense: 0,
-            full_attention_interval: Some(4),
-            ssm: Some(SsmParams {
-                conv_kernel: 4,
-                state_size: 128,
-                group_count: 16,
-                time_step_rank: 32,
-                inner_size: 4096,
-            }),
-            nextn_predict_layers: 1,
-            rope_theta: 1e7,
-            rope_dim: Some(64),
-            rms_eps: 1e-6,
-            norm_topk_prob: true,
-            tied_embeddings: false,
-        }
-    }
+    pub(crate) use crate::known::{
+        qwen3_30b_a3b as qwen3moe_30b, qwen3_next_80b_a3b as qwen3next_80b,
+    };
 
     const MIB: u64 = 1 << 20;
 
@@ -834,7 +774,7 @@ pub(crate) mod tests {
         // Peak by hand at attn.expert_down_proj: hidden 4 + expert_act 12 + down_out 32 MiB
         // plus small index buffers.
         let peak = g.peak_live_bytes();
-        assert!(peak >= 48 * MIB && peak < 49 * MIB, "peak {peak}");
+        assert!((48 * MIB..49 * MIB).contains(&peak), "peak {peak}");
     }
 
     #[test]
@@ -931,7 +871,7 @@ pub(crate) mod tests {
         // Peak by hand: MoE down projection, hidden 4 + act 10 + down_out 40 + shexp_out 4
         // MiB + indices ~ 58 MiB.
         let peak = g.peak_live_bytes();
-        assert!(peak >= 58 * MIB && peak < 60 * MIB, "peak {peak}");
+        assert!((58 * MIB..60 * MIB).contains(&peak), "peak {peak}");
     }
 
     #[test]

@@ -287,9 +287,7 @@ impl ModelInventory {
         let mut h = Sha256::new();
         h.update(self.arch.as_bytes());
         h.update([0]);
-        h.update(
-            serde_json::to_vec(&self.hparams).expect("hparams serialize to JSON infallibly"),
-        );
+        h.update(serde_json::to_vec(&self.hparams).expect("hparams serialize to JSON infallibly"));
         for t in &self.tensors {
             h.update(t.name.as_bytes());
             h.update([0]);
@@ -371,39 +369,7 @@ pub enum InventoryError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn next_like() -> HParams {
-        HParams {
-            n_layer: 48,
-            n_embd: 2048,
-            n_vocab: 151936,
-            n_ctx_train: 262144,
-            n_head: 16,
-            n_head_kv: 2,
-            head_dim_k: 256,
-            head_dim_v: 256,
-            n_ff: 0,
-            n_expert: 512,
-            n_expert_used: 10,
-            n_ff_exp: 512,
-            n_ff_shexp: 512,
-            n_leading_dense: 0,
-            full_attention_interval: Some(4),
-            ssm: Some(SsmParams {
-                conv_kernel: 4,
-                state_size: 128,
-                group_count: 16,
-                time_step_rank: 32,
-                inner_size: 4096,
-            }),
-            nextn_predict_layers: 1,
-            rope_theta: 1e7,
-            rope_dim: Some(64),
-            rms_eps: 1e-6,
-            norm_topk_prob: true,
-            tied_embeddings: false,
-        }
-    }
+    use crate::known::qwen3_next_80b_a3b as next_like;
 
     #[test]
     fn design_worked_kv_and_linear_state() {

@@ -7,6 +7,7 @@ pub mod ggml;
 pub mod gguf;
 pub mod graph;
 pub mod inventory;
+pub mod known;
 pub mod plan;
 pub mod planfile;
 pub mod probe;

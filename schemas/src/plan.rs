@@ -6,7 +6,9 @@
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Region kinds, named as in DESIGN.md's report contract.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash,
+)]
 #[rkyv(derive(Debug, PartialEq, Eq, Clone, Copy))]
 pub enum RegionKind {
     RuntimeReserve,

@@ -173,7 +173,10 @@ impl HardwareProbe {
             return Err(bad("host.ram_bytes".into(), "must be greater than zero"));
         }
         if self.host.available_bytes == 0 {
-            return Err(bad("host.available_bytes".into(), "must be greater than zero"));
+            return Err(bad(
+                "host.available_bytes".into(),
+                "must be greater than zero",
+            ));
         }
         if self.host.available_bytes > self.host.ram_bytes {
             return Err(bad(
@@ -183,7 +186,10 @@ impl HardwareProbe {
         }
         if let Some(g) = self.host.disk_read_gbps {
             if !(g.is_finite() && g > 0.0) {
-                return Err(bad("host.disk_read_gbps".into(), "must be a positive number"));
+                return Err(bad(
+                    "host.disk_read_gbps".into(),
+                    "must be a positive number",
+                ));
             }
         }
         if self.devices.is_empty() {
@@ -196,7 +202,10 @@ impl HardwareProbe {
         for (i, d) in self.devices.iter().enumerate() {
             let k = |f: &str| format!("device[{i}].{f}");
             if !seen.insert(d.index) {
-                return Err(bad(k("index"), "repeats an index used by an earlier device"));
+                return Err(bad(
+                    k("index"),
+                    "repeats an index used by an earlier device",
+                ));
             }
             if d.vram_bytes == 0 {
                 return Err(bad(k("vram_bytes"), "must be greater than zero"));
@@ -285,7 +294,9 @@ pcie_width = 16
     #[test]
     fn unknown_key_is_named() {
         let text = OK.replace("pcie_width = 16", "pcie_widht = 16");
-        let e = HardwareProbe::from_toml(&text, "t.toml").unwrap_err().to_string();
+        let e = HardwareProbe::from_toml(&text, "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("pcie_widht"), "{e}");
         assert!(e.contains("t.toml"), "{e}");
     }
@@ -293,17 +304,23 @@ pcie_width = 16
     #[test]
     fn zero_vram_and_duplicate_index_are_refused() {
         let text = OK.replace("vram_bytes = 12884901888", "vram_bytes = 0");
-        let e = HardwareProbe::from_toml(&text, "t.toml").unwrap_err().to_string();
+        let e = HardwareProbe::from_toml(&text, "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("device[0].vram_bytes"), "{e}");
         let dup = format!("{OK}\n{}", &OK[OK.find("[[device]]").unwrap()..]);
-        let e = HardwareProbe::from_toml(&dup, "t.toml").unwrap_err().to_string();
+        let e = HardwareProbe::from_toml(&dup, "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("device[1].index"), "{e}");
     }
 
     #[test]
     fn negative_size_is_a_parse_error_naming_the_key() {
         let text = OK.replace("ram_bytes = 68719476736", "ram_bytes = -1");
-        let e = HardwareProbe::from_toml(&text, "t.toml").unwrap_err().to_string();
+        let e = HardwareProbe::from_toml(&text, "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("ram_bytes"), "{e}");
     }
 }

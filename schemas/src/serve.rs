@@ -89,9 +89,9 @@ impl LayerSplit {
         }
         s.split(',')
             .map(|p| {
-                p.trim()
-                    .parse::<u32>()
-                    .map_err(|_| format!("`{p}` in `{s}` is not a layer number (use auto or e.g. 16,32)"))
+                p.trim().parse::<u32>().map_err(|_| {
+                    format!("`{p}` in `{s}` is not a layer number (use auto or e.g. 16,32)")
+                })
             })
             .collect::<Result<Vec<_>, _>>()
             .map(LayerSplit::Bounds)
@@ -226,7 +226,8 @@ impl ServeToml {
         let origin = format!("{}: ", path.display());
         let text = std::fs::read_to_string(path)
             .map_err(|e| err(&origin, "--serve", format!("cannot read: {e}")))?;
-        toml::from_str(&text).map_err(|e| err(&origin, "toml", e.to_string().trim_end().to_string()))
+        toml::from_str(&text)
+            .map_err(|e| err(&origin, "toml", e.to_string().trim_end().to_string()))
     }
 
     /// Apply the keys present onto `s`.
@@ -271,7 +272,13 @@ impl ServeToml {
             Some(toml::Value::Integer(n)) if *n >= 0 => {
                 s.expert_cache = ExpertCache::Slots(*n as u64)
             }
-            Some(_) => return Err(err(o, "expert-cache", "must be \"auto\", \"off\" or a slot count")),
+            Some(_) => {
+                return Err(err(
+                    o,
+                    "expert-cache",
+                    "must be \"auto\", \"off\" or a slot count",
+                ))
+            }
         }
         if let Some(v) = &self.expert_profile {
             s.expert_profile = Some(v.clone());
@@ -286,12 +293,20 @@ impl ServeToml {
                 for x in a {
                     match x.as_integer() {
                         Some(n) if n >= 0 && n <= u32::MAX as i64 => b.push(n as u32),
-                        _ => return Err(err(o, "layer-split", "array items must be layer numbers")),
+                        _ => {
+                            return Err(err(o, "layer-split", "array items must be layer numbers"))
+                        }
                     }
                 }
                 s.layer_split = LayerSplit::Bounds(b);
             }
-            Some(_) => return Err(err(o, "layer-split", "must be \"auto\", \"16,32\" or [16, 32]")),
+            Some(_) => {
+                return Err(err(
+                    o,
+                    "layer-split",
+                    "must be \"auto\", \"16,32\" or [16, 32]",
+                ))
+            }
         }
         if let Some(v) = &self.gpu {
             s.gpu = Some(v.clone());
@@ -299,7 +314,8 @@ impl ServeToml {
         if let Some(v) = self.pinned_chunk_mib {
             s.pinned_chunk_mib = v;
         }
-        if self.rope_scaling.is_some() || self.rope_scale.is_some() || self.yarn_orig_ctx.is_some() {
+        if self.rope_scaling.is_some() || self.rope_scale.is_some() || self.yarn_orig_ctx.is_some()
+        {
             s.rope_scaling = Some(RopeScaling {
                 kind: self.rope_scaling.clone().unwrap_or_else(|| "yarn".into()),
                 factor: self.rope_scale.unwrap_or(0.0),
@@ -313,7 +329,9 @@ impl ServeToml {
 impl ServeSettings {
     /// Resident KV cells per slot as asked (the whole context when `--kv-resident` is absent).
     pub fn kv_resident_cells(&self) -> u64 {
-        self.kv_resident.unwrap_or(self.max_context).min(self.max_context)
+        self.kv_resident
+            .unwrap_or(self.max_context)
+            .min(self.max_context)
     }
 
     /// Whether the MTP head is asked for (`--mtp` or `--spec N>0`).
@@ -331,7 +349,11 @@ impl ServeSettings {
             return Err(err(o, "--batch", "must be at least 1 slot"));
         }
         if self.batch > 4096 {
-            return Err(err(o, "--batch", "more than 4096 slots is not a serving configuration"));
+            return Err(err(
+                o,
+                "--batch",
+                "more than 4096 slots is not a serving configuration",
+            ));
         }
         if self.ubatch == 0 {
             return Err(err(o, "--ubatch", "must be at least 1 token"));
@@ -340,11 +362,19 @@ impl ServeSettings {
             return Err(err(o, "--pinned-chunk-mib", "must be at least 1 MiB"));
         }
         if self.pinned_chunk_mib > 64 * 1024 {
-            return Err(err(o, "--pinned-chunk-mib", "chunks above 64 GiB defeat the point of chunking"));
+            return Err(err(
+                o,
+                "--pinned-chunk-mib",
+                "chunks above 64 GiB defeat the point of chunking",
+            ));
         }
         if let Some(r) = self.kv_resident {
             if r == 0 {
-                return Err(err(o, "--kv-resident", "must be at least 1 cell (omit it to keep the whole context resident)"));
+                return Err(err(
+                    o,
+                    "--kv-resident",
+                    "must be at least 1 cell (omit it to keep the whole context resident)",
+                ));
             }
             if r > self.max_context {
                 return Err(err(
@@ -359,7 +389,11 @@ impl ServeSettings {
         }
         if let Some(r) = &self.rope_scaling {
             if r.kind != "yarn" {
-                return Err(err(o, "--rope-scaling", format!("`{}` is not supported: use yarn", r.kind)));
+                return Err(err(
+                    o,
+                    "--rope-scaling",
+                    format!("`{}` is not supported: use yarn", r.kind),
+                ));
             }
             if !(r.factor.is_finite() && r.factor > 1.0) {
                 return Err(err(o, "--rope-scale", "must be a number above 1 (e.g. 4)"));
@@ -416,15 +450,24 @@ vision = true
 
     #[test]
     fn unknown_toml_key_is_an_error() {
-        let e = toml::from_str::<ServeToml>("max-contxt = 5").unwrap_err().to_string();
+        let e = toml::from_str::<ServeToml>("max-contxt = 5")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("max-contxt"), "{e}");
     }
 
     #[test]
     fn zero_sizes_name_the_flag() {
-        let s = ServeSettings { batch: 0, ..Default::default() };
+        let s = ServeSettings {
+            batch: 0,
+            ..Default::default()
+        };
         assert_eq!(s.validate("").unwrap_err().key, "--batch");
-        let s = ServeSettings { kv_resident: Some(10_000), max_context: 4096, ..Default::default() };
+        let s = ServeSettings {
+            kv_resident: Some(10_000),
+            max_context: 4096,
+            ..Default::default()
+        };
         assert_eq!(s.validate("").unwrap_err().key, "--kv-resident");
     }
 
