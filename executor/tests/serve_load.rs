@@ -170,7 +170,7 @@ async fn a_full_queue_answers_503_with_retry_after() {
     }
     assert!(ok >= 2 && busy >= 1, "ok {ok} busy {busy}");
     assert_eq!(
-        s.post(&"/v1/completions", body.as_bytes()).await.status,
+        s.post("/v1/completions", body.as_bytes()).await.status,
         200,
         "served again once the queue drains"
     );
