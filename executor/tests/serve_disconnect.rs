@@ -16,7 +16,7 @@ async fn server() -> TestServer {
     TestServer::start(
         TinyConfig {
             n_slots: 2,
-            max_context: 512,
+            max_context: 1024,
             ubatch: 4,
             step_delay: STEP,
             ..Default::default()
@@ -74,7 +74,7 @@ async fn drop_and_time(s: &TestServer, conn: TcpStream) -> Duration {
 }
 
 fn long_prompt() -> String {
-    "Once upon a time there was a little robot. It wanted to sing with the birds. ".repeat(12)
+    "Once upon a time there was a little robot. It wanted to sing with the birds. ".repeat(20)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -93,10 +93,11 @@ async fn disconnect_mid_prefill_frees_the_slot() {
             v["prompt_done"].as_u64().unwrap(),
             v["prompt_tokens"].as_u64().unwrap(),
         );
-        assert!(total > 100 && done < total, "{v}");
+        // The rest of the prefill alone would take (total - done) / 4 steps: far beyond the bound.
+        assert!(total > 300 && done + 100 < total, "{v}");
         let took = drop_and_time(&s, conn).await;
         assert!(
-            took < STEP * 12,
+            took < STEP * 20,
             "slot freed after {took:?} (stream {stream})"
         );
         assert_eq!(cancelled(&s).await, before + 1);
@@ -121,7 +122,7 @@ async fn disconnect_mid_decode_frees_the_slot() {
     let s = server().await;
     // Streaming: read a few tokens first.
     let before = cancelled(&s).await;
-    let mut conn = open(&s, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 400, "stream": true})).await;
+    let mut conn = open(&s, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 300, "stream": true})).await;
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     while got.windows(6).filter(|w| w == b"data: ").count() < 4 {
@@ -136,19 +137,19 @@ async fn disconnect_mid_decode_frees_the_slot() {
     let v = wait_state(&s, "decode").await;
     assert!(v["generated"].as_u64().unwrap() >= 1, "{v}");
     let took = drop_and_time(&s, conn).await;
-    assert!(took < STEP * 12, "slot freed after {took:?}");
+    assert!(took < STEP * 20, "slot freed after {took:?}");
     assert_eq!(cancelled(&s).await, before + 1);
     // Not streaming: the dropped handler frees the slot as well.
     let conn = open(
         &s,
         "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 400}),
+        json!({"prompt": "Hello", "max_tokens": 300}),
     )
     .await;
     wait_state(&s, "decode").await;
     let took = drop_and_time(&s, conn).await;
     assert!(
-        took < STEP * 12,
+        took < STEP * 20,
         "slot freed after {took:?} (non-streaming)"
     );
     assert_eq!(cancelled(&s).await, before + 2);
