@@ -13,3 +13,5 @@ pub mod load;
 pub mod model;
 pub use strata_schemas::quant;
 pub mod sampler;
+pub mod serve;
+pub mod tokenizer;

@@ -1,0 +1,819 @@
+//! The axum routes: OpenAI endpoints (`/v1/models`, `/v1/completions`,
+//! `/v1/chat/completions`, non-streaming and SSE), `/health`, `/metrics`, `/tokenize`,
+//! `/detokenize`, `/slots`, plus API-key checking and JSON errors for every failure.
+//! Invariant: every response that is not a success is an OpenAI-style JSON error with a
+//! 4xx/5xx status; a handler that is dropped (client gone) drops its event receiver, which
+//! is how the scheduler learns to free the slot.
+
+use super::metrics::{Ready, Shared};
+use super::openai::{self, ApiError, Finish, GenParams, Prompt, RespMeta, Usage};
+use super::scheduler::{Event, Job, SchedulerHandle, SubmitError};
+use super::ServeOptions;
+use crate::tokenizer::Tokenizer;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// Everything a handler needs.
+pub struct App {
+    pub shared: Arc<Shared>,
+    pub sched: SchedulerHandle,
+    pub opts: Arc<ServeOptions>,
+    next_id: AtomicU64,
+}
+
+type AppState = State<Arc<App>>;
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut r = (status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+/// The routes, with the body limit and the API-key check.
+pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOptions>) -> Router {
+    let limit = opts.max_body_bytes;
+    let app = Arc::new(App {
+        shared,
+        sched,
+        opts,
+        next_id: AtomicU64::new(1),
+    });
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/slots", get(slots))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(app.clone(), auth))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(app)
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        404,
+        "invalid_request_error",
+        Some("not_found"),
+        format!(
+            "no route {} {}; see /v1/models, /v1/completions, /v1/chat/completions",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        405,
+        "invalid_request_error",
+        Some("method_not_allowed"),
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}
+
+/// Constant-time comparison, so a wrong key's timing says nothing about the right one.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn auth(State(app): AppState, req: Request, next: Next) -> Response {
+    if let Some(key) = &app.opts.api_key {
+        if req.uri().path() != "/health" {
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
+            let ok = given.is_some_and(|g| same(g.trim().as_bytes(), key.as_bytes()));
+            if !ok {
+                let msg = if given.is_some() {
+                    "the API key is wrong"
+                } else {
+                    "an API key is required: send `Authorization: Bearer KEY`"
+                };
+                return ApiError::new(401, "authentication_error", Some("invalid_api_key"), msg)
+                    .into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+fn ready(app: &App) -> Result<&Ready, ApiError> {
+    if let Some(r) = app.shared.ready.get() {
+        return Ok(r);
+    }
+    Err(match app.shared.load_error.get() {
+        Some(e) => ApiError::new(
+            503,
+            "server_error",
+            Some("model_load_failed"),
+            format!("the model failed to load: {e}"),
+        ),
+        None => ApiError::new(
+            503,
+            "server_error",
+            Some("model_loading"),
+            "the model is still loading; retry shortly",
+        )
+        .with_retry_after(1),
+    })
+}
+
+fn model_name<'a>(app: &'a App, r: &'a Ready) -> &'a str {
+    app.opts.model_name.as_deref().unwrap_or(&r.info.model_name)
+}
+
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rej| {
+        let status = rej.status().as_u16();
+        let (code, msg) = if status == 413 {
+            (
+                "body_too_large",
+                "the request body is larger than this server accepts".to_string(),
+            )
+        } else {
+            (
+                "invalid_body",
+                format!("cannot read the request body: {}", rej.body_text()),
+            )
+        };
+        ApiError::new(status, "invalid_request_error", Some(code), msg)
+    })
+}
+
+async fn health(State(app): AppState) -> Response {
+    if app.shared.ready.get().is_some() {
+        return Json(json!({"status": "ok"})).into_response();
+    }
+    let (status, err) = match app.shared.load_error.get() {
+        Some(e) => ("error", e.as_str()),
+        None => ("loading", "the model is still loading"),
+    };
+    let mut r = (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"status": status, "error": {"message": err, "type": "server_error", "code": status}})),
+    )
+        .into_response();
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(1u32));
+    r
+}
+
+async fn metrics(State(app): AppState) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.shared.prometheus(),
+    )
+        .into_response()
+}
+
+async fn slots(State(app): AppState) -> Response {
+    Json(app.shared.slots()).into_response()
+}
+
+async fn models(State(app): AppState) -> Result<Response, ApiError> {
+    let r = ready(&app)?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": model_name(&app, r), "object": "model", "created": 0, "owned_by": "strata",
+            "meta": {"n_slots": r.info.n_slots, "max_context": r.info.max_context,
+                     "ubatch": r.info.ubatch, "n_vocab": r.info.n_vocab},
+        }],
+    }))
+    .into_response())
+}
+
+fn tokenizer_of(r: &Ready) -> Result<&Arc<Tokenizer>, ApiError> {
+    r.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::param(
+            "no_tokenizer",
+            "this server was started without a tokenizer: send token ids (completions with an array `prompt`)",
+        )
+    })
+}
+
+async fn tokenize(
+    State(app): AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let r = ready(&app)?;
+    let m = openai::parse_object(&body)?;
+    let text = match m.get("content") {
+        Some(Value::String(s)) => s,
+        Some(_) => {
+            return Err(ApiError::param(
+                "invalid_type",
+                "`content` must be a string",
+            ))
+        }
+        None => {
+            return Err(ApiError::param(
+                "missing_parameter",
+                "`content` is required",
+            ))
+        }
+    };
+    let add_special = match m.get("add_special") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::param(
+                "invalid_type",
+                "`add_special` must be a boolean",
+            ))
+        }
+    };
+    let ids = tokenizer_of(r)?
+        .encode(text, add_special)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    Ok(Json(json!({"tokens": ids})).into_response())
+}
+
+async fn detokenize(
+    State(app): AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_bytes(body)?;
+    let r = ready(&app)?;
+    let m = openai::parse_object(&body)?;
+    let t = tokenizer_of(r)?;
+    let ids: Vec<u32> = match m.get("tokens") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_u64()
+                    .filter(|&x| x < t.vocab_size() as u64)
+                    .map(|x| x as u32)
+                    .ok_or_else(|| {
+                        ApiError::param(
+                            "invalid_value",
+                            format!(
+                                "`tokens[{i}]` must be a token id below {}, got {v}",
+                                t.vocab_size()
+                            ),
+                        )
+                    })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::param(
+                "invalid_type",
+                "`tokens` must be an array of token ids",
+            ))
+        }
+        None => return Err(ApiError::param("missing_parameter", "`tokens` is required")),
+    };
+    let text = t
+        .decode(&ids, false)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    Ok(Json(json!({"content": text})).into_response())
+}
+
+fn check_model(app: &App, r: &Ready, asked: &Option<String>) -> Result<(), ApiError> {
+    match asked {
+        Some(m) if m != model_name(app, r) => Err(ApiError::new(
+            404,
+            "invalid_request_error",
+            Some("model_not_found"),
+            format!(
+                "the model `{m}` does not exist here; this server serves `{}`",
+                model_name(app, r)
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Checked prompt and limits, queued on the scheduler.
+struct Started {
+    rx: UnboundedReceiver<Event>,
+    prompt_tokens: u64,
+    id: u64,
+}
+
+fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Started, ApiError> {
+    let ctx = r.info.max_context;
+    if prompt.is_empty() {
+        return Err(ApiError::param(
+            "invalid_value",
+            "the prompt is empty: it must hold at least one token",
+        ));
+    }
+    if let Some((i, t)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= r.info.n_vocab)
+    {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "prompt token {i} is id {t}, outside the model's vocabulary of {}",
+                r.info.n_vocab
+            ),
+        ));
+    }
+    let p = prompt.len() as u64;
+    if p >= ctx {
+        return Err(ApiError::param(
+            "context_length_exceeded",
+            format!("the prompt has {p} tokens but the planned context is {ctx} tokens (room for at least one generated token is needed); shorten the prompt"),
+        ));
+    }
+    let max_tokens = match gen.max_tokens {
+        Some(m) if p.saturating_add(m) > ctx => {
+            return Err(ApiError::param(
+                "context_length_exceeded",
+                format!(
+                    "the prompt has {p} tokens and max_tokens is {m}: {} exceeds the planned context of {ctx} tokens; lower max_tokens to at most {}",
+                    p.saturating_add(m),
+                    ctx - p
+                ),
+            ))
+        }
+        Some(m) => m,
+        None => ctx - p,
+    };
+    let (tx, rx) = unbounded_channel();
+    let id = app.next_id.fetch_add(1, Relaxed);
+    let job = Job {
+        id,
+        prompt,
+        max_tokens,
+        sampling: gen.sampling,
+        eos: r.eos.clone(),
+        events: tx,
+        arrived: Instant::now(),
+    };
+    match app.sched.submit(job) {
+        Ok(()) => Ok(Started {
+            rx,
+            prompt_tokens: p,
+            id,
+        }),
+        Err(SubmitError::QueueFull) => Err(ApiError::new(
+            503,
+            "server_error",
+            Some("queue_full"),
+            format!(
+                "all {} slots are busy and {} requests are waiting; retry later",
+                r.info.n_slots, app.opts.queue
+            ),
+        )
+        .with_retry_after(1)),
+        Err(SubmitError::ShuttingDown) => Err(ApiError::new(
+            503,
+            "server_error",
+            Some("shutting_down"),
+            "the server is shutting down",
+        )),
+    }
+}
+
+/// Incremental detokenization with stop strings: text is released only once it cannot be
+/// the start of a stop string, and only at UTF-8 character boundaries.
+struct TextOut {
+    tok: Option<Arc<Tokenizer>>,
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+    pending: String,
+    stops: Vec<String>,
+    stopped: bool,
+}
+
+impl TextOut {
+    fn new(tok: Option<Arc<Tokenizer>>, stops: Vec<String>) -> Self {
+        Self {
+            tok,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+            pending: String::new(),
+            stops,
+            stopped: false,
+        }
+    }
+
+    fn decode_new(&mut self, last: bool) {
+        let Some(t) = &self.tok else {
+            for id in &self.ids[self.read..] {
+                self.pending.push_str(&format!(" {id}"));
+            }
+            self.read = self.ids.len();
+            return;
+        };
+        let prev = t
+            .decode(&self.ids[self.prefix..self.read], true)
+            .unwrap_or_default();
+        let full = t.decode(&self.ids[self.prefix..], true).unwrap_or_default();
+        if full.len() > prev.len()
+            && (last || !full.ends_with('\u{FFFD}'))
+            && full.is_char_boundary(prev.len())
+        {
+            self.pending.push_str(&full[prev.len()..]);
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+    }
+
+    /// Text that may be sent now; sets `stopped` when a stop string was found.
+    fn release(&mut self, last: bool) -> String {
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min();
+        if let Some(pos) = hit {
+            self.stopped = true;
+            let out = self.pending[..pos].to_string();
+            self.pending.clear();
+            return out;
+        }
+        let mut keep = 0;
+        if !last {
+            for s in &self.stops {
+                for k in (1..s.len()).rev() {
+                    if k <= self.pending.len()
+                        && s.is_char_boundary(k)
+                        && self.pending.ends_with(&s[..k])
+                    {
+                        keep = keep.max(k);
+                        break;
+                    }
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        out
+    }
+
+    fn push(&mut self, id: u32) -> String {
+        self.ids.push(id);
+        self.decode_new(false);
+        self.release(false)
+    }
+
+    fn flush(&mut self) -> String {
+        if self.read < self.ids.len() {
+            self.decode_new(true);
+        }
+        self.release(true)
+    }
+}
+
+fn scheduler_gone() -> ApiError {
+    ApiError::new(
+        500,
+        "server_error",
+        Some("internal_error"),
+        "the scheduler stopped before the request finished",
+    )
+}
+
+/// Run a request to the end and return its text.
+async fn collect(mut s: Started, mut out: TextOut) -> Result<(String, Finish, Usage), ApiError> {
+    let mut text = String::new();
+    let mut n = 0u64;
+    let finish = loop {
+        match s.rx.recv().await {
+            Some(Event::Token(id)) => {
+                n += 1;
+                text.push_str(&out.push(id));
+                if out.stopped {
+                    break Finish::Stop;
+                }
+            }
+            Some(Event::Done { eos }) => {
+                text.push_str(&out.flush());
+                break if eos || out.stopped {
+                    Finish::Stop
+                } else {
+                    Finish::Length
+                };
+            }
+            Some(Event::Error(m)) => {
+                return Err(ApiError::new(500, "server_error", Some("engine_error"), m))
+            }
+            None => return Err(scheduler_gone()),
+        }
+    };
+    Ok((
+        text,
+        finish,
+        Usage {
+            prompt: s.prompt_tokens,
+            completion: n,
+        },
+    ))
+}
+
+#[derive(PartialEq)]
+enum Phase {
+    Role,
+    Body,
+    Final,
+    Usage,
+    DoneMarker,
+    End,
+}
+
+/// The state of one SSE stream; dropping it (client gone) drops the receiver.
+struct StreamState {
+    rx: Option<UnboundedReceiver<Event>>,
+    out: TextOut,
+    meta: RespMeta,
+    chat: bool,
+    include_usage: bool,
+    phase: Phase,
+    finish: Finish,
+    usage: Usage,
+}
+
+impl StreamState {
+    fn chunk(&self, text: &str, finish: Option<Finish>) -> SseEvent {
+        let v = if self.chat {
+            let delta = if finish.is_some() {
+                json!({})
+            } else {
+                json!({"content": text})
+            };
+            openai::chat_chunk(&self.meta, delta, finish)
+        } else {
+            openai::completion_chunk(&self.meta, text, finish)
+        };
+        SseEvent::default().data(v.to_string())
+    }
+
+    async fn next_event(&mut self) -> Option<SseEvent> {
+        loop {
+            match self.phase {
+                Phase::Role => {
+                    self.phase = Phase::Body;
+                    let v = openai::chat_chunk(
+                        &self.meta,
+                        json!({"role": "assistant", "content": ""}),
+                        None,
+                    );
+                    return Some(SseEvent::default().data(v.to_string()));
+                }
+                Phase::Body => {
+                    let ev = match self.rx.as_mut() {
+                        Some(rx) => rx.recv().await,
+                        None => None,
+                    };
+                    match ev {
+                        Some(Event::Token(id)) => {
+                            self.usage.completion += 1;
+                            let t = self.out.push(id);
+                            if self.out.stopped {
+                                self.finish = Finish::Stop;
+                                self.phase = Phase::Final;
+                                self.rx = None;
+                            }
+                            if !t.is_empty() {
+                                return Some(self.chunk(&t, None));
+                            }
+                        }
+                        Some(Event::Done { eos }) => {
+                            let t = self.out.flush();
+                            self.finish = if eos || self.out.stopped {
+                                Finish::Stop
+                            } else {
+                                Finish::Length
+                            };
+                            self.phase = Phase::Final;
+                            self.rx = None;
+                            if !t.is_empty() {
+                                return Some(self.chunk(&t, None));
+                            }
+                        }
+                        Some(Event::Error(m)) => {
+                            self.phase = Phase::DoneMarker;
+                            self.rx = None;
+                            let e = ApiError::new(500, "server_error", Some("engine_error"), m);
+                            return Some(SseEvent::default().data(e.body().to_string()));
+                        }
+                        None => {
+                            self.phase = Phase::DoneMarker;
+                            return Some(
+                                SseEvent::default().data(scheduler_gone().body().to_string()),
+                            );
+                        }
+                    }
+                }
+                Phase::Final => {
+                    self.phase = if self.include_usage {
+                        Phase::Usage
+                    } else {
+                        Phase::DoneMarker
+                    };
+                    return Some(self.chunk("", Some(self.finish)));
+                }
+                Phase::Usage => {
+                    self.phase = Phase::DoneMarker;
+                    let object = if self.chat {
+                        "chat.completion.chunk"
+                    } else {
+                        "text_completion"
+                    };
+                    let v = openai::usage_chunk(&self.meta, object, self.usage);
+                    return Some(SseEvent::default().data(v.to_string()));
+                }
+                Phase::DoneMarker => {
+                    self.phase = Phase::End;
+                    return Some(SseEvent::default().data("[DONE]"));
+                }
+                Phase::End => return None,
+            }
+        }
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Respond to a started request, streaming or not.
+async fn respond(
+    app: &App,
+    r: &Ready,
+    s: Started,
+    gen: GenParams,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    let meta = RespMeta {
+        id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, s.id),
+        created: now_secs(),
+        model: model_name(app, r).to_string(),
+    };
+    let out = TextOut::new(r.tokenizer.clone(), gen.stop.clone());
+    if !gen.stream {
+        let (text, finish, usage) = collect(s, out).await?;
+        let body = if chat {
+            openai::chat_body(&meta, &text, finish, usage)
+        } else {
+            openai::completion_body(&meta, &text, finish, usage)
+        };
+        return Ok(Json(body).into_response());
+    }
+    let st = StreamState {
+        usage: Usage {
+            prompt: s.prompt_tokens,
+            completion: 0,
+        },
+        rx: Some(s.rx),
+        out,
+        meta,
+        chat,
+        include_usage: gen.include_usage,
+        phase: if chat { Phase::Role } else { Phase::Body },
+        finish: Finish::Stop,
+    };
+    let stream = futures_util::stream::unfold(st, |mut st| async move {
+        let ev = st.next_event().await?;
+        Some((Ok::<_, Infallible>(ev), st))
+    });
+    Ok(Sse::new(stream).into_response())
+}
+
+fn count_rejected<T>(app: &App, r: Result<T, ApiError>) -> Result<T, ApiError> {
+    if r.is_err() {
+        app.shared.requests_rejected.fetch_add(1, Relaxed);
+    }
+    r
+}
+
+async fn completions(
+    State(app): AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    app.shared.requests_total.fetch_add(1, Relaxed);
+    let prepared = (|| {
+        let body = body_bytes(body)?;
+        let r = ready(&app)?;
+        let req = openai::parse_completion(&body)?;
+        check_model(&app, r, &req.model)?;
+        let prompt = match req.prompt {
+            Prompt::Tokens(t) => t,
+            Prompt::Text(text) => {
+                let t = tokenizer_of(r)?;
+                let mut ids = t
+                    .encode(&text, true)
+                    .map_err(|e| ApiError::invalid(e.to_string()))?;
+                if ids.is_empty() {
+                    ids.extend(t.bos_id());
+                }
+                ids
+            }
+        };
+        let s = start(&app, r, prompt, &req.gen)?;
+        Ok((r, s, req.gen))
+    })();
+    let (r, s, gen) = count_rejected(&app, prepared)?;
+    respond(&app, r, s, gen, false).await
+}
+
+async fn chat_completions(
+    State(app): AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    app.shared.requests_total.fetch_add(1, Relaxed);
+    let prepared = (|| {
+        let body = body_bytes(body)?;
+        let r = ready(&app)?;
+        let req = openai::parse_chat(&body)?;
+        check_model(&app, r, &req.model)?;
+        let t = tokenizer_of(r)?;
+        let tpl = r.template.as_ref().ok_or_else(|| {
+            ApiError::param(
+                "no_chat_template",
+                "the model ships no chat template (tokenizer_config.json `chat_template` or GGUF `tokenizer.chat_template`); use /v1/completions",
+            )
+        })?;
+        let text = tpl.render(&req.messages, true).map_err(ApiError::invalid)?;
+        let prompt = t
+            .encode(&text, false)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let s = start(&app, r, prompt, &req.gen)?;
+        Ok((r, s, req.gen))
+    })();
+    let (r, s, gen) = count_rejected(&app, prepared)?;
+    respond(&app, r, s, gen, true).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tok() -> Arc<Tokenizer> {
+        Arc::new(
+            Tokenizer::from_file(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../tests/data/tiny-chat"
+            ))
+            .unwrap(),
+        )
+    }
+
+    #[test]
+    fn text_out_streams_whole_text_and_honours_stops() {
+        let t = tok();
+        let text = "Hello there! The capital of France is Paris. ✓ done";
+        let ids = t.encode(text, false).unwrap();
+        let mut o = TextOut::new(Some(t.clone()), vec![]);
+        let mut s: String = ids.iter().map(|&i| o.push(i)).collect();
+        s.push_str(&o.flush());
+        assert_eq!(s, text);
+        let mut o = TextOut::new(Some(t.clone()), vec!["France is".into()]);
+        let mut s = String::new();
+        for &i in &ids {
+            s.push_str(&o.push(i));
+            if o.stopped {
+                break;
+            }
+        }
+        assert!(o.stopped);
+        assert_eq!(s, "Hello there! The capital of ");
+        let mut o = TextOut::new(Some(t), vec!["zzz".into()]);
+        let mut s: String = ids.iter().map(|&i| o.push(i)).collect();
+        s.push_str(&o.flush());
+        assert_eq!(s, text, "an unmatched stop holds nothing back at the end");
+    }
+}

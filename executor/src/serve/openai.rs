@@ -1,0 +1,688 @@
+//! OpenAI-compatible request parsing and strict validation, response bodies and the error
+//! shape `{"error": {"message", "type", "code"}}`.
+//! Invariant: a request either becomes a fully checked `CompletionRequest`/`ChatRequest`
+//! (every number in range, every type right) or an `ApiError` with a 4xx status whose
+//! message names the field; nothing here panics on any input.
+
+use crate::sampler::SamplingParams;
+use serde_json::{json, Map, Value};
+
+/// An error answered to the client as OpenAI-style JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    /// OpenAI error type: `invalid_request_error`, `authentication_error`, `server_error`...
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (queue full, loading).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(
+        status: u16,
+        kind: &'static str,
+        code: Option<&'static str>,
+        msg: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            message: msg.into(),
+            kind,
+            code,
+            retry_after: None,
+        }
+    }
+
+    /// 400 invalid_request_error.
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Self::new(400, "invalid_request_error", None, msg)
+    }
+
+    /// 400 naming the offending parameter.
+    pub fn param(code: &'static str, msg: impl Into<String>) -> Self {
+        Self::new(400, "invalid_request_error", Some(code), msg)
+    }
+
+    pub fn with_retry_after(mut self, s: u64) -> Self {
+        self.retry_after = Some(s);
+        self
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "code": self.code}})
+    }
+}
+
+/// A completion prompt: text to tokenize, or token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// Generation settings shared by both endpoints.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenParams {
+    /// `max_tokens` / `max_completion_tokens`; `None` = up to the planned context.
+    pub max_tokens: Option<u64>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub gen: GenParams,
+}
+
+/// One chat message as the template sees it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    pub gen: GenParams,
+}
+
+/// Longest stop string accepted, in bytes, and the most stop strings.
+pub const MAX_STOP_BYTES: usize = 256;
+pub const MAX_STOPS: usize = 16;
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn wrong(key: &str, want: &str, v: &Value) -> ApiError {
+    ApiError::param(
+        "invalid_type",
+        format!("`{key}` must be {want}, got {}", type_name(v)),
+    )
+}
+
+/// The request body as a JSON object.
+pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    if body.is_empty() {
+        return Err(ApiError::invalid(
+            "the request body is empty; send a JSON object",
+        ));
+    }
+    let v: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::param(
+            "invalid_json",
+            format!("the request body is not valid JSON: {e}"),
+        )
+    })?;
+    match v {
+        Value::Object(m) => Ok(m),
+        other => Err(ApiError::param(
+            "invalid_json",
+            format!(
+                "the request body must be a JSON object, got {}",
+                type_name(&other)
+            ),
+        )),
+    }
+}
+
+struct Obj<'a>(&'a Map<String, Value>);
+
+impl Obj<'_> {
+    /// The value of `key`, treating JSON null as absent.
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn f64_in(&self, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => {
+                let x = v.as_f64().ok_or_else(|| wrong(key, "a number", v))?;
+                if !(lo..=hi).contains(&x) {
+                    return Err(ApiError::param(
+                        "invalid_value",
+                        format!("`{key}` must be between {lo} and {hi}, got {x}"),
+                    ));
+                }
+                Ok(Some(x))
+            }
+        }
+    }
+
+    /// An integer; `lo..=hi` inclusive. Floats with a fraction and huge values are errors.
+    fn int_in(&self, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => {
+                let x = match v.as_i64() {
+                    Some(x) => x,
+                    None => match v.as_f64() {
+                        Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => f as i64,
+                        Some(f) => {
+                            return Err(ApiError::param(
+                                "invalid_value",
+                                format!(
+                                    "`{key}` must be an integer between {lo} and {hi}, got {f}"
+                                ),
+                            ))
+                        }
+                        None => return Err(wrong(key, "an integer", v)),
+                    },
+                };
+                if x < lo || x > hi {
+                    return Err(ApiError::param(
+                        "invalid_value",
+                        format!("`{key}` must be an integer between {lo} and {hi}, got {x}"),
+                    ));
+                }
+                Ok(Some(x))
+            }
+        }
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(wrong(key, "a boolean", v)),
+        }
+    }
+
+    fn string(&self, key: &str) -> Result<Option<&str>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(wrong(key, "a string", v)),
+        }
+    }
+
+    /// Reject a parameter we do not implement unless it has its neutral value.
+    fn unsupported_unless(
+        &self,
+        key: &str,
+        neutral: impl Fn(&Value) -> bool,
+    ) -> Result<(), ApiError> {
+        match self.get(key) {
+            Some(v) if !neutral(v) => Err(ApiError::param(
+                "unsupported_parameter",
+                format!("`{key}` is not supported by this server; leave it out"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
+    let max_a = o.int_in("max_tokens", 1, i64::MAX)?;
+    let max_b = o.int_in("max_completion_tokens", 1, i64::MAX)?;
+    let max_tokens = max_b.or(max_a).map(|x| x as u64);
+    let temperature = o.f64_in("temperature", 0.0, 2.0)?.unwrap_or(1.0);
+    let top_p = o.f64_in("top_p", 0.0, 1.0)?.unwrap_or(1.0);
+    if top_p <= 0.0 && o.get("top_p").is_some() {
+        return Err(ApiError::param(
+            "invalid_value",
+            "`top_p` must be greater than 0 and at most 1",
+        ));
+    }
+    let top_k = o.int_in("top_k", 0, 1 << 31)?.unwrap_or(0) as usize;
+    let seed = match o.int_in("seed", i64::MIN, i64::MAX)? {
+        Some(s) => s as u64,
+        None => {
+            // No seed: a fresh one per request (greedy requests do not use it).
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        }
+    };
+    if let Some(n) = o.int_in("n", 1, i64::MAX)? {
+        if n != 1 {
+            return Err(ApiError::param(
+                "unsupported_parameter",
+                format!("`n` must be 1, got {n}"),
+            ));
+        }
+    }
+    let stop = match o.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            let mut out = Vec::with_capacity(a.len());
+            for (i, s) in a.iter().enumerate() {
+                match s {
+                    Value::String(s) => out.push(s.clone()),
+                    v => return Err(wrong(&format!("stop[{i}]"), "a string", v)),
+                }
+            }
+            out
+        }
+        Some(v) => return Err(wrong("stop", "a string or an array of strings", v)),
+    };
+    if stop.len() > MAX_STOPS {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "`stop` holds {} strings; at most {MAX_STOPS} are accepted",
+                stop.len()
+            ),
+        ));
+    }
+    if let Some(s) = stop
+        .iter()
+        .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "each `stop` string must be 1 to {MAX_STOP_BYTES} bytes, got {} bytes",
+                s.len()
+            ),
+        ));
+    }
+    let stream = o.bool("stream")?.unwrap_or(false);
+    let include_usage = match o.get("stream_options") {
+        None => false,
+        Some(Value::Object(m)) => Obj(m).bool("include_usage")?.unwrap_or(false),
+        Some(v) => return Err(wrong("stream_options", "an object", v)),
+    };
+    for key in ["frequency_penalty", "presence_penalty"] {
+        o.f64_in(key, -2.0, 2.0)?;
+        o.unsupported_unless(key, |v| v.as_f64() == Some(0.0))?;
+    }
+    o.unsupported_unless("logprobs", |v| v == &Value::Bool(false))?;
+    o.unsupported_unless("top_logprobs", |v| v.as_f64() == Some(0.0))?;
+    o.unsupported_unless("logit_bias", |v| {
+        v.as_object().is_some_and(|m| m.is_empty())
+    })?;
+    o.unsupported_unless("tools", |v| v.as_array().is_some_and(|a| a.is_empty()))?;
+    o.unsupported_unless("response_format", |v| {
+        v.get("type").and_then(Value::as_str) == Some("text")
+    })?;
+    o.unsupported_unless("best_of", |v| v.as_i64() == Some(1))?;
+    o.unsupported_unless("echo", |v| v == &Value::Bool(false))?;
+    o.unsupported_unless("suffix", |v| v.as_str() == Some(""))?;
+    Ok(GenParams {
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+            seed,
+        },
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+fn token_ids(key: &str, a: &[Value]) -> Result<Vec<u32>, ApiError> {
+    a.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| {
+                    ApiError::param(
+                        "invalid_value",
+                        format!("`{key}[{i}]` must be a token id (an integer from 0 to 4294967295), got {v}"),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// Parse and check a `/v1/completions` body.
+pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
+    let m = parse_object(body)?;
+    let o = Obj(&m);
+    let model = o.string("model")?.map(str::to_string);
+    let prompt = match o.get("prompt") {
+        None => return Err(ApiError::param("missing_parameter", "`prompt` is required")),
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::Array(a)) if a.is_empty() => {
+            return Err(ApiError::param(
+                "invalid_value",
+                "`prompt` is an empty array",
+            ))
+        }
+        Some(Value::Array(a)) => match &a[0] {
+            Value::String(_) | Value::Array(_) if a.len() > 1 => {
+                return Err(ApiError::param(
+                    "unsupported_parameter",
+                    format!("`prompt` holds {} prompts; send one per request", a.len()),
+                ))
+            }
+            Value::String(s) => Prompt::Text(s.clone()),
+            Value::Array(inner) => Prompt::Tokens(token_ids("prompt[0]", inner)?),
+            _ => Prompt::Tokens(token_ids("prompt", a)?),
+        },
+        Some(v) => {
+            return Err(wrong(
+                "prompt",
+                "a string, an array of token ids, or an array of one string",
+                v,
+            ))
+        }
+    };
+    Ok(CompletionRequest {
+        model,
+        prompt,
+        gen: gen_params(&o)?,
+    })
+}
+
+const ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
+
+/// Parse and check a `/v1/chat/completions` body.
+pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    let m = parse_object(body)?;
+    let o = Obj(&m);
+    let model = o.string("model")?.map(str::to_string);
+    let msgs = match o.get("messages") {
+        None => {
+            return Err(ApiError::param(
+                "missing_parameter",
+                "`messages` is required",
+            ))
+        }
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(wrong("messages", "an array of messages", v)),
+    };
+    if msgs.is_empty() {
+        return Err(ApiError::param(
+            "invalid_value",
+            "`messages` is empty; send at least one message",
+        ));
+    }
+    let mut messages = Vec::with_capacity(msgs.len());
+    for (i, msg) in msgs.iter().enumerate() {
+        let mo = match msg {
+            Value::Object(mo) => Obj(mo),
+            v => return Err(wrong(&format!("messages[{i}]"), "an object", v)),
+        };
+        let role = mo
+            .string("role")
+            .map_err(|_| {
+                let v = mo.0.get("role").unwrap_or(&Value::Null);
+                wrong(&format!("messages[{i}].role"), "a string", v)
+            })?
+            .ok_or_else(|| {
+                ApiError::param(
+                    "missing_parameter",
+                    format!("`messages[{i}].role` is required"),
+                )
+            })?;
+        if !ROLES.contains(&role) {
+            return Err(ApiError::param(
+                "invalid_value",
+                format!(
+                    "`messages[{i}].role` is `{role}`; use one of {}",
+                    ROLES.join(", ")
+                ),
+            ));
+        }
+        let content = match mo.get("content") {
+            None if role == "assistant" => String::new(),
+            None => {
+                return Err(ApiError::param(
+                    "missing_parameter",
+                    format!("`messages[{i}].content` is required"),
+                ))
+            }
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    let key = format!("messages[{i}].content[{j}]");
+                    let po = match p {
+                        Value::Object(po) => Obj(po),
+                        v => return Err(wrong(&key, "a content part object", v)),
+                    };
+                    match po.string("type")? {
+                        Some("text") => match po.get("text") {
+                            Some(Value::String(t)) => text.push_str(t),
+                            Some(v) => return Err(wrong(&format!("{key}.text"), "a string", v)),
+                            None => {
+                                return Err(ApiError::param(
+                                    "missing_parameter",
+                                    format!("`{key}.text` is required"),
+                                ))
+                            }
+                        },
+                        other => {
+                            return Err(ApiError::param(
+                                "unsupported_parameter",
+                                format!(
+                                    "`{key}.type` is {}; only `text` parts are supported",
+                                    other.map_or("missing".to_string(), |t| format!("`{t}`"))
+                                ),
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+            Some(v) => {
+                return Err(wrong(
+                    &format!("messages[{i}].content"),
+                    "a string or an array of parts",
+                    v,
+                ))
+            }
+        };
+        let name = mo.string("name")?.map(str::to_string);
+        messages.push(ChatMessage {
+            role: role.to_string(),
+            content,
+            name,
+        });
+    }
+    Ok(ChatRequest {
+        model,
+        messages,
+        gen: gen_params(&o)?,
+    })
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// End-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// Token counts of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt: u64,
+    pub completion: u64,
+}
+
+impl Usage {
+    pub fn json(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+        })
+    }
+}
+
+/// Ids and timestamp shared by a response and its chunks.
+#[derive(Debug, Clone)]
+pub struct RespMeta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+pub fn completion_body(m: &RespMeta, text: &str, finish: Finish, usage: Usage) -> Value {
+    json!({
+        "id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
+        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}],
+        "usage": usage.json(),
+    })
+}
+
+pub fn completion_chunk(m: &RespMeta, text: &str, finish: Option<Finish>) -> Value {
+    json!({
+        "id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
+        "choices": [{"index": 0, "text": text, "logprobs": null,
+                     "finish_reason": finish.map(Finish::as_str)}],
+    })
+}
+
+pub fn chat_body(m: &RespMeta, text: &str, finish: Finish, usage: Usage) -> Value {
+    json!({
+        "id": m.id, "object": "chat.completion", "created": m.created, "model": m.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "logprobs": null, "finish_reason": finish.as_str()}],
+        "usage": usage.json(),
+    })
+}
+
+/// A chat chunk; `delta` is `{"role": ...}` for the first, `{"content": ...}` after.
+pub fn chat_chunk(m: &RespMeta, delta: Value, finish: Option<Finish>) -> Value {
+    json!({
+        "id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": m.model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": null,
+                     "finish_reason": finish.map(Finish::as_str)}],
+    })
+}
+
+/// The last streamed chunk when `stream_options.include_usage`: no choices, the usage.
+pub fn usage_chunk(m: &RespMeta, object: &str, usage: Usage) -> Value {
+    json!({
+        "id": m.id, "object": object, "created": m.created, "model": m.model,
+        "choices": [], "usage": usage.json(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(r: Result<impl std::fmt::Debug, ApiError>) -> ApiError {
+        r.expect_err("expected an error")
+    }
+
+    #[test]
+    fn completion_parses_and_defaults() {
+        let r = parse_completion(br#"{"model":"m","prompt":"hi","max_tokens":5,"temperature":0,"stop":["x"],"seed":7,"stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Text("hi".into()));
+        assert_eq!(r.gen.max_tokens, Some(5));
+        assert_eq!(r.gen.sampling.temperature, 0.0);
+        assert_eq!(r.gen.sampling.seed, 7);
+        assert_eq!(r.gen.stop, vec!["x".to_string()]);
+        assert!(r.gen.stream && r.gen.include_usage);
+        let r = parse_completion(br#"{"prompt":[1,2,3],"user":"ignored","n":1,"logprobs":null}"#)
+            .unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(r.gen.sampling.temperature, 1.0);
+        assert_eq!(
+            parse_completion(br#"{"prompt":[[4,5]]}"#).unwrap().prompt,
+            Prompt::Tokens(vec![4, 5])
+        );
+    }
+
+    #[test]
+    fn bad_values_are_400s_naming_the_field() {
+        for (body, needle) in [
+            (&br#"{"prompt":"x","max_tokens":-1}"#[..], "max_tokens"),
+            (br#"{"prompt":"x","max_tokens":1e300}"#, "max_tokens"),
+            (br#"{"prompt":"x","max_tokens":"5"}"#, "max_tokens"),
+            (br#"{"prompt":"x","temperature":3}"#, "temperature"),
+            (br#"{"prompt":"x","top_p":0}"#, "top_p"),
+            (br#"{"prompt":"x","top_k":-2}"#, "top_k"),
+            (br#"{"prompt":"x","n":2}"#, "`n`"),
+            (br#"{"prompt":"x","stop":[1]}"#, "stop[0]"),
+            (br#"{"prompt":"x","stop":""}"#, "stop"),
+            (br#"{"prompt":"x","stream":"yes"}"#, "stream"),
+            (br#"{"prompt":"x","logprobs":true}"#, "logprobs"),
+            (br#"{"prompt":[1,-3]}"#, "prompt[1]"),
+            (br#"{"prompt":["a","b"]}"#, "prompt"),
+            (br#"{"prompt":7}"#, "prompt"),
+            (br#"{"max_tokens":3}"#, "prompt"),
+            (br#"{"prompt":"x","model":5}"#, "model"),
+        ] {
+            let e = err(parse_completion(body));
+            assert_eq!(e.status, 400);
+            assert!(
+                e.message.contains(needle),
+                "{}: {}",
+                String::from_utf8_lossy(body),
+                e.message
+            );
+            assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        }
+        for body in [
+            &b""[..],
+            b"{",
+            b"[1]",
+            b"\xff\xfe",
+            b"{\"prompt\":\"\xff\"}",
+            b"null",
+        ] {
+            assert_eq!(err(parse_completion(body)).status, 400);
+        }
+    }
+
+    #[test]
+    fn chat_messages_are_checked() {
+        let r = parse_chat(br#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#).unwrap();
+        assert_eq!(r.messages[1].content, "ab");
+        for (body, needle) in [
+            (&br#"{"messages":[]}"#[..], "empty"),
+            (br#"{"messages":"hi"}"#, "messages"),
+            (br#"{"messages":[{"role":"king","content":"x"}]}"#, "role"),
+            (br#"{"messages":[{"role":"user"}]}"#, "content"),
+            (br#"{"messages":[{"role":"user","content":5}]}"#, "content"),
+            (br#"{"messages":[{"content":"x"}]}"#, "role"),
+            (
+                br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+                "image_url",
+            ),
+            (br#"{}"#, "messages"),
+        ] {
+            let e = err(parse_chat(body));
+            assert_eq!(e.status, 400);
+            assert!(
+                e.message.contains(needle),
+                "{}: {}",
+                String::from_utf8_lossy(body),
+                e.message
+            );
+        }
+    }
+}

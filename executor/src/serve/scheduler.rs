@@ -1,0 +1,500 @@
+//! The scheduler: one thread that owns the `Engine` and maps requests onto its planned
+//! slots with continuous batching. Each turn it admits queued requests into free slots,
+//! drops requests whose client went away, runs one planned-`ubatch` prefill chunk for the
+//! oldest prefilling request, then one decode step for every decoding slot together.
+//! Invariant: a slot is held only by a request whose event channel is open (checked every
+//! turn, so a disconnected client frees its slot within one step, during prefill too); no
+//! request is fed past `prompt + max_tokens <= max_context`, which the HTTP side checks
+//! before queueing; the queue is bounded and never blocks the HTTP side.
+
+use super::metrics::{Shared, SlotView};
+use crate::engine::{Engine, EngineError};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::tokenizer::Tokenizer;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{self, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What the scheduler tells a request's handler.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// One generated token (never an end-of-sequence token).
+    Token(u32),
+    /// Generation ended: `eos` true for an end-of-sequence token, false for `max_tokens`.
+    Done { eos: bool },
+    /// The engine failed on this request.
+    Error(String),
+}
+
+/// A request ready to run.
+pub struct Job {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    /// At least 1; `prompt.len() + max_tokens <= max_context`.
+    pub max_tokens: u64,
+    pub sampling: SamplingParams,
+    pub eos: Arc<[u32]>,
+    pub events: UnboundedSender<Event>,
+    pub arrived: Instant,
+}
+
+/// Why a job was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    QueueFull,
+    ShuttingDown,
+}
+
+/// Builds the engine (and tokenizer) on the scheduler thread, so `/health` answers 503
+/// while it runs.
+pub type Loader =
+    Box<dyn FnOnce() -> Result<(Box<dyn Engine>, Option<Tokenizer>), String> + Send + 'static>;
+
+/// The HTTP side's handle on the scheduler.
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    tx: SyncSender<Job>,
+    shared: Arc<Shared>,
+    stop: Arc<Stop>,
+}
+
+#[derive(Default)]
+struct Stop {
+    requested: AtomicBool,
+    /// Milliseconds of grace given to running requests once stop is requested.
+    grace_ms: AtomicU64,
+}
+
+impl SchedulerHandle {
+    /// Queue a job; refused when the queue is full or the server is stopping.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if self.stop.requested.load(Relaxed) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        self.shared.queued.fetch_add(1, Relaxed);
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.shared.queued.fetch_sub(1, Relaxed);
+                Err(match e {
+                    TrySendError::Full(_) => SubmitError::QueueFull,
+                    TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+                })
+            }
+        }
+    }
+
+    /// Stop admitting; running requests get `grace` to finish, then are cancelled.
+    pub fn shutdown(&self, grace: Duration) {
+        self.stop.grace_ms.store(grace.as_millis() as u64, Relaxed);
+        self.stop.requested.store(true, Relaxed);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Prefill,
+    Decode,
+}
+
+struct Active {
+    job: Job,
+    phase: Phase,
+    fed: usize,
+    generated: u64,
+    last: u32,
+    sampler: Sampler,
+}
+
+/// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
+/// serves jobs until shut down. `queue` is the most jobs waiting for a slot.
+pub fn spawn(
+    loader: Loader,
+    shared: Arc<Shared>,
+    queue: usize,
+) -> std::io::Result<(SchedulerHandle, std::thread::JoinHandle<()>)> {
+    let (tx, rx) = mpsc::sync_channel::<Job>(queue);
+    let stop = Arc::new(Stop::default());
+    let handle = SchedulerHandle {
+        tx,
+        shared: shared.clone(),
+        stop: stop.clone(),
+    };
+    let th = std::thread::Builder::new()
+        .name("strata-scheduler".into())
+        .spawn(move || {
+            let engine = match loader() {
+                Ok((engine, tok)) => match super::make_ready(engine.info(), tok) {
+                    Ok(ready) => {
+                        let _ = shared.ready.set(ready);
+                        engine
+                    }
+                    Err(e) => {
+                        eprintln!("strata-exec serve: {e}");
+                        let _ = shared.load_error.set(e);
+                        shared.load_failed.notify_one();
+                        return;
+                    }
+                },
+                Err(e) => {
+                    eprintln!("strata-exec serve: loading failed: {e}");
+                    let _ = shared.load_error.set(e);
+                    shared.load_failed.notify_one();
+                    return;
+                }
+            };
+            let sh = shared.clone();
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                Sched::new(engine, rx, sh, stop).run();
+            }));
+            if res.is_err() {
+                let _ = shared
+                    .load_error
+                    .set("the scheduler thread panicked; restart the server".into());
+            }
+        })?;
+    Ok((handle, th))
+}
+
+struct Sched {
+    engine: Box<dyn Engine>,
+    rx: mpsc::Receiver<Job>,
+    shared: Arc<Shared>,
+    stop: Arc<Stop>,
+    slots: Vec<Option<Active>>,
+    batch: Vec<(usize, u32)>,
+    batch_slot: Vec<usize>,
+    sampled: Vec<u32>,
+    ubatch: usize,
+    max_context: u64,
+}
+
+impl Sched {
+    fn new(
+        engine: Box<dyn Engine>,
+        rx: mpsc::Receiver<Job>,
+        shared: Arc<Shared>,
+        stop: Arc<Stop>,
+    ) -> Self {
+        let info = engine.info().clone();
+        let n = info.n_slots;
+        if let Ok(mut v) = shared.slots.lock() {
+            *v = (0..n)
+                .map(|id| SlotView {
+                    id,
+                    state: "idle",
+                    n_ctx: info.max_context,
+                    ..Default::default()
+                })
+                .collect();
+        }
+        Self {
+            engine,
+            rx,
+            shared,
+            stop,
+            slots: (0..n).map(|_| None).collect(),
+            batch: Vec::with_capacity(n),
+            batch_slot: Vec::with_capacity(n),
+            sampled: Vec::with_capacity(n),
+            ubatch: info.ubatch.max(1),
+            max_context: info.max_context,
+        }
+    }
+
+    fn n_active(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Release `slot`, counting how its request ended.
+    fn free(&mut self, slot: usize, how: &AtomicU64) {
+        if self.slots[slot].take().is_some() {
+            self.engine.reset_slot(slot);
+            self.shared.running.fetch_sub(1, Relaxed);
+            how.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn finish(&mut self, slot: usize, ev: Event) {
+        let failed = matches!(ev, Event::Error(_));
+        if let Some(a) = &self.slots[slot] {
+            let _ = a.job.events.send(ev);
+        }
+        let shared = self.shared.clone();
+        let counter = if failed {
+            &shared.requests_failed
+        } else {
+            &shared.requests_finished
+        };
+        self.free(slot, counter);
+    }
+
+    fn admit(&mut self, job: Job, slot: usize) {
+        self.shared.queued.fetch_sub(1, Relaxed);
+        if job.events.is_closed() {
+            self.shared.requests_cancelled.fetch_add(1, Relaxed);
+            return;
+        }
+        self.engine.reset_slot(slot);
+        self.shared.running.fetch_add(1, Relaxed);
+        let sampler = Sampler::new(job.sampling);
+        self.slots[slot] = Some(Active {
+            job,
+            phase: Phase::Prefill,
+            fed: 0,
+            generated: 0,
+            last: 0,
+            sampler,
+        });
+    }
+
+    fn run(mut self) {
+        let mut deadline: Option<Instant> = None;
+        loop {
+            if self.stop.requested.load(Relaxed) {
+                let d = *deadline.get_or_insert_with(|| {
+                    Instant::now() + Duration::from_millis(self.stop.grace_ms.load(Relaxed))
+                });
+                if self.n_active() == 0 || Instant::now() >= d {
+                    self.close_all();
+                    return;
+                }
+            } else {
+                // Admit into free slots; block briefly only when there is nothing to run.
+                while let Some(free) = self.slots.iter().position(|s| s.is_none()) {
+                    let got = if self.n_active() == 0 {
+                        match self.rx.recv_timeout(Duration::from_millis(50)) {
+                            Ok(j) => Some(j),
+                            Err(RecvTimeoutError::Timeout) => None,
+                            Err(RecvTimeoutError::Disconnected) => {
+                                self.close_all();
+                                return;
+                            }
+                        }
+                    } else {
+                        match self.rx.try_recv() {
+                            Ok(j) => Some(j),
+                            Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => None,
+                        }
+                    };
+                    match got {
+                        Some(job) => self.admit(job, free),
+                        None => break,
+                    }
+                }
+            }
+            // Drop requests whose client went away.
+            for slot in 0..self.slots.len() {
+                if self.slots[slot]
+                    .as_ref()
+                    .is_some_and(|a| a.job.events.is_closed())
+                {
+                    let shared = self.shared.clone();
+                    self.free(slot, &shared.requests_cancelled);
+                }
+            }
+            self.prefill_step();
+            self.decode_step();
+            self.publish();
+        }
+    }
+
+    /// One `ubatch` chunk of the oldest prefilling request.
+    fn prefill_step(&mut self) {
+        let Some(slot) = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.as_ref()
+                    .filter(|a| a.phase == Phase::Prefill)
+                    .map(|a| (a.job.id, i))
+            })
+            .min()
+            .map(|(_, i)| i)
+        else {
+            return;
+        };
+        let Some(a) = self.slots[slot].as_mut() else {
+            return;
+        };
+        let end = (a.fed + self.ubatch).min(a.job.prompt.len());
+        let last = end == a.job.prompt.len();
+        let res = self.engine.prefill(slot, &a.job.prompt[a.fed..end], last);
+        match res {
+            Err(e) => {
+                let msg = engine_msg(&e);
+                self.finish(slot, Event::Error(msg));
+            }
+            Ok(logits) => {
+                self.shared
+                    .prompt_tokens
+                    .fetch_add((end - a.fed) as u64, Relaxed);
+                a.fed = end;
+                if !last {
+                    return;
+                }
+                let Some(logits) = logits else {
+                    self.finish(
+                        slot,
+                        Event::Error(
+                            "the engine returned no logits for the last prompt chunk".into(),
+                        ),
+                    );
+                    return;
+                };
+                let tok = a.sampler.sample(logits);
+                let ttft = a.job.arrived.elapsed();
+                self.shared
+                    .ttft_us_sum
+                    .fetch_add(ttft.as_micros() as u64, Relaxed);
+                self.shared.ttft_count.fetch_add(1, Relaxed);
+                a.phase = Phase::Decode;
+                self.after_sample(slot, tok);
+            }
+        }
+    }
+
+    /// Deliver a sampled token; end the request on EOS, `max_tokens` or a full context.
+    fn after_sample(&mut self, slot: usize, tok: u32) {
+        let max_context = self.max_context;
+        let Some(a) = self.slots[slot].as_mut() else {
+            return;
+        };
+        a.generated += 1;
+        self.shared.generated_tokens.fetch_add(1, Relaxed);
+        if a.job.eos.contains(&tok) {
+            self.finish(slot, Event::Done { eos: true });
+            return;
+        }
+        a.last = tok;
+        let _ = a.job.events.send(Event::Token(tok));
+        let cells = a.job.prompt.len() as u64 + a.generated;
+        if a.generated >= a.job.max_tokens || cells > max_context {
+            self.finish(slot, Event::Done { eos: false });
+        }
+    }
+
+    /// One decode step over every decoding slot.
+    fn decode_step(&mut self) {
+        self.batch.clear();
+        self.batch_slot.clear();
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(a) = s.as_ref().filter(|a| a.phase == Phase::Decode) {
+                self.batch.push((i, a.last));
+                self.batch_slot.push(i);
+            }
+        }
+        if self.batch.is_empty() {
+            return;
+        }
+        let t0 = Instant::now();
+        let n_vocab = self.engine.info().n_vocab;
+        let res = self.engine.decode(&self.batch);
+        match res {
+            Err(e) => {
+                let msg = engine_msg(&e);
+                for k in 0..self.batch_slot.len() {
+                    let slot = self.batch_slot[k];
+                    self.finish(slot, Event::Error(msg.clone()));
+                }
+                return;
+            }
+            Ok(logits) => {
+                self.sampled.clear();
+                for (row, &slot) in self.batch_slot.iter().enumerate() {
+                    let tok = match (
+                        self.slots[slot].as_mut(),
+                        logits.get(row * n_vocab..(row + 1) * n_vocab),
+                    ) {
+                        (Some(a), Some(l)) => a.sampler.sample(l),
+                        _ => u32::MAX,
+                    };
+                    self.sampled.push(tok);
+                }
+            }
+        }
+        let dt = t0.elapsed().as_secs_f64().max(1e-9);
+        let rate = self.batch.len() as f64 / dt;
+        let old = self.shared.tokens_per_s();
+        let new = if old == 0.0 {
+            rate
+        } else {
+            0.9 * old + 0.1 * rate
+        };
+        self.shared.tokens_per_s.store(new.to_bits(), Relaxed);
+        for k in 0..self.batch_slot.len() {
+            let slot = self.batch_slot[k];
+            let tok = self.sampled[k];
+            if tok == u32::MAX {
+                self.finish(
+                    slot,
+                    Event::Error("the engine returned too few logits rows".into()),
+                );
+            } else {
+                self.after_sample(slot, tok);
+            }
+        }
+    }
+
+    fn publish(&mut self) {
+        let stats = self.engine.stats();
+        self.shared.expert_hits.store(stats.expert_hits, Relaxed);
+        self.shared
+            .expert_misses
+            .store(stats.expert_misses, Relaxed);
+        let Ok(mut views) = self.shared.slots.lock() else {
+            return;
+        };
+        for (i, v) in views.iter_mut().enumerate() {
+            v.kv_cells = self.engine.slot_len(i);
+            match self.slots.get(i).and_then(|s| s.as_ref()) {
+                None => {
+                    v.state = "idle";
+                    v.request_id = None;
+                    v.prompt_tokens = 0;
+                    v.prompt_done = 0;
+                    v.generated = 0;
+                }
+                Some(a) => {
+                    v.state = match a.phase {
+                        Phase::Prefill => "prefill",
+                        Phase::Decode => "decode",
+                    };
+                    v.request_id = Some(a.job.id);
+                    v.prompt_tokens = a.job.prompt.len() as u64;
+                    v.prompt_done = a.fed as u64;
+                    v.generated = a.generated;
+                }
+            }
+        }
+    }
+
+    /// Cancel everything running or queued (shutdown).
+    fn close_all(&mut self) {
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].is_some() {
+                self.finish(slot, Event::Error("the server is shutting down".into()));
+            }
+        }
+        while let Ok(job) = self.rx.try_recv() {
+            self.shared.queued.fetch_sub(1, Relaxed);
+            let _ = job
+                .events
+                .send(Event::Error("the server is shutting down".into()));
+        }
+        self.publish();
+    }
+}
+
+fn engine_msg(e: &EngineError) -> String {
+    match e {
+        EngineError::Request(m) => m.clone(),
+        EngineError::Internal(m) => {
+            eprintln!("strata-exec serve: engine failure: {m}");
+            format!("engine failure: {m}")
+        }
+    }
+}
