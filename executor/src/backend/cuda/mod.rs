@@ -70,6 +70,7 @@ pub fn check_libraries() -> Result<(), CudaError> {
     if !cuda {
         let mut candidates = cudarc::get_lib_name_candidates("cuda");
         candidates.extend(cudarc::get_lib_name_candidates("nvcuda"));
+        dedup(&mut candidates);
         return Err(CudaError::LibraryMissing {
             lib: "libcuda (the NVIDIA driver)",
             candidates,
@@ -80,10 +81,20 @@ pub fn check_libraries() -> Result<(), CudaError> {
     if !nvrtc {
         return Err(CudaError::LibraryMissing {
             lib: "libnvrtc (the CUDA runtime compiler)",
-            candidates: cudarc::get_lib_name_candidates("nvrtc"),
+            candidates: {
+                let mut c = cudarc::get_lib_name_candidates("nvrtc");
+                dedup(&mut c);
+                c
+            },
         });
     }
     Ok(())
+}
+
+/// Drops repeated names, keeping the first of each (cudarc's candidate list repeats some).
+fn dedup(names: &mut Vec<String>) {
+    let mut seen = std::collections::BTreeSet::new();
+    names.retain(|n| seen.insert(n.clone()));
 }
 
 /// Runs `f`, turning a panic inside cudarc (a symbol missing from an old library, say) into
