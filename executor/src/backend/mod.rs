@@ -2,3 +2,5 @@
 //! Invariant: backends take pre-validated shapes and never size memory from what is free.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;

@@ -1,0 +1,115 @@
+// common.cuh: the small vendor layer every kernel source is prefixed with (the embedding crate
+// concatenates it; no #include is needed at run time, so NVRTC and hiprtc need no header path).
+// Invariant: vendor specifics (half conversion, warp shuffles, warp size) live only here.
+
+#if defined(__HIPCC__) || defined(__HIP_DEVICE_COMPILE__)
+#define ST_HIP 1
+#define ST_WARP 64
+#define ST_SHFL_XOR(v, m) __shfl_xor((v), (m))
+#else
+#define ST_CUDA 1
+#define ST_WARP 32
+#define ST_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#endif
+
+#define ST_KERNEL extern "C" __global__
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define ST_NEG_INF (__int_as_float(0xff800000))
+
+// f16 bits -> f32, exact.
+__device__ __forceinline__ float st_h2f(u16 h) {
+#ifdef ST_CUDA
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    _Float16 v = __builtin_bit_cast(_Float16, h);
+    return (float)v;
+#endif
+}
+
+// f32 -> f16 bits, round to nearest even.
+__device__ __forceinline__ u16 st_f2h(float f) {
+#ifdef ST_CUDA
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    return __builtin_bit_cast(u16, (_Float16)f);
+#endif
+}
+
+// bf16 bits -> f32, exact.
+__device__ __forceinline__ float st_bf2f(u16 b) {
+    return __uint_as_float(((u32)b) << 16);
+}
+
+// Little-endian u16 at a byte address with only 2-byte alignment guaranteed.
+__device__ __forceinline__ u16 st_ld_u16(const u8* p) {
+    return *(const u16*)p;
+}
+
+__device__ __forceinline__ float st_warp_sum(float v) {
+#pragma unroll
+    for (int m = ST_WARP / 2; m > 0; m >>= 1) v += ST_SHFL_XOR(v, m);
+    return v;
+}
+
+__device__ __forceinline__ float st_warp_max(float v) {
+#pragma unroll
+    for (int m = ST_WARP / 2; m > 0; m >>= 1) v = fmaxf(v, ST_SHFL_XOR(v, m));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of the warp size, at most 32 warps).
+// `red` is shared scratch of at least 32 floats. Every thread gets the result.
+__device__ __forceinline__ float st_block_sum(float v, float* red) {
+    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+    const int nw = blockDim.x / ST_WARP;
+    v = st_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < nw ? red[lane] : 0.0f;
+    return st_warp_sum(v);
+}
+
+__device__ __forceinline__ float st_block_max(float v, float* red) {
+    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+    const int nw = blockDim.x / ST_WARP;
+    v = st_warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < nw ? red[lane] : ST_NEG_INF;
+    return st_warp_max(v);
+}
+
+// GGUF block constants.
+#define QK8_0 32
+#define Q8_0_BYTES 34
+#define QK_K 256
+#define Q4_K_BYTES 144
+
+// ggml's get_scale_min_k4: 6-bit scale and min of sub-block j (0..8) of a Q4_K block.
+__device__ __forceinline__ void st_scale_min_k4(int j, const u8* q, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *m = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+// Weight types as the kernels number them (the host passes these, not ggml ids).
+#define ST_TY_F32 0
+#define ST_TY_F16 1
+#define ST_TY_BF16 2
+#define ST_TY_Q8_0 3
+#define ST_TY_Q4_K 4

@@ -1,0 +1,140 @@
+//! strata-kernels: the GPU kernel sources (`cuda/*.cu`, one source for CUDA and HIP with the
+//! vendor specifics behind `common.cuh`'s macros), embedded for run-time compilation.
+//! Invariant: each `KernelSource` is self-contained (the common header is prepended, no
+//! `#include` is resolved at run time) and its `hash` covers exactly the text compiled, so an
+//! on-disk cache keyed by it can never serve a stale binary.
+
+use sha2::{Digest, Sha256};
+use std::sync::OnceLock;
+
+/// The vendor layer every source is compiled with, prepended to each module's text.
+pub const COMMON: &str = include_str!("../cuda/common.cuh");
+
+/// One compilation unit: a module name, its full source and the kernels it defines.
+#[derive(Debug, Clone)]
+pub struct KernelSource {
+    /// Module name (the `.cu` file stem), used in cache file names and error messages.
+    pub name: &'static str,
+    /// The full text handed to NVRTC / hiprtc: `COMMON` followed by the module body.
+    pub source: String,
+    /// The `extern "C"` entry points the module defines.
+    pub entry_points: &'static [&'static str],
+    /// Hex SHA-256 of `source` (the cache key's source part).
+    pub hash: String,
+}
+
+struct Raw {
+    name: &'static str,
+    body: &'static str,
+    entry_points: &'static [&'static str],
+}
+
+const RAW: &[Raw] = &[
+    Raw {
+        name: "norm",
+        body: include_str!("../cuda/norm.cu"),
+        entry_points: &["rmsnorm_f32", "qk_norm_rope_f32"],
+    },
+    Raw {
+        name: "elementwise",
+        body: include_str!("../cuda/elementwise.cu"),
+        entry_points: &["swiglu_f32", "get_rows", "argmax_f32"],
+    },
+    Raw {
+        name: "matvec",
+        body: include_str!("../cuda/matvec.cu"),
+        entry_points: &["mv_q8_0", "mv_q4_k", "mv_plain"],
+    },
+    Raw {
+        name: "router",
+        body: include_str!("../cuda/router.cu"),
+        entry_points: &["router_softmax_topk"],
+    },
+    Raw {
+        name: "attention",
+        body: include_str!("../cuda/attention.cu"),
+        entry_points: &["attn_decode_partial", "attn_decode_combine"],
+    },
+];
+
+/// Hex SHA-256 of a text.
+pub fn source_hash(text: &str) -> String {
+    let digest = Sha256::digest(text.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Every kernel module, in a fixed order.
+pub fn all() -> &'static [KernelSource] {
+    static ALL: OnceLock<Vec<KernelSource>> = OnceLock::new();
+    ALL.get_or_init(|| {
+        RAW.iter()
+            .map(|r| {
+                let source = format!("{COMMON}\n// ---- {}.cu ----\n{}", r.name, r.body);
+                let hash = source_hash(&source);
+                KernelSource {
+                    name: r.name,
+                    source,
+                    entry_points: r.entry_points,
+                    hash,
+                }
+            })
+            .collect()
+    })
+}
+
+/// The module named `name`, if any.
+pub fn by_name(name: &str) -> Option<&'static KernelSource> {
+    all().iter().find(|k| k.name == name)
+}
+
+/// The module defining the kernel `entry`, if any.
+pub fn module_of(entry: &str) -> Option<&'static KernelSource> {
+    all().iter().find(|k| k.entry_points.contains(&entry))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_entry_point_is_defined_once_in_its_source() {
+        let mut seen = Vec::new();
+        for k in all() {
+            assert!(
+                k.source.starts_with(COMMON),
+                "{} lacks the common header",
+                k.name
+            );
+            for e in k.entry_points {
+                let decl = format!("ST_KERNEL void {e}(");
+                assert_eq!(k.source.matches(&decl).count(), 1, "{e} in {}", k.name);
+                assert!(!seen.contains(e), "{e} defined twice");
+                seen.push(*e);
+            }
+            // Every kernel the text declares is listed.
+            assert_eq!(
+                k.source.matches("ST_KERNEL void ").count(),
+                k.entry_points.len(),
+                "{} declares kernels it does not list",
+                k.name
+            );
+        }
+        assert_eq!(module_of("mv_q4_k").map(|k| k.name), Some("matvec"));
+        assert!(module_of("nope").is_none());
+    }
+
+    #[test]
+    fn hashes_are_stable_hex_and_distinct() {
+        let a = all();
+        for k in a {
+            assert_eq!(k.hash.len(), 64);
+            assert_eq!(k.hash, source_hash(&k.source));
+        }
+        assert_ne!(a[0].hash, a[1].hash);
+        assert_eq!(
+            source_hash("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert!(by_name("norm").is_some());
+    }
+}
