@@ -7,9 +7,9 @@
 pub mod mmproj;
 pub mod model;
 pub mod read;
-pub mod write;
 #[cfg(test)]
 pub(crate) mod testutil;
+pub mod write;
 
 pub use read::{parse_gguf_bytes, read_gguf, Caps, CAPS};
 
