@@ -16,7 +16,7 @@ use strata_schemas::gguf::write::{
     convert_hf_folder, file_type, write_random_model, write_random_tensors, ProgressFn,
     RandomOptions, WriteSummary,
 };
-use strata_schemas::inventory::{HParams, SsmParams};
+use strata_schemas::inventory::HParams;
 
 #[derive(Parser)]
 #[command(
@@ -140,65 +140,7 @@ struct ConvertArgs {
     out: PathBuf,
 }
 
-fn qwen3_30b_a3b() -> HParams {
-    HParams {
-        n_layer: 48,
-        n_embd: 2048,
-        n_vocab: 151_936,
-        n_ctx_train: 40_960,
-        n_head: 32,
-        n_head_kv: 4,
-        head_dim_k: 128,
-        head_dim_v: 128,
-        n_ff: 0,
-        n_expert: 128,
-        n_expert_used: 8,
-        n_ff_exp: 768,
-        n_ff_shexp: 0,
-        n_leading_dense: 0,
-        full_attention_interval: None,
-        ssm: None,
-        nextn_predict_layers: 0,
-        rope_theta: 1e6,
-        rope_dim: None,
-        rms_eps: 1e-6,
-        norm_topk_prob: true,
-        tied_embeddings: false,
-    }
-}
-
-fn qwen3_next_80b_a3b() -> HParams {
-    HParams {
-        n_layer: 48,
-        n_embd: 2048,
-        n_vocab: 151_936,
-        n_ctx_train: 262_144,
-        n_head: 16,
-        n_head_kv: 2,
-        head_dim_k: 256,
-        head_dim_v: 256,
-        n_ff: 0,
-        n_expert: 512,
-        n_expert_used: 10,
-        n_ff_exp: 512,
-        n_ff_shexp: 512,
-        n_leading_dense: 0,
-        full_attention_interval: Some(4),
-        ssm: Some(SsmParams {
-            conv_kernel: 4,
-            state_size: 128,
-            group_count: 16,
-            time_step_rank: 32,
-            inner_size: 4096,
-        }),
-        nextn_predict_layers: 1,
-        rope_theta: 1e7,
-        rope_dim: Some(64),
-        rms_eps: 1e-6,
-        norm_topk_prob: true,
-        tied_embeddings: false,
-    }
-}
+use strata_schemas::known::{qwen3_30b_a3b, qwen3_next_80b_a3b};
 
 /// The flagship's hyperparameters with the shape flags applied.
 fn hparams_from_flags(arch: &str, a: &RandomArgs) -> Result<HParams, String> {
