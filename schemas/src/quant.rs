@@ -179,6 +179,23 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) -> Result<(), Q
     Ok(())
 }
 
+/// Dot product of a row of plain elements (`width` bytes each, decoded by `rd`) with `x`,
+/// summed in eight lanes in dot_f32's order.
+fn dot_plain(row: &[u8], x: &[f32], width: usize, rd: fn(&[u8], usize) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut tail = 0f32;
+    let full = x.len() / 8 * 8;
+    for i in (0..full).step_by(8) {
+        for k in 0..8 {
+            acc[k] += rd(row, width * (i + k)) * x[i + k];
+        }
+    }
+    for (i, xv) in x.iter().enumerate().skip(full) {
+        tail += rd(row, width * i) * xv;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// `sum_i W[i] * x[i]` for one weight row of `x.len()` elements, dequantizing on the fly
 /// without allocating. Returns NaN (never panics) when the row does not fit `ty` and `x`;
 /// callers validate shapes once up front (see `try_dot_row`).
@@ -187,36 +204,10 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         return f32::NAN;
     }
     match ty {
-        GgmlType::F32 => {
-            // The same eight-lane summation order as dot_f32, so both F32 paths agree exactly.
-            let mut acc = [0f32; 8];
-            let mut tail = 0f32;
-            let full = x.len() / 8 * 8;
-            for i in (0..full).step_by(8) {
-                for k in 0..8 {
-                    acc[k] += rd_f32(row, 4 * (i + k)) * x[i + k];
-                }
-            }
-            for (i, xv) in x.iter().enumerate().skip(full) {
-                tail += rd_f32(row, 4 * i) * xv;
-            }
-            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-        }
-        GgmlType::F16 | GgmlType::BF16 => {
-            let rd = if ty == GgmlType::F16 { rd_f16 } else { rd_bf16 };
-            let mut acc = [0f32; 8];
-            let mut tail = 0f32;
-            let full = x.len() / 8 * 8;
-            for i in (0..full).step_by(8) {
-                for k in 0..8 {
-                    acc[k] += rd(row, 2 * (i + k)) * x[i + k];
-                }
-            }
-            for (i, xv) in x.iter().enumerate().skip(full) {
-                tail += rd(row, 2 * i) * xv;
-            }
-            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-        }
+        // The same eight-lane summation order as dot_f32, so the plain paths agree exactly.
+        GgmlType::F32 => dot_plain(row, x, 4, rd_f32),
+        GgmlType::F16 => dot_plain(row, x, 2, rd_f16),
+        GgmlType::BF16 => dot_plain(row, x, 2, rd_bf16),
         GgmlType::Q8_0 => {
             let mut sum = 0f32;
             for (blk, xb) in row.chunks_exact(Q8_0_BYTES).zip(x.chunks_exact(QK8_0)) {
