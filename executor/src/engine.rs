@@ -56,4 +56,21 @@ pub trait Engine: Send {
     /// Cells of `slot`'s context in use.
     fn slot_len(&self, slot: usize) -> u64;
     fn stats(&self) -> EngineStats;
+    /// Like [`Engine::prefill`] but returns the logits of every token fed
+    /// (`tokens.len() x n_vocab`), e.g. for `--logits`. Engines that cannot keep every row
+    /// say so.
+    fn prefill_all(&mut self, slot: usize, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        let _ = (slot, tokens);
+        Err(EngineError::Request(
+            "this engine returns the logits of the last prompt token only".into(),
+        ))
+    }
+    /// Arena and chunk allocations made at start-up (0 when the engine has no plan).
+    fn allocations(&self) -> u64 {
+        0
+    }
+    /// Bytes of every planned arena and chunk allocated.
+    fn allocated_bytes(&self) -> u64 {
+        0
+    }
 }

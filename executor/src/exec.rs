@@ -463,6 +463,18 @@ impl Engine for PlanEngine {
         &self.info
     }
 
+    fn prefill_all(&mut self, slot: usize, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        PlanEngine::prefill_all(self, slot, tokens)
+    }
+
+    fn allocations(&self) -> u64 {
+        PlanEngine::allocations(self)
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        PlanEngine::allocated_bytes(self)
+    }
+
     fn prefill(
         &mut self,
         slot: usize,

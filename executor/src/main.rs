@@ -1,195 +1,42 @@
-//! `strata-exec PLAN`: map a plan, check the model file and this machine against it, allocate
-//! exactly the planned arenas and chunks, load the weights and generate tokens on the CPU
-//! reference backend.
+//! `strata-exec`: run a Strata plan (generate, `--serve`), `bench` it, or `probe` this
+//! machine. Each command lives in its own file under `cli/`; this file only dispatches.
 //! Invariant: every check happens before the first arena is allocated; exit 0 on success, 1
 //! on any bad input or mismatch (with the numbers), 2 on an engine failure mid-run.
 
-use clap::Parser;
-use std::path::PathBuf;
-use std::time::Instant;
-use strata_exec::engine::{Engine, EngineError};
-use strata_exec::exec::{EngineOptions, PlanEngine};
-use strata_exec::sampler::{Sampler, SamplingParams};
+mod cli;
+
+use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "strata-exec",
-    about = "Run a Strata plan: allocate the planned arenas, load the weights, generate tokens (CPU reference backend)",
-    after_help = "Example:\n  strata-plan --model tests/data/tiny-qwen3moe/base --hardware plans/hardware/cpu.toml --max-context 64 --out tiny.plan\n  strata-exec tiny.plan --prompt-tokens 1,17,42 -n 16 --format json"
+    about = "Run a Strata plan: allocate the planned arenas, load the weights, generate tokens or serve an OpenAI-compatible API",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    after_help = "Examples:\n  strata-plan --model tests/data/tiny-qwen3moe/base --hardware plans/hardware/cpu.toml --max-context 64 --out tiny.plan\n  strata-exec tiny.plan --prompt-tokens 1,17,42 -n 16 --format json\n  strata-exec tiny.plan --serve --port 8080\n  strata-exec bench tiny.plan -p 512 -n 128 -r 3\n  strata-exec probe -o probe.toml"
 )]
 struct Cli {
-    /// The plan file written by strata-plan.
-    plan: PathBuf,
-    /// The model (GGUF file or Hugging Face safetensors folder); default: the path the plan
-    /// was made from.
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Prompt text (needs a tokenizer).
-    #[arg(long, conflicts_with = "prompt_tokens")]
-    prompt: Option<String>,
-    /// Prompt as token ids, e.g. 1,17,42.
-    #[arg(long, value_delimiter = ',')]
-    prompt_tokens: Option<Vec<u32>>,
-    /// Tokens to generate.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 16)]
-    n: usize,
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// 0 = off.
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// 1 = off.
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Output: text or json.
-    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
-    format: String,
-    /// With --format json: add "prompt_logits", one row of vocabulary logits per prompt
-    /// position.
-    #[arg(long)]
-    logits: bool,
-    /// No progress bar.
-    #[arg(long, short = 'q')]
-    quiet: bool,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+    #[command(flatten)]
+    run: cli::run::RunArgs,
 }
 
-fn fail(msg: impl std::fmt::Display) -> ! {
-    eprintln!("strata-exec: {msg}");
-    std::process::exit(1)
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Prefill and decode speed of a plan (mean +- sd over repetitions), and device memory
+    /// used versus planned.
+    Bench(cli::bench::BenchArgs),
+    /// Measure this machine and write a probe file for `strata-plan --hardware`.
+    Probe(cli::probe::ProbeArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
-    let mapped = strata_schemas::planfile::open_plan(&cli.plan).unwrap_or_else(|e| fail(e));
-    let plan = mapped.to_plan().unwrap_or_else(|e| fail(e));
-    let model_path = cli
-        .model
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(&plan.model.source));
-    let prompt: Vec<u32> = match (&cli.prompt, &cli.prompt_tokens) {
-        (Some(_), _) => fail(
-            "--prompt needs a tokenizer, and this build has no tokenizer support yet: pass the prompt as --prompt-tokens 1,17,42",
-        ),
-        (None, Some(t)) if !t.is_empty() => t.clone(),
-        _ => fail("give a prompt: --prompt-tokens 1,17,42"),
-    };
-    let host = strata_exec::load::open_model(&model_path).unwrap_or_else(|e| fail(e));
-    let t0 = Instant::now();
-    let mut engine = PlanEngine::start(
-        &plan,
-        host,
-        EngineOptions {
-            progress: !cli.quiet,
-            mem_available: None,
-        },
-    )
-    .unwrap_or_else(|e| fail(e));
-    let load_s = t0.elapsed().as_secs_f64();
-    let info = engine.info().clone();
-    if let Some(bad) = prompt.iter().find(|t| **t as usize >= info.n_vocab) {
-        fail(format!(
-            "--prompt-tokens: token {bad} is outside the vocabulary of {}",
-            info.n_vocab
-        ));
-    }
-    if prompt.len() as u64 >= info.max_context {
-        fail(format!(
-            "the prompt has {} tokens but the plan's context is {} cells: re-plan with a larger --max-context",
-            prompt.len(),
-            info.max_context
-        ));
-    }
-    let n = cli.n.min((info.max_context - prompt.len() as u64) as usize);
-    let params = SamplingParams {
-        temperature: cli.temperature,
-        top_k: cli.top_k,
-        top_p: cli.top_p,
-        seed: cli.seed,
-    };
-    let want_rows = cli.logits && cli.format == "json";
-    // Run on a rayon worker so the parallel ops start without going through the pool's
-    // injector queue (which allocates).
-    let run = rayon::scope(|_| -> Result<_, EngineError> {
-        let mut sampler = Sampler::new(params);
-        let mut rows: Vec<f32> = Vec::new();
-        let mut last: Vec<f32> = vec![0.0; info.n_vocab];
-        let tp = Instant::now();
-        for chunk in prompt.chunks(info.ubatch) {
-            if want_rows {
-                let l = engine.prefill_all(0, chunk)?;
-                rows.extend_from_slice(l);
-                last.copy_from_slice(&l[l.len() - info.n_vocab..]);
-            } else if let Some(l) = engine.prefill(0, chunk, true)? {
-                last.copy_from_slice(l);
-            }
-        }
-        let prefill_s = tp.elapsed().as_secs_f64();
-        let mut out = Vec::with_capacity(n);
-        let td = Instant::now();
-        if n > 0 {
-            let mut next = sampler.sample(&last);
-            out.push(next);
-            while out.len() < n {
-                let l = engine.decode(&[(0, next)])?;
-                next = sampler.sample(l);
-                out.push(next);
-            }
-        }
-        let decode_s = td.elapsed().as_secs_f64();
-        Ok((out, rows, prefill_s, decode_s))
-    });
-    let (out, rows, prefill_s, decode_s) = match run {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("strata-exec: {e}");
-            std::process::exit(2)
-        }
-    };
-    let stats = engine.stats();
-    // Decode steps = generated tokens after the first (which comes from the prefill).
-    let decode_steps = out.len().saturating_sub(1);
-    let prefill_tps = prompt.len() as f64 / prefill_s.max(1e-9);
-    let decode_tps = decode_steps as f64 / decode_s.max(1e-9);
-    if cli.format == "json" {
-        let mut j = serde_json::json!({
-            "generated_token_ids": out,
-            "text": serde_json::Value::Null,
-            "prompt_tokens": prompt.len(),
-            "timings": {
-                "load_s": load_s,
-                "prefill_tok_s": prefill_tps,
-                "decode_tok_s": decode_tps,
-            },
-            "expert_cache": {"hits": stats.expert_hits, "misses": stats.expert_misses},
-            "allocations": engine.allocations(),
-            "allocated_bytes": engine.allocated_bytes(),
-        });
-        if want_rows {
-            let v = info.n_vocab;
-            j["prompt_logits"] =
-                serde_json::Value::Array(rows.chunks(v).map(|r| serde_json::json!(r)).collect());
-        }
-        println!("{j}");
-    } else {
-        println!(
-            "{}",
-            out.iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        );
-        if !cli.quiet {
-            eprintln!(
-                "strata-exec: {} prompt tokens at {prefill_tps:.1} tok/s, {decode_steps} decode steps at {decode_tps:.1} tok/s; expert cache {} hits / {} misses; {} allocations ({} bytes); loaded in {load_s:.2} s",
-                prompt.len(),
-                stats.expert_hits,
-                stats.expert_misses,
-                engine.allocations(),
-                engine.allocated_bytes()
-            );
-        }
+    match cli.cmd {
+        Some(Cmd::Bench(a)) => cli::bench::main(a),
+        Some(Cmd::Probe(a)) => cli::probe::main(a),
+        None if cli.run.serve.serve => cli::serve::main(cli.run),
+        None => cli::run::main(cli.run),
     }
 }

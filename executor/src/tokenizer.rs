@@ -67,6 +67,34 @@ fn config_token(v: Option<&serde_json::Value>) -> Option<String> {
 }
 
 impl Tokenizer {
+    /// The tokenizer that belongs to a model: `tokenizer.json` in a model folder, or the
+    /// vocabulary embedded in a GGUF file. `Ok(None)` when the model carries none (a folder
+    /// without `tokenizer.json`, a GGUF without `tokenizer.ggml.model`).
+    pub fn for_model(model: impl AsRef<Path>) -> Result<Option<Self>, TokenizerError> {
+        let model = model.as_ref();
+        if model.is_dir() {
+            if !model.join("tokenizer.json").is_file() {
+                return Ok(None);
+            }
+            return Self::from_file(model).map(Some);
+        }
+        let gguf = strata_schemas::gguf::read::read_gguf(model).map_err(|e| {
+            TokenizerError::Gguf {
+                path: model.display().to_string(),
+                reason: e.to_string(),
+            }
+        })?;
+        if gguf
+            .get_str("tokenizer.ggml.model")
+            .ok()
+            .flatten()
+            .is_none()
+        {
+            return Ok(None);
+        }
+        Self::from_gguf(&gguf).map(Some)
+    }
+
     /// Load `path`: a `tokenizer.json`, or a folder holding one. A `tokenizer_config.json`
     /// in the same folder supplies `chat_template`, `eos_token` and `bos_token`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TokenizerError> {

@@ -1,0 +1,104 @@
+//! What every `strata-exec` command shares: opening the plan and the model it names, picking
+//! the backend the plan was made for, starting the engine, and failing with one clear line.
+//! Invariant: nothing here allocates an arena before the plan, the model's fingerprint and
+//! the machine have all been checked (the engines' `start` does that, in that order).
+
+pub mod bench;
+pub mod probe;
+pub mod run;
+pub mod serve;
+
+use std::path::{Path, PathBuf};
+use strata_exec::engine::Engine;
+use strata_exec::exec::{EngineOptions, PlanEngine};
+use strata_schemas::plan::Plan;
+
+/// Print `strata-exec: MSG` and exit 1 (bad input or a mismatch).
+pub fn fail(msg: impl std::fmt::Display) -> ! {
+    eprintln!("strata-exec: {msg}");
+    std::process::exit(1)
+}
+
+/// Which backend runs the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// The one the plan's devices call for: CUDA for `nvidia` devices, else the CPU.
+    Auto,
+    /// The CPU reference backend (any plan; planned devices become host arenas).
+    Cpu,
+    /// NVIDIA GPUs through CUDA.
+    Cuda,
+}
+
+/// The options every command that runs a plan takes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// The model (GGUF file or Hugging Face safetensors folder); default: the path the plan
+    /// was made from.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Backend: auto picks CUDA when the plan's devices are NVIDIA GPUs, else the CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: Backend,
+    /// No progress bar.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+/// Map and decode a plan file, and resolve the model path it runs.
+pub fn open_plan(path: &Path, args: &PlanArgs) -> (Plan, PathBuf) {
+    let mapped = strata_schemas::planfile::open_plan(path).unwrap_or_else(|e| fail(e));
+    let plan = mapped.to_plan().unwrap_or_else(|e| fail(e));
+    let model = args
+        .model
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(&plan.model.source));
+    (plan, model)
+}
+
+/// The backend `args` asks for, resolved against the plan's devices.
+pub fn backend_for(plan: &Plan, args: &PlanArgs) -> Backend {
+    match args.backend {
+        Backend::Auto if plan.devices.iter().any(|d| d.vendor == "nvidia") => Backend::Cuda,
+        Backend::Auto => Backend::Cpu,
+        b => b,
+    }
+}
+
+/// Check and load `model` into the plan's memory on the chosen backend.
+pub fn start_engine(plan: &Plan, model: &Path, args: &PlanArgs) -> Box<dyn Engine> {
+    let host = strata_exec::load::open_model(model).unwrap_or_else(|e| fail(e));
+    match backend_for(plan, args) {
+        Backend::Cuda => start_cuda(plan, host, args),
+        _ => Box::new(
+            PlanEngine::start(
+                plan,
+                host,
+                EngineOptions {
+                    progress: !args.quiet,
+                    mem_available: None,
+                },
+            )
+            .unwrap_or_else(|e| fail(e)),
+        ),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn start_cuda(
+    plan: &Plan,
+    host: Box<dyn strata_exec::load::HostModel>,
+    args: &PlanArgs,
+) -> Box<dyn Engine> {
+    let _ = (plan, host, args);
+    fail("the CUDA engine is not wired yet: pass --backend cpu")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn start_cuda(
+    _plan: &Plan,
+    _host: Box<dyn strata_exec::load::HostModel>,
+    _args: &PlanArgs,
+) -> Box<dyn Engine> {
+    fail("this strata-exec was built without the `cuda` feature: rebuild with it, or pass --backend cpu")
+}

@@ -1,0 +1,166 @@
+//! `strata-exec PLAN`: generate from a prompt once and print the tokens (text or JSON).
+//! Invariant: the prompt is checked against the vocabulary and the planned context before
+//! the first token is computed; the run itself allocates nothing per token.
+
+use super::{fail, open_plan, start_engine, PlanArgs};
+use std::path::PathBuf;
+use std::time::Instant;
+use strata_exec::engine::EngineError;
+use strata_exec::sampler::{Sampler, SamplingParams};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    /// The plan file written by strata-plan.
+    #[arg(required = true)]
+    pub plan: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: PlanArgs,
+    /// Prompt text (needs a tokenizer).
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    pub prompt: Option<String>,
+    /// Prompt as token ids, e.g. 1,17,42.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_tokens: Option<Vec<u32>>,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 16)]
+    pub n: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// 1 = off.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output: text or json.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub format: String,
+    /// With --format json: add "prompt_logits", one row of vocabulary logits per prompt
+    /// position.
+    #[arg(long)]
+    pub logits: bool,
+    #[command(flatten)]
+    pub serve: super::serve::ServeArgs,
+}
+
+pub fn main(cli: RunArgs) {
+    let plan_path = cli.plan.clone().unwrap_or_else(|| fail("give a plan file"));
+    let (plan, model_path) = open_plan(&plan_path, &cli.common);
+    let prompt: Vec<u32> = match (&cli.prompt, &cli.prompt_tokens) {
+        (Some(_), _) => fail(
+            "--prompt needs a tokenizer, and this build has no tokenizer support yet: pass the prompt as --prompt-tokens 1,17,42",
+        ),
+        (None, Some(t)) if !t.is_empty() => t.clone(),
+        _ => fail("give a prompt: --prompt-tokens 1,17,42"),
+    };
+    let t0 = Instant::now();
+    let mut engine = start_engine(&plan, &model_path, &cli.common);
+    let load_s = t0.elapsed().as_secs_f64();
+    let info = engine.info().clone();
+    if let Some(bad) = prompt.iter().find(|t| **t as usize >= info.n_vocab) {
+        fail(format!(
+            "--prompt-tokens: token {bad} is outside the vocabulary of {}",
+            info.n_vocab
+        ));
+    }
+    if prompt.len() as u64 >= info.max_context {
+        fail(format!(
+            "the prompt has {} tokens but the plan's context is {} cells: re-plan with a larger --max-context",
+            prompt.len(),
+            info.max_context
+        ));
+    }
+    let n = cli.n.min((info.max_context - prompt.len() as u64) as usize);
+    let params = SamplingParams {
+        temperature: cli.temperature,
+        top_k: cli.top_k,
+        top_p: cli.top_p,
+        seed: cli.seed,
+    };
+    let want_rows = cli.logits && cli.format == "json";
+    // Run on a rayon worker so the parallel ops start without going through the pool's
+    // injector queue (which allocates).
+    let run = rayon::scope(|_| -> Result<_, EngineError> {
+        let mut sampler = Sampler::new(params);
+        let mut rows: Vec<f32> = Vec::new();
+        let mut last: Vec<f32> = vec![0.0; info.n_vocab];
+        let tp = Instant::now();
+        for chunk in prompt.chunks(info.ubatch) {
+            if want_rows {
+                let l = engine.prefill_all(0, chunk)?;
+                rows.extend_from_slice(l);
+                last.copy_from_slice(&l[l.len() - info.n_vocab..]);
+            } else if let Some(l) = engine.prefill(0, chunk, true)? {
+                last.copy_from_slice(l);
+            }
+        }
+        let prefill_s = tp.elapsed().as_secs_f64();
+        let mut out = Vec::with_capacity(n);
+        let td = Instant::now();
+        if n > 0 {
+            let mut next = sampler.sample(&last);
+            out.push(next);
+            while out.len() < n {
+                let l = engine.decode(&[(0, next)])?;
+                next = sampler.sample(l);
+                out.push(next);
+            }
+        }
+        let decode_s = td.elapsed().as_secs_f64();
+        Ok((out, rows, prefill_s, decode_s))
+    });
+    let (out, rows, prefill_s, decode_s) = match run {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("strata-exec: {e}");
+            std::process::exit(2)
+        }
+    };
+    let stats = engine.stats();
+    // Decode steps = generated tokens after the first (which comes from the prefill).
+    let decode_steps = out.len().saturating_sub(1);
+    let prefill_tps = prompt.len() as f64 / prefill_s.max(1e-9);
+    let decode_tps = decode_steps as f64 / decode_s.max(1e-9);
+    if cli.format == "json" {
+        let mut j = serde_json::json!({
+            "generated_token_ids": out,
+            "text": serde_json::Value::Null,
+            "prompt_tokens": prompt.len(),
+            "timings": {
+                "load_s": load_s,
+                "prefill_tok_s": prefill_tps,
+                "decode_tok_s": decode_tps,
+            },
+            "expert_cache": {"hits": stats.expert_hits, "misses": stats.expert_misses},
+            "allocations": engine.allocations(),
+            "allocated_bytes": engine.allocated_bytes(),
+        });
+        if want_rows {
+            let v = info.n_vocab;
+            j["prompt_logits"] =
+                serde_json::Value::Array(rows.chunks(v).map(|r| serde_json::json!(r)).collect());
+        }
+        println!("{j}");
+    } else {
+        println!(
+            "{}",
+            out.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        if !cli.common.quiet {
+            eprintln!(
+                "strata-exec: {} prompt tokens at {prefill_tps:.1} tok/s, {decode_steps} decode steps at {decode_tps:.1} tok/s; expert cache {} hits / {} misses; {} allocations ({} bytes); loaded in {load_s:.2} s",
+                prompt.len(),
+                stats.expert_hits,
+                stats.expert_misses,
+                engine.allocations(),
+                engine.allocated_bytes()
+            );
+        }
+    }
+}
