@@ -7,6 +7,7 @@
 
 pub mod arena;
 pub mod compile;
+pub mod layout;
 pub mod ops;
 
 pub use arena::{arena_allocations, DeviceArena, DeviceView};
