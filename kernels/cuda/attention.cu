@@ -4,16 +4,6 @@
 // unnormalised output of its chunk of cells; attn_decode_combine merges the splits.
 // Invariant: token t reads cells [0, n_ctx[t]) only; an empty split contributes weight 0.
 
-#define ATT_MAX_D 256
-#define ATT_WARPS 4
-
-__device__ __forceinline__ float att_elem(const u8* row, int ty, int i) {
-    if (ty == ST_TY_F16) return st_h2f(st_ld_u16(row + 2 * i));
-    if (ty == ST_TY_F32) return ((const float*)row)[i];
-    const u8* blk = row + (i / QK8_0) * Q8_0_BYTES;
-    return st_h2f(st_ld_u16(blk)) * (float)(i8)blk[2 + i % QK8_0];
-}
-
 // grid: (n_head, n_split, n_tok); block: ATT_WARPS warps. hdk, hdv <= ATT_MAX_D.
 // part_o: [n_tok][n_head][n_split][hdv]; part_ms: [n_tok][n_head][n_split][2] (max, sum).
 ST_KERNEL void attn_decode_partial(const float* q, const u8* k, const u8* v, int kv_ty,

@@ -10,29 +10,6 @@ ST_KERNEL void swiglu_f32(const float* g, const float* u, float* out, long n) {
     }
 }
 
-// Element i of a row of type ty (ST_TY_*), dequantized.
-__device__ __forceinline__ float st_row_elem(const u8* row, int ty, long i) {
-    switch (ty) {
-        case ST_TY_F32: return ((const float*)row)[i];
-        case ST_TY_F16: return st_h2f(st_ld_u16(row + 2 * i));
-        case ST_TY_BF16: return st_bf2f(st_ld_u16(row + 2 * i));
-        case ST_TY_Q8_0: {
-            const u8* blk = row + (i / QK8_0) * Q8_0_BYTES;
-            return st_h2f(st_ld_u16(blk)) * (float)(i8)blk[2 + i % QK8_0];
-        }
-        case ST_TY_Q4_K: {
-            const u8* blk = row + (i / QK_K) * Q4_K_BYTES;
-            const int r = (int)(i % QK_K), g = r / 64, hi = (r % 64) >= 32, l = r % 32;
-            float sc, m;
-            st_scale_min_k4(2 * g + hi, blk + 4, &sc, &m);
-            const u8 q = blk[16 + 32 * g + l];
-            const float d = st_h2f(st_ld_u16(blk)), dmin = st_h2f(st_ld_u16(blk + 2));
-            return (d * sc) * (float)(hi ? (q >> 4) : (q & 0xF)) - dmin * m;
-        }
-    }
-    return 0.0f;
-}
-
 // out[t] = dequantized row ids[t] of W (row_bytes per row, cols elements).
 // grid: n_tok; the host checked every id < rows.
 ST_KERNEL void get_rows(const u8* W, int ty, long row_bytes, const int* ids, float* out, int cols) {

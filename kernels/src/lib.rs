@@ -55,6 +55,21 @@ const RAW: &[Raw] = &[
         body: include_str!("../cuda/attention.cu"),
         entry_points: &["attn_decode_partial", "attn_decode_combine"],
     },
+    Raw {
+        name: "decode",
+        body: include_str!("../cuda/decode.cu"),
+        entry_points: &[
+            "dq_mv1",
+            "dq_mv8",
+            "dq_qkv8",
+            "dq_moe_gate_up",
+            "dq_moe_down",
+            "dq_get_rows",
+            "dq_kv_store",
+            "dq_attn_partial",
+            "dq_ctx_from_pos",
+        ],
+    },
 ];
 
 /// Hex SHA-256 of a text.
