@@ -407,3 +407,97 @@ ST_KERNEL void dq_ctx_from_pos(const int* pos, int* n_ctx, int n_tok) {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < n_tok) n_ctx[t] = pos[t] + 1;
 }
+
+// Prefill attention, flash style (no score matrix): the n_tok query tokens all belong to the
+// slot slot[0] and are already in its KV; query t sees cells [0, pos[t]]. K and V tiles of kt
+// cells are dequantized into shared memory once per block and shared by its PF_Q queries;
+// each warp keeps its queries' running max, sum and output in registers.
+// grid: (n_head, ceil(n_tok / PF_Q)); block: PF_WARPS warps;
+// dynamic shared: (2 * kt * (hd + 1) + PF_Q * hd) floats; kt <= 32, hd <= ATT_MAX_D.
+#define PF_Q 16
+#define PF_WARPS 4
+ST_KERNEL void dq_attn_prefill(const float* q, const u8* kv, const int* slot, const int* pos,
+                               long slot_bytes, long k_off, long v_off, int kv_ty, int n_head,
+                               int n_head_kv, int hd, long row_bytes, float scale, int kt,
+                               int n_tok, float* out) {
+    extern __shared__ float sm[];
+    const int ld = hd + 1;
+    float* ks = sm;
+    float* vs = ks + kt * ld;
+    float* qs = vs + kt * ld;
+    const int h = blockIdx.x, t0 = blockIdx.y * PF_Q;
+    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+    const int kvh = h / (n_head / n_head_kv);
+    const u8* kb = kv + (long)slot[0] * slot_bytes + k_off;
+    const u8* vb = kv + (long)slot[0] * slot_bytes + v_off;
+    int cmax = 0;
+    for (int i = 0; i < PF_Q && t0 + i < n_tok; ++i) cmax = max(cmax, pos[t0 + i] + 1);
+    for (int i = threadIdx.x; i < PF_Q * hd; i += blockDim.x) {
+        const int qi = i / hd, d = i % hd;
+        qs[i] = t0 + qi < n_tok ? q[((long)(t0 + qi) * n_head + h) * hd + d] : 0.0f;
+    }
+    constexpr int PER = ATT_MAX_D / ST_WARP;
+    constexpr int QW = PF_Q / PF_WARPS;
+    float m[QW], l[QW], acc[QW][PER];
+    int ctx[QW];
+#pragma unroll
+    for (int a = 0; a < QW; ++a) {
+        m[a] = ST_NEG_INF;
+        l[a] = 0.0f;
+        const int t = t0 + warp + a * PF_WARPS;
+        ctx[a] = t < n_tok ? pos[t] + 1 : 0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[a][i] = 0.0f;
+    }
+    for (int c0 = 0; c0 < cmax; c0 += kt) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < kt * hd; i += blockDim.x) {
+            const int c = i / hd, d = i % hd;
+            float kvk = 0.0f, kvv = 0.0f;
+            if (c0 + c < cmax) {
+                kvk = att_elem(kb + (long)(c0 + c) * row_bytes, kv_ty, kvh * hd + d);
+                kvv = att_elem(vb + (long)(c0 + c) * row_bytes, kv_ty, kvh * hd + d);
+            }
+            ks[c * ld + d] = kvk;
+            vs[c * ld + d] = kvv;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int a = 0; a < QW; ++a) {
+            if (c0 >= ctx[a]) continue;
+            const float* qr = qs + (warp + a * PF_WARPS) * hd;
+            const int c = c0 + lane;
+            float s = ST_NEG_INF;
+            if (lane < kt && c < ctx[a]) {
+                float dot = 0.0f;
+                for (int d = 0; d < hd; ++d) dot += qr[d] * ks[lane * ld + d];
+                s = dot * scale;
+            }
+            const float nm = fmaxf(m[a], st_warp_max(s));
+            const float corr = expf(m[a] - nm);
+            const float p = s == ST_NEG_INF ? 0.0f : expf(s - nm);
+            l[a] = l[a] * corr + st_warp_sum(p);
+            m[a] = nm;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) acc[a][i] *= corr;
+            for (int j = 0; j < kt; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, p, j);
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    const int d = lane + i * ST_WARP;
+                    if (d < hd) acc[a][i] += pj * vs[j * ld + d];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < QW; ++a) {
+        const int t = t0 + warp + a * PF_WARPS;
+        if (t >= n_tok) continue;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int d = lane + i * ST_WARP;
+            if (d < hd) out[((long)t * n_head + h) * hd + d] = acc[a][i] / l[a];
+        }
+    }
+}

@@ -68,6 +68,7 @@ const RAW: &[Raw] = &[
             "dq_kv_store",
             "dq_attn_partial",
             "dq_ctx_from_pos",
+            "dq_attn_prefill",
         ],
     },
 ];

@@ -1,17 +1,161 @@
-//! `strata-exec bench PLAN`: prefill and decode tokens/s of a plan, like llama-bench.
-//! Invariant: measures only; the engine is started exactly as `strata-exec PLAN` starts it.
+//! `strata-exec bench PLAN`: prefill and decode tokens/s of a plan, like llama-bench (mean ±
+//! sd over repetitions after one warm-up), plus device memory used versus planned.
+//! Invariant: measures only; the engine is started exactly as `strata-exec PLAN` starts it,
+//! and every timed step includes bringing the logits back to the host.
 
+use super::{backend_for, fail, open_plan, Backend, PlanArgs};
 use std::path::PathBuf;
+use std::time::Instant;
+use strata_exec::engine::Engine;
 
 #[derive(clap::Args, Debug, Clone)]
+#[command(after_help = "Example:\n  strata-exec bench h200.plan -p 512 -n 128 -r 3\nPrompt tokens are pseudo-random ids; decode feeds back the argmax token (batch 1, slot 0).")]
 pub struct BenchArgs {
     /// The plan file written by strata-plan.
     pub plan: PathBuf,
     #[command(flatten)]
-    pub common: super::PlanArgs,
+    pub common: PlanArgs,
+    /// Prompt tokens prefilled per repetition (in the plan's ubatch chunks); 0 skips.
+    #[arg(short = 'p', long, default_value_t = 512)]
+    pub prompt: usize,
+    /// Tokens decoded per repetition, after the prompt; 0 skips.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repetitions (each on a fresh context).
+    #[arg(short = 'r', long, default_value_t = 3)]
+    pub reps: usize,
+    /// Output: text (a table) or json (one object).
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub format: String,
+}
+
+fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let n = v.len().max(1) as f64;
+    let m = v.iter().sum::<f64>() / n;
+    let var = v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1.0).max(1.0);
+    (m, var.sqrt())
+}
+
+/// One repetition: prefill `p` tokens, then decode `n`; returns (prefill tok/s, decode tok/s).
+fn rep(e: &mut dyn Engine, p: usize, n: usize, seed: u64) -> Result<(f64, f64), String> {
+    let info = e.info().clone();
+    e.reset_slot(0);
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let prompt: Vec<u32> = (0..p.max(1))
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % info.n_vocab as u64) as u32
+        })
+        .collect();
+    let t0 = Instant::now();
+    let mut last = 0u32;
+    for (i, chunk) in prompt.chunks(info.ubatch).enumerate() {
+        let want = (i + 1) * info.ubatch >= prompt.len();
+        if let Some(l) = e.prefill(0, chunk, want).map_err(|e| e.to_string())? {
+            last = strata_exec::sampler::argmax(l);
+        }
+    }
+    let pp = prompt.len() as f64 / t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    for _ in 0..n {
+        let l = e.decode(&[(0, last)]).map_err(|e| e.to_string())?;
+        last = strata_exec::sampler::argmax(l);
+    }
+    let tg = n as f64 / t1.elapsed().as_secs_f64().max(1e-12);
+    Ok((pp, tg))
 }
 
 pub fn main(args: BenchArgs) {
-    let _ = args;
-    super::fail("bench is not wired yet")
+    let (plan, model) = open_plan(&args.plan, &args.common);
+    let ctx = plan.serve.max_context as usize;
+    if args.prompt + args.n_gen >= ctx {
+        fail(format!(
+            "-p {} plus -n {} do not fit the plan's context of {ctx} cells: lower them or re-plan with a larger --max-context",
+            args.prompt, args.n_gen
+        ));
+    }
+    let backend = backend_for(&plan, &args.common);
+    let host = strata_exec::load::open_model(&model).unwrap_or_else(|e| fail(e));
+    let t_load = Instant::now();
+    let mut memory: Option<(u64, u64)> = None;
+    let mut engine: Box<dyn Engine> = match backend {
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => {
+            let e = super::start_cuda_engine(&plan, host, &args.common);
+            let planned = e.planned_bytes();
+            let (free, total) = e.mem_info().unwrap_or_else(|e| fail(e));
+            memory = Some((planned, total - free));
+            Box::new(e)
+        }
+        _ => super::start_engine(&plan, &model, &args.common),
+    };
+    let load_s = t_load.elapsed().as_secs_f64();
+    eprintln!("strata-exec bench: loaded in {load_s:.1} s; warming up");
+    // Warm-up: compiles nothing new but fills caches and captures the batch-1 decode graph.
+    let warm_p = args.prompt.min(engine.info().ubatch);
+    if let Err(e) = rep(engine.as_mut(), warm_p, 4.min(args.n_gen), 99) {
+        eprintln!("strata-exec: {e}");
+        std::process::exit(2);
+    }
+    let mut pps = Vec::new();
+    let mut tgs = Vec::new();
+    for r in 0..args.reps.max(1) {
+        match rep(engine.as_mut(), args.prompt, args.n_gen, r as u64) {
+            Ok((pp, tg)) => {
+                eprintln!("  rep {}: pp{} {pp:.1} tok/s, tg{} {tg:.1} tok/s", r + 1, args.prompt, args.n_gen);
+                pps.push(pp);
+                tgs.push(tg);
+            }
+            Err(e) => {
+                eprintln!("strata-exec: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let (pm, ps) = mean_sd(&pps);
+    let (tm, ts) = mean_sd(&tgs);
+    let name = engine.info().model_name.clone();
+    let backend_s = match backend {
+        Backend::Cuda => "cuda",
+        _ => "cpu",
+    };
+    if args.format == "json" {
+        let mut j = serde_json::json!({
+            "model": name,
+            "backend": backend_s,
+            "load_s": load_s,
+            "prompt_tokens": args.prompt,
+            "gen_tokens": args.n_gen,
+            "reps": pps.len(),
+            "prefill_tok_s": {"mean": pm, "sd": ps, "all": pps},
+            "decode_tok_s": {"mean": tm, "sd": ts, "all": tgs},
+            "allocated_bytes": engine.allocated_bytes(),
+        });
+        if let Some((planned, used)) = memory {
+            j["device_memory"] = serde_json::json!({"planned_arenas": planned, "used": used});
+        }
+        println!("{j}");
+    } else {
+        println!("| model | backend | test | t/s |");
+        println!("| --- | --- | --- | --- |");
+        if args.prompt > 0 {
+            println!("| {name} | {backend_s} | pp{} | {pm:.2} ± {ps:.2} |", args.prompt);
+        }
+        if args.n_gen > 0 {
+            println!("| {name} | {backend_s} | tg{} | {tm:.2} ± {ts:.2} |", args.n_gen);
+        }
+        if let Some((planned, used)) = memory {
+            println!(
+                "device memory: {:.2} GiB used of which {:.2} GiB are the planned arenas ({:.2} GiB runtime: context, modules, graphs)",
+                used as f64 / (1u64 << 30) as f64,
+                planned as f64 / (1u64 << 30) as f64,
+                used.saturating_sub(planned) as f64 / (1u64 << 30) as f64
+            );
+        } else {
+            println!(
+                "host arenas: {:.2} GiB allocated as planned",
+                engine.allocated_bytes() as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
 }

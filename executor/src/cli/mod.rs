@@ -24,7 +24,7 @@ pub fn fail(msg: impl std::fmt::Display) -> ! {
 pub enum Backend {
     /// The one the plan's devices call for: CUDA for `nvidia` devices, else the CPU.
     Auto,
-    /// The CPU reference backend (any plan; planned devices become host arenas).
+    /// The CPU reference backend (plans made for `vendor = "cpu"` devices).
     Cpu,
     /// NVIDIA GPUs through CUDA.
     Cuda,
@@ -40,6 +40,13 @@ pub struct PlanArgs {
     /// Backend: auto picks CUDA when the plan's devices are NVIDIA GPUs, else the CPU.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
+    /// CUDA device every planned device maps onto (a layer split over several planned
+    /// devices then runs on this one card).
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Launch decode kernels one by one instead of replaying a captured CUDA graph.
+    #[arg(long)]
+    pub no_graphs: bool,
     /// No progress bar.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -90,8 +97,27 @@ fn start_cuda(
     host: Box<dyn strata_exec::load::HostModel>,
     args: &PlanArgs,
 ) -> Box<dyn Engine> {
-    let _ = (plan, host, args);
-    fail("the CUDA engine is not wired yet: pass --backend cpu")
+    Box::new(start_cuda_engine(plan, host, args))
+}
+
+/// The CUDA engine itself (bench reads its device memory).
+#[cfg(feature = "cuda")]
+pub fn start_cuda_engine(
+    plan: &Plan,
+    host: Box<dyn strata_exec::load::HostModel>,
+    args: &PlanArgs,
+) -> strata_exec::backend::cuda::engine::CudaEngine {
+    use strata_exec::backend::cuda::engine::{CudaEngine, CudaEngineOptions};
+    CudaEngine::start(
+        plan,
+        host,
+        CudaEngineOptions {
+            gpu: args.gpu,
+            progress: !args.quiet,
+            graphs: !args.no_graphs,
+        },
+    )
+    .unwrap_or_else(|e| fail(e))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -86,6 +86,22 @@ pub fn cpu_probe(n: usize) -> HardwareProbe {
     }
 }
 
+/// `n` NVIDIA devices of 2 GiB (all mapped onto GPU 0 by the CUDA engine).
+pub fn gpu_probe(n: usize) -> HardwareProbe {
+    let mut p = cpu_probe(n);
+    for d in &mut p.devices {
+        d.name = "NVIDIA test device".into();
+        d.vendor = Vendor::Nvidia;
+        d.arch = "sm_90".into();
+        d.vram_bytes = 2 * GIB;
+        d.runtime_reserve_bytes = Some(256 * MIB);
+        d.mem_bandwidth_gbps = Some(3000.0);
+        d.h2d_gbps = Some(25.0);
+    }
+    p
+}
+
+#[derive(Clone)]
 pub struct Ask {
     pub devices: usize,
     pub split: Option<Vec<u32>>,
@@ -95,6 +111,8 @@ pub struct Ask {
     pub kv: KvType,
     pub ubatch: u32,
     pub cache: ExpertCache,
+    /// Plan for NVIDIA devices of 2 GiB (the CUDA engine) instead of CPU devices.
+    pub gpu: bool,
 }
 
 impl Default for Ask {
@@ -108,6 +126,7 @@ impl Default for Ask {
             kv: KvType::F16,
             ubatch: 8,
             cache: ExpertCache::Auto,
+            gpu: false,
         }
     }
 }
@@ -115,13 +134,32 @@ impl Default for Ask {
 pub fn plan(variant: &str, ask: &Ask) -> Plan {
     let dir = data(variant);
     let inv = strata_plan::model::load_model(&dir).unwrap();
-    let probe = cpu_probe(ask.devices);
-    let r = reference(variant);
-    let rope_scaling = r["yarn"].as_object().map(|y| RopeScaling {
-        kind: "yarn".into(),
-        factor: y["factor"].as_f64().unwrap(),
-        orig_ctx: y["orig_ctx"].as_u64(),
-    });
+    plan_inventory(variant, &inv, &dir, ask)
+}
+
+/// Plan `inv` (read from `src`) with `ask` and the rope scaling of reference `variant` (any
+/// name without a reference folder plans without scaling).
+pub fn plan_inventory(
+    variant: &str,
+    inv: &strata_schemas::inventory::ModelInventory,
+    src: &Path,
+    ask: &Ask,
+) -> Plan {
+    let probe = if ask.gpu {
+        gpu_probe(ask.devices)
+    } else {
+        cpu_probe(ask.devices)
+    };
+    let rope_scaling = if source(variant).join("reference.json").exists() {
+        let r = reference(variant);
+        r["yarn"].as_object().map(|y| RopeScaling {
+            kind: "yarn".into(),
+            factor: y["factor"].as_f64().unwrap(),
+            orig_ctx: y["orig_ctx"].as_u64(),
+        })
+    } else {
+        None
+    };
     let settings = ServeSettings {
         max_context: ask.ctx,
         batch: ask.batch,
@@ -138,8 +176,8 @@ pub fn plan(variant: &str, ask: &Ask) -> Plan {
         ..ServeSettings::default()
     };
     let req = PlanRequest {
-        inventory: &inv,
-        model_source: dir.display().to_string(),
+        inventory: inv,
+        model_source: src.display().to_string(),
         probe: &probe,
         probe_source: "test probe".into(),
         settings: &settings,

@@ -7,6 +7,7 @@
 
 pub mod arena;
 pub mod compile;
+pub mod engine;
 pub mod layout;
 pub mod ops;
 
@@ -123,6 +124,7 @@ impl Pod for u8 {}
 impl Pod for u16 {}
 impl Pod for i32 {}
 impl Pod for u32 {}
+impl Pod for u64 {}
 impl Pod for f32 {}
 
 fn pod_bytes<T: Pod>(s: &[T]) -> &[u8] {

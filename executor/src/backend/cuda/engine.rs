@@ -1,0 +1,1294 @@
+//! `CudaEngine`: a Qwen3-MoE plan run on one CUDA GPU — one arena per planned device (several
+//! planned devices may share the GPU: a layer split on one card), every device-placed tensor
+//! uploaded to its planned offset (Q8_0 in the split layout of `layout`), resident experts in
+//! their planned expert-cache slots, KV in the `kv_cache` region, and all working buffers
+//! carved from the device's planned `scratch` region. Decode steps are captured once per batch
+//! size as CUDA graphs and replayed.
+//! Invariant: start-up checks (fingerprint, architecture, pipeline, tensor sizes, device
+//! memory, scratch fit) all pass before the first arena is allocated; after start-up the
+//! engine allocates no device memory, and a stage's kernels touch only its own arena.
+
+use super::layout;
+use super::{drv, CudaDevice, CudaError, DeviceArena};
+use crate::backend::cpu::{Rope, Yarn};
+use crate::engine::{Engine, EngineError, EngineInfo, EngineStats};
+use crate::load::{self, HostModel};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaGraph, LaunchConfig, PushKernelArg};
+use std::collections::HashMap;
+use strata_schemas::ggml::GgmlType;
+use strata_schemas::inventory::HParams;
+use strata_schemas::plan::{Placement, Plan, RegionKind};
+
+/// Why the CUDA engine did not start or a step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaEngineError {
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error(transparent)]
+    Load(#[from] load::LoadError),
+    #[error("the model {path} has fingerprint {file} but the plan was made for {plan} ({source_path}): re-run strata-plan on this model")]
+    Fingerprint {
+        path: String,
+        file: String,
+        plan: String,
+        source_path: String,
+    },
+    #[error("plan: {0}")]
+    Plan(String),
+    #[error("model: {0}")]
+    Model(String),
+}
+
+/// Start-up options.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaEngineOptions {
+    /// CUDA device ordinal every planned device maps onto.
+    pub gpu: usize,
+    /// Draw a loading progress bar on stderr (only when it is a terminal).
+    pub progress: bool,
+    /// Capture decode steps in CUDA graphs.
+    pub graphs: bool,
+}
+
+impl Default for CudaEngineOptions {
+    fn default() -> Self {
+        Self {
+            gpu: 0,
+            progress: false,
+            graphs: true,
+        }
+    }
+}
+
+/// Kernel type numbers (common.cuh's ST_TY_*).
+fn kty(ty: GgmlType) -> Option<i32> {
+    Some(match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::BF16 => 2,
+        GgmlType::Q8_0 => 3,
+        GgmlType::Q4K => 4,
+        _ => return None,
+    })
+}
+
+/// A weight matrix on the device: `rows x cols` in the device layout.
+#[derive(Debug, Clone, Copy)]
+struct Mat {
+    ptr: CUdeviceptr,
+    ty: i32,
+    rows: i32,
+    cols: i32,
+}
+
+/// A carved buffer of the scratch region.
+#[derive(Debug, Clone, Copy, Default)]
+struct Buf {
+    ptr: CUdeviceptr,
+    bytes: u64,
+}
+
+struct Layer {
+    attn_norm: CUdeviceptr,
+    q: Mat,
+    k: Mat,
+    v: Mat,
+    o: Mat,
+    q_norm: CUdeviceptr,
+    k_norm: CUdeviceptr,
+    ffn_norm: CUdeviceptr,
+    gate_inp: Mat,
+    /// Device table of n_expert x (gate, up, down) matrix addresses.
+    experts: CUdeviceptr,
+    exp_ty: i32,
+    /// Byte offsets of this layer's K and V inside a slot's KV.
+    k_off: u64,
+    v_off: u64,
+}
+
+/// Working buffers of one stage, carved from its scratch region.
+#[derive(Debug, Clone, Copy, Default)]
+struct Bufs {
+    /// Step inputs: token ids, positions, slots (i32 x max_tok each, contiguous) and n_ctx.
+    inputs: Buf,
+    n_ctx: Buf,
+    x: Buf,
+    q: Buf,
+    k: Buf,
+    v: Buf,
+    att: Buf,
+    part_o: Buf,
+    part_ms: Buf,
+    router: Buf,
+    ids: Buf,
+    wts: Buf,
+    h: Buf,
+    logits: Buf,
+    inv_freq: Buf,
+}
+
+struct Stage {
+    layers: Vec<Layer>,
+    embd: Option<Mat>,
+    out_norm: CUdeviceptr,
+    head: Option<Mat>,
+    bufs: Bufs,
+    /// KV region base and bytes per slot.
+    kv: CUdeviceptr,
+    kv_slot_bytes: u64,
+}
+
+/// Model dimensions the kernels take.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    e: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    hd: usize,
+    n_rot: usize,
+    n_expert: usize,
+    k: usize,
+    f: usize,
+    vocab: usize,
+    eps: f32,
+    norm_topk: bool,
+    attn_factor: f32,
+}
+
+/// A plan-bound engine on one CUDA GPU.
+pub struct CudaEngine {
+    info: EngineInfo,
+    d: Dims,
+    kv_ty: i32,
+    kv_row_bytes: u64,
+    /// Tokens one forward pass takes (prefill chunks are split to it).
+    max_tok: usize,
+    /// Rows of logits the head computes per pass.
+    logit_rows: usize,
+    att_chunk: usize,
+    att_splits: usize,
+    stages: Vec<Stage>,
+    lens: Vec<u64>,
+    host_in: Vec<i32>,
+    logits: Vec<f32>,
+    all_rows: Vec<f32>,
+    graphs: HashMap<usize, Graph>,
+    use_graphs: bool,
+    steps: u64,
+    arenas: Vec<DeviceArena>,
+    planned_bytes: u64,
+    dev: CudaDevice,
+    #[allow(dead_code)]
+    host: Box<dyn HostModel>,
+}
+
+fn plan_err(s: impl Into<String>) -> CudaEngineError {
+    CudaEngineError::Plan(s.into())
+}
+
+fn align(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+/// Bytes of a matrix of `rows x cols` of `ty`.
+fn mat_bytes(ty: GgmlType, rows: usize, cols: usize) -> Result<u64, CudaEngineError> {
+    let rb = crate::quant::row_bytes(ty, cols)
+        .map_err(|e| CudaEngineError::Model(format!("{ty} rows of {cols}: {e}")))?;
+    Ok(rb as u64 * rows as u64)
+}
+
+/// Sizes of one stage's working buffers for `t` tokens per pass.
+fn bufs_layout(
+    d: &Dims,
+    t: usize,
+    logit_rows: usize,
+    att_splits: usize,
+    n_slots: usize,
+) -> Vec<(&'static str, u64)> {
+    let f = 4u64;
+    let dec = n_slots.max(1) as u64;
+    vec![
+        ("inputs", 3 * 4 * t as u64),
+        ("n_ctx", 4 * t as u64),
+        ("x", f * (t * d.e) as u64),
+        ("q", f * (t * d.n_head * d.hd) as u64),
+        ("k", f * (t * d.n_head_kv * d.hd) as u64),
+        ("v", f * (t * d.n_head_kv * d.hd) as u64),
+        ("att", f * (t * d.n_head * d.hd) as u64),
+        (
+            "part_o",
+            f * dec * (d.n_head * att_splits * d.hd) as u64,
+        ),
+        ("part_ms", f * dec * (d.n_head * att_splits * 2) as u64),
+        ("router", f * (t * d.n_expert) as u64),
+        ("ids", 4 * (t * d.k) as u64),
+        ("wts", f * (t * d.k) as u64),
+        ("h", f * (t * d.k * d.f) as u64),
+        ("logits", f * (logit_rows * d.vocab) as u64),
+        ("inv_freq", f * (d.n_rot / 2).max(1) as u64),
+    ]
+}
+
+fn layout_bytes(l: &[(&'static str, u64)]) -> u64 {
+    l.iter().map(|(_, b)| align(*b, 256)).sum()
+}
+
+impl CudaEngine {
+    /// Check `host` against `plan` and the GPU, allocate the planned arenas, upload the weights
+    /// and prepare every stage.
+    pub fn start(
+        plan: &Plan,
+        host: Box<dyn HostModel>,
+        opts: CudaEngineOptions,
+    ) -> Result<Self, CudaEngineError> {
+        let inv = host.inventory();
+        let fp = inv.fingerprint();
+        if fp != plan.model.fingerprint {
+            return Err(CudaEngineError::Fingerprint {
+                path: host.path().display().to_string(),
+                file: fp,
+                plan: plan.model.fingerprint.clone(),
+                source_path: plan.model.source.clone(),
+            });
+        }
+        if inv.arch != "qwen3moe" {
+            return Err(plan_err(format!(
+                "architecture `{}` has no CUDA forward pass in this build (qwen3moe only)",
+                inv.arch
+            )));
+        }
+        let hp = inv.hparams.clone();
+        if hp.n_leading_dense > 0 || hp.n_expert == 0 {
+            return Err(plan_err(
+                "dense FFN layers are not in the CUDA forward pass yet: run with --backend cpu",
+            ));
+        }
+        check_pipeline(plan, &hp)?;
+        load::check_tensors(plan, host.as_ref())?;
+        let s = &plan.serve;
+        if s.kv_resident < s.max_context {
+            return Err(plan_err(format!(
+                "the plan keeps {} of {} KV cells per slot on the GPU; KV spill to host memory is not in the CUDA engine yet: re-plan with --kv-resident {} or run with --backend cpu",
+                s.kv_resident, s.max_context, s.max_context
+            )));
+        }
+        let (kv_gg, kv_ty) = match s.kv.as_str() {
+            "f16" => (GgmlType::F16, 1),
+            "q8_0" => (GgmlType::Q8_0, 3),
+            other => {
+                return Err(plan_err(format!(
+                    "serve.kv `{other}` is not a KV type the CUDA engine runs (f16, q8_0)"
+                )))
+            }
+        };
+        let n_rot = hp.rope_dim.unwrap_or(hp.head_dim_k) as usize;
+        let yarn = (s.rope_scaling == "yarn").then(|| Yarn::new(s.rope_scale, s.yarn_orig_ctx));
+        let rope = Rope::new(n_rot, hp.rope_theta, yarn);
+        let d = Dims {
+            e: hp.n_embd as usize,
+            n_head: hp.n_head as usize,
+            n_head_kv: hp.n_head_kv as usize,
+            hd: hp.head_dim_k as usize,
+            n_rot,
+            n_expert: hp.n_expert as usize,
+            k: hp.n_expert_used as usize,
+            f: hp.n_ff_exp as usize,
+            vocab: hp.n_vocab as usize,
+            eps: hp.rms_eps as f32,
+            norm_topk: hp.norm_topk_prob,
+            attn_factor: rope.attn_factor(),
+        };
+        if hp.head_dim_v != hp.head_dim_k || d.hd > super::ops::ATT_MAX_D || d.hd % 4 != 0 {
+            return Err(plan_err(format!(
+                "head dims k {} v {}: the CUDA kernels need equal K/V head dims, a multiple of 4, at most {}",
+                hp.head_dim_k,
+                hp.head_dim_v,
+                super::ops::ATT_MAX_D
+            )));
+        }
+        if d.e % 32 != 0 || d.f % 32 != 0 {
+            return Err(plan_err(format!(
+                "hidden {} / expert width {}: the CUDA kernels need both to be multiples of 32",
+                d.e, d.f
+            )));
+        }
+        let n_slots = s.batch as usize;
+        let ctx = s.max_context as usize;
+        let kv_width = d.n_head_kv * d.hd;
+        let kv_row_bytes = crate::quant::row_bytes(kv_gg, kv_width)
+            .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
+        let att_chunk = align(ctx.div_ceil(64) as u64, 256).max(256) as usize;
+        let att_splits = ctx.div_ceil(att_chunk);
+        let logit_rows = n_slots.max(8);
+
+        // Scratch fit: the largest pass (<= ubatch, >= the decode batch) every stage's
+        // scratch region can hold, after the expert tables and converted norm vectors.
+        let ubatch = (s.ubatch as usize).max(1);
+        let mut max_tok = ubatch.max(n_slots);
+        for dp in &plan.devices {
+            let have = dp.region_bytes(RegionKind::Scratch);
+            let n_layer = (dp.layer_end - dp.layer_first) as usize;
+            let fixed = fixed_bytes(&d, n_layer);
+            let fits = |t: usize| {
+                fixed + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots)) <= have
+            };
+            while max_tok > n_slots.max(1) && !fits(max_tok) {
+                max_tok = (max_tok / 2).max(n_slots.max(1));
+            }
+            if !fits(max_tok) {
+                let need =
+                    fixed + layout_bytes(&bufs_layout(&d, max_tok, logit_rows, att_splits, n_slots));
+                return Err(plan_err(format!(
+                    "device {}: the scratch region holds {have} bytes but the CUDA engine needs {need} for a decode batch of {n_slots} slots: re-plan with fewer slots (--batch)",
+                    dp.index
+                )));
+            }
+        }
+
+        // The GPU, and whether the planned arenas fit it.
+        let dev = CudaDevice::open(opts.gpu)?;
+        let (free, total) = mem_info(&dev)?;
+        let planned: u64 = plan.devices.iter().map(|dp| dp.arena_bytes).sum();
+        if planned > free {
+            return Err(plan_err(format!(
+                "the plan's arenas need {planned} bytes on GPU {} ({}) but {free} of {total} are free: re-plan with a probe of this machine (strata-exec probe) or free the GPU",
+                opts.gpu,
+                dev.name()
+            )));
+        }
+
+        // Every allocation, then the weights.
+        let mut arenas = Vec::with_capacity(plan.devices.len());
+        for dp in &plan.devices {
+            arenas.push(dev.alloc_arena(&format!("device {}", dp.index), dp.arena_bytes)?);
+        }
+        upload_weights(plan, &dev, &arenas, host.as_ref(), opts.progress)?;
+
+        let mut stages = Vec::with_capacity(plan.devices.len());
+        for i in 0..plan.devices.len() {
+            stages.push(build_stage(
+                plan,
+                &dev,
+                &arenas[i],
+                i,
+                host.as_ref(),
+                &hp,
+                &d,
+                &rope,
+                StageSizes {
+                    max_tok,
+                    logit_rows,
+                    att_splits,
+                    n_slots,
+                    ctx,
+                    kv_row_bytes,
+                },
+            )?);
+        }
+        dev.synchronize()?;
+        Ok(Self {
+            info: EngineInfo {
+                model_name: plan.model.name.clone(),
+                n_slots,
+                max_context: s.max_context,
+                ubatch,
+                n_vocab: d.vocab,
+            },
+            d,
+            kv_ty,
+            kv_row_bytes,
+            max_tok,
+            logit_rows,
+            att_chunk,
+            att_splits,
+            stages,
+            lens: vec![0; n_slots],
+            host_in: vec![0; 3 * max_tok],
+            logits: vec![0.0; logit_rows * d.vocab],
+            all_rows: Vec::with_capacity(ubatch * d.vocab),
+            graphs: HashMap::new(),
+            use_graphs: opts.graphs,
+            steps: 0,
+            arenas,
+            planned_bytes: planned,
+            dev,
+            host,
+        })
+    }
+
+    /// The GPU.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// Tokens one forward pass takes (prefill chunks larger than this are split).
+    pub fn pass_tokens(&self) -> usize {
+        self.max_tok
+    }
+
+    /// Bytes of the planned arenas (all allocated at start-up).
+    pub fn planned_bytes(&self) -> u64 {
+        self.planned_bytes
+    }
+
+    /// Device memory (free, total) now.
+    pub fn mem_info(&self) -> Result<(u64, u64), CudaEngineError> {
+        Ok(mem_info(&self.dev)?)
+    }
+
+    /// Upload tokens/positions/slots of `n` tokens to every stage.
+    fn upload_inputs(&mut self, n: usize) -> Result<(), CudaEngineError> {
+        let m = self.max_tok;
+        for st in &self.stages {
+            let bytes = &self.host_in[..3 * m];
+            self.dev.ctx_bind()?;
+            // SAFETY: `inputs` was carved with 3 * max_tok i32s; the host slice lives in
+            // self and is not touched until the stream is synchronized after the step.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    st.bufs.inputs.ptr,
+                    bytes,
+                    self.dev.stream().cu_stream(),
+                )
+            }
+            .map_err(drv("cuMemcpyHtoDAsync(step inputs)"))?;
+        }
+        let _ = n;
+        Ok(())
+    }
+
+    /// Run every stage over `n` tokens whose inputs are uploaded. `head_rows`: how many of
+    /// the last tokens get logits (0 = none). `decode`: tokens are one per slot (else they are
+    /// consecutive prompt tokens of one slot).
+    fn forward(&self, n: usize, decode: bool, head_first: usize, head_rows: usize) -> Result<(), CudaEngineError> {
+        let d = self.d;
+        let k = Kern { dev: &self.dev };
+        for (si, st) in self.stages.iter().enumerate() {
+            let b = &st.bufs;
+            let m = self.max_tok as u64;
+            let tok = b.inputs.ptr;
+            let pos = b.inputs.ptr + 4 * m;
+            let slot = b.inputs.ptr + 8 * m;
+            if si == 0 {
+                let e = st.embd.ok_or_else(|| plan_err("the first stage holds no embedding"))?;
+                k.get_rows(e, tok, b.x.ptr, n)?;
+            } else {
+                let prev = &self.stages[si - 1].bufs.x;
+                k.dtod(prev.ptr, b.x.ptr, (n * d.e * 4) as u64)?;
+            }
+            k.ctx_from_pos(pos, b.n_ctx.ptr, n)?;
+            for l in &st.layers {
+                // Attention.
+                let mut t0 = 0;
+                while t0 < n {
+                    let nt = (n - t0).min(8);
+                    k.qkv(
+                        l,
+                        b.x.ptr + (t0 * d.e * 4) as u64,
+                        d,
+                        b.q.ptr + (t0 * d.n_head * d.hd * 4) as u64,
+                        b.k.ptr + (t0 * d.n_head_kv * d.hd * 4) as u64,
+                        b.v.ptr + (t0 * d.n_head_kv * d.hd * 4) as u64,
+                        nt,
+                    )?;
+                    t0 += 8;
+                }
+                k.qk_norm_rope(b.q.ptr, l.q_norm, pos, b.inv_freq.ptr, d, d.n_head, n)?;
+                k.qk_norm_rope(b.k.ptr, l.k_norm, pos, b.inv_freq.ptr, d, d.n_head_kv, n)?;
+                k.kv_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+                if decode {
+                    k.attn_decode(
+                        b,
+                        st,
+                        l,
+                        slot,
+                        self.kv_ty,
+                        self.kv_row_bytes,
+                        d,
+                        n,
+                        self.att_chunk,
+                        self.att_splits,
+                    )?;
+                } else {
+                    k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+                }
+                k.mv_chunks(l.o, b.att.ptr, 0, d.eps, b.x.ptr, n, true)?;
+                // Router and experts (RMSNorm folded into each product).
+                k.mv_chunks(l.gate_inp, b.x.ptr, l.ffn_norm, d.eps, b.router.ptr, n, false)?;
+                k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
+                k.moe(l, b, d, n)?;
+            }
+        }
+        if head_rows > 0 {
+            let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
+            let head = st.head.ok_or_else(|| plan_err("the last stage holds no head"))?;
+            let b = &st.bufs;
+            let x = b.x.ptr + (head_first * d.e * 4) as u64;
+            k.mv_chunks(head, x, st.out_norm, d.eps, b.logits.ptr, head_rows, false)?;
+        }
+        Ok(())
+    }
+
+    fn logits_back(&mut self, rows: usize) -> Result<(), CudaEngineError> {
+        let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
+        let n = rows * self.d.vocab;
+        self.dev.ctx_bind()?;
+        // SAFETY: `logits` holds logit_rows x vocab floats on the device and rows <= logit_rows;
+        // the host buffer is borrowed until the synchronize below.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut self.logits[..n],
+                st.bufs.logits.ptr,
+                self.dev.stream().cu_stream(),
+            )
+        }
+        .map_err(drv("cuMemcpyDtoHAsync(logits)"))?;
+        self.dev.synchronize()?;
+        Ok(())
+    }
+
+    fn check_request(&self, slot: usize, n: usize) -> Result<(), EngineError> {
+        if slot >= self.info.n_slots {
+            return Err(EngineError::Request(format!(
+                "slot {slot} does not exist (the plan has {})",
+                self.info.n_slots
+            )));
+        }
+        let len = self.lens[slot];
+        if len + n as u64 > self.info.max_context {
+            return Err(EngineError::Request(format!(
+                "slot {slot} holds {len} of {} cells; {n} more do not fit",
+                self.info.max_context
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, tokens: impl Iterator<Item = u32>) -> Result<(), EngineError> {
+        for t in tokens {
+            if t as usize >= self.d.vocab {
+                return Err(EngineError::Request(format!(
+                    "token {t} is outside the vocabulary of {}",
+                    self.d.vocab
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Prefill `tokens` into `slot`; `rows`: 0 no logits, 1 last row, 2 every row.
+    fn prefill_inner(&mut self, slot: usize, tokens: &[u32], rows: u8) -> Result<(), EngineError> {
+        let n = tokens.len();
+        if n == 0 || n > self.info.ubatch {
+            return Err(EngineError::Request(format!(
+                "prefill of {n} tokens: give 1..={} (the plan's ubatch) per call",
+                self.info.ubatch
+            )));
+        }
+        self.check_request(slot, n)?;
+        self.check_tokens(tokens.iter().copied())?;
+        self.all_rows.clear();
+        let m = self.max_tok;
+        for (ci, chunk) in tokens.chunks(m).enumerate() {
+            let base = self.lens[slot] as usize;
+            let c = chunk.len();
+            for (i, &t) in chunk.iter().enumerate() {
+                self.host_in[i] = t as i32;
+                self.host_in[m + i] = (base + i) as i32;
+                self.host_in[2 * m + i] = slot as i32;
+            }
+            self.upload_inputs(c).map_err(internal)?;
+            let last_chunk = (ci + 1) * m >= n;
+            match rows {
+                2 => {
+                    self.forward(c, false, 0, 0).map_err(internal)?;
+                    // The head in groups of logit_rows.
+                    let mut r0 = 0;
+                    while r0 < c {
+                        let nr = (c - r0).min(self.logit_rows);
+                        self.forward_head_only(r0, nr).map_err(internal)?;
+                        self.logits_back(nr).map_err(internal)?;
+                        self.all_rows
+                            .extend_from_slice(&self.logits[..nr * self.d.vocab]);
+                        r0 += nr;
+                    }
+                }
+                1 if last_chunk => {
+                    self.forward(c, false, c - 1, 1).map_err(internal)?;
+                    self.logits_back(1).map_err(internal)?;
+                }
+                _ => {
+                    self.forward(c, false, 0, 0).map_err(internal)?;
+                    self.dev.synchronize().map_err(|e| internal(e.into()))?;
+                }
+            }
+            self.lens[slot] += c as u64;
+        }
+        Ok(())
+    }
+
+    fn forward_head_only(&self, first: usize, rows: usize) -> Result<(), CudaEngineError> {
+        let d = self.d;
+        let k = Kern { dev: &self.dev };
+        let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
+        let head = st.head.ok_or_else(|| plan_err("the last stage holds no head"))?;
+        let x = st.bufs.x.ptr + (first * d.e * 4) as u64;
+        k.mv_chunks(head, x, st.out_norm, d.eps, st.bufs.logits.ptr, rows, false)
+    }
+
+    fn decode_inner(&mut self, batch: &[(usize, u32)]) -> Result<(), EngineError> {
+        let n = batch.len();
+        if n == 0 || n > self.info.n_slots {
+            return Err(EngineError::Request(format!(
+                "a decode step takes 1..={} slots, got {n}",
+                self.info.n_slots
+            )));
+        }
+        for (i, &(slot, _)) in batch.iter().enumerate() {
+            self.check_request(slot, 1)?;
+            if batch[..i].iter().any(|(s, _)| *s == slot) {
+                return Err(EngineError::Request(format!(
+                    "slot {slot} appears twice in one decode step"
+                )));
+            }
+        }
+        self.check_tokens(batch.iter().map(|(_, t)| *t))?;
+        let m = self.max_tok;
+        for (i, &(slot, t)) in batch.iter().enumerate() {
+            self.host_in[i] = t as i32;
+            self.host_in[m + i] = self.lens[slot] as i32;
+            self.host_in[2 * m + i] = slot as i32;
+        }
+        self.upload_inputs(n).map_err(internal)?;
+        if self.use_graphs {
+            if !self.graphs.contains_key(&n) {
+                let g = self.capture(n).map_err(internal)?;
+                self.graphs.insert(n, Graph(g));
+            }
+            let g = &self.graphs[&n];
+            g.0.launch()
+                .map_err(drv("cuGraphLaunch"))
+                .map_err(|e| internal(e.into()))?;
+        } else {
+            self.forward(n, true, 0, n).map_err(internal)?;
+        }
+        self.logits_back(n).map_err(internal)?;
+        for &(slot, _) in batch {
+            self.lens[slot] += 1;
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn capture(&self, n: usize) -> Result<CudaGraph, CudaEngineError> {
+        use cudarc::driver::sys;
+        let stream = self.dev.stream();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("cuStreamBeginCapture"))?;
+        let r = self.forward(n, true, 0, n);
+        let g = stream
+            .end_capture(sys::CUgraphInstantiate_flags_enum(0))
+            .map_err(drv("cuStreamEndCapture"));
+        r?;
+        g?.ok_or_else(|| plan_err("CUDA graph capture produced no graph"))
+    }
+}
+
+/// A captured decode step.
+struct Graph(CudaGraph);
+
+// SAFETY: a graph is only launched by the engine's owner, one call at a time (`&mut self`);
+// moving the engine to another thread moves its graphs with it, and cudarc binds the context
+// to the calling thread before each launch.
+unsafe impl Send for Graph {}
+
+fn internal(e: CudaEngineError) -> EngineError {
+    EngineError::Internal(e.to_string())
+}
+
+impl Engine for CudaEngine {
+    fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    fn prefill(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        want_logits: bool,
+    ) -> Result<Option<&[f32]>, EngineError> {
+        self.prefill_inner(slot, tokens, want_logits as u8)?;
+        Ok(want_logits.then(|| &self.logits[..self.d.vocab]))
+    }
+
+    fn decode(&mut self, batch: &[(usize, u32)]) -> Result<&[f32], EngineError> {
+        self.decode_inner(batch)?;
+        Ok(&self.logits[..batch.len() * self.d.vocab])
+    }
+
+    fn reset_slot(&mut self, slot: usize) {
+        if let Some(l) = self.lens.get_mut(slot) {
+            *l = 0;
+        }
+    }
+
+    fn slot_len(&self, slot: usize) -> u64 {
+        self.lens.get(slot).copied().unwrap_or(0)
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            expert_hits: 0,
+            expert_misses: 0,
+            kv_cells_in_use: self.lens.clone(),
+        }
+    }
+
+    fn prefill_all(&mut self, slot: usize, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        self.prefill_inner(slot, tokens, 2)?;
+        Ok(&self.all_rows)
+    }
+
+    fn allocations(&self) -> u64 {
+        self.arenas.len() as u64
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.arenas.iter().map(|a| a.size()).sum()
+    }
+}
+
+impl CudaDevice {
+    pub(crate) fn ctx_bind(&self) -> Result<(), CudaError> {
+        self.stream()
+            .context()
+            .bind_to_thread()
+            .map_err(drv("cuCtxSetCurrent"))
+    }
+}
+
+fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
+    dev.ctx_bind()?;
+    let (free, total) = cudarc::driver::result::mem_get_info().map_err(drv("cuMemGetInfo"))?;
+    Ok((free as u64, total as u64))
+}
+
+fn check_pipeline(plan: &Plan, hp: &HParams) -> Result<(), CudaEngineError> {
+    let mut next = 0u32;
+    for (i, d) in plan.devices.iter().enumerate() {
+        let first = i == 0;
+        let last = i + 1 == plan.devices.len();
+        if d.layer_first != next
+            || d.layer_end <= d.layer_first
+            || d.holds_embedding != first
+            || d.holds_head != last
+        {
+            return Err(plan_err(format!(
+                "device {} holds layers [{}, {}) (embedding {}, head {}), which does not continue a pipeline at layer {next}",
+                d.index, d.layer_first, d.layer_end, d.holds_embedding, d.holds_head
+            )));
+        }
+        next = d.layer_end;
+    }
+    if next != hp.n_layer {
+        return Err(plan_err(format!(
+            "the devices cover layers [0, {next}) of {}",
+            hp.n_layer
+        )));
+    }
+    Ok(())
+}
+
+/// Persistent scratch bytes of a stage: expert tables and converted norm vectors.
+fn fixed_bytes(d: &Dims, n_layer: usize) -> u64 {
+    let tables = align((d.n_expert * 3 * 8) as u64, 256) * n_layer as u64;
+    let norms = (align((d.e * 4) as u64, 256) * 2 + align((d.hd * 4) as u64, 256) * 2)
+        * n_layer as u64
+        + align((d.e * 4) as u64, 256);
+    tables + norms
+}
+
+/// Shape of a tensor as (matrices, rows, cols) from its GGUF dims.
+fn shape3(dims: &[u64]) -> (usize, usize, usize) {
+    let cols = dims.first().copied().unwrap_or(1) as usize;
+    let rows = dims.get(1).copied().unwrap_or(1) as usize;
+    let mats = dims.iter().skip(2).product::<u64>().max(1) as usize;
+    (mats, rows, cols)
+}
+
+/// Copy every device-placed tensor and every resident expert to its planned place.
+fn upload_weights(
+    plan: &Plan,
+    dev: &CudaDevice,
+    arenas: &[DeviceArena],
+    host: &dyn HostModel,
+    progress: bool,
+) -> Result<(), CudaEngineError> {
+    let inv = host.inventory();
+    let total: u64 = plan
+        .tensors
+        .iter()
+        .filter(|t| matches!(t.placement, Placement::Device { .. }))
+        .map(|t| t.bytes)
+        .sum::<u64>()
+        + plan
+            .devices
+            .iter()
+            .map(|d| d.resident_experts.len() as u64 * d.expert_slot_bytes)
+            .sum::<u64>();
+    let bar = if progress && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        let b = indicatif::ProgressBar::new(total);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "loading to GPU {bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        ) {
+            b.set_style(style);
+        }
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let arena_of = |dev_index: u32| -> Result<usize, CudaEngineError> {
+        plan.devices
+            .iter()
+            .position(|d| d.index == dev_index)
+            .ok_or_else(|| plan_err(format!("a tensor is placed on device {dev_index}, which the plan does not list")))
+    };
+    let mut tmp: Vec<u8> = Vec::new();
+    let mut put = |arena: &DeviceArena, offset: u64, ty: GgmlType, src: &[u8], mats, rows, cols| -> Result<(), CudaEngineError> {
+        tmp.resize(src.len(), 0);
+        layout::to_device(ty, src, mats, rows, cols, &mut tmp)
+            .map_err(|e| CudaEngineError::Model(e.to_string()))?;
+        let view = arena.view(offset, src.len() as u64)?;
+        dev.htod(&tmp[..], view)?;
+        Ok(())
+    };
+    for t in &plan.tensors {
+        let Placement::Device { device, offset } = t.placement else {
+            continue;
+        };
+        let info = inv
+            .tensor(&t.name)
+            .ok_or_else(|| plan_err(format!("`{}` is not in the model inventory", t.name)))?;
+        let data = host.tensor_bytes(&t.name).ok_or_else(|| load::LoadError::Missing {
+            name: t.name.clone(),
+            path: host.path().display().to_string(),
+        })?;
+        let (mats, rows, cols) = shape3(&info.dims);
+        put(&arenas[arena_of(device)?], offset, info.ggml_type, data, mats, rows, cols)?;
+        bar.inc(t.bytes);
+    }
+    // Resident experts: slot = gate, up, down matrices back to back.
+    for (ai, dp) in plan.devices.iter().enumerate() {
+        let Some(region) = dp.region(RegionKind::ExpertCache) else {
+            continue;
+        };
+        for re in &dp.resident_experts {
+            let mut off = region.offset + re.slot as u64 * dp.expert_slot_bytes;
+            for p in ["gate", "up", "down"] {
+                let name = format!("blk.{}.ffn_{p}_exps.weight", re.layer);
+                let info = inv
+                    .tensor(&name)
+                    .ok_or_else(|| plan_err(format!("`{name}` is not in the model inventory")))?;
+                let data = host.tensor_bytes(&name).ok_or_else(|| load::LoadError::Missing {
+                    name: name.clone(),
+                    path: host.path().display().to_string(),
+                })?;
+                let (mats, rows, cols) = shape3(&info.dims);
+                let per = data.len() / mats.max(1);
+                let e = re.expert as usize;
+                if e >= mats {
+                    return Err(plan_err(format!(
+                        "resident expert {e} of layer {} is beyond `{name}`'s {mats} experts",
+                        re.layer
+                    )));
+                }
+                put(&arenas[ai], off, info.ggml_type, &data[e * per..(e + 1) * per], 1, rows, cols)?;
+                off += per as u64;
+            }
+            bar.inc(dp.expert_slot_bytes);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(())
+}
+
+/// Hands out 256-aligned pieces of a device's scratch region.
+struct Carver {
+    base: CUdeviceptr,
+    cur: u64,
+    end: u64,
+    device: u32,
+}
+
+impl Carver {
+    fn carve(&mut self, bytes: u64) -> Result<Buf, CudaEngineError> {
+        let b = align(bytes, 256);
+        if self.cur + b > self.end {
+            return Err(plan_err(format!(
+                "device {}: the scratch region ends at {} but the CUDA engine's buffers need {} more bytes at {}",
+                self.device, self.end, b, self.cur
+            )));
+        }
+        let buf = Buf {
+            ptr: self.base + self.cur,
+            bytes,
+        };
+        self.cur += b;
+        Ok(buf)
+    }
+}
+
+struct StageSizes {
+    max_tok: usize,
+    logit_rows: usize,
+    att_splits: usize,
+    n_slots: usize,
+    ctx: usize,
+    kv_row_bytes: u64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_stage(
+    plan: &Plan,
+    dev: &CudaDevice,
+    arena: &DeviceArena,
+    arena_index: usize,
+    host: &dyn HostModel,
+    hp: &HParams,
+    d: &Dims,
+    rope: &Rope,
+    sz: StageSizes,
+) -> Result<Stage, CudaEngineError> {
+    let dp = &plan.devices[arena_index];
+    let inv = host.inventory();
+    let base = arena.all().ptr();
+    let placed: HashMap<&str, u64> = plan
+        .tensors
+        .iter()
+        .filter_map(|t| match t.placement {
+            Placement::Device { device, offset } if device == dp.index => {
+                Some((t.name.as_str(), offset))
+            }
+            _ => None,
+        })
+        .collect();
+    let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat, CudaEngineError> {
+        let off = *placed.get(name).ok_or_else(|| {
+            plan_err(format!("`{name}` is not placed on device {}", dp.index))
+        })?;
+        let info = inv
+            .tensor(name)
+            .ok_or_else(|| plan_err(format!("`{name}` is not in the model inventory")))?;
+        let ty = kty(info.ggml_type).ok_or_else(|| {
+            CudaEngineError::Model(format!("`{name}` is {}, which the CUDA kernels do not read (F32, F16, BF16, Q8_0, Q4_K)", info.ggml_type))
+        })?;
+        let (m, r, c) = shape3(&info.dims);
+        if m != 1 || r != rows || c != cols {
+            return Err(CudaEngineError::Model(format!(
+                "`{name}` has dims {:?}, expected [{cols}, {rows}]",
+                info.dims
+            )));
+        }
+        let ptr = base + off;
+        if ptr % 16 != 0 {
+            return Err(plan_err(format!("`{name}` at offset {off} is not 16-byte aligned")));
+        }
+        Ok(Mat {
+            ptr,
+            ty,
+            rows: rows as i32,
+            cols: cols as i32,
+        })
+    };
+
+    // Carve the scratch region.
+    let sr = dp
+        .region(RegionKind::Scratch)
+        .ok_or_else(|| plan_err(format!("device {} has no scratch region", dp.index)))?;
+    let mut cv = Carver {
+        base,
+        cur: sr.offset,
+        end: sr.offset + sr.bytes,
+        device: dp.index,
+    };
+    // Norm vectors as f32.
+    let vec_f32 = |cv: &mut Carver, name: &str, n: usize| -> Result<CUdeviceptr, CudaEngineError> {
+        let data = host
+            .tensor_bytes(name)
+            .ok_or_else(|| plan_err(format!("`{name}` is missing from the model")))?;
+        let ty = inv
+            .tensor(name)
+            .map(|t| t.ggml_type)
+            .ok_or_else(|| plan_err(format!("`{name}` is not in the model inventory")))?;
+        let mut v = vec![0f32; n];
+        crate::quant::dequantize_row(ty, data, &mut v)
+            .map_err(|e| CudaEngineError::Model(format!("`{name}`: {e}")))?;
+        let buf = cv.carve((n * 4) as u64)?;
+        dev.htod(&v, arena.view(buf.ptr - base, (n * 4) as u64)?)?;
+        Ok(buf.ptr)
+    };
+
+    let out_norm = if dp.holds_head {
+        vec_f32(&mut cv, "output_norm.weight", d.e)?
+    } else {
+        0
+    };
+    let mut layers = Vec::new();
+    let n_layer = (dp.layer_end - dp.layer_first) as usize;
+    let slot_bytes = 2 * sz.ctx as u64 * sz.kv_row_bytes * n_layer as u64;
+    let ec = dp.region(RegionKind::ExpertCache);
+    let mut slot_of: HashMap<(u32, u32), u32> = HashMap::new();
+    for re in &dp.resident_experts {
+        slot_of.insert((re.layer, re.expert), re.slot);
+    }
+    for (li, l) in (dp.layer_first..dp.layer_end).enumerate() {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let q_out = d.n_head * d.hd;
+        let kv_out = d.n_head_kv * d.hd;
+        // Expert table: resident slots, or the stacks when placed whole on the device.
+        let gate_name = n("ffn_gate_exps");
+        let gi = inv
+            .tensor(&gate_name)
+            .ok_or_else(|| plan_err(format!("`{gate_name}` is not in the model inventory")))?;
+        let ety = gi.ggml_type;
+        let exp_ty = kty(ety).ok_or_else(|| {
+            CudaEngineError::Model(format!("`{gate_name}` is {ety}, which the CUDA kernels do not read"))
+        })?;
+        let per_gu = mat_bytes(ety, d.f, d.e)?;
+        let per_down = mat_bytes(
+            inv.tensor(&n("ffn_down_exps")).map(|t| t.ggml_type).unwrap_or(ety),
+            d.e,
+            d.f,
+        )?;
+        let mut table = vec![0u64; d.n_expert * 3];
+        let stacks = [n("ffn_gate_exps"), n("ffn_up_exps"), n("ffn_down_exps")];
+        let whole = stacks.iter().all(|s| placed.contains_key(s.as_str()));
+        for e in 0..d.n_expert {
+            if whole {
+                table[3 * e] = base + placed[stacks[0].as_str()] + e as u64 * per_gu;
+                table[3 * e + 1] = base + placed[stacks[1].as_str()] + e as u64 * per_gu;
+                table[3 * e + 2] = base + placed[stacks[2].as_str()] + e as u64 * per_down;
+            } else {
+                let (Some(s), Some(r)) = (slot_of.get(&(l, e as u32)), ec) else {
+                    return Err(plan_err(format!(
+                        "expert {e} of layer {l} is not resident on device {}: the CUDA engine in this build needs every expert in VRAM (the host-expert cache path runs with --backend cpu); re-plan with more VRAM or fewer layers per device",
+                        dp.index
+                    )));
+                };
+                let so = base + r.offset + *s as u64 * dp.expert_slot_bytes;
+                table[3 * e] = so;
+                table[3 * e + 1] = so + per_gu;
+                table[3 * e + 2] = so + 2 * per_gu;
+            }
+        }
+        let tb = cv.carve((table.len() * 8) as u64)?;
+        dev.htod(&table, arena.view(tb.ptr - base, tb.bytes)?)?;
+        layers.push(Layer {
+            attn_norm: vec_f32(&mut cv, &n("attn_norm"), d.e)?,
+            q: mat(&n("attn_q"), q_out, d.e)?,
+            k: mat(&n("attn_k"), kv_out, d.e)?,
+            v: mat(&n("attn_v"), kv_out, d.e)?,
+            o: mat(&n("attn_output"), d.e, q_out)?,
+            q_norm: vec_f32(&mut cv, &n("attn_q_norm"), d.hd)?,
+            k_norm: vec_f32(&mut cv, &n("attn_k_norm"), d.hd)?,
+            ffn_norm: vec_f32(&mut cv, &n("ffn_norm"), d.e)?,
+            gate_inp: mat(&n("ffn_gate_inp"), d.n_expert, d.e)?,
+            experts: tb.ptr,
+            exp_ty,
+            k_off: 2 * li as u64 * sz.ctx as u64 * sz.kv_row_bytes,
+            v_off: (2 * li as u64 + 1) * sz.ctx as u64 * sz.kv_row_bytes,
+        });
+    }
+    let _ = hp;
+    let lay = bufs_layout(d, sz.max_tok, sz.logit_rows, sz.att_splits, sz.n_slots);
+    let mut bufs = Bufs::default();
+    for (name, bytes) in lay {
+        let b = cv.carve(bytes)?;
+        match name {
+            "inputs" => bufs.inputs = b,
+            "n_ctx" => bufs.n_ctx = b,
+            "x" => bufs.x = b,
+            "q" => bufs.q = b,
+            "k" => bufs.k = b,
+            "v" => bufs.v = b,
+            "att" => bufs.att = b,
+            "part_o" => bufs.part_o = b,
+            "part_ms" => bufs.part_ms = b,
+            "router" => bufs.router = b,
+            "ids" => bufs.ids = b,
+            "wts" => bufs.wts = b,
+            "h" => bufs.h = b,
+            "logits" => bufs.logits = b,
+            "inv_freq" => bufs.inv_freq = b,
+            _ => unreachable!("every buffer of bufs_layout is named here"),
+        }
+    }
+    let inv_freq = rope.inv_freq();
+    dev.htod(inv_freq, arena.view(bufs.inv_freq.ptr - base, (inv_freq.len() * 4) as u64)?)?;
+    // KV.
+    let kvr = dp
+        .region(RegionKind::KvCache)
+        .ok_or_else(|| plan_err(format!("device {} has no kv_cache region", dp.index)))?;
+    if kvr.bytes < slot_bytes * sz.n_slots as u64 {
+        return Err(plan_err(format!(
+            "device {}: kv_cache holds {} bytes but {} slots x {} layers x {} cells need {}",
+            dp.index,
+            kvr.bytes,
+            sz.n_slots,
+            n_layer,
+            sz.ctx,
+            slot_bytes * sz.n_slots as u64
+        )));
+    }
+    Ok(Stage {
+        layers,
+        embd: if dp.holds_embedding {
+            Some(mat("token_embd.weight", d.vocab, d.e)?)
+        } else {
+            None
+        },
+        out_norm,
+        head: if dp.holds_head {
+            let name = if placed.contains_key("output.weight") {
+                "output.weight"
+            } else {
+                "token_embd.weight"
+            };
+            Some(mat(name, d.vocab, d.e)?)
+        } else {
+            None
+        },
+        bufs,
+        kv: base + kvr.offset,
+        kv_slot_bytes: slot_bytes,
+    })
+}
+
+/// Launch kernel `$name` with `$cfg` and the argument references in order.
+macro_rules! launch {
+    ($k:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let f = $k.dev.function($name)?;
+        let mut b = $k.dev.stream().launch_builder(f);
+        $( b.arg($arg); )*
+        // SAFETY: every pointer argument addresses a buffer carved (or a tensor placed) in a
+        // live arena with the sizes the kernel reads for these shapes (checked at start-up:
+        // buffers sized for max_tok tokens, tensors' dims checked in `build_stage`).
+        unsafe { b.launch($cfg) }.map_err(drv(format!("launch {}", $name)))?;
+        Ok::<(), CudaEngineError>(())
+    }};
+}
+
+/// Kernel launchers over raw device addresses whose buffers were sized at start-up.
+struct Kern<'a> {
+    dev: &'a CudaDevice,
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+const DQ_WARPS: u32 = 4;
+
+impl Kern<'_> {
+    fn get_rows(&self, w: Mat, ids: u64, out: u64, n: usize) -> Result<(), CudaEngineError> {
+        let n32 = n as u32;
+        launch!(self, "dq_get_rows", cfg((n32, 1, 1), 256, 0); &w.ptr, &w.ty, &w.rows, &w.cols, &ids, &out)
+    }
+
+    fn dtod(&self, src: u64, dst: u64, bytes: u64) -> Result<(), CudaEngineError> {
+        // SAFETY: both ranges lie in live arenas (buffers of max_tok tokens).
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst,
+                src,
+                bytes as usize,
+                self.dev.stream().cu_stream(),
+            )
+        }
+        .map_err(drv("cuMemcpyDtoDAsync(stage hand-off)"))?;
+        Ok(())
+    }
+
+    fn ctx_from_pos(&self, pos: u64, n_ctx: u64, n: usize) -> Result<(), CudaEngineError> {
+        let n32 = n as i32;
+        launch!(self, "dq_ctx_from_pos", cfg((n.div_ceil(128) as u32, 1, 1), 128, 0); &pos, &n_ctx, &n32)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn qkv(&self, l: &Layer, x: u64, d: Dims, yq: u64, yk: u64, yv: u64, n: usize) -> Result<(), CudaEngineError> {
+        let rows = (l.q.rows + l.k.rows + l.v.rows) as u32;
+        let n32 = n as i32;
+        launch!(self, "dq_qkv8", cfg((rows.div_ceil(DQ_WARPS), 1, 1), 32 * DQ_WARPS, 0); &l.q.ptr, &l.k.ptr, &l.v.ptr, &l.q.ty, &l.q.rows, &l.k.rows, &l.v.rows, &l.q.cols, &x, &l.attn_norm, &d.eps, &yq, &yk, &yv, &n32)
+    }
+
+    /// y (+)= W . norm?(x) for n tokens, in launches of at most 8 tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn mv_chunks(&self, w: Mat, x: u64, nw: u64, eps: f32, y: u64, n: usize, add: bool) -> Result<(), CudaEngineError> {
+        let add = add as i32;
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = (n - t0).min(8);
+            let name = if nt == 1 { "dq_mv1" } else { "dq_mv8" };
+            let xp = x + (t0 * w.cols as usize * 4) as u64;
+            let yp = y + (t0 * w.rows as usize * 4) as u64;
+            let nt32 = nt as i32;
+            launch!(self, name, cfg(((w.rows as u32).div_ceil(DQ_WARPS), 1, 1), 32 * DQ_WARPS, 0);
+                &w.ptr, &w.ty, &w.rows, &w.cols, &xp, &nw, &eps, &yp, &nt32, &add)?;
+            t0 += 8;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(&self, x: u64, w: u64, pos: u64, inv_freq: u64, d: Dims, heads: usize, n: usize) -> Result<(), CudaEngineError> {
+        let (nh, hd, nr) = (heads as i32, d.hd as i32, d.n_rot as i32);
+        launch!(self, "qk_norm_rope_f32", cfg((heads as u32, n as u32, 1), 128, 0); &x, &w, &d.eps, &pos, &inv_freq, &d.attn_factor, &nh, &hd, &nr)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn kv_store(&self, b_: &Bufs, st: &Stage, l: &Layer, slot: u64, pos: u64, kv_ty: i32, row_bytes: u64, d: Dims, n: usize) -> Result<(), CudaEngineError> {
+        let (sb, ko, vo, rb) = (st.kv_slot_bytes as i64, l.k_off as i64, l.v_off as i64, row_bytes as i64);
+        let width = (d.n_head_kv * d.hd) as i32;
+        launch!(self, "dq_kv_store", cfg((n as u32, 1, 1), 128, 0); &b_.k.ptr, &b_.v.ptr, &st.kv, &slot, &pos, &sb, &ko, &vo, &rb, &kv_ty, &width)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attn_decode(&self, b_: &Bufs, st: &Stage, l: &Layer, slot: u64, kv_ty: i32, row_bytes: u64, d: Dims, n: usize, chunk: usize, splits: usize) -> Result<(), CudaEngineError> {
+        let (sb, ko, vo, rb) = (st.kv_slot_bytes as i64, l.k_off as i64, l.v_off as i64, row_bytes as i64);
+        let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
+        let scale = 1.0f32 / (d.hd as f32).sqrt();
+        let ch = chunk as i32;
+        let sp = splits as i32;
+        launch!(self, "dq_attn_partial", cfg((d.n_head as u32, splits as u32, n as u32), 32 * 4, 0); &b_.q.ptr, &st.kv, &slot, &b_.n_ctx.ptr, &sb, &ko, &vo, &kv_ty, &nh, &nkv, &hd, &rb, &scale, &ch, &b_.part_o.ptr, &b_.part_ms.ptr)?;
+        launch!(self, "attn_decode_combine", cfg((d.n_head as u32, n as u32, 1), 128, 0); &b_.part_o.ptr, &b_.part_ms.ptr, &nh, &hd, &sp, &b_.att.ptr)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attn_prefill(&self, b_: &Bufs, st: &Stage, l: &Layer, slot: u64, pos: u64, kv_ty: i32, row_bytes: u64, d: Dims, n: usize) -> Result<(), CudaEngineError> {
+        let (sb, ko, vo, rb) = (st.kv_slot_bytes as i64, l.k_off as i64, l.v_off as i64, row_bytes as i64);
+        let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
+        let scale = 1.0f32 / (d.hd as f32).sqrt();
+        let kt: i32 = if d.hd <= 128 { 32 } else { 16 };
+        let smem = ((2 * kt as usize * (d.hd + 1) + 16 * d.hd) * 4) as u32;
+        let n32 = n as i32;
+        launch!(self, "dq_attn_prefill", cfg((d.n_head as u32, n.div_ceil(16) as u32, 1), 32 * 4, smem); &b_.q.ptr, &st.kv, &slot, &pos, &sb, &ko, &vo, &kv_ty, &nh, &nkv, &hd, &rb, &scale, &kt, &n32, &b_.att.ptr)
+    }
+
+    fn router(&self, logits: u64, d: Dims, ids: u64, wts: u64, n: usize) -> Result<(), CudaEngineError> {
+        let (ne, k, norm) = (d.n_expert as i32, d.k as i32, d.norm_topk as i32);
+        let smem = (d.n_expert * 4) as u32;
+        launch!(self, "router_softmax_topk", cfg((n as u32, 1, 1), 128, smem); &logits, &ne, &k, &norm, &ids, &wts)
+    }
+
+    fn moe(&self, l: &Layer, b_: &Bufs, d: Dims, n: usize) -> Result<(), CudaEngineError> {
+        let (f, e, k) = (d.f as i32, d.e as i32, d.k as i32);
+        launch!(self, "dq_moe_gate_up", cfg(((d.f as u32).div_ceil(DQ_WARPS), (n * d.k) as u32, 1), 32 * DQ_WARPS, 0); &l.experts, &l.exp_ty, &f, &e, &b_.ids.ptr, &k, &b_.x.ptr, &l.ffn_norm, &d.eps, &b_.h.ptr)?;
+        launch!(self, "dq_moe_down", cfg(((d.e as u32).div_ceil(DQ_WARPS), n as u32, 1), 32 * DQ_WARPS, 0); &l.experts, &l.exp_ty, &e, &f, &b_.ids.ptr, &b_.wts.ptr, &k, &b_.h.ptr, &b_.x.ptr)
+    }
+}
