@@ -501,3 +501,14 @@ ST_KERNEL void dq_attn_prefill(const float* q, const u8* kv, const int* slot, co
         }
     }
 }
+
+// MoE combine for prefill: x[t][i] += sum_j wts[t*k+j] * y[(t*k+j)][i] (y: one row of width n
+// per assignment). grid: n_tok; block: 256.
+ST_KERNEL void dq_moe_combine(const float* y, const float* wts, int k, int n, float* x) {
+    const long t = blockIdx.x;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float s = 0.0f;
+        for (int j = 0; j < k; ++j) s += wts[t * k + j] * y[(t * k + j) * n + i];
+        x[t * n + i] += s;
+    }
+}

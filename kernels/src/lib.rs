@@ -69,6 +69,7 @@ const RAW: &[Raw] = &[
             "dq_attn_partial",
             "dq_ctx_from_pos",
             "dq_attn_prefill",
+            "dq_moe_combine",
         ],
     },
 ];

@@ -230,8 +230,11 @@ fn bufs_layout(
     ]
 }
 
+/// Alignment of carved buffers (the kernels' widest loads are 16 bytes).
+const CARVE_ALIGN: u64 = 16;
+
 fn layout_bytes(l: &[(&'static str, u64)]) -> u64 {
-    l.iter().map(|(_, b)| align(*b, 256)).sum()
+    l.iter().map(|(_, b)| align(*b, CARVE_ALIGN)).sum()
 }
 
 impl CudaEngine {
@@ -320,8 +323,14 @@ impl CudaEngine {
             .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
         let att_chunk = align(ctx.div_ceil(64) as u64, 256).max(256) as usize;
         let att_splits = ctx.div_ceil(att_chunk);
-        let logit_rows = n_slots.max(8);
+        let logit_rows = n_slots.max(1);
 
+        // Norm vectors stored as F32 are read in place; others are converted into scratch.
+        let f32_norms = inv
+            .tensors
+            .iter()
+            .filter(|t| t.name.ends_with("norm.weight"))
+            .all(|t| t.ggml_type == GgmlType::F32);
         // Scratch fit: the largest pass (<= ubatch, >= the decode batch) every stage's
         // scratch region can hold, after the expert tables and converted norm vectors.
         let ubatch = (s.ubatch as usize).max(1);
@@ -329,7 +338,7 @@ impl CudaEngine {
         for dp in &plan.devices {
             let have = dp.region_bytes(RegionKind::Scratch);
             let n_layer = (dp.layer_end - dp.layer_first) as usize;
-            let fixed = fixed_bytes(&d, n_layer);
+            let fixed = fixed_bytes(&d, n_layer, f32_norms);
             let fits = |t: usize| {
                 fixed + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots)) <= have
             };
@@ -802,11 +811,14 @@ fn check_pipeline(plan: &Plan, hp: &HParams) -> Result<(), CudaEngineError> {
 }
 
 /// Persistent scratch bytes of a stage: expert tables and converted norm vectors.
-fn fixed_bytes(d: &Dims, n_layer: usize) -> u64 {
-    let tables = align((d.n_expert * 3 * 8) as u64, 256) * n_layer as u64;
-    let norms = (align((d.e * 4) as u64, 256) * 2 + align((d.hd * 4) as u64, 256) * 2)
-        * n_layer as u64
-        + align((d.e * 4) as u64, 256);
+fn fixed_bytes(d: &Dims, n_layer: usize, f32_norms: bool) -> u64 {
+    let a = |b: usize| align(b as u64, CARVE_ALIGN);
+    let tables = a(d.n_expert * 3 * 8) * n_layer as u64;
+    let norms = if f32_norms {
+        0
+    } else {
+        (a(d.e * 4) * 2 + a(d.hd * 4) * 2) * n_layer as u64 + a(d.e * 4)
+    };
     tables + norms
 }
 
@@ -924,7 +936,7 @@ struct Carver {
 
 impl Carver {
     fn carve(&mut self, bytes: u64) -> Result<Buf, CudaEngineError> {
-        let b = align(bytes, 256);
+        let b = align(bytes, CARVE_ALIGN);
         if self.cur + b > self.end {
             return Err(plan_err(format!(
                 "device {}: the scratch region ends at {} but the CUDA engine's buffers need {} more bytes at {}",
@@ -1022,6 +1034,11 @@ fn build_stage(
             .tensor(name)
             .map(|t| t.ggml_type)
             .ok_or_else(|| plan_err(format!("`{name}` is not in the model inventory")))?;
+        if ty == GgmlType::F32 && data.len() == n * 4 {
+            if let Some(off) = placed.get(name).filter(|o| (base + **o) % 16 == 0) {
+                return Ok(base + off);
+            }
+        }
         let mut v = vec![0f32; n];
         crate::quant::dequantize_row(ty, data, &mut v)
             .map_err(|e| CudaEngineError::Model(format!("`{name}`: {e}")))?;

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On the GPU machine: the CUDA test suites, then the Qwen3-30B-A3B-shaped Q8_0 benchmark
+# (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
+# in the same run. Binaries come from target/gpu/ (built on the dev box:
+# `cargo build --release -p strata-exec -p strata-tools -p strata-plan` and the test
+# binaries from `cargo test --release -p strata-exec --no-run --test cuda_engine --test cuda_ops`).
+# Usage: scripts/gpu_bench.sh [tests|bench|torch|all] [OUTDIR]
+set -uo pipefail
+what=${1:-all}
+out=${2:-${OUT:-/tmp}}
+bin=target/gpu
+export RUST_BACKTRACE=1
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$out/gpu.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    for t in $bin/cuda_ops-* $bin/cuda_engine-*; do
+        echo "== $t"
+        "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error" | head -60
+    done
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    m=/tmp/q30-q8_0.gguf
+    if [ ! -f $m ]; then
+        echo "== writing the random Q8_0 model"
+        /usr/bin/time -f "%e s" $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m 2>&1 | tail -2
+    fi
+    $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 --batch 1 -o /tmp/q30.plan | tail -25
+    echo "== strata-exec bench"
+    $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 | tee "$out/bench.txt"
+fi
+if [ "$what" = torch ] || [ "$what" = all ]; then
+    echo "== PyTorch baseline"
+    PYTHONUNBUFFERED=1 python3 scripts/bench_torch_moe.py -p 512 -n 128 -r 3 2>&1 | tail -3 | tee "$out/torch.json"
+fi
