@@ -9,6 +9,7 @@ pub mod arena;
 pub mod compile;
 pub mod layout;
 pub mod ops;
+pub mod probe;
 
 pub use arena::{arena_allocations, DeviceArena, DeviceView};
 
