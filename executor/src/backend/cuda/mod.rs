@@ -10,6 +10,7 @@ pub mod compile;
 pub mod engine;
 pub mod layout;
 pub mod ops;
+pub mod probe;
 
 pub use arena::{arena_allocations, DeviceArena, DeviceView};
 
