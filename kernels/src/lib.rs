@@ -55,6 +55,22 @@ const RAW: &[Raw] = &[
         body: include_str!("../cuda/attention.cu"),
         entry_points: &["attn_decode_partial", "attn_decode_combine"],
     },
+    Raw {
+        name: "gemm",
+        body: include_str!("../cuda/gemm.cu"),
+        entry_points: &[
+            "gemm_q8_0_m64",
+            "gemm_q8_0_m128",
+            "gemm_bf16_m64",
+            "gemm_bf16_m128",
+            "moe_gemm_q8_0_m64",
+            "moe_gemm_q8_0_m128",
+            "moe_gemm_bf16_m64",
+            "moe_gemm_bf16_m128",
+            "gemm_cvt_x",
+            "moe_sort",
+        ],
+    },
 ];
 
 /// Hex SHA-256 of a text.

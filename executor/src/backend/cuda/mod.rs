@@ -7,6 +7,7 @@
 
 pub mod arena;
 pub mod compile;
+pub mod gemm;
 pub mod layout;
 pub mod ops;
 
