@@ -86,8 +86,11 @@ fn put<'a, T: strata_exec::backend::cuda::Pod>(
 
 fn get<T: strata_exec::backend::cuda::Pod>(d: &CudaDevice, v: DeviceView<'_>, n: usize) -> Vec<T> {
     let mut out = vec![T::default(); n];
-    d.dtoh(v.sub(0, std::mem::size_of_val(&out[..]) as u64).unwrap(), &mut out)
-        .unwrap();
+    d.dtoh(
+        v.sub(0, std::mem::size_of_val(&out[..]) as u64).unwrap(),
+        &mut out,
+    )
+    .unwrap();
     out
 }
 
@@ -98,13 +101,21 @@ fn rand_vec(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
 }
 
 /// `mats` random matrices of `rows × cols` of `ty`: (device-layout bytes, dequantized f32).
-fn weights(rng: &mut StdRng, ty: GgmlType, mats: usize, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+fn weights(
+    rng: &mut StdRng,
+    ty: GgmlType,
+    mats: usize,
+    rows: usize,
+    cols: usize,
+) -> (Vec<u8>, Vec<f32>) {
     let mut gguf = Vec::new();
     let mut deq = vec![0f32; mats * rows * cols];
     let rb = quant::row_bytes(ty, cols).unwrap();
     for r in 0..mats * rows {
         let s = 0.2 + 2.0 * rng.random::<f32>();
-        let row: Vec<f32> = (0..cols).map(|_| s * (2.0 * rng.random::<f32>() - 1.0)).collect();
+        let row: Vec<f32> = (0..cols)
+            .map(|_| s * (2.0 * rng.random::<f32>() - 1.0))
+            .collect();
         let at = gguf.len();
         quant::quantize_row(ty, &row, &mut gguf).unwrap();
         assert_eq!(gguf.len() - at, rb);
@@ -172,7 +183,14 @@ fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
         // counts (cols 96, 160: the unaligned scale path), K tails of 8 (BF16 cols 72).
         (
             GgmlType::Q8_0,
-            &[(1, 32), (33, 64), (129, 96), (257, 160), (100, 2080), (768, 2048)],
+            &[
+                (1, 32),
+                (33, 64),
+                (129, 96),
+                (257, 160),
+                (100, 2080),
+                (768, 2048),
+            ],
         ),
         (
             GgmlType::BF16,
@@ -202,13 +220,18 @@ fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
                         None => d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap(),
                         Some(t) => {
                             d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap();
-                            d.gemm_converted(t, wv, ty, rows, cols, sv, n_tok, yv).unwrap()
+                            d.gemm_converted(t, wv, ty, rows, cols, sv, n_tok, yv)
+                                .unwrap()
                         }
                     }
                     let got: Vec<f32> = get(d, yall, ny + 64);
-                    let what = format!("gemm {ty} rows={rows} cols={cols} n_tok={n_tok} tile={tile:?}");
+                    let what =
+                        format!("gemm {ty} rows={rows} cols={cols} n_tok={n_tok} tile={tile:?}");
                     worst = worst.max(check(&what, ty, &got[..ny], &want));
-                    assert!(got[ny..].iter().all(|v| *v == GUARD), "{what}: wrote past y");
+                    assert!(
+                        got[ny..].iter().all(|v| *v == GUARD),
+                        "{what}: wrote past y"
+                    );
                 }
             }
         }
@@ -222,8 +245,30 @@ fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
     let (wb, _) = weights(&mut rng, GgmlType::Q8_0, 1, 64, 64);
     let (wv, xv) = (put(d, &c, &wb), put(d, &c, &vec![0f32; 8 * 64]));
     let (yv, sv) = (c.take(4 * 8 * 64), c.take(gemm_scratch_bytes(8, 64)));
-    assert!(d.gemm(wv, GgmlType::Q8_0, 64, 64, xv, 8, yv.sub(0, 16).unwrap(), sv).is_err());
-    assert!(d.gemm(wv, GgmlType::Q8_0, 64, 64, xv, 8, yv, sv.sub(0, 16).unwrap()).is_err());
+    assert!(d
+        .gemm(
+            wv,
+            GgmlType::Q8_0,
+            64,
+            64,
+            xv,
+            8,
+            yv.sub(0, 16).unwrap(),
+            sv
+        )
+        .is_err());
+    assert!(d
+        .gemm(
+            wv,
+            GgmlType::Q8_0,
+            64,
+            64,
+            xv,
+            8,
+            yv,
+            sv.sub(0, 16).unwrap()
+        )
+        .is_err());
     assert!(d.gemm(wv, GgmlType::Q8_0, 65, 64, xv, 8, yv, sv).is_err());
     assert!(d.gemm(wv, GgmlType::Q4K, 8, 256, xv, 2, yv, sv).is_err());
     assert!(d.gemm(wv, GgmlType::BF16, 8, 12, xv, 2, yv, sv).is_err());
@@ -231,7 +276,15 @@ fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
 }
 
 /// Expected sort: counts, and the set of assignments per expert.
-fn check_sort(d: &CudaDevice, sv: DeviceView<'_>, ids: &[i32], n_tok: usize, k: usize, ne: usize, what: &str) {
+fn check_sort(
+    d: &CudaDevice,
+    sv: DeviceView<'_>,
+    ids: &[i32],
+    n_tok: usize,
+    k: usize,
+    ne: usize,
+    what: &str,
+) {
     let lay = MoeScratch::new(n_tok, k, ne);
     let words: Vec<i32> = get(d, sv, (lay.bytes / 4) as usize);
     let at = |b: u64| (b / 4) as usize;
@@ -251,7 +304,9 @@ fn check_sort(d: &CudaDevice, sv: DeviceView<'_>, ids: &[i32], n_tok: usize, k: 
         assert_eq!(offsets[e] as usize, o, "{what}: offsets[{e}]");
         let mut seg: Vec<i32> = perm[o..o + counts[e]].to_vec();
         seg.sort_unstable();
-        let want: Vec<i32> = (0..ids.len() as i32).filter(|&a| ids[a as usize] == e as i32).collect();
+        let want: Vec<i32> = (0..ids.len() as i32)
+            .filter(|&a| ids[a as usize] == e as i32)
+            .collect();
         assert_eq!(seg, want, "{what}: expert {e}'s assignments");
         for i in 0..counts[e].div_ceil(GEMM_BN) {
             want_tiles.extend([e as i32, (o + i * GEMM_BN) as i32]);
@@ -259,7 +314,11 @@ fn check_sort(d: &CudaDevice, sv: DeviceView<'_>, ids: &[i32], n_tok: usize, k: 
         o += counts[e];
     }
     assert_eq!(offsets[ne] as usize, o, "{what}: valid total");
-    assert!(n_tiles <= lay.max_tiles, "{what}: {n_tiles} tiles > bound {}", lay.max_tiles);
+    assert!(
+        n_tiles <= lay.max_tiles,
+        "{what}: {n_tiles} tiles > bound {}",
+        lay.max_tiles
+    );
     assert_eq!(tiles, &want_tiles[..], "{what}: tile list");
 }
 
@@ -283,9 +342,15 @@ fn moe_sort_groups_assignments_by_expert() {
             let ids: Vec<i32> = (0..n)
                 .map(|i| match mode {
                     0 => rng.random_range(0..ne as i32),
-                    1 => (ne / 2) as i32,                          // one expert takes all
+                    1 => (ne / 2) as i32, // one expert takes all
                     2 => (rng.random_range(0..3) * (ne / 3).max(1)) as i32 % ne as i32, // most experts empty
-                    _ => if i % 5 == 0 { -1 } else { rng.random_range(0..ne as i32 + 1) }, // invalid ids
+                    _ => {
+                        if i % 5 == 0 {
+                            -1
+                        } else {
+                            rng.random_range(0..ne as i32 + 1)
+                        }
+                    } // invalid ids
                 })
                 .collect();
             let c = Carve::new(&a);
@@ -293,14 +358,25 @@ fn moe_sort_groups_assignments_by_expert() {
             let sv = c.take(moe_scratch_bytes(n_tok, k, ne));
             d.memset(sv, 0xff).unwrap();
             d.moe_sort(iv, n_tok, k, ne, sv).unwrap();
-            check_sort(d, sv, &ids, n_tok, k, ne, &format!("moe_sort n_tok={n_tok} k={k} experts={ne} mode={mode}"));
+            check_sort(
+                d,
+                sv,
+                &ids,
+                n_tok,
+                k,
+                ne,
+                &format!("moe_sort n_tok={n_tok} k={k} experts={ne} mode={mode}"),
+            );
             n_cases += 1;
         }
     }
     let c = Carve::new(&a);
     let iv = put(d, &c, &[0i32; 4]);
     let sv = c.take(moe_scratch_bytes(2, 2, 8));
-    assert!(d.moe_sort(iv, 2, 2, 8, sv.sub(0, 16).unwrap()).is_err(), "short scratch");
+    assert!(
+        d.moe_sort(iv, 2, 2, 8, sv.sub(0, 16).unwrap()).is_err(),
+        "short scratch"
+    );
     assert!(d.moe_sort(iv, 2, 2, 5000, sv).is_err(), "too many experts");
     eprintln!("PASS moe_sort: {n_cases} cases (random, one expert takes all, most experts empty, invalid ids), offsets/perm/tiles exact");
 }
@@ -323,13 +399,21 @@ fn moe_case(
     let n_assign = n_tok * k;
     let mut worst = 0f64;
     for input in [MoeInput::Gather, MoeInput::Direct] {
-        let x_rows = if input == MoeInput::Gather { n_tok } else { n_assign };
+        let x_rows = if input == MoeInput::Gather {
+            n_tok
+        } else {
+            n_assign
+        };
         let x = rand_vec(rng, x_rows * cols, 1.0);
         // Reference per assignment.
         let mut want = Vec::with_capacity(n_assign * rows);
         for asg in 0..n_assign {
             let e = ids[asg] as usize;
-            let xr = if input == MoeInput::Gather { asg / k } else { asg };
+            let xr = if input == MoeInput::Gather {
+                asg / k
+            } else {
+                asg
+            };
             want.extend(reference(
                 &deq[e * rows * cols..(e + 1) * rows * cols],
                 rows,
@@ -346,16 +430,72 @@ fn moe_case(
         let yv = yall.sub(0, 4 * ny as u64).unwrap();
         d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
         if tile == GemmTile::M64 {
-            d.moe_gemm(wv, ty, ne, rows, cols, xv, input, n_tok, k, sorted, yv, sv).unwrap();
+            d.moe_gemm(wv, ty, ne, rows, cols, xv, input, n_tok, k, sorted, yv, sv)
+                .unwrap();
         } else {
             d.gemm_convert_x(xv, x_rows, cols, ty, sv).unwrap();
-            d.moe_gemm_converted(tile, wv, ty, ne, rows, cols, sv, input, n_tok, k, sorted, yv)
-                .unwrap();
+            d.moe_gemm_converted(
+                tile, wv, None, ty, ne, rows, cols, sv, input, n_tok, k, sorted, yv,
+            )
+            .unwrap();
         }
         let got: Vec<f32> = get(d, yall, ny + 64);
         let what = format!("moe_gemm {ty} {input:?} experts={ne} rows={rows} cols={cols} n_tok={n_tok} k={k} tile={tile:?}");
         worst = worst.max(check(&what, ty, &got[..ny], &want));
-        assert!(got[ny..].iter().all(|v| *v == GUARD), "{what}: wrote past y");
+        assert!(
+            got[ny..].iter().all(|v| *v == GUARD),
+            "{what}: wrote past y"
+        );
+        if tile == GemmTile::M128 {
+            continue;
+        }
+        // Fused gate (wb) + up (a second tensor): h = silu(g) * u.
+        let (ub, udeq) = weights(rng, ty, ne, rows, cols);
+        let uv = put(d, &c, &ub);
+        d.memset(yv, 0xff).unwrap();
+        d.moe_gemm_glu(
+            wv, uv, ty, ne, rows, cols, xv, input, n_tok, k, sorted, yv, sv,
+        )
+        .unwrap();
+        let got: Vec<f32> = get(d, yall, ny + 64);
+        let (u, m) = unit(ty);
+        let mut worst_glu = 0f64;
+        for asg in 0..n_assign {
+            let e = ids[asg] as usize;
+            let xr = if input == MoeInput::Gather {
+                asg / k
+            } else {
+                asg
+            };
+            let xs = &x[xr * cols..(xr + 1) * cols];
+            let wu = reference(
+                &udeq[e * rows * cols..(e + 1) * rows * cols],
+                rows,
+                cols,
+                xs,
+            );
+            for r in 0..rows {
+                let (g, g2, ga) = want[asg * rows + r];
+                let (uu, u2, ua) = wu[r];
+                let sg = g / (1.0 + (-g).exp());
+                let h = sg * uu;
+                let (tg, tu) = (m * u * g2 + 1e-6 * ga + 1e-6, m * u * u2 + 1e-6 * ua + 1e-6);
+                let tol = 1.1 * (uu.abs() + tu) * tg + sg.abs() * tu + 1e-6 * h.abs();
+                let o = got[asg * rows + r] as f64;
+                assert!(
+                    o.is_finite() && (o - h).abs() <= tol,
+                    "{what} GLU: [{asg}][{r}] got {o}, want {h} (tol {tol:.3e})"
+                );
+                worst_glu = worst_glu.max((o - h).abs() / tol);
+            }
+        }
+        assert!(
+            got[ny..].iter().all(|v| *v == GUARD),
+            "{what} GLU: wrote past y"
+        );
+        if worst_glu > 0.5 {
+            eprintln!("NOTE {what} GLU: largest error {worst_glu:.2} of its tolerance");
+        }
     }
     worst
 }
@@ -369,25 +509,32 @@ fn moe_gemm_gather_and_direct_match_cpu() {
         let mut worst = 0f64;
         let mut n = 0;
         // (experts, rows, cols): rows*cols/32*34 a multiple of 16 for Q8_0.
-        for &(ne, rows, cols) in &[(8usize, 100usize, 64usize), (16, 72, 256), (4, 200, 96), (8, 768, 512)] {
+        for &(ne, rows, cols) in &[
+            (8usize, 100usize, 64usize),
+            (16, 72, 256),
+            (4, 200, 96),
+            (8, 768, 512),
+        ] {
             for &(n_tok, k) in &[(1usize, 2usize), (7, 3), (33, 4), (200, 2)] {
                 for mode in 0..3 {
                     let ids: Vec<i32> = (0..n_tok * k)
                         .map(|_| match mode {
                             0 => rng.random_range(0..ne as i32),
-                            1 => (ne - 1) as i32,               // one expert takes all
+                            1 => (ne - 1) as i32, // one expert takes all
                             _ => rng.random_range(0..2) * 2 + 1, // experts 1 and 3 only
                         })
                         .collect();
                     for tile in [GemmTile::M64, GemmTile::M128] {
-                        worst = worst.max(moe_case(d, &a, &mut rng, ty, ne, rows, cols, n_tok, k, &ids, tile));
+                        worst = worst.max(moe_case(
+                            d, &a, &mut rng, ty, ne, rows, cols, n_tok, k, &ids, tile,
+                        ));
                         n += 1;
                     }
                 }
             }
         }
         eprintln!(
-            "PASS moe_gemm {ty}: {n} cases x gather/direct (experts 4..16, rows 72..768, cols 64..512, n_tok 1..200, k 2..4, random / one expert / two experts, tiles 64/128): max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
+            "PASS moe_gemm {ty}: {n} cases x gather/direct (+ fused SwiGLU on the 64-row tile) (experts 4..16, rows 72..768, cols 64..512, n_tok 1..200, k 2..4, random / one expert / two experts, tiles 64/128): max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
             unit(ty).1
         );
     }
@@ -396,10 +543,27 @@ fn moe_gemm_gather_and_direct_match_cpu() {
     let (wb, _) = weights(&mut rng, GgmlType::Q8_0, 2, 7, 32);
     let wv = put(d, &c, &wb);
     let (xv, iv) = (c.take(4 * 32), put(d, &c, &[0i32, 1]));
-    let (sorted, sv, yv) = (c.take(moe_scratch_bytes(1, 2, 2)), c.take(1024), c.take(4 * 14));
+    let (sorted, sv, yv) = (
+        c.take(moe_scratch_bytes(1, 2, 2)),
+        c.take(1024),
+        c.take(4 * 14),
+    );
     d.moe_sort(iv, 1, 2, 2, sorted).unwrap();
     assert!(d
-        .moe_gemm(wv, GgmlType::Q8_0, 2, 7, 32, xv, MoeInput::Gather, 1, 2, sorted, yv, sv)
+        .moe_gemm(
+            wv,
+            GgmlType::Q8_0,
+            2,
+            7,
+            32,
+            xv,
+            MoeInput::Gather,
+            1,
+            2,
+            sorted,
+            yv,
+            sv
+        )
         .is_err());
     eprintln!("PASS moe_gemm refusal: 7x32 Q8_0 experts (238 bytes each) misaligned");
 }
@@ -455,12 +619,20 @@ fn timings_at_qwen3_30b_shapes() {
     let n_tok = 512;
     let reps = 20;
     // Dense: expert-sized and attention-sized matrices at pp512 (checked on sampled outputs).
-    for &(rows, cols) in &[(768usize, 2048usize), (2048, 768), (4096, 2048), (512, 2048), (2048, 4096)] {
+    for &(rows, cols) in &[
+        (768usize, 2048usize),
+        (2048, 768),
+        (4096, 2048),
+        (512, 2048),
+        (2048, 4096),
+    ] {
         for ty in [GgmlType::Q8_0, GgmlType::BF16] {
             let c = Carve::new(&a);
             let (wb, deq) = if ty == GgmlType::Q8_0 {
                 let b = fast_q8(&mut rng, 1, rows, cols);
-                let deq: Vec<f32> = (0..rows).flat_map(|r| q8_row(&b, 0, rows, cols, r)).collect();
+                let deq: Vec<f32> = (0..rows)
+                    .flat_map(|r| q8_row(&b, 0, rows, cols, r))
+                    .collect();
                 (b, deq)
             } else {
                 let w = rand_vec(&mut rng, rows * cols, 0.05);
@@ -475,21 +647,44 @@ fn timings_at_qwen3_30b_shapes() {
             let sv = c.take(gemm_scratch_bytes(n_tok, cols));
             let yv = c.take(4 * (n_tok * rows) as u64);
             let flop = 2.0 * (rows * cols * n_tok) as f64;
-            let t_cvt = time_ms(d, reps, || d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap());
-            let mut line = format!("TIME gemm {ty} rows={rows} cols={cols} n_tok={n_tok}: convert x {:.1} us", t_cvt * 1e3);
+            let t_cvt = time_ms(d, reps, || {
+                d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap()
+            });
+            let mut line = format!(
+                "TIME gemm {ty} rows={rows} cols={cols} n_tok={n_tok}: convert x {:.1} us",
+                t_cvt * 1e3
+            );
             for tile in [GemmTile::M64, GemmTile::M128] {
-                let t = time_ms(d, reps, || d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv).unwrap());
-                line += &format!("; {tile:?} {:.1} us = {:.1} TFLOP/s", t * 1e3, flop / t / 1e9);
+                let t = time_ms(d, reps, || {
+                    d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv)
+                        .unwrap()
+                });
+                line += &format!(
+                    "; {tile:?} {:.1} us = {:.1} TFLOP/s",
+                    t * 1e3,
+                    flop / t / 1e9
+                );
                 // Check a sample of tokens of the last run.
                 let got: Vec<f32> = get(d, yv, n_tok * rows);
                 for &t in &[0usize, 1, 255, 511] {
                     let want = reference(&deq, rows, cols, &x[t * cols..(t + 1) * cols]);
-                    check(&format!("timed gemm {ty} {rows}x{cols} {tile:?} token {t}"), ty, &got[t * rows..(t + 1) * rows], &want);
+                    check(
+                        &format!("timed gemm {ty} {rows}x{cols} {tile:?} token {t}"),
+                        ty,
+                        &got[t * rows..(t + 1) * rows],
+                        &want,
+                    );
                 }
             }
             let tile = d.gemm_default_tile(rows, n_tok);
-            let t = time_ms(d, reps, || d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap());
-            line += &format!("; gemm() ({tile:?} + convert) {:.1} us = {:.1} TFLOP/s", t * 1e3, flop / t / 1e9);
+            let t = time_ms(d, reps, || {
+                d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap()
+            });
+            line += &format!(
+                "; gemm() ({tile:?} + convert) {:.1} us = {:.1} TFLOP/s",
+                t * 1e3,
+                flop / t / 1e9
+            );
             eprintln!("{line}");
         }
     }
@@ -513,18 +708,28 @@ fn timings_at_qwen3_30b_shapes() {
     let iv = put(d, &c, &ids);
     let sorted = c.take(moe_scratch_bytes(n_tok, k, ne));
     let t_sort = time_ms(d, reps, || d.moe_sort(iv, n_tok, k, ne, sorted).unwrap());
-    eprintln!("TIME moe_sort n_tok={n_tok} k={k} experts={ne}: {:.1} us", t_sort * 1e3);
+    eprintln!(
+        "TIME moe_sort n_tok={n_tok} k={k} experts={ne}: {:.1} us",
+        t_sort * 1e3
+    );
     for &(rows, cols, input) in &[(ff, hid, MoeInput::Gather), (hid, ff, MoeInput::Direct)] {
         let c2 = Carve::new(&a);
         c2.off.set(c.off.get());
         let wb = fast_q8(&mut rng, ne, rows, cols);
-        let x_rows = if input == MoeInput::Gather { n_tok } else { n_assign };
+        let x_rows = if input == MoeInput::Gather {
+            n_tok
+        } else {
+            n_assign
+        };
         let x = rand_vec(&mut rng, x_rows * cols, 1.0);
         let (wv, xv) = (put(d, &c2, &wb), put(d, &c2, &x));
         let sv = c2.take(gemm_scratch_bytes(x_rows, cols));
         let yv = c2.take(4 * (n_assign * rows) as u64);
         let flop = 2.0 * (n_assign * rows * cols) as f64;
-        let t_cvt = time_ms(d, reps, || d.gemm_convert_x(xv, x_rows, cols, GgmlType::Q8_0, sv).unwrap());
+        let t_cvt = time_ms(d, reps, || {
+            d.gemm_convert_x(xv, x_rows, cols, GgmlType::Q8_0, sv)
+                .unwrap()
+        });
         let mut line = format!(
             "TIME moe_gemm Q8_0 {input:?} rows={rows} cols={cols} n_tok={n_tok} k={k} experts={ne} ({} MB of weights): convert x {:.1} us",
             wb.len() >> 20,
@@ -532,8 +737,22 @@ fn timings_at_qwen3_30b_shapes() {
         );
         for tile in [GemmTile::M64, GemmTile::M128] {
             let t = time_ms(d, reps, || {
-                d.moe_gemm_converted(tile, wv, GgmlType::Q8_0, ne, rows, cols, sv, input, n_tok, k, sorted, yv)
-                    .unwrap()
+                d.moe_gemm_converted(
+                    tile,
+                    wv,
+                    None,
+                    GgmlType::Q8_0,
+                    ne,
+                    rows,
+                    cols,
+                    sv,
+                    input,
+                    n_tok,
+                    k,
+                    sorted,
+                    yv,
+                )
+                .unwrap()
             });
             line += &format!(
                 "; {tile:?} {:.1} us = {:.1} TFLOP/s, {:.2} TB/s of weights",
@@ -545,11 +764,49 @@ fn timings_at_qwen3_30b_shapes() {
             for _ in 0..16 {
                 let asg = rng.random_range(0..n_assign);
                 let e = ids[asg] as usize;
-                let xr = if input == MoeInput::Gather { asg / k } else { asg };
-                let wdeq: Vec<f32> = (0..rows).flat_map(|r| q8_row(&wb, e, rows, cols, r)).collect();
+                let xr = if input == MoeInput::Gather {
+                    asg / k
+                } else {
+                    asg
+                };
+                let wdeq: Vec<f32> = (0..rows)
+                    .flat_map(|r| q8_row(&wb, e, rows, cols, r))
+                    .collect();
                 let want = reference(&wdeq, rows, cols, &x[xr * cols..(xr + 1) * cols]);
-                check(&format!("timed moe_gemm {input:?} {tile:?} assignment {asg}"), GgmlType::Q8_0, &got[asg * rows..(asg + 1) * rows], &want);
+                check(
+                    &format!("timed moe_gemm {input:?} {tile:?} assignment {asg}"),
+                    GgmlType::Q8_0,
+                    &got[asg * rows..(asg + 1) * rows],
+                    &want,
+                );
             }
+        }
+        if input == MoeInput::Gather {
+            let ub = fast_q8(&mut rng, ne, rows, cols);
+            let uv = put(d, &c2, &ub);
+            let t = time_ms(d, reps, || {
+                d.moe_gemm_converted(
+                    GemmTile::M64,
+                    wv,
+                    Some(uv),
+                    GgmlType::Q8_0,
+                    ne,
+                    rows,
+                    cols,
+                    sv,
+                    input,
+                    n_tok,
+                    k,
+                    sorted,
+                    yv,
+                )
+                .unwrap()
+            });
+            line += &format!(
+                "; fused gate+up (SwiGLU) {:.1} us = {:.1} TFLOP/s",
+                t * 1e3,
+                2.0 * flop / t / 1e9
+            );
         }
         eprintln!("{line}");
     }

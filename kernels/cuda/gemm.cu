@@ -72,12 +72,14 @@ __device__ __forceinline__ void gm_mma(float (&c)[4], const u32 (&a)[4], u32 b0,
 }
 
 // Shared-memory bytes of one pipeline stage.
-template <bool Q8, int BM>
+// With GLU two weight tiles (gate, then up) each of W + S bytes.
+template <bool Q8, int BM, bool GLU>
 struct GmStage {
     static constexpr int W = Q8 ? BM * GM_Q8_WSTRIDE : BM * GM_H_STRIDE;
     static constexpr int S = Q8 ? BM * 4 : 0;  // two f16 scales per row (64 columns)
     static constexpr int X = GM_BN * GM_H_STRIDE;
-    static constexpr int BYTES = W + S + X;
+    static constexpr int NW = GLU ? 2 : 1;
+    static constexpr int BYTES = NW * (W + S) + X;
 };
 
 // One CTA tile: rows [row0, row0 + BM) of the matrix at `W` times the GM_BN X rows named by
@@ -88,27 +90,33 @@ struct GmStage {
 // every thread's A pair (k 2t, 2t+1) and (k 2t+8, 2t+9) and B pair are 4 consecutive
 // columns 4t..4t+3; A and B use the same map, so the products are unchanged and each
 // fragment is one 32-bit (int8 W) or 64-bit (16-bit W, X) shared load.
-template <bool Q8, int BM>
-__device__ __forceinline__ void gm_tile(const u8* __restrict__ W, int rows, int cols, int row0,
+// GLU: W2 is a second matrix (up) of the same shape as W (gate); the tile writes
+// silu(W_r . x) * (W2_r . x).
+template <bool Q8, int BM, bool GLU>
+__device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __restrict__ W2,
+                                        int rows, int cols, int row0,
                                         const u16* __restrict__ X16, const int* xrow,
                                         const int* yrow, int n_valid, float* __restrict__ Y,
                                         int ldy, u8* smem) {
-    typedef GmStage<Q8, BM> St;
+    typedef GmStage<Q8, BM, GLU> St;
     constexpr int NT = 2 * BM;
     const int tid = threadIdx.x;
     const int nb = cols / QK8_0;
     const int kt_n = (cols + GM_BK - 1) / GM_BK;
-    const u8* scales = W + (long)rows * cols;
 
     auto load = [&](int slot, int kt) {
-        u8* st = smem + slot * St::BYTES;
         const int k0 = kt * GM_BK;
+#pragma unroll
+        for (int m = 0; m < St::NW; ++m) {
+        u8* st = smem + slot * St::BYTES + m * (St::W + St::S);
+        const u8* Wm = m == 0 ? W : W2;
+        const u8* scales = Wm + (long)rows * cols;
         if (Q8) {
             for (int c = tid; c < BM * 4; c += NT) {
                 const int row = c >> 2, part = c & 3;
                 const int gr = row0 + row, kk = k0 + part * 16;
                 const bool ok = gr < rows && kk < cols;
-                const u8* src = ok ? W + (long)gr * cols + kk : W;
+                const u8* src = ok ? Wm + (long)gr * cols + kk : Wm;
                 gm_cp16(st + row * GM_Q8_WSTRIDE + part * 16, src, ok ? 16 : 0);
             }
             u16* ss = (u16*)(st + St::W);
@@ -117,7 +125,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, int rows, int 
                 for (int row = tid; row < BM; row += NT) {
                     const int gr = row0 + row;
                     const bool ok = gr < rows;
-                    const u8* src = ok ? scales + ((long)gr * nb + kb) * 2 : W;
+                    const u8* src = ok ? scales + ((long)gr * nb + kb) * 2 : Wm;
                     gm_cp4(ss + row * 2, src, ok ? 4 : 0);
                 }
             } else {
@@ -139,11 +147,12 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, int rows, int 
                 const int row = c >> 3, part = c & 7;
                 const int gr = row0 + row, kk = k0 + part * 8;
                 const bool ok = gr < rows && kk < cols;
-                const u8* src = ok ? W + ((long)gr * cols + kk) * 2 : W;
+                const u8* src = ok ? Wm + ((long)gr * cols + kk) * 2 : Wm;
                 gm_cp16(st + row * GM_H_STRIDE + part * 16, src, ok ? 16 : 0);
             }
         }
-        u8* sx = st + St::W + St::S;
+        }
+        u8* sx = smem + slot * St::BYTES + St::NW * (St::W + St::S);
         for (int c = tid; c < GM_BN * 8; c += NT) {
             const int n = c >> 3, part = c & 7;
             const int kk = k0 + part * 8;
@@ -155,13 +164,15 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, int rows, int 
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
     const int wm = warp >> 1, wn = warp & 1;
-    float acc[2][4][4];
+    float acc[St::NW][2][4][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int m = 0; m < St::NW; ++m)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[m][i][j][v] = 0.0f;
 
 #pragma unroll
     for (int s = 0; s < GM_STAGES - 1; ++s) {
@@ -176,10 +187,12 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, int rows, int 
             if (nk < kt_n) load(nk % GM_STAGES, nk);
             gm_commit();
         }
-        const u8* st = smem + (kt % GM_STAGES) * St::BYTES;
-        const u8* sx = st + St::W + St::S;
+        const u8* sx = smem + (kt % GM_STAGES) * St::BYTES + St::NW * (St::W + St::S);
 #pragma unroll
         for (int s = 0; s < GM_BK / 16; ++s) {
+#pragma unroll
+          for (int m = 0; m < St::NW; ++m) {
+            const u8* st = smem + (kt % GM_STAGES) * St::BYTES + m * (St::W + St::S);
             u32 a[2][4];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
@@ -205,8 +218,9 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, int rows, int 
                 const int n = wn * 32 + ni * 8 + g;
                 const uint2 b = *(const uint2*)(sx + n * GM_H_STRIDE + s * 32 + tg * 8);
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) gm_mma<Q8>(acc[mi][ni], a[mi], b.x, b.y);
+                for (int mi = 0; mi < 2; ++mi) gm_mma<Q8>(acc[m][mi][ni], a[mi], b.x, b.y);
             }
+          }
         }
     }
     asm volatile("cp.async.wait_all;\n" ::);
@@ -219,7 +233,9 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, int rows, int 
             for (int v = 0; v < 4; ++v) {
                 const int r = row0 + wm * 32 + mi * 16 + g + (v >> 1) * 8;
                 const int n = wn * 32 + ni * 8 + tg * 2 + (v & 1);
-                if (r < rows && n < n_valid) Y[(long)yrow[n] * ldy + r] = acc[mi][ni][v];
+                float o = acc[0][mi][ni][v];
+                if (GLU) o = o / (1.0f + expf(-o)) * acc[St::NW - 1][mi][ni][v];
+                if (r < rows && n < n_valid) Y[(long)yrow[n] * ldy + r] = o;
             }
         }
     }
@@ -236,14 +252,16 @@ __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, 
     const int n_valid = min(GM_BN, n_tok - t0);
     if (threadIdx.x < GM_BN) xrow[threadIdx.x] = t0 + threadIdx.x;
     __syncthreads();
-    gm_tile<Q8, BM>(W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y, rows, gm_smem);
+    gm_tile<Q8, BM, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y, rows,
+                           gm_smem);
 }
 
 // Grouped: grid (ceil(rows / BM), max_tiles), block 2 * BM. Tile y covers assignments
 // perm[pos0 .. pos0 + count) of expert e = tiles[2y] (pos0 = tiles[2y + 1]); CTAs past the
 // device-side tile count exit. Expert e's matrix starts at byte e * mat_bytes of W.
-template <bool Q8, int BM>
-__device__ __forceinline__ void gm_moe(const u8* W, long mat_bytes, const u16* X16, float* Y,
+template <bool Q8, int BM, bool GLU>
+__device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes,
+                                       const u16* X16, float* Y,
                                        int rows, int cols, const int* offsets, const int* perm,
                                        const int* tiles, const int* n_tiles, int k,
                                        int gather) {
@@ -259,8 +277,8 @@ __device__ __forceinline__ void gm_moe(const u8* W, long mat_bytes, const u16* X
         yrow[threadIdx.x] = a;
     }
     __syncthreads();
-    gm_tile<Q8, BM>(W + (long)e * mat_bytes, rows, cols, blockIdx.x * BM, X16, xrow, yrow,
-                    n_valid, Y, rows, gm_smem);
+    gm_tile<Q8, BM, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
+                         blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem);
 }
 
 // Entry points. Dense: W, X16 (n_tok rows of cols 16-bit values), Y (n_tok x rows f32).
@@ -288,11 +306,20 @@ ST_KERNEL void gemm_bf16_m128(const u8* __restrict__ W, const u16* __restrict__ 
         float *__restrict__ Y, int rows, int cols, const int *__restrict__ offsets,          \
         const int *__restrict__ perm, const int *__restrict__ tiles,                         \
         const int *__restrict__ n_tiles, int k, int gather
-#define GM_MOE_PASS W, mat_bytes, X16, Y, rows, cols, offsets, perm, tiles, n_tiles, k, gather
-ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) { gm_moe<true, 64>(GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_q8_0_m128(GM_MOE_ARGS) { gm_moe<true, 128>(GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_bf16_m64(GM_MOE_ARGS) { gm_moe<false, 64>(GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_bf16_m128(GM_MOE_ARGS) { gm_moe<false, 128>(GM_MOE_PASS); }
+#define GM_MOE_PASS mat_bytes, X16, Y, rows, cols, offsets, perm, tiles, n_tiles, k, gather
+ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) { gm_moe<true, 64, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_q8_0_m128(GM_MOE_ARGS) { gm_moe<true, 128, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_bf16_m64(GM_MOE_ARGS) { gm_moe<false, 64, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_bf16_m128(GM_MOE_ARGS) { gm_moe<false, 128, false>(W, W, GM_MOE_PASS); }
+
+// Fused gate + up (SwiGLU): Y[a][r] = silu(Wg_e,r . xrow(a)) * (Wu_e,r . xrow(a)), Wg and Wu
+// two expert tensors of the same shape and type (W is the gate tensor).
+ST_KERNEL void moe_gemm_glu_q8_0_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
+    gm_moe<true, 64, true>(W, Wu, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_glu_bf16_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
+    gm_moe<false, 64, true>(W, Wu, GM_MOE_PASS);
+}
 
 // X f32 -> f16 (bf16 != 0: bf16), round to nearest even; n a multiple of 4, both 16-byte
 // aligned. Grid-stride.

@@ -67,6 +67,8 @@ const RAW: &[Raw] = &[
             "moe_gemm_q8_0_m128",
             "moe_gemm_bf16_m64",
             "moe_gemm_bf16_m128",
+            "moe_gemm_glu_q8_0_m64",
+            "moe_gemm_glu_bf16_m64",
             "gemm_cvt_x",
             "moe_sort",
         ],

@@ -139,14 +139,14 @@ fn matrix_bytes(
     }
 }
 
-fn smem_bytes(ty: GgmlType, tile: GemmTile) -> usize {
+fn smem_bytes(ty: GgmlType, tile: GemmTile, n_weights: usize) -> usize {
     let bm = tile.rows();
-    let stage = if ty == GgmlType::Q8_0 {
-        bm * 80 + bm * 4 + GEMM_BN * 160
+    let w = if ty == GgmlType::Q8_0 {
+        bm * 80 + bm * 4
     } else {
-        bm * 160 + GEMM_BN * 160
+        bm * 160
     };
-    GEMM_STAGES * stage
+    GEMM_STAGES * (n_weights * w + GEMM_BN * 160)
 }
 
 fn kernel_name(moe: bool, ty: GgmlType, tile: GemmTile) -> &'static str {
@@ -279,7 +279,7 @@ impl CudaDevice {
         }
         let name = kernel_name(false, ty, tile);
         let f = self.function(name)?;
-        let smem = smem_bytes(ty, tile);
+        let smem = smem_bytes(ty, tile, 1);
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -391,6 +391,7 @@ impl CudaDevice {
         self.moe_gemm_converted(
             GemmTile::M64,
             w,
+            None,
             ty,
             n_expert,
             rows,
@@ -404,13 +405,58 @@ impl CudaDevice {
         )
     }
 
-    /// The product of [`CudaDevice::moe_gemm`] on an input already converted by
-    /// [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile.
+    /// Fused SwiGLU expert product: `y[a][r] = silu(Wg_e,r · xrow(a)) * (Wu_e,r · xrow(a))`,
+    /// `wg` and `wu` two expert tensors as in [`CudaDevice::moe_gemm`] (same type and shape);
+    /// saves the separate up product, its output and the SwiGLU pass.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm_glu(
+        &self,
+        wg: DeviceView<'_>,
+        wu: DeviceView<'_>,
+        ty: GgmlType,
+        n_expert: usize,
+        rows: usize,
+        cols: usize,
+        x: DeviceView<'_>,
+        input: MoeInput,
+        n_tok: usize,
+        k: usize,
+        sorted: DeviceView<'_>,
+        y: DeviceView<'_>,
+        scratch: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        let x_rows = match input {
+            MoeInput::Gather => n_tok,
+            MoeInput::Direct => n_tok * k,
+        };
+        matrix_bytes("moe_gemm_glu", ty, rows, cols)?;
+        self.gemm_convert_x(x, x_rows, cols, ty, scratch)?;
+        self.moe_gemm_converted(
+            GemmTile::M64,
+            wg,
+            Some(wu),
+            ty,
+            n_expert,
+            rows,
+            cols,
+            scratch,
+            input,
+            n_tok,
+            k,
+            sorted,
+            y,
+        )
+    }
+
+    /// The product of [`CudaDevice::moe_gemm`] (`wu` None) or [`CudaDevice::moe_gemm_glu`]
+    /// (`w` the gate and `wu` the up tensor; always the 64-row tile) on an input already
+    /// converted by [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemm_converted(
         &self,
         tile: GemmTile,
         w: DeviceView<'_>,
+        wu: Option<DeviceView<'_>>,
         ty: GgmlType,
         n_expert: usize,
         rows: usize,
@@ -442,6 +488,9 @@ impl CudaDevice {
             MoeInput::Direct => lay.n_assign,
         };
         w.expect(OP, "w", mb * n_expert as u64, 16)?;
+        if let Some(u) = wu {
+            u.expect(OP, "w_up", mb * n_expert as u64, 16)?;
+        }
         xh.expect(OP, "xh", gemm_scratch_bytes(x_rows, cols), 16)?;
         y.expect(OP, "y", 4 * lay.n_assign as u64 * rows as u64, 4)?;
         sorted.expect(OP, "sorted", lay.bytes, 16)?;
@@ -462,9 +511,13 @@ impl CudaDevice {
             ));
         }
         let gather = (input == MoeInput::Gather) as i32;
-        let name = kernel_name(true, ty, tile);
+        let (name, tile) = match (wu.is_some(), ty == GgmlType::Q8_0) {
+            (false, _) => (kernel_name(true, ty, tile), tile),
+            (true, true) => ("moe_gemm_glu_q8_0_m64", GemmTile::M64),
+            (true, false) => ("moe_gemm_glu_bf16_m64", GemmTile::M64),
+        };
         let f = self.function(name)?;
-        let smem = smem_bytes(ty, tile);
+        let smem = smem_bytes(ty, tile, 1 + wu.is_some() as usize);
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -481,7 +534,11 @@ impl CudaDevice {
             base + lay.n_tiles,
         );
         let mbl = mb as i64;
+        let up = wu.map_or(0, |v| v.ptr());
         let mut b = self.stream.launch_builder(f);
+        if wu.is_some() {
+            b.arg(&up);
+        }
         b.arg(&wp).arg(&mbl).arg(&xp).arg(&yp).arg(&ri).arg(&ci);
         b.arg(&op).arg(&pp).arg(&tp).arg(&cp).arg(&ki).arg(&gather);
         let cfg = LaunchConfig {
