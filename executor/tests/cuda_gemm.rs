@@ -214,7 +214,12 @@ fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
                 let ny = n_tok * rows;
                 let yall = put(d, &c, &vec![GUARD; ny + 64]);
                 let yv = yall.sub(0, 4 * ny as u64).unwrap();
-                for tile in [None, Some(GemmTile::M64), Some(GemmTile::M128)] {
+                for tile in [
+                    None,
+                    Some(GemmTile::M64),
+                    Some(GemmTile::M128),
+                    Some(GemmTile::M128W),
+                ] {
                     d.memset(yv, 0xff).unwrap();
                     match tile {
                         None => d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap(),
@@ -236,7 +241,7 @@ fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
             }
         }
         eprintln!(
-            "PASS gemm {ty}: shapes {shapes:?}, tokens 1,7,33,64,65,512, tiles default/64/128: max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
+            "PASS gemm {ty}: shapes {shapes:?}, tokens 1,7,33,64,65,512, tiles default/64/128/128w: max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
             unit(ty).1
         );
     }
@@ -446,7 +451,7 @@ fn moe_case(
             got[ny..].iter().all(|v| *v == GUARD),
             "{what}: wrote past y"
         );
-        if tile == GemmTile::M128 {
+        if tile != GemmTile::M64 {
             continue;
         }
         // Fused gate (wb) + up (a second tensor): h = silu(g) * u.
@@ -524,7 +529,7 @@ fn moe_gemm_gather_and_direct_match_cpu() {
                             _ => rng.random_range(0..2) * 2 + 1, // experts 1 and 3 only
                         })
                         .collect();
-                    for tile in [GemmTile::M64, GemmTile::M128] {
+                    for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
                         worst = worst.max(moe_case(
                             d, &a, &mut rng, ty, ne, rows, cols, n_tok, k, &ids, tile,
                         ));
@@ -534,7 +539,7 @@ fn moe_gemm_gather_and_direct_match_cpu() {
             }
         }
         eprintln!(
-            "PASS moe_gemm {ty}: {n} cases x gather/direct (+ fused SwiGLU on the 64-row tile) (experts 4..16, rows 72..768, cols 64..512, n_tok 1..200, k 2..4, random / one expert / two experts, tiles 64/128): max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
+            "PASS moe_gemm {ty}: {n} cases x gather/direct (+ fused SwiGLU on the 64-row tile) (experts 4..16, rows 72..768, cols 64..512, n_tok 1..200, k 2..4, random / one expert / two experts, tiles 64/128/128w): max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
             unit(ty).1
         );
     }
@@ -654,7 +659,7 @@ fn timings_at_qwen3_30b_shapes() {
                 "TIME gemm {ty} rows={rows} cols={cols} n_tok={n_tok}: convert x {:.1} us",
                 t_cvt * 1e3
             );
-            for tile in [GemmTile::M64, GemmTile::M128] {
+            for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
                 let t = time_ms(d, reps, || {
                     d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv)
                         .unwrap()
@@ -676,12 +681,34 @@ fn timings_at_qwen3_30b_shapes() {
                     );
                 }
             }
+            for tile in [GemmTile::M64, GemmTile::M128W] {
+                let t = time_ms(d, reps, || {
+                    d.gemm_converted_kparts(tile, 2, wv, ty, rows, cols, sv, n_tok, yv)
+                        .unwrap()
+                });
+                line += &format!(
+                    "; {tile:?} split-K 2 {:.1} us = {:.1} TFLOP/s",
+                    t * 1e3,
+                    flop / t / 1e9
+                );
+                let got: Vec<f32> = get(d, yv, n_tok * rows);
+                for &t in &[0usize, 300] {
+                    let want = reference(&deq, rows, cols, &x[t * cols..(t + 1) * cols]);
+                    check(
+                        &format!("timed split-K gemm {ty} {rows}x{cols} {tile:?} token {t}"),
+                        ty,
+                        &got[t * rows..(t + 1) * rows],
+                        &want,
+                    );
+                }
+            }
             let tile = d.gemm_default_tile(rows, n_tok);
             let t = time_ms(d, reps, || {
                 d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap()
             });
+            let kp = d.gemm_default_kparts(tile, rows, cols, n_tok);
             line += &format!(
-                "; gemm() ({tile:?} + convert) {:.1} us = {:.1} TFLOP/s",
+                "; gemm() ({tile:?}, {kp} K parts, + convert) {:.1} us = {:.1} TFLOP/s",
                 t * 1e3,
                 flop / t / 1e9
             );
@@ -735,7 +762,7 @@ fn timings_at_qwen3_30b_shapes() {
             wb.len() >> 20,
             t_cvt * 1e3
         );
-        for tile in [GemmTile::M64, GemmTile::M128] {
+        for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
             let t = time_ms(d, reps, || {
                 d.moe_gemm_converted(
                     tile,

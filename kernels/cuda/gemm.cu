@@ -84,7 +84,8 @@ struct GmStage {
 
 // One CTA tile: rows [row0, row0 + BM) of the matrix at `W` times the GM_BN X rows named by
 // xrow[] (n_valid of them), written to Y rows yrow[] (row length ldy). X16 holds 16-bit rows
-// of `cols`. Threads: 2 * BM (warps BM/32 along the rows x 2 along the tokens, 32 x 32 each).
+// of `cols`. Threads: BM * WN (warps BM/32 along the rows x WN along the tokens, each warp
+// 32 rows x 64/WN tokens).
 //
 // K order inside one mma: the 16 logical k of a m16n8k16 step map to physical columns so that
 // every thread's A pair (k 2t, 2t+1) and (k 2t+8, 2t+9) and B pair are 4 consecutive
@@ -92,17 +93,20 @@ struct GmStage {
 // fragment is one 32-bit (int8 W) or 64-bit (16-bit W, X) shared load.
 // GLU: W2 is a second matrix (up) of the same shape as W (gate); the tile writes
 // silu(W_r . x) * (W2_r . x).
-template <bool Q8, int BM, bool GLU>
+template <bool Q8, int BM, int WN, bool GLU>
 __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __restrict__ W2,
                                         int rows, int cols, int row0,
                                         const u16* __restrict__ X16, const int* xrow,
                                         const int* yrow, int n_valid, float* __restrict__ Y,
-                                        int ldy, u8* smem) {
+                                        int ldy, u8* smem, int kpart, int kparts) {
     typedef GmStage<Q8, BM, GLU> St;
-    constexpr int NT = 2 * BM;
+    constexpr int NT = BM * WN;         // threads: BM/32 warps along the rows x WN
+    constexpr int NI = GM_BN / 8 / WN;  // n-fragments (8 tokens) per warp
     const int tid = threadIdx.x;
     const int nb = cols / QK8_0;
-    const int kt_n = (cols + GM_BK - 1) / GM_BK;
+    // This CTA's share of the K stages (split-K: kparts CTAs add into a zeroed Y).
+    const int kt_all = (cols + GM_BK - 1) / GM_BK;
+    const int kt_lo = kt_all * kpart / kparts, kt_n = kt_all * (kpart + 1) / kparts - kt_lo;
 
     auto load = [&](int slot, int kt) {
         const int k0 = kt * GM_BK;
@@ -163,20 +167,20 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
     };
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
-    const int wm = warp >> 1, wn = warp & 1;
-    float acc[St::NW][2][4][4];
+    const int wm = warp / WN, wn = warp % WN;
+    float acc[St::NW][2][NI][4];
 #pragma unroll
     for (int m = 0; m < St::NW; ++m)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < NI; ++j)
 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[m][i][j][v] = 0.0f;
 
 #pragma unroll
     for (int s = 0; s < GM_STAGES - 1; ++s) {
-        if (s < kt_n) load(s, s);
+        if (s < kt_n) load(s, kt_lo + s);
         gm_commit();
     }
     for (int kt = 0; kt < kt_n; ++kt) {
@@ -184,7 +188,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
         __syncthreads();
         {
             const int nk = kt + GM_STAGES - 1;
-            if (nk < kt_n) load(nk % GM_STAGES, nk);
+            if (nk < kt_n) load(nk % GM_STAGES, kt_lo + nk);
             gm_commit();
         }
         const u8* sx = smem + (kt % GM_STAGES) * St::BYTES + St::NW * (St::W + St::S);
@@ -214,8 +218,8 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                 }
             }
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const int n = wn * 32 + ni * 8 + g;
+            for (int ni = 0; ni < NI; ++ni) {
+                const int n = wn * (GM_BN / WN) + ni * 8 + g;
                 const uint2 b = *(const uint2*)(sx + n * GM_H_STRIDE + s * 32 + tg * 8);
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) gm_mma<Q8>(acc[m][mi][ni], a[mi], b.x, b.y);
@@ -228,22 +232,26 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
+        for (int ni = 0; ni < NI; ++ni) {
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 const int r = row0 + wm * 32 + mi * 16 + g + (v >> 1) * 8;
-                const int n = wn * 32 + ni * 8 + tg * 2 + (v & 1);
+                const int n = wn * (GM_BN / WN) + ni * 8 + tg * 2 + (v & 1);
                 float o = acc[0][mi][ni][v];
                 if (GLU) o = o / (1.0f + expf(-o)) * acc[St::NW - 1][mi][ni][v];
-                if (r < rows && n < n_valid) Y[(long)yrow[n] * ldy + r] = o;
+                if (r < rows && n < n_valid) {
+                    if (kparts > 1) atomicAdd(&Y[(long)yrow[n] * ldy + r], o);
+                    else Y[(long)yrow[n] * ldy + r] = o;
+                }
             }
         }
     }
 }
 
-// Dense: grid (ceil(rows / BM), ceil(n_tok / GM_BN)), block 2 * BM, dynamic shared memory
-// GM_STAGES * GmStage<Q8, BM>::BYTES.
-template <bool Q8, int BM>
+// Dense: grid (ceil(rows / BM), ceil(n_tok / GM_BN), K parts), block BM * WN, dynamic shared
+// memory GM_STAGES * GmStage::BYTES. With more than one K part Y must be zeroed first; two
+// parts keep the result deterministic (0 + a + b == 0 + b + a).
+template <bool Q8, int BM, int WN>
 __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, int rows,
                                          int cols, int n_tok) {
     extern __shared__ __align__(16) u8 gm_smem[];
@@ -252,14 +260,14 @@ __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, 
     const int n_valid = min(GM_BN, n_tok - t0);
     if (threadIdx.x < GM_BN) xrow[threadIdx.x] = t0 + threadIdx.x;
     __syncthreads();
-    gm_tile<Q8, BM, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y, rows,
-                           gm_smem);
+    gm_tile<Q8, BM, WN, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y,
+                               rows, gm_smem, blockIdx.z, gridDim.z);
 }
 
 // Grouped: grid (ceil(rows / BM), max_tiles), block 2 * BM. Tile y covers assignments
 // perm[pos0 .. pos0 + count) of expert e = tiles[2y] (pos0 = tiles[2y + 1]); CTAs past the
 // device-side tile count exit. Expert e's matrix starts at byte e * mat_bytes of W.
-template <bool Q8, int BM, bool GLU>
+template <bool Q8, int BM, int WN, bool GLU>
 __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes,
                                        const u16* X16, float* Y,
                                        int rows, int cols, const int* offsets, const int* perm,
@@ -277,26 +285,37 @@ __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes
         yrow[threadIdx.x] = a;
     }
     __syncthreads();
-    gm_tile<Q8, BM, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
-                         blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem);
+    gm_tile<Q8, BM, WN, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
+                         blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1);
 }
 
 // Entry points. Dense: W, X16 (n_tok rows of cols 16-bit values), Y (n_tok x rows f32).
 ST_KERNEL void gemm_q8_0_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
                              float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<true, 64>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<true, 64, 2>(W, X16, Y, rows, cols, n_tok);
 }
 ST_KERNEL void gemm_q8_0_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
                               float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<true, 128>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<true, 128, 2>(W, X16, Y, rows, cols, n_tok);
 }
 ST_KERNEL void gemm_bf16_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
                              float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<false, 64>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<false, 64, 2>(W, X16, Y, rows, cols, n_tok);
 }
 ST_KERNEL void gemm_bf16_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
                               float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<false, 128>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<false, 128, 2>(W, X16, Y, rows, cols, n_tok);
+}
+
+// 128 rows, one warp along the tokens (4 warps of 32 rows x 64 tokens): fewer instructions
+// per mma than the 32 x 32 warp tiles above.
+ST_KERNEL void gemm_q8_0_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                               float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<true, 128, 1>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_bf16_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                               float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<false, 128, 1>(W, X16, Y, rows, cols, n_tok);
 }
 
 // Grouped: W the 3-D expert tensor, X16 (n_tok rows when gather, else n_tok * k), Y
@@ -307,18 +326,20 @@ ST_KERNEL void gemm_bf16_m128(const u8* __restrict__ W, const u16* __restrict__ 
         const int *__restrict__ perm, const int *__restrict__ tiles,                         \
         const int *__restrict__ n_tiles, int k, int gather
 #define GM_MOE_PASS mat_bytes, X16, Y, rows, cols, offsets, perm, tiles, n_tiles, k, gather
-ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) { gm_moe<true, 64, false>(W, W, GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_q8_0_m128(GM_MOE_ARGS) { gm_moe<true, 128, false>(W, W, GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_bf16_m64(GM_MOE_ARGS) { gm_moe<false, 64, false>(W, W, GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_bf16_m128(GM_MOE_ARGS) { gm_moe<false, 128, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) { gm_moe<true, 64, 2, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_q8_0_m128(GM_MOE_ARGS) { gm_moe<true, 128, 2, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_bf16_m64(GM_MOE_ARGS) { gm_moe<false, 64, 2, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_bf16_m128(GM_MOE_ARGS) { gm_moe<false, 128, 2, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_q8_0_m128w(GM_MOE_ARGS) { gm_moe<true, 128, 1, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_bf16_m128w(GM_MOE_ARGS) { gm_moe<false, 128, 1, false>(W, W, GM_MOE_PASS); }
 
 // Fused gate + up (SwiGLU): Y[a][r] = silu(Wg_e,r . xrow(a)) * (Wu_e,r . xrow(a)), Wg and Wu
 // two expert tensors of the same shape and type (W is the gate tensor).
 ST_KERNEL void moe_gemm_glu_q8_0_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
-    gm_moe<true, 64, true>(W, Wu, GM_MOE_PASS);
+    gm_moe<true, 64, 2, true>(W, Wu, GM_MOE_PASS);
 }
 ST_KERNEL void moe_gemm_glu_bf16_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
-    gm_moe<false, 64, true>(W, Wu, GM_MOE_PASS);
+    gm_moe<false, 64, 2, true>(W, Wu, GM_MOE_PASS);
 }
 
 // X f32 -> f16 (bf16 != 0: bf16), round to nearest even; n a multiple of 4, both 16-byte

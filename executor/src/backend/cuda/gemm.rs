@@ -23,12 +23,17 @@ pub const GEMM_STAGES: usize = 3;
 /// Most experts `moe_sort` handles (its shared memory holds three ints per expert).
 pub const MOE_MAX_EXPERT: usize = 4096;
 const SORT_THREADS: u32 = 1024;
+/// The tile `moe_gemm` uses (fastest at Qwen3-30B-A3B's expert shapes on an H200).
+pub const MOE_DEFAULT_TILE: GemmTile = GemmTile::M128;
 
-/// Weight rows per CTA tile: 64 (128 threads) or 128 (256 threads).
+/// CTA tile over the weight rows (always `GEMM_BN` tokens): `M64` 64 rows by 4 warps of
+/// 32 x 32, `M128` 128 rows by 8 such warps, `M128W` 128 rows by 4 warps of 32 rows x 64
+/// tokens (fewer instructions per mma, more registers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmTile {
     M64,
     M128,
+    M128W,
 }
 
 impl GemmTile {
@@ -36,7 +41,15 @@ impl GemmTile {
     pub fn rows(self) -> usize {
         match self {
             GemmTile::M64 => 64,
-            GemmTile::M128 => 128,
+            GemmTile::M128 | GemmTile::M128W => 128,
+        }
+    }
+
+    /// Threads per CTA.
+    pub fn threads(self) -> u32 {
+        match self {
+            GemmTile::M64 | GemmTile::M128W => 128,
+            GemmTile::M128 => 256,
         }
     }
 }
@@ -155,6 +168,10 @@ fn kernel_name(moe: bool, ty: GgmlType, tile: GemmTile) -> &'static str {
         (false, true, GemmTile::M128) => "gemm_q8_0_m128",
         (false, false, GemmTile::M64) => "gemm_bf16_m64",
         (false, false, GemmTile::M128) => "gemm_bf16_m128",
+        (false, true, GemmTile::M128W) => "gemm_q8_0_m128w",
+        (false, false, GemmTile::M128W) => "gemm_bf16_m128w",
+        (true, true, GemmTile::M128W) => "moe_gemm_q8_0_m128w",
+        (true, false, GemmTile::M128W) => "moe_gemm_bf16_m128w",
         (true, true, GemmTile::M64) => "moe_gemm_q8_0_m64",
         (true, true, GemmTile::M128) => "moe_gemm_q8_0_m128",
         (true, false, GemmTile::M64) => "moe_gemm_bf16_m64",
@@ -169,10 +186,10 @@ impl CudaDevice {
             .map_or(132, |n| n.max(1) as usize)
     }
 
-    /// The tile the dense product uses by default: 128 rows when that still gives two CTAs
-    /// per multiprocessor, else 64.
+    /// The tile the dense product uses by default: 128 rows when that still gives at least
+    /// half a CTA per multiprocessor, else 64 (measured on an H200 at pp512).
     pub fn gemm_default_tile(&self, rows: usize, n_tok: usize) -> GemmTile {
-        if rows.div_ceil(128) * n_tok.div_ceil(GEMM_BN) >= 2 * self.sm_count() {
+        if 2 * rows.div_ceil(128) * n_tok.div_ceil(GEMM_BN) >= self.sm_count() {
             GemmTile::M128
         } else {
             GemmTile::M64
@@ -241,8 +258,25 @@ impl CudaDevice {
         self.gemm_converted(tile, w, ty, rows, cols, scratch, n_tok, y)
     }
 
+    /// How many K parts the dense product splits into by default: 2 when the tiles alone
+    /// would leave multiprocessors idle and each part keeps at least two pipeline stages.
+    pub fn gemm_default_kparts(
+        &self,
+        tile: GemmTile,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+    ) -> usize {
+        let ctas = rows.div_ceil(tile.rows()) * n_tok.div_ceil(GEMM_BN);
+        if ctas < self.sm_count() && cols.div_ceil(GEMM_BK) >= 4 {
+            2
+        } else {
+            1
+        }
+    }
+
     /// The product of [`CudaDevice::gemm`] on an input already converted by
-    /// [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile.
+    /// [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile and the default K split.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_converted(
         &self,
@@ -255,7 +289,30 @@ impl CudaDevice {
         n_tok: usize,
         y: DeviceView<'_>,
     ) -> Result<(), CudaError> {
+        let kparts = self.gemm_default_kparts(tile, rows, cols, n_tok);
+        self.gemm_converted_kparts(tile, kparts, w, ty, rows, cols, xh, n_tok, y)
+    }
+
+    /// [`CudaDevice::gemm_converted`] with an explicit K split: `kparts` 1 (plain stores) or
+    /// 2 (y zeroed, then both halves of the columns added atomically; 0 + a + b is the same
+    /// in either order, so the result stays deterministic).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_converted_kparts(
+        &self,
+        tile: GemmTile,
+        kparts: usize,
+        w: DeviceView<'_>,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        xh: DeviceView<'_>,
+        n_tok: usize,
+        y: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "gemm";
+        if kparts != 1 && kparts != 2 {
+            return Err(bad(OP, format!("kparts {kparts} must be 1 or 2")));
+        }
         let wb = matrix_bytes(OP, ty, rows, cols)?;
         w.expect(OP, "w", wb, 16)?;
         xh.expect(OP, "xh", gemm_scratch_bytes(n_tok, cols), 16)?;
@@ -290,9 +347,13 @@ impl CudaDevice {
         let (wp, xp, yp) = (w.ptr(), xh.ptr(), y.ptr());
         let mut b = self.stream.launch_builder(f);
         b.arg(&wp).arg(&xp).arg(&yp).arg(&ri).arg(&ci).arg(&ni);
+        // (the K part is blockIdx.z; the grid below sets the count)
+        if kparts > 1 {
+            self.memset(y.sub(0, 4 * n_tok as u64 * rows as u64)?, 0)?;
+        }
         let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(tile.rows()) as u32, gy as u32, 1),
-            block_dim: (2 * tile.rows() as u32, 1, 1),
+            grid_dim: (rows.div_ceil(tile.rows()) as u32, gy as u32, kparts as u32),
+            block_dim: (tile.threads(), 1, 1),
             shared_mem_bytes: smem as u32,
         };
         // SAFETY: w holds one rows × cols matrix of ty, xh n_tok rows of cols 16-bit values,
@@ -329,6 +390,14 @@ impl CudaDevice {
             GEMM_BN as i32,
         );
         let f = self.function("moe_sort")?;
+        let smem = 12 * n_expert as u32;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(drv(format!(
+            "cuFuncSetAttribute(moe_sort, {smem} bytes shared)"
+        )))?;
         let base = sorted.ptr();
         let (ip, op, pp, tp, cp) = (
             ids.ptr(),
@@ -349,7 +418,7 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (SORT_THREADS, 1, 1),
-            shared_mem_bytes: 12 * n_expert as u32,
+            shared_mem_bytes: smem,
         };
         // SAFETY: ids holds n_assign i32; sorted holds the whole MoeScratch layout (offsets
         // n_expert + 1, perm n_assign, tiles max_tiles pairs — the kernel writes at most
@@ -389,7 +458,7 @@ impl CudaDevice {
         matrix_bytes("moe_gemm", ty, rows, cols)?;
         self.gemm_convert_x(x, x_rows, cols, ty, scratch)?;
         self.moe_gemm_converted(
-            GemmTile::M64,
+            MOE_DEFAULT_TILE,
             w,
             None,
             ty,
@@ -543,7 +612,7 @@ impl CudaDevice {
         b.arg(&op).arg(&pp).arg(&tp).arg(&cp).arg(&ki).arg(&gather);
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(tile.rows()) as u32, lay.max_tiles as u32, 1),
-            block_dim: (2 * tile.rows() as u32, 1, 1),
+            block_dim: (tile.threads(), 1, 1),
             shared_mem_bytes: smem as u32,
         };
         // SAFETY: w holds n_expert matrices, xh x_rows rows, y n_assign rows and sorted the
