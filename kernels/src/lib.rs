@@ -72,6 +72,28 @@ const RAW: &[Raw] = &[
             "dq_moe_combine",
         ],
     },
+    Raw {
+        name: "gemm",
+        body: include_str!("../cuda/gemm.cu"),
+        entry_points: &[
+            "gemm_q8_0_m64",
+            "gemm_q8_0_m128",
+            "gemm_bf16_m64",
+            "gemm_bf16_m128",
+            "gemm_q8_0_m128w",
+            "gemm_bf16_m128w",
+            "moe_gemm_q8_0_m64",
+            "moe_gemm_q8_0_m128",
+            "moe_gemm_bf16_m64",
+            "moe_gemm_bf16_m128",
+            "moe_gemm_q8_0_m128w",
+            "moe_gemm_bf16_m128w",
+            "moe_gemm_glu_q8_0_m64",
+            "moe_gemm_glu_bf16_m64",
+            "gemm_cvt_x",
+            "moe_sort",
+        ],
+    },
 ];
 
 /// Hex SHA-256 of a text.

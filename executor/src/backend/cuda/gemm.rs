@@ -1,0 +1,625 @@
+//! Prefill matrix-matrix launchers of the CUDA backend (kernels in `kernels/cuda/gemm.cu`):
+//! the dense tensor-core GEMM `y[t][r] = W_r · x[t]` for Q8_0 (split device layout, see
+//! `layout`) and BF16 weights, and the grouped MoE form: `moe_sort` (router choices to
+//! per-expert tiles, on the device) then `moe_gemm` over those tiles. Activations are f32 in
+//! and out; each product first rounds `x` into a caller-provided 16-bit scratch (f16 for
+//! Q8_0 weights, bf16 for BF16 weights).
+//! Invariant: every launch's views are checked (bytes and alignment) against what the kernels
+//! touch before it is queued, and no launcher reads anything back from the device, so the
+//! whole MoE sequence (sort, convert, products) can be captured in a CUDA graph: its grids
+//! depend only on `n_tok`, `k`, `n_expert` and the shapes.
+
+use super::{drv, CudaDevice, CudaError, DeviceView};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use strata_schemas::ggml::GgmlType;
+
+/// Tokens (or expert assignments) per CTA tile, and so per MoE tile (gemm.cu's GM_BN).
+pub const GEMM_BN: usize = 64;
+/// Columns per pipeline stage (GM_BK).
+pub const GEMM_BK: usize = 64;
+/// Pipeline depth (GM_STAGES).
+pub const GEMM_STAGES: usize = 3;
+/// Most experts `moe_sort` handles (its shared memory holds three ints per expert).
+pub const MOE_MAX_EXPERT: usize = 4096;
+const SORT_THREADS: u32 = 1024;
+/// The tile `moe_gemm` uses (fastest at Qwen3-30B-A3B's expert shapes on an H200).
+pub const MOE_DEFAULT_TILE: GemmTile = GemmTile::M128;
+
+/// CTA tile over the weight rows (always `GEMM_BN` tokens): `M64` 64 rows by 4 warps of
+/// 32 x 32, `M128` 128 rows by 8 such warps, `M128W` 128 rows by 4 warps of 32 rows x 64
+/// tokens (fewer instructions per mma, more registers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmTile {
+    M64,
+    M128,
+    M128W,
+}
+
+impl GemmTile {
+    /// Weight rows per tile.
+    pub fn rows(self) -> usize {
+        match self {
+            GemmTile::M64 => 64,
+            GemmTile::M128 | GemmTile::M128W => 128,
+        }
+    }
+
+    /// Threads per CTA.
+    pub fn threads(self) -> u32 {
+        match self {
+            GemmTile::M64 | GemmTile::M128W => 128,
+            GemmTile::M128 => 256,
+        }
+    }
+}
+
+/// Where a MoE product's input row for assignment `a = t * k + j` comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeInput {
+    /// `x[a / k]`: x has one row per token (gate and up projections).
+    Gather,
+    /// `x[a]`: x has one row per assignment (the down projection).
+    Direct,
+}
+
+/// Bytes of the 16-bit copy of `x_rows` rows of `cols` that a product needs as scratch.
+pub fn gemm_scratch_bytes(x_rows: usize, cols: usize) -> u64 {
+    2 * x_rows as u64 * cols as u64
+}
+
+/// Where `moe_sort` puts its outputs inside one scratch view (byte offsets, 16-aligned):
+/// `offsets` i32 `[n_expert + 1]` (assignments of expert e are `perm[offsets[e] ..
+/// offsets[e + 1]]`; `offsets[n_expert]` counts the valid ones), `perm` i32 `[n_assign]`,
+/// `tiles` i32 pairs `(expert, first position)` `[max_tiles]`, `n_tiles` one i32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeScratch {
+    pub n_assign: usize,
+    pub n_expert: usize,
+    /// Host upper bound of the tile count: `min(ceil(n_assign / GEMM_BN) + n_expert,
+    /// n_assign)`; it sizes the MoE grid.
+    pub max_tiles: usize,
+    pub offsets: u64,
+    pub perm: u64,
+    pub tiles: u64,
+    pub n_tiles: u64,
+    /// Total bytes.
+    pub bytes: u64,
+}
+
+impl MoeScratch {
+    /// The layout for `n_tok` tokens of `k` choices among `n_expert` experts.
+    pub fn new(n_tok: usize, k: usize, n_expert: usize) -> Self {
+        let n_assign = n_tok * k;
+        let max_tiles = (n_assign.div_ceil(GEMM_BN) + n_expert).min(n_assign);
+        let al = |b: u64| b.div_ceil(16) * 16;
+        let offsets = 0u64;
+        let perm = al(offsets + 4 * (n_expert as u64 + 1));
+        let tiles = al(perm + 4 * n_assign as u64);
+        let n_tiles = al(tiles + 8 * max_tiles as u64);
+        let bytes = al(n_tiles + 4);
+        Self {
+            n_assign,
+            n_expert,
+            max_tiles,
+            offsets,
+            perm,
+            tiles,
+            n_tiles,
+            bytes,
+        }
+    }
+}
+
+/// Bytes of the scratch `moe_sort` writes and `moe_gemm` reads.
+pub fn moe_scratch_bytes(n_tok: usize, k: usize, n_expert: usize) -> u64 {
+    MoeScratch::new(n_tok, k, n_expert).bytes
+}
+
+fn bad(op: &'static str, detail: String) -> CudaError {
+    CudaError::Shape { op, detail }
+}
+
+fn int(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| {
+        bad(
+            op,
+            format!("{what} = {v} exceeds the kernel's 32-bit index"),
+        )
+    })
+}
+
+/// Bytes of one `rows × cols` weight matrix of `ty` on the device, with the column rule the
+/// kernels need.
+fn matrix_bytes(
+    op: &'static str,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+) -> Result<u64, CudaError> {
+    let (r, c) = (rows as u64, cols as u64);
+    match ty {
+        GgmlType::Q8_0 if cols % 32 == 0 && cols > 0 => Ok(r * c / 32 * 34),
+        GgmlType::BF16 if cols % 8 == 0 && cols > 0 => Ok(r * c * 2),
+        GgmlType::Q8_0 | GgmlType::BF16 => Err(bad(
+            op,
+            format!("{ty} weights of {cols} columns: Q8_0 needs a multiple of 32, BF16 of 8"),
+        )),
+        other => Err(bad(
+            op,
+            format!("no tensor-core kernel for {other} weights (Q8_0 and BF16 only); use matvec"),
+        )),
+    }
+}
+
+fn smem_bytes(ty: GgmlType, tile: GemmTile, n_weights: usize) -> usize {
+    let bm = tile.rows();
+    let w = if ty == GgmlType::Q8_0 {
+        bm * 80 + bm * 4
+    } else {
+        bm * 160
+    };
+    GEMM_STAGES * (n_weights * w + GEMM_BN * 160)
+}
+
+fn kernel_name(moe: bool, ty: GgmlType, tile: GemmTile) -> &'static str {
+    match (moe, ty == GgmlType::Q8_0, tile) {
+        (false, true, GemmTile::M64) => "gemm_q8_0_m64",
+        (false, true, GemmTile::M128) => "gemm_q8_0_m128",
+        (false, false, GemmTile::M64) => "gemm_bf16_m64",
+        (false, false, GemmTile::M128) => "gemm_bf16_m128",
+        (false, true, GemmTile::M128W) => "gemm_q8_0_m128w",
+        (false, false, GemmTile::M128W) => "gemm_bf16_m128w",
+        (true, true, GemmTile::M128W) => "moe_gemm_q8_0_m128w",
+        (true, false, GemmTile::M128W) => "moe_gemm_bf16_m128w",
+        (true, true, GemmTile::M64) => "moe_gemm_q8_0_m64",
+        (true, true, GemmTile::M128) => "moe_gemm_q8_0_m128",
+        (true, false, GemmTile::M64) => "moe_gemm_bf16_m64",
+        (true, false, GemmTile::M128) => "moe_gemm_bf16_m128",
+    }
+}
+
+impl CudaDevice {
+    fn sm_count(&self) -> usize {
+        self.ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
+    }
+
+    /// The tile the dense product uses by default: 128 rows when that still gives at least
+    /// half a CTA per multiprocessor, else 64 (measured on an H200 at pp512).
+    pub fn gemm_default_tile(&self, rows: usize, n_tok: usize) -> GemmTile {
+        if 2 * rows.div_ceil(128) * n_tok.div_ceil(GEMM_BN) >= self.sm_count() {
+            GemmTile::M128
+        } else {
+            GemmTile::M64
+        }
+    }
+
+    /// Rounds `x` (`x_rows × cols` f32, 16-byte aligned) into `xh` (`x_rows × cols` 16-bit:
+    /// f16 when `ty` is Q8_0, bf16 when BF16), the input form of the tensor-core products.
+    pub fn gemm_convert_x(
+        &self,
+        x: DeviceView<'_>,
+        x_rows: usize,
+        cols: usize,
+        ty: GgmlType,
+        xh: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "gemm_convert_x";
+        if cols % 8 != 0 {
+            return Err(bad(OP, format!("cols {cols} must be a multiple of 8")));
+        }
+        let n = x_rows as u64 * cols as u64;
+        x.expect(OP, "x", 4 * n, 16)?;
+        xh.expect(OP, "xh (scratch)", 2 * n, 16)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let bf16 = match ty {
+            GgmlType::Q8_0 => 0i32,
+            GgmlType::BF16 => 1,
+            other => return Err(bad(OP, format!("no tensor-core kernel for {other}"))),
+        };
+        let f = self.function("gemm_cvt_x")?;
+        let (xp, hp, nl) = (x.ptr(), xh.ptr(), n as i64);
+        let blocks = (n / 4).div_ceil(256).min(16 * self.sm_count() as u64) as u32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp).arg(&hp).arg(&nl).arg(&bf16);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds n f32 and xh n 16-bit values, both 16-byte aligned; n is a multiple
+        // of 8, so the kernel's float4 / uint2 accesses stay inside.
+        unsafe { b.launch(cfg) }.map_err(drv("launch gemm_cvt_x"))?;
+        Ok(())
+    }
+
+    /// `y[t][r] = W_r · x[t]` for `n_tok` tokens: W `rows × cols` of `ty` (Q8_0 in the split
+    /// device layout, or BF16 row-major) 16-byte aligned, x `n_tok × cols` f32 (16-byte
+    /// aligned), y `n_tok × rows` f32; `scratch` holds `gemm_scratch_bytes(n_tok, cols)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        w: DeviceView<'_>,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: DeviceView<'_>,
+        n_tok: usize,
+        y: DeviceView<'_>,
+        scratch: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        matrix_bytes("gemm", ty, rows, cols)?;
+        self.gemm_convert_x(x, n_tok, cols, ty, scratch)?;
+        let tile = self.gemm_default_tile(rows, n_tok);
+        self.gemm_converted(tile, w, ty, rows, cols, scratch, n_tok, y)
+    }
+
+    /// How many K parts the dense product splits into by default: 2 when the tiles alone
+    /// would leave multiprocessors idle and each part keeps at least two pipeline stages.
+    pub fn gemm_default_kparts(
+        &self,
+        tile: GemmTile,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+    ) -> usize {
+        let ctas = rows.div_ceil(tile.rows()) * n_tok.div_ceil(GEMM_BN);
+        if ctas < self.sm_count() && cols.div_ceil(GEMM_BK) >= 4 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// The product of [`CudaDevice::gemm`] on an input already converted by
+    /// [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile and the default K split.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_converted(
+        &self,
+        tile: GemmTile,
+        w: DeviceView<'_>,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        xh: DeviceView<'_>,
+        n_tok: usize,
+        y: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        let kparts = self.gemm_default_kparts(tile, rows, cols, n_tok);
+        self.gemm_converted_kparts(tile, kparts, w, ty, rows, cols, xh, n_tok, y)
+    }
+
+    /// [`CudaDevice::gemm_converted`] with an explicit K split: `kparts` 1 (plain stores) or
+    /// 2 (y zeroed, then both halves of the columns added atomically; 0 + a + b is the same
+    /// in either order, so the result stays deterministic).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_converted_kparts(
+        &self,
+        tile: GemmTile,
+        kparts: usize,
+        w: DeviceView<'_>,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        xh: DeviceView<'_>,
+        n_tok: usize,
+        y: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "gemm";
+        if kparts != 1 && kparts != 2 {
+            return Err(bad(OP, format!("kparts {kparts} must be 1 or 2")));
+        }
+        let wb = matrix_bytes(OP, ty, rows, cols)?;
+        w.expect(OP, "w", wb, 16)?;
+        xh.expect(OP, "xh", gemm_scratch_bytes(n_tok, cols), 16)?;
+        y.expect(OP, "y", 4 * n_tok as u64 * rows as u64, 4)?;
+        let (ri, ci, ni) = (
+            int(OP, "rows", rows)?,
+            int(OP, "cols", cols)?,
+            int(OP, "n_tok", n_tok)?,
+        );
+        int(OP, "n_tok * cols", n_tok * cols)?;
+        int(OP, "rows * cols", rows * cols)?;
+        if rows == 0 || n_tok == 0 {
+            return Ok(());
+        }
+        let gy = n_tok.div_ceil(GEMM_BN);
+        if gy > 65535 {
+            return Err(bad(
+                OP,
+                format!("n_tok {n_tok} needs more than 65535 token tiles"),
+            ));
+        }
+        let name = kernel_name(false, ty, tile);
+        let f = self.function(name)?;
+        let smem = smem_bytes(ty, tile, 1);
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(drv(format!(
+            "cuFuncSetAttribute({name}, {smem} bytes shared)"
+        )))?;
+        let (wp, xp, yp) = (w.ptr(), xh.ptr(), y.ptr());
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&wp).arg(&xp).arg(&yp).arg(&ri).arg(&ci).arg(&ni);
+        // (the K part is blockIdx.z; the grid below sets the count)
+        if kparts > 1 {
+            self.memset(y.sub(0, 4 * n_tok as u64 * rows as u64)?, 0)?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(tile.rows()) as u32, gy as u32, kparts as u32),
+            block_dim: (tile.threads(), 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: w holds one rows × cols matrix of ty, xh n_tok rows of cols 16-bit values,
+        // y n_tok × rows f32, all checked above; the kernel guards rows, tokens and columns.
+        unsafe { b.launch(cfg) }.map_err(drv(format!("launch {name}")))?;
+        Ok(())
+    }
+
+    /// Groups the router's choices by expert: `ids` is `n_tok × k` i32 expert ids; writes the
+    /// [`MoeScratch`] layout into `sorted` (at least `moe_scratch_bytes(n_tok, k, n_expert)`
+    /// bytes, 16-byte aligned). One single-block launch, no host sync. Ids outside
+    /// `[0, n_expert)` are left out (their output rows are not written).
+    pub fn moe_sort(
+        &self,
+        ids: DeviceView<'_>,
+        n_tok: usize,
+        k: usize,
+        n_expert: usize,
+        sorted: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_sort";
+        if n_expert == 0 || n_expert > MOE_MAX_EXPERT || k == 0 {
+            return Err(bad(
+                OP,
+                format!("n_expert {n_expert} must be 1..={MOE_MAX_EXPERT} and k {k} at least 1"),
+            ));
+        }
+        let lay = MoeScratch::new(n_tok, k, n_expert);
+        ids.expect(OP, "ids", 4 * lay.n_assign as u64, 4)?;
+        sorted.expect(OP, "sorted (scratch)", lay.bytes, 16)?;
+        let (na, ne, bn) = (
+            int(OP, "n_tok * k", lay.n_assign)?,
+            n_expert as i32,
+            GEMM_BN as i32,
+        );
+        let f = self.function("moe_sort")?;
+        let smem = 12 * n_expert as u32;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(drv(format!(
+            "cuFuncSetAttribute(moe_sort, {smem} bytes shared)"
+        )))?;
+        let base = sorted.ptr();
+        let (ip, op, pp, tp, cp) = (
+            ids.ptr(),
+            base + lay.offsets,
+            base + lay.perm,
+            base + lay.tiles,
+            base + lay.n_tiles,
+        );
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&ip)
+            .arg(&na)
+            .arg(&ne)
+            .arg(&bn)
+            .arg(&op)
+            .arg(&pp)
+            .arg(&tp)
+            .arg(&cp);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (SORT_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: ids holds n_assign i32; sorted holds the whole MoeScratch layout (offsets
+        // n_expert + 1, perm n_assign, tiles max_tiles pairs — the kernel writes at most
+        // sum ceil(count_e / bn) <= max_tiles — and n_tiles); shared memory 3 * n_expert ints
+        // (<= 48 KiB as n_expert <= 4096).
+        unsafe { b.launch(cfg) }.map_err(drv("launch moe_sort"))?;
+        Ok(())
+    }
+
+    /// Grouped product over experts: for every assignment `a = t * k + j` (expert `ids[a]`,
+    /// as sorted into `sorted` by [`CudaDevice::moe_sort`] with the same `n_tok, k,
+    /// n_expert`), `y[a][r] = W_e,r · xrow(a)`, xrow(a) = `x[a / k]` (Gather: x is `n_tok ×
+    /// cols`) or `x[a]` (Direct: x is `n_tok·k × cols`). W is the 3-D expert tensor,
+    /// `n_expert` matrices of `rows × cols` (Q8_0 split layout per matrix, or BF16), matrix e
+    /// at byte `e · matrix bytes` (which must be a multiple of 16); y is `n_tok·k × rows` f32;
+    /// `scratch` holds `gemm_scratch_bytes(x rows, cols)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm(
+        &self,
+        w: DeviceView<'_>,
+        ty: GgmlType,
+        n_expert: usize,
+        rows: usize,
+        cols: usize,
+        x: DeviceView<'_>,
+        input: MoeInput,
+        n_tok: usize,
+        k: usize,
+        sorted: DeviceView<'_>,
+        y: DeviceView<'_>,
+        scratch: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        let x_rows = match input {
+            MoeInput::Gather => n_tok,
+            MoeInput::Direct => n_tok * k,
+        };
+        matrix_bytes("moe_gemm", ty, rows, cols)?;
+        self.gemm_convert_x(x, x_rows, cols, ty, scratch)?;
+        self.moe_gemm_converted(
+            MOE_DEFAULT_TILE,
+            w,
+            None,
+            ty,
+            n_expert,
+            rows,
+            cols,
+            scratch,
+            input,
+            n_tok,
+            k,
+            sorted,
+            y,
+        )
+    }
+
+    /// Fused SwiGLU expert product: `y[a][r] = silu(Wg_e,r · xrow(a)) * (Wu_e,r · xrow(a))`,
+    /// `wg` and `wu` two expert tensors as in [`CudaDevice::moe_gemm`] (same type and shape);
+    /// saves the separate up product, its output and the SwiGLU pass.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm_glu(
+        &self,
+        wg: DeviceView<'_>,
+        wu: DeviceView<'_>,
+        ty: GgmlType,
+        n_expert: usize,
+        rows: usize,
+        cols: usize,
+        x: DeviceView<'_>,
+        input: MoeInput,
+        n_tok: usize,
+        k: usize,
+        sorted: DeviceView<'_>,
+        y: DeviceView<'_>,
+        scratch: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        let x_rows = match input {
+            MoeInput::Gather => n_tok,
+            MoeInput::Direct => n_tok * k,
+        };
+        matrix_bytes("moe_gemm_glu", ty, rows, cols)?;
+        self.gemm_convert_x(x, x_rows, cols, ty, scratch)?;
+        self.moe_gemm_converted(
+            GemmTile::M64,
+            wg,
+            Some(wu),
+            ty,
+            n_expert,
+            rows,
+            cols,
+            scratch,
+            input,
+            n_tok,
+            k,
+            sorted,
+            y,
+        )
+    }
+
+    /// The product of [`CudaDevice::moe_gemm`] (`wu` None) or [`CudaDevice::moe_gemm_glu`]
+    /// (`w` the gate and `wu` the up tensor; always the 64-row tile) on an input already
+    /// converted by [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm_converted(
+        &self,
+        tile: GemmTile,
+        w: DeviceView<'_>,
+        wu: Option<DeviceView<'_>>,
+        ty: GgmlType,
+        n_expert: usize,
+        rows: usize,
+        cols: usize,
+        xh: DeviceView<'_>,
+        input: MoeInput,
+        n_tok: usize,
+        k: usize,
+        sorted: DeviceView<'_>,
+        y: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_gemm";
+        if n_expert == 0 || n_expert > MOE_MAX_EXPERT || k == 0 {
+            return Err(bad(
+                OP,
+                format!("n_expert {n_expert} must be 1..={MOE_MAX_EXPERT} and k {k} at least 1"),
+            ));
+        }
+        let mb = matrix_bytes(OP, ty, rows, cols)?;
+        if mb % 16 != 0 {
+            return Err(bad(
+                OP,
+                format!("one {rows} x {cols} {ty} expert matrix is {mb} bytes, not a multiple of 16, so later experts would be misaligned for 16-byte loads"),
+            ));
+        }
+        let lay = MoeScratch::new(n_tok, k, n_expert);
+        let x_rows = match input {
+            MoeInput::Gather => n_tok,
+            MoeInput::Direct => lay.n_assign,
+        };
+        w.expect(OP, "w", mb * n_expert as u64, 16)?;
+        if let Some(u) = wu {
+            u.expect(OP, "w_up", mb * n_expert as u64, 16)?;
+        }
+        xh.expect(OP, "xh", gemm_scratch_bytes(x_rows, cols), 16)?;
+        y.expect(OP, "y", 4 * lay.n_assign as u64 * rows as u64, 4)?;
+        sorted.expect(OP, "sorted", lay.bytes, 16)?;
+        let (ri, ci, ki) = (
+            int(OP, "rows", rows)?,
+            int(OP, "cols", cols)?,
+            int(OP, "k", k)?,
+        );
+        int(OP, "x rows * cols", x_rows * cols)?;
+        int(OP, "rows * cols", rows * cols)?;
+        if rows == 0 || lay.n_assign == 0 {
+            return Ok(());
+        }
+        if lay.max_tiles > 65535 {
+            return Err(bad(
+                OP,
+                format!("{} tiles exceed the grid's 65535", lay.max_tiles),
+            ));
+        }
+        let gather = (input == MoeInput::Gather) as i32;
+        let (name, tile) = match (wu.is_some(), ty == GgmlType::Q8_0) {
+            (false, _) => (kernel_name(true, ty, tile), tile),
+            (true, true) => ("moe_gemm_glu_q8_0_m64", GemmTile::M64),
+            (true, false) => ("moe_gemm_glu_bf16_m64", GemmTile::M64),
+        };
+        let f = self.function(name)?;
+        let smem = smem_bytes(ty, tile, 1 + wu.is_some() as usize);
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(drv(format!(
+            "cuFuncSetAttribute({name}, {smem} bytes shared)"
+        )))?;
+        let base = sorted.ptr();
+        let (wp, xp, yp) = (w.ptr(), xh.ptr(), y.ptr());
+        let (op, pp, tp, cp) = (
+            base + lay.offsets,
+            base + lay.perm,
+            base + lay.tiles,
+            base + lay.n_tiles,
+        );
+        let mbl = mb as i64;
+        let up = wu.map_or(0, |v| v.ptr());
+        let mut b = self.stream.launch_builder(f);
+        if wu.is_some() {
+            b.arg(&up);
+        }
+        b.arg(&wp).arg(&mbl).arg(&xp).arg(&yp).arg(&ri).arg(&ci);
+        b.arg(&op).arg(&pp).arg(&tp).arg(&cp).arg(&ki).arg(&gather);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(tile.rows()) as u32, lay.max_tiles as u32, 1),
+            block_dim: (tile.threads(), 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: w holds n_expert matrices, xh x_rows rows, y n_assign rows and sorted the
+        // moe_sort layout, all checked above. moe_sort wrote only experts < n_expert and
+        // assignments < n_assign into perm and tiles, so every gathered row is < x_rows
+        // (a / k < n_tok) and every scattered row < n_assign; CTAs past n_tiles exit.
+        unsafe { b.launch(cfg) }.map_err(drv(format!("launch {name}")))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,840 @@
+//! GPU tests of the prefill tensor-core products (`backend::cuda::gemm`): the dense GEMM for
+//! Q8_0 (split device layout) and BF16 weights, `moe_sort` and the grouped `moe_gemm`, each
+//! against a host reference (`quant::dequantize_row` + f64 matmul) on fresh random inputs
+//! with odd sizes, ragged tails, empty experts and one expert taking every token; then
+//! timings at Qwen3-30B-A3B's shapes.
+//! Invariant: without a usable CUDA device each test prints `SKIP (no CUDA device): ...` to
+//! stderr and returns. Run on a GPU machine with
+//! `cargo test -p strata-exec --release --test cuda_gemm -- --test-threads=1 --nocapture`.
+//!
+//! Tolerances (u = unit roundoff of the 16-bit input type): Q8_0 weights run in f16 (the
+//! dequantized weight and x are each rounded once, u = 2^-11), BF16 weights in bf16 (x rounded,
+//! u = 2^-8); products are exact and summed in f32. The error of one output is then about
+//! u * sqrt(sum (w x)^2) (random-sign rounding), which is ~ u * sqrt(cols) * rms(w x); we
+//! assert |err| <= 8u * sqrt(sum (w x)^2) (Q8_0) or 6u * sqrt(...) (BF16), about 7 and 10
+//! standard deviations, plus 1e-6 * sum |w x| for f32 summation.
+#![cfg(feature = "cuda")]
+
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rayon::prelude::*;
+use std::cell::Cell;
+use std::sync::OnceLock;
+use strata_exec::backend::cuda::gemm::{
+    gemm_scratch_bytes, moe_scratch_bytes, GemmTile, MoeInput, MoeScratch, GEMM_BN,
+};
+use strata_exec::backend::cuda::layout;
+use strata_exec::backend::cuda::{CudaDevice, DeviceArena, DeviceView};
+use strata_exec::quant;
+use strata_schemas::ggml::GgmlType;
+
+static DEV: OnceLock<Result<CudaDevice, String>> = OnceLock::new();
+
+fn dev(test: &str) -> Option<&'static CudaDevice> {
+    let r = DEV.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("strata-kcache-gemm-{}", std::process::id()));
+        std::env::set_var("STRATA_KERNEL_CACHE", &dir);
+        let t = std::time::Instant::now();
+        let d = CudaDevice::open(0).map_err(|e| e.to_string())?;
+        eprintln!(
+            "device: {} ({}), NVRTC {:?}, kernels ready in {:.2}s",
+            d.name(),
+            d.arch(),
+            d.nvrtc_version(),
+            t.elapsed().as_secs_f64()
+        );
+        Ok(d)
+    });
+    match r {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("SKIP (no CUDA device): {test}: {e}");
+            None
+        }
+    }
+}
+
+/// Hands out 256-aligned windows of one arena, front to back.
+struct Carve<'a> {
+    arena: &'a DeviceArena,
+    off: Cell<u64>,
+}
+
+impl<'a> Carve<'a> {
+    fn new(arena: &'a DeviceArena) -> Self {
+        Self {
+            arena,
+            off: Cell::new(0),
+        }
+    }
+    fn take(&self, len: u64) -> DeviceView<'a> {
+        let at = self.off.get();
+        let v = self.arena.view(at, len).expect("test arena too small");
+        self.off.set((at + len).div_ceil(256) * 256);
+        v
+    }
+}
+
+fn put<'a, T: strata_exec::backend::cuda::Pod>(
+    d: &CudaDevice,
+    c: &Carve<'a>,
+    x: &[T],
+) -> DeviceView<'a> {
+    let v = c.take(std::mem::size_of_val(x) as u64);
+    d.htod(x, v).unwrap();
+    v
+}
+
+fn get<T: strata_exec::backend::cuda::Pod>(d: &CudaDevice, v: DeviceView<'_>, n: usize) -> Vec<T> {
+    let mut out = vec![T::default(); n];
+    d.dtoh(
+        v.sub(0, std::mem::size_of_val(&out[..]) as u64).unwrap(),
+        &mut out,
+    )
+    .unwrap();
+    out
+}
+
+fn rand_vec(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| scale * (2.0 * rng.random::<f32>() - 1.0))
+        .collect()
+}
+
+/// `mats` random matrices of `rows × cols` of `ty`: (device-layout bytes, dequantized f32).
+fn weights(
+    rng: &mut StdRng,
+    ty: GgmlType,
+    mats: usize,
+    rows: usize,
+    cols: usize,
+) -> (Vec<u8>, Vec<f32>) {
+    let mut gguf = Vec::new();
+    let mut deq = vec![0f32; mats * rows * cols];
+    let rb = quant::row_bytes(ty, cols).unwrap();
+    for r in 0..mats * rows {
+        let s = 0.2 + 2.0 * rng.random::<f32>();
+        let row: Vec<f32> = (0..cols)
+            .map(|_| s * (2.0 * rng.random::<f32>() - 1.0))
+            .collect();
+        let at = gguf.len();
+        quant::quantize_row(ty, &row, &mut gguf).unwrap();
+        assert_eq!(gguf.len() - at, rb);
+        quant::dequantize_row(ty, &gguf[at..], &mut deq[r * cols..(r + 1) * cols]).unwrap();
+    }
+    let mut dev = vec![0u8; gguf.len()];
+    layout::to_device(ty, &gguf, mats, rows, cols, &mut dev).unwrap();
+    (dev, deq)
+}
+
+/// Reference `y[i][r] = sum_c w[r][c] x[i][c]` in f64 with sqrt(sum (w x)^2) and sum |w x|.
+fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<(f64, f64, f64)> {
+    x.par_chunks(cols)
+        .flat_map_iter(|xr| {
+            (0..rows).map(move |r| {
+                let wr = &w[r * cols..(r + 1) * cols];
+                let (mut s, mut s2, mut sa) = (0f64, 0f64, 0f64);
+                for (a, b) in wr.iter().zip(xr) {
+                    let p = *a as f64 * *b as f64;
+                    s += p;
+                    s2 += p * p;
+                    sa += p.abs();
+                }
+                (s, s2.sqrt(), sa)
+            })
+        })
+        .collect()
+}
+
+fn unit(ty: GgmlType) -> (f64, f64) {
+    // (unit roundoff, multiple of it allowed per sqrt(sum (w x)^2))
+    if ty == GgmlType::BF16 {
+        (2f64.powi(-8), 6.0)
+    } else {
+        (2f64.powi(-11), 8.0)
+    }
+}
+
+/// Checks got against the reference; returns the largest |err| / (u sqrt(sum (w x)^2)).
+fn check(what: &str, ty: GgmlType, got: &[f32], want: &[(f64, f64, f64)]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let (u, m) = unit(ty);
+    let mut worst = 0f64;
+    for (i, (g, &(w, n2, na))) in got.iter().zip(want).enumerate() {
+        let e = (*g as f64 - w).abs();
+        let tol = m * u * n2 + 1e-6 * na + 1e-6;
+        assert!(
+            g.is_finite() && e <= tol,
+            "{what}: element {i}: got {g}, want {w} (err {e:.3e}, tol {tol:.3e})"
+        );
+        worst = worst.max(e / (u * n2 + 1e-30));
+    }
+    worst
+}
+
+const GUARD: f32 = -12345.5;
+
+#[test]
+fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
+    let Some(d) = dev("dense_gemm") else { return };
+    let mut rng = StdRng::seed_from_u64(11);
+    let a = d.alloc_arena("gemm-test", 256 << 20).unwrap();
+    let cases: &[(GgmlType, &[(usize, usize)])] = &[
+        // (rows, cols): rows not multiples of 64/128, K tails of 32 (Q8_0), odd block
+        // counts (cols 96, 160: the unaligned scale path), K tails of 8 (BF16 cols 72).
+        (
+            GgmlType::Q8_0,
+            &[
+                (1, 32),
+                (33, 64),
+                (129, 96),
+                (257, 160),
+                (100, 2080),
+                (768, 2048),
+            ],
+        ),
+        (
+            GgmlType::BF16,
+            &[(1, 8), (45, 72), (130, 64), (257, 200), (768, 2048)],
+        ),
+    ];
+    for &(ty, shapes) in cases {
+        let mut worst = 0f64;
+        for &(rows, cols) in shapes {
+            let (wb, deq) = weights(&mut rng, ty, 1, rows, cols);
+            for &n_tok in &[1usize, 7, 33, 64, 65, 512] {
+                if rows * cols * n_tok > 300_000_000 {
+                    continue;
+                }
+                let c = Carve::new(&a);
+                let x = rand_vec(&mut rng, n_tok * cols, 1.0);
+                let want = reference(&deq, rows, cols, &x);
+                let (wv, xv) = (put(d, &c, &wb), put(d, &c, &x));
+                let sv = c.take(gemm_scratch_bytes(n_tok, cols));
+                // y with 64 guard floats after it: nothing past n_tok x rows may be written.
+                let ny = n_tok * rows;
+                let yall = put(d, &c, &vec![GUARD; ny + 64]);
+                let yv = yall.sub(0, 4 * ny as u64).unwrap();
+                for tile in [
+                    None,
+                    Some(GemmTile::M64),
+                    Some(GemmTile::M128),
+                    Some(GemmTile::M128W),
+                ] {
+                    d.memset(yv, 0xff).unwrap();
+                    match tile {
+                        None => d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap(),
+                        Some(t) => {
+                            d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap();
+                            d.gemm_converted(t, wv, ty, rows, cols, sv, n_tok, yv)
+                                .unwrap()
+                        }
+                    }
+                    let got: Vec<f32> = get(d, yall, ny + 64);
+                    let what =
+                        format!("gemm {ty} rows={rows} cols={cols} n_tok={n_tok} tile={tile:?}");
+                    worst = worst.max(check(&what, ty, &got[..ny], &want));
+                    assert!(
+                        got[ny..].iter().all(|v| *v == GUARD),
+                        "{what}: wrote past y"
+                    );
+                }
+            }
+        }
+        eprintln!(
+            "PASS gemm {ty}: shapes {shapes:?}, tokens 1,7,33,64,65,512, tiles default/64/128/128w: max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
+            unit(ty).1
+        );
+    }
+    // Refusals before launch: short views, unsupported types, bad columns.
+    let c = Carve::new(&a);
+    let (wb, _) = weights(&mut rng, GgmlType::Q8_0, 1, 64, 64);
+    let (wv, xv) = (put(d, &c, &wb), put(d, &c, &vec![0f32; 8 * 64]));
+    let (yv, sv) = (c.take(4 * 8 * 64), c.take(gemm_scratch_bytes(8, 64)));
+    assert!(d
+        .gemm(
+            wv,
+            GgmlType::Q8_0,
+            64,
+            64,
+            xv,
+            8,
+            yv.sub(0, 16).unwrap(),
+            sv
+        )
+        .is_err());
+    assert!(d
+        .gemm(
+            wv,
+            GgmlType::Q8_0,
+            64,
+            64,
+            xv,
+            8,
+            yv,
+            sv.sub(0, 16).unwrap()
+        )
+        .is_err());
+    assert!(d.gemm(wv, GgmlType::Q8_0, 65, 64, xv, 8, yv, sv).is_err());
+    assert!(d.gemm(wv, GgmlType::Q4K, 8, 256, xv, 2, yv, sv).is_err());
+    assert!(d.gemm(wv, GgmlType::BF16, 8, 12, xv, 2, yv, sv).is_err());
+    eprintln!("PASS gemm refusals: short y, short scratch, short w, Q4_K, BF16 cols 12");
+}
+
+/// Expected sort: counts, and the set of assignments per expert.
+fn check_sort(
+    d: &CudaDevice,
+    sv: DeviceView<'_>,
+    ids: &[i32],
+    n_tok: usize,
+    k: usize,
+    ne: usize,
+    what: &str,
+) {
+    let lay = MoeScratch::new(n_tok, k, ne);
+    let words: Vec<i32> = get(d, sv, (lay.bytes / 4) as usize);
+    let at = |b: u64| (b / 4) as usize;
+    let offsets = &words[at(lay.offsets)..at(lay.offsets) + ne + 1];
+    let perm = &words[at(lay.perm)..at(lay.perm) + lay.n_assign];
+    let n_tiles = words[at(lay.n_tiles)] as usize;
+    let tiles = &words[at(lay.tiles)..at(lay.tiles) + 2 * n_tiles];
+    let mut counts = vec![0usize; ne];
+    for &e in ids {
+        if (0..ne as i32).contains(&e) {
+            counts[e as usize] += 1;
+        }
+    }
+    let mut o = 0usize;
+    let mut want_tiles = Vec::new();
+    for e in 0..ne {
+        assert_eq!(offsets[e] as usize, o, "{what}: offsets[{e}]");
+        let mut seg: Vec<i32> = perm[o..o + counts[e]].to_vec();
+        seg.sort_unstable();
+        let want: Vec<i32> = (0..ids.len() as i32)
+            .filter(|&a| ids[a as usize] == e as i32)
+            .collect();
+        assert_eq!(seg, want, "{what}: expert {e}'s assignments");
+        for i in 0..counts[e].div_ceil(GEMM_BN) {
+            want_tiles.extend([e as i32, (o + i * GEMM_BN) as i32]);
+        }
+        o += counts[e];
+    }
+    assert_eq!(offsets[ne] as usize, o, "{what}: valid total");
+    assert!(
+        n_tiles <= lay.max_tiles,
+        "{what}: {n_tiles} tiles > bound {}",
+        lay.max_tiles
+    );
+    assert_eq!(tiles, &want_tiles[..], "{what}: tile list");
+}
+
+#[test]
+fn moe_sort_groups_assignments_by_expert() {
+    let Some(d) = dev("moe_sort") else { return };
+    let mut rng = StdRng::seed_from_u64(12);
+    let a = d.alloc_arena("sort-test", 16 << 20).unwrap();
+    let mut n_cases = 0;
+    for &(n_tok, k, ne) in &[
+        (1usize, 1usize, 1usize),
+        (7, 2, 4),
+        (33, 8, 128),
+        (512, 8, 128),
+        (1024, 8, 128),
+        (100, 4, 1000),
+        (64, 2, 4096),
+    ] {
+        for mode in 0..4 {
+            let n = n_tok * k;
+            let ids: Vec<i32> = (0..n)
+                .map(|i| match mode {
+                    0 => rng.random_range(0..ne as i32),
+                    1 => (ne / 2) as i32, // one expert takes all
+                    2 => (rng.random_range(0..3) * (ne / 3).max(1)) as i32 % ne as i32, // most experts empty
+                    _ => {
+                        if i % 5 == 0 {
+                            -1
+                        } else {
+                            rng.random_range(0..ne as i32 + 1)
+                        }
+                    } // invalid ids
+                })
+                .collect();
+            let c = Carve::new(&a);
+            let iv = put(d, &c, &ids);
+            let sv = c.take(moe_scratch_bytes(n_tok, k, ne));
+            d.memset(sv, 0xff).unwrap();
+            d.moe_sort(iv, n_tok, k, ne, sv).unwrap();
+            check_sort(
+                d,
+                sv,
+                &ids,
+                n_tok,
+                k,
+                ne,
+                &format!("moe_sort n_tok={n_tok} k={k} experts={ne} mode={mode}"),
+            );
+            n_cases += 1;
+        }
+    }
+    let c = Carve::new(&a);
+    let iv = put(d, &c, &[0i32; 4]);
+    let sv = c.take(moe_scratch_bytes(2, 2, 8));
+    assert!(
+        d.moe_sort(iv, 2, 2, 8, sv.sub(0, 16).unwrap()).is_err(),
+        "short scratch"
+    );
+    assert!(d.moe_sort(iv, 2, 2, 5000, sv).is_err(), "too many experts");
+    eprintln!("PASS moe_sort: {n_cases} cases (random, one expert takes all, most experts empty, invalid ids), offsets/perm/tiles exact");
+}
+
+#[allow(clippy::too_many_arguments)]
+fn moe_case(
+    d: &CudaDevice,
+    a: &DeviceArena,
+    rng: &mut StdRng,
+    ty: GgmlType,
+    ne: usize,
+    rows: usize,
+    cols: usize,
+    n_tok: usize,
+    k: usize,
+    ids: &[i32],
+    tile: GemmTile,
+) -> f64 {
+    let (wb, deq) = weights(rng, ty, ne, rows, cols);
+    let n_assign = n_tok * k;
+    let mut worst = 0f64;
+    for input in [MoeInput::Gather, MoeInput::Direct] {
+        let x_rows = if input == MoeInput::Gather {
+            n_tok
+        } else {
+            n_assign
+        };
+        let x = rand_vec(rng, x_rows * cols, 1.0);
+        // Reference per assignment.
+        let mut want = Vec::with_capacity(n_assign * rows);
+        for asg in 0..n_assign {
+            let e = ids[asg] as usize;
+            let xr = if input == MoeInput::Gather {
+                asg / k
+            } else {
+                asg
+            };
+            want.extend(reference(
+                &deq[e * rows * cols..(e + 1) * rows * cols],
+                rows,
+                cols,
+                &x[xr * cols..(xr + 1) * cols],
+            ));
+        }
+        let c = Carve::new(a);
+        let (wv, xv, iv) = (put(d, &c, &wb), put(d, &c, &x), put(d, &c, ids));
+        let sorted = c.take(moe_scratch_bytes(n_tok, k, ne));
+        let sv = c.take(gemm_scratch_bytes(x_rows, cols));
+        let ny = n_assign * rows;
+        let yall = put(d, &c, &vec![GUARD; ny + 64]);
+        let yv = yall.sub(0, 4 * ny as u64).unwrap();
+        d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
+        if tile == GemmTile::M64 {
+            d.moe_gemm(wv, ty, ne, rows, cols, xv, input, n_tok, k, sorted, yv, sv)
+                .unwrap();
+        } else {
+            d.gemm_convert_x(xv, x_rows, cols, ty, sv).unwrap();
+            d.moe_gemm_converted(
+                tile, wv, None, ty, ne, rows, cols, sv, input, n_tok, k, sorted, yv,
+            )
+            .unwrap();
+        }
+        let got: Vec<f32> = get(d, yall, ny + 64);
+        let what = format!("moe_gemm {ty} {input:?} experts={ne} rows={rows} cols={cols} n_tok={n_tok} k={k} tile={tile:?}");
+        worst = worst.max(check(&what, ty, &got[..ny], &want));
+        assert!(
+            got[ny..].iter().all(|v| *v == GUARD),
+            "{what}: wrote past y"
+        );
+        if tile != GemmTile::M64 {
+            continue;
+        }
+        // Fused gate (wb) + up (a second tensor): h = silu(g) * u.
+        let (ub, udeq) = weights(rng, ty, ne, rows, cols);
+        let uv = put(d, &c, &ub);
+        d.memset(yv, 0xff).unwrap();
+        d.moe_gemm_glu(
+            wv, uv, ty, ne, rows, cols, xv, input, n_tok, k, sorted, yv, sv,
+        )
+        .unwrap();
+        let got: Vec<f32> = get(d, yall, ny + 64);
+        let (u, m) = unit(ty);
+        let mut worst_glu = 0f64;
+        for asg in 0..n_assign {
+            let e = ids[asg] as usize;
+            let xr = if input == MoeInput::Gather {
+                asg / k
+            } else {
+                asg
+            };
+            let xs = &x[xr * cols..(xr + 1) * cols];
+            let wu = reference(
+                &udeq[e * rows * cols..(e + 1) * rows * cols],
+                rows,
+                cols,
+                xs,
+            );
+            for r in 0..rows {
+                let (g, g2, ga) = want[asg * rows + r];
+                let (uu, u2, ua) = wu[r];
+                let sg = g / (1.0 + (-g).exp());
+                let h = sg * uu;
+                let (tg, tu) = (m * u * g2 + 1e-6 * ga + 1e-6, m * u * u2 + 1e-6 * ua + 1e-6);
+                let tol = 1.1 * (uu.abs() + tu) * tg + sg.abs() * tu + 1e-6 * h.abs();
+                let o = got[asg * rows + r] as f64;
+                assert!(
+                    o.is_finite() && (o - h).abs() <= tol,
+                    "{what} GLU: [{asg}][{r}] got {o}, want {h} (tol {tol:.3e})"
+                );
+                worst_glu = worst_glu.max((o - h).abs() / tol);
+            }
+        }
+        assert!(
+            got[ny..].iter().all(|v| *v == GUARD),
+            "{what} GLU: wrote past y"
+        );
+        if worst_glu > 0.5 {
+            eprintln!("NOTE {what} GLU: largest error {worst_glu:.2} of its tolerance");
+        }
+    }
+    worst
+}
+
+#[test]
+fn moe_gemm_gather_and_direct_match_cpu() {
+    let Some(d) = dev("moe_gemm") else { return };
+    let mut rng = StdRng::seed_from_u64(13);
+    let a = d.alloc_arena("moe-test", 512 << 20).unwrap();
+    for ty in [GgmlType::Q8_0, GgmlType::BF16] {
+        let mut worst = 0f64;
+        let mut n = 0;
+        // (experts, rows, cols): rows*cols/32*34 a multiple of 16 for Q8_0.
+        for &(ne, rows, cols) in &[
+            (8usize, 100usize, 64usize),
+            (16, 72, 256),
+            (4, 200, 96),
+            (8, 768, 512),
+        ] {
+            for &(n_tok, k) in &[(1usize, 2usize), (7, 3), (33, 4), (200, 2)] {
+                for mode in 0..3 {
+                    let ids: Vec<i32> = (0..n_tok * k)
+                        .map(|_| match mode {
+                            0 => rng.random_range(0..ne as i32),
+                            1 => (ne - 1) as i32, // one expert takes all
+                            _ => rng.random_range(0..2) * 2 + 1, // experts 1 and 3 only
+                        })
+                        .collect();
+                    for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
+                        worst = worst.max(moe_case(
+                            d, &a, &mut rng, ty, ne, rows, cols, n_tok, k, &ids, tile,
+                        ));
+                        n += 1;
+                    }
+                }
+            }
+        }
+        eprintln!(
+            "PASS moe_gemm {ty}: {n} cases x gather/direct (+ fused SwiGLU on the 64-row tile) (experts 4..16, rows 72..768, cols 64..512, n_tok 1..200, k 2..4, random / one expert / two experts, tiles 64/128/128w): max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
+            unit(ty).1
+        );
+    }
+    // A Q8_0 expert matrix whose size is not a multiple of 16 is refused.
+    let c = Carve::new(&a);
+    let (wb, _) = weights(&mut rng, GgmlType::Q8_0, 2, 7, 32);
+    let wv = put(d, &c, &wb);
+    let (xv, iv) = (c.take(4 * 32), put(d, &c, &[0i32, 1]));
+    let (sorted, sv, yv) = (
+        c.take(moe_scratch_bytes(1, 2, 2)),
+        c.take(1024),
+        c.take(4 * 14),
+    );
+    d.moe_sort(iv, 1, 2, 2, sorted).unwrap();
+    assert!(d
+        .moe_gemm(
+            wv,
+            GgmlType::Q8_0,
+            2,
+            7,
+            32,
+            xv,
+            MoeInput::Gather,
+            1,
+            2,
+            sorted,
+            yv,
+            sv
+        )
+        .is_err());
+    eprintln!("PASS moe_gemm refusal: 7x32 Q8_0 experts (238 bytes each) misaligned");
+}
+
+/// Random Q8_0 split-layout bytes (quants anything, scales f16 in [0.002, 0.02)) for `mats`
+/// matrices, fast enough for hundreds of MB.
+fn fast_q8(rng: &mut StdRng, mats: usize, rows: usize, cols: usize) -> Vec<u8> {
+    let mb = rows * cols / 32 * 34;
+    let mut b = vec![0u8; mats * mb];
+    rng.fill(&mut b[..]);
+    for m in 0..mats {
+        let sc = &mut b[m * mb + rows * cols..(m + 1) * mb];
+        for s in sc.chunks_exact_mut(2) {
+            let v = half::f16::from_f32(0.002 + 0.018 * (s[0] as f32 / 255.0));
+            s.copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+    b
+}
+
+/// One dequantized row of matrix `m` of split-layout bytes.
+fn q8_row(b: &[u8], m: usize, rows: usize, cols: usize, r: usize) -> Vec<f32> {
+    let base = m * rows * cols / 32 * 34;
+    let qs = &b[base + r * cols..base + (r + 1) * cols];
+    let sc = &b[base + rows * cols..];
+    (0..cols)
+        .map(|c| {
+            let blk = r * (cols / 32) + c / 32;
+            let d = half::f16::from_bits(u16::from_le_bytes([sc[2 * blk], sc[2 * blk + 1]]));
+            qs[c] as i8 as f32 * d.to_f32()
+        })
+        .collect()
+}
+
+fn time_ms(d: &CudaDevice, reps: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    let e0 = d.record_event().unwrap();
+    for _ in 0..reps {
+        f();
+    }
+    let e1 = d.record_event().unwrap();
+    e1.synchronize().unwrap();
+    e0.elapsed_ms(&e1).unwrap() as f64 / reps as f64
+}
+
+#[test]
+fn timings_at_qwen3_30b_shapes() {
+    let Some(d) = dev("timings") else { return };
+    let mut rng = StdRng::seed_from_u64(14);
+    let a = d.alloc_arena("bench", 2 << 30).unwrap();
+    let n_tok = 512;
+    let reps = 20;
+    // Dense: expert-sized and attention-sized matrices at pp512 (checked on sampled outputs).
+    for &(rows, cols) in &[
+        (768usize, 2048usize),
+        (2048, 768),
+        (4096, 2048),
+        (512, 2048),
+        (2048, 4096),
+    ] {
+        for ty in [GgmlType::Q8_0, GgmlType::BF16] {
+            let c = Carve::new(&a);
+            let (wb, deq) = if ty == GgmlType::Q8_0 {
+                let b = fast_q8(&mut rng, 1, rows, cols);
+                let deq: Vec<f32> = (0..rows)
+                    .flat_map(|r| q8_row(&b, 0, rows, cols, r))
+                    .collect();
+                (b, deq)
+            } else {
+                let w = rand_vec(&mut rng, rows * cols, 0.05);
+                let mut b = Vec::new();
+                quant::quantize_row(GgmlType::BF16, &w, &mut b).unwrap();
+                let mut deq = vec![0f32; rows * cols];
+                quant::dequantize_row(GgmlType::BF16, &b, &mut deq).unwrap();
+                (b, deq)
+            };
+            let x = rand_vec(&mut rng, n_tok * cols, 1.0);
+            let (wv, xv) = (put(d, &c, &wb), put(d, &c, &x));
+            let sv = c.take(gemm_scratch_bytes(n_tok, cols));
+            let yv = c.take(4 * (n_tok * rows) as u64);
+            let flop = 2.0 * (rows * cols * n_tok) as f64;
+            let t_cvt = time_ms(d, reps, || {
+                d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap()
+            });
+            let mut line = format!(
+                "TIME gemm {ty} rows={rows} cols={cols} n_tok={n_tok}: convert x {:.1} us",
+                t_cvt * 1e3
+            );
+            for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
+                let t = time_ms(d, reps, || {
+                    d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv)
+                        .unwrap()
+                });
+                line += &format!(
+                    "; {tile:?} {:.1} us = {:.1} TFLOP/s",
+                    t * 1e3,
+                    flop / t / 1e9
+                );
+                // Check a sample of tokens of the last run.
+                let got: Vec<f32> = get(d, yv, n_tok * rows);
+                for &t in &[0usize, 1, 255, 511] {
+                    let want = reference(&deq, rows, cols, &x[t * cols..(t + 1) * cols]);
+                    check(
+                        &format!("timed gemm {ty} {rows}x{cols} {tile:?} token {t}"),
+                        ty,
+                        &got[t * rows..(t + 1) * rows],
+                        &want,
+                    );
+                }
+            }
+            for tile in [GemmTile::M64, GemmTile::M128W] {
+                let t = time_ms(d, reps, || {
+                    d.gemm_converted_kparts(tile, 2, wv, ty, rows, cols, sv, n_tok, yv)
+                        .unwrap()
+                });
+                line += &format!(
+                    "; {tile:?} split-K 2 {:.1} us = {:.1} TFLOP/s",
+                    t * 1e3,
+                    flop / t / 1e9
+                );
+                let got: Vec<f32> = get(d, yv, n_tok * rows);
+                for &t in &[0usize, 300] {
+                    let want = reference(&deq, rows, cols, &x[t * cols..(t + 1) * cols]);
+                    check(
+                        &format!("timed split-K gemm {ty} {rows}x{cols} {tile:?} token {t}"),
+                        ty,
+                        &got[t * rows..(t + 1) * rows],
+                        &want,
+                    );
+                }
+            }
+            let tile = d.gemm_default_tile(rows, n_tok);
+            let t = time_ms(d, reps, || {
+                d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap()
+            });
+            let kp = d.gemm_default_kparts(tile, rows, cols, n_tok);
+            line += &format!(
+                "; gemm() ({tile:?}, {kp} K parts, + convert) {:.1} us = {:.1} TFLOP/s",
+                t * 1e3,
+                flop / t / 1e9
+            );
+            eprintln!("{line}");
+        }
+    }
+    // MoE layer of Qwen3-30B-A3B at pp512: 128 experts, top-8, gate/up 768 x 2048 (gather),
+    // down 2048 x 768 (direct), Q8_0.
+    let (ne, k, ff, hid) = (128usize, 8usize, 768usize, 2048usize);
+    let n_assign = n_tok * k;
+    let ids: Vec<i32> = (0..n_tok)
+        .flat_map(|_| {
+            let mut ch: Vec<i32> = Vec::new();
+            while ch.len() < k {
+                let e = rng.random_range(0..ne as i32);
+                if !ch.contains(&e) {
+                    ch.push(e);
+                }
+            }
+            ch
+        })
+        .collect();
+    let c = Carve::new(&a);
+    let iv = put(d, &c, &ids);
+    let sorted = c.take(moe_scratch_bytes(n_tok, k, ne));
+    let t_sort = time_ms(d, reps, || d.moe_sort(iv, n_tok, k, ne, sorted).unwrap());
+    eprintln!(
+        "TIME moe_sort n_tok={n_tok} k={k} experts={ne}: {:.1} us",
+        t_sort * 1e3
+    );
+    for &(rows, cols, input) in &[(ff, hid, MoeInput::Gather), (hid, ff, MoeInput::Direct)] {
+        let c2 = Carve::new(&a);
+        c2.off.set(c.off.get());
+        let wb = fast_q8(&mut rng, ne, rows, cols);
+        let x_rows = if input == MoeInput::Gather {
+            n_tok
+        } else {
+            n_assign
+        };
+        let x = rand_vec(&mut rng, x_rows * cols, 1.0);
+        let (wv, xv) = (put(d, &c2, &wb), put(d, &c2, &x));
+        let sv = c2.take(gemm_scratch_bytes(x_rows, cols));
+        let yv = c2.take(4 * (n_assign * rows) as u64);
+        let flop = 2.0 * (n_assign * rows * cols) as f64;
+        let t_cvt = time_ms(d, reps, || {
+            d.gemm_convert_x(xv, x_rows, cols, GgmlType::Q8_0, sv)
+                .unwrap()
+        });
+        let mut line = format!(
+            "TIME moe_gemm Q8_0 {input:?} rows={rows} cols={cols} n_tok={n_tok} k={k} experts={ne} ({} MB of weights): convert x {:.1} us",
+            wb.len() >> 20,
+            t_cvt * 1e3
+        );
+        for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
+            let t = time_ms(d, reps, || {
+                d.moe_gemm_converted(
+                    tile,
+                    wv,
+                    None,
+                    GgmlType::Q8_0,
+                    ne,
+                    rows,
+                    cols,
+                    sv,
+                    input,
+                    n_tok,
+                    k,
+                    sorted,
+                    yv,
+                )
+                .unwrap()
+            });
+            line += &format!(
+                "; {tile:?} {:.1} us = {:.1} TFLOP/s, {:.2} TB/s of weights",
+                t * 1e3,
+                flop / t / 1e9,
+                wb.len() as f64 / t / 1e9
+            );
+            let got: Vec<f32> = get(d, yv, n_assign * rows);
+            for _ in 0..16 {
+                let asg = rng.random_range(0..n_assign);
+                let e = ids[asg] as usize;
+                let xr = if input == MoeInput::Gather {
+                    asg / k
+                } else {
+                    asg
+                };
+                let wdeq: Vec<f32> = (0..rows)
+                    .flat_map(|r| q8_row(&wb, e, rows, cols, r))
+                    .collect();
+                let want = reference(&wdeq, rows, cols, &x[xr * cols..(xr + 1) * cols]);
+                check(
+                    &format!("timed moe_gemm {input:?} {tile:?} assignment {asg}"),
+                    GgmlType::Q8_0,
+                    &got[asg * rows..(asg + 1) * rows],
+                    &want,
+                );
+            }
+        }
+        if input == MoeInput::Gather {
+            let ub = fast_q8(&mut rng, ne, rows, cols);
+            let uv = put(d, &c2, &ub);
+            let t = time_ms(d, reps, || {
+                d.moe_gemm_converted(
+                    GemmTile::M64,
+                    wv,
+                    Some(uv),
+                    GgmlType::Q8_0,
+                    ne,
+                    rows,
+                    cols,
+                    sv,
+                    input,
+                    n_tok,
+                    k,
+                    sorted,
+                    yv,
+                )
+                .unwrap()
+            });
+            line += &format!(
+                "; fused gate+up (SwiGLU) {:.1} us = {:.1} TFLOP/s",
+                t * 1e3,
+                2.0 * flop / t / 1e9
+            );
+        }
+        eprintln!("{line}");
+    }
+}

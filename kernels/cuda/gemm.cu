@@ -1,0 +1,458 @@
+// gemm.cu: prefill matrix-matrix products on the tensor cores (mma.sync m16n8k16 through
+// inline PTX, f32 accumulate): Y[t][r] = W_r . X[t] for W in the Q8_0 split device layout
+// (quants then f16 scales, see executor/src/backend/cuda/layout.rs) or BF16 row-major, X
+// converted once to f16 (Q8_0 weights) or bf16 (BF16 weights) by gemm_cvt_x, Y f32; and the
+// grouped MoE form: moe_sort (counting sort of the router's choices into per-expert tiles,
+// all on the device) then moe_gemm over the tile list, gathering X rows and scattering Y rows.
+// Invariant: rows past `rows`, tokens past a tile's count and columns past `cols` are never
+// read from global memory (cp.async zero-fills them) nor written; every launch has fixed
+// arguments (the MoE grid is sized by a host upper bound; surplus CTAs exit), so a CUDA graph
+// can capture it. CUDA only (the mma and cp.async PTX have no HIP counterpart here).
+
+#ifdef ST_CUDA
+
+#define GM_BN 64       // tokens per CTA tile
+#define GM_BK 64       // columns per pipeline stage
+#define GM_STAGES 3    // cp.async pipeline depth
+#define GM_Q8_WSTRIDE 80   // bytes per W row in shared memory (64 int8 + pad: no bank conflicts)
+#define GM_H_STRIDE 160    // bytes per row of 64 16-bit values (128 + pad)
+
+__device__ __forceinline__ u32 gm_smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared; only `src_bytes` (0 or 16) are read, the rest zero-filled.
+__device__ __forceinline__ void gm_cp16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(gm_smem_addr(dst)),
+                 "l"(src), "r"(src_bytes));
+}
+
+// 4 bytes global -> shared; `src_bytes` of 0, 2 or 4 read, the rest zero-filled.
+__device__ __forceinline__ void gm_cp4(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(gm_smem_addr(dst)),
+                 "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void gm_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+__device__ __forceinline__ void gm_wait_stages() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(GM_STAGES - 2));
+}
+
+// Four int8 quants (one 32-bit word) times the f16 scale `d` -> two f16x2 registers:
+// lo = (q0, q1) * d, hi = (q2, q3) * d. Exact int -> f16 via the 1024 + u magic, then one
+// rounding in the multiply.
+__device__ __forceinline__ void gm_dq4(u32 w, u32 d2, u32& lo, u32& hi) {
+    const u32 u = w ^ 0x80808080u;
+    u32 a = __byte_perm(u, 0x64646464u, 0x4140);
+    u32 b = __byte_perm(u, 0x64646464u, 0x4342);
+    asm("sub.f16x2 %0, %0, %1;" : "+r"(a) : "r"(0x64806480u));
+    asm("sub.f16x2 %0, %0, %1;" : "+r"(b) : "r"(0x64806480u));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(a), "r"(d2));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(b), "r"(d2));
+}
+
+template <bool Q8>
+__device__ __forceinline__ void gm_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if (Q8) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Shared-memory bytes of one pipeline stage.
+// With GLU two weight tiles (gate, then up) each of W + S bytes.
+template <bool Q8, int BM, bool GLU>
+struct GmStage {
+    static constexpr int W = Q8 ? BM * GM_Q8_WSTRIDE : BM * GM_H_STRIDE;
+    static constexpr int S = Q8 ? BM * 4 : 0;  // two f16 scales per row (64 columns)
+    static constexpr int X = GM_BN * GM_H_STRIDE;
+    static constexpr int NW = GLU ? 2 : 1;
+    static constexpr int BYTES = NW * (W + S) + X;
+};
+
+// One CTA tile: rows [row0, row0 + BM) of the matrix at `W` times the GM_BN X rows named by
+// xrow[] (n_valid of them), written to Y rows yrow[] (row length ldy). X16 holds 16-bit rows
+// of `cols`. Threads: BM * WN (warps BM/32 along the rows x WN along the tokens, each warp
+// 32 rows x 64/WN tokens).
+//
+// K order inside one mma: the 16 logical k of a m16n8k16 step map to physical columns so that
+// every thread's A pair (k 2t, 2t+1) and (k 2t+8, 2t+9) and B pair are 4 consecutive
+// columns 4t..4t+3; A and B use the same map, so the products are unchanged and each
+// fragment is one 32-bit (int8 W) or 64-bit (16-bit W, X) shared load.
+// GLU: W2 is a second matrix (up) of the same shape as W (gate); the tile writes
+// silu(W_r . x) * (W2_r . x).
+template <bool Q8, int BM, int WN, bool GLU>
+__device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __restrict__ W2,
+                                        int rows, int cols, int row0,
+                                        const u16* __restrict__ X16, const int* xrow,
+                                        const int* yrow, int n_valid, float* __restrict__ Y,
+                                        int ldy, u8* smem, int kpart, int kparts) {
+    typedef GmStage<Q8, BM, GLU> St;
+    constexpr int NT = BM * WN;         // threads: BM/32 warps along the rows x WN
+    constexpr int NI = GM_BN / 8 / WN;  // n-fragments (8 tokens) per warp
+    const int tid = threadIdx.x;
+    const int nb = cols / QK8_0;
+    // This CTA's share of the K stages (split-K: kparts CTAs add into a zeroed Y).
+    const int kt_all = (cols + GM_BK - 1) / GM_BK;
+    const int kt_lo = kt_all * kpart / kparts, kt_n = kt_all * (kpart + 1) / kparts - kt_lo;
+
+    auto load = [&](int slot, int kt) {
+        const int k0 = kt * GM_BK;
+#pragma unroll
+        for (int m = 0; m < St::NW; ++m) {
+        u8* st = smem + slot * St::BYTES + m * (St::W + St::S);
+        const u8* Wm = m == 0 ? W : W2;
+        const u8* scales = Wm + (long)rows * cols;
+        if (Q8) {
+            for (int c = tid; c < BM * 4; c += NT) {
+                const int row = c >> 2, part = c & 3;
+                const int gr = row0 + row, kk = k0 + part * 16;
+                const bool ok = gr < rows && kk < cols;
+                const u8* src = ok ? Wm + (long)gr * cols + kk : Wm;
+                gm_cp16(st + row * GM_Q8_WSTRIDE + part * 16, src, ok ? 16 : 0);
+            }
+            u16* ss = (u16*)(st + St::W);
+            const int kb = k0 / QK8_0;
+            if ((nb & 1) == 0) {
+                for (int row = tid; row < BM; row += NT) {
+                    const int gr = row0 + row;
+                    const bool ok = gr < rows;
+                    const u8* src = ok ? scales + ((long)gr * nb + kb) * 2 : Wm;
+                    gm_cp4(ss + row * 2, src, ok ? 4 : 0);
+                }
+            } else {
+                // Odd block count: a row's scale pair is only 2-byte aligned; plain loads.
+                for (int row = tid; row < BM; row += NT) {
+                    const int gr = row0 + row;
+                    u16 s0 = 0, s1 = 0;
+                    if (gr < rows) {
+                        const u16* p = (const u16*)(scales + ((long)gr * nb + kb) * 2);
+                        s0 = p[0];
+                        if (kb + 1 < nb) s1 = p[1];
+                    }
+                    ss[row * 2] = s0;
+                    ss[row * 2 + 1] = s1;
+                }
+            }
+        } else {
+            for (int c = tid; c < BM * 8; c += NT) {
+                const int row = c >> 3, part = c & 7;
+                const int gr = row0 + row, kk = k0 + part * 8;
+                const bool ok = gr < rows && kk < cols;
+                const u8* src = ok ? Wm + ((long)gr * cols + kk) * 2 : Wm;
+                gm_cp16(st + row * GM_H_STRIDE + part * 16, src, ok ? 16 : 0);
+            }
+        }
+        }
+        u8* sx = smem + slot * St::BYTES + St::NW * (St::W + St::S);
+        for (int c = tid; c < GM_BN * 8; c += NT) {
+            const int n = c >> 3, part = c & 7;
+            const int kk = k0 + part * 8;
+            const bool ok = n < n_valid && kk < cols;
+            const u16* src = ok ? X16 + (long)xrow[n] * cols + kk : X16;
+            gm_cp16(sx + n * GM_H_STRIDE + part * 16, src, ok ? 16 : 0);
+        }
+    };
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
+    const int wm = warp / WN, wn = warp % WN;
+    float acc[St::NW][2][NI][4];
+#pragma unroll
+    for (int m = 0; m < St::NW; ++m)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < NI; ++j)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[m][i][j][v] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < GM_STAGES - 1; ++s) {
+        if (s < kt_n) load(s, kt_lo + s);
+        gm_commit();
+    }
+    for (int kt = 0; kt < kt_n; ++kt) {
+        gm_wait_stages();
+        __syncthreads();
+        {
+            const int nk = kt + GM_STAGES - 1;
+            if (nk < kt_n) load(nk % GM_STAGES, kt_lo + nk);
+            gm_commit();
+        }
+        const u8* sx = smem + (kt % GM_STAGES) * St::BYTES + St::NW * (St::W + St::S);
+#pragma unroll
+        for (int s = 0; s < GM_BK / 16; ++s) {
+#pragma unroll
+          for (int m = 0; m < St::NW; ++m) {
+            const u8* st = smem + (kt % GM_STAGES) * St::BYTES + m * (St::W + St::S);
+            u32 a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const int r0 = wm * 32 + mi * 16 + g, r1 = r0 + 8;
+                if (Q8) {
+                    const u16* ss = (const u16*)(st + St::W);
+                    const u32 w0 = *(const u32*)(st + r0 * GM_Q8_WSTRIDE + s * 16 + tg * 4);
+                    const u32 w1 = *(const u32*)(st + r1 * GM_Q8_WSTRIDE + s * 16 + tg * 4);
+                    const u32 d0 = ss[r0 * 2 + (s >> 1)], d1 = ss[r1 * 2 + (s >> 1)];
+                    gm_dq4(w0, d0 | (d0 << 16), a[mi][0], a[mi][2]);
+                    gm_dq4(w1, d1 | (d1 << 16), a[mi][1], a[mi][3]);
+                } else {
+                    const uint2 v0 = *(const uint2*)(st + r0 * GM_H_STRIDE + s * 32 + tg * 8);
+                    const uint2 v1 = *(const uint2*)(st + r1 * GM_H_STRIDE + s * 32 + tg * 8);
+                    a[mi][0] = v0.x;
+                    a[mi][2] = v0.y;
+                    a[mi][1] = v1.x;
+                    a[mi][3] = v1.y;
+                }
+            }
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                const int n = wn * (GM_BN / WN) + ni * 8 + g;
+                const uint2 b = *(const uint2*)(sx + n * GM_H_STRIDE + s * 32 + tg * 8);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) gm_mma<Q8>(acc[m][mi][ni], a[mi], b.x, b.y);
+            }
+          }
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = row0 + wm * 32 + mi * 16 + g + (v >> 1) * 8;
+                const int n = wn * (GM_BN / WN) + ni * 8 + tg * 2 + (v & 1);
+                float o = acc[0][mi][ni][v];
+                if (GLU) o = o / (1.0f + expf(-o)) * acc[St::NW - 1][mi][ni][v];
+                if (r < rows && n < n_valid) {
+                    if (kparts > 1) atomicAdd(&Y[(long)yrow[n] * ldy + r], o);
+                    else Y[(long)yrow[n] * ldy + r] = o;
+                }
+            }
+        }
+    }
+}
+
+// Dense: grid (ceil(rows / BM), ceil(n_tok / GM_BN), K parts), block BM * WN, dynamic shared
+// memory GM_STAGES * GmStage::BYTES. With more than one K part Y must be zeroed first; two
+// parts keep the result deterministic (0 + a + b == 0 + b + a).
+template <bool Q8, int BM, int WN>
+__device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, int rows,
+                                         int cols, int n_tok) {
+    extern __shared__ __align__(16) u8 gm_smem[];
+    __shared__ int xrow[GM_BN];
+    const int t0 = blockIdx.y * GM_BN;
+    const int n_valid = min(GM_BN, n_tok - t0);
+    if (threadIdx.x < GM_BN) xrow[threadIdx.x] = t0 + threadIdx.x;
+    __syncthreads();
+    gm_tile<Q8, BM, WN, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y,
+                               rows, gm_smem, blockIdx.z, gridDim.z);
+}
+
+// Grouped: grid (ceil(rows / BM), max_tiles), block 2 * BM. Tile y covers assignments
+// perm[pos0 .. pos0 + count) of expert e = tiles[2y] (pos0 = tiles[2y + 1]); CTAs past the
+// device-side tile count exit. Expert e's matrix starts at byte e * mat_bytes of W.
+template <bool Q8, int BM, int WN, bool GLU>
+__device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes,
+                                       const u16* X16, float* Y,
+                                       int rows, int cols, const int* offsets, const int* perm,
+                                       const int* tiles, const int* n_tiles, int k,
+                                       int gather) {
+    extern __shared__ __align__(16) u8 gm_smem[];
+    __shared__ int xrow[GM_BN], yrow[GM_BN];
+    const int tile = blockIdx.y;
+    if (tile >= *n_tiles) return;
+    const int e = tiles[2 * tile], pos0 = tiles[2 * tile + 1];
+    const int n_valid = min(GM_BN, offsets[e + 1] - pos0);
+    if (threadIdx.x < GM_BN) {
+        const int a = threadIdx.x < n_valid ? perm[pos0 + threadIdx.x] : 0;
+        xrow[threadIdx.x] = gather ? a / k : a;
+        yrow[threadIdx.x] = a;
+    }
+    __syncthreads();
+    gm_tile<Q8, BM, WN, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
+                         blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1);
+}
+
+// Entry points. Dense: W, X16 (n_tok rows of cols 16-bit values), Y (n_tok x rows f32).
+ST_KERNEL void gemm_q8_0_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<true, 64, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_q8_0_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                              float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<true, 128, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_bf16_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<false, 64, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_bf16_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                              float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<false, 128, 2>(W, X16, Y, rows, cols, n_tok);
+}
+
+// 128 rows, one warp along the tokens (4 warps of 32 rows x 64 tokens): fewer instructions
+// per mma than the 32 x 32 warp tiles above.
+ST_KERNEL void gemm_q8_0_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                               float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<true, 128, 1>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_bf16_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                               float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<false, 128, 1>(W, X16, Y, rows, cols, n_tok);
+}
+
+// Grouped: W the 3-D expert tensor, X16 (n_tok rows when gather, else n_tok * k), Y
+// (n_tok * k rows of `rows` f32, indexed by assignment), the rest from moe_sort.
+#define GM_MOE_ARGS                                                                          \
+    const u8 *__restrict__ W, long mat_bytes, const u16 *__restrict__ X16,                   \
+        float *__restrict__ Y, int rows, int cols, const int *__restrict__ offsets,          \
+        const int *__restrict__ perm, const int *__restrict__ tiles,                         \
+        const int *__restrict__ n_tiles, int k, int gather
+#define GM_MOE_PASS mat_bytes, X16, Y, rows, cols, offsets, perm, tiles, n_tiles, k, gather
+ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) { gm_moe<true, 64, 2, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_q8_0_m128(GM_MOE_ARGS) { gm_moe<true, 128, 2, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_bf16_m64(GM_MOE_ARGS) { gm_moe<false, 64, 2, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_bf16_m128(GM_MOE_ARGS) { gm_moe<false, 128, 2, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_q8_0_m128w(GM_MOE_ARGS) { gm_moe<true, 128, 1, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_bf16_m128w(GM_MOE_ARGS) { gm_moe<false, 128, 1, false>(W, W, GM_MOE_PASS); }
+
+// Fused gate + up (SwiGLU): Y[a][r] = silu(Wg_e,r . xrow(a)) * (Wu_e,r . xrow(a)), Wg and Wu
+// two expert tensors of the same shape and type (W is the gate tensor).
+ST_KERNEL void moe_gemm_glu_q8_0_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
+    gm_moe<true, 64, 2, true>(W, Wu, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_glu_bf16_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
+    gm_moe<false, 64, 2, true>(W, Wu, GM_MOE_PASS);
+}
+
+// X f32 -> f16 (bf16 != 0: bf16), round to nearest even; n a multiple of 4, both 16-byte
+// aligned. Grid-stride.
+ST_KERNEL void gemm_cvt_x(const float* __restrict__ x, u16* __restrict__ out, long n, int bf16) {
+    const long n4 = n / 4;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n4;
+         i += (long)gridDim.x * blockDim.x) {
+        const float4 v = ((const float4*)x)[i];
+        u16 h0, h1, h2, h3;
+        if (bf16) {
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h0) : "f"(v.x));
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h1) : "f"(v.y));
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h2) : "f"(v.z));
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h3) : "f"(v.w));
+        } else {
+            h0 = st_f2h(v.x);
+            h1 = st_f2h(v.y);
+            h2 = st_f2h(v.z);
+            h3 = st_f2h(v.w);
+        }
+        ((uint2*)out)[i] = make_uint2((u32)h0 | ((u32)h1 << 16), (u32)h2 | ((u32)h3 << 16));
+    }
+}
+
+// Inclusive warp prefix sum.
+__device__ __forceinline__ int gm_warp_scan(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += o;
+    }
+    return v;
+}
+
+// Exclusive block prefix sum of one int per thread (blockDim a multiple of 32); `tot` gets
+// the block total. `red` is shared scratch of 32 ints.
+__device__ __forceinline__ int gm_block_scan(int v, int* red, int* tot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int inc = gm_warp_scan(v);
+    __syncthreads();
+    if (lane == 31) red[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < nw ? red[lane] : 0;
+        const int wi = gm_warp_scan(w);
+        red[lane] = wi - w;
+        if (lane == 31) red[32] = wi;
+    }
+    __syncthreads();
+    *tot = red[32];
+    return red[warp] + inc - v;
+}
+
+// Counting sort of the router's choices, one block (any multiple of 32 threads up to 1024).
+// ids: n_assign = n_tok * k expert ids (assignment a = t * k + j). Writes offsets
+// [n_expert + 1] (offsets[n_expert] = the number of valid assignments; ids outside
+// [0, n_expert) are left out of perm), perm [n_assign] (assignments grouped by expert,
+// ascending expert; order inside one expert unspecified), tiles (pairs (expert, first
+// position) of up to bn assignments each, ascending expert) and n_tiles [1]. Dynamic shared
+// memory: 3 * n_expert ints.
+ST_KERNEL void moe_sort(const int* __restrict__ ids, int n_assign, int n_expert, int bn,
+                        int* __restrict__ offsets, int* __restrict__ perm,
+                        int* __restrict__ tiles, int* __restrict__ n_tiles) {
+    extern __shared__ int gm_sort_smem[];
+    __shared__ int red[33];
+    int* cnt = gm_sort_smem;
+    int* cur = cnt + n_expert;
+    int* toff = cur + n_expert;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int e = tid; e < n_expert; e += nt) cnt[e] = 0;
+    __syncthreads();
+    for (int a = tid; a < n_assign; a += nt) {
+        const int e = ids[a];
+        if ((unsigned)e < (unsigned)n_expert) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    // Each thread owns a contiguous run of experts; scan the runs' sums over the block.
+    const int per = (n_expert + nt - 1) / nt;
+    const int e0 = min(tid * per, n_expert), e1 = min(e0 + per, n_expert);
+    int s = 0, ts = 0;
+    for (int e = e0; e < e1; ++e) {
+        s += cnt[e];
+        ts += (cnt[e] + bn - 1) / bn;
+    }
+    int total, total_tiles;
+    int o = gm_block_scan(s, red, &total);
+    int to = gm_block_scan(ts, red, &total_tiles);
+    for (int e = e0; e < e1; ++e) {
+        offsets[e] = o;
+        cur[e] = o;
+        toff[e] = to;
+        o += cnt[e];
+        to += (cnt[e] + bn - 1) / bn;
+    }
+    if (tid == 0) {
+        offsets[n_expert] = total;
+        *n_tiles = total_tiles;
+    }
+    __syncthreads();
+    for (int a = tid; a < n_assign; a += nt) {
+        const int e = ids[a];
+        if ((unsigned)e < (unsigned)n_expert) perm[atomicAdd(&cur[e], 1)] = a;
+    }
+    __syncthreads();
+    for (int e = tid; e < n_expert; e += nt) {
+        const int c = cnt[e], base = cur[e] - c;
+        for (int i = 0; i * bn < c; ++i) {
+            tiles[2 * (toff[e] + i)] = e;
+            tiles[2 * (toff[e] + i) + 1] = base + i * bn;
+        }
+    }
+}
+
+#endif  // ST_CUDA
