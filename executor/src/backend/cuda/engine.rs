@@ -77,6 +77,7 @@ fn kty(ty: GgmlType) -> Option<i32> {
 #[derive(Debug, Clone, Copy)]
 struct Mat {
     ptr: CUdeviceptr,
+    gty: GgmlType,
     ty: i32,
     rows: i32,
     cols: i32,
@@ -105,6 +106,20 @@ struct Layer {
     /// Byte offsets of this layer's K and V inside a slot's KV.
     k_off: u64,
     v_off: u64,
+    /// The experts as strided stacks for the grouped prefill product, when every expert of
+    /// the layer sits at a fixed stride (a whole stack, or consecutive cache slots).
+    stacks: Option<Stacks>,
+}
+
+/// Expert e's gate, up and down matrices at `gate + e * stride` etc. (device addresses).
+#[derive(Debug, Clone, Copy)]
+struct Stacks {
+    gate: CUdeviceptr,
+    up: CUdeviceptr,
+    down: CUdeviceptr,
+    gu_stride: u64,
+    down_stride: u64,
+    ty: GgmlType,
 }
 
 /// Working buffers of one stage, carved from its scratch region.
@@ -126,9 +141,16 @@ struct Bufs {
     h: Buf,
     logits: Buf,
     inv_freq: Buf,
+    // Prefill products (empty when the grouped path is off).
+    xn: Buf,
+    xh: Buf,
+    tmp: Buf,
+    yd: Buf,
+    sorted: Buf,
 }
 
 struct Stage {
+    arena: usize,
     layers: Vec<Layer>,
     embd: Option<Mat>,
     out_norm: CUdeviceptr,
@@ -175,6 +197,8 @@ pub struct CudaEngine {
     all_rows: Vec<f32>,
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
+    /// Prefill through the tensor-core products (else the matrix-vector kernels).
+    gemm: bool,
     steps: u64,
     arenas: Vec<DeviceArena>,
     planned_bytes: u64,
@@ -205,10 +229,24 @@ fn bufs_layout(
     logit_rows: usize,
     att_splits: usize,
     n_slots: usize,
+    gemm: bool,
 ) -> Vec<(&'static str, u64)> {
     let f = 4u64;
     let dec = n_slots.max(1) as u64;
+    let g = |b: u64| if gemm { b } else { 0 };
+    let q_out = d.n_head * d.hd;
     vec![
+        ("xn", g(f * (t * d.e) as u64)),
+        (
+            "xh",
+            g(2 * (t * d.e.max(q_out)).max(t * d.k * d.f) as u64),
+        ),
+        ("tmp", g(f * (t * d.e) as u64)),
+        ("yd", g(f * (t * d.k * d.e) as u64)),
+        (
+            "sorted",
+            g(super::gemm::moe_scratch_bytes(t, d.k, d.n_expert)),
+        ),
         ("inputs", 3 * 4 * t as u64),
         ("n_ctx", 4 * t as u64),
         ("x", f * (t * d.e) as u64),
@@ -325,6 +363,17 @@ impl CudaEngine {
         let att_splits = ctx.div_ceil(att_chunk);
         let logit_rows = n_slots.max(1);
 
+        // The tensor-core prefill path: every projection and expert matrix Q8_0 or BF16
+        // (STRATA_NO_GEMM=1 turns it off, for comparisons).
+        let gemm_ty = |t: GgmlType| matches!(t, GgmlType::Q8_0 | GgmlType::BF16);
+        let gemm = std::env::var_os("STRATA_NO_GEMM").is_none()
+            && inv.tensors.iter().all(|t| {
+                let n = t.name.as_str();
+                let proj = ["attn_q.", "attn_k.", "attn_v.", "attn_output.", "_exps."]
+                    .iter()
+                    .any(|p| n.contains(p));
+                !proj || gemm_ty(t.ggml_type)
+            });
         // Norm vectors stored as F32 are read in place; others are converted into scratch.
         let f32_norms = inv
             .tensors
@@ -340,14 +389,18 @@ impl CudaEngine {
             let n_layer = (dp.layer_end - dp.layer_first) as usize;
             let fixed = fixed_bytes(&d, n_layer, f32_norms);
             let fits = |t: usize| {
-                fixed + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots)) <= have
+                fixed
+                    + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots, gemm))
+                    <= have
             };
             while max_tok > n_slots.max(1) && !fits(max_tok) {
                 max_tok = (max_tok / 2).max(n_slots.max(1));
             }
             if !fits(max_tok) {
-                let need =
-                    fixed + layout_bytes(&bufs_layout(&d, max_tok, logit_rows, att_splits, n_slots));
+                let need = fixed
+                    + layout_bytes(&bufs_layout(
+                        &d, max_tok, logit_rows, att_splits, n_slots, gemm,
+                    ));
                 return Err(plan_err(format!(
                     "device {}: the scratch region holds {have} bytes but the CUDA engine needs {need} for a decode batch of {n_slots} slots: re-plan with fewer slots (--batch)",
                     dp.index
@@ -386,6 +439,7 @@ impl CudaEngine {
                 &d,
                 &rope,
                 StageSizes {
+                    gemm,
                     max_tok,
                     logit_rows,
                     att_splits,
@@ -418,6 +472,7 @@ impl CudaEngine {
             all_rows: Vec::with_capacity(ubatch * d.vocab),
             graphs: HashMap::new(),
             use_graphs: opts.graphs,
+            gemm,
             steps: 0,
             arenas,
             planned_bytes: planned,
@@ -488,6 +543,10 @@ impl CudaEngine {
             }
             k.ctx_from_pos(pos, b.n_ctx.ptr, n)?;
             for l in &st.layers {
+                if !decode && self.gemm && n >= GEMM_MIN_TOK && l.stacks.is_some() {
+                    self.layer_prefill_gemm(st, l, pos, slot, n)?;
+                    continue;
+                }
                 // Attention.
                 let mut t0 = 0;
                 while t0 < n {
@@ -537,6 +596,89 @@ impl CudaEngine {
             k.mv_chunks(head, x, st.out_norm, d.eps, b.logits.ptr, head_rows, false)?;
         }
         Ok(())
+    }
+
+    /// One layer of a prefill pass through the tensor-core products: RMSNorm, Q/K/V and
+    /// output projections as GEMMs, flash attention, router, experts grouped by `moe_sort`
+    /// into a fused gate-up-SwiGLU product and a down product, combined into the residual.
+    fn layer_prefill_gemm(
+        &self,
+        st: &Stage,
+        l: &Layer,
+        pos: u64,
+        slot: u64,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
+        use super::gemm::{GemmTile, MoeInput, MOE_DEFAULT_TILE};
+        let d = self.d;
+        let b = &st.bufs;
+        let k = Kern { dev: &self.dev };
+        let arena = &self.arenas[st.arena];
+        let base = arena.all().ptr();
+        let v = |ptr: u64, len: u64| arena.view(ptr - base, len);
+        let f = |x: usize| (x * 4) as u64;
+        let s = l.stacks.ok_or_else(|| plan_err("grouped prefill without expert stacks"))?;
+        let q_out = d.n_head * d.hd;
+        let kv_out = d.n_head_kv * d.hd;
+        let xh = v(b.xh.ptr, b.xh.bytes)?;
+        k.rmsnorm(b.x.ptr, 0, 0, l.attn_norm, b.xn.ptr, d.e, d.eps, n)?;
+        let xn = v(b.xn.ptr, f(n * d.e))?;
+        for (m, out, rows) in [(l.q, b.q.ptr, q_out), (l.k, b.k.ptr, kv_out), (l.v, b.v.ptr, kv_out)] {
+            let w = v(m.ptr, mat_bytes(m.gty, rows, d.e)?)?;
+            self.dev.gemm(w, m.gty, rows, d.e, xn, n, v(out, f(n * rows))?, xh)?;
+        }
+        k.qk_norm_rope(b.q.ptr, l.q_norm, pos, b.inv_freq.ptr, d, d.n_head, n)?;
+        k.qk_norm_rope(b.k.ptr, l.k_norm, pos, b.inv_freq.ptr, d, d.n_head_kv, n)?;
+        k.kv_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+        k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+        let wo = v(l.o.ptr, mat_bytes(l.o.gty, d.e, q_out)?)?;
+        self.dev.gemm(wo, l.o.gty, d.e, q_out, v(b.att.ptr, f(n * q_out))?, n, v(b.tmp.ptr, f(n * d.e))?, xh)?;
+        // x += attention output; xn = RMSNorm(x) * ffn_norm.
+        k.rmsnorm(b.tmp.ptr, b.x.ptr, b.x.ptr, l.ffn_norm, b.xn.ptr, d.e, d.eps, n)?;
+        k.mv_chunks(l.gate_inp, b.xn.ptr, 0, d.eps, b.router.ptr, n, false)?;
+        k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
+        let sorted = v(b.sorted.ptr, b.sorted.bytes)?;
+        self.dev.moe_sort(v(b.ids.ptr, (4 * n * d.k) as u64)?, n, d.k, d.n_expert, sorted)?;
+        let gu_bytes = mat_bytes(s.ty, d.f, d.e)?;
+        let gu_span = s.gu_stride * (d.n_expert as u64 - 1) + gu_bytes;
+        self.dev.gemm_convert_x(xn, n, d.e, s.ty, xh)?;
+        let h = v(b.h.ptr, f(n * d.k * d.f))?;
+        self.dev.moe_gemm_converted_strided(
+            GemmTile::M64,
+            v(s.gate, gu_span)?,
+            Some(v(s.up, gu_span)?),
+            s.gu_stride,
+            s.ty,
+            d.n_expert,
+            d.f,
+            d.e,
+            xh,
+            MoeInput::Gather,
+            n,
+            d.k,
+            sorted,
+            h,
+        )?;
+        let dn_bytes = mat_bytes(s.ty, d.e, d.f)?;
+        let dn_span = s.down_stride * (d.n_expert as u64 - 1) + dn_bytes;
+        self.dev.gemm_convert_x(h, n * d.k, d.f, s.ty, xh)?;
+        self.dev.moe_gemm_converted_strided(
+            MOE_DEFAULT_TILE,
+            v(s.down, dn_span)?,
+            None,
+            s.down_stride,
+            s.ty,
+            d.n_expert,
+            d.e,
+            d.f,
+            xh,
+            MoeInput::Direct,
+            n,
+            d.k,
+            sorted,
+            v(b.yd.ptr, f(n * d.k * d.e))?,
+        )?;
+        k.combine(b.yd.ptr, b.wts.ptr, d.k, d.e, b.x.ptr, n)
     }
 
     fn logits_back(&mut self, rows: usize) -> Result<(), CudaEngineError> {
@@ -953,6 +1095,7 @@ impl Carver {
 }
 
 struct StageSizes {
+    gemm: bool,
     max_tok: usize,
     logit_rows: usize,
     att_splits: usize,
@@ -1009,6 +1152,7 @@ fn build_stage(
         }
         Ok(Mat {
             ptr,
+            gty: info.ggml_type,
             ty,
             rows: rows as i32,
             cols: cols as i32,
@@ -1100,6 +1244,28 @@ fn build_stage(
                 table[3 * e + 2] = so + 2 * per_gu;
             }
         }
+        let stacks = {
+            let gs = table[3].wrapping_sub(table[0]);
+            let ds = table[5].wrapping_sub(table[2]);
+            let uniform = (0..d.n_expert).all(|e| {
+                table[3 * e] == table[0] + e as u64 * gs
+                    && table[3 * e + 1] == table[1] + e as u64 * gs
+                    && table[3 * e + 2] == table[2] + e as u64 * ds
+            });
+            let down_ty = inv
+                .tensor(&n("ffn_down_exps"))
+                .map(|t| t.ggml_type)
+                .unwrap_or(ety);
+            (d.n_expert > 1 && uniform && gs % 16 == 0 && ds % 16 == 0 && down_ty == ety)
+                .then_some(Stacks {
+                    gate: table[0],
+                    up: table[1],
+                    down: table[2],
+                    gu_stride: gs,
+                    down_stride: ds,
+                    ty: ety,
+                })
+        };
         let tb = cv.carve((table.len() * 8) as u64)?;
         dev.htod(&table, arena.view(tb.ptr - base, tb.bytes)?)?;
         layers.push(Layer {
@@ -1116,10 +1282,18 @@ fn build_stage(
             exp_ty,
             k_off: 2 * li as u64 * sz.ctx as u64 * sz.kv_row_bytes,
             v_off: (2 * li as u64 + 1) * sz.ctx as u64 * sz.kv_row_bytes,
+            stacks,
         });
     }
     let _ = hp;
-    let lay = bufs_layout(d, sz.max_tok, sz.logit_rows, sz.att_splits, sz.n_slots);
+    let lay = bufs_layout(
+        d,
+        sz.max_tok,
+        sz.logit_rows,
+        sz.att_splits,
+        sz.n_slots,
+        sz.gemm,
+    );
     let mut bufs = Bufs::default();
     for (name, bytes) in lay {
         let b = cv.carve(bytes)?;
@@ -1139,6 +1313,11 @@ fn build_stage(
             "h" => bufs.h = b,
             "logits" => bufs.logits = b,
             "inv_freq" => bufs.inv_freq = b,
+            "xn" => bufs.xn = b,
+            "xh" => bufs.xh = b,
+            "tmp" => bufs.tmp = b,
+            "yd" => bufs.yd = b,
+            "sorted" => bufs.sorted = b,
             _ => unreachable!("every buffer of bufs_layout is named here"),
         }
     }
@@ -1160,6 +1339,7 @@ fn build_stage(
         )));
     }
     Ok(Stage {
+        arena: arena_index,
         layers,
         embd: if dp.holds_embedding {
             Some(mat("token_embd.weight", d.vocab, d.e)?)
@@ -1211,6 +1391,8 @@ fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
 }
 
 const DQ_WARPS: u32 = 4;
+/// Prefill passes of at least this many tokens use the tensor-core products.
+const GEMM_MIN_TOK: usize = 16;
 
 impl Kern<'_> {
     fn get_rows(&self, w: Mat, ids: u64, out: u64, n: usize) -> Result<(), CudaEngineError> {
@@ -1295,6 +1477,19 @@ impl Kern<'_> {
         let smem = ((2 * kt as usize * (d.hd + 1) + 16 * d.hd) * 4) as u32;
         let n32 = n as i32;
         launch!(self, "dq_attn_prefill", cfg((d.n_head as u32, n.div_ceil(16) as u32, 1), 32 * 4, smem); &b_.q.ptr, &st.kv, &slot, &pos, &sb, &ko, &vo, &kv_ty, &nh, &nkv, &hd, &rb, &scale, &kt, &n32, &b_.att.ptr)
+    }
+
+    /// out = RMSNorm(x (+ res)) * w per row; h_out (if non-zero) gets x + res.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm(&self, x: u64, res: u64, h_out: u64, w: u64, out: u64, e: usize, eps: f32, n: usize) -> Result<(), CudaEngineError> {
+        let e32 = e as i32;
+        launch!(self, "rmsnorm_f32", cfg((n as u32, 1, 1), 256, 0); &x, &res, &h_out, &w, &out, &e32, &eps)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn combine(&self, y: u64, wts: u64, k: usize, e: usize, x: u64, n: usize) -> Result<(), CudaEngineError> {
+        let (k32, e32) = (k as i32, e as i32);
+        launch!(self, "dq_moe_combine", cfg((n as u32, 1, 1), 256, 0); &y, &wts, &k32, &e32, &x)
     }
 
     fn router(&self, logits: u64, d: Dims, ids: u64, wts: u64, n: usize) -> Result<(), CudaEngineError> {

@@ -537,6 +537,33 @@ impl CudaDevice {
         sorted: DeviceView<'_>,
         y: DeviceView<'_>,
     ) -> Result<(), CudaError> {
+        self.moe_gemm_converted_strided(
+            tile, w, wu, 0, ty, n_expert, rows, cols, xh, input, n_tok, k, sorted, y,
+        )
+    }
+
+    /// [`CudaDevice::moe_gemm_converted`] with expert e's matrix at byte `e * stride` of `w`
+    /// (and of `wu`) instead of `e * matrix bytes` — experts held in expert-cache slots of
+    /// `stride` bytes each. `stride` 0 means the matrix size; else it must be at least that
+    /// and a multiple of 16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm_converted_strided(
+        &self,
+        tile: GemmTile,
+        w: DeviceView<'_>,
+        wu: Option<DeviceView<'_>>,
+        stride: u64,
+        ty: GgmlType,
+        n_expert: usize,
+        rows: usize,
+        cols: usize,
+        xh: DeviceView<'_>,
+        input: MoeInput,
+        n_tok: usize,
+        k: usize,
+        sorted: DeviceView<'_>,
+        y: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "moe_gemm";
         if n_expert == 0 || n_expert > MOE_MAX_EXPERT || k == 0 {
             return Err(bad(
@@ -551,14 +578,22 @@ impl CudaDevice {
                 format!("one {rows} x {cols} {ty} expert matrix is {mb} bytes, not a multiple of 16, so later experts would be misaligned for 16-byte loads"),
             ));
         }
+        let stride = if stride == 0 { mb } else { stride };
+        if stride < mb || stride % 16 != 0 {
+            return Err(bad(
+                OP,
+                format!("expert stride {stride} must be a multiple of 16 and at least the {mb}-byte matrix"),
+            ));
+        }
         let lay = MoeScratch::new(n_tok, k, n_expert);
         let x_rows = match input {
             MoeInput::Gather => n_tok,
             MoeInput::Direct => lay.n_assign,
         };
-        w.expect(OP, "w", mb * n_expert as u64, 16)?;
+        let span = stride * (n_expert as u64 - 1) + mb;
+        w.expect(OP, "w", span, 16)?;
         if let Some(u) = wu {
-            u.expect(OP, "w_up", mb * n_expert as u64, 16)?;
+            u.expect(OP, "w_up", span, 16)?;
         }
         xh.expect(OP, "xh", gemm_scratch_bytes(x_rows, cols), 16)?;
         y.expect(OP, "y", 4 * lay.n_assign as u64 * rows as u64, 4)?;
@@ -602,7 +637,7 @@ impl CudaDevice {
             base + lay.tiles,
             base + lay.n_tiles,
         );
-        let mbl = mb as i64;
+        let mbl = stride as i64;
         let up = wu.map_or(0, |v| v.ptr());
         let mut b = self.stream.launch_builder(f);
         if wu.is_some() {
