@@ -47,6 +47,9 @@ pub struct PlanArgs {
     /// Launch decode kernels one by one instead of replaying a captured CUDA graph.
     #[arg(long)]
     pub no_graphs: bool,
+    /// Prefill with the matrix-vector kernels instead of the tensor-core products.
+    #[arg(long)]
+    pub no_prefill_gemm: bool,
     /// No progress bar.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -115,6 +118,7 @@ pub fn start_cuda_engine(
             gpu: args.gpu,
             progress: !args.quiet,
             graphs: !args.no_graphs,
+            prefill_gemm: !args.no_prefill_gemm,
         },
     )
     .unwrap_or_else(|e| fail(e))

@@ -49,6 +49,9 @@ pub struct CudaEngineOptions {
     pub progress: bool,
     /// Capture decode steps in CUDA graphs.
     pub graphs: bool,
+    /// Prefill through the tensor-core products when the weights allow (Q8_0 / BF16 and
+    /// experts at a fixed stride); else every pass uses the matrix-vector kernels.
+    pub prefill_gemm: bool,
 }
 
 impl Default for CudaEngineOptions {
@@ -57,6 +60,7 @@ impl Default for CudaEngineOptions {
             gpu: 0,
             progress: false,
             graphs: true,
+            prefill_gemm: true,
         }
     }
 }
@@ -364,9 +368,8 @@ impl CudaEngine {
         let logit_rows = n_slots.max(1);
 
         // The tensor-core prefill path: every projection and expert matrix Q8_0 or BF16
-        // (STRATA_NO_GEMM=1 turns it off, for comparisons).
         let gemm_ty = |t: GgmlType| matches!(t, GgmlType::Q8_0 | GgmlType::BF16);
-        let gemm = std::env::var_os("STRATA_NO_GEMM").is_none()
+        let gemm = opts.prefill_gemm
             && inv.tensors.iter().all(|t| {
                 let n = t.name.as_str();
                 let proj = ["attn_q.", "attn_k.", "attn_v.", "attn_output.", "_exps."]
@@ -484,6 +487,12 @@ impl CudaEngine {
     /// The GPU.
     pub fn device(&self) -> &CudaDevice {
         &self.dev
+    }
+
+    /// Whether prefill passes of at least 16 tokens run through the tensor-core products in
+    /// every layer (Q8_0/BF16 weights, experts at a fixed stride).
+    pub fn grouped_prefill(&self) -> bool {
+        self.gemm && self.stages.iter().all(|s| s.layers.iter().all(|l| l.stacks.is_some()))
     }
 
     /// Tokens one forward pass takes (prefill chunks larger than this are split).
