@@ -7,7 +7,7 @@
 //! request is fed past `prompt + max_tokens <= max_context`, which the HTTP side checks
 //! before queueing; the queue is bounded and never blocks the HTTP side.
 
-use super::metrics::{Shared, SlotView};
+use super::metrics::{Ready, Shared, SlotView};
 use crate::engine::{Engine, EngineError};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
@@ -51,6 +51,9 @@ pub enum SubmitError {
 /// while it runs.
 pub type Loader =
     Box<dyn FnOnce() -> Result<(Box<dyn Engine>, Option<Tokenizer>), String> + Send + 'static>;
+
+/// Called once on the scheduler thread when the model is loaded (e.g. to print a banner).
+pub type ReadyHook = Box<dyn FnOnce(&Ready) + Send + 'static>;
 
 /// The HTTP side's handle on the scheduler.
 #[derive(Clone)]
@@ -109,11 +112,13 @@ struct Active {
 }
 
 /// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
-/// serves jobs until shut down. `queue` is the most jobs waiting for a slot.
+/// serves jobs until shut down. `queue` is the most jobs waiting for a slot; `on_ready`
+/// runs once readiness is published.
 pub fn spawn(
     loader: Loader,
     shared: Arc<Shared>,
     queue: usize,
+    on_ready: ReadyHook,
 ) -> std::io::Result<(SchedulerHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::sync_channel::<Job>(queue);
     let stop = Arc::new(Stop::default());
@@ -129,6 +134,9 @@ pub fn spawn(
                 Ok((engine, tok)) => match super::make_ready(engine.info(), tok) {
                     Ok(ready) => {
                         let _ = shared.ready.set(ready);
+                        if let Some(r) = shared.ready.get() {
+                            on_ready(r);
+                        }
                         engine
                     }
                     Err(e) => {
