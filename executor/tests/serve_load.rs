@@ -269,3 +269,105 @@ async fn bench_requests_per_second_and_ttft() {
     }
     s.stop().await;
 }
+
+/// One streamed request that retries on a planned 503 (queue full); returns the response and
+/// how many 503s it met.
+async fn stream_with_retry(addr: std::net::SocketAddr, path: &str, body: &Value) -> (Resp, u32) {
+    let mut busy = 0;
+    loop {
+        let r = request(addr, "POST", path, &[], body.to_string().as_bytes())
+            .await
+            .unwrap();
+        if r.status != 503 {
+            return (r, busy);
+        }
+        assert_eq!(r.header("retry-after"), Some("1"), "{}", r.text());
+        assert_eq!(r.json()["error"]["code"], "queue_full");
+        busy += 1;
+        // Sooner than Retry-After's second, to keep the test short.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}
+
+/// The real CPU engine through `strata-exec PLAN --serve`: 4x the slots of concurrent
+/// streaming clients, four rounds, a queue small enough that some get the planned 503 and
+/// retry. Every accepted request completes with the text the same request gets alone, and
+/// the server's resident memory is flat from the second round on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_engine_concurrent_streams_match_sequential_greedy_and_rss_is_flat() {
+    use common::exec::*;
+    let n_slots = 4;
+    let clients = 4 * n_slots;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = write_plan(
+        dir.path(),
+        std::path::Path::new(REAL_MODEL),
+        n_slots as u32,
+        128,
+        8,
+    );
+    let s = ExecServer::start(&plan, &["--queue", "8", "--model-name", "strata-tiny"]);
+    let mut expected = Vec::new();
+    for i in 0..clients {
+        let (path, body) = request_for(i, false);
+        let r = s.post_json(&path, &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let c = &v["choices"][0];
+        let text = if path.contains("chat") {
+            c["message"]["content"].as_str()
+        } else {
+            c["text"].as_str()
+        };
+        expected.push((
+            text.unwrap().to_string(),
+            c["finish_reason"].as_str().unwrap().to_string(),
+        ));
+    }
+    let mut rss = Vec::new();
+    let mut planned_503 = 0;
+    for round in 0..4 {
+        let mut tasks = Vec::new();
+        for i in 0..clients {
+            let addr = s.addr;
+            tasks.push(tokio::spawn(async move {
+                let (path, body) = request_for(i, true);
+                let (r, busy) = stream_with_retry(addr, &path, &body).await;
+                (i, path, r, busy)
+            }));
+        }
+        for t in tasks {
+            let (i, path, r, busy) = t.await.unwrap();
+            planned_503 += busy;
+            assert_eq!(r.status, 200, "round {round} client {i}: {}", r.text());
+            assert_eq!(r.sse_data().last().map(String::as_str), Some("[DONE]"));
+            let (text, finish) = stream_text(&r, path.contains("chat"));
+            assert_eq!(
+                (text, finish.unwrap()),
+                expected[i],
+                "round {round} client {i} differs from the request run alone"
+            );
+        }
+        let idle = wait_idle(&s, Duration::from_secs(10)).await;
+        assert!(
+            idle.as_array().unwrap().iter().all(|x| x["kv_cells"] == 0),
+            "{idle}"
+        );
+        rss.push(s.rss_kib());
+    }
+    assert_eq!(s.metric("strata_requests_failed_total").await, 0.0);
+    assert_eq!(s.metric("strata_requests_cancelled_total").await, 0.0);
+    assert_eq!(
+        s.metric("strata_requests_finished_total").await,
+        (5 * clients) as f64,
+        "every accepted request finished"
+    );
+    assert_eq!(s.metric("strata_requests_running").await, 0.0);
+    assert_eq!(s.metric("strata_requests_queued").await, 0.0);
+    eprintln!("planned 503s: {planned_503}; server RSS after each round: {rss:?} KiB");
+    assert!(
+        rss[3] <= rss[1] + 4 * 1024,
+        "the server's RSS grew across rounds: {rss:?} KiB"
+    );
+    assert_eq!(s.stop_with("-INT", Duration::from_secs(15)), 0);
+}

@@ -28,7 +28,7 @@ def main():
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS, "head_dim": HD, "num_experts": EXPERTS,
         "num_experts_per_tok": USED, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 512, "vocab_size": VOCAB,
+        "rope_theta": 10000.0, "max_position_embeddings": 4096, "vocab_size": VOCAB,
         "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": 399,
     }
