@@ -101,6 +101,27 @@ fn serves_chat_and_completions_with_the_real_engine_and_exits_0_on_sigterm() {
     assert_eq!(last["usage"], usage, "usage rides in the last chunk");
     assert_eq!(last["choices"], json!([]));
 
+    // A stop string cuts the text, and the request counts as finished, not cancelled.
+    let stop: String = text.chars().skip(1).take(1).collect();
+    if !stop.trim().is_empty() {
+        let r = authed(
+            &s,
+            "/v1/chat/completions",
+            &json!({"model": "tiny", "messages": msgs, "max_tokens": 12, "temperature": 0, "stop": [stop]}),
+        );
+        let v = r.json();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        assert_eq!(
+            v["choices"][0]["message"]["content"].as_str().unwrap(),
+            &text[..text.find(&stop).unwrap()],
+            "stop {stop:?} in {text:?}"
+        );
+    } else {
+        eprintln!(
+            "note: greedy text {text:?} has no printable second character; stop check skipped"
+        );
+    }
+
     // Completions from token ids, and from text.
     let r = authed(
         &s,
@@ -132,7 +153,12 @@ fn serves_chat_and_completions_with_the_real_engine_and_exits_0_on_sigterm() {
             .unwrap()
             .text()
     });
-    assert!(m.contains("strata_requests_finished_total 4"), "{m}");
+    let finished = if stop.trim().is_empty() { 4 } else { 5 };
+    assert!(
+        m.contains(&format!("strata_requests_finished_total {finished}\n")),
+        "{m}"
+    );
+    assert!(m.contains("strata_requests_cancelled_total 0\n"), "{m}");
     assert!(m.contains("strata_kv_cells_in_use{slot=\"3\"} 0"), "{m}");
     assert_eq!(s.stop_with("-TERM", Duration::from_secs(15)), 0);
 }

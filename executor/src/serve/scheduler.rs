@@ -38,6 +38,9 @@ pub struct Job {
     pub eos: Arc<[u32]>,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
+    /// Set by the handler when it ended the request itself (a stop string matched) before
+    /// dropping its receiver, so the freed slot counts as finished, not cancelled.
+    pub ended_by_stop: Arc<AtomicBool>,
 }
 
 /// Why a job was not queued.
@@ -293,14 +296,19 @@ impl Sched {
                     }
                 }
             }
-            // Drop requests whose client went away.
+            // Drop requests whose client went away (or whose handler matched a stop string).
             for slot in 0..self.slots.len() {
-                if self.slots[slot]
-                    .as_ref()
-                    .is_some_and(|a| a.job.events.is_closed())
-                {
+                let Some(a) = self.slots[slot].as_ref() else {
+                    continue;
+                };
+                if a.job.events.is_closed() {
                     let shared = self.shared.clone();
-                    self.free(slot, &shared.requests_cancelled);
+                    let how = if a.job.ended_by_stop.load(Relaxed) {
+                        &shared.requests_finished
+                    } else {
+                        &shared.requests_cancelled
+                    };
+                    self.free(slot, how);
                 }
             }
             self.prefill_step();
