@@ -158,7 +158,10 @@ pub fn spawn(
             };
             let sh = shared.clone();
             let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-                Sched::new(engine, rx, sh, stop).run();
+                // Run the loop on a rayon worker (as the one-shot CLI does), so the engine's
+                // parallel ops start from the worker's own queue instead of being injected
+                // into the pool from outside and waited for on every op.
+                rayon::scope(|_| Sched::new(engine, rx, sh, stop).run());
             }));
             if res.is_err() {
                 let _ = shared
@@ -228,18 +231,22 @@ impl Sched {
         }
     }
 
+    /// End `slot`'s request with `ev`. The slot is freed and counted before the event is
+    /// sent, so a client that has its answer also sees it in /metrics.
     fn finish(&mut self, slot: usize, ev: Event) {
         let failed = matches!(ev, Event::Error(_));
-        if let Some(a) = &self.slots[slot] {
-            let _ = a.job.events.send(ev);
-        }
-        let shared = self.shared.clone();
-        let counter = if failed {
-            &shared.requests_failed
-        } else {
-            &shared.requests_finished
+        let Some(a) = self.slots[slot].take() else {
+            return;
         };
-        self.free(slot, counter);
+        self.engine.reset_slot(slot);
+        self.shared.running.fetch_sub(1, Relaxed);
+        let counter = if failed {
+            &self.shared.requests_failed
+        } else {
+            &self.shared.requests_finished
+        };
+        counter.fetch_add(1, Relaxed);
+        let _ = a.job.events.send(ev);
     }
 
     fn admit(&mut self, job: Job, slot: usize) {
