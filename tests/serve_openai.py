@@ -1,17 +1,30 @@
 #!/usr/bin/env python3
-"""The `openai` Python client against a running Strata server.
+"""The `openai` Python client against a Strata server: chat and completion, streaming and
+not, seeded sampling, stop sequences, and the error cases (context overflow naming both
+numbers, unknown model, bad types, wrong API key with /health open, malformed and oversized
+bodies), then SIGINT and exit 0 when this script started the server.
 
-Starts the server binary (default: strata-serve-test from the cargo target dir; override with
-STRATA_SERVE_BIN or argv[1]) on a free loopback port over the tiny test model and the
-tests/data/tiny-chat tokenizer, waits for /health, runs chat and completion requests
-(streaming and not) and the error cases, then stops it with SIGINT and expects exit 0.
+Modes:
+  serve_openai.py [BIN]             strata-serve-test (TinyEngine, random weights; default:
+                                    from the cargo target dir, or STRATA_SERVE_BIN)
+  serve_openai.py --real            the real CPU engine: plans tests/data/tiny-chat-moe with
+                                    the target dir's strata-plan for plans/hardware/cpu.toml
+                                    and starts `strata-exec PLAN --serve`
+  serve_openai.py --exec BIN --plan PLAN
+                                    `BIN PLAN --serve` (any backend: the plan decides)
+  serve_openai.py --url http://H:P  a server someone else started; it must have been started
+                                    with --api-key test-key --model-name strata-tiny
+                                    --max-body 65536 (override with --api-key/--model/--max-body)
 Prints 'N passed, N failed' and exits non-zero on any failure.
 """
+import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -22,55 +35,91 @@ import openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK_DIR = os.path.join(ROOT, "tests", "data", "tiny-chat")
+REAL_MODEL = os.path.join(ROOT, "tests", "data", "tiny-chat-moe")
 KEY = "test-key"
 MODEL = "strata-tiny"
+MAX_BODY = 65536
+CLEANUP = []
 
 
-def find_binary():
-    if len(sys.argv) > 1:
-        return sys.argv[1]
-    if os.environ.get("STRATA_SERVE_BIN"):
-        return os.environ["STRATA_SERVE_BIN"]
+def target_bin(name):
     target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
     for profile in ("release", "debug"):
-        p = os.path.join(target, profile, "strata-serve-test")
+        p = os.path.join(target, profile, name)
         if os.path.exists(p):
             return p
-    sys.exit("strata-serve-test not found: build it with `cargo build -p strata-exec --bin strata-serve-test`")
+    sys.exit(f"{name} not found under {target}: build it with `cargo build -p strata-exec` "
+             f"(and `-p strata-plan` for --real)")
 
 
-def start_server(binary):
-    proc = subprocess.Popen(
-        [binary, "--tokenizer", TOK_DIR, "--port", "0", "--api-key", KEY, "--slots", "2",
-         "--ctx", "256", "--ubatch", "8", "--queue", "8", "--max-body", "65536", "--grace-ms", "2000"],
-        stderr=subprocess.PIPE, text=True,
-    )
+def server_argv(args):
+    """The command line that starts the server, or None in --url mode."""
+    common = ["--port", "0", "--api-key", KEY, "--queue", "8", "--max-body", str(MAX_BODY)]
+    if args.url:
+        return None
+    if args.real or args.exec:
+        exe = args.exec or target_bin("strata-exec")
+        plan = args.plan
+        if plan is None:
+            if not args.real:
+                sys.exit("--exec needs --plan PLAN")
+            tmp = tempfile.mkdtemp(prefix="strata-serve-openai-")
+            CLEANUP.append(tmp)
+            plan = os.path.join(tmp, "tiny-chat.plan")
+            subprocess.run(
+                [target_bin("strata-plan"), "--model", REAL_MODEL, "--hardware",
+                 os.path.join(ROOT, "plans", "hardware", "cpu.toml"), "--gpu", "0",
+                 "--max-context", "256", "--batch", "2", "--ubatch", "8", "-o", plan],
+                check=True, stdout=subprocess.DEVNULL)
+        return [exe, plan, "--serve", "-q", "--model-name", MODEL, "--shutdown-grace", "2"] + common
+    binary = args.binary or os.environ.get("STRATA_SERVE_BIN") or target_bin("strata-serve-test")
+    return [binary, "--tokenizer", TOK_DIR, "--slots", "2", "--ctx", "256", "--ubatch", "8",
+            "--grace-ms", "2000"] + common
+
+
+def start_server(argv):
+    print("starting:", " ".join(argv), flush=True)
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     addr = None
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while time.time() < deadline:
         line = proc.stderr.readline()
         if not line:
             break
+        sys.stderr.write(line)
         if "http://" in line:
-            addr = line.split("http://", 1)[1].strip()
+            addr = line.split("http://", 1)[1].split()[0].rstrip(":")
             break
     if addr is None:
         proc.kill()
         sys.exit("the server did not print its address")
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    threading.Thread(target=lambda: [sys.stderr.write(l) for l in proc.stderr], daemon=True).start()
+    wait_healthy(addr, deadline, proc)
+    return proc, addr
+
+
+def wait_healthy(addr, deadline, proc=None):
     while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            sys.exit(f"the server exited with {proc.returncode} before it was ready")
         try:
             with urllib.request.urlopen(f"http://{addr}/health", timeout=5) as r:
                 if r.status == 200:
-                    return proc, addr
+                    return
         except (urllib.error.URLError, ConnectionError):
             pass
         time.sleep(0.05)
-    proc.kill()
+    if proc is not None:
+        proc.kill()
     sys.exit("the server never became healthy")
 
 
-def raw(addr, path, body, method="POST", key=KEY):
+# Filled from /v1/models once the server is up.
+META = {}
+
+
+def raw(addr, path, body, method="POST", key=None):
+    key = KEY if key is None else key
     req = urllib.request.Request(f"http://{addr}{path}", data=body, method=method)
     req.add_header("Content-Type", "application/json")
     if key:
@@ -94,6 +143,7 @@ def check(fn):
 def models_list(client, addr):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL], ids
+    assert META["n_slots"] >= 1 and META["max_context"] >= 64, META
 
 
 @check
@@ -174,7 +224,7 @@ def context_overflow_is_400_naming_both_numbers(client, addr):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=100000)
     except openai.BadRequestError as e:
         msg = e.body["message"] if isinstance(e.body, dict) else str(e)
-        assert "100000" in msg and "256" in msg, msg
+        assert "100000" in msg and str(META["max_context"]) in msg, msg
     else:
         raise AssertionError("no error")
 
@@ -216,7 +266,7 @@ def wrong_key_is_401_and_health_stays_open(client, addr):
 
 @check
 def raw_bad_bodies_get_json_errors_and_the_server_goes_on(client, addr):
-    for body, status in ((b"{oops", 400), (b'{"prompt": "\xff"}', 400), (b"x" * 70000, 413),
+    for body, status in ((b"{oops", 400), (b'{"prompt": "\xff"}', 400), (b"x" * (MAX_BODY + 10), 413),
                          (b'{"prompt": "hi", "max_tokens": 1e400}', 400), (b'{"prompt": [1, -1]}', 400)):
         code, out = raw(addr, "/v1/completions", body)
         assert code == status, (body[:30], code, out[:200])
@@ -224,6 +274,33 @@ def raw_bad_bodies_get_json_errors_and_the_server_goes_on(client, addr):
         assert err["message"] and err["type"], err
         ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
         assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@check
+def token_id_prompt_streams_usage_in_the_last_chunk(client, addr):
+    prompt = [1, 17, 42, 5]
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert full.usage.prompt_tokens == 4, full.usage
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None and not chunks[-1].choices, chunks[-1]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == full.choices[0].text
+
+
+@check
+def metrics_expose_the_issue_families(client, addr):
+    code, out = raw(addr, "/metrics", None, method="GET")
+    assert code == 200
+    text = out.decode()
+    for name in ("strata_requests_running ", "strata_requests_queued ", "strata_prompt_tokens_total ",
+                 "strata_generated_tokens_total ", "strata_tokens_per_second ",
+                 "strata_expert_cache_hits_total ", "strata_expert_cache_misses_total ",
+                 'strata_kv_cells_in_use{slot="0"} '):
+        assert name in text, (name, text)
+    gen = float(next(l.split()[1] for l in text.splitlines() if l.startswith("strata_generated_tokens_total ")))
+    assert gen > 0, text
 
 
 @check
@@ -235,37 +312,61 @@ def tokenize_detokenize_and_slots(client, addr):
     assert json.loads(out)["content"] == "Hello there"
     code, out = raw(addr, "/slots", None, method="GET")
     slots = json.loads(out)
-    assert len(slots) == 2 and all(s["state"] == "idle" for s in slots), slots
+    assert len(slots) == META["n_slots"] and all(s["state"] == "idle" for s in slots), slots
 
 
 def main():
-    binary = find_binary()
-    proc, addr = start_server(binary)
-    client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key=KEY, max_retries=0, timeout=60)
+    global KEY, MODEL, MAX_BODY
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("binary", nargs="?", help="strata-serve-test binary (default mode)")
+    ap.add_argument("--real", action="store_true", help="plan tests/data/tiny-chat-moe and serve it with strata-exec")
+    ap.add_argument("--exec", metavar="BIN", help="a strata-exec binary to start with --plan")
+    ap.add_argument("--plan", metavar="PLAN", help="the plan for --exec")
+    ap.add_argument("--url", help="attach to a running server, e.g. http://127.0.0.1:8080")
+    ap.add_argument("--api-key", default=KEY)
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--max-body", type=int, default=MAX_BODY)
+    args = ap.parse_args()
+    KEY, MODEL, MAX_BODY = args.api_key, args.model, args.max_body
+    argv = server_argv(args)
+    if argv is None:
+        proc, addr = None, args.url.split("://", 1)[-1].rstrip("/")
+        wait_healthy(addr, time.time() + 300)
+    else:
+        proc, addr = start_server(argv)
+    code, out = raw(addr, "/v1/models", None, method="GET")
+    assert code == 200, (code, out)
+    META.update(json.loads(out)["data"][0]["meta"])
+    print(f"server {addr}: {META}", flush=True)
+    client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key=KEY, max_retries=0, timeout=120)
     passed = failed = 0
     try:
         for fn in CHECKS:
             try:
                 fn(client, addr)
                 passed += 1
-                print(f"ok   {fn.__name__}")
+                print(f"ok   {fn.__name__}", flush=True)
             except Exception:
                 failed += 1
-                print(f"FAIL {fn.__name__}")
+                print(f"FAIL {fn.__name__}", flush=True)
                 traceback.print_exc()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = None
-    if code == 0:
-        passed += 1
-        print("ok   sigint_exits_zero")
-    else:
-        failed += 1
-        print(f"FAIL sigint_exits_zero (exit code {code})")
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = None
+    if proc is not None:
+        if code == 0:
+            passed += 1
+            print("ok   sigint_exits_zero")
+        else:
+            failed += 1
+            print(f"FAIL sigint_exits_zero (exit code {code})")
+    for d in CLEANUP:
+        shutil.rmtree(d, ignore_errors=True)
     print(f"{passed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
 

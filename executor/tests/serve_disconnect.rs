@@ -1,5 +1,7 @@
 //! A client that disconnects frees its slot within a step or two, during prefill and during
 //! decode, streaming or not; the slot is visibly idle on /slots and takes the next request.
+//! Over the test engine (timed steps) and over the real CPU engine through
+//! `strata-exec PLAN --serve`.
 #[path = "serve_common/mod.rs"]
 mod common;
 
@@ -28,8 +30,8 @@ async fn server() -> TestServer {
 }
 
 /// Send a request on a connection we keep, so the test can drop it.
-async fn open(s: &TestServer, path: &str, body: serde_json::Value) -> TcpStream {
-    let mut st = TcpStream::connect(s.addr).await.unwrap();
+async fn open(s: &impl Server, path: &str, body: serde_json::Value) -> TcpStream {
+    let mut st = TcpStream::connect(s.addr()).await.unwrap();
     st.write_all(&request_bytes(
         "POST",
         path,
@@ -42,7 +44,7 @@ async fn open(s: &TestServer, path: &str, body: serde_json::Value) -> TcpStream 
 }
 
 /// Poll /slots until some slot is in `state`; returns that slot's view.
-async fn wait_state(s: &TestServer, state: &str) -> serde_json::Value {
+async fn wait_state(s: &impl Server, state: &str) -> serde_json::Value {
     let t0 = Instant::now();
     loop {
         let v = s.slots().await;
@@ -57,7 +59,7 @@ async fn wait_state(s: &TestServer, state: &str) -> serde_json::Value {
     }
 }
 
-async fn cancelled(s: &TestServer) -> u64 {
+async fn cancelled(s: &impl Server) -> u64 {
     let m = s.get("/metrics").await.unwrap().text();
     m.lines()
         .find_map(|l| l.strip_prefix("strata_requests_cancelled_total "))
@@ -67,7 +69,7 @@ async fn cancelled(s: &TestServer) -> u64 {
 }
 
 /// Drop `conn` and time how long until every slot is idle again.
-async fn drop_and_time(s: &TestServer, conn: TcpStream) -> Duration {
+async fn drop_and_time(s: &impl Server, conn: TcpStream) -> Duration {
     drop(conn);
     let t0 = Instant::now();
     wait_idle(s, Duration::from_secs(5)).await;
@@ -155,4 +157,73 @@ async fn disconnect_mid_decode_frees_the_slot() {
     );
     assert_eq!(cancelled(&s).await, before + 2);
     s.stop().await;
+}
+
+/// The real CPU engine (tiny-chat-moe, prefill chunks of 2 tokens): a client dropped during
+/// a long prefill stops it (the prompt tokens fed stay below the prompt's length), one
+/// dropped during decode stops generating, and both slots are idle with no KV cells on
+/// /slots, then serve the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_engine_disconnect_mid_prefill_and_mid_decode_frees_the_slot() {
+    use common::exec::*;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = write_plan(dir.path(), std::path::Path::new(REAL_MODEL), 2, 1024, 2);
+    let s = ExecServer::start(&plan, &[]);
+    let prompt: Vec<u32> = (0..1000u32).map(|i| (i * 7 + 3) % 397).collect();
+    for stream in [true, false] {
+        let before = cancelled(&s).await;
+        let fed_before = s.metric("strata_prompt_tokens_total").await as u64;
+        let conn = open(
+            &s,
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 8, "stream": stream}),
+        )
+        .await;
+        let v = wait_state(&s, "prefill").await;
+        assert_eq!(v["prompt_tokens"], 1000, "{v}");
+        let took = drop_and_time(&s, conn).await;
+        let fed = s.metric("strata_prompt_tokens_total").await as u64 - fed_before;
+        assert!(
+            fed < 1000,
+            "the prefill ran to the end ({fed} tokens) although the client left (stream {stream})"
+        );
+        assert!(
+            took < Duration::from_secs(2),
+            "slot freed after {took:?} (stream {stream})"
+        );
+        assert_eq!(cancelled(&s).await, before + 1);
+        let last = s.slots().await;
+        assert!(
+            last.as_array().unwrap().iter().all(|x| x["kv_cells"] == 0),
+            "{last}"
+        );
+    }
+    for stream in [true, false] {
+        let before = cancelled(&s).await;
+        let gen_before = s.metric("strata_generated_tokens_total").await as u64;
+        let conn = open(
+            &s,
+            "/v1/completions",
+            json!({"prompt": [1, 2, 3], "max_tokens": 1000, "stream": stream, "temperature": 0}),
+        )
+        .await;
+        let v = wait_state(&s, "decode").await;
+        assert_eq!(v["prompt_done"], 3, "{v}");
+        let took = drop_and_time(&s, conn).await;
+        let generated = s.metric("strata_generated_tokens_total").await as u64 - gen_before;
+        assert!(generated < 1000, "generated {generated} (stream {stream})");
+        assert!(
+            took < Duration::from_secs(2),
+            "slot freed after {took:?} (stream {stream})"
+        );
+        assert_eq!(cancelled(&s).await, before + 1);
+    }
+    let r = s
+        .post_json(
+            "/v1/completions",
+            &json!({"prompt": [5, 6], "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.stop_with("-TERM", Duration::from_secs(15)), 0);
 }

@@ -142,3 +142,55 @@ async fn sigterm_when_idle_exits_zero() {
         .unwrap();
     assert_eq!(code, 0);
 }
+
+/// The real program: `strata-exec PLAN --serve` with the CPU engine ends a stream that
+/// outlives `--shutdown-grace` after SIGTERM (error event, then [DONE]) and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strata_exec_sigterm_ends_a_running_stream_and_exits_zero() {
+    use common::exec::*;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = write_plan(dir.path(), std::path::Path::new(REAL_MODEL), 2, 1024, 4);
+    let s = ExecServer::start(&plan, &["--shutdown-grace", "0.5"]);
+    let addr = s.addr;
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // Greedy from these ids never meets the end-of-sequence id within 1000 tokens, so only
+    // the shutdown can end this stream early.
+    let body = serde_json::json!({"prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0,
+                                  "stream": true})
+    .to_string();
+    conn.write_all(&request_bytes(
+        "POST",
+        "/v1/completions",
+        &[],
+        body.as_bytes(),
+    ))
+    .await
+    .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = conn.read(&mut buf).await.unwrap();
+    assert!(n > 0);
+    let t0 = Instant::now();
+    let stopper =
+        tokio::task::spawn_blocking(move || s.stop_with("-TERM", Duration::from_secs(10)));
+    let mut rest = buf[..n].to_vec();
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf))
+            .await
+            .expect("stream ends")
+            .unwrap();
+        if n == 0 {
+            break;
+        }
+        rest.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&rest);
+    assert!(text.contains("[DONE]"), "{text}");
+    assert!(text.contains("shutting down"), "{text}");
+    assert_eq!(stopper.await.unwrap(), 0);
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}

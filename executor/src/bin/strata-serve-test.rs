@@ -1,7 +1,8 @@
 //! `strata-serve-test`: the OpenAI-compatible server over the test-support `TinyEngine`
-//! (random weights) and a tokenizer folder, for the Python client test and the shutdown test
-//! until `strata-exec PLAN --serve` is wired. Invariant: prints `listening on http://ADDR`
-//! on stderr once bound; exits 0 after SIGINT/SIGTERM, 2 on bad arguments.
+//! (random weights, timed steps) and a tokenizer folder, for the Python client test and the
+//! shutdown test where a controllable engine helps (slow steps, slow loading); the real
+//! program is `strata-exec PLAN --serve`. Invariant: prints `listening on http://ADDR` on
+//! stderr once bound; exits 0 after SIGINT/SIGTERM, 2 on bad arguments.
 
 use std::time::Duration;
 use strata_exec::serve::test_engine::{TinyConfig, TinyEngine};

@@ -77,20 +77,29 @@ pub fn backend_for(plan: &Plan, args: &PlanArgs) -> Backend {
 
 /// Check and load `model` into the plan's memory on the chosen backend.
 pub fn start_engine(plan: &Plan, model: &Path, args: &PlanArgs) -> Box<dyn Engine> {
-    let host = strata_exec::load::open_model(model).unwrap_or_else(|e| fail(e));
+    try_start_engine(plan, model, args).unwrap_or_else(|e| fail(e))
+}
+
+/// [`start_engine`] that returns the CPU engine's failures instead of exiting, for the
+/// server's loader thread (which reports them on `/health` and stops cleanly).
+pub fn try_start_engine(
+    plan: &Plan,
+    model: &Path,
+    args: &PlanArgs,
+) -> Result<Box<dyn Engine>, String> {
+    let host = strata_exec::load::open_model(model).map_err(|e| e.to_string())?;
     match backend_for(plan, args) {
-        Backend::Cuda => start_cuda(plan, host, args),
-        _ => Box::new(
-            PlanEngine::start(
-                plan,
-                host,
-                EngineOptions {
-                    progress: !args.quiet,
-                    mem_available: None,
-                },
-            )
-            .unwrap_or_else(|e| fail(e)),
-        ),
+        Backend::Cuda => Ok(start_cuda(plan, host, args)),
+        _ => PlanEngine::start(
+            plan,
+            host,
+            EngineOptions {
+                progress: !args.quiet,
+                mem_available: None,
+            },
+        )
+        .map(|e| Box::new(e) as Box<dyn Engine>)
+        .map_err(|e| e.to_string()),
     }
 }
 

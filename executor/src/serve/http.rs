@@ -21,7 +21,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -319,6 +319,8 @@ fn check_model(app: &App, r: &Ready, asked: &Option<String>) -> Result<(), ApiEr
 /// Checked prompt and limits, queued on the scheduler.
 struct Started {
     rx: UnboundedReceiver<Event>,
+    /// Set before dropping `rx` when a stop string ended the request.
+    ended_by_stop: Arc<AtomicBool>,
     prompt_tokens: u64,
     id: u64,
 }
@@ -366,6 +368,7 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
         None => ctx - p,
     };
     let (tx, rx) = unbounded_channel();
+    let ended_by_stop = Arc::new(AtomicBool::new(false));
     let id = app.next_id.fetch_add(1, Relaxed);
     let job = Job {
         id,
@@ -375,10 +378,12 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
         eos: r.eos.clone(),
         events: tx,
         arrived: Instant::now(),
+        ended_by_stop: ended_by_stop.clone(),
     };
     match app.sched.submit(job) {
         Ok(()) => Ok(Started {
             rx,
+            ended_by_stop,
             prompt_tokens: p,
             id,
         }),
@@ -514,6 +519,7 @@ async fn collect(mut s: Started, mut out: TextOut) -> Result<(String, Finish, Us
                 n += 1;
                 text.push_str(&out.push(id));
                 if out.stopped {
+                    s.ended_by_stop.store(true, Relaxed);
                     break Finish::Stop;
                 }
             }
@@ -554,6 +560,7 @@ enum Phase {
 /// The state of one SSE stream; dropping it (client gone) drops the receiver.
 struct StreamState {
     rx: Option<UnboundedReceiver<Event>>,
+    ended_by_stop: Arc<AtomicBool>,
     out: TextOut,
     meta: RespMeta,
     chat: bool,
@@ -602,6 +609,7 @@ impl StreamState {
                             if self.out.stopped {
                                 self.finish = Finish::Stop;
                                 self.phase = Phase::Final;
+                                self.ended_by_stop.store(true, Relaxed);
                                 self.rx = None;
                             }
                             if !t.is_empty() {
@@ -699,6 +707,7 @@ async fn respond(
             completion: 0,
         },
         rx: Some(s.rx),
+        ended_by_stop: s.ended_by_stop,
         out,
         meta,
         chat,

@@ -153,18 +153,6 @@ impl Shared {
             format!("{:.3}", self.tokens_per_s()),
         );
         m(
-            "time_to_first_token_seconds_sum",
-            "counter",
-            "Sum of time from arrival to first token",
-            format!("{:.6}", self.ttft_us_sum.load(Relaxed) as f64 / 1e6),
-        );
-        m(
-            "time_to_first_token_seconds_count",
-            "counter",
-            "Requests that produced a first token",
-            g(&self.ttft_count),
-        );
-        m(
             "expert_cache_hits_total",
             "counter",
             "Expert cache hits reported by the engine",
@@ -175,6 +163,12 @@ impl Shared {
             "counter",
             "Expert cache misses reported by the engine",
             g(&self.expert_misses),
+        );
+        let _ = writeln!(
+            o,
+            "# HELP strata_time_to_first_token_seconds Time from a request's arrival to its first token\n# TYPE strata_time_to_first_token_seconds summary\nstrata_time_to_first_token_seconds_sum {:.6}\nstrata_time_to_first_token_seconds_count {}",
+            self.ttft_us_sum.load(Relaxed) as f64 / 1e6,
+            self.ttft_count.load(Relaxed)
         );
         let _ = writeln!(o, "# HELP strata_kv_cells_in_use KV cells in use per slot\n# TYPE strata_kv_cells_in_use gauge");
         for s in self.slots() {

@@ -110,6 +110,26 @@ pub(crate) fn make_ready(info: &EngineInfo, tok: Option<Tokenizer>) -> Result<Re
     })
 }
 
+/// The one line printed when the server is ready: address, model, slots, context.
+pub fn ready_line(addr: &str, model_name: Option<&str>, r: &Ready) -> String {
+    let i = &r.info;
+    let tok = match (&r.tokenizer, &r.template) {
+        (Some(t), Some(_)) => format!("tokenizer `{}` with a chat template", t.source()),
+        (Some(t), None) => format!(
+            "tokenizer `{}` without a chat template (chat requests get 400)",
+            t.source()
+        ),
+        (None, _) => "no tokenizer (token-id prompts on /v1/completions only)".to_string(),
+    };
+    format!(
+        "strata-exec serve: ready on http://{addr}: model `{}`, {} slots, context {} tokens per slot, prefill chunk {}, {tok}",
+        model_name.unwrap_or(&i.model_name),
+        i.n_slots,
+        i.max_context,
+        i.ubatch
+    )
+}
+
 /// Resolves on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     let ctrl_c = async {
@@ -164,7 +184,15 @@ pub async fn serve_on(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let shared = Shared::new();
-    let (handle, thread) = scheduler::spawn(loader, shared.clone(), opts.queue)?;
+    let shown = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| format!("{}:{}", opts.host, opts.port));
+    let name = opts.model_name.clone();
+    let banner: scheduler::ReadyHook = Box::new(move |r: &Ready| {
+        eprintln!("{}", ready_line(&shown, name.as_deref(), r));
+    });
+    let (handle, thread) = scheduler::spawn(loader, shared.clone(), opts.queue, banner)?;
     let grace = opts.shutdown_grace;
     let app = http::router(shared.clone(), handle.clone(), Arc::new(opts));
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(false);
@@ -195,7 +223,11 @@ pub async fn serve_on(
         _ = hard_stop => eprintln!("strata-exec serve: connections still open after the grace period; closing"),
     }
     handle.shutdown(Duration::ZERO);
-    let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+    // A signal while the model is still loading must not wait for the load (minutes for a
+    // large model): the loader thread is left to die with the process.
+    if shared.ready.get().is_some() || shared.load_error.get().is_some() {
+        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+    }
     if let Some(e) = shared.load_error.get() {
         if shared.ready.get().is_none() {
             return Err(ServeError::Load(e.clone()));

@@ -7,7 +7,7 @@
 //! request is fed past `prompt + max_tokens <= max_context`, which the HTTP side checks
 //! before queueing; the queue is bounded and never blocks the HTTP side.
 
-use super::metrics::{Shared, SlotView};
+use super::metrics::{Ready, Shared, SlotView};
 use crate::engine::{Engine, EngineError};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
@@ -38,6 +38,9 @@ pub struct Job {
     pub eos: Arc<[u32]>,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
+    /// Set by the handler when it ended the request itself (a stop string matched) before
+    /// dropping its receiver, so the freed slot counts as finished, not cancelled.
+    pub ended_by_stop: Arc<AtomicBool>,
 }
 
 /// Why a job was not queued.
@@ -51,6 +54,9 @@ pub enum SubmitError {
 /// while it runs.
 pub type Loader =
     Box<dyn FnOnce() -> Result<(Box<dyn Engine>, Option<Tokenizer>), String> + Send + 'static>;
+
+/// Called once on the scheduler thread when the model is loaded (e.g. to print a banner).
+pub type ReadyHook = Box<dyn FnOnce(&Ready) + Send + 'static>;
 
 /// The HTTP side's handle on the scheduler.
 #[derive(Clone)]
@@ -109,11 +115,13 @@ struct Active {
 }
 
 /// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
-/// serves jobs until shut down. `queue` is the most jobs waiting for a slot.
+/// serves jobs until shut down. `queue` is the most jobs waiting for a slot; `on_ready`
+/// runs once readiness is published.
 pub fn spawn(
     loader: Loader,
     shared: Arc<Shared>,
     queue: usize,
+    on_ready: ReadyHook,
 ) -> std::io::Result<(SchedulerHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::sync_channel::<Job>(queue);
     let stop = Arc::new(Stop::default());
@@ -129,6 +137,9 @@ pub fn spawn(
                 Ok((engine, tok)) => match super::make_ready(engine.info(), tok) {
                     Ok(ready) => {
                         let _ = shared.ready.set(ready);
+                        if let Some(r) = shared.ready.get() {
+                            on_ready(r);
+                        }
                         engine
                     }
                     Err(e) => {
@@ -147,7 +158,10 @@ pub fn spawn(
             };
             let sh = shared.clone();
             let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-                Sched::new(engine, rx, sh, stop).run();
+                // Run the loop on a rayon worker (as the one-shot CLI does), so the engine's
+                // parallel ops start from the worker's own queue instead of being injected
+                // into the pool from outside and waited for on every op.
+                rayon::scope(|_| Sched::new(engine, rx, sh, stop).run());
             }));
             if res.is_err() {
                 let _ = shared
@@ -217,18 +231,22 @@ impl Sched {
         }
     }
 
+    /// End `slot`'s request with `ev`. The slot is freed and counted before the event is
+    /// sent, so a client that has its answer also sees it in /metrics.
     fn finish(&mut self, slot: usize, ev: Event) {
         let failed = matches!(ev, Event::Error(_));
-        if let Some(a) = &self.slots[slot] {
-            let _ = a.job.events.send(ev);
-        }
-        let shared = self.shared.clone();
-        let counter = if failed {
-            &shared.requests_failed
-        } else {
-            &shared.requests_finished
+        let Some(a) = self.slots[slot].take() else {
+            return;
         };
-        self.free(slot, counter);
+        self.engine.reset_slot(slot);
+        self.shared.running.fetch_sub(1, Relaxed);
+        let counter = if failed {
+            &self.shared.requests_failed
+        } else {
+            &self.shared.requests_finished
+        };
+        counter.fetch_add(1, Relaxed);
+        let _ = a.job.events.send(ev);
     }
 
     fn admit(&mut self, job: Job, slot: usize) {
@@ -285,14 +303,19 @@ impl Sched {
                     }
                 }
             }
-            // Drop requests whose client went away.
+            // Drop requests whose client went away (or whose handler matched a stop string).
             for slot in 0..self.slots.len() {
-                if self.slots[slot]
-                    .as_ref()
-                    .is_some_and(|a| a.job.events.is_closed())
-                {
+                let Some(a) = self.slots[slot].as_ref() else {
+                    continue;
+                };
+                if a.job.events.is_closed() {
                     let shared = self.shared.clone();
-                    self.free(slot, &shared.requests_cancelled);
+                    let how = if a.job.ended_by_stop.load(Relaxed) {
+                        &shared.requests_finished
+                    } else {
+                        &shared.requests_cancelled
+                    };
+                    self.free(slot, how);
                 }
             }
             self.prefill_step();

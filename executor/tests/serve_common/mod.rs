@@ -1,8 +1,11 @@
 //! Shared helpers of the server tests: an in-process server over the tiny test engine on a
-//! free loopback port, and a minimal raw HTTP/1.1 client (so tests control connections
-//! exactly, including dropping them mid-request). Invariant: every request has a timeout
-//! and targets only 127.0.0.1.
+//! free loopback port, the real `strata-exec PLAN --serve` binary over the tiny-chat-moe
+//! model (`exec`), and a minimal raw HTTP/1.1 client (so tests control connections exactly,
+//! including dropping them mid-request). Invariant: every request has a timeout and targets
+//! only 127.0.0.1.
 #![allow(dead_code)]
+
+pub mod exec;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -57,42 +60,6 @@ impl TestServer {
         s
     }
 
-    pub async fn wait_ready(&self) {
-        for _ in 0..400 {
-            if let Ok(r) = self.get("/health").await {
-                if r.status == 200 {
-                    return;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("server never became ready");
-    }
-
-    pub async fn get(&self, path: &str) -> std::io::Result<Resp> {
-        request(self.addr, "GET", path, &[], b"").await
-    }
-
-    pub async fn post(&self, path: &str, body: &[u8]) -> Resp {
-        request(
-            self.addr,
-            "POST",
-            path,
-            &[("Content-Type", "application/json")],
-            body,
-        )
-        .await
-        .unwrap()
-    }
-
-    pub async fn post_json(&self, path: &str, v: &serde_json::Value) -> Resp {
-        self.post(path, v.to_string().as_bytes()).await
-    }
-
-    pub async fn slots(&self) -> serde_json::Value {
-        self.get("/slots").await.unwrap().json()
-    }
-
     /// Stop the server and check it shut down cleanly.
     pub async fn stop(mut self) {
         if let Some(tx) = self.stop.take() {
@@ -104,6 +71,64 @@ impl TestServer {
                 .expect("server stops in time");
             r.unwrap().unwrap();
         }
+    }
+}
+
+/// Anything listening on a loopback address: the HTTP helpers every server test uses.
+#[allow(async_fn_in_trait)]
+pub trait Server {
+    fn addr(&self) -> SocketAddr;
+
+    async fn wait_ready(&self) {
+        for _ in 0..1200 {
+            if let Ok(r) = self.get("/health").await {
+                if r.status == 200 {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("server never became ready");
+    }
+
+    async fn get(&self, path: &str) -> std::io::Result<Resp> {
+        request(self.addr(), "GET", path, &[], b"").await
+    }
+
+    async fn post(&self, path: &str, body: &[u8]) -> Resp {
+        request(
+            self.addr(),
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            body,
+        )
+        .await
+        .unwrap()
+    }
+
+    async fn post_json(&self, path: &str, v: &serde_json::Value) -> Resp {
+        self.post(path, v.to_string().as_bytes()).await
+    }
+
+    async fn slots(&self) -> serde_json::Value {
+        self.get("/slots").await.unwrap().json()
+    }
+
+    /// One counter or gauge from /metrics (the first line starting with `name `).
+    async fn metric(&self, name: &str) -> f64 {
+        let m = self.get("/metrics").await.unwrap().text();
+        m.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+            .unwrap_or_else(|| panic!("no {name} in /metrics:\n{m}"))
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Server for TestServer {
+    fn addr(&self) -> SocketAddr {
+        self.addr
     }
 }
 
@@ -262,7 +287,7 @@ pub fn rss_kib() -> u64 {
 }
 
 /// Wait until every slot is idle (or fail after `limit`).
-pub async fn wait_idle(s: &TestServer, limit: Duration) -> serde_json::Value {
+pub async fn wait_idle(s: &impl Server, limit: Duration) -> serde_json::Value {
     let t0 = std::time::Instant::now();
     loop {
         let v = s.slots().await;
