@@ -81,7 +81,7 @@ pub fn main(args: BenchArgs) {
     let mut engine: Box<dyn Engine> = match backend {
         #[cfg(feature = "cuda")]
         Backend::Cuda => {
-            let e = super::start_cuda_engine(&plan, host, &args.common);
+            let e = super::start_cuda_engine(&plan, host, &args.common).unwrap_or_else(|e| fail(e));
             let planned = e.planned_bytes();
             let (free, total) = e.mem_info().unwrap_or_else(|e| fail(e));
             memory = Some((planned, total - free));

@@ -89,7 +89,7 @@ pub fn try_start_engine(
 ) -> Result<Box<dyn Engine>, String> {
     let host = strata_exec::load::open_model(model).map_err(|e| e.to_string())?;
     match backend_for(plan, args) {
-        Backend::Cuda => Ok(start_cuda(plan, host, args)),
+        Backend::Cuda => start_cuda(plan, host, args),
         _ => PlanEngine::start(
             plan,
             host,
@@ -108,8 +108,10 @@ fn start_cuda(
     plan: &Plan,
     host: Box<dyn strata_exec::load::HostModel>,
     args: &PlanArgs,
-) -> Box<dyn Engine> {
-    Box::new(start_cuda_engine(plan, host, args))
+) -> Result<Box<dyn Engine>, String> {
+    start_cuda_engine(plan, host, args)
+        .map(|e| Box::new(e) as Box<dyn Engine>)
+        .map_err(|e| e.to_string())
 }
 
 /// The CUDA engine itself (bench reads its device memory).
@@ -118,7 +120,10 @@ pub fn start_cuda_engine(
     plan: &Plan,
     host: Box<dyn strata_exec::load::HostModel>,
     args: &PlanArgs,
-) -> strata_exec::backend::cuda::engine::CudaEngine {
+) -> Result<
+    strata_exec::backend::cuda::engine::CudaEngine,
+    strata_exec::backend::cuda::engine::CudaEngineError,
+> {
     use strata_exec::backend::cuda::engine::{CudaEngine, CudaEngineOptions};
     CudaEngine::start(
         plan,
@@ -130,7 +135,6 @@ pub fn start_cuda_engine(
             prefill_gemm: !args.no_prefill_gemm,
         },
     )
-    .unwrap_or_else(|e| fail(e))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -138,6 +142,6 @@ fn start_cuda(
     _plan: &Plan,
     _host: Box<dyn strata_exec::load::HostModel>,
     _args: &PlanArgs,
-) -> Box<dyn Engine> {
-    fail("this strata-exec was built without the `cuda` feature: rebuild with it, or pass --backend cpu")
+) -> Result<Box<dyn Engine>, String> {
+    Err("this strata-exec was built without the `cuda` feature: rebuild with it, or pass --backend cpu".into())
 }
