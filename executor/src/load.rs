@@ -71,6 +71,15 @@ impl GgufModel {
             path: path.display().to_string(),
             msg: e.to_string(),
         })?;
+        Self::from_header(path, inv, &g)
+    }
+
+    /// Map the parts of an already-read header `g` and index its tensors.
+    fn from_header(
+        path: &Path,
+        inv: ModelInventory,
+        g: &strata_schemas::gguf::GgufFile,
+    ) -> Result<Self, LoadError> {
         let mut maps = Vec::with_capacity(g.parts.len());
         for p in &g.parts {
             maps.push(mmap(Path::new(&p.path))?);
@@ -107,12 +116,15 @@ impl GgufModel {
         })
     }
 
-    /// Open a GGUF file, building its inventory from the header.
+    /// Open a GGUF file, building its inventory from the header (the same mapping the
+    /// planner's `--model x.gguf` uses, so the plan's fingerprint matches).
     pub fn open(path: &Path) -> Result<Self, LoadError> {
-        Err(LoadError::Model {
-            path: path.display().to_string(),
-            msg: "reading a GGUF file's inventory (GGUF -> qwen3moe mapping) is not in this build yet; use a Hugging Face safetensors folder".into(),
-        })
+        let (inv, g) =
+            strata_schemas::gguf::model::load_gguf_model(path).map_err(|e| LoadError::Model {
+                path: path.display().to_string(),
+                msg: e.to_string(),
+            })?;
+        Self::from_header(path, inv, &g)
     }
 }
 
