@@ -10,7 +10,6 @@
 mod common;
 
 use common::*;
-use std::io::Write;
 use std::path::Path;
 use strata_exec::engine::Engine;
 use strata_exec::exec::{EngineOptions, PlanEngine};
