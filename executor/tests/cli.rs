@@ -59,7 +59,11 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--prompt-tokens"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--prompt-tokens") && err.contains("no tokenizer.json in folder"),
+        "{err}"
+    );
 
     // Another model than the plan's.
     let out = exe()
@@ -73,6 +77,214 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("fingerprint") && err.contains(&p.model.fingerprint),
+        "{err}"
+    );
+}
+
+fn json_run(args: &[&str]) -> serde_json::Value {
+    let out = exe().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// `--prompt TEXT` through the model folder's tokenizer.json, through `--tokenizer`, and
+/// through the vocabulary our converter embeds in a GGUF: the same tokens and text each way;
+/// EOS stops generation unless `--ignore-eos`; a model without a tokenizer exits 1 naming
+/// the folder or file and suggesting --prompt-tokens.
+#[test]
+fn text_prompts_through_folder_gguf_and_override_tokenizers() {
+    let chat = source("base").join("../../tiny-chat");
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    // Vocabulary 400 covers tiny-chat's 397 tokens + 3 specials.
+    random_folder(&model, 2, 64, 4, 2, 32, 400, 7);
+    let p = plan_folder(
+        &model,
+        1,
+        None,
+        strata_schemas::serve::ExpertCache::Auto,
+        None,
+    );
+    let plan_path = dir.path().join("m.plan");
+    strata_schemas::planfile::write_plan(&p, &plan_path).unwrap();
+    let plan_s = plan_path.to_str().unwrap();
+    let text = "Hello world, this is a test.";
+
+    // No tokenizer yet: exit 1 with the folder and the way out.
+    let out = exe()
+        .args([plan_s, "--prompt", text, "-q"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no tokenizer.json in folder")
+            && err.contains(model.to_str().unwrap())
+            && err.contains("--prompt-tokens"),
+        "{err}"
+    );
+    // ... and --prompt-tokens still runs, with "text": null.
+    let j = json_run(&[
+        plan_s,
+        "--prompt-tokens",
+        "5,6,7",
+        "-n",
+        "3",
+        "--format",
+        "json",
+        "-q",
+    ]);
+    assert!(j["text"].is_null());
+    assert_eq!(ids(&j["generated_token_ids"]).len(), 3);
+
+    // --tokenizer PATH.
+    let tok = strata_exec::tokenizer::Tokenizer::from_file(&chat).unwrap();
+    let want_prompt = tok.encode(text, true).unwrap();
+    assert!(want_prompt.len() > 3);
+    let j = json_run(&[
+        plan_s,
+        "--tokenizer",
+        chat.join("tokenizer.json").to_str().unwrap(),
+        "--prompt",
+        text,
+        "-n",
+        "12",
+        "--ignore-eos",
+        "--format",
+        "json",
+        "-q",
+    ]);
+    let gen = ids(&j["generated_token_ids"]);
+    assert_eq!(gen.len(), 12);
+    assert_eq!(j["prompt_tokens"], want_prompt.len());
+    assert_eq!(j["text"], tok.decode(&gen, true).unwrap());
+    // The same as the ids given directly.
+    let id_list: Vec<String> = want_prompt.iter().map(|t| t.to_string()).collect();
+    let j2 = json_run(&[
+        plan_s,
+        "--prompt-tokens",
+        &id_list.join(","),
+        "-n",
+        "12",
+        "--format",
+        "json",
+        "-q",
+    ]);
+    assert_eq!(ids(&j2["generated_token_ids"]), gen);
+
+    // The folder's own tokenizer.json, and the text output.
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(chat.join(f), model.join(f)).unwrap();
+    }
+    let j = json_run(&[
+        plan_s,
+        "--prompt",
+        text,
+        "-n",
+        "12",
+        "--ignore-eos",
+        "--format",
+        "json",
+        "-q",
+    ]);
+    assert_eq!(ids(&j["generated_token_ids"]), gen);
+    let out = exe()
+        .args([plan_s, "--prompt", text, "-n", "12", "--ignore-eos", "-q"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim_end_matches('\n'),
+        tok.decode(&gen, true).unwrap()
+    );
+
+    // A GGUF with the vocabulary embedded by the converter: same tokens.
+    let gguf = dir.path().join("m.gguf");
+    strata_schemas::gguf::write::convert_hf_folder(
+        &model,
+        &gguf,
+        strata_schemas::ggml::GgmlType::F32,
+        None,
+    )
+    .unwrap();
+    let gplan = dir.path().join("g.plan");
+    // plan_folder reads the GGUF through the planner's --model path.
+    let pg = plan_folder(
+        &gguf,
+        1,
+        None,
+        strata_schemas::serve::ExpertCache::Auto,
+        None,
+    );
+    strata_schemas::planfile::write_plan(&pg, &gplan).unwrap();
+    let j = json_run(&[
+        gplan.to_str().unwrap(),
+        "--prompt",
+        text,
+        "-n",
+        "12",
+        "--ignore-eos",
+        "--format",
+        "json",
+        "-q",
+    ]);
+    assert_eq!(j["prompt_tokens"], want_prompt.len());
+    assert_eq!(
+        ids(&j["generated_token_ids"]),
+        gen,
+        "GGUF tokenizer + weights"
+    );
+    assert_eq!(j["text"], tok.decode(&gen, true).unwrap());
+
+    // EOS: make the k-th generated token the configured EOS; generation stops right there.
+    let k = (1..gen.len())
+        .find(|&k| !gen[..k].contains(&gen[k]))
+        .unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    cfg["eos_token"] = serde_json::json!(tok.token(gen[k]).unwrap());
+    std::fs::write(model.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let ends: Vec<u32> = vec![gen[k], 397, 399];
+    let stop = gen.iter().position(|t| ends.contains(t)).unwrap();
+    let j = json_run(&[
+        plan_s, "--prompt", text, "-n", "12", "--format", "json", "-q",
+    ]);
+    assert_eq!(ids(&j["generated_token_ids"]), gen[..=stop].to_vec());
+    assert_eq!(j["stop"], "eos");
+
+    // A GGUF without a vocabulary.
+    let bare = dir.path().join("bare.gguf");
+    strata_schemas::gguf::write::convert_hf_folder(
+        &data("base"),
+        &bare,
+        strata_schemas::ggml::GgmlType::F32,
+        None,
+    )
+    .unwrap();
+    let out = exe()
+        .arg(&plan_path)
+        .arg("--model")
+        .arg(&bare)
+        .args(["--prompt", "hi"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("has no tokenizer.ggml.model") && err.contains("bare.gguf"),
         "{err}"
     );
 }

@@ -10,7 +10,6 @@
 mod common;
 
 use common::*;
-use std::io::Write;
 use std::path::Path;
 use strata_exec::engine::Engine;
 use strata_exec::exec::{EngineOptions, PlanEngine};
@@ -278,8 +277,8 @@ fn f32_gguf_plans_and_runs_like_the_safetensors_folder() {
 ///    - BF16: rounding 2^-8, `e` = 1.1e-3 -> ~4.5e-3; measured 7.4e-3; bound 1.5e-2.
 ///    - Q8_0: error <= d/2 with d = amax/127 per 32 weights; amax ~ 2.5 RMS for a block of
 ///      32, so `e` = 2.5/(254 sqrt 3) = 0.57% -> ~2.3%; measured 2.1%; bound 5e-2.
-///    A scale off by 3% already gives 5.6-6.6% for Q8_0 (above the bound); the test checks
-///    that scales off by 10% (16-57%) are refused.
+///      Scales off by 3% already give 5.6-6.6% (above the bound); the test checks that
+///      scales off by 10% (16-57%) are refused.
 /// 3. Greedy: teacher-forced on transformers' greedy continuations, every position where
 ///    the f32 path's top-1 margin exceeds twice the bound (so no error within the bound can
 ///    reorder it) predicts transformers' token. Positions with a smaller margin may differ

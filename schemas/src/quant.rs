@@ -179,77 +179,264 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) -> Result<(), Q
     Ok(())
 }
 
-/// Dot product of a row of plain elements (`width` bytes each, decoded by `rd`) with `x`,
-/// summed in eight lanes in dot_f32's order.
-fn dot_plain(row: &[u8], x: &[f32], width: usize, rd: fn(&[u8], usize) -> f32) -> f32 {
-    let mut acc = [0f32; 8];
-    let mut tail = 0f32;
-    let full = x.len() / 8 * 8;
-    for i in (0..full).step_by(8) {
-        for k in 0..8 {
-            acc[k] += rd(row, width * (i + k)) * x[i + k];
-        }
-    }
-    for (i, xv) in x.iter().enumerate().skip(full) {
-        tail += rd(row, width * i) * xv;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+/// Sum of eight lanes in the one order every path here uses.
+#[inline(always)]
+fn hsum8(acc: &[f32; 8]) -> f32 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
-/// `sum_i W[i] * x[i]` for one weight row of `x.len()` elements, dequantizing on the fly
-/// without allocating. Returns NaN (never panics) when the row does not fit `ty` and `x`;
-/// callers validate shapes once up front (see `try_dot_row`).
-pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    if check(ty, row, x.len()).is_err() {
-        return f32::NAN;
+/// Dot product of a row of plain elements (`W` bytes each, decoded by `rd`) with `x`, summed
+/// in eight lanes in dot_f32's order. Whole groups of eight are fixed-size arrays so the
+/// compiler vectorizes the decode and the multiply-add.
+#[inline(always)]
+fn dot_plain<const W: usize>(row: &[u8], x: &[f32], rd: impl Fn([u8; W]) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut rows = row.chunks_exact(8 * W);
+    let mut xs = x.chunks_exact(8);
+    for (rb, xb) in (&mut rows).zip(&mut xs) {
+        for k in 0..8 {
+            let mut e = [0u8; W];
+            e.copy_from_slice(&rb[W * k..W * k + W]);
+            acc[k] += rd(e) * xb[k];
+        }
     }
+    let mut tail = 0f32;
+    for (e, xv) in rows.remainder().chunks_exact(W).zip(xs.remainder()) {
+        let mut b = [0u8; W];
+        b.copy_from_slice(e);
+        tail += rd(b) * xv;
+    }
+    hsum8(&acc) + tail
+}
+
+/// One Q8_0 block: `sum_i q_i x_i` in eight lanes (the scale is applied by the caller).
+#[inline(always)]
+fn q8_0_lanes(q: &[u8; 32], x: &[f32; 32]) -> [f32; 8] {
+    let mut p = [0f32; 8];
+    for j in 0..4 {
+        for k in 0..8 {
+            p[k] += (q[8 * j + k] as i8) as f32 * x[8 * j + k];
+        }
+    }
+    p
+}
+
+/// The body of [`dot_row`] once the row is known to fit: compiled twice on x86-64 (baseline
+/// and AVX2) from this one source. No fused multiply-add is enabled, so both builds round
+/// every operation the same way and give bit-identical results.
+#[inline(always)]
+fn dot_row_body(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     match ty {
         // The same eight-lane summation order as dot_f32, so the plain paths agree exactly.
-        GgmlType::F32 => dot_plain(row, x, 4, rd_f32),
-        GgmlType::F16 => dot_plain(row, x, 2, rd_f16),
-        GgmlType::BF16 => dot_plain(row, x, 2, rd_bf16),
+        GgmlType::F32 => dot_plain::<4>(row, x, f32::from_le_bytes),
+        GgmlType::F16 => dot_plain::<2>(row, x, |b| f16::from_le_bytes(b).to_f32()),
+        GgmlType::BF16 => dot_plain::<2>(row, x, |b| bf16::from_le_bytes(b).to_f32()),
         GgmlType::Q8_0 => {
-            let mut sum = 0f32;
+            let mut tot = [0f32; 8];
             for (blk, xb) in row.chunks_exact(Q8_0_BYTES).zip(x.chunks_exact(QK8_0)) {
+                let (Ok(q), Ok(xb)) =
+                    (<&[u8; 32]>::try_from(&blk[2..]), <&[f32; 32]>::try_from(xb))
+                else {
+                    return f32::NAN;
+                };
                 let d = rd_f16(blk, 0);
-                let mut s = [0f32; 4];
-                for j in 0..8 {
-                    for k in 0..4 {
-                        s[k] += (blk[2 + 4 * j + k] as i8) as f32 * xb[4 * j + k];
-                    }
+                let p = q8_0_lanes(q, xb);
+                for k in 0..8 {
+                    tot[k] += d * p[k];
                 }
-                sum += d * ((s[0] + s[1]) + (s[2] + s[3]));
             }
-            sum
+            hsum8(&tot)
         }
         GgmlType::Q4K => {
-            let mut sum = 0f32;
+            let mut tot = [0f32; 8];
             for (blk, xb) in row.chunks_exact(Q4_K_BYTES).zip(x.chunks_exact(QK_K)) {
                 let d = rd_f16(blk, 0);
                 let dmin = rd_f16(blk, 2);
                 let scales = &blk[4..16];
-                let qs = &blk[16..144];
                 for g in 0..4 {
                     let (sc0, m0) = get_scale_min_k4(2 * g, scales);
                     let (sc1, m1) = get_scale_min_k4(2 * g + 1, scales);
-                    let q = &qs[32 * g..32 * g + 32];
-                    let xa = &xb[64 * g..64 * g + 32];
-                    let xh = &xb[64 * g + 32..64 * g + 64];
-                    let (mut qa, mut qh, mut sa, mut sh) = (0f32, 0f32, 0f32, 0f32);
-                    for l in 0..32 {
-                        qa += (q[l] & 0xF) as f32 * xa[l];
-                        qh += (q[l] >> 4) as f32 * xh[l];
-                        sa += xa[l];
-                        sh += xh[l];
+                    let (Ok(q), Ok(xa), Ok(xh)) = (
+                        <&[u8; 32]>::try_from(&blk[16 + 32 * g..48 + 32 * g]),
+                        <&[f32; 32]>::try_from(&xb[64 * g..64 * g + 32]),
+                        <&[f32; 32]>::try_from(&xb[64 * g + 32..64 * g + 64]),
+                    ) else {
+                        return f32::NAN;
+                    };
+                    let (mut qa, mut qh, mut sa, mut sh) =
+                        ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
+                    for j in 0..4 {
+                        for k in 0..8 {
+                            let b = q[8 * j + k];
+                            let (a, h) = (xa[8 * j + k], xh[8 * j + k]);
+                            qa[k] += (b & 0xF) as f32 * a;
+                            qh[k] += (b >> 4) as f32 * h;
+                            sa[k] += a;
+                            sh[k] += h;
+                        }
                     }
-                    sum += d * sc0 as f32 * qa - dmin * m0 as f32 * sa;
-                    sum += d * sc1 as f32 * qh - dmin * m1 as f32 * sh;
+                    let (d1, mm1) = (d * sc0 as f32, dmin * m0 as f32);
+                    let (d2, mm2) = (d * sc1 as f32, dmin * m1 as f32);
+                    for k in 0..8 {
+                        tot[k] += (d1 * qa[k] - mm1 * sa[k]) + (d2 * qh[k] - mm2 * sh[k]);
+                    }
                 }
             }
-            sum
+            hsum8(&tot)
         }
         _ => f32::NAN,
     }
+}
+
+/// AVX2 versions of the Q8_0 and Q4_K dot products: the same lanes, the same operations in
+/// the same order as [`dot_row_body`] (no fused multiply-add), so results are bit-identical
+/// to the portable build; other types use `dot_row_body` compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    // Every function here is an `unsafe fn` with `#[target_feature]` (callable on Rust 1.85);
+    // its one contract is that the CPU supports AVX2, which `super::dot_row` checks.
+
+    /// The horizontal sum of [`hsum8`]'s order.
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let mut a = [0f32; 8];
+        // SAFETY: `a` holds exactly eight f32 (unaligned store); AVX2 per the contract.
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        hsum8(&a)
+    }
+
+    /// Eight i8 widened to f32.
+    #[target_feature(enable = "avx2")]
+    unsafe fn i8x8(q: &[u8; 8]) -> __m256 {
+        // SAFETY: reads exactly the 8 bytes of `q` (unaligned 64-bit load); AVX2 per the
+        // contract.
+        unsafe {
+            let b = _mm_loadl_epi64(q.as_ptr() as *const __m128i);
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))
+        }
+    }
+
+    /// Eight u8 widened to i32.
+    #[target_feature(enable = "avx2")]
+    unsafe fn u8x8(q: &[u8; 8]) -> __m256i {
+        // SAFETY: reads exactly the 8 bytes of `q`; AVX2 per the contract.
+        unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(q.as_ptr() as *const __m128i)) }
+    }
+
+    /// Eight f32 loaded.
+    #[target_feature(enable = "avx2")]
+    unsafe fn f32x8(x: &[f32; 8]) -> __m256 {
+        // SAFETY: reads exactly the 8 floats of `x` (unaligned load); AVX2 per the contract.
+        unsafe { _mm256_loadu_ps(x.as_ptr()) }
+    }
+
+    fn arr<T, const N: usize>(s: &[T]) -> &[T; N] {
+        // Callers slice exactly N elements; a wrong length is a bug in this module.
+        s.try_into().expect("slice of N elements")
+    }
+
+    /// [`super::dot_row`] for a row already checked to fit `ty` and `x`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+        // SAFETY: every call below needs AVX2 (this function's contract) and reads only
+        // fixed-size arrays sliced from `row` and `x`.
+        unsafe { dot_row_checked(ty, row, x) }
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn dot_row_checked(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+        // SAFETY: AVX2 per the contract; loads and stores go through the helpers above.
+        unsafe {
+            match ty {
+                GgmlType::Q8_0 => {
+                    let mut tot = _mm256_setzero_ps();
+                    for (blk, xb) in row.chunks_exact(Q8_0_BYTES).zip(x.chunks_exact(QK8_0)) {
+                        let mut p = _mm256_setzero_ps();
+                        for j in 0..4 {
+                            let q = i8x8(arr(&blk[2 + 8 * j..10 + 8 * j]));
+                            p = _mm256_add_ps(
+                                p,
+                                _mm256_mul_ps(q, f32x8(arr(&xb[8 * j..8 * j + 8]))),
+                            );
+                        }
+                        let d = _mm256_set1_ps(rd_f16(blk, 0));
+                        tot = _mm256_add_ps(tot, _mm256_mul_ps(d, p));
+                    }
+                    hsum(tot)
+                }
+                GgmlType::Q4K => {
+                    let mut tot = _mm256_setzero_ps();
+                    let lo = _mm256_set1_epi32(0xF);
+                    for (blk, xb) in row.chunks_exact(Q4_K_BYTES).zip(x.chunks_exact(QK_K)) {
+                        let d = rd_f16(blk, 0);
+                        let dmin = rd_f16(blk, 2);
+                        let scales = &blk[4..16];
+                        for g in 0..4 {
+                            let (sc0, m0) = get_scale_min_k4(2 * g, scales);
+                            let (sc1, m1) = get_scale_min_k4(2 * g + 1, scales);
+                            let q = &blk[16 + 32 * g..48 + 32 * g];
+                            let xa = &xb[64 * g..64 * g + 32];
+                            let xh = &xb[64 * g + 32..64 * g + 64];
+                            let (mut qa, mut qh) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                            let (mut sa, mut sh) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                            for j in 0..4 {
+                                let b = u8x8(arr(&q[8 * j..8 * j + 8]));
+                                let ql = _mm256_cvtepi32_ps(_mm256_and_si256(b, lo));
+                                let qhi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b));
+                                let a = f32x8(arr(&xa[8 * j..8 * j + 8]));
+                                let h = f32x8(arr(&xh[8 * j..8 * j + 8]));
+                                qa = _mm256_add_ps(qa, _mm256_mul_ps(ql, a));
+                                qh = _mm256_add_ps(qh, _mm256_mul_ps(qhi, h));
+                                sa = _mm256_add_ps(sa, a);
+                                sh = _mm256_add_ps(sh, h);
+                            }
+                            let d1 = _mm256_set1_ps(d * sc0 as f32);
+                            let mm1 = _mm256_set1_ps(dmin * m0 as f32);
+                            let d2 = _mm256_set1_ps(d * sc1 as f32);
+                            let mm2 = _mm256_set1_ps(dmin * m1 as f32);
+                            let first =
+                                _mm256_sub_ps(_mm256_mul_ps(d1, qa), _mm256_mul_ps(mm1, sa));
+                            let second =
+                                _mm256_sub_ps(_mm256_mul_ps(d2, qh), _mm256_mul_ps(mm2, sh));
+                            tot = _mm256_add_ps(tot, _mm256_add_ps(first, second));
+                        }
+                    }
+                    hsum(tot)
+                }
+                _ => dot_row_body(ty, row, x),
+            }
+        }
+    }
+}
+
+/// `sum_i W[i] * x[i]` for one weight row of `x.len()` elements, dequantizing on the fly
+/// block by block without allocating. Returns NaN (never panics) when the row does not fit
+/// `ty` and `x`; callers validate shapes once up front (see `try_dot_row`).
+pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    if check(ty, row, x.len()).is_err() {
+        return f32::NAN;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected on this CPU just above.
+        return unsafe { avx2::dot_row(ty, row, x) };
+    }
+    dot_row_body(ty, row, x)
+}
+
+/// `dot_row` through the portable build only (tests compare it with the AVX2 build).
+#[doc(hidden)]
+pub fn dot_row_portable(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    if check(ty, row, x.len()).is_err() {
+        return f32::NAN;
+    }
+    dot_row_body(ty, row, x)
 }
 
 /// `dot_row` with the shape check reported as an error.
@@ -313,11 +500,25 @@ pub fn dot_range(
     x: &[f32],
 ) -> Result<f32, QuantError> {
     check_range(ty, row, n, start, x.len())?;
-    let mut s = 0f32;
-    for (j, xv) in x.iter().enumerate() {
-        s += kv_elem(ty, row, start + j) * xv;
-    }
-    Ok(s)
+    let end = start + x.len();
+    // Plain types in dot_row's eight lanes; Q8_0 element by element (a head may start
+    // inside a block).
+    Ok(match ty {
+        GgmlType::F32 => dot_plain::<4>(&row[4 * start..4 * end], x, f32::from_le_bytes),
+        GgmlType::F16 => dot_plain::<2>(&row[2 * start..2 * end], x, |b| {
+            f16::from_le_bytes(b).to_f32()
+        }),
+        GgmlType::BF16 => dot_plain::<2>(&row[2 * start..2 * end], x, |b| {
+            bf16::from_le_bytes(b).to_f32()
+        }),
+        _ => {
+            let mut s = 0f32;
+            for (j, xv) in x.iter().enumerate() {
+                s += kv_elem(ty, row, start + j) * xv;
+            }
+            s
+        }
+    })
 }
 
 /// `out[j] += w * row[start + j]` over a KV row of `n` elements.
@@ -330,8 +531,23 @@ pub fn axpy_range(
     out: &mut [f32],
 ) -> Result<(), QuantError> {
     check_range(ty, row, n, start, out.len())?;
-    for (j, o) in out.iter_mut().enumerate() {
-        *o += w * kv_elem(ty, row, start + j);
+    let end = start + out.len();
+    match ty {
+        GgmlType::F32 => {
+            for (o, b) in out.iter_mut().zip(row[4 * start..4 * end].chunks_exact(4)) {
+                *o += w * f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, b) in out.iter_mut().zip(row[2 * start..2 * end].chunks_exact(2)) {
+                *o += w * f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        _ => {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o += w * kv_elem(ty, row, start + j);
+            }
+        }
     }
     Ok(())
 }
@@ -756,6 +972,23 @@ mod tests {
             assert!((got as f64 - want).abs() < 1e-3, "{ty}: {got} vs {want}");
             if ty == GgmlType::F32 {
                 assert_eq!(got, dot_f32(&d, &x), "F32 paths agree bit for bit");
+            }
+            assert_eq!(
+                got.to_bits(),
+                dot_row_portable(ty, &q, &x).to_bits(),
+                "{ty}: the AVX2 and portable builds round alike"
+            );
+            // A tail shorter than eight elements (plain types only).
+            if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+                let mut q5 = Vec::new();
+                quantize_row(ty, &w[..13], &mut q5).unwrap();
+                let mut d5 = vec![0f32; 13];
+                dequantize_row(ty, &q5, &mut d5).unwrap();
+                let want5: f32 = d5.iter().zip(&x).map(|(a, b)| a * b).sum();
+                assert!(
+                    (dot_row(ty, &q5, &x[..13]) - want5).abs() < 1e-4,
+                    "{ty} tail"
+                );
             }
         }
     }

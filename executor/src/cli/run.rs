@@ -1,12 +1,14 @@
-//! `strata-exec PLAN`: generate from a prompt once and print the tokens (text or JSON).
-//! Invariant: the prompt is checked against the vocabulary and the planned context before
-//! the first token is computed; the run itself allocates nothing per token.
+//! `strata-exec PLAN`: generate from a prompt (text through the model's tokenizer, or token
+//! ids) once and print the tokens and their text (text or JSON).
+//! Invariant: the prompt is tokenized and checked against the vocabulary and the planned
+//! context before the first token is computed; the run itself allocates nothing per token.
 
 use super::{fail, open_plan, start_engine, PlanArgs};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use strata_exec::engine::EngineError;
 use strata_exec::sampler::{Sampler, SamplingParams};
+use strata_exec::tokenizer::Tokenizer;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct RunArgs {
@@ -15,9 +17,17 @@ pub struct RunArgs {
     pub plan: Option<PathBuf>,
     #[command(flatten)]
     pub common: PlanArgs,
-    /// Prompt text (needs a tokenizer).
+    /// Prompt text, tokenized with the model's tokenizer (tokenizer.json in the model
+    /// folder, or the vocabulary embedded in the GGUF) or --tokenizer.
     #[arg(long, conflicts_with = "prompt_tokens")]
     pub prompt: Option<String>,
+    /// A tokenizer.json (or a folder holding one) to use instead of the model's own.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Keep generating after an end-of-sequence token (EOS or an end-of-turn token of the
+    /// tokenizer) instead of stopping there.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Prompt as token ids, e.g. 1,17,42.
     #[arg(long, value_delimiter = ',')]
     pub prompt_tokens: Option<Vec<u32>>,
@@ -49,12 +59,22 @@ pub struct RunArgs {
 pub fn main(cli: RunArgs) {
     let plan_path = cli.plan.clone().unwrap_or_else(|| fail("give a plan file"));
     let (plan, model_path) = open_plan(&plan_path, &cli.common);
+    let tokenizer = load_tokenizer(&cli, &model_path);
     let prompt: Vec<u32> = match (&cli.prompt, &cli.prompt_tokens) {
-        (Some(_), _) => fail(
-            "--prompt needs a tokenizer, and this build has no tokenizer support yet: pass the prompt as --prompt-tokens 1,17,42",
-        ),
+        (Some(text), _) => {
+            let tok = tokenizer
+                .as_ref()
+                .unwrap_or_else(|| fail(no_tokenizer(&model_path)));
+            let ids = tok
+                .encode(text, true)
+                .unwrap_or_else(|e| fail(format!("--prompt: {e}")));
+            if ids.is_empty() {
+                fail("--prompt: the text gives no tokens; give a non-empty prompt");
+            }
+            ids
+        }
         (None, Some(t)) if !t.is_empty() => t.clone(),
-        _ => fail("give a prompt: --prompt-tokens 1,17,42"),
+        _ => fail("give a prompt: --prompt TEXT or --prompt-tokens 1,17,42"),
     };
     let t0 = Instant::now();
     let mut engine = start_engine(&plan, &model_path, &cli.common);
@@ -62,7 +82,12 @@ pub fn main(cli: RunArgs) {
     let info = engine.info().clone();
     if let Some(bad) = prompt.iter().find(|t| **t as usize >= info.n_vocab) {
         fail(format!(
-            "--prompt-tokens: token {bad} is outside the vocabulary of {}",
+            "{}: token {bad} is outside the model's vocabulary of {}",
+            if cli.prompt.is_some() {
+                "--prompt (the tokenizer has more tokens than the model)"
+            } else {
+                "--prompt-tokens"
+            },
             info.n_vocab
         ));
     }
@@ -81,6 +106,10 @@ pub fn main(cli: RunArgs) {
         seed: cli.seed,
     };
     let want_rows = cli.logits && cli.format == "json";
+    let eos: &[u32] = match (&tokenizer, cli.ignore_eos) {
+        (Some(t), false) => t.eos_ids(),
+        _ => &[],
+    };
     // Run on a rayon worker so the parallel ops start without going through the pool's
     // injector queue (which allocates).
     let run = rayon::scope(|_| -> Result<_, EngineError> {
@@ -103,7 +132,7 @@ pub fn main(cli: RunArgs) {
         if n > 0 {
             let mut next = sampler.sample(&last);
             out.push(next);
-            while out.len() < n {
+            while out.len() < n && !eos.contains(&next) {
                 let l = engine.decode(&[(0, next)])?;
                 next = sampler.sample(l);
                 out.push(next);
@@ -124,10 +153,17 @@ pub fn main(cli: RunArgs) {
     let decode_steps = out.len().saturating_sub(1);
     let prefill_tps = prompt.len() as f64 / prefill_s.max(1e-9);
     let decode_tps = decode_steps as f64 / decode_s.max(1e-9);
+    let stopped_at_eos = out.last().is_some_and(|t| eos.contains(t));
+    // The generated text without special tokens (the EOS that ended it is not shown).
+    let text: Option<String> = tokenizer.as_ref().map(|t| {
+        t.decode(&out, true)
+            .unwrap_or_else(|e| fail(format!("decoding the generated tokens: {e}")))
+    });
     if cli.format == "json" {
         let mut j = serde_json::json!({
             "generated_token_ids": out,
-            "text": serde_json::Value::Null,
+            "text": text,
+            "stop": if stopped_at_eos { "eos" } else { "length" },
             "prompt_tokens": prompt.len(),
             "timings": {
                 "load_s": load_s,
@@ -145,14 +181,24 @@ pub fn main(cli: RunArgs) {
         }
         println!("{j}");
     } else {
-        println!(
-            "{}",
-            out.iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        );
+        let ids = out
+            .iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        match &text {
+            Some(t) => println!("{t}"),
+            None => println!("{ids}"),
+        }
         if !cli.common.quiet {
+            if text.is_some() {
+                eprintln!("strata-exec: generated token ids {ids}");
+            }
+            if stopped_at_eos {
+                eprintln!(
+                    "strata-exec: stopped at an end-of-sequence token (--ignore-eos to go on)"
+                );
+            }
             eprintln!(
                 "strata-exec: {} prompt tokens at {prefill_tps:.1} tok/s, {decode_steps} decode steps at {decode_tps:.1} tok/s; expert cache {} hits / {} misses; {} allocations ({} bytes); loaded in {load_s:.2} s",
                 prompt.len(),
@@ -163,4 +209,38 @@ pub fn main(cli: RunArgs) {
             );
         }
     }
+}
+
+/// The tokenizer for this run: `--tokenizer PATH`, else the model's own (`None` when the
+/// model carries none). A tokenizer that cannot be read is fatal when the prompt is text,
+/// and a warning (no text output) when it is given as token ids.
+fn load_tokenizer(cli: &RunArgs, model: &Path) -> Option<Tokenizer> {
+    let got = match &cli.tokenizer {
+        Some(p) => Tokenizer::from_file(p).map(Some),
+        None => Tokenizer::for_model(model),
+    };
+    match got {
+        Ok(t) => t,
+        Err(e) if cli.prompt.is_some() || cli.tokenizer.is_some() => {
+            fail(format!("--prompt needs a tokenizer: {e}"))
+        }
+        Err(e) => {
+            if !cli.common.quiet {
+                eprintln!("strata-exec: warning: no text output: {e}");
+            }
+            None
+        }
+    }
+}
+
+/// Why a text prompt cannot be tokenized for `model`, and what to do instead.
+fn no_tokenizer(model: &Path) -> String {
+    let why = if model.is_dir() {
+        format!("there is no tokenizer.json in folder {}", model.display())
+    } else {
+        format!("GGUF {} has no tokenizer.ggml.model", model.display())
+    };
+    format!(
+        "--prompt needs a tokenizer, but {why}: pass --tokenizer PATH (a tokenizer.json), or the prompt as token ids with --prompt-tokens 1,17,42"
+    )
 }
