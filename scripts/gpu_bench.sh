@@ -4,7 +4,9 @@
 # in the same run. Binaries come from target/gpu/ (built on the dev box:
 # `cargo build --release -p strata-exec -p strata-tools -p strata-plan` and the test
 # binaries from `cargo test --release -p strata-exec --no-run --test cuda_engine --test cuda_ops`).
-# Usage: scripts/gpu_bench.sh [tests|bench|torch|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|serve|bench|torch|all] [OUTDIR]
+# (serve needs the `openai` package; on the GPU machine carry it as wheels in .whl/ and put
+# them on PYTHONPATH first, as the device README says.)
 set -uo pipefail
 what=${1:-all}
 out=${2:-${OUT:-/tmp}}
@@ -12,10 +14,17 @@ bin=target/gpu
 export RUST_BACKTRACE=1
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$out/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    for t in $bin/cuda_ops-* $bin/cuda_engine-*; do
+    for t in $bin/cuda_ops-* $bin/cuda_gemm-* $bin/cuda_engine-*; do
+        [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error" | head -60
     done
+fi
+if [ "$what" = serve ] || [ "$what" = all ]; then
+    echo "== the openai client against strata-exec --serve on the CUDA engine"
+    $bin/strata-plan --model tests/data/tiny-chat-moe --hardware plans/hardware/h200.toml \
+        --max-context 256 --batch 2 --ubatch 8 -o /tmp/chat.plan >/dev/null
+    scripts/gpu_serve_check.sh $bin/strata-exec /tmp/chat.plan 8181 2>&1 | tail -30 | tee "$out/serve.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     m=/tmp/q30-q8_0.gguf
