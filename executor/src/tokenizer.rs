@@ -78,12 +78,11 @@ impl Tokenizer {
             }
             return Self::from_file(model).map(Some);
         }
-        let gguf = strata_schemas::gguf::read::read_gguf(model).map_err(|e| {
-            TokenizerError::Gguf {
+        let gguf =
+            strata_schemas::gguf::read::read_gguf(model).map_err(|e| TokenizerError::Gguf {
                 path: model.display().to_string(),
                 reason: e.to_string(),
-            }
-        })?;
+            })?;
         if gguf
             .get_str("tokenizer.ggml.model")
             .ok()

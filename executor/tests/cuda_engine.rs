@@ -31,7 +31,13 @@ fn gpu_present() -> bool {
 }
 
 fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine {
-    let p = plan(variant, &Ask { gpu: true, ..ask.clone() });
+    let p = plan(
+        variant,
+        &Ask {
+            gpu: true,
+            ..ask.clone()
+        },
+    );
     let host: Box<dyn strata_exec::load::HostModel> = match gguf {
         Some(g) => open_model(g).unwrap(),
         None => Box::new(SafetensorsModel::open(&data(variant)).unwrap()),
@@ -41,7 +47,15 @@ fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine 
         // The plan was made from the folder; the GGUF converted from it has the same tensors
         // but other types, so plan it from the file itself.
         let inv = strata_plan::model::load_model(g).unwrap();
-        p = plan_inventory(variant, &inv, g, &Ask { gpu: true, ..ask.clone() });
+        p = plan_inventory(
+            variant,
+            &inv,
+            g,
+            &Ask {
+                gpu: true,
+                ..ask.clone()
+            },
+        );
     }
     CudaEngine::start(&p, host, CudaEngineOptions::default()).unwrap()
 }
@@ -101,7 +115,12 @@ fn matches_transformers_and_the_cpu_engine() {
                 .as_array()
                 .unwrap()
                 .iter()
-                .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+                .flat_map(|row| {
+                    row.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_f64().unwrap() as f32)
+                })
                 .collect();
             let e_tf = rel_err(&gl, &want, v);
             let e_cpu = rel_err(&gl, &cl, v);
@@ -207,10 +226,21 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
     let inv = strata_plan::model::load_model(&folder).unwrap();
     let prompt: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % 300).collect();
     let start = |ask: &Ask| {
-        let p = plan_inventory("six", &inv, &folder, &Ask { gpu: true, ..ask.clone() });
+        let p = plan_inventory(
+            "six",
+            &inv,
+            &folder,
+            &Ask {
+                gpu: true,
+                ..ask.clone()
+            },
+        );
         let n = p.devices.len();
         let host = Box::new(SafetensorsModel::open(&folder).unwrap());
-        (n, CudaEngine::start(&p, host, CudaEngineOptions::default()).unwrap())
+        (
+            n,
+            CudaEngine::start(&p, host, CudaEngineOptions::default()).unwrap(),
+        )
     };
     let (_, mut one) = start(&Ask::default());
     let (l1, t1) = run(&mut one, 0, &prompt, 8);
@@ -246,7 +276,15 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
         ..Ask::default()
     };
     let inv = strata_plan::model::load_model(&gguf).unwrap();
-    let gp = plan_inventory("base", &inv, &gguf, &Ask { gpu: true, ..ask.clone() });
+    let gp = plan_inventory(
+        "base",
+        &inv,
+        &gguf,
+        &Ask {
+            gpu: true,
+            ..ask.clone()
+        },
+    );
     let start = |gemm: bool| {
         CudaEngine::start(
             &gp,
@@ -259,7 +297,10 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
         .unwrap()
     };
     let mut tc = start(true);
-    assert!(tc.grouped_prefill(), "the Q8_0 file must take the tensor-core prefill path");
+    assert!(
+        tc.grouped_prefill(),
+        "the Q8_0 file must take the tensor-core prefill path"
+    );
     let mut mv = start(false);
     assert!(!mv.grouped_prefill());
     let cp = plan_inventory("base", &inv, &gguf, &ask);

@@ -512,3 +512,60 @@ ST_KERNEL void dq_moe_combine(const float* y, const float* wts, int k, int n, fl
         x[t * n + i] += s;
     }
 }
+
+// The MoE router for one token per warp: softmax over n_expert logits, the top k (ties to
+// the lower index), renormalised when norm != 0 — what router.cu computes, without block
+// barriers. grid: ceil(n_tok / 4); block: 128 (4 warps). n_expert <= 32 * DQ_RT_PER, k <= 32.
+#define DQ_RT_PER 8
+ST_KERNEL void dq_router_topk(const float* logits, int n_expert, int k, int norm, int n_tok,
+                              int* idx_out, float* w_out) {
+    const int lane = threadIdx.x % ST_WARP;
+    const int t = blockIdx.x * (blockDim.x / ST_WARP) + threadIdx.x / ST_WARP;
+    if (t >= n_tok) return;
+    const float* x = logits + (long)t * n_expert;
+    float p[DQ_RT_PER];
+    float m = ST_NEG_INF;
+#pragma unroll
+    for (int i = 0; i < DQ_RT_PER; ++i) {
+        const int e = lane + i * ST_WARP;
+        p[i] = e < n_expert ? x[e] : ST_NEG_INF;
+        m = fmaxf(m, p[i]);
+    }
+    m = st_warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DQ_RT_PER; ++i) {
+        const int e = lane + i * ST_WARP;
+        p[i] = e < n_expert ? expf(p[i] - m) : 0.0f;
+        s += p[i];
+    }
+    s = st_warp_sum(s);
+#pragma unroll
+    for (int i = 0; i < DQ_RT_PER; ++i) {
+        const int e = lane + i * ST_WARP;
+        p[i] = e < n_expert ? p[i] / s : -1.0f;
+    }
+    float mine = 0.0f;  // lane j keeps the j-th chosen weight
+    float tot = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        float best = -2.0f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < DQ_RT_PER; ++i) {
+            const int e = lane + i * ST_WARP;
+            if (p[i] > best) { best = p[i]; bi = e; }
+        }
+        for (int o = ST_WARP / 2; o > 0; o >>= 1) {
+            const float ov = ST_SHFL_XOR(best, o);
+            const int oi = ST_SHFL_XOR(bi, o);
+            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+        }
+#pragma unroll
+        for (int i = 0; i < DQ_RT_PER; ++i)
+            if (lane + i * ST_WARP == bi) p[i] = -1.0f;
+        if (lane == j) mine = best;
+        tot += best;
+        if (lane == 0) idx_out[(long)t * k + j] = bi;
+    }
+    if (lane < k) w_out[(long)t * k + lane] = norm ? mine / tot : mine;
+}

@@ -70,6 +70,7 @@ const RAW: &[Raw] = &[
             "dq_ctx_from_pos",
             "dq_attn_prefill",
             "dq_moe_combine",
+            "dq_router_topk",
         ],
     },
     Raw {

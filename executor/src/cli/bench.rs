@@ -9,7 +9,9 @@ use std::time::Instant;
 use strata_exec::engine::Engine;
 
 #[derive(clap::Args, Debug, Clone)]
-#[command(after_help = "Example:\n  strata-exec bench h200.plan -p 512 -n 128 -r 3\nPrompt tokens are pseudo-random ids; decode feeds back the argmax token (batch 1, slot 0).")]
+#[command(
+    after_help = "Example:\n  strata-exec bench h200.plan -p 512 -n 128 -r 3\nPrompt tokens are pseudo-random ids; decode feeds back the argmax token (batch 1, slot 0)."
+)]
 pub struct BenchArgs {
     /// The plan file written by strata-plan.
     pub plan: PathBuf,
@@ -40,10 +42,14 @@ fn mean_sd(v: &[f64]) -> (f64, f64) {
 fn rep(e: &mut dyn Engine, p: usize, n: usize, seed: u64) -> Result<(f64, f64), String> {
     let info = e.info().clone();
     e.reset_slot(0);
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let prompt: Vec<u32> = (0..p.max(1))
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((x >> 33) % info.n_vocab as u64) as u32
         })
         .collect();
@@ -102,7 +108,12 @@ pub fn main(args: BenchArgs) {
     for r in 0..args.reps.max(1) {
         match rep(engine.as_mut(), args.prompt, args.n_gen, r as u64) {
             Ok((pp, tg)) => {
-                eprintln!("  rep {}: pp{} {pp:.1} tok/s, tg{} {tg:.1} tok/s", r + 1, args.prompt, args.n_gen);
+                eprintln!(
+                    "  rep {}: pp{} {pp:.1} tok/s, tg{} {tg:.1} tok/s",
+                    r + 1,
+                    args.prompt,
+                    args.n_gen
+                );
                 pps.push(pp);
                 tgs.push(tg);
             }
@@ -139,10 +150,16 @@ pub fn main(args: BenchArgs) {
         println!("| model | backend | test | t/s |");
         println!("| --- | --- | --- | --- |");
         if args.prompt > 0 {
-            println!("| {name} | {backend_s} | pp{} | {pm:.2} ± {ps:.2} |", args.prompt);
+            println!(
+                "| {name} | {backend_s} | pp{} | {pm:.2} ± {ps:.2} |",
+                args.prompt
+            );
         }
         if args.n_gen > 0 {
-            println!("| {name} | {backend_s} | tg{} | {tm:.2} ± {ts:.2} |", args.n_gen);
+            println!(
+                "| {name} | {backend_s} | tg{} | {tm:.2} ± {ts:.2} |",
+                args.n_gen
+            );
         }
         if let Some((planned, used)) = memory {
             println!(

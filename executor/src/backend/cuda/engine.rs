@@ -241,10 +241,7 @@ fn bufs_layout(
     let q_out = d.n_head * d.hd;
     vec![
         ("xn", g(f * (t * d.e) as u64)),
-        (
-            "xh",
-            g(2 * (t * d.e.max(q_out)).max(t * d.k * d.f) as u64),
-        ),
+        ("xh", g(2 * (t * d.e.max(q_out)).max(t * d.k * d.f) as u64)),
         ("tmp", g(f * (t * d.e) as u64)),
         ("yd", g(f * (t * d.k * d.e) as u64)),
         (
@@ -258,10 +255,7 @@ fn bufs_layout(
         ("k", f * (t * d.n_head_kv * d.hd) as u64),
         ("v", f * (t * d.n_head_kv * d.hd) as u64),
         ("att", f * (t * d.n_head * d.hd) as u64),
-        (
-            "part_o",
-            f * dec * (d.n_head * att_splits * d.hd) as u64,
-        ),
+        ("part_o", f * dec * (d.n_head * att_splits * d.hd) as u64),
         ("part_ms", f * dec * (d.n_head * att_splits * 2) as u64),
         ("router", f * (t * d.n_expert) as u64),
         ("ids", 4 * (t * d.k) as u64),
@@ -392,8 +386,7 @@ impl CudaEngine {
             let n_layer = (dp.layer_end - dp.layer_first) as usize;
             let fixed = fixed_bytes(&d, n_layer, f32_norms);
             let fits = |t: usize| {
-                fixed
-                    + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots, gemm))
+                fixed + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots, gemm))
                     <= have
             };
             while max_tok > n_slots.max(1) && !fits(max_tok) {
@@ -431,11 +424,11 @@ impl CudaEngine {
         upload_weights(plan, &dev, &arenas, host.as_ref(), opts.progress)?;
 
         let mut stages = Vec::with_capacity(plan.devices.len());
-        for i in 0..plan.devices.len() {
+        for (i, arena) in arenas.iter().enumerate() {
             stages.push(build_stage(
                 plan,
                 &dev,
-                &arenas[i],
+                arena,
                 i,
                 host.as_ref(),
                 &hp,
@@ -492,7 +485,11 @@ impl CudaEngine {
     /// Whether prefill passes of at least 16 tokens run through the tensor-core products in
     /// every layer (Q8_0/BF16 weights, experts at a fixed stride).
     pub fn grouped_prefill(&self) -> bool {
-        self.gemm && self.stages.iter().all(|s| s.layers.iter().all(|l| l.stacks.is_some()))
+        self.gemm
+            && self
+                .stages
+                .iter()
+                .all(|s| s.layers.iter().all(|l| l.stacks.is_some()))
     }
 
     /// Tokens one forward pass takes (prefill chunks larger than this are split).
@@ -534,7 +531,13 @@ impl CudaEngine {
     /// Run every stage over `n` tokens whose inputs are uploaded. `head_rows`: how many of
     /// the last tokens get logits (0 = none). `decode`: tokens are one per slot (else they are
     /// consecutive prompt tokens of one slot).
-    fn forward(&self, n: usize, decode: bool, head_first: usize, head_rows: usize) -> Result<(), CudaEngineError> {
+    fn forward(
+        &self,
+        n: usize,
+        decode: bool,
+        head_first: usize,
+        head_rows: usize,
+    ) -> Result<(), CudaEngineError> {
         let d = self.d;
         let k = Kern { dev: &self.dev };
         for (si, st) in self.stages.iter().enumerate() {
@@ -544,7 +547,9 @@ impl CudaEngine {
             let pos = b.inputs.ptr + 4 * m;
             let slot = b.inputs.ptr + 8 * m;
             if si == 0 {
-                let e = st.embd.ok_or_else(|| plan_err("the first stage holds no embedding"))?;
+                let e = st
+                    .embd
+                    .ok_or_else(|| plan_err("the first stage holds no embedding"))?;
                 k.get_rows(e, tok, b.x.ptr, n)?;
             } else {
                 let prev = &self.stages[si - 1].bufs.x;
@@ -592,14 +597,24 @@ impl CudaEngine {
                 }
                 k.mv_chunks(l.o, b.att.ptr, 0, d.eps, b.x.ptr, n, true)?;
                 // Router and experts (RMSNorm folded into each product).
-                k.mv_chunks(l.gate_inp, b.x.ptr, l.ffn_norm, d.eps, b.router.ptr, n, false)?;
+                k.mv_chunks(
+                    l.gate_inp,
+                    b.x.ptr,
+                    l.ffn_norm,
+                    d.eps,
+                    b.router.ptr,
+                    n,
+                    false,
+                )?;
                 k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
                 k.moe(l, b, d, n)?;
             }
         }
         if head_rows > 0 {
             let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
-            let head = st.head.ok_or_else(|| plan_err("the last stage holds no head"))?;
+            let head = st
+                .head
+                .ok_or_else(|| plan_err("the last stage holds no head"))?;
             let b = &st.bufs;
             let x = b.x.ptr + (head_first * d.e * 4) as u64;
             k.mv_chunks(head, x, st.out_norm, d.eps, b.logits.ptr, head_rows, false)?;
@@ -626,28 +641,52 @@ impl CudaEngine {
         let base = arena.all().ptr();
         let v = |ptr: u64, len: u64| arena.view(ptr - base, len);
         let f = |x: usize| (x * 4) as u64;
-        let s = l.stacks.ok_or_else(|| plan_err("grouped prefill without expert stacks"))?;
+        let s = l
+            .stacks
+            .ok_or_else(|| plan_err("grouped prefill without expert stacks"))?;
         let q_out = d.n_head * d.hd;
         let kv_out = d.n_head_kv * d.hd;
         let xh = v(b.xh.ptr, b.xh.bytes)?;
         k.rmsnorm(b.x.ptr, 0, 0, l.attn_norm, b.xn.ptr, d.e, d.eps, n)?;
         let xn = v(b.xn.ptr, f(n * d.e))?;
-        for (m, out, rows) in [(l.q, b.q.ptr, q_out), (l.k, b.k.ptr, kv_out), (l.v, b.v.ptr, kv_out)] {
+        for (m, out, rows) in [
+            (l.q, b.q.ptr, q_out),
+            (l.k, b.k.ptr, kv_out),
+            (l.v, b.v.ptr, kv_out),
+        ] {
             let w = v(m.ptr, mat_bytes(m.gty, rows, d.e)?)?;
-            self.dev.gemm(w, m.gty, rows, d.e, xn, n, v(out, f(n * rows))?, xh)?;
+            self.dev
+                .gemm(w, m.gty, rows, d.e, xn, n, v(out, f(n * rows))?, xh)?;
         }
         k.qk_norm_rope(b.q.ptr, l.q_norm, pos, b.inv_freq.ptr, d, d.n_head, n)?;
         k.qk_norm_rope(b.k.ptr, l.k_norm, pos, b.inv_freq.ptr, d, d.n_head_kv, n)?;
         k.kv_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         let wo = v(l.o.ptr, mat_bytes(l.o.gty, d.e, q_out)?)?;
-        self.dev.gemm(wo, l.o.gty, d.e, q_out, v(b.att.ptr, f(n * q_out))?, n, v(b.tmp.ptr, f(n * d.e))?, xh)?;
+        self.dev.gemm(
+            wo,
+            l.o.gty,
+            d.e,
+            q_out,
+            v(b.att.ptr, f(n * q_out))?,
+            n,
+            v(b.tmp.ptr, f(n * d.e))?,
+            xh,
+        )?;
         // x += attention output; xn = RMSNorm(x) * ffn_norm.
-        k.rmsnorm(b.tmp.ptr, b.x.ptr, b.x.ptr, l.ffn_norm, b.xn.ptr, d.e, d.eps, n)?;
+        k.rmsnorm(
+            b.tmp.ptr, b.x.ptr, b.x.ptr, l.ffn_norm, b.xn.ptr, d.e, d.eps, n,
+        )?;
         k.mv_chunks(l.gate_inp, b.xn.ptr, 0, d.eps, b.router.ptr, n, false)?;
         k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
         let sorted = v(b.sorted.ptr, b.sorted.bytes)?;
-        self.dev.moe_sort(v(b.ids.ptr, (4 * n * d.k) as u64)?, n, d.k, d.n_expert, sorted)?;
+        self.dev.moe_sort(
+            v(b.ids.ptr, (4 * n * d.k) as u64)?,
+            n,
+            d.k,
+            d.n_expert,
+            sorted,
+        )?;
         let gu_bytes = mat_bytes(s.ty, d.f, d.e)?;
         let gu_span = s.gu_stride * (d.n_expert as u64 - 1) + gu_bytes;
         self.dev.gemm_convert_x(xn, n, d.e, s.ty, xh)?;
@@ -792,7 +831,9 @@ impl CudaEngine {
         let d = self.d;
         let k = Kern { dev: &self.dev };
         let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
-        let head = st.head.ok_or_else(|| plan_err("the last stage holds no head"))?;
+        let head = st
+            .head
+            .ok_or_else(|| plan_err("the last stage holds no head"))?;
         let x = st.bufs.x.ptr + (first * d.e * 4) as u64;
         k.mv_chunks(head, x, st.out_norm, d.eps, st.bufs.logits.ptr, rows, false)
     }
@@ -1016,10 +1057,21 @@ fn upload_weights(
         plan.devices
             .iter()
             .position(|d| d.index == dev_index)
-            .ok_or_else(|| plan_err(format!("a tensor is placed on device {dev_index}, which the plan does not list")))
+            .ok_or_else(|| {
+                plan_err(format!(
+                    "a tensor is placed on device {dev_index}, which the plan does not list"
+                ))
+            })
     };
     let mut tmp: Vec<u8> = Vec::new();
-    let mut put = |arena: &DeviceArena, offset: u64, ty: GgmlType, src: &[u8], mats, rows, cols| -> Result<(), CudaEngineError> {
+    let mut put = |arena: &DeviceArena,
+                   offset: u64,
+                   ty: GgmlType,
+                   src: &[u8],
+                   mats,
+                   rows,
+                   cols|
+     -> Result<(), CudaEngineError> {
         tmp.resize(src.len(), 0);
         layout::to_device(ty, src, mats, rows, cols, &mut tmp)
             .map_err(|e| CudaEngineError::Model(e.to_string()))?;
@@ -1034,12 +1086,22 @@ fn upload_weights(
         let info = inv
             .tensor(&t.name)
             .ok_or_else(|| plan_err(format!("`{}` is not in the model inventory", t.name)))?;
-        let data = host.tensor_bytes(&t.name).ok_or_else(|| load::LoadError::Missing {
-            name: t.name.clone(),
-            path: host.path().display().to_string(),
-        })?;
+        let data = host
+            .tensor_bytes(&t.name)
+            .ok_or_else(|| load::LoadError::Missing {
+                name: t.name.clone(),
+                path: host.path().display().to_string(),
+            })?;
         let (mats, rows, cols) = shape3(&info.dims);
-        put(&arenas[arena_of(device)?], offset, info.ggml_type, data, mats, rows, cols)?;
+        put(
+            &arenas[arena_of(device)?],
+            offset,
+            info.ggml_type,
+            data,
+            mats,
+            rows,
+            cols,
+        )?;
         bar.inc(t.bytes);
     }
     // Resident experts: slot = gate, up, down matrices back to back.
@@ -1054,10 +1116,12 @@ fn upload_weights(
                 let info = inv
                     .tensor(&name)
                     .ok_or_else(|| plan_err(format!("`{name}` is not in the model inventory")))?;
-                let data = host.tensor_bytes(&name).ok_or_else(|| load::LoadError::Missing {
-                    name: name.clone(),
-                    path: host.path().display().to_string(),
-                })?;
+                let data = host
+                    .tensor_bytes(&name)
+                    .ok_or_else(|| load::LoadError::Missing {
+                        name: name.clone(),
+                        path: host.path().display().to_string(),
+                    })?;
                 let (mats, rows, cols) = shape3(&info.dims);
                 let per = data.len() / mats.max(1);
                 let e = re.expert as usize;
@@ -1067,7 +1131,15 @@ fn upload_weights(
                         re.layer
                     )));
                 }
-                put(&arenas[ai], off, info.ggml_type, &data[e * per..(e + 1) * per], 1, rows, cols)?;
+                put(
+                    &arenas[ai],
+                    off,
+                    info.ggml_type,
+                    &data[e * per..(e + 1) * per],
+                    1,
+                    rows,
+                    cols,
+                )?;
                 off += per as u64;
             }
             bar.inc(dp.expert_slot_bytes);
@@ -1139,14 +1211,17 @@ fn build_stage(
         })
         .collect();
     let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat, CudaEngineError> {
-        let off = *placed.get(name).ok_or_else(|| {
-            plan_err(format!("`{name}` is not placed on device {}", dp.index))
-        })?;
+        let off = *placed
+            .get(name)
+            .ok_or_else(|| plan_err(format!("`{name}` is not placed on device {}", dp.index)))?;
         let info = inv
             .tensor(name)
             .ok_or_else(|| plan_err(format!("`{name}` is not in the model inventory")))?;
         let ty = kty(info.ggml_type).ok_or_else(|| {
-            CudaEngineError::Model(format!("`{name}` is {}, which the CUDA kernels do not read (F32, F16, BF16, Q8_0, Q4_K)", info.ggml_type))
+            CudaEngineError::Model(format!(
+                "`{name}` is {}, which the CUDA kernels do not read (F32, F16, BF16, Q8_0, Q4_K)",
+                info.ggml_type
+            ))
         })?;
         let (m, r, c) = shape3(&info.dims);
         if m != 1 || r != rows || c != cols {
@@ -1157,7 +1232,9 @@ fn build_stage(
         }
         let ptr = base + off;
         if ptr % 16 != 0 {
-            return Err(plan_err(format!("`{name}` at offset {off} is not 16-byte aligned")));
+            return Err(plan_err(format!(
+                "`{name}` at offset {off} is not 16-byte aligned"
+            )));
         }
         Ok(Mat {
             ptr,
@@ -1224,11 +1301,15 @@ fn build_stage(
             .ok_or_else(|| plan_err(format!("`{gate_name}` is not in the model inventory")))?;
         let ety = gi.ggml_type;
         let exp_ty = kty(ety).ok_or_else(|| {
-            CudaEngineError::Model(format!("`{gate_name}` is {ety}, which the CUDA kernels do not read"))
+            CudaEngineError::Model(format!(
+                "`{gate_name}` is {ety}, which the CUDA kernels do not read"
+            ))
         })?;
         let per_gu = mat_bytes(ety, d.f, d.e)?;
         let per_down = mat_bytes(
-            inv.tensor(&n("ffn_down_exps")).map(|t| t.ggml_type).unwrap_or(ety),
+            inv.tensor(&n("ffn_down_exps"))
+                .map(|t| t.ggml_type)
+                .unwrap_or(ety),
             d.e,
             d.f,
         )?;
@@ -1265,15 +1346,16 @@ fn build_stage(
                 .tensor(&n("ffn_down_exps"))
                 .map(|t| t.ggml_type)
                 .unwrap_or(ety);
-            (d.n_expert > 1 && uniform && gs % 16 == 0 && ds % 16 == 0 && down_ty == ety)
-                .then_some(Stacks {
+            (d.n_expert > 1 && uniform && gs % 16 == 0 && ds % 16 == 0 && down_ty == ety).then_some(
+                Stacks {
                     gate: table[0],
                     up: table[1],
                     down: table[2],
                     gu_stride: gs,
                     down_stride: ds,
                     ty: ety,
-                })
+                },
+            )
         };
         let tb = cv.carve((table.len() * 8) as u64)?;
         dev.htod(&table, arena.view(tb.ptr - base, tb.bytes)?)?;
@@ -1331,7 +1413,10 @@ fn build_stage(
         }
     }
     let inv_freq = rope.inv_freq();
-    dev.htod(inv_freq, arena.view(bufs.inv_freq.ptr - base, (inv_freq.len() * 4) as u64)?)?;
+    dev.htod(
+        inv_freq,
+        arena.view(bufs.inv_freq.ptr - base, (inv_freq.len() * 4) as u64)?,
+    )?;
     // KV.
     let kvr = dp
         .region(RegionKind::KvCache)
@@ -1429,7 +1514,16 @@ impl Kern<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn qkv(&self, l: &Layer, x: u64, d: Dims, yq: u64, yk: u64, yv: u64, n: usize) -> Result<(), CudaEngineError> {
+    fn qkv(
+        &self,
+        l: &Layer,
+        x: u64,
+        d: Dims,
+        yq: u64,
+        yk: u64,
+        yv: u64,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
         let rows = (l.q.rows + l.k.rows + l.v.rows) as u32;
         let n32 = n as i32;
         launch!(self, "dq_qkv8", cfg((rows.div_ceil(DQ_WARPS), 1, 1), 32 * DQ_WARPS, 0); &l.q.ptr, &l.k.ptr, &l.v.ptr, &l.q.ty, &l.q.rows, &l.k.rows, &l.v.rows, &l.q.cols, &x, &l.attn_norm, &d.eps, &yq, &yk, &yv, &n32)
@@ -1437,7 +1531,16 @@ impl Kern<'_> {
 
     /// y (+)= W . norm?(x) for n tokens, in launches of at most 8 tokens.
     #[allow(clippy::too_many_arguments)]
-    fn mv_chunks(&self, w: Mat, x: u64, nw: u64, eps: f32, y: u64, n: usize, add: bool) -> Result<(), CudaEngineError> {
+    fn mv_chunks(
+        &self,
+        w: Mat,
+        x: u64,
+        nw: u64,
+        eps: f32,
+        y: u64,
+        n: usize,
+        add: bool,
+    ) -> Result<(), CudaEngineError> {
         let add = add as i32;
         let mut t0 = 0;
         while t0 < n {
@@ -1454,21 +1557,63 @@ impl Kern<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn qk_norm_rope(&self, x: u64, w: u64, pos: u64, inv_freq: u64, d: Dims, heads: usize, n: usize) -> Result<(), CudaEngineError> {
+    fn qk_norm_rope(
+        &self,
+        x: u64,
+        w: u64,
+        pos: u64,
+        inv_freq: u64,
+        d: Dims,
+        heads: usize,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
         let (nh, hd, nr) = (heads as i32, d.hd as i32, d.n_rot as i32);
         launch!(self, "qk_norm_rope_f32", cfg((heads as u32, n as u32, 1), 128, 0); &x, &w, &d.eps, &pos, &inv_freq, &d.attn_factor, &nh, &hd, &nr)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn kv_store(&self, b_: &Bufs, st: &Stage, l: &Layer, slot: u64, pos: u64, kv_ty: i32, row_bytes: u64, d: Dims, n: usize) -> Result<(), CudaEngineError> {
-        let (sb, ko, vo, rb) = (st.kv_slot_bytes as i64, l.k_off as i64, l.v_off as i64, row_bytes as i64);
+    fn kv_store(
+        &self,
+        b_: &Bufs,
+        st: &Stage,
+        l: &Layer,
+        slot: u64,
+        pos: u64,
+        kv_ty: i32,
+        row_bytes: u64,
+        d: Dims,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
+        let (sb, ko, vo, rb) = (
+            st.kv_slot_bytes as i64,
+            l.k_off as i64,
+            l.v_off as i64,
+            row_bytes as i64,
+        );
         let width = (d.n_head_kv * d.hd) as i32;
         launch!(self, "dq_kv_store", cfg((n as u32, 1, 1), 128, 0); &b_.k.ptr, &b_.v.ptr, &st.kv, &slot, &pos, &sb, &ko, &vo, &rb, &kv_ty, &width)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn attn_decode(&self, b_: &Bufs, st: &Stage, l: &Layer, slot: u64, kv_ty: i32, row_bytes: u64, d: Dims, n: usize, chunk: usize, splits: usize) -> Result<(), CudaEngineError> {
-        let (sb, ko, vo, rb) = (st.kv_slot_bytes as i64, l.k_off as i64, l.v_off as i64, row_bytes as i64);
+    fn attn_decode(
+        &self,
+        b_: &Bufs,
+        st: &Stage,
+        l: &Layer,
+        slot: u64,
+        kv_ty: i32,
+        row_bytes: u64,
+        d: Dims,
+        n: usize,
+        chunk: usize,
+        splits: usize,
+    ) -> Result<(), CudaEngineError> {
+        let (sb, ko, vo, rb) = (
+            st.kv_slot_bytes as i64,
+            l.k_off as i64,
+            l.v_off as i64,
+            row_bytes as i64,
+        );
         let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
         let scale = 1.0f32 / (d.hd as f32).sqrt();
         let ch = chunk as i32;
@@ -1478,8 +1623,24 @@ impl Kern<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn attn_prefill(&self, b_: &Bufs, st: &Stage, l: &Layer, slot: u64, pos: u64, kv_ty: i32, row_bytes: u64, d: Dims, n: usize) -> Result<(), CudaEngineError> {
-        let (sb, ko, vo, rb) = (st.kv_slot_bytes as i64, l.k_off as i64, l.v_off as i64, row_bytes as i64);
+    fn attn_prefill(
+        &self,
+        b_: &Bufs,
+        st: &Stage,
+        l: &Layer,
+        slot: u64,
+        pos: u64,
+        kv_ty: i32,
+        row_bytes: u64,
+        d: Dims,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
+        let (sb, ko, vo, rb) = (
+            st.kv_slot_bytes as i64,
+            l.k_off as i64,
+            l.v_off as i64,
+            row_bytes as i64,
+        );
         let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
         let scale = 1.0f32 / (d.hd as f32).sqrt();
         let kt: i32 = if d.hd <= 128 { 32 } else { 16 };
@@ -1490,19 +1651,53 @@ impl Kern<'_> {
 
     /// out = RMSNorm(x (+ res)) * w per row; h_out (if non-zero) gets x + res.
     #[allow(clippy::too_many_arguments)]
-    fn rmsnorm(&self, x: u64, res: u64, h_out: u64, w: u64, out: u64, e: usize, eps: f32, n: usize) -> Result<(), CudaEngineError> {
+    fn rmsnorm(
+        &self,
+        x: u64,
+        res: u64,
+        h_out: u64,
+        w: u64,
+        out: u64,
+        e: usize,
+        eps: f32,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
         let e32 = e as i32;
         launch!(self, "rmsnorm_f32", cfg((n as u32, 1, 1), 256, 0); &x, &res, &h_out, &w, &out, &e32, &eps)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn combine(&self, y: u64, wts: u64, k: usize, e: usize, x: u64, n: usize) -> Result<(), CudaEngineError> {
+    fn combine(
+        &self,
+        y: u64,
+        wts: u64,
+        k: usize,
+        e: usize,
+        x: u64,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
         let (k32, e32) = (k as i32, e as i32);
         launch!(self, "dq_moe_combine", cfg((n as u32, 1, 1), 256, 0); &y, &wts, &k32, &e32, &x)
     }
 
-    fn router(&self, logits: u64, d: Dims, ids: u64, wts: u64, n: usize) -> Result<(), CudaEngineError> {
-        let (ne, k, norm) = (d.n_expert as i32, d.k as i32, d.norm_topk as i32);
+    fn router(
+        &self,
+        logits: u64,
+        d: Dims,
+        ids: u64,
+        wts: u64,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
+        let (ne, k, norm, nt) = (
+            d.n_expert as i32,
+            d.k as i32,
+            d.norm_topk as i32,
+            n as i32,
+        );
+        if d.n_expert <= 32 * 8 && d.k <= 32 {
+            // One warp per token, no block barriers.
+            return launch!(self, "dq_router_topk", cfg((n.div_ceil(4) as u32, 1, 1), 128, 0); &logits, &ne, &k, &norm, &nt, &ids, &wts);
+        }
         let smem = (d.n_expert * 4) as u32;
         launch!(self, "router_softmax_topk", cfg((n as u32, 1, 1), 128, smem); &logits, &ne, &k, &norm, &ids, &wts)
     }
