@@ -745,7 +745,11 @@ impl<'a> Solver<'a> {
             }
 
             // Resident experts.
-            let chosen = self.oracle.select(a, b, slots[i]);
+            // Slots in (layer, expert) order: a layer's resident experts then sit side by
+            // side, at one stride when they are all resident (the GPU's grouped products
+            // read them as one strided stack).
+            let mut chosen = self.oracle.select(a, b, slots[i]);
+            chosen.sort_unstable();
             let resident_bytes: u64 = chosen
                 .iter()
                 .map(|(l, _)| self.facts.expert[*l as usize])

@@ -203,6 +203,10 @@ pub struct CudaEngine {
     use_graphs: bool,
     /// Prefill through the tensor-core products (else the matrix-vector kernels).
     gemm: bool,
+    /// STRATA_PROFILE=1: time every launch with events (decode without graphs) and print
+    /// the totals per kernel when the engine is dropped.
+    prof: Option<Prof>,
+    prof_totals: std::cell::RefCell<std::collections::BTreeMap<(bool, &'static str), (u64, f64)>>,
     steps: u64,
     arenas: Vec<DeviceArena>,
     planned_bytes: u64,
@@ -467,8 +471,10 @@ impl CudaEngine {
             logits: vec![0.0; logit_rows * d.vocab],
             all_rows: Vec::with_capacity(ubatch * d.vocab),
             graphs: HashMap::new(),
-            use_graphs: opts.graphs,
+            use_graphs: opts.graphs && std::env::var_os("STRATA_PROFILE").is_none(),
             gemm,
+            prof: std::env::var_os("STRATA_PROFILE").map(|_| Prof::default()),
+            prof_totals: Default::default(),
             steps: 0,
             arenas,
             planned_bytes: planned,
@@ -539,7 +545,10 @@ impl CudaEngine {
         head_rows: usize,
     ) -> Result<(), CudaEngineError> {
         let d = self.d;
-        let k = Kern { dev: &self.dev };
+        let k = Kern {
+            dev: &self.dev,
+            prof: self.prof.as_ref(),
+        };
         for (si, st) in self.stages.iter().enumerate() {
             let b = &st.bufs;
             let m = self.max_tok as u64;
@@ -636,7 +645,10 @@ impl CudaEngine {
         use super::gemm::{GemmTile, MoeInput, MOE_DEFAULT_TILE};
         let d = self.d;
         let b = &st.bufs;
-        let k = Kern { dev: &self.dev };
+        let k = Kern {
+            dev: &self.dev,
+            prof: self.prof.as_ref(),
+        };
         let arena = &self.arenas[st.arena];
         let base = arena.all().ptr();
         let v = |ptr: u64, len: u64| arena.view(ptr - base, len);
@@ -655,24 +667,16 @@ impl CudaEngine {
             (l.v, b.v.ptr, kv_out),
         ] {
             let w = v(m.ptr, mat_bytes(m.gty, rows, d.e)?)?;
-            self.dev
-                .gemm(w, m.gty, rows, d.e, xn, n, v(out, f(n * rows))?, xh)?;
+            let y = v(out, f(n * rows))?;
+            k.timed("gemm_qkv", || self.dev.gemm(w, m.gty, rows, d.e, xn, n, y, xh))?;
         }
         k.qk_norm_rope(b.q.ptr, l.q_norm, pos, b.inv_freq.ptr, d, d.n_head, n)?;
         k.qk_norm_rope(b.k.ptr, l.k_norm, pos, b.inv_freq.ptr, d, d.n_head_kv, n)?;
         k.kv_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         let wo = v(l.o.ptr, mat_bytes(l.o.gty, d.e, q_out)?)?;
-        self.dev.gemm(
-            wo,
-            l.o.gty,
-            d.e,
-            q_out,
-            v(b.att.ptr, f(n * q_out))?,
-            n,
-            v(b.tmp.ptr, f(n * d.e))?,
-            xh,
-        )?;
+        let (att, tmp) = (v(b.att.ptr, f(n * q_out))?, v(b.tmp.ptr, f(n * d.e))?);
+        k.timed("gemm_o", || self.dev.gemm(wo, l.o.gty, d.e, q_out, att, n, tmp, xh))?;
         // x += attention output; xn = RMSNorm(x) * ffn_norm.
         k.rmsnorm(
             b.tmp.ptr, b.x.ptr, b.x.ptr, l.ffn_norm, b.xn.ptr, d.e, d.eps, n,
@@ -680,21 +684,17 @@ impl CudaEngine {
         k.mv_chunks(l.gate_inp, b.xn.ptr, 0, d.eps, b.router.ptr, n, false)?;
         k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
         let sorted = v(b.sorted.ptr, b.sorted.bytes)?;
-        self.dev.moe_sort(
-            v(b.ids.ptr, (4 * n * d.k) as u64)?,
-            n,
-            d.k,
-            d.n_expert,
-            sorted,
-        )?;
+        let ids = v(b.ids.ptr, (4 * n * d.k) as u64)?;
+        k.timed("moe_sort", || self.dev.moe_sort(ids, n, d.k, d.n_expert, sorted))?;
         let gu_bytes = mat_bytes(s.ty, d.f, d.e)?;
         let gu_span = s.gu_stride * (d.n_expert as u64 - 1) + gu_bytes;
-        self.dev.gemm_convert_x(xn, n, d.e, s.ty, xh)?;
+        k.timed("gemm_convert_x", || self.dev.gemm_convert_x(xn, n, d.e, s.ty, xh))?;
         let h = v(b.h.ptr, f(n * d.k * d.f))?;
-        self.dev.moe_gemm_converted_strided(
+        let (wg, wu) = (v(s.gate, gu_span)?, v(s.up, gu_span)?);
+        k.timed("moe_gemm_glu", || self.dev.moe_gemm_converted_strided(
             GemmTile::M64,
-            v(s.gate, gu_span)?,
-            Some(v(s.up, gu_span)?),
+            wg,
+            Some(wu),
             s.gu_stride,
             s.ty,
             d.n_expert,
@@ -706,27 +706,47 @@ impl CudaEngine {
             d.k,
             sorted,
             h,
-        )?;
+        ))?;
         let dn_bytes = mat_bytes(s.ty, d.e, d.f)?;
         let dn_span = s.down_stride * (d.n_expert as u64 - 1) + dn_bytes;
-        self.dev.gemm_convert_x(h, n * d.k, d.f, s.ty, xh)?;
-        self.dev.moe_gemm_converted_strided(
-            MOE_DEFAULT_TILE,
-            v(s.down, dn_span)?,
-            None,
-            s.down_stride,
-            s.ty,
-            d.n_expert,
-            d.e,
-            d.f,
-            xh,
-            MoeInput::Direct,
-            n,
-            d.k,
-            sorted,
-            v(b.yd.ptr, f(n * d.k * d.e))?,
-        )?;
+        k.timed("gemm_convert_x", || self.dev.gemm_convert_x(h, n * d.k, d.f, s.ty, xh))?;
+        let (wd, yd) = (v(s.down, dn_span)?, v(b.yd.ptr, f(n * d.k * d.e))?);
+        k.timed("moe_gemm_down", || {
+            self.dev.moe_gemm_converted_strided(
+                MOE_DEFAULT_TILE,
+                wd,
+                None,
+                s.down_stride,
+                s.ty,
+                d.n_expert,
+                d.e,
+                d.f,
+                xh,
+                MoeInput::Direct,
+                n,
+                d.k,
+                sorted,
+                yd,
+            )
+        })?;
         k.combine(b.yd.ptr, b.wts.ptr, d.k, d.e, b.x.ptr, n)
+    }
+
+    /// Profiling: wait for the step, add each launch's time to the totals (keyed by decode
+    /// or prefill and kernel name).
+    fn prof_collect(&self, decode: bool) -> Result<(), CudaEngineError> {
+        let Some(p) = &self.prof else {
+            return Ok(());
+        };
+        self.dev.synchronize()?;
+        let mut tot = self.prof_totals.borrow_mut();
+        for (name, e0, e1) in p.borrow_mut().drain(..) {
+            let ms = e0.elapsed_ms(&e1).map_err(drv("cuEventElapsedTime"))? as f64;
+            let t = tot.entry((decode, name)).or_insert((0, 0.0));
+            t.0 += 1;
+            t.1 += ms;
+        }
+        Ok(())
     }
 
     fn logits_back(&mut self, rows: usize) -> Result<(), CudaEngineError> {
@@ -822,6 +842,7 @@ impl CudaEngine {
                     self.dev.synchronize().map_err(|e| internal(e.into()))?;
                 }
             }
+            self.prof_collect(false).map_err(internal)?;
             self.lens[slot] += c as u64;
         }
         Ok(())
@@ -829,7 +850,10 @@ impl CudaEngine {
 
     fn forward_head_only(&self, first: usize, rows: usize) -> Result<(), CudaEngineError> {
         let d = self.d;
-        let k = Kern { dev: &self.dev };
+        let k = Kern {
+            dev: &self.dev,
+            prof: self.prof.as_ref(),
+        };
         let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
         let head = st
             .head
@@ -874,6 +898,7 @@ impl CudaEngine {
         } else {
             self.forward(n, true, 0, n).map_err(internal)?;
         }
+        self.prof_collect(true).map_err(internal)?;
         self.logits_back(n).map_err(internal)?;
         for &(slot, _) in batch {
             self.lens[slot] += 1;
@@ -894,6 +919,32 @@ impl CudaEngine {
             .map_err(drv("cuStreamEndCapture"));
         r?;
         g?.ok_or_else(|| plan_err("CUDA graph capture produced no graph"))
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        if self.prof.is_none() {
+            return;
+        }
+        let tot = self.prof_totals.borrow();
+        for decode in [false, true] {
+            let all: f64 = tot.iter().filter(|((dd, _), _)| *dd == decode).map(|(_, v)| v.1).sum();
+            eprintln!(
+                "STRATA_PROFILE {}: {:.3} ms in kernels",
+                if decode { "decode" } else { "prefill" },
+                all
+            );
+            let mut rows: Vec<_> = tot.iter().filter(|((dd, _), _)| *dd == decode).collect();
+            rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+            for ((_, name), (count, ms)) in rows {
+                eprintln!(
+                    "  {name:<24} {count:>8} launches {ms:>10.3} ms {:>6.1}% {:>8.2} us/launch",
+                    100.0 * ms / all.max(1e-12),
+                    1000.0 * ms / *count as f64
+                );
+            }
+        }
     }
 }
 
@@ -1461,12 +1512,20 @@ fn build_stage(
 macro_rules! launch {
     ($k:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
         let f = $k.dev.function($name)?;
+        let e0 = match $k.prof {
+            Some(_) => Some($k.dev.record_event()?),
+            None => None,
+        };
         let mut b = $k.dev.stream().launch_builder(f);
         $( b.arg($arg); )*
         // SAFETY: every pointer argument addresses a buffer carved (or a tensor placed) in a
         // live arena with the sizes the kernel reads for these shapes (checked at start-up:
         // buffers sized for max_tok tokens, tensors' dims checked in `build_stage`).
         unsafe { b.launch($cfg) }.map_err(drv(format!("launch {}", $name)))?;
+        if let (Some(p), Some(e0)) = ($k.prof, e0) {
+            let e1 = $k.dev.record_event()?;
+            p.borrow_mut().push(($name, e0, e1));
+        }
         Ok::<(), CudaEngineError>(())
     }};
 }
@@ -1474,6 +1533,31 @@ macro_rules! launch {
 /// Kernel launchers over raw device addresses whose buffers were sized at start-up.
 struct Kern<'a> {
     dev: &'a CudaDevice,
+    /// When profiling: every launch's name with events recorded around it.
+    prof: Option<&'a Prof>,
+}
+
+/// Events around each launch of a profiled step.
+type Prof = std::cell::RefCell<Vec<(&'static str, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>;
+
+impl Kern<'_> {
+    /// Run `f` (which queues work on the stream) between two recorded events when profiling.
+    fn timed<T>(
+        &self,
+        name: &'static str,
+        f: impl FnOnce() -> Result<T, CudaError>,
+    ) -> Result<T, CudaEngineError> {
+        let e0 = match self.prof {
+            Some(_) => Some(self.dev.record_event()?),
+            None => None,
+        };
+        let r = f()?;
+        if let (Some(p), Some(e0)) = (self.prof, e0) {
+            let e1 = self.dev.record_event()?;
+            p.borrow_mut().push((name, e0, e1));
+        }
+        Ok(r)
+    }
 }
 
 fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
