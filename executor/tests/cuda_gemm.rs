@@ -21,6 +21,7 @@ use std::cell::Cell;
 use std::sync::OnceLock;
 use strata_exec::backend::cuda::gemm::{
     gemm_scratch_bytes, moe_scratch_bytes, GemmTile, MoeInput, MoeScratch, GEMM_BN,
+    MOE_DEFAULT_TILE,
 };
 use strata_exec::backend::cuda::layout;
 use strata_exec::backend::cuda::{CudaDevice, DeviceArena, DeviceView};
@@ -412,8 +413,8 @@ fn moe_case(
         let x = rand_vec(rng, x_rows * cols, 1.0);
         // Reference per assignment.
         let mut want = Vec::with_capacity(n_assign * rows);
-        for asg in 0..n_assign {
-            let e = ids[asg] as usize;
+        for (asg, &e) in ids.iter().enumerate() {
+            let e = e as usize;
             let xr = if input == MoeInput::Gather {
                 asg / k
             } else {
@@ -434,7 +435,7 @@ fn moe_case(
         let yall = put(d, &c, &vec![GUARD; ny + 64]);
         let yv = yall.sub(0, 4 * ny as u64).unwrap();
         d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
-        if tile == GemmTile::M64 {
+        if tile == MOE_DEFAULT_TILE {
             d.moe_gemm(wv, ty, ne, rows, cols, xv, input, n_tok, k, sorted, yv, sv)
                 .unwrap();
         } else {
@@ -465,8 +466,8 @@ fn moe_case(
         let got: Vec<f32> = get(d, yall, ny + 64);
         let (u, m) = unit(ty);
         let mut worst_glu = 0f64;
-        for asg in 0..n_assign {
-            let e = ids[asg] as usize;
+        for (asg, &e) in ids.iter().enumerate() {
+            let e = e as usize;
             let xr = if input == MoeInput::Gather {
                 asg / k
             } else {
@@ -702,7 +703,7 @@ fn timings_at_qwen3_30b_shapes() {
                     );
                 }
             }
-            let tile = d.gemm_default_tile(rows, n_tok);
+            let tile = d.gemm_default_tile(ty, rows, n_tok);
             let t = time_ms(d, reps, || {
                 d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap()
             });
