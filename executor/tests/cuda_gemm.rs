@@ -21,6 +21,7 @@ use std::cell::Cell;
 use std::sync::OnceLock;
 use strata_exec::backend::cuda::gemm::{
     gemm_scratch_bytes, moe_scratch_bytes, GemmTile, MoeInput, MoeScratch, GEMM_BN,
+    MOE_DEFAULT_TILE,
 };
 use strata_exec::backend::cuda::layout;
 use strata_exec::backend::cuda::{CudaDevice, DeviceArena, DeviceView};
@@ -412,8 +413,8 @@ fn moe_case(
         let x = rand_vec(rng, x_rows * cols, 1.0);
         // Reference per assignment.
         let mut want = Vec::with_capacity(n_assign * rows);
-        for asg in 0..n_assign {
-            let e = ids[asg] as usize;
+        for (asg, &e) in ids.iter().enumerate() {
+            let e = e as usize;
             let xr = if input == MoeInput::Gather {
                 asg / k
             } else {
@@ -434,7 +435,7 @@ fn moe_case(
         let yall = put(d, &c, &vec![GUARD; ny + 64]);
         let yv = yall.sub(0, 4 * ny as u64).unwrap();
         d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
-        if tile == GemmTile::M64 {
+        if tile == MOE_DEFAULT_TILE {
             d.moe_gemm(wv, ty, ne, rows, cols, xv, input, n_tok, k, sorted, yv, sv)
                 .unwrap();
         } else {
@@ -465,8 +466,8 @@ fn moe_case(
         let got: Vec<f32> = get(d, yall, ny + 64);
         let (u, m) = unit(ty);
         let mut worst_glu = 0f64;
-        for asg in 0..n_assign {
-            let e = ids[asg] as usize;
+        for (asg, &e) in ids.iter().enumerate() {
+            let e = e as usize;
             let xr = if input == MoeInput::Gather {
                 asg / k
             } else {
@@ -702,7 +703,7 @@ fn timings_at_qwen3_30b_shapes() {
                     );
                 }
             }
-            let tile = d.gemm_default_tile(rows, n_tok);
+            let tile = d.gemm_default_tile(ty, rows, n_tok);
             let t = time_ms(d, reps, || {
                 d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap()
             });
@@ -837,4 +838,77 @@ fn timings_at_qwen3_30b_shapes() {
         }
         eprintln!("{line}");
     }
+    // The whole expert FFN of one layer with the default launchers: sort, gate and up
+    // (gather), SwiGLU, down (direct).
+    let c3 = Carve::new(&a);
+    c3.off.set(c.off.get());
+    let wg = put(d, &c3, &fast_q8(&mut rng, ne, ff, hid));
+    let wu = put(d, &c3, &fast_q8(&mut rng, ne, ff, hid));
+    let wdn = put(d, &c3, &fast_q8(&mut rng, ne, hid, ff));
+    let xv = put(d, &c3, &rand_vec(&mut rng, n_tok * hid, 1.0));
+    let sv = c3.take(gemm_scratch_bytes(n_assign, hid.max(ff)));
+    let (gv, uv2, hv) = (
+        c3.take(4 * (n_assign * ff) as u64),
+        c3.take(4 * (n_assign * ff) as u64),
+        c3.take(4 * (n_assign * ff) as u64),
+    );
+    let ov = c3.take(4 * (n_assign * hid) as u64);
+    let t = time_ms(d, reps, || {
+        d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
+        let s1 = sv.sub(0, gemm_scratch_bytes(n_tok, hid)).unwrap();
+        d.moe_gemm(
+            wg,
+            GgmlType::Q8_0,
+            ne,
+            ff,
+            hid,
+            xv,
+            MoeInput::Gather,
+            n_tok,
+            k,
+            sorted,
+            gv,
+            s1,
+        )
+        .unwrap();
+        d.moe_gemm(
+            wu,
+            GgmlType::Q8_0,
+            ne,
+            ff,
+            hid,
+            xv,
+            MoeInput::Gather,
+            n_tok,
+            k,
+            sorted,
+            uv2,
+            s1,
+        )
+        .unwrap();
+        d.swiglu(gv, uv2, hv, n_assign * ff).unwrap();
+        let s2 = sv.sub(0, gemm_scratch_bytes(n_assign, ff)).unwrap();
+        d.moe_gemm(
+            wdn,
+            GgmlType::Q8_0,
+            ne,
+            hid,
+            ff,
+            hv,
+            MoeInput::Direct,
+            n_tok,
+            k,
+            sorted,
+            ov,
+            s2,
+        )
+        .unwrap();
+    });
+    let flop = 2.0 * 3.0 * (n_assign * ff * hid) as f64;
+    eprintln!(
+        "TIME MoE FFN layer (sort + gate + up + swiglu + down, {MOE_DEFAULT_TILE:?}, Q8_0) n_tok={n_tok}: {:.1} us = {:.1} TFLOP/s; x48 layers = {:.2} ms per {n_tok} tokens",
+        t * 1e3,
+        flop / t / 1e9,
+        48.0 * t
+    );
 }

@@ -23,8 +23,8 @@ pub const GEMM_STAGES: usize = 3;
 /// Most experts `moe_sort` handles (its shared memory holds three ints per expert).
 pub const MOE_MAX_EXPERT: usize = 4096;
 const SORT_THREADS: u32 = 1024;
-/// The tile `moe_gemm` uses (fastest at Qwen3-30B-A3B's expert shapes on an H200).
-pub const MOE_DEFAULT_TILE: GemmTile = GemmTile::M128;
+/// The tile `moe_gemm` uses (fastest at Qwen3-30B-A3B's Q8_0 expert shapes on an H200).
+pub const MOE_DEFAULT_TILE: GemmTile = GemmTile::M128W;
 
 /// CTA tile over the weight rows (always `GEMM_BN` tokens): `M64` 64 rows by 4 warps of
 /// 32 x 32, `M128` 128 rows by 8 such warps, `M128W` 128 rows by 4 warps of 32 rows x 64
@@ -186,13 +186,16 @@ impl CudaDevice {
             .map_or(132, |n| n.max(1) as usize)
     }
 
-    /// The tile the dense product uses by default: 128 rows when that still gives at least
-    /// half a CTA per multiprocessor, else 64 (measured on an H200 at pp512).
-    pub fn gemm_default_tile(&self, rows: usize, n_tok: usize) -> GemmTile {
-        if 2 * rows.div_ceil(128) * n_tok.div_ceil(GEMM_BN) >= self.sm_count() {
-            GemmTile::M128
-        } else {
+    /// The tile the dense product uses by default for `ty`: when 128-row tiles still give
+    /// at least half a CTA per multiprocessor, `M128W` for Q8_0 and `M128` for BF16, else
+    /// `M64` (the fastest of each on an H200 at pp512).
+    pub fn gemm_default_tile(&self, ty: GgmlType, rows: usize, n_tok: usize) -> GemmTile {
+        if 2 * rows.div_ceil(128) * n_tok.div_ceil(GEMM_BN) < self.sm_count() {
             GemmTile::M64
+        } else if ty == GgmlType::Q8_0 {
+            GemmTile::M128W
+        } else {
+            GemmTile::M128
         }
     }
 
@@ -254,12 +257,13 @@ impl CudaDevice {
     ) -> Result<(), CudaError> {
         matrix_bytes("gemm", ty, rows, cols)?;
         self.gemm_convert_x(x, n_tok, cols, ty, scratch)?;
-        let tile = self.gemm_default_tile(rows, n_tok);
+        let tile = self.gemm_default_tile(ty, rows, n_tok);
         self.gemm_converted(tile, w, ty, rows, cols, scratch, n_tok, y)
     }
 
-    /// How many K parts the dense product splits into by default: 2 when the tiles alone
-    /// would leave multiprocessors idle and each part keeps at least two pipeline stages.
+    /// How many K parts the dense product splits into by default: 2 when the tiles fill less
+    /// than three quarters of the multiprocessors and the columns give each part at least 8
+    /// pipeline stages (measured: helps 768 x 2048 and 512 x 2048 at pp512, hurts 2048 x 768).
     pub fn gemm_default_kparts(
         &self,
         tile: GemmTile,
@@ -268,7 +272,7 @@ impl CudaDevice {
         n_tok: usize,
     ) -> usize {
         let ctas = rows.div_ceil(tile.rows()) * n_tok.div_ceil(GEMM_BN);
-        if ctas < self.sm_count() && cols.div_ceil(GEMM_BK) >= 4 {
+        if 4 * ctas < 3 * self.sm_count() && cols.div_ceil(GEMM_BK) >= 16 {
             2
         } else {
             1
