@@ -668,7 +668,9 @@ impl CudaEngine {
         ] {
             let w = v(m.ptr, mat_bytes(m.gty, rows, d.e)?)?;
             let y = v(out, f(n * rows))?;
-            k.timed("gemm_qkv", || self.dev.gemm(w, m.gty, rows, d.e, xn, n, y, xh))?;
+            k.timed("gemm_qkv", || {
+                self.dev.gemm(w, m.gty, rows, d.e, xn, n, y, xh)
+            })?;
         }
         k.qk_norm_rope(b.q.ptr, l.q_norm, pos, b.inv_freq.ptr, d, d.n_head, n)?;
         k.qk_norm_rope(b.k.ptr, l.k_norm, pos, b.inv_freq.ptr, d, d.n_head_kv, n)?;
@@ -676,7 +678,9 @@ impl CudaEngine {
         k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         let wo = v(l.o.ptr, mat_bytes(l.o.gty, d.e, q_out)?)?;
         let (att, tmp) = (v(b.att.ptr, f(n * q_out))?, v(b.tmp.ptr, f(n * d.e))?);
-        k.timed("gemm_o", || self.dev.gemm(wo, l.o.gty, d.e, q_out, att, n, tmp, xh))?;
+        k.timed("gemm_o", || {
+            self.dev.gemm(wo, l.o.gty, d.e, q_out, att, n, tmp, xh)
+        })?;
         // x += attention output; xn = RMSNorm(x) * ffn_norm.
         k.rmsnorm(
             b.tmp.ptr, b.x.ptr, b.x.ptr, l.ffn_norm, b.xn.ptr, d.e, d.eps, n,
@@ -685,31 +689,39 @@ impl CudaEngine {
         k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
         let sorted = v(b.sorted.ptr, b.sorted.bytes)?;
         let ids = v(b.ids.ptr, (4 * n * d.k) as u64)?;
-        k.timed("moe_sort", || self.dev.moe_sort(ids, n, d.k, d.n_expert, sorted))?;
+        k.timed("moe_sort", || {
+            self.dev.moe_sort(ids, n, d.k, d.n_expert, sorted)
+        })?;
         let gu_bytes = mat_bytes(s.ty, d.f, d.e)?;
         let gu_span = s.gu_stride * (d.n_expert as u64 - 1) + gu_bytes;
-        k.timed("gemm_convert_x", || self.dev.gemm_convert_x(xn, n, d.e, s.ty, xh))?;
+        k.timed("gemm_convert_x", || {
+            self.dev.gemm_convert_x(xn, n, d.e, s.ty, xh)
+        })?;
         let h = v(b.h.ptr, f(n * d.k * d.f))?;
         let (wg, wu) = (v(s.gate, gu_span)?, v(s.up, gu_span)?);
-        k.timed("moe_gemm_glu", || self.dev.moe_gemm_converted_strided(
-            GemmTile::M64,
-            wg,
-            Some(wu),
-            s.gu_stride,
-            s.ty,
-            d.n_expert,
-            d.f,
-            d.e,
-            xh,
-            MoeInput::Gather,
-            n,
-            d.k,
-            sorted,
-            h,
-        ))?;
+        k.timed("moe_gemm_glu", || {
+            self.dev.moe_gemm_converted_strided(
+                GemmTile::M64,
+                wg,
+                Some(wu),
+                s.gu_stride,
+                s.ty,
+                d.n_expert,
+                d.f,
+                d.e,
+                xh,
+                MoeInput::Gather,
+                n,
+                d.k,
+                sorted,
+                h,
+            )
+        })?;
         let dn_bytes = mat_bytes(s.ty, d.e, d.f)?;
         let dn_span = s.down_stride * (d.n_expert as u64 - 1) + dn_bytes;
-        k.timed("gemm_convert_x", || self.dev.gemm_convert_x(h, n * d.k, d.f, s.ty, xh))?;
+        k.timed("gemm_convert_x", || {
+            self.dev.gemm_convert_x(h, n * d.k, d.f, s.ty, xh)
+        })?;
         let (wd, yd) = (v(s.down, dn_span)?, v(b.yd.ptr, f(n * d.k * d.e))?);
         k.timed("moe_gemm_down", || {
             self.dev.moe_gemm_converted_strided(
@@ -929,7 +941,11 @@ impl Drop for CudaEngine {
         }
         let tot = self.prof_totals.borrow();
         for decode in [false, true] {
-            let all: f64 = tot.iter().filter(|((dd, _), _)| *dd == decode).map(|(_, v)| v.1).sum();
+            let all: f64 = tot
+                .iter()
+                .filter(|((dd, _), _)| *dd == decode)
+                .map(|(_, v)| v.1)
+                .sum();
             eprintln!(
                 "STRATA_PROFILE {}: {:.3} ms in kernels",
                 if decode { "decode" } else { "prefill" },
@@ -1538,7 +1554,13 @@ struct Kern<'a> {
 }
 
 /// Events around each launch of a profiled step.
-type Prof = std::cell::RefCell<Vec<(&'static str, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>;
+type Prof = std::cell::RefCell<
+    Vec<(
+        &'static str,
+        cudarc::driver::CudaEvent,
+        cudarc::driver::CudaEvent,
+    )>,
+>;
 
 impl Kern<'_> {
     /// Run `f` (which queues work on the stream) between two recorded events when profiling.
@@ -1772,12 +1794,7 @@ impl Kern<'_> {
         wts: u64,
         n: usize,
     ) -> Result<(), CudaEngineError> {
-        let (ne, k, norm, nt) = (
-            d.n_expert as i32,
-            d.k as i32,
-            d.norm_topk as i32,
-            n as i32,
-        );
+        let (ne, k, norm, nt) = (d.n_expert as i32, d.k as i32, d.norm_topk as i32, n as i32);
         if d.n_expert <= 32 * 8 && d.k <= 32 {
             // One warp per token, no block barriers.
             return launch!(self, "dq_router_topk", cfg((n.div_ceil(4) as u32, 1, 1), 128, 0); &logits, &ne, &k, &norm, &nt, &ids, &wts);
