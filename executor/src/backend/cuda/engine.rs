@@ -206,7 +206,7 @@ pub struct CudaEngine {
     /// STRATA_PROFILE=1: time every launch with events (decode without graphs) and print
     /// the totals per kernel when the engine is dropped.
     prof: Option<Prof>,
-    prof_totals: std::cell::RefCell<std::collections::BTreeMap<(bool, &'static str), (u64, f64)>>,
+    prof_totals: std::cell::RefCell<ProfTotals>,
     steps: u64,
     arenas: Vec<DeviceArena>,
     planned_bytes: u64,
@@ -1552,6 +1552,9 @@ struct Kern<'a> {
     /// When profiling: every launch's name with events recorded around it.
     prof: Option<&'a Prof>,
 }
+
+/// Launch count and milliseconds per (decode?, kernel name).
+type ProfTotals = std::collections::BTreeMap<(bool, &'static str), (u64, f64)>;
 
 /// Events around each launch of a profiled step.
 type Prof = std::cell::RefCell<
