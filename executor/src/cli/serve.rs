@@ -6,7 +6,6 @@
 
 use super::run::RunArgs;
 use super::{fail, open_plan, try_start_engine};
-use std::path::PathBuf;
 use std::time::Duration;
 use strata_exec::serve::{serve_with_loader_blocking, ServeOptions};
 use strata_exec::tokenizer::Tokenizer;
@@ -43,12 +42,6 @@ pub struct ServeArgs {
     /// name another model get 404); default: the plan's model name.
     #[arg(long, value_name = "NAME", requires = "serve")]
     pub model_name: Option<String>,
-    /// Tokenizer to use: a tokenizer.json, or a folder with tokenizer.json (and
-    /// tokenizer_config.json for the chat template); default: the model's own (folder
-    /// tokenizer.json or the GGUF's embedded vocabulary). Without any, only token-id prompts
-    /// on /v1/completions are served.
-    #[arg(long, value_name = "PATH", requires = "serve")]
-    pub tokenizer: Option<PathBuf>,
     /// Seconds running requests may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "serve")]
     pub shutdown_grace: f64,
@@ -76,7 +69,10 @@ pub fn main(args: RunArgs) -> ! {
             model.display()
         ));
     }
-    if let Some(t) = &s.tokenizer {
+    // --tokenizer (shared with one-off generation): a tokenizer.json or a folder with one
+    // (and tokenizer_config.json for the chat template); default: the model's own. Without
+    // any, only token-id prompts on /v1/completions are served.
+    if let Some(t) = &args.tokenizer {
         if !t.exists() {
             fail(format!(
                 "--tokenizer {}: no such file or folder",
@@ -93,7 +89,7 @@ pub fn main(args: RunArgs) -> ! {
         shutdown_grace: Duration::from_secs_f64(s.shutdown_grace),
         model_name: s.model_name.clone(),
     };
-    let tok_path = s.tokenizer.clone();
+    let tok_path = args.tokenizer.clone();
     let common = args.common.clone();
     let loader = Box::new(move || {
         // The tokenizer first: it is quick, and a broken one should not wait for the weights.
