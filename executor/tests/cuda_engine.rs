@@ -338,3 +338,58 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
     assert_eq!(tm, tcpu, "greedy: matvec path vs CPU");
     assert_eq!(tt, tcpu, "greedy: tensor-core path vs CPU");
 }
+
+/// Runs without a GPU too: the engine's start-up checks that come before any device is
+/// opened (pipeline, KV type, scratch fit) accept the plans the GPU tests use, so those tests
+/// can only fail on the device itself.
+#[test]
+fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
+    use strata_exec::backend::cuda::engine::CudaEngineError;
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("tiny-q8_0.gguf");
+    strata_schemas::gguf::write::convert_hf_folder(&data("base"), &gguf, GgmlType::Q8_0, None)
+        .unwrap();
+    let inv = strata_plan::model::load_model(&gguf).unwrap();
+    let asks = [
+        Ask::default(),
+        Ask {
+            batch: 3,
+            ..Ask::default()
+        },
+        Ask {
+            kv: KvType::Q8_0,
+            ..Ask::default()
+        },
+        Ask {
+            ubatch: 32,
+            ..Ask::default()
+        },
+    ];
+    for ask in asks {
+        let ask = Ask { gpu: true, ..ask };
+        for (name, p, host) in [
+            (
+                "folder",
+                plan("base", &ask),
+                Box::new(SafetensorsModel::open(&data("base")).unwrap())
+                    as Box<dyn strata_exec::load::HostModel>,
+            ),
+            (
+                "Q8_0 GGUF",
+                plan_inventory("base", &inv, &gguf, &ask),
+                open_model(&gguf).unwrap(),
+            ),
+        ] {
+            match CudaEngine::start(&p, host, CudaEngineOptions::default()) {
+                Ok(_) => {}
+                Err(CudaEngineError::Plan(m)) | Err(CudaEngineError::Model(m)) => {
+                    panic!(
+                        "{name}, batch {}, ubatch {}: refused before the device: {m}",
+                        ask.batch, ask.ubatch
+                    )
+                }
+                Err(e) => eprintln!("{name}: stopped at the device as expected here: {e}"),
+            }
+        }
+    }
+}

@@ -244,7 +244,17 @@ fn bufs_layout(
     let g = |b: u64| if gemm { b } else { 0 };
     let q_out = d.n_head * d.hd;
     vec![
-        ("xn", g(f * (t * d.e) as u64)),
+        // The normalised input shares `att`'s memory when it fits: xn lives from a norm to
+        // the products that read it, att from attention to the output projection, and the
+        // two never overlap.
+        (
+            "xn",
+            g(if q_out >= d.e {
+                0
+            } else {
+                f * (t * d.e) as u64
+            }),
+        ),
         ("xh", g(2 * (t * d.e.max(q_out)).max(t * d.k * d.f) as u64)),
         ("tmp", g(f * (t * d.e) as u64)),
         ("yd", g(f * (t * d.k * d.e) as u64)),
@@ -384,29 +394,40 @@ impl CudaEngine {
         // Scratch fit: the largest pass (<= ubatch, >= the decode batch) every stage's
         // scratch region can hold, after the expert tables and converted norm vectors.
         let ubatch = (s.ubatch as usize).max(1);
-        let mut max_tok = ubatch.max(n_slots);
-        for dp in &plan.devices {
-            let have = dp.region_bytes(RegionKind::Scratch);
-            let n_layer = (dp.layer_end - dp.layer_first) as usize;
-            let fixed = fixed_bytes(&d, n_layer, f32_norms);
-            let fits = |t: usize| {
-                fixed + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots, gemm))
-                    <= have
-            };
-            while max_tok > n_slots.max(1) && !fits(max_tok) {
-                max_tok = (max_tok / 2).max(n_slots.max(1));
+        // The largest pass every device's scratch holds: `Err(need)` when not even a decode
+        // batch fits.
+        let pass_fit = |gemm: bool| -> Result<usize, (u32, u64, u64)> {
+            let mut max_tok = ubatch.max(n_slots);
+            for dp in &plan.devices {
+                let have = dp.region_bytes(RegionKind::Scratch);
+                let n_layer = (dp.layer_end - dp.layer_first) as usize;
+                let fixed = fixed_bytes(&d, n_layer, f32_norms);
+                let need = |t: usize| {
+                    fixed + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots, gemm))
+                };
+                while max_tok > n_slots.max(1) && need(max_tok) > have {
+                    max_tok = (max_tok / 2).max(n_slots.max(1));
+                }
+                if need(max_tok) > have {
+                    return Err((dp.index, have, need(max_tok)));
+                }
             }
-            if !fits(max_tok) {
-                let need = fixed
-                    + layout_bytes(&bufs_layout(
-                        &d, max_tok, logit_rows, att_splits, n_slots, gemm,
-                    ));
-                return Err(plan_err(format!(
-                    "device {}: the scratch region holds {have} bytes but the CUDA engine needs {need} for a decode batch of {n_slots} slots: re-plan with fewer slots (--batch)",
-                    dp.index
-                )));
-            }
-        }
+            Ok(max_tok)
+        };
+        // The tensor-core path only serves passes of GEMM_MIN_TOK tokens or more; when the
+        // scratch cannot hold its buffers for such a pass, prefill with the matrix-vector
+        // kernels instead.
+        let (gemm, max_tok) = match pass_fit(gemm) {
+            Ok(t) if !gemm || t >= GEMM_MIN_TOK => (gemm, t),
+            _ => match pass_fit(false) {
+                Ok(t) => (false, t),
+                Err((index, have, need)) => {
+                    return Err(plan_err(format!(
+                        "device {index}: the scratch region holds {have} bytes but the CUDA engine needs {need} for a decode batch of {n_slots} slots: re-plan with fewer slots (--batch)"
+                    )))
+                }
+            },
+        };
 
         // The GPU, and whether the planned arenas fit it.
         let dev = CudaDevice::open(opts.gpu)?;
@@ -1478,6 +1499,9 @@ fn build_stage(
             "sorted" => bufs.sorted = b,
             _ => unreachable!("every buffer of bufs_layout is named here"),
         }
+    }
+    if d.n_head * d.hd >= d.e {
+        bufs.xn = bufs.att;
     }
     let inv_freq = rope.inv_freq();
     dev.htod(
