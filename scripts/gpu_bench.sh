@@ -14,6 +14,9 @@ bin=target/gpu
 export RUST_BACKTRACE=1
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$out/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
+    # The test binaries find tests/data through the checkout path they were built in
+    # (/work/main on the dev box); point it at this copy when it is missing.
+    [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
     for t in $bin/cuda_ops-* $bin/cuda_gemm-* $bin/cuda_engine-*; do
         [ -x "$t" ] || continue
         echo "== $t"
