@@ -122,30 +122,8 @@ impl PlanEngine {
             None => bind::mem_available()?,
         };
         bind::check_hardware(plan, available)?;
-        // Pipeline coverage: contiguous ranges from 0 to n_layer, embedding first, head last.
         let hp = inv.hparams.clone();
-        let mut next = 0u32;
-        for (i, d) in plan.devices.iter().enumerate() {
-            let first = i == 0;
-            let last = i + 1 == plan.devices.len();
-            if d.layer_first != next
-                || d.layer_end <= d.layer_first
-                || d.holds_embedding != first
-                || d.holds_head != last
-            {
-                return Err(StartError::Plan(format!(
-                    "device {} holds layers [{}, {}) (embedding {}, head {}), which does not continue a pipeline at layer {next}",
-                    d.index, d.layer_first, d.layer_end, d.holds_embedding, d.holds_head
-                )));
-            }
-            next = d.layer_end;
-        }
-        if next != hp.n_layer {
-            return Err(StartError::Plan(format!(
-                "the devices cover layers [0, {next}) of {}",
-                hp.n_layer
-            )));
-        }
+        bind::check_pipeline(plan, hp.n_layer).map_err(StartError::Plan)?;
         load::check_tensors(plan, host.as_ref())?;
 
         // Every allocation, then the weights.

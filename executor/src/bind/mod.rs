@@ -217,6 +217,32 @@ pub fn planned_host_bytes(plan: &Plan) -> (u64, u64) {
     (arenas, pinned)
 }
 
+/// Checks that the plan's devices form one pipeline: contiguous layer ranges from 0 to
+/// `n_layer`, the embedding on the first device and the head on the last. Every backend runs
+/// a plan as one stage per device in this order.
+pub fn check_pipeline(plan: &Plan, n_layer: u32) -> Result<(), String> {
+    let mut next = 0u32;
+    for (i, d) in plan.devices.iter().enumerate() {
+        let first = i == 0;
+        let last = i + 1 == plan.devices.len();
+        if d.layer_first != next
+            || d.layer_end <= d.layer_first
+            || d.holds_embedding != first
+            || d.holds_head != last
+        {
+            return Err(format!(
+                "device {} holds layers [{}, {}) (embedding {}, head {}), which does not continue a pipeline at layer {next}",
+                d.index, d.layer_first, d.layer_end, d.holds_embedding, d.holds_head
+            ));
+        }
+        next = d.layer_end;
+    }
+    if next != n_layer {
+        return Err(format!("the devices cover layers [0, {next}) of {n_layer}"));
+    }
+    Ok(())
+}
+
 /// The start-up check of a CPU plan against this machine: every device is a `cpu` device of
 /// this arch, and `available` (MemAvailable) holds every arena and chunk.
 pub fn check_hardware(plan: &Plan, available: u64) -> Result<(), BindError> {

@@ -17,7 +17,6 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaGraph, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
 use strata_schemas::ggml::GgmlType;
-use strata_schemas::inventory::HParams;
 use strata_schemas::plan::{Placement, Plan, RegionKind};
 
 /// Why the CUDA engine did not start or a step failed.
@@ -317,7 +316,7 @@ impl CudaEngine {
                 "dense FFN layers are not in the CUDA forward pass yet: run with --backend cpu",
             ));
         }
-        check_pipeline(plan, &hp)?;
+        crate::bind::check_pipeline(plan, hp.n_layer).map_err(CudaEngineError::Plan)?;
         load::check_tensors(plan, host.as_ref())?;
         let s = &plan.serve;
         if s.kv_resident < s.max_context {
@@ -456,7 +455,6 @@ impl CudaEngine {
                 arena,
                 i,
                 host.as_ref(),
-                &hp,
                 &d,
                 &rope,
                 StageSizes {
@@ -1064,32 +1062,6 @@ fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
     Ok((free as u64, total as u64))
 }
 
-fn check_pipeline(plan: &Plan, hp: &HParams) -> Result<(), CudaEngineError> {
-    let mut next = 0u32;
-    for (i, d) in plan.devices.iter().enumerate() {
-        let first = i == 0;
-        let last = i + 1 == plan.devices.len();
-        if d.layer_first != next
-            || d.layer_end <= d.layer_first
-            || d.holds_embedding != first
-            || d.holds_head != last
-        {
-            return Err(plan_err(format!(
-                "device {} holds layers [{}, {}) (embedding {}, head {}), which does not continue a pipeline at layer {next}",
-                d.index, d.layer_first, d.layer_end, d.holds_embedding, d.holds_head
-            )));
-        }
-        next = d.layer_end;
-    }
-    if next != hp.n_layer {
-        return Err(plan_err(format!(
-            "the devices cover layers [0, {next}) of {}",
-            hp.n_layer
-        )));
-    }
-    Ok(())
-}
-
 /// Persistent scratch bytes of a stage: expert tables and converted norm vectors.
 fn fixed_bytes(d: &Dims, n_layer: usize, f32_norms: bool) -> u64 {
     let a = |b: usize| align(b as u64, CARVE_ALIGN);
@@ -1280,7 +1252,6 @@ fn build_stage(
     arena: &DeviceArena,
     arena_index: usize,
     host: &dyn HostModel,
-    hp: &HParams,
     d: &Dims,
     rope: &Rope,
     sz: StageSizes,
@@ -1464,7 +1435,6 @@ fn build_stage(
             stacks,
         });
     }
-    let _ = hp;
     let lay = bufs_layout(
         d,
         sz.max_tok,
