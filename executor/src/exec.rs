@@ -19,13 +19,8 @@ use strata_schemas::plan::{Plan, RegionKind};
 /// Why an engine did not start. Every message names the plan, file or numbers.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("the model {path} has fingerprint {file} but the plan was made for {plan} ({source_path}): re-run strata-plan on this model")]
-    Fingerprint {
-        path: String,
-        file: String,
-        plan: String,
-        source_path: String,
-    },
+    #[error(transparent)]
+    Fingerprint(#[from] load::FingerprintMismatch),
     #[error(transparent)]
     Bind(#[from] BindError),
     #[error(transparent)]
@@ -102,15 +97,7 @@ impl PlanEngine {
         opts: EngineOptions,
     ) -> Result<Self, StartError> {
         let inv = host.inventory();
-        let fp = inv.fingerprint();
-        if fp != plan.model.fingerprint {
-            return Err(StartError::Fingerprint {
-                path: host.path().display().to_string(),
-                file: fp,
-                plan: plan.model.fingerprint.clone(),
-                source_path: plan.model.source.clone(),
-            });
-        }
+        load::check_fingerprint(plan, host.as_ref())?;
         if inv.arch != "qwen3moe" {
             return Err(StartError::Plan(format!(
                 "architecture `{}` has no CPU forward pass in this build (qwen3moe only)",

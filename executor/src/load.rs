@@ -264,6 +264,30 @@ pub fn open_model(path: &Path) -> Result<Box<dyn HostModel>, LoadError> {
     }
 }
 
+/// The model file is not the one the plan was made for.
+#[derive(Debug, thiserror::Error)]
+#[error("the model {path} has fingerprint {file} but the plan was made for {plan} ({source_path}): re-run strata-plan on this model")]
+pub struct FingerprintMismatch {
+    pub path: String,
+    pub file: String,
+    pub plan: String,
+    pub source_path: String,
+}
+
+/// Check, before anything is allocated, that `host` is the model `plan` was made for.
+pub fn check_fingerprint(plan: &Plan, host: &dyn HostModel) -> Result<(), FingerprintMismatch> {
+    let file = host.inventory().fingerprint();
+    if file != plan.model.fingerprint {
+        return Err(FingerprintMismatch {
+            path: host.path().display().to_string(),
+            file,
+            plan: plan.model.fingerprint.clone(),
+            source_path: plan.model.source.clone(),
+        });
+    }
+    Ok(())
+}
+
 /// Check, before touching an arena, that every planned tensor exists in `host` with the
 /// planned size.
 pub fn check_tensors(plan: &Plan, host: &dyn HostModel) -> Result<(), LoadError> {

@@ -26,13 +26,8 @@ pub enum CudaEngineError {
     Cuda(#[from] CudaError),
     #[error(transparent)]
     Load(#[from] load::LoadError),
-    #[error("the model {path} has fingerprint {file} but the plan was made for {plan} ({source_path}): re-run strata-plan on this model")]
-    Fingerprint {
-        path: String,
-        file: String,
-        plan: String,
-        source_path: String,
-    },
+    #[error(transparent)]
+    Fingerprint(#[from] load::FingerprintMismatch),
     #[error("plan: {0}")]
     Plan(String),
     #[error("model: {0}")]
@@ -295,15 +290,7 @@ impl CudaEngine {
         opts: CudaEngineOptions,
     ) -> Result<Self, CudaEngineError> {
         let inv = host.inventory();
-        let fp = inv.fingerprint();
-        if fp != plan.model.fingerprint {
-            return Err(CudaEngineError::Fingerprint {
-                path: host.path().display().to_string(),
-                file: fp,
-                plan: plan.model.fingerprint.clone(),
-                source_path: plan.model.source.clone(),
-            });
-        }
+        load::check_fingerprint(plan, host.as_ref())?;
         if inv.arch != "qwen3moe" {
             return Err(plan_err(format!(
                 "architecture `{}` has no CUDA forward pass in this build (qwen3moe only)",
@@ -1588,6 +1575,17 @@ fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
 }
 
 const DQ_WARPS: u32 = 4;
+
+/// The KV kernels' addressing of layer `l` in stage `st`: bytes per slot, K and V offsets of
+/// the layer inside a slot, bytes per cell row (as the kernels' `long`s).
+fn kv_geometry(st: &Stage, l: &Layer, row_bytes: u64) -> (i64, i64, i64, i64) {
+    (
+        st.kv_slot_bytes as i64,
+        l.k_off as i64,
+        l.v_off as i64,
+        row_bytes as i64,
+    )
+}
 /// Prefill passes of at least this many tokens use the tensor-core products.
 const GEMM_MIN_TOK: usize = 16;
 
@@ -1687,12 +1685,7 @@ impl Kern<'_> {
         d: Dims,
         n: usize,
     ) -> Result<(), CudaEngineError> {
-        let (sb, ko, vo, rb) = (
-            st.kv_slot_bytes as i64,
-            l.k_off as i64,
-            l.v_off as i64,
-            row_bytes as i64,
-        );
+        let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
         let width = (d.n_head_kv * d.hd) as i32;
         launch!(self, "dq_kv_store", cfg((n as u32, 1, 1), 128, 0); &b_.k.ptr, &b_.v.ptr, &st.kv, &slot, &pos, &sb, &ko, &vo, &rb, &kv_ty, &width)
     }
@@ -1711,12 +1704,7 @@ impl Kern<'_> {
         chunk: usize,
         splits: usize,
     ) -> Result<(), CudaEngineError> {
-        let (sb, ko, vo, rb) = (
-            st.kv_slot_bytes as i64,
-            l.k_off as i64,
-            l.v_off as i64,
-            row_bytes as i64,
-        );
+        let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
         let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
         let scale = 1.0f32 / (d.hd as f32).sqrt();
         let ch = chunk as i32;
@@ -1738,12 +1726,7 @@ impl Kern<'_> {
         d: Dims,
         n: usize,
     ) -> Result<(), CudaEngineError> {
-        let (sb, ko, vo, rb) = (
-            st.kv_slot_bytes as i64,
-            l.k_off as i64,
-            l.v_off as i64,
-            row_bytes as i64,
-        );
+        let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
         let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
         let scale = 1.0f32 / (d.hd as f32).sqrt();
         let kt: i32 = if d.hd <= 128 { 32 } else { 16 };
