@@ -9,6 +9,7 @@
 //! whole MoE sequence (sort, convert, products) can be captured in a CUDA graph: its grids
 //! depend only on `n_tok`, `k`, `n_expert` and the shapes.
 
+use super::ops::{bad, int};
 use super::{drv, CudaDevice, CudaError, DeviceView};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -114,19 +115,6 @@ impl MoeScratch {
 /// Bytes of the scratch `moe_sort` writes and `moe_gemm` reads.
 pub fn moe_scratch_bytes(n_tok: usize, k: usize, n_expert: usize) -> u64 {
     MoeScratch::new(n_tok, k, n_expert).bytes
-}
-
-fn bad(op: &'static str, detail: String) -> CudaError {
-    CudaError::Shape { op, detail }
-}
-
-fn int(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
-    i32::try_from(v).map_err(|_| {
-        bad(
-            op,
-            format!("{what} = {v} exceeds the kernel's 32-bit index"),
-        )
-    })
 }
 
 /// Bytes of one `rows × cols` weight matrix of `ty` on the device, with the column rule the

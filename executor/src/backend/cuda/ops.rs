@@ -29,14 +29,16 @@ fn kty(ty: GgmlType) -> Option<i32> {
     })
 }
 
-fn int(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+/// `v` as a kernel's 32-bit index, or a shape error naming `what`.
+pub(crate) fn int(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape {
         op,
         detail: format!("{what} = {v} exceeds the kernel's 32-bit index"),
     })
 }
 
-fn bad(op: &'static str, detail: String) -> CudaError {
+/// A shape error of `op`.
+pub(crate) fn bad(op: &'static str, detail: String) -> CudaError {
     CudaError::Shape { op, detail }
 }
 
