@@ -15,9 +15,10 @@
 //! standard deviations, plus 1e-6 * sum |w x| for f32 summation.
 #![cfg(feature = "cuda")]
 
+mod cuda_common;
+use cuda_common::{get, put, rand_vec, Carve};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
-use std::cell::Cell;
 use std::sync::OnceLock;
 use strata_exec::backend::cuda::gemm::{
     gemm_scratch_bytes, moe_scratch_bytes, GemmTile, MoeInput, MoeScratch, GEMM_BN,
@@ -52,53 +53,6 @@ fn dev(test: &str) -> Option<&'static CudaDevice> {
             None
         }
     }
-}
-
-/// Hands out 256-aligned windows of one arena, front to back.
-struct Carve<'a> {
-    arena: &'a DeviceArena,
-    off: Cell<u64>,
-}
-
-impl<'a> Carve<'a> {
-    fn new(arena: &'a DeviceArena) -> Self {
-        Self {
-            arena,
-            off: Cell::new(0),
-        }
-    }
-    fn take(&self, len: u64) -> DeviceView<'a> {
-        let at = self.off.get();
-        let v = self.arena.view(at, len).expect("test arena too small");
-        self.off.set((at + len).div_ceil(256) * 256);
-        v
-    }
-}
-
-fn put<'a, T: strata_exec::backend::cuda::Pod>(
-    d: &CudaDevice,
-    c: &Carve<'a>,
-    x: &[T],
-) -> DeviceView<'a> {
-    let v = c.take(std::mem::size_of_val(x) as u64);
-    d.htod(x, v).unwrap();
-    v
-}
-
-fn get<T: strata_exec::backend::cuda::Pod>(d: &CudaDevice, v: DeviceView<'_>, n: usize) -> Vec<T> {
-    let mut out = vec![T::default(); n];
-    d.dtoh(
-        v.sub(0, std::mem::size_of_val(&out[..]) as u64).unwrap(),
-        &mut out,
-    )
-    .unwrap();
-    out
-}
-
-fn rand_vec(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| scale * (2.0 * rng.random::<f32>() - 1.0))
-        .collect()
 }
 
 /// `mats` random matrices of `rows × cols` of `ty`: (device-layout bytes, dequantized f32).

@@ -6,15 +6,14 @@
 //! `cargo test -p strata-exec --release --test cuda_ops -- --test-threads=1 --nocapture`.
 #![cfg(feature = "cuda")]
 
+mod cuda_common;
+use cuda_common::{get, put, rand_vec, Carve};
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use std::cell::Cell;
 use std::sync::OnceLock;
 use strata_exec::backend::cpu::{self, AttnShape, KvLayer, Matrix, Rope, Yarn};
 use strata_exec::backend::cuda::compile;
 use strata_exec::backend::cuda::ops::AttnDecode;
-use strata_exec::backend::cuda::{
-    arena_allocations, CudaDevice, CudaError, DeviceArena, DeviceView,
-};
+use strata_exec::backend::cuda::{arena_allocations, CudaDevice, CudaError, DeviceArena};
 use strata_exec::quant;
 use strata_schemas::ggml::GgmlType;
 
@@ -56,49 +55,6 @@ fn dev(test: &str) -> Option<&'static CudaDevice> {
             None
         }
     }
-}
-
-/// Hands out 256-aligned windows of one arena, front to back.
-struct Carve<'a> {
-    arena: &'a DeviceArena,
-    off: Cell<u64>,
-}
-
-impl<'a> Carve<'a> {
-    fn new(arena: &'a DeviceArena) -> Self {
-        Self {
-            arena,
-            off: Cell::new(0),
-        }
-    }
-    fn take(&self, len: u64) -> DeviceView<'a> {
-        let at = self.off.get();
-        let v = self.arena.view(at, len).expect("test arena too small");
-        self.off.set((at + len).div_ceil(256) * 256);
-        v
-    }
-}
-
-fn put<'a, T: strata_exec::backend::cuda::Pod>(
-    d: &CudaDevice,
-    c: &Carve<'a>,
-    x: &[T],
-) -> DeviceView<'a> {
-    let v = c.take(std::mem::size_of_val(x) as u64);
-    d.htod(x, v).unwrap();
-    v
-}
-
-fn get_f32(d: &CudaDevice, v: DeviceView<'_>, n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n];
-    d.dtoh(v.sub(0, 4 * n as u64).unwrap(), &mut out).unwrap();
-    out
-}
-
-fn rand_vec(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| scale * (2.0 * rng.random::<f32>() - 1.0))
-        .collect()
 }
 
 /// Asserts |got - want| <= atol + rtol * |want| elementwise (with a per-element scale when
@@ -220,7 +176,7 @@ fn rmsnorm_with_and_without_residual() {
                 .unwrap();
                 let mut want = vec![0f32; n * rows];
                 cpu::rmsnorm_rows(&h, &w, 1e-6, rows, &mut want).unwrap();
-                let got = get_f32(d, ov, n * rows);
+                let got = get::<f32>(d, ov, n * rows);
                 let err = check(
                     &format!("rmsnorm n={n} rows={rows} fused={fused}"),
                     &got,
@@ -230,7 +186,7 @@ fn rmsnorm_with_and_without_residual() {
                 );
                 worst = worst.max(err);
                 if fused {
-                    assert_eq!(get_f32(d, hv, n * rows), h, "residual sum must be exact");
+                    assert_eq!(get::<f32>(d, hv, n * rows), h, "residual sum must be exact");
                 }
             }
         }
@@ -249,12 +205,12 @@ fn rmsnorm_with_and_without_residual() {
     cpu::rmsnorm_rows(&h, &w, 1e-6, rows, &mut want).unwrap();
     check(
         "rmsnorm in place fused",
-        &get_f32(d, xv, n * rows),
+        &get::<f32>(d, xv, n * rows),
         &want,
         1e-5,
         2e-5,
     );
-    assert_eq!(get_f32(d, rv, n * rows), h);
+    assert_eq!(get::<f32>(d, rv, n * rows), h);
     // A short view is refused before launch.
     assert!(d
         .rmsnorm(xv, None, None, wv, xv.sub(0, 8).unwrap(), n, rows, 1e-6)
@@ -304,7 +260,7 @@ fn qk_norm_and_rope_neox_with_yarn() {
                         }
                         rope.apply(tok, head_dim, pos[t] as u32).unwrap();
                     }
-                    let got = get_f32(d, xv, x.len());
+                    let got = get::<f32>(d, xv, x.len());
                     check(
                         &format!("qk_norm_rope hd={head_dim} n_rot={n_rot} yarn={} norm={norm} n_tok={n_tok}", yarn.is_some()),
                         &got,
@@ -358,7 +314,7 @@ fn matvec_q8_0_q4_k_bf16_f16_f32() {
                     let (wv, xv) = (put(d, &c, &wb), put(d, &c, &x));
                     let yv = c.take(4 * (n_tok * rows) as u64);
                     d.matvec(wv, ty, rows, cols, xv, n_tok, yv).unwrap();
-                    let got = get_f32(d, yv, n_tok * rows);
+                    let got = get::<f32>(d, yv, n_tok * rows);
                     let m = Matrix::new(ty, cols, rows, &wb).unwrap();
                     let mut want = vec![0f32; n_tok * rows];
                     let mut tmp = vec![0f32; n_tok * rows];
@@ -413,7 +369,7 @@ fn embedding_lookup_dequantizes() {
             .collect();
         check(
             &format!("get_rows {ty} cols={cols}"),
-            &get_f32(d, ov, want.len()),
+            &get::<f32>(d, ov, want.len()),
             &want,
             1e-6,
             1e-6,
@@ -441,7 +397,7 @@ fn swiglu_matches() {
         let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| cpu::silu(*g) * u).collect();
         check(
             &format!("swiglu n={n}"),
-            &get_f32(d, ov, n),
+            &get::<f32>(d, ov, n),
             &want,
             1e-6,
             1e-5,
@@ -493,7 +449,7 @@ fn router_softmax_topk() {
                     d.router_topk(lv, n_tok, ne, k, norm, iv, wv).unwrap();
                     let mut gi = vec![0i32; n_tok * k];
                     d.dtoh(iv, &mut gi).unwrap();
-                    let gw = get_f32(d, wv, n_tok * k);
+                    let gw = get::<f32>(d, wv, n_tok * k);
                     let mut want_w = Vec::new();
                     for t in 0..n_tok {
                         let (ri, rw) = router_ref(&logits[t * ne..(t + 1) * ne], k, norm);
@@ -632,7 +588,7 @@ fn decode_attention_f16_and_q8_0_kv_gqa() {
                         &mut want,
                     )
                     .unwrap();
-                    let got = get_f32(d, ov, want.len());
+                    let got = get::<f32>(d, ov, want.len());
                     let what = format!("attn_decode {kv_ty} heads {n_head}/{n_head_kv} hd={hd} cells={n_cells} n_tok={n_tok}");
                     let mut max = 0f32;
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
