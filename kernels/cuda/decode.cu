@@ -118,6 +118,39 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
                 }
             }
         }
+    } else if (ty == ST_TY_F32 && cols % 4 == 0) {
+        const float* wr = (const float*)W + r * cols;
+        for (long i0 = lane * 4; i0 < cols; i0 += ST_WARP * 4) {
+            const float4 w = *(const float4*)(wr + i0);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < n_tok) {
+                    const float4 xv = in.ld(t, i0);
+                    acc[t] += w.x * xv.x + w.y * xv.y + w.z * xv.z + w.w * xv.w;
+                }
+            }
+        }
+    } else if (ty != ST_TY_F32 && cols % 8 == 0) {
+        const u16* wr = (const u16*)W + r * cols;
+        for (long i0 = lane * 8; i0 < cols; i0 += ST_WARP * 8) {
+            const uint4 raw = *(const uint4*)(wr + i0);
+            const u32 pk[4] = {raw.x, raw.y, raw.z, raw.w};
+            float w[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u16 lo = (u16)(pk[j] & 0xffff), hi = (u16)(pk[j] >> 16);
+                w[2 * j] = ty == ST_TY_F16 ? st_h2f(lo) : st_bf2f(lo);
+                w[2 * j + 1] = ty == ST_TY_F16 ? st_h2f(hi) : st_bf2f(hi);
+            }
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < n_tok) {
+                    const float4 a = in.ld(t, i0), b = in.ld(t, i0 + 4);
+                    acc[t] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x +
+                              w[5] * b.y + w[6] * b.z + w[7] * b.w;
+                }
+            }
+        }
     } else {
         const int esz = ty == ST_TY_F32 ? 4 : 2;
         const u8* wr = W + r * cols * esz;
@@ -152,13 +185,19 @@ __device__ __forceinline__ void dq_norm_prologue(DqIn<NT>& in, long cols, int n_
     }
 }
 
-// y[t][r] (+)= W_r . norm?(x[t]) for t < n_tok <= NT. W: rows x cols, device layout.
+// y[t][r] (+)= W_r . norm?(x[t]) for t < n_tok. W: rows x cols, device layout.
 // nw: RMSNorm weights (cols) or null; add: accumulate into y instead of overwriting.
-// grid: ceil(rows / DQ_WARPS); block: DQ_WARPS warps.
+// grid: (ceil(rows / DQ_WARPS), ceil(n_tok / NT)); block: DQ_WARPS warps.
 template <int NT>
 __device__ __forceinline__ void dq_mv_body(const u8* W, int ty, int rows, int cols, const float* x,
                                            const float* nw, float eps, float* y, int n_tok,
                                            int add) {
+    // grid.y: chunks of NT tokens.
+    const int t0 = blockIdx.y * NT;
+    if (t0 >= n_tok) return;
+    x += (long)t0 * cols;
+    y += (long)t0 * rows;
+    n_tok = min(NT, n_tok - t0);
     DqIn<NT> in;
     in.x = x;
     in.stride = cols;
@@ -194,10 +233,19 @@ ST_KERNEL void dq_mv8(const u8* W, int ty, int rows, int cols, const float* x, c
 }
 
 // Q, K and V of n_tok tokens in one launch: rows [0, rq) from Wq into yq, [rq, rq+rk) from Wk
-// into yk, the rest from Wv into yv; x RMS-normalised by nw. grid: ceil((rq+rk+rv)/DQ_WARPS).
+// into yk, the rest from Wv into yv; x RMS-normalised by nw (if given).
+// grid: (ceil((rq+rk+rv) / DQ_WARPS), ceil(n_tok / 8)).
 ST_KERNEL void dq_qkv8(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk, int rv,
                        int cols, const float* x, const float* nw, float eps, float* yq,
                        float* yk, float* yv, int n_tok) {
+    // grid.y: chunks of DQ_MAX_TOK tokens.
+    const int t0 = blockIdx.y * DQ_MAX_TOK;
+    if (t0 >= n_tok) return;
+    x += (long)t0 * cols;
+    yq += (long)t0 * rq;
+    yk += (long)t0 * rk;
+    yv += (long)t0 * rv;
+    n_tok = min(DQ_MAX_TOK, n_tok - t0);
     DqIn<DQ_MAX_TOK> in;
     in.x = x;
     in.stride = cols;

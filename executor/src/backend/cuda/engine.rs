@@ -243,11 +243,11 @@ fn bufs_layout(
         // two never overlap.
         (
             "xn",
-            g(if q_out >= d.e {
+            if q_out >= d.e {
                 0
             } else {
                 f * (t * d.e) as u64
-            }),
+            },
         ),
         ("xh", g(2 * (t * d.e.max(q_out)).max(t * d.k * d.f) as u64)),
         ("tmp", g(f * (t * d.e) as u64)),
@@ -357,7 +357,9 @@ impl CudaEngine {
         let kv_width = d.n_head_kv * d.hd;
         let kv_row_bytes = crate::quant::row_bytes(kv_gg, kv_width)
             .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
-        let att_chunk = align(ctx.div_ceil(64) as u64, 256).max(256) as usize;
+        // Decode attention splits of 64 cells (at most 64 splits; longer contexts take longer
+        // splits), so short contexts still spread over many blocks.
+        let att_chunk = align(ctx.div_ceil(64) as u64, 64).max(64) as usize;
         let att_splits = ctx.div_ceil(att_chunk);
         let logit_rows = n_slots.max(1);
 
@@ -576,21 +578,9 @@ impl CudaEngine {
                     self.layer_prefill_gemm(st, l, pos, slot, n)?;
                     continue;
                 }
-                // Attention.
-                let mut t0 = 0;
-                while t0 < n {
-                    let nt = (n - t0).min(8);
-                    k.qkv(
-                        l,
-                        b.x.ptr + (t0 * d.e * 4) as u64,
-                        d,
-                        b.q.ptr + (t0 * d.n_head * d.hd * 4) as u64,
-                        b.k.ptr + (t0 * d.n_head_kv * d.hd * 4) as u64,
-                        b.v.ptr + (t0 * d.n_head_kv * d.hd * 4) as u64,
-                        nt,
-                    )?;
-                    t0 += 8;
-                }
+                // Attention: RMSNorm once into xn, then Q/K/V in one launch.
+                k.rmsnorm(b.x.ptr, 0, 0, l.attn_norm, b.xn.ptr, d.e, d.eps, n)?;
+                k.qkv(l, b.xn.ptr, b.q.ptr, b.k.ptr, b.v.ptr, n)?;
                 k.qk_norm_rope(b.q.ptr, l.q_norm, pos, b.inv_freq.ptr, d, d.n_head, n)?;
                 k.qk_norm_rope(b.k.ptr, l.k_norm, pos, b.inv_freq.ptr, d, d.n_head_kv, n)?;
                 k.kv_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
@@ -611,16 +601,9 @@ impl CudaEngine {
                     k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
                 }
                 k.mv_chunks(l.o, b.att.ptr, 0, d.eps, b.x.ptr, n, true)?;
-                // Router and experts (RMSNorm folded into each product).
-                k.mv_chunks(
-                    l.gate_inp,
-                    b.x.ptr,
-                    l.ffn_norm,
-                    d.eps,
-                    b.router.ptr,
-                    n,
-                    false,
-                )?;
+                // Router and experts over xn = RMSNorm(x) * ffn_norm.
+                k.rmsnorm(b.x.ptr, 0, 0, l.ffn_norm, b.xn.ptr, d.e, d.eps, n)?;
+                k.mv_chunks(l.gate_inp, b.xn.ptr, 0, d.eps, b.router.ptr, n, false)?;
                 k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
                 k.moe(l, b, d, n)?;
             }
@@ -632,7 +615,8 @@ impl CudaEngine {
                 .ok_or_else(|| plan_err("the last stage holds no head"))?;
             let b = &st.bufs;
             let x = b.x.ptr + (head_first * d.e * 4) as u64;
-            k.mv_chunks(head, x, st.out_norm, d.eps, b.logits.ptr, head_rows, false)?;
+            k.rmsnorm(x, 0, 0, st.out_norm, b.xn.ptr, d.e, d.eps, head_rows)?;
+            k.mv_chunks(head, b.xn.ptr, 0, d.eps, b.logits.ptr, head_rows, false)?;
         }
         Ok(())
     }
@@ -877,7 +861,16 @@ impl CudaEngine {
             .head
             .ok_or_else(|| plan_err("the last stage holds no head"))?;
         let x = st.bufs.x.ptr + (first * d.e * 4) as u64;
-        k.mv_chunks(head, x, st.out_norm, d.eps, st.bufs.logits.ptr, rows, false)
+        k.rmsnorm(x, 0, 0, st.out_norm, st.bufs.xn.ptr, d.e, d.eps, rows)?;
+        k.mv_chunks(
+            head,
+            st.bufs.xn.ptr,
+            0,
+            d.eps,
+            st.bufs.logits.ptr,
+            rows,
+            false,
+        )
     }
 
     fn decode_inner(&mut self, batch: &[(usize, u32)]) -> Result<(), EngineError> {
@@ -1615,19 +1608,20 @@ impl Kern<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// Q, K and V of n tokens (x already normalised) in one launch.
     fn qkv(
         &self,
         l: &Layer,
         x: u64,
-        d: Dims,
         yq: u64,
         yk: u64,
         yv: u64,
         n: usize,
     ) -> Result<(), CudaEngineError> {
         let rows = (l.q.rows + l.k.rows + l.v.rows) as u32;
-        let n32 = n as i32;
-        launch!(self, "dq_qkv8", cfg((rows.div_ceil(DQ_WARPS), 1, 1), 32 * DQ_WARPS, 0); &l.q.ptr, &l.k.ptr, &l.v.ptr, &l.q.ty, &l.q.rows, &l.k.rows, &l.v.rows, &l.q.cols, &x, &l.attn_norm, &d.eps, &yq, &yk, &yv, &n32)
+        let (n32, no_norm, eps) = (n as i32, 0u64, 0f32);
+        let chunks = n.div_ceil(8) as u32;
+        launch!(self, "dq_qkv8", cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0); &l.q.ptr, &l.k.ptr, &l.v.ptr, &l.q.ty, &l.q.rows, &l.k.rows, &l.v.rows, &l.q.cols, &x, &no_norm, &eps, &yq, &yk, &yv, &n32)
     }
 
     /// y (+)= W . norm?(x) for n tokens, in launches of at most 8 tokens.
@@ -1642,19 +1636,11 @@ impl Kern<'_> {
         n: usize,
         add: bool,
     ) -> Result<(), CudaEngineError> {
-        let add = add as i32;
-        let mut t0 = 0;
-        while t0 < n {
-            let nt = (n - t0).min(8);
-            let name = if nt == 1 { "dq_mv1" } else { "dq_mv8" };
-            let xp = x + (t0 * w.cols as usize * 4) as u64;
-            let yp = y + (t0 * w.rows as usize * 4) as u64;
-            let nt32 = nt as i32;
-            launch!(self, name, cfg(((w.rows as u32).div_ceil(DQ_WARPS), 1, 1), 32 * DQ_WARPS, 0);
-                &w.ptr, &w.ty, &w.rows, &w.cols, &xp, &nw, &eps, &yp, &nt32, &add)?;
-            t0 += 8;
-        }
-        Ok(())
+        let (add, n32) = (add as i32, n as i32);
+        let name = if n == 1 { "dq_mv1" } else { "dq_mv8" };
+        let chunks = n.div_ceil(8) as u32;
+        launch!(self, name, cfg(((w.rows as u32).div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0);
+            &w.ptr, &w.ty, &w.rows, &w.cols, &x, &nw, &eps, &y, &n32, &add)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1784,8 +1770,9 @@ impl Kern<'_> {
     }
 
     fn moe(&self, l: &Layer, b_: &Bufs, d: Dims, n: usize) -> Result<(), CudaEngineError> {
-        let (f, e, k) = (d.f as i32, d.e as i32, d.k as i32);
-        launch!(self, "dq_moe_gate_up", cfg(((d.f as u32).div_ceil(DQ_WARPS), (n * d.k) as u32, 1), 32 * DQ_WARPS, 0); &l.experts, &l.exp_ty, &f, &e, &b_.ids.ptr, &k, &b_.x.ptr, &l.ffn_norm, &d.eps, &b_.h.ptr)?;
+        let (f, e, k, no_norm) = (d.f as i32, d.e as i32, d.k as i32, 0u64);
+        // x is xn, already normalised by the caller.
+        launch!(self, "dq_moe_gate_up", cfg(((d.f as u32).div_ceil(DQ_WARPS), (n * d.k) as u32, 1), 32 * DQ_WARPS, 0); &l.experts, &l.exp_ty, &f, &e, &b_.ids.ptr, &k, &b_.xn.ptr, &no_norm, &d.eps, &b_.h.ptr)?;
         launch!(self, "dq_moe_down", cfg(((d.e as u32).div_ceil(DQ_WARPS), n as u32, 1), 32 * DQ_WARPS, 0); &l.experts, &l.exp_ty, &e, &f, &b_.ids.ptr, &b_.wts.ptr, &k, &b_.h.ptr, &b_.x.ptr)
     }
 }
