@@ -31,32 +31,22 @@ fn gpu_present() -> bool {
 }
 
 fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine {
-    let p = plan(
-        variant,
-        &Ask {
-            gpu: true,
-            ..ask.clone()
-        },
-    );
-    let host: Box<dyn strata_exec::load::HostModel> = match gguf {
-        Some(g) => open_model(g).unwrap(),
-        None => Box::new(SafetensorsModel::open(&data(variant)).unwrap()),
+    let ask = Ask {
+        gpu: true,
+        ..ask.clone()
     };
-    let mut p = p;
-    if let Some(g) = gguf {
-        // The plan was made from the folder; the GGUF converted from it has the same tensors
-        // but other types, so plan it from the file itself.
-        let inv = strata_plan::model::load_model(g).unwrap();
-        p = plan_inventory(
-            variant,
-            &inv,
-            g,
-            &Ask {
-                gpu: true,
-                ..ask.clone()
-            },
-        );
-    }
+    let (p, host): (_, Box<dyn strata_exec::load::HostModel>) = match gguf {
+        // A GGUF converted from a reference folder has the same tensors in other types, so
+        // it is planned from the file itself.
+        Some(g) => {
+            let inv = strata_plan::model::load_model(g).unwrap();
+            (plan_inventory(variant, &inv, g, &ask), open_model(g).unwrap())
+        }
+        None => (
+            plan(variant, &ask),
+            Box::new(SafetensorsModel::open(&data(variant)).unwrap()),
+        ),
+    };
     CudaEngine::start(&p, host, CudaEngineOptions::default()).unwrap()
 }
 
@@ -173,17 +163,70 @@ fn q8_0_gguf_and_q8_0_kv_match_the_cpu_engine() {
                 assert!(e < 2e-3, "{kv:?} prompt {pi}: {e}");
                 assert_eq!(gt, ct, "{kv:?} prompt {pi}: greedy GPU vs CPU");
             } else {
-                // q8_0 KV rounds each stored K/V to 1/127 of its block's largest value; a
-                // summation-order difference can move one value across a rounding boundary
-                // (a step of 0.8%), and on this random 8-expert model that can flip a top-2
-                // router choice whose margin is ~0.005 (see plan_exec_quant.rs), which moves
-                // the logits by up to ~0.15 of their largest (0.125 measured on the H200).
-                // A wrong block layout or scale gives errors near 1 and unrelated tokens.
-                assert!(e < 0.25, "{kv:?} prompt {pi}: {e}");
+                // Top-2 of 8 experts on a random model: a K/V value that the two sides round
+                // to neighbouring q8_0 steps (their f32 inputs differ in the last bits) can
+                // flip a router choice, which moves logits by up to a third of their largest.
+                // Only a loose check here; `q8_0_kv_with_every_expert_matches_the_cpu_engine`
+                // removes the router's choice and holds q8_0 KV to a tight bound.
+                assert!(e < 0.5, "{kv:?} prompt {pi}: {e}");
                 let same = gt.iter().zip(&ct).filter(|(a, b)| a == b).count();
-                assert!(same >= 6, "{kv:?} prompt {pi}: greedy {gt:?} vs CPU {ct:?}");
+                assert!(same >= 4, "{kv:?} prompt {pi}: greedy {gt:?} vs CPU {ct:?}");
             }
         }
+    }
+}
+
+/// q8_0 KV with the router's choice taken away: the base model with every token routed to
+/// all 8 experts (the weights stay continuous in the logits), as a Q8_0 GGUF. Then a K/V value
+/// rounded to a neighbouring q8_0 step on one side (a step is 1/127 of its 32-block's
+/// largest |value|; f32 summation order decides the rare ties) moves the logits by about
+/// that step times the value's share of one attention output, far below 1e-2 of the largest
+/// logit, while a wrong block layout, scale or cell address gives errors near 1.
+#[test]
+fn q8_0_kv_with_every_expert_matches_the_cpu_engine() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("all-experts");
+    std::fs::create_dir_all(&folder).unwrap();
+    for f in std::fs::read_dir(data("base")).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), folder.join(f.file_name())).unwrap();
+    }
+    let cfg_path = folder.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    let n_expert = cfg["num_experts"].as_u64().unwrap();
+    cfg["num_experts_per_tok"] = serde_json::json!(n_expert);
+    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    let gguf = dir.path().join("all-experts-q8_0.gguf");
+    strata_schemas::gguf::write::convert_hf_folder(&folder, &gguf, GgmlType::Q8_0, None).unwrap();
+    let r = reference("base");
+    let ask = Ask {
+        kv: KvType::Q8_0,
+        ..Ask::default()
+    };
+    let mut g = cuda("all-experts", &ask, Some(&gguf));
+    let inv = strata_plan::model::load_model(&gguf).unwrap();
+    assert_eq!(inv.hparams.n_expert_used, n_expert, "the file routes to every expert");
+    let cp = plan_inventory("all-experts", &inv, &gguf, &ask);
+    let mut c = strata_exec::exec::PlanEngine::start(
+        &cp,
+        open_model(&gguf).unwrap(),
+        strata_exec::exec::EngineOptions::default(),
+    )
+    .unwrap();
+    let v = g.info().n_vocab;
+    for (pi, prompt) in prompts(&r).iter().enumerate() {
+        g.reset_slot(0);
+        c.reset_slot(0);
+        let (gl, gt) = run(&mut g, 0, prompt, 8);
+        let (cl, ct) = run(&mut c, 0, prompt, 8);
+        let e = rel_err(&gl, &cl, v);
+        eprintln!("Q8_0 weights, Q8_0 KV, all {n_expert} experts, prompt {pi}: GPU vs CPU {e:e}");
+        assert!(e < 1e-2, "all experts, q8_0 KV, prompt {pi}: GPU vs CPU {e}");
+        assert_eq!(gt, ct, "all experts, q8_0 KV, prompt {pi}: greedy GPU vs CPU");
     }
 }
 
@@ -391,5 +434,77 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
                 Err(e) => eprintln!("{name}: stopped at the device as expected here: {e}"),
             }
         }
+    }
+}
+
+/// The Qwen3-30B head geometry (head dim 128, 4 query heads per KV head) on a small random
+/// Q8_0 file routed to all of its experts: exercises what the 16-wide reference heads cannot
+/// reach (16-byte F16 KV rows read 8 halves at a time by `dq_attn_gqa`, the fused QK-norm +
+/// RoPE + KV store writing whole q8_0 blocks per head, decode over several attention splits,
+/// a tensor-core prefill of 40 tokens). GPU and CPU read the same file, so F16 KV differs only
+/// in summation order (bound 2e-3 of the largest logit, as for the Q8_0 reference file); q8_0
+/// KV adds only rare one-step rounding ties, with no router choice left to flip (1e-2).
+#[test]
+fn head_dim_128_random_model_matches_the_cpu_engine() {
+    if !gpu_present() {
+        return;
+    }
+    use strata_schemas::arch::QuantRecipe;
+    use strata_schemas::gguf::write::{write_random_model, RandomOptions};
+    let mut hp = strata_schemas::known::qwen3_30b_a3b();
+    hp.n_layer = 2;
+    hp.n_embd = 256;
+    hp.n_head = 8;
+    hp.n_head_kv = 2;
+    hp.head_dim_k = 128;
+    hp.head_dim_v = 128;
+    hp.n_expert = 8;
+    hp.n_expert_used = 8;
+    hp.n_ff_exp = 64;
+    hp.n_vocab = 512;
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("hd128-q8_0.gguf");
+    write_random_model(
+        &gguf,
+        "qwen3moe",
+        &hp,
+        &QuantRecipe::preset("Q8_0").unwrap(),
+        7,
+        RandomOptions::default(),
+    )
+    .unwrap();
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 512).collect();
+    for kv in [KvType::F16, KvType::Q8_0] {
+        let ask = Ask {
+            kv,
+            ctx: 128,
+            ubatch: 64,
+            ..Ask::default()
+        };
+        let mut g = cuda("hd128", &ask, Some(&gguf));
+        let inv = strata_plan::model::load_model(&gguf).unwrap();
+        let cp = plan_inventory("hd128", &inv, &gguf, &ask);
+        let mut c = strata_exec::exec::PlanEngine::start(
+            &cp,
+            open_model(&gguf).unwrap(),
+            strata_exec::exec::EngineOptions::default(),
+        )
+        .unwrap();
+        let v = g.info().n_vocab;
+        // Teacher-forced decode: both engines see the same tokens, so every step's logits
+        // are comparable even if a greedy choice differed.
+        let gp = g.prefill_all(0, &prompt).unwrap().to_vec();
+        let cpl = c.prefill_all(0, &prompt).unwrap().to_vec();
+        let mut worst = rel_err(&gp, &cpl, v);
+        let mut tok = argmax(&cpl[cpl.len() - v..]);
+        for _ in 0..30 {
+            let gl = g.decode(&[(0, tok)]).unwrap().to_vec();
+            let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
+            worst = worst.max(rel_err(&gl, &cl, v));
+            tok = argmax(&cl);
+        }
+        eprintln!("head dim 128, {kv:?} KV, 40-token prefill + 30 decode steps: GPU vs CPU {worst:e}");
+        let bound = if kv == KvType::F16 { 2e-3 } else { 1e-2 };
+        assert!(worst < bound, "{kv:?} KV: GPU vs CPU {worst} (bound {bound})");
     }
 }

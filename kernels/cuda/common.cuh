@@ -147,3 +147,40 @@ __device__ __forceinline__ float att_elem(const u8* row, int ty, int i) {
     const u8* blk = row + (i / QK8_0) * Q8_0_BYTES;
     return st_h2f(st_ld_u16(blk)) * (float)(i8)blk[2 + i % QK8_0];
 }
+
+// Qwen3's per-head QK-norm and NEOX RoPE of one head, in place: x[0..hd) RMS-normalised by w
+// (hd weights; null skips it), then the first n_rot dims rotated in pairs (i, i + n_rot/2) by
+// angle inv_freq[i] * p with cos/sin scaled by attn_factor. Every thread of the block calls
+// it; sh holds hd floats of shared memory, red 32. Ends with the block's writes to x visible
+// to the whole block.
+__device__ __forceinline__ void st_head_norm_rope(float* x, const float* w, float eps, float p,
+                                                  const float* inv_freq, float attn_factor,
+                                                  int hd, int n_rot, float* sh, float* red) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        const float v = x[i];
+        sh[i] = v;
+        ss += v * v;
+    }
+    ss = st_block_sum(ss, red);
+    if (w) {
+        const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) sh[i] = w[i] * (sh[i] * r);
+    }
+    __syncthreads();
+    const int half = n_rot / 2;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        if (i < half) {
+            float s, c;
+            sincosf(inv_freq[i] * p, &s, &c);
+            c *= attn_factor;
+            s *= attn_factor;
+            const float a = sh[i], b = sh[i + half];
+            x[i] = a * c - b * s;
+            x[i + half] = b * c + a * s;
+        } else if (i >= n_rot) {
+            x[i] = sh[i];
+        }
+    }
+    __syncthreads();
+}

@@ -60,7 +60,7 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
     if (ty == ST_TY_Q8_0) {
         const u8* qs = W + r * cols;
         const u16* ds = (const u16*)(W + rows * cols) + r * (cols / QK8_0);
-#pragma unroll 2
+#pragma unroll 4
         for (long i0 = lane * 16; i0 < cols; i0 += ST_WARP * 16) {
             const int4 q = *(const int4*)(qs + i0);
             const float d = st_h2f(ds[i0 / QK8_0]);
@@ -186,12 +186,14 @@ __device__ __forceinline__ void dq_norm_prologue(DqIn<NT>& in, long cols, int n_
 }
 
 // y[t][r] (+)= W_r . norm?(x[t]) for t < n_tok. W: rows x cols, device layout.
-// nw: RMSNorm weights (cols) or null; add: accumulate into y instead of overwriting.
+// nw: RMSNorm weights (cols) or null; add: accumulate into y instead of overwriting;
+// xn_out (with nw; may be null): the blocks of grid column 0 also write the normalised
+// inputs there, for the kernels that follow (the router's launch hands xn to the experts).
 // grid: (ceil(rows / DQ_WARPS), ceil(n_tok / NT)); block: DQ_WARPS warps.
 template <int NT>
 __device__ __forceinline__ void dq_mv_body(const u8* W, int ty, int rows, int cols, const float* x,
                                            const float* nw, float eps, float* y, int n_tok,
-                                           int add) {
+                                           int add, float* xn_out) {
     // grid.y: chunks of NT tokens.
     const int t0 = blockIdx.y * NT;
     if (t0 >= n_tok) return;
@@ -203,6 +205,12 @@ __device__ __forceinline__ void dq_mv_body(const u8* W, int ty, int rows, int co
     in.stride = cols;
     in.nw = nw;
     dq_norm_prologue<NT>(in, cols, n_tok, eps);
+    if (xn_out && nw && blockIdx.x == 0) {
+        xn_out += (long)t0 * cols;
+        for (int t = 0; t < n_tok; ++t)
+            for (long i = threadIdx.x; i < cols; i += blockDim.x)
+                xn_out[t * cols + i] = in.ld1(t, i);
+    }
     const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     if (row >= rows) return;
     float acc[NT];
@@ -223,34 +231,36 @@ __device__ __forceinline__ void dq_mv_body(const u8* W, int ty, int rows, int co
 }
 
 ST_KERNEL void dq_mv1(const u8* W, int ty, int rows, int cols, const float* x, const float* nw,
-                      float eps, float* y, int n_tok, int add) {
-    dq_mv_body<1>(W, ty, rows, cols, x, nw, eps, y, n_tok, add);
+                      float eps, float* y, int n_tok, int add, float* xn_out) {
+    dq_mv_body<1>(W, ty, rows, cols, x, nw, eps, y, n_tok, add, xn_out);
 }
 
 ST_KERNEL void dq_mv8(const u8* W, int ty, int rows, int cols, const float* x, const float* nw,
-                      float eps, float* y, int n_tok, int add) {
-    dq_mv_body<DQ_MAX_TOK>(W, ty, rows, cols, x, nw, eps, y, n_tok, add);
+                      float eps, float* y, int n_tok, int add, float* xn_out) {
+    dq_mv_body<DQ_MAX_TOK>(W, ty, rows, cols, x, nw, eps, y, n_tok, add, xn_out);
 }
 
 // Q, K and V of n_tok tokens in one launch: rows [0, rq) from Wq into yq, [rq, rq+rk) from Wk
-// into yk, the rest from Wv into yv; x RMS-normalised by nw (if given).
-// grid: (ceil((rq+rk+rv) / DQ_WARPS), ceil(n_tok / 8)).
-ST_KERNEL void dq_qkv8(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk, int rv,
-                       int cols, const float* x, const float* nw, float eps, float* yq,
-                       float* yk, float* yv, int n_tok) {
-    // grid.y: chunks of DQ_MAX_TOK tokens.
-    const int t0 = blockIdx.y * DQ_MAX_TOK;
+// into yk, the rest from Wv into yv; x RMS-normalised by nw (if given). dq_qkv1 serves one
+// token (fewer registers, more resident warps), dq_qkv8 chunks of up to 8 on grid.y.
+// grid: (ceil((rq+rk+rv) / DQ_WARPS), ceil(n_tok / NT)).
+template <int NT>
+__device__ __forceinline__ void dq_qkv_body(const u8* Wq, const u8* Wk, const u8* Wv, int ty,
+                                            int rq, int rk, int rv, int cols, const float* x,
+                                            const float* nw, float eps, float* yq, float* yk,
+                                            float* yv, int n_tok) {
+    const int t0 = blockIdx.y * NT;
     if (t0 >= n_tok) return;
     x += (long)t0 * cols;
     yq += (long)t0 * rq;
     yk += (long)t0 * rk;
     yv += (long)t0 * rv;
-    n_tok = min(DQ_MAX_TOK, n_tok - t0);
-    DqIn<DQ_MAX_TOK> in;
+    n_tok = min(NT, n_tok - t0);
+    DqIn<NT> in;
     in.x = x;
     in.stride = cols;
     in.nw = nw;
-    dq_norm_prologue<DQ_MAX_TOK>(in, cols, n_tok, eps);
+    dq_norm_prologue<NT>(in, cols, n_tok, eps);
     int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     const u8* W;
     float* y;
@@ -259,13 +269,13 @@ ST_KERNEL void dq_qkv8(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq,
     else if (row < rq + rk) { row -= rq; W = Wk; y = yk; rows = rk; }
     else if (row < rq + rk + rv) { row -= rq + rk; W = Wv; y = yv; rows = rv; }
     else return;
-    float acc[DQ_MAX_TOK];
+    float acc[NT];
 #pragma unroll
-    for (int t = 0; t < DQ_MAX_TOK; ++t) acc[t] = 0.0f;
-    dq_row_dot<DQ_MAX_TOK>(W, ty, rows, cols, row, in, n_tok, acc);
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+    dq_row_dot<NT>(W, ty, rows, cols, row, in, n_tok, acc);
     const int lane = threadIdx.x % ST_WARP;
 #pragma unroll
-    for (int t = 0; t < DQ_MAX_TOK; ++t) {
+    for (int t = 0; t < NT; ++t) {
         if (t < n_tok) {
             const float s = st_warp_sum(acc[t]);
             if (lane == 0) y[(long)t * rows + row] = s;
@@ -273,9 +283,35 @@ ST_KERNEL void dq_qkv8(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq,
     }
 }
 
+ST_KERNEL void dq_qkv1(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk, int rv,
+                       int cols, const float* x, const float* nw, float eps, float* yq,
+                       float* yk, float* yv, int n_tok) {
+    dq_qkv_body<1>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
+}
+
+ST_KERNEL void dq_qkv8(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk, int rv,
+                       int cols, const float* x, const float* nw, float eps, float* yq,
+                       float* yk, float* yv, int n_tok) {
+    dq_qkv_body<DQ_MAX_TOK>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
+}
+
+// 16 Q8_0 weights (one 16-byte load of a split-layout row) dotted with x[0..16).
+__device__ __forceinline__ float dq_dot16_q8(const int4 q, const float* x) {
+    const int qw[4] = {q.x, q.y, q.z, q.w};
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float4 xv = *(const float4*)(x + 4 * j);
+        s += (float)(i8)(qw[j] & 0xff) * xv.x + (float)(i8)((qw[j] >> 8) & 0xff) * xv.y +
+             (float)(i8)((qw[j] >> 16) & 0xff) * xv.z + (float)(i8)(qw[j] >> 24) * xv.w;
+    }
+    return s;
+}
+
 // MoE gate and up with SwiGLU: for assignment a = t*k + j (grid.y, a < n_tok*k), expert
 // e = ids[a], h[a][r] = silu(G_e,r . n(x[t])) * (U_e,r . n(x[t])). eptr[e*3 + 0/1/2] are the
 // device addresses of expert e's gate, up and down matrices (gate/up: F x E, down: E x F).
+// Q8_0 reads the gate and up rows in one loop (their loads in flight together).
 // grid: (ceil(F / DQ_WARPS), n_tok * k).
 ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int E,
                               const int* ids, int k, const float* x, const float* nw, float eps,
@@ -292,34 +328,80 @@ ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int
     const int e = ids[a];
     const u8* G = (const u8*)eptr[(long)e * 3 + 0];
     const u8* U = (const u8*)eptr[(long)e * 3 + 1];
+    const int lane = threadIdx.x % ST_WARP;
     float g[1] = {0.0f}, u[1] = {0.0f};
-    dq_row_dot<1>(G, ty, F, E, row, in, 1, g);
-    dq_row_dot<1>(U, ty, F, E, row, in, 1, u);
+    if (ty == ST_TY_Q8_0 && !nw) {
+        const u8* gq = G + (long)row * E;
+        const u8* uq = U + (long)row * E;
+        const u16* gd = (const u16*)(G + (long)F * E) + (long)row * (E / QK8_0);
+        const u16* ud = (const u16*)(U + (long)F * E) + (long)row * (E / QK8_0);
+#pragma unroll 4
+        for (int i0 = lane * 16; i0 < E; i0 += ST_WARP * 16) {
+            const int4 qg = *(const int4*)(gq + i0);
+            const int4 qu = *(const int4*)(uq + i0);
+            const float dg = st_h2f(gd[i0 / QK8_0]), du = st_h2f(ud[i0 / QK8_0]);
+            g[0] += dg * dq_dot16_q8(qg, in.x + i0);
+            u[0] += du * dq_dot16_q8(qu, in.x + i0);
+        }
+    } else {
+        dq_row_dot<1>(G, ty, F, E, row, in, 1, g);
+        dq_row_dot<1>(U, ty, F, E, row, in, 1, u);
+    }
     const float gs = st_warp_sum(g[0]), us = st_warp_sum(u[0]);
-    if (threadIdx.x % ST_WARP == 0) h[(long)a * F + row] = dq_silu(gs) * us;
+    if (lane == 0) h[(long)a * F + row] = dq_silu(gs) * us;
 }
 
+#define DQ_DOWN_MAXK 32
 // MoE down and weighted sum, added into the residual stream:
-// y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]). grid: (ceil(E / DQ_WARPS), n_tok).
+// y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]). Q8_0 (k <= DQ_DOWN_MAXK)
+// spreads the k experts' rows over the warp's lanes as one flat loop of 16-byte loads (all
+// in flight together), the expert addresses and weights looked up once into shared memory.
+// grid: (ceil(E / DQ_WARPS), n_tok).
 ST_KERNEL void dq_moe_down(const unsigned long long* eptr, int ty, int E, int F, const int* ids,
                            const float* wts, int k, const float* h, float* y) {
+    __shared__ const u8* dm[DQ_DOWN_MAXK];
+    __shared__ float dw[DQ_DOWN_MAXK];
     const int t = blockIdx.y;
+    if (ty == ST_TY_Q8_0 && k <= DQ_DOWN_MAXK) {
+        // The token's k expert matrices and weights, looked up once per block.
+        if (threadIdx.x < k) {
+            const long a = (long)t * k + threadIdx.x;
+            dm[threadIdx.x] = (const u8*)eptr[(long)ids[a] * 3 + 2];
+            dw[threadIdx.x] = wts[a];
+        }
+        __syncthreads();
+    }
     const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     if (row >= E) return;
+    const int lane = threadIdx.x % ST_WARP;
     float tot = 0.0f;
-    for (int j = 0; j < k; ++j) {
-        const long a = (long)t * k + j;
-        const u8* D = (const u8*)eptr[(long)ids[a] * 3 + 2];
-        DqIn<1> in;
-        in.x = h + a * F;
-        in.stride = F;
-        in.nw = nullptr;
-        in.s[0] = 1.0f;
-        float acc[1] = {0.0f};
-        dq_row_dot<1>(D, ty, E, F, row, in, 1, acc);
-        tot += wts[a] * st_warp_sum(acc[0]);
+    if (ty == ST_TY_Q8_0 && k <= DQ_DOWN_MAXK) {
+        const int per = F / 16;  // 16-byte pieces per row
+        const float* ht = h + (long)t * k * F;
+#pragma unroll 4
+        for (int p = lane; p < k * per; p += ST_WARP) {
+            const int j = p / per, i0 = (p - j * per) * 16;
+            const u8* D = dm[j];
+            const int4 q = *(const int4*)(D + (long)row * F + i0);
+            const float d = st_h2f(((const u16*)(D + (long)E * F))[(long)row * (F / QK8_0) + i0 / QK8_0]);
+            tot += dw[j] * d * dq_dot16_q8(q, ht + (long)j * F + i0);
+        }
+        tot = st_warp_sum(tot);
+    } else {
+        for (int j = 0; j < k; ++j) {
+            const long a = (long)t * k + j;
+            const u8* D = (const u8*)eptr[(long)ids[a] * 3 + 2];
+            DqIn<1> in;
+            in.x = h + a * F;
+            in.stride = F;
+            in.nw = nullptr;
+            in.s[0] = 1.0f;
+            float acc[1] = {0.0f};
+            dq_row_dot<1>(D, ty, E, F, row, in, 1, acc);
+            tot += wts[a] * st_warp_sum(acc[0]);
+        }
     }
-    if (threadIdx.x % ST_WARP == 0) y[(long)t * E + row] += tot;
+    if (lane == 0) y[(long)t * E + row] += tot;
 }
 
 // Embedding lookup: out[t] = row ids[t] of W (rows x cols, device layout), dequantized.
@@ -330,123 +412,263 @@ ST_KERNEL void dq_get_rows(const u8* W, int ty, int rows, int cols, const int* i
     for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = dq_elem(W, ty, rows, cols, r, i);
 }
 
-// KV store: token t's K and V rows (width floats each) into cell pos[t] of slot slot[t]:
-// K row at kv + slot*slot_bytes + k_off + pos*row_bytes, V likewise at v_off. F16 or Q8_0
-// (GGUF block layout, ggml's reference rounding). grid: n_tok; block: 128.
-ST_KERNEL void dq_kv_store(const float* k, const float* v, u8* kv, const int* slot,
-                           const int* pos, long slot_bytes, long k_off, long v_off,
-                           long row_bytes, int kv_ty, int width) {
-    const int t = blockIdx.x;
-    u8* base = kv + (long)slot[t] * slot_bytes + (long)pos[t] * row_bytes;
-    for (int which = 0; which < 2; ++which) {
-        const float* src = (which ? v : k) + (long)t * width;
-        u8* dst = base + (which ? v_off : k_off);
-        if (kv_ty == ST_TY_F16) {
-            for (int i = threadIdx.x; i < width; i += blockDim.x)
-                ((u16*)dst)[i] = st_f2h(src[i]);
-        } else if (kv_ty == ST_TY_F32) {
-            for (int i = threadIdx.x; i < width; i += blockDim.x) ((float*)dst)[i] = src[i];
-        } else {
-            // One warp per 32-element block.
-            const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
-            const int nw = blockDim.x / ST_WARP;
-            for (int b = warp; b < width / QK8_0; b += nw) {
-                float xv = 0.0f, amax = 0.0f;
-                if (lane < QK8_0) {
-                    xv = src[b * QK8_0 + lane];
-                    amax = fabsf(xv);
-                }
-                amax = st_warp_max(amax);
-                const float d = amax / 127.0f;
-                const float id = d != 0.0f ? 1.0f / d : 0.0f;
-                u8* blk = dst + (long)b * Q8_0_BYTES;
-                if (lane == 0) {
-                    const u16 dh = st_f2h(d);
-                    blk[0] = (u8)(dh & 0xff);
-                    blk[1] = (u8)(dh >> 8);
-                }
-                if (lane < QK8_0) {
-                    float qf = roundf(xv * id);
-                    qf = fminf(fmaxf(qf, -128.0f), 127.0f);
-                    blk[2 + lane] = (u8)(i8)(int)qf;
-                }
+// Stores elements [e0, e0 + n) of one K or V row (src holds those n floats) into the KV row
+// at dst: F16, F32 or Q8_0 (GGUF block layout with ggml's reference rounding; e0 and n
+// multiples of 32, one warp per block). Every thread of the block calls it.
+__device__ __forceinline__ void dq_store_seg(const float* src, u8* dst, int kv_ty, int e0, int n) {
+    if (kv_ty == ST_TY_F16) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ((u16*)dst)[e0 + i] = st_f2h(src[i]);
+    } else if (kv_ty == ST_TY_F32) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ((float*)dst)[e0 + i] = src[i];
+    } else {
+        const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+        const int nw = blockDim.x / ST_WARP;
+        for (int b = warp; b < n / QK8_0; b += nw) {
+            float xv = 0.0f, amax = 0.0f;
+            if (lane < QK8_0) {
+                xv = src[b * QK8_0 + lane];
+                amax = fabsf(xv);
+            }
+            amax = st_warp_max(amax);
+            const float d = amax / 127.0f;
+            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            u8* blk = dst + (long)(e0 / QK8_0 + b) * Q8_0_BYTES;
+            if (lane == 0) {
+                const u16 dh = st_f2h(d);
+                blk[0] = (u8)(dh & 0xff);
+                blk[1] = (u8)(dh >> 8);
+            }
+            if (lane < QK8_0) {
+                float qf = roundf(xv * id);
+                qf = fminf(fmaxf(qf, -128.0f), 127.0f);
+                blk[2 + lane] = (u8)(i8)(int)qf;
             }
         }
     }
 }
 
-// Decode attention over per-slot KV, split over the context: like attention.cu's
-// attn_decode_partial, but token t reads slot slot[t]'s layer at kv + slot*slot_bytes +
-// k_off / v_off, cells [0, n_ctx[t]). grid: (n_head, n_split, n_tok); block: ATT_WARPS warps.
-ST_KERNEL void dq_attn_partial(const float* q, const u8* kv, const int* slot, const int* n_ctx,
-                               long slot_bytes, long k_off, long v_off, int kv_ty, int n_head,
-                               int n_head_kv, int hd, long row_bytes, float scale, int chunk,
-                               float* part_o, float* part_ms) {
-    __shared__ float wm[ATT_WARPS], ws[ATT_WARPS];
-    __shared__ float wo[ATT_WARPS][ATT_MAX_D];
-    const int h = blockIdx.x, sp = blockIdx.y, t = blockIdx.z, n_split = gridDim.y;
-    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
-    const int kvh = h / (n_head / n_head_kv);
+// KV store: token t's K and V rows (width floats each) into cell pos[t] of slot slot[t]:
+// K row at kv + slot*slot_bytes + k_off + pos*row_bytes, V likewise at v_off. F16, F32 or
+// Q8_0 (width a multiple of 32). grid: n_tok; block: 128.
+ST_KERNEL void dq_kv_store(const float* k, const float* v, u8* kv, const int* slot,
+                           const int* pos, long slot_bytes, long k_off, long v_off,
+                           long row_bytes, int kv_ty, int width) {
+    const int t = blockIdx.x;
+    u8* base = kv + (long)slot[t] * slot_bytes + (long)pos[t] * row_bytes;
+    dq_store_seg(k + (long)t * width, base + k_off, kv_ty, 0, width);
+    dq_store_seg(v + (long)t * width, base + v_off, kv_ty, 0, width);
+}
+
+// QK-norm + RoPE of Q and K and the KV store in one launch: block (h, t) with h < n_head
+// rotates query head h of token t in place; the next n_head_kv blocks rotate K head
+// h - n_head in place and store it into the token's KV cell; the last n_head_kv store V
+// head h - n_head - n_head_kv. Same arithmetic as qk_norm_rope_f32 + dq_kv_store (Q8_0 needs
+// hd a multiple of 32, so every head is whole blocks). grid: (n_head + 2 * n_head_kv, n_tok);
+// block: 128; hd <= 1024.
+ST_KERNEL void dq_rope_store(float* q, float* k, const float* v, const float* q_norm,
+                             const float* k_norm, float eps, const int* pos,
+                             const float* inv_freq, float attn_factor, int n_head,
+                             int n_head_kv, int hd, int n_rot, u8* kv, const int* slot,
+                             long slot_bytes, long k_off, long v_off, long row_bytes,
+                             int kv_ty) {
+    __shared__ float red[32];
+    __shared__ float sh[1024];
+    const int h = blockIdx.x, t = blockIdx.y;
+    const float p = (float)pos[t];
+    if (h < n_head) {
+        st_head_norm_rope(q + ((long)t * n_head + h) * hd, q_norm, eps, p, inv_freq,
+                          attn_factor, hd, n_rot, sh, red);
+        return;
+    }
+    u8* cell = kv + (long)slot[t] * slot_bytes + (long)pos[t] * row_bytes;
+    if (h < n_head + n_head_kv) {
+        const int kh = h - n_head;
+        float* x = k + ((long)t * n_head_kv + kh) * hd;
+        st_head_norm_rope(x, k_norm, eps, p, inv_freq, attn_factor, hd, n_rot, sh, red);
+        dq_store_seg(x, cell + k_off, kv_ty, kh * hd, hd);
+    } else {
+        const int vh = h - n_head - n_head_kv;
+        dq_store_seg(v + ((long)t * n_head_kv + vh) * hd, cell + v_off, kv_ty, vh * hd, hd);
+    }
+}
+
+// Decode attention over per-slot KV, split over the context, one block per (KV head, split,
+// token) serving all G = n_head / n_head_kv query heads that share the KV head, so each K and
+// V row is read once per step rather than G times. Token t reads slot slot[t]'s layer at
+// kv + slot*slot_bytes + k_off / v_off. Its n_ctx[t] cells are cut into gridDim.y splits of
+// da_chunk(n_ctx[t], gridDim.y) cells (computed on the device, so a graph captured once
+// spreads any context over all its splits), walked in sub-chunks of DA_SUB cells: DA_TPC
+// threads score one cell (their dims interleaved, reduced by shuffles), one warp per head
+// runs the online softmax, then each thread accumulates P.V for its own dims (V rows read
+// coalesced). Writes the split's unnormalised output and (max, sum); splits past the context
+// write nothing (dq_attn_combine stops at the last used split).
+// grid: (n_head_kv, n_split, n_tok); block: DA_THREADS. G <= DA_MAXG; hd <= ATT_MAX_D.
+#define DA_THREADS 128
+#define DA_SUB 16
+#define DA_TPC (DA_THREADS / DA_SUB)
+#define DA_MAXG 16
+#define DA_DIMS (ATT_MAX_D / DA_THREADS)
+// Cells per split: the context over n_split splits, in whole sub-chunks.
+__device__ __forceinline__ int da_chunk(int ctx, int n_split) {
+    const int per = (ctx + n_split - 1) / n_split;
+    return (per + DA_SUB - 1) / DA_SUB * DA_SUB;
+}
+ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const int* n_ctx,
+                           long slot_bytes, long k_off, long v_off, int kv_ty, int n_head,
+                           int n_head_kv, int hd, long row_bytes, float scale, float* part_o,
+                           float* part_ms) {
+    __shared__ __align__(16) float qs[DA_MAXG * ATT_MAX_D];
+    __shared__ float ps[DA_MAXG][DA_SUB];
+    __shared__ float ml[DA_MAXG][2], cf[DA_MAXG];
+    const int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z, n_split = gridDim.y;
+    const int G = n_head / n_head_kv;
     const int ctx = n_ctx[t];
+    const int chunk = da_chunk(ctx, n_split);
     const int c0 = sp * chunk;
+    if (c0 >= ctx) return;
     const int c1 = min(c0 + chunk, ctx);
-    const u8* k = kv + (long)slot[t] * slot_bytes + k_off;
-    const u8* v = kv + (long)slot[t] * slot_bytes + v_off;
-    const float* qh = q + ((long)t * n_head + h) * hd;
-    constexpr int PER = ATT_MAX_D / ST_WARP;
-    float qr[PER], acc[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int d = lane + i * ST_WARP;
-        qr[i] = d < hd ? qh[d] : 0.0f;
-        acc[i] = 0.0f;
+    const u8* kb = kv + (long)slot[t] * slot_bytes + k_off;
+    const u8* vb = kv + (long)slot[t] * slot_bytes + v_off;
+    const float* qg = q + ((long)t * n_head + (long)kvh * G) * hd;
+    for (int i = threadIdx.x; i < G * hd; i += DA_THREADS) qs[i] = qg[i] * scale;
+    if (threadIdx.x < G) {
+        ml[threadIdx.x][0] = ST_NEG_INF;
+        ml[threadIdx.x][1] = 0.0f;
     }
-    float m = ST_NEG_INF, s = 0.0f;
-    for (int c = c0 + warp; c < c1; c += ATT_WARPS) {
-        const u8* kr = k + (long)c * row_bytes;
-        float dot = 0.0f;
+    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+    const int cc = threadIdx.x / DA_TPC, part = threadIdx.x % DA_TPC;
+    // F16 rows read 8 halves at a time when every address involved is 16-byte aligned.
+    const bool vec = kv_ty == ST_TY_F16 && hd % (8 * DA_TPC) == 0 &&
+                     (((unsigned long long)kb | (unsigned long long)row_bytes |
+                       (unsigned long long)(kvh * hd * 2)) & 15) == 0;
+    float acc[DA_DIMS][DA_MAXG];
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int d = lane + i * ST_WARP;
-            if (d < hd) dot += qr[i] * att_elem(kr, kv_ty, kvh * hd + d);
-        }
-        const float sc = st_warp_sum(dot) * scale;
-        const float nm = fmaxf(m, sc);
-        const float corr = expf(m - nm);
-        const float pw = expf(sc - nm);
-        s = s * corr + pw;
-        const u8* vr = v + (long)c * row_bytes;
+    for (int i = 0; i < DA_DIMS; ++i)
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int d = lane + i * ST_WARP;
-            if (d < hd) acc[i] = acc[i] * corr + pw * att_elem(vr, kv_ty, kvh * hd + d);
-        }
-        m = nm;
-    }
-    if (lane == 0) { wm[warp] = m; ws[warp] = s; }
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int d = lane + i * ST_WARP;
-        if (d < hd) wo[warp][d] = acc[i];
-    }
+        for (int g = 0; g < DA_MAXG; ++g) acc[i][g] = 0.0f;
     __syncthreads();
-    float M = ST_NEG_INF;
-    for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wm[w]);
-    const long sl = ((long)t * n_head + h) * n_split + sp;
-    float S = 0.0f;
-    float f[ATT_WARPS];
-    for (int w = 0; w < ATT_WARPS; ++w) {
-        f[w] = wm[w] == ST_NEG_INF ? 0.0f : expf(wm[w] - M);
-        S += f[w] * ws[w];
+    for (int s0 = c0; s0 < c1; s0 += DA_SUB) {
+        const int nc = min(DA_SUB, c1 - s0);
+        // Scores of the sub-chunk's cells for every head of the group.
+        float sc[DA_MAXG];
+#pragma unroll
+        for (int g = 0; g < DA_MAXG; ++g) sc[g] = 0.0f;
+        if (cc < nc) {
+            const u8* kr = kb + (long)(s0 + cc) * row_bytes;
+            if (vec) {
+                const uint4* k4 = (const uint4*)(kr + (long)kvh * hd * 2);
+                for (int j = part; j < hd / 8; j += DA_TPC) {
+                    const uint4 raw = k4[j];
+                    const u32 pk[4] = {raw.x, raw.y, raw.z, raw.w};
+                    float kf[8];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        kf[2 * e] = st_h2f((u16)(pk[e] & 0xffff));
+                        kf[2 * e + 1] = st_h2f((u16)(pk[e] >> 16));
+                    }
+#pragma unroll
+                    for (int g = 0; g < DA_MAXG; ++g) {
+                        if (g < G) {
+                            const float4 a = *(const float4*)(qs + g * hd + j * 8);
+                            const float4 b = *(const float4*)(qs + g * hd + j * 8 + 4);
+                            sc[g] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] +
+                                     b.x * kf[4] + b.y * kf[5] + b.z * kf[6] + b.w * kf[7];
+                        }
+                    }
+                }
+            } else {
+                for (int d = part; d < hd; d += DA_TPC) {
+                    const float kf = att_elem(kr, kv_ty, kvh * hd + d);
+#pragma unroll
+                    for (int g = 0; g < DA_MAXG; ++g)
+                        if (g < G) sc[g] += qs[g * hd + d] * kf;
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < DA_MAXG; ++g) {
+            if (g < G) {
+                float v = sc[g];
+#pragma unroll
+                for (int o = DA_TPC / 2; o > 0; o >>= 1) v += ST_SHFL_XOR(v, o);
+                if (part == 0) ps[g][cc] = cc < nc ? v : ST_NEG_INF;
+            }
+        }
+        __syncthreads();
+        // Online softmax: one warp per head (DA_SUB <= 32 cells, one per lane).
+        for (int g = warp; g < G; g += DA_THREADS / ST_WARP) {
+            const float v = lane < DA_SUB ? ps[g][lane] : ST_NEG_INF;
+            const float mo = ml[g][0];
+            const float mn = fmaxf(mo, st_warp_max(v));
+            const float p = v == ST_NEG_INF ? 0.0f : expf(v - mn);
+            const float l = st_warp_sum(p);
+            if (lane < DA_SUB) ps[g][lane] = p;
+            if (lane == 0) {
+                const float c = mo == ST_NEG_INF ? 0.0f : expf(mo - mn);
+                cf[g] = c;
+                ml[g][0] = mn;
+                ml[g][1] = ml[g][1] * c + l;
+            }
+        }
+        __syncthreads();
+        // P.V for this thread's dims.
+#pragma unroll
+        for (int i = 0; i < DA_DIMS; ++i) {
+            const int d = threadIdx.x + i * DA_THREADS;
+            if (d < hd) {
+#pragma unroll
+                for (int g = 0; g < DA_MAXG; ++g)
+                    if (g < G) acc[i][g] *= cf[g];
+#pragma unroll 8
+                for (int c = 0; c < nc; ++c) {
+                    const float vv = att_elem(vb + (long)(s0 + c) * row_bytes, kv_ty, kvh * hd + d);
+#pragma unroll
+                    for (int g = 0; g < DA_MAXG; ++g)
+                        if (g < G) acc[i][g] += ps[g][c] * vv;
+                }
+            }
+        }
+        __syncthreads();
     }
+#pragma unroll
+    for (int i = 0; i < DA_DIMS; ++i) {
+        const int d = threadIdx.x + i * DA_THREADS;
+        if (d < hd) {
+#pragma unroll
+            for (int g = 0; g < DA_MAXG; ++g) {
+                if (g < G) {
+                    const long sl = ((long)t * n_head + (long)kvh * G + g) * n_split + sp;
+                    part_o[sl * hd + d] = acc[i][g];
+                }
+            }
+        }
+    }
+    if (threadIdx.x < G) {
+        const long sl = ((long)t * n_head + (long)kvh * G + threadIdx.x) * n_split + sp;
+        part_ms[sl * 2] = ml[threadIdx.x][0];
+        part_ms[sl * 2 + 1] = ml[threadIdx.x][1];
+    }
+}
+
+// Merges dq_attn_gqa's splits of token t, head h: those that start inside the context.
+// grid: (n_head, n_tok); out: [n_tok][n_head][hd].
+ST_KERNEL void dq_attn_combine(const float* part_o, const float* part_ms, const int* n_ctx,
+                               int n_head, int hd, int n_split, float* out) {
+    const int h = blockIdx.x, t = blockIdx.y;
+    const long base = ((long)t * n_head + h) * n_split;
+    const int chunk = da_chunk(n_ctx[t], n_split);
+    const int used = min(n_split, (n_ctx[t] + chunk - 1) / chunk);
+    float M = ST_NEG_INF;
+    for (int sp = 0; sp < used; ++sp) M = fmaxf(M, part_ms[(base + sp) * 2]);
+    float S = 0.0f;
+    for (int sp = 0; sp < used; ++sp)
+        S += expf(part_ms[(base + sp) * 2] - M) * part_ms[(base + sp) * 2 + 1];
+    const float inv = 1.0f / S;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float o = 0.0f;
-        for (int w = 0; w < ATT_WARPS; ++w) o += f[w] * wo[w][d];
-        part_o[sl * hd + d] = o;
-    }
-    if (threadIdx.x == 0) {
-        part_ms[sl * 2] = M;
-        part_ms[sl * 2 + 1] = S;
+        for (int sp = 0; sp < used; ++sp)
+            o += expf(part_ms[(base + sp) * 2] - M) * part_o[(base + sp) * hd + d];
+        out[((long)t * n_head + h) * hd + d] = o * inv;
     }
 }
 
@@ -616,4 +838,15 @@ ST_KERNEL void dq_router_topk(const float* logits, int n_expert, int k, int norm
         if (lane == 0) idx_out[(long)t * k + j] = bi;
     }
     if (lane < k) w_out[(long)t * k + lane] = norm ? mine / tot : mine;
+}
+
+// Profiling aid: keep the stream busy for `ns` nanoseconds so that the host queues the next
+// kernel and its events before the GPU reaches them (the events then time the kernel alone,
+// not the host's launch latency). grid: 1; block: 1.
+ST_KERNEL void dq_spin(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while ((long long)(t - t0) < ns);
 }

@@ -40,31 +40,6 @@ ST_KERNEL void qk_norm_rope_f32(float* x, const float* w, float eps, const int* 
     __shared__ float red[32];
     __shared__ float sh[1024];
     const long base = ((long)blockIdx.y * n_head + blockIdx.x) * head_dim;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        const float v = x[base + i];
-        sh[i] = v;
-        ss += v * v;
-    }
-    ss = st_block_sum(ss, red);  // ends with a barrier-free read; sh is synced below
-    if (w) {
-        const float r = 1.0f / sqrtf(ss / (float)head_dim + eps);
-        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) sh[i] = w[i] * (sh[i] * r);
-    }
-    __syncthreads();
-    const int half = n_rot / 2;
-    const float p = (float)pos[blockIdx.y];
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        if (i < half) {
-            float s, c;
-            sincosf(inv_freq[i] * p, &s, &c);
-            c *= attn_factor;
-            s *= attn_factor;
-            const float a = sh[i], b = sh[i + half];
-            x[base + i] = a * c - b * s;
-            x[base + i + half] = b * c + a * s;
-        } else if (i >= n_rot) {
-            x[base + i] = sh[i];
-        }
-    }
+    st_head_norm_rope(x + base, w, eps, (float)pos[blockIdx.y], inv_freq, attn_factor, head_dim,
+                      n_rot, sh, red);
 }

@@ -59,17 +59,7 @@ impl Default for CudaEngineOptions {
     }
 }
 
-/// Kernel type numbers (common.cuh's ST_TY_*).
-fn kty(ty: GgmlType) -> Option<i32> {
-    Some(match ty {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::BF16 => 2,
-        GgmlType::Q8_0 => 3,
-        GgmlType::Q4K => 4,
-        _ => return None,
-    })
-}
+use super::ops::kty;
 
 /// A weight matrix on the device: `rows x cols` in the device layout.
 #[derive(Debug, Clone, Copy)]
@@ -186,7 +176,6 @@ pub struct CudaEngine {
     max_tok: usize,
     /// Rows of logits the head computes per pass.
     logit_rows: usize,
-    att_chunk: usize,
     att_splits: usize,
     stages: Vec<Stage>,
     lens: Vec<u64>,
@@ -346,6 +335,12 @@ impl CudaEngine {
                 super::ops::ATT_MAX_D
             )));
         }
+        if d.n_head % d.n_head_kv != 0 || d.n_head / d.n_head_kv > super::ops::ATT_MAX_GROUP {
+            return Err(plan_err(format!(
+                "{} query heads over {} KV heads: the CUDA decode attention needs a whole group of at most {} query heads per KV head",
+                d.n_head, d.n_head_kv, super::ops::ATT_MAX_GROUP
+            )));
+        }
         if d.e % 32 != 0 || d.f % 32 != 0 {
             return Err(plan_err(format!(
                 "hidden {} / expert width {}: the CUDA kernels need both to be multiples of 32",
@@ -357,10 +352,7 @@ impl CudaEngine {
         let kv_width = d.n_head_kv * d.hd;
         let kv_row_bytes = crate::quant::row_bytes(kv_gg, kv_width)
             .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
-        // Decode attention splits of 64 cells (at most 64 splits; longer contexts take longer
-        // splits), so short contexts still spread over many blocks.
-        let att_chunk = align(ctx.div_ceil(64) as u64, 64).max(64) as usize;
-        let att_splits = ctx.div_ceil(att_chunk);
+        let att_splits = super::ops::att_splits(ctx);
         let logit_rows = n_slots.max(1);
 
         // The tensor-core prefill path: every projection and expert matrix Q8_0 or BF16
@@ -471,7 +463,6 @@ impl CudaEngine {
             kv_row_bytes,
             max_tok,
             logit_rows,
-            att_chunk,
             att_splits,
             stages,
             lens: vec![0; n_slots],
@@ -581,9 +572,7 @@ impl CudaEngine {
                 // Attention: RMSNorm once into xn, then Q/K/V in one launch.
                 k.rmsnorm(b.x.ptr, 0, 0, l.attn_norm, b.xn.ptr, d.e, d.eps, n)?;
                 k.qkv(l, b.xn.ptr, b.q.ptr, b.k.ptr, b.v.ptr, n)?;
-                k.qk_norm_rope(b.q.ptr, l.q_norm, pos, b.inv_freq.ptr, d, d.n_head, n)?;
-                k.qk_norm_rope(b.k.ptr, l.k_norm, pos, b.inv_freq.ptr, d, d.n_head_kv, n)?;
-                k.kv_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+                k.rope_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
                 if decode {
                     k.attn_decode(
                         b,
@@ -594,7 +583,6 @@ impl CudaEngine {
                         self.kv_row_bytes,
                         d,
                         n,
-                        self.att_chunk,
                         self.att_splits,
                     )?;
                 } else {
@@ -602,8 +590,7 @@ impl CudaEngine {
                 }
                 k.mv_chunks(l.o, b.att.ptr, 0, d.eps, b.x.ptr, n, true)?;
                 // Router and experts over xn = RMSNorm(x) * ffn_norm.
-                k.rmsnorm(b.x.ptr, 0, 0, l.ffn_norm, b.xn.ptr, d.e, d.eps, n)?;
-                k.mv_chunks(l.gate_inp, b.xn.ptr, 0, d.eps, b.router.ptr, n, false)?;
+                k.router_logits(l, b, d, n)?;
                 k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
                 k.moe(l, b, d, n)?;
             }
@@ -662,9 +649,7 @@ impl CudaEngine {
                 self.dev.gemm(w, m.gty, rows, d.e, xn, n, y, xh)
             })?;
         }
-        k.qk_norm_rope(b.q.ptr, l.q_norm, pos, b.inv_freq.ptr, d, d.n_head, n)?;
-        k.qk_norm_rope(b.k.ptr, l.k_norm, pos, b.inv_freq.ptr, d, d.n_head_kv, n)?;
-        k.kv_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+        k.rope_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         let wo = v(l.o.ptr, mat_bytes(l.o.gty, d.e, q_out)?)?;
         let (att, tmp) = (v(b.att.ptr, f(n * q_out))?, v(b.tmp.ptr, f(n * d.e))?);
@@ -1498,14 +1483,15 @@ fn build_stage(
     })
 }
 
-/// Launch kernel `$name` with `$cfg` and the argument references in order.
+/// Launch kernel `$name` with `$cfg` and the argument references in order (profiled under
+/// `$label`, default the kernel's name).
 macro_rules! launch {
-    ($k:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+    ($k:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {
+        launch!($k, $name => $name, $cfg; $($arg),*)
+    };
+    ($k:expr, $name:expr => $label:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
         let f = $k.dev.function($name)?;
-        let e0 = match $k.prof {
-            Some(_) => Some($k.dev.record_event()?),
-            None => None,
-        };
+        let e0 = $k.prof_start()?;
         let mut b = $k.dev.stream().launch_builder(f);
         $( b.arg($arg); )*
         // SAFETY: every pointer argument addresses a buffer carved (or a tensor placed) in a
@@ -1514,7 +1500,7 @@ macro_rules! launch {
         unsafe { b.launch($cfg) }.map_err(drv(format!("launch {}", $name)))?;
         if let (Some(p), Some(e0)) = ($k.prof, e0) {
             let e1 = $k.dev.record_event()?;
-            p.borrow_mut().push(($name, e0, e1));
+            p.borrow_mut().push(($label, e0, e1));
         }
         Ok::<(), CudaEngineError>(())
     }};
@@ -1540,16 +1526,29 @@ type Prof = std::cell::RefCell<
 >;
 
 impl Kern<'_> {
+    /// When profiling: a 40 us spin kernel, then the start event. The spin keeps the GPU busy
+    /// while the host queues the kernel and its end event, so the pair times the kernel alone
+    /// and not the host's launch latency (which CUDA graphs hide in real decode steps).
+    fn prof_start(&self) -> Result<Option<cudarc::driver::CudaEvent>, CudaEngineError> {
+        if self.prof.is_none() {
+            return Ok(None);
+        }
+        let f = self.dev.function("dq_spin")?;
+        let ns = 40_000i64;
+        let mut b = self.dev.stream().launch_builder(f);
+        b.arg(&ns);
+        // SAFETY: dq_spin takes one integer and touches no memory.
+        unsafe { b.launch(cfg((1, 1, 1), 1, 0)) }.map_err(drv("launch dq_spin"))?;
+        Ok(Some(self.dev.record_event()?))
+    }
+
     /// Run `f` (which queues work on the stream) between two recorded events when profiling.
     fn timed<T>(
         &self,
         name: &'static str,
         f: impl FnOnce() -> Result<T, CudaError>,
     ) -> Result<T, CudaEngineError> {
-        let e0 = match self.prof {
-            Some(_) => Some(self.dev.record_event()?),
-            None => None,
-        };
+        let e0 = self.prof_start()?;
         let r = f()?;
         if let (Some(p), Some(e0)) = (self.prof, e0) {
             let e1 = self.dev.record_event()?;
@@ -1621,7 +1620,8 @@ impl Kern<'_> {
         let rows = (l.q.rows + l.k.rows + l.v.rows) as u32;
         let (n32, no_norm, eps) = (n as i32, 0u64, 0f32);
         let chunks = n.div_ceil(8) as u32;
-        launch!(self, "dq_qkv8", cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0); &l.q.ptr, &l.k.ptr, &l.v.ptr, &l.q.ty, &l.q.rows, &l.k.rows, &l.v.rows, &l.q.cols, &x, &no_norm, &eps, &yq, &yk, &yv, &n32)
+        let name = if n == 1 { "dq_qkv1" } else { "dq_qkv8" };
+        launch!(self, name, cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0); &l.q.ptr, &l.k.ptr, &l.v.ptr, &l.q.ty, &l.q.rows, &l.k.rows, &l.v.rows, &l.q.cols, &x, &no_norm, &eps, &yq, &yk, &yv, &n32)
     }
 
     /// y (+)= W . norm?(x) for n tokens, in launches of at most 8 tokens.
@@ -1636,11 +1636,35 @@ impl Kern<'_> {
         n: usize,
         add: bool,
     ) -> Result<(), CudaEngineError> {
+        let label = if add { "mv_o" } else { "mv" };
+        self.mv_launch(w, x, nw, eps, y, n, add, 0, label)
+    }
+
+    /// The router's logits from the residual stream x: RMSNorm by the layer's ffn_norm in
+    /// the product's prologue, which also leaves xn = RMSNorm(x) * ffn_norm for the experts
+    /// (one launch instead of a norm and a product).
+    fn router_logits(&self, l: &Layer, b_: &Bufs, d: Dims, n: usize) -> Result<(), CudaEngineError> {
+        self.mv_launch(l.gate_inp, b_.x.ptr, l.ffn_norm, d.eps, b_.router.ptr, n, false, b_.xn.ptr, "mv_router")
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mv_launch(
+        &self,
+        w: Mat,
+        x: u64,
+        nw: u64,
+        eps: f32,
+        y: u64,
+        n: usize,
+        add: bool,
+        xn_out: u64,
+        label: &'static str,
+    ) -> Result<(), CudaEngineError> {
         let (add, n32) = (add as i32, n as i32);
         let name = if n == 1 { "dq_mv1" } else { "dq_mv8" };
         let chunks = n.div_ceil(8) as u32;
-        launch!(self, name, cfg(((w.rows as u32).div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0);
-            &w.ptr, &w.ty, &w.rows, &w.cols, &x, &nw, &eps, &y, &n32, &add)
+        launch!(self, name => label, cfg(((w.rows as u32).div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0);
+            &w.ptr, &w.ty, &w.rows, &w.cols, &x, &nw, &eps, &y, &n32, &add, &xn_out)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1656,6 +1680,37 @@ impl Kern<'_> {
     ) -> Result<(), CudaEngineError> {
         let (nh, hd, nr) = (heads as i32, d.hd as i32, d.n_rot as i32);
         launch!(self, "qk_norm_rope_f32", cfg((heads as u32, n as u32, 1), 128, 0); &x, &w, &d.eps, &pos, &inv_freq, &d.attn_factor, &nh, &hd, &nr)
+    }
+
+    /// QK-norm + RoPE of Q and K and the KV store of K and V: one launch, or three where
+    /// q8_0 KV blocks would straddle heads (head dims not a multiple of 32).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store(
+        &self,
+        b_: &Bufs,
+        st: &Stage,
+        l: &Layer,
+        slot: u64,
+        pos: u64,
+        kv_ty: i32,
+        row_bytes: u64,
+        d: Dims,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
+        if Some(kv_ty) == kty(GgmlType::Q8_0) && d.hd % 32 != 0 {
+            self.qk_norm_rope(b_.q.ptr, l.q_norm, pos, b_.inv_freq.ptr, d, d.n_head, n)?;
+            self.qk_norm_rope(b_.k.ptr, l.k_norm, pos, b_.inv_freq.ptr, d, d.n_head_kv, n)?;
+            return self.kv_store(b_, st, l, slot, pos, kv_ty, row_bytes, d, n);
+        }
+        let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
+        let (nh, nkv, hd, nr) = (
+            d.n_head as i32,
+            d.n_head_kv as i32,
+            d.hd as i32,
+            d.n_rot as i32,
+        );
+        let blocks = (d.n_head + 2 * d.n_head_kv) as u32;
+        launch!(self, "dq_rope_store", cfg((blocks, n as u32, 1), 128, 0); &b_.q.ptr, &b_.k.ptr, &b_.v.ptr, &l.q_norm, &l.k_norm, &d.eps, &pos, &b_.inv_freq.ptr, &d.attn_factor, &nh, &nkv, &hd, &nr, &st.kv, &slot, &sb, &ko, &vo, &rb, &kv_ty)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1687,16 +1742,14 @@ impl Kern<'_> {
         row_bytes: u64,
         d: Dims,
         n: usize,
-        chunk: usize,
         splits: usize,
     ) -> Result<(), CudaEngineError> {
         let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
         let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
         let scale = 1.0f32 / (d.hd as f32).sqrt();
-        let ch = chunk as i32;
         let sp = splits as i32;
-        launch!(self, "dq_attn_partial", cfg((d.n_head as u32, splits as u32, n as u32), 32 * 4, 0); &b_.q.ptr, &st.kv, &slot, &b_.n_ctx.ptr, &sb, &ko, &vo, &kv_ty, &nh, &nkv, &hd, &rb, &scale, &ch, &b_.part_o.ptr, &b_.part_ms.ptr)?;
-        launch!(self, "attn_decode_combine", cfg((d.n_head as u32, n as u32, 1), 128, 0); &b_.part_o.ptr, &b_.part_ms.ptr, &nh, &hd, &sp, &b_.att.ptr)
+        launch!(self, "dq_attn_gqa", cfg((d.n_head_kv as u32, splits as u32, n as u32), 128, 0); &b_.q.ptr, &st.kv, &slot, &b_.n_ctx.ptr, &sb, &ko, &vo, &kv_ty, &nh, &nkv, &hd, &rb, &scale, &b_.part_o.ptr, &b_.part_ms.ptr)?;
+        launch!(self, "dq_attn_combine", cfg((d.n_head as u32, n as u32, 1), 128, 0); &b_.part_o.ptr, &b_.part_ms.ptr, &b_.n_ctx.ptr, &nh, &hd, &sp, &b_.att.ptr)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1715,8 +1768,7 @@ impl Kern<'_> {
         let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
         let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
         let scale = 1.0f32 / (d.hd as f32).sqrt();
-        let kt: i32 = if d.hd <= 128 { 32 } else { 16 };
-        let smem = ((2 * kt as usize * (d.hd + 1) + 16 * d.hd) * 4) as u32;
+        let (kt, smem) = super::ops::attn_prefill_tiles(d.hd);
         let n32 = n as i32;
         launch!(self, "dq_attn_prefill", cfg((d.n_head as u32, n.div_ceil(16) as u32, 1), 32 * 4, smem); &b_.q.ptr, &st.kv, &slot, &pos, &sb, &ko, &vo, &kv_ty, &nh, &nkv, &hd, &rb, &scale, &kt, &n32, &b_.att.ptr)
     }

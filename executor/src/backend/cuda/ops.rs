@@ -11,14 +11,24 @@ use strata_schemas::ggml::GgmlType;
 
 /// Tokens one matrix-vector launch handles (matvec.cu's MV_MAX_TOK).
 pub const MV_MAX_TOK: usize = 8;
-/// Largest head dimension of the attention kernels (attention.cu's ATT_MAX_D).
+/// Largest head dimension of the attention kernels (common.cuh's ATT_MAX_D).
 pub const ATT_MAX_D: usize = 256;
-/// Cells one attention split covers.
-pub const ATT_CHUNK: usize = 256;
+/// Largest number of query heads per KV head the decode attention serves (decode.cu's
+/// DA_MAXG).
+pub const ATT_MAX_GROUP: usize = 16;
+
+/// Splits of the decode attention for contexts up to `ctx` cells: one per 16 cells (a
+/// `dq_attn_gqa` sub-chunk), at most 64. The kernel spreads each token's actual context over
+/// all of them, so a graph captured for `ctx` serves any shorter one.
+pub fn att_splits(ctx: usize) -> usize {
+    ctx.div_ceil(16).clamp(1, 64)
+}
+
 /// Largest top-k of the router kernel.
 pub const ROUTER_MAX_K: usize = 64;
 
-fn kty(ty: GgmlType) -> Option<i32> {
+/// Kernel type numbers (common.cuh's ST_TY_*).
+pub(crate) fn kty(ty: GgmlType) -> Option<i32> {
     Some(match ty {
         GgmlType::F32 => 0,
         GgmlType::F16 => 1,
@@ -77,7 +87,7 @@ pub struct AttnDecode {
 impl AttnDecode {
     /// Splits over the KV length.
     pub fn n_split(&self) -> usize {
-        self.max_ctx.div_ceil(ATT_CHUNK).max(1)
+        att_splits(self.max_ctx)
     }
 
     /// Scratch bytes the partial results need.
@@ -401,12 +411,22 @@ impl CudaDevice {
                 ),
             ));
         }
-        if a.head_dim_k > ATT_MAX_D || a.head_dim_v > ATT_MAX_D {
+        if a.head_dim_k > ATT_MAX_D || a.head_dim_k != a.head_dim_v || a.k_row_elems != a.v_row_elems
+        {
             return Err(bad(
                 OP,
                 format!(
-                    "head dims {}/{} exceed {ATT_MAX_D}",
-                    a.head_dim_k, a.head_dim_v
+                    "head dims {}/{} and row widths {}/{}: the kernel needs equal K and V head dims of at most {ATT_MAX_D} and equal row widths",
+                    a.head_dim_k, a.head_dim_v, a.k_row_elems, a.v_row_elems
+                ),
+            ));
+        }
+        if a.n_head / a.n_head_kv > ATT_MAX_GROUP {
+            return Err(bad(
+                OP,
+                format!(
+                    "{} query heads per KV head: at most {ATT_MAX_GROUP}",
+                    a.n_head / a.n_head_kv
                 ),
             ));
         }
@@ -444,34 +464,38 @@ impl CudaDevice {
         let slots = (a.n_tok * a.n_head * n_split) as u64;
         let part_o = scratch.ptr();
         let part_ms = scratch.ptr() + 4 * slots * a.head_dim_v as u64;
-        let (nh, nkv, hdk, hdv) = (
+        let (nh, nkv, hd) = (
             int(OP, "n_head", a.n_head)?,
             int(OP, "n_head_kv", a.n_head_kv)?,
             a.head_dim_k as i32,
-            a.head_dim_v as i32,
         );
-        let (krbi, vrbi, chunk, ns) = (krb as i64, vrb as i64, ATT_CHUNK as i32, n_split as i32);
-        let (qp, kp, vp, cp, op) = (q.ptr(), k.ptr(), v.ptr(), n_ctx.ptr(), out.ptr());
-        let f = self.function("attn_decode_partial")?;
+        let ns = n_split as i32;
+        // The engine's kernel addresses K and V as offsets from one per-slot base; here the
+        // base is K, V sits at (v - k) and the slot stride is 0 (so the slot array, any int
+        // array of n_tok values, is only read and multiplied by 0).
+        let (base, k_off, v_off, slot_bytes) = (k.ptr(), 0i64, v.ptr() as i64 - k.ptr() as i64, 0i64);
+        let (rb, cp, op) = (krb as i64, n_ctx.ptr(), out.ptr());
+        let qp = q.ptr();
+        let f = self.function("dq_attn_gqa")?;
         let mut b = self.stream.launch_builder(f);
         b.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&t)
+            .arg(&base)
             .arg(&cp)
+            .arg(&cp)
+            .arg(&slot_bytes)
+            .arg(&k_off)
+            .arg(&v_off)
+            .arg(&t)
             .arg(&nh)
             .arg(&nkv)
-            .arg(&hdk)
-            .arg(&hdv);
-        b.arg(&krbi)
-            .arg(&vrbi)
+            .arg(&hd);
+        b.arg(&rb)
             .arg(&a.scale)
-            .arg(&chunk)
             .arg(&part_o)
             .arg(&part_ms);
         let cfg = LaunchConfig {
             grid_dim: (
-                a.n_head as u32,
+                a.n_head_kv as u32,
                 n_split as u32,
                 int(OP, "n_tok", a.n_tok)? as u32,
             ),
@@ -480,13 +504,14 @@ impl CudaDevice {
         };
         // SAFETY: q, k, v, n_ctx, scratch were checked against the kernel's reads and writes;
         // every n_ctx is <= n_cells, so no row past the KV layer is read.
-        unsafe { b.launch(cfg) }.map_err(drv("launch attn_decode_partial"))?;
-        let f = self.function("attn_decode_combine")?;
+        unsafe { b.launch(cfg) }.map_err(drv("launch dq_attn_gqa"))?;
+        let f = self.function("dq_attn_combine")?;
         let mut b = self.stream.launch_builder(f);
         b.arg(&part_o)
             .arg(&part_ms)
+            .arg(&cp)
             .arg(&nh)
-            .arg(&hdv)
+            .arg(&hd)
             .arg(&ns)
             .arg(&op);
         let cfg = LaunchConfig {
@@ -496,7 +521,180 @@ impl CudaDevice {
         };
         // SAFETY: the partials were written by the launch above on the same stream; out holds
         // n_tok × n_head × head_dim_v f32.
-        unsafe { b.launch(cfg) }.map_err(drv("launch attn_decode_combine"))?;
+        unsafe { b.launch(cfg) }.map_err(drv("launch dq_attn_combine"))?;
+        Ok(())
+    }
+}
+
+/// `dq_attn_prefill`'s KV tile (cells) and dynamic shared memory (bytes) for head dim `hd`.
+pub(crate) fn attn_prefill_tiles(hd: usize) -> (i32, u32) {
+    let kt: i32 = if hd <= 128 { 32 } else { 16 };
+    (kt, ((2 * kt as usize * (hd + 1) + 16 * hd) * 4) as u32)
+}
+
+/// One layer of per-slot KV as the engine lays it out: slot `s` holds `n_cells` K rows then
+/// `n_cells` V rows of `row_elems` elements of `ty`, at `s * 2 * n_cells * row_bytes`.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotKv {
+    pub n_slots: usize,
+    pub n_cells: usize,
+    pub row_elems: usize,
+    /// F16, F32 or Q8_0.
+    pub ty: GgmlType,
+}
+
+impl SlotKv {
+    pub fn row_bytes(&self) -> Result<u64, CudaError> {
+        quant::row_bytes(self.ty, self.row_elems)
+            .map(|b| b as u64)
+            .map_err(|e| bad("kv", e.to_string()))
+    }
+
+    /// Bytes of the whole region.
+    pub fn bytes(&self) -> Result<u64, CudaError> {
+        Ok(2 * (self.n_slots * self.n_cells) as u64 * self.row_bytes()?)
+    }
+
+    /// The kernels' (type, slot_bytes, k_off, v_off, row_bytes) after checking every
+    /// (slot, position) pair the launch will touch.
+    fn geometry(
+        &self,
+        op: &'static str,
+        kv: DeviceView<'_>,
+        slots: &[i32],
+        pos: &[i32],
+    ) -> Result<(i32, i64, i64, i64, i64), CudaError> {
+        let t = match self.ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Q8_0 => kty(self.ty).unwrap_or(1),
+            other => return Err(bad(op, format!("KV type {other} has no kernel"))),
+        };
+        let rb = self.row_bytes()?;
+        kv.expect(op, "kv", self.bytes()?, 2)?;
+        for (&s, &p) in slots.iter().zip(pos) {
+            if s < 0 || s as usize >= self.n_slots || p < 0 || p as usize >= self.n_cells {
+                return Err(bad(
+                    op,
+                    format!(
+                        "slot {s} / position {p} outside {} slots of {} cells",
+                        self.n_slots, self.n_cells
+                    ),
+                ));
+            }
+        }
+        let cells = self.n_cells as i64 * rb as i64;
+        Ok((t, 2 * cells, 0, cells, rb as i64))
+    }
+}
+
+impl CudaDevice {
+    /// The KV store (decode.cu's `dq_kv_store`): token t's K and V rows (`kv.row_elems` f32
+    /// each) into cell `pos[t]` of slot `slot[t]`. `slot_host`/`pos_host` are the device
+    /// arrays' values, checked here.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_store(
+        &self,
+        layout: &SlotKv,
+        k: DeviceView<'_>,
+        v: DeviceView<'_>,
+        kv: DeviceView<'_>,
+        slot_host: &[i32],
+        slot: DeviceView<'_>,
+        pos_host: &[i32],
+        pos: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "kv_store";
+        let n = slot_host.len();
+        if pos_host.len() != n || (layout.ty == GgmlType::Q8_0 && layout.row_elems % 32 != 0) {
+            return Err(bad(
+                OP,
+                format!(
+                    "{n} slots, {} positions, rows of {} (q8_0 needs whole 32-blocks)",
+                    pos_host.len(),
+                    layout.row_elems
+                ),
+            ));
+        }
+        let (t, sb, ko, vo, rb) = layout.geometry(OP, kv, slot_host, pos_host)?;
+        k.expect(OP, "k", f32s(n * layout.row_elems), 4)?;
+        v.expect(OP, "v", f32s(n * layout.row_elems), 4)?;
+        slot.expect(OP, "slot", 4 * n as u64, 4)?;
+        pos.expect(OP, "pos", 4 * n as u64, 4)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let width = int(OP, "row_elems", layout.row_elems)?;
+        let (kp, vp, kvp, sp, pp) = (k.ptr(), v.ptr(), kv.ptr(), slot.ptr(), pos.ptr());
+        let f = self.function("dq_kv_store")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&kp).arg(&vp).arg(&kvp).arg(&sp).arg(&pp);
+        b.arg(&sb).arg(&ko).arg(&vo).arg(&rb).arg(&t).arg(&width);
+        // SAFETY: every (slot, position) was checked to lie in the region, whose size was
+        // checked; k and v hold n rows.
+        unsafe { b.launch(grid1(n, 128)) }.map_err(drv("launch dq_kv_store"))?;
+        Ok(())
+    }
+
+    /// Prefill attention (decode.cu's `dq_attn_prefill`): `n_tok` queries of slot
+    /// `slot_host[0]` at positions `pos_host` (ascending), each seeing cells `[0, pos]` of the
+    /// slot's KV; `q` is `n_tok × n_head × hd`, `out` the same shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prefill(
+        &self,
+        layout: &SlotKv,
+        n_head: usize,
+        n_head_kv: usize,
+        hd: usize,
+        q: DeviceView<'_>,
+        kv: DeviceView<'_>,
+        slot_host: &[i32],
+        slot: DeviceView<'_>,
+        pos_host: &[i32],
+        pos: DeviceView<'_>,
+        out: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attn_prefill";
+        let n = pos_host.len();
+        if n_head_kv == 0
+            || n_head % n_head_kv != 0
+            || hd > ATT_MAX_D
+            || layout.row_elems < n_head_kv * hd
+            || slot_host.is_empty()
+        {
+            return Err(bad(
+                OP,
+                format!("heads {n_head}/{n_head_kv} x {hd}, rows of {}, {} slots given", layout.row_elems, slot_host.len()),
+            ));
+        }
+        let slots = vec![slot_host[0]; n];
+        let (t, sb, ko, vo, rb) = layout.geometry(OP, kv, &slots, pos_host)?;
+        q.expect(OP, "q", f32s(n * n_head * hd), 4)?;
+        out.expect(OP, "out", f32s(n * n_head * hd), 4)?;
+        slot.expect(OP, "slot", 4, 4)?;
+        pos.expect(OP, "pos", 4 * n as u64, 4)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (nh, nkv, hd32, n32) = (
+            int(OP, "n_head", n_head)?,
+            int(OP, "n_head_kv", n_head_kv)?,
+            hd as i32,
+            int(OP, "n_tok", n)?,
+        );
+        let scale = 1.0f32 / (hd as f32).sqrt();
+        let (kt, smem) = attn_prefill_tiles(hd);
+        let (qp, kvp, sp, pp, op) = (q.ptr(), kv.ptr(), slot.ptr(), pos.ptr(), out.ptr());
+        let f = self.function("dq_attn_prefill")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&qp).arg(&kvp).arg(&sp).arg(&pp).arg(&sb).arg(&ko).arg(&vo);
+        b.arg(&t).arg(&nh).arg(&nkv).arg(&hd32).arg(&rb).arg(&scale).arg(&kt).arg(&n32).arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (n_head as u32, n.div_ceil(16) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: the slot and every position were checked against the region; a query reads
+        // cells up to its own position only; q and out hold n_tok rows.
+        unsafe { b.launch(cfg) }.map_err(drv("launch dq_attn_prefill"))?;
         Ok(())
     }
 }
