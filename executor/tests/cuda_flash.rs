@@ -142,6 +142,9 @@ struct Reference {
     grow: Vec<f64>,
 }
 
+/// One (token, head): f16-model output, plain output, Σ_c w_c |v_cd|, e^{2Δ} - 1.
+type PerHead = (Vec<f64>, Vec<f64>, Vec<f64>, f64);
+
 fn reference(cs: &Case, s: &Setup<'_>) -> Reference {
     let (nh, hd, width) = (cs.n_head, cs.hd, cs.n_head_kv * cs.hd);
     let group = cs.n_head / cs.n_head_kv;
@@ -150,7 +153,7 @@ fn reference(cs: &Case, s: &Setup<'_>) -> Reference {
     let k16: Vec<f64> = s.k.iter().map(|&x| r16(x)).collect();
     let v16: Vec<f64> = s.v.iter().map(|&x| r16(x)).collect();
     let k_r = if cs.ty == GgmlType::F16 { 1.0 } else { 2.0 };
-    let per: Vec<(Vec<f64>, Vec<f64>, Vec<f64>, f64)> = (0..cs.n_tok * nh)
+    let per: Vec<PerHead> = (0..cs.n_tok * nh)
         .into_par_iter()
         .map(|th| {
             let (t, h) = (th / nh, th % nh);

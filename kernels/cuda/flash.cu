@@ -86,28 +86,53 @@ __device__ __forceinline__ void fa_load_tile(u16* ks, u16* vt, const u8* kb, con
                                              int ty, long row_bytes, int kvh, int c0, int cend,
                                              bool vec) {
     constexpr int KS = HD + 8, VS = FA_BKV + 8, CH = HD / 8;
+    constexpr int NK = FA_BKV * CH / (FA_WARPS * 32), NV = NK / 2;  // tasks per thread
+    constexpr int B = 4;  // loads in flight per thread (more costs registers and occupancy)
     const int tid = threadIdx.x;
     // K: consecutive threads take consecutive 8-element chunks of a row (coalesced reads).
-    for (int i = tid; i < FA_BKV * CH; i += FA_WARPS * 32) {
-        const int c = i / CH, ch = i % CH;
-        uint4 w = make_uint4(0, 0, 0, 0);
-        if (c0 + c < cend) w = fa_ld8(kb + (long)(c0 + c) * row_bytes, ty, kvh * HD + ch * 8, vec);
-        *(uint4*)(ks + c * KS + ch * 8) = w;
+#pragma unroll 1
+    for (int j0 = 0; j0 < NK; j0 += B) {
+        uint4 w[B];
+#pragma unroll
+        for (int j = 0; j < B; ++j) {
+            const int i = tid + (j0 + j) * FA_WARPS * 32, c = i / CH, ch = i % CH;
+            w[j] = make_uint4(0, 0, 0, 0);
+            if (c0 + c < cend)
+                w[j] = fa_ld8(kb + (long)(c0 + c) * row_bytes, ty, kvh * HD + ch * 8, vec);
+        }
+#pragma unroll
+        for (int j = 0; j < B; ++j) {
+            const int i = tid + (j0 + j) * FA_WARPS * 32, c = i / CH, ch = i % CH;
+            *(uint4*)(ks + c * KS + ch * 8) = w[j];
+        }
     }
     // V: a warp takes 32 cell pairs of one 8-element chunk; each thread writes 8 words
     // (dim, cell pair), one bank per lane.
-    for (int i = tid; i < FA_BKV / 2 * CH; i += FA_WARPS * 32) {
-        const int cp = i % (FA_BKV / 2), ch = i / (FA_BKV / 2);
-        const int c = c0 + 2 * cp;
-        uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
-        if (c < cend) a = fa_ld8(vb + (long)c * row_bytes, ty, kvh * HD + ch * 8, vec);
-        if (c + 1 < cend) b = fa_ld8(vb + (long)(c + 1) * row_bytes, ty, kvh * HD + ch * 8, vec);
-        const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-        u16* dst = vt + (ch * 8) * VS + 2 * cp;
+#pragma unroll 1
+    for (int j0 = 0; j0 < NV; j0 += B / 2) {
+        uint4 w[B];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            *(u32*)(dst + (2 * j) * VS) = (aw[j] & 0xffffu) | (bw[j] << 16);
-            *(u32*)(dst + (2 * j + 1) * VS) = (aw[j] >> 16) | (bw[j] & 0xffff0000u);
+        for (int j = 0; j < B / 2; ++j) {
+            const int i = tid + (j0 + j) * FA_WARPS * 32, cp = i % (FA_BKV / 2);
+            const int ch = i / (FA_BKV / 2), c = c0 + 2 * cp;
+            w[2 * j] = make_uint4(0, 0, 0, 0);
+            w[2 * j + 1] = make_uint4(0, 0, 0, 0);
+            if (c < cend) w[2 * j] = fa_ld8(vb + (long)c * row_bytes, ty, kvh * HD + ch * 8, vec);
+            if (c + 1 < cend)
+                w[2 * j + 1] = fa_ld8(vb + (long)(c + 1) * row_bytes, ty, kvh * HD + ch * 8, vec);
+        }
+#pragma unroll
+        for (int j = 0; j < B / 2; ++j) {
+            const int i = tid + (j0 + j) * FA_WARPS * 32, cp = i % (FA_BKV / 2);
+            const int ch = i / (FA_BKV / 2);
+            const uint4 a = w[2 * j], b = w[2 * j + 1];
+            const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+            u16* dst = vt + (ch * 8) * VS + 2 * cp;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                *(u32*)(dst + (2 * k) * VS) = (aw[k] & 0xffffu) | (bw[k] << 16);
+                *(u32*)(dst + (2 * k + 1) * VS) = (aw[k] >> 16) | (bw[k] & 0xffff0000u);
+            }
         }
     }
 }
@@ -122,6 +147,7 @@ __device__ __forceinline__ void fa_body(const float* __restrict__ q, const u8* _
                                         long row_bytes, float scale, int n_tok,
                                         float* __restrict__ out) {
     static_assert(FA_BQ == FA_BKV && FA_BQ == FA_WARPS * 16, "tile shapes");
+    static_assert(FA_BKV * (HD / 8) % (4 * FA_WARPS * 32) == 0, "whole load batches per thread");
     constexpr int KS = HD + 8, VS = FA_BKV + 8, KK = HD / 16, NT = FA_BKV / 8, DT = HD / 8;
     extern __shared__ __align__(16) u8 fa_smem[];
     __shared__ int spos[FA_BQ];
