@@ -94,6 +94,11 @@ const RAW: &[Raw] = &[
             "moe_sort",
         ],
     },
+    Raw {
+        name: "flash",
+        body: include_str!("../cuda/flash.cu"),
+        entry_points: &["fa_prefill"],
+    },
 ];
 
 /// Hex SHA-256 of a text.

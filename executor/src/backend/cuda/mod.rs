@@ -8,6 +8,7 @@
 pub mod arena;
 pub mod compile;
 pub mod engine;
+pub mod flash;
 pub mod gemm;
 pub mod layout;
 pub mod ops;
