@@ -706,7 +706,7 @@ fn prefill_attention_f16_and_q8_0_kv_matches_the_cpu() {
                 let q = rand_vec(&mut rng, n_tok * n_head * hd, 1.0);
                 let (qd, kvd, sd, pd) = (put(d, &c, &q), put(d, &c, &kv), put(d, &c, &[slot]), put(d, &c, &pos));
                 let od = c.take(4 * (n_tok * n_head * hd) as u64);
-                d.attn_prefill(&l, n_head, n_head_kv, hd, qd, kvd, &[slot], sd, &pos, pd, od)
+                d.attn_prefill(&l, (n_head, n_head_kv, hd), false, qd, kvd, &[slot], sd, &pos, pd, od)
                     .unwrap();
                 let rb = l.row_bytes().unwrap() as usize;
                 let base = slot as usize * 2 * l.n_cells * rb;
@@ -740,5 +740,5 @@ fn prefill_attention_f16_and_q8_0_kv_matches_the_cpu() {
             }
         }
     }
-    eprintln!("PASS attn_prefill F16/Q8_0 KV: heads 4/2x16, 32/4x128, 8/8x64; starts 0, 8, 37; 1..40 tokens; slot 1 of 2: max abs err {worst:.3e} (atol 2e-5, rtol 1e-4)");
+    eprintln!("PASS attn_prefill (dq_attn_prefill) F16/Q8_0 KV: heads 4/2x16, 32/4x128, 8/8x64; starts 0, 8, 37; 1..40 tokens; slot 1 of 2: max abs err {worst:.3e} (atol 2e-5, rtol 1e-4)");
 }

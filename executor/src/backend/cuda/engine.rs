@@ -1765,12 +1765,27 @@ impl Kern<'_> {
         d: Dims,
         n: usize,
     ) -> Result<(), CudaEngineError> {
-        let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
-        let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
-        let scale = 1.0f32 / (d.hd as f32).sqrt();
-        let (kt, smem) = super::ops::attn_prefill_tiles(d.hd);
-        let n32 = n as i32;
-        launch!(self, "dq_attn_prefill", cfg((d.n_head as u32, n.div_ceil(16) as u32, 1), 32 * 4, smem); &b_.q.ptr, &st.kv, &slot, &pos, &sb, &ko, &vo, &kv_ty, &nh, &nkv, &hd, &rb, &scale, &kt, &n32, &b_.att.ptr)
+        let a = super::flash::PrefillAttn {
+            q: b_.q.ptr,
+            kv: st.kv,
+            slot,
+            pos,
+            slot_bytes: st.kv_slot_bytes,
+            k_off: l.k_off,
+            v_off: l.v_off,
+            row_bytes,
+            kv_ty,
+            n_head: d.n_head,
+            n_head_kv: d.n_head_kv,
+            hd: d.hd,
+            scale: 1.0 / (d.hd as f32).sqrt(),
+            n_tok: n,
+            out: b_.att.ptr,
+        };
+        // SAFETY: q and att hold max_tok tokens' heads, the slot's layer of KV lies in the
+        // stage's region and every position is below the planned context (checked by the
+        // callers before the pass).
+        self.timed("attn_prefill", || unsafe { super::flash::attn_prefill(self.dev, &a) })
     }
 
     /// out = RMSNorm(x (+ res)) * w per row; h_out (if non-zero) gets x + res.

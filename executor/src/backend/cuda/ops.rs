@@ -526,12 +526,6 @@ impl CudaDevice {
     }
 }
 
-/// `dq_attn_prefill`'s KV tile (cells) and dynamic shared memory (bytes) for head dim `hd`.
-pub(crate) fn attn_prefill_tiles(hd: usize) -> (i32, u32) {
-    let kt: i32 = if hd <= 128 { 32 } else { 16 };
-    (kt, ((2 * kt as usize * (hd + 1) + 16 * hd) * 4) as u32)
-}
-
 /// One layer of per-slot KV as the engine lays it out: slot `s` holds `n_cells` K rows then
 /// `n_cells` V rows of `row_elems` elements of `ty`, at `s * 2 * n_cells * row_bytes`.
 #[derive(Debug, Clone, Copy)]
@@ -634,16 +628,16 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Prefill attention (decode.cu's `dq_attn_prefill`): `n_tok` queries of slot
-    /// `slot_host[0]` at positions `pos_host` (ascending), each seeing cells `[0, pos]` of the
-    /// slot's KV; `q` is `n_tok × n_head × hd`, `out` the same shape.
+    /// Prefill attention: `n_tok` queries of slot `slot_host[0]` at positions `pos_host`,
+    /// each seeing cells `[0, pos]` of the slot's KV; `q` is `n_tok × n_head × hd`, `out` the
+    /// same shape. `flash` picks the tensor-core `fa_prefill` (head sizes 64 and 128), else
+    /// the f32 `dq_attn_prefill` runs.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_prefill(
         &self,
         layout: &SlotKv,
-        n_head: usize,
-        n_head_kv: usize,
-        hd: usize,
+        heads: (usize, usize, usize),
+        flash: bool,
         q: DeviceView<'_>,
         kv: DeviceView<'_>,
         slot_host: &[i32],
@@ -653,48 +647,49 @@ impl CudaDevice {
         out: DeviceView<'_>,
     ) -> Result<(), CudaError> {
         const OP: &str = "attn_prefill";
+        let (n_head, n_head_kv, hd) = heads;
         let n = pos_host.len();
-        if n_head_kv == 0
-            || n_head % n_head_kv != 0
-            || hd > ATT_MAX_D
-            || layout.row_elems < n_head_kv * hd
-            || slot_host.is_empty()
-        {
+        if layout.row_elems != n_head_kv * hd || slot_host.is_empty() {
             return Err(bad(
                 OP,
-                format!("heads {n_head}/{n_head_kv} x {hd}, rows of {}, {} slots given", layout.row_elems, slot_host.len()),
+                format!(
+                    "rows of {} for {n_head_kv} KV heads of {hd}, {} slots given",
+                    layout.row_elems,
+                    slot_host.len()
+                ),
             ));
         }
         let slots = vec![slot_host[0]; n];
         let (t, sb, ko, vo, rb) = layout.geometry(OP, kv, &slots, pos_host)?;
-        q.expect(OP, "q", f32s(n * n_head * hd), 4)?;
-        out.expect(OP, "out", f32s(n * n_head * hd), 4)?;
+        q.expect(OP, "q", f32s(n * n_head * hd), 16)?;
+        out.expect(OP, "out", f32s(n * n_head * hd), 16)?;
         slot.expect(OP, "slot", 4, 4)?;
         pos.expect(OP, "pos", 4 * n as u64, 4)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (nh, nkv, hd32, n32) = (
-            int(OP, "n_head", n_head)?,
-            int(OP, "n_head_kv", n_head_kv)?,
-            hd as i32,
-            int(OP, "n_tok", n)?,
-        );
-        let scale = 1.0f32 / (hd as f32).sqrt();
-        let (kt, smem) = attn_prefill_tiles(hd);
-        let (qp, kvp, sp, pp, op) = (q.ptr(), kv.ptr(), slot.ptr(), pos.ptr(), out.ptr());
-        let f = self.function("dq_attn_prefill")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&qp).arg(&kvp).arg(&sp).arg(&pp).arg(&sb).arg(&ko).arg(&vo);
-        b.arg(&t).arg(&nh).arg(&nkv).arg(&hd32).arg(&rb).arg(&scale).arg(&kt).arg(&n32).arg(&op);
-        let cfg = LaunchConfig {
-            grid_dim: (n_head as u32, n.div_ceil(16) as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: smem,
+        let a = super::flash::PrefillAttn {
+            q: q.ptr(),
+            kv: kv.ptr(),
+            slot: slot.ptr(),
+            pos: pos.ptr(),
+            slot_bytes: sb as u64,
+            k_off: ko as u64,
+            v_off: vo as u64,
+            row_bytes: rb as u64,
+            kv_ty: t,
+            n_head,
+            n_head_kv,
+            hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            n_tok: n,
+            out: out.ptr(),
         };
-        // SAFETY: the slot and every position were checked against the region; a query reads
-        // cells up to its own position only; q and out hold n_tok rows.
-        unsafe { b.launch(cfg) }.map_err(drv("launch dq_attn_prefill"))?;
-        Ok(())
+        // SAFETY: the slot and every position were checked against the region, q and out
+        // against n_tok rows; a query reads cells up to its own position only.
+        unsafe {
+            if flash {
+                super::flash::launch_fa_prefill(self, &a)
+            } else {
+                super::flash::launch_dq_attn_prefill(self, &a)
+            }
+        }
     }
 }
