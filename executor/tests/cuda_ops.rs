@@ -674,10 +674,18 @@ fn kv_store_matches_the_host_quantizer_byte_for_byte() {
             }
             // Identical f32 inputs and the same rounding rules: every byte equal, and no
             // byte outside the written cells touched.
-            let diff = got.iter().zip(&kv).filter(|(a, b)| a != b).count();
-            assert_eq!(
-                diff, 0,
-                "kv_store {ty} rows of {row_elems}: {diff} bytes differ from the host quantizer"
+            let diffs: Vec<String> = got
+                .iter()
+                .zip(&kv)
+                .enumerate()
+                .filter(|(_, (a, b))| a != b)
+                .map(|(i, (a, b))| format!("row {} byte {}: {a} vs {b}", i / rb, i % rb))
+                .collect();
+            assert!(
+                diffs.is_empty(),
+                "kv_store {ty} rows of {row_elems}: {} bytes differ from the host quantizer (device vs host): {}",
+                diffs.len(),
+                diffs[..diffs.len().min(16)].join("; ")
             );
         }
     }

@@ -67,12 +67,7 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
             const int qw[4] = {q.x, q.y, q.z, q.w};
             float w[16];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                w[4 * j + 0] = (float)(i8)(qw[j] & 0xff);
-                w[4 * j + 1] = (float)(i8)((qw[j] >> 8) & 0xff);
-                w[4 * j + 2] = (float)(i8)((qw[j] >> 16) & 0xff);
-                w[4 * j + 3] = (float)(i8)((qw[j] >> 24) & 0xff);
-            }
+            for (int j = 0; j < 4; ++j) st_i8x4_to_f32(qw[j], w + 4 * j);
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 if (t < n_tok) {
@@ -120,6 +115,7 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
         }
     } else if (ty == ST_TY_F32 && cols % 4 == 0) {
         const float* wr = (const float*)W + r * cols;
+#pragma unroll 4
         for (long i0 = lane * 4; i0 < cols; i0 += ST_WARP * 4) {
             const float4 w = *(const float4*)(wr + i0);
 #pragma unroll
@@ -132,6 +128,7 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
         }
     } else if (ty != ST_TY_F32 && cols % 8 == 0) {
         const u16* wr = (const u16*)W + r * cols;
+#pragma unroll 4
         for (long i0 = lane * 8; i0 < cols; i0 += ST_WARP * 8) {
             const uint4 raw = *(const uint4*)(wr + i0);
             const u32 pk[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -302,8 +299,9 @@ __device__ __forceinline__ float dq_dot16_q8(const int4 q, const float* x) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const float4 xv = *(const float4*)(x + 4 * j);
-        s += (float)(i8)(qw[j] & 0xff) * xv.x + (float)(i8)((qw[j] >> 8) & 0xff) * xv.y +
-             (float)(i8)((qw[j] >> 16) & 0xff) * xv.z + (float)(i8)(qw[j] >> 24) * xv.w;
+        float w[4];
+        st_i8x4_to_f32(qw[j], w);
+        s += w[0] * xv.x + w[1] * xv.y + w[2] * xv.z + w[3] * xv.w;
     }
     return s;
 }
@@ -378,13 +376,16 @@ ST_KERNEL void dq_moe_down(const unsigned long long* eptr, int ty, int E, int F,
     if (ty == ST_TY_Q8_0 && k <= DQ_DOWN_MAXK) {
         const int per = F / 16;  // 16-byte pieces per row
         const float* ht = h + (long)t * k * F;
+        // Piece p = j * per + r, stepped by the warp width without a division per step.
+        int j = lane / per, r = lane - j * per;
 #pragma unroll 4
         for (int p = lane; p < k * per; p += ST_WARP) {
-            const int j = p / per, i0 = (p - j * per) * 16;
+            const int i0 = r * 16;
             const u8* D = dm[j];
             const int4 q = *(const int4*)(D + (long)row * F + i0);
             const float d = st_h2f(((const u16*)(D + (long)E * F))[(long)row * (F / QK8_0) + i0 / QK8_0]);
             tot += dw[j] * d * dq_dot16_q8(q, ht + (long)j * F + i0);
+            for (r += ST_WARP; r >= per; r -= per) ++j;
         }
         tot = st_warp_sum(tot);
     } else {
@@ -433,11 +434,11 @@ __device__ __forceinline__ void dq_store_seg(const float* src, u8* dst, int kv_t
             const float d = amax / 127.0f;
             const float id = d != 0.0f ? 1.0f / d : 0.0f;
             u8* blk = dst + (long)(e0 / QK8_0 + b) * Q8_0_BYTES;
-            if (lane == 0) {
-                const u16 dh = st_f2h(d);
-                blk[0] = (u8)(dh & 0xff);
-                blk[1] = (u8)(dh >> 8);
-            }
+            // The f16 scale as one 16-bit store (rows and blocks are 2-byte aligned). Written
+            // as two byte stores of its halves, the low byte came out 0 on the H200 (sm_90,
+            // NVRTC 13.0), cutting the scale to 2 mantissa bits (q8_0 KV logits off by 0.13);
+            // kv_store_matches_the_host_quantizer_byte_for_byte in cuda_ops guards this.
+            if (lane == 0) *(u16*)blk = st_f2h(d);
             if (lane < QK8_0) {
                 float qf = roundf(xv * id);
                 qf = fminf(fmaxf(qf, -128.0f), 127.0f);
@@ -650,24 +651,34 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
     }
 }
 
-// Merges dq_attn_gqa's splits of token t, head h: those that start inside the context.
-// grid: (n_head, n_tok); out: [n_tok][n_head][hd].
+// Merges dq_attn_gqa's splits of token t, head h: those that start inside the context. The
+// splits' weights exp(m_s - M) are computed once into shared memory, then every output
+// dimension sums its splits with independent loads. grid: (n_head, n_tok); block: 128;
+// n_split <= DA_MAX_SPLIT; out: [n_tok][n_head][hd].
+#define DA_MAX_SPLIT 128
 ST_KERNEL void dq_attn_combine(const float* part_o, const float* part_ms, const int* n_ctx,
                                int n_head, int hd, int n_split, float* out) {
+    __shared__ float w[DA_MAX_SPLIT];
+    __shared__ float red[32];
     const int h = blockIdx.x, t = blockIdx.y;
     const long base = ((long)t * n_head + h) * n_split;
     const int chunk = da_chunk(n_ctx[t], n_split);
     const int used = min(n_split, (n_ctx[t] + chunk - 1) / chunk);
-    float M = ST_NEG_INF;
-    for (int sp = 0; sp < used; ++sp) M = fmaxf(M, part_ms[(base + sp) * 2]);
-    float S = 0.0f;
-    for (int sp = 0; sp < used; ++sp)
-        S += expf(part_ms[(base + sp) * 2] - M) * part_ms[(base + sp) * 2 + 1];
-    const float inv = 1.0f / S;
+    float m = ST_NEG_INF;
+    for (int sp = threadIdx.x; sp < used; sp += blockDim.x) m = fmaxf(m, part_ms[(base + sp) * 2]);
+    const float M = st_block_max(m, red);
+    float l = 0.0f;
+    for (int sp = threadIdx.x; sp < used; sp += blockDim.x) {
+        const float e = expf(part_ms[(base + sp) * 2] - M);
+        w[sp] = e;
+        l += e * part_ms[(base + sp) * 2 + 1];
+    }
+    __syncthreads();  // w complete; st_block_sum's barriers also keep red's reuse safe
+    const float inv = 1.0f / st_block_sum(l, red);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float o = 0.0f;
-        for (int sp = 0; sp < used; ++sp)
-            o += expf(part_ms[(base + sp) * 2] - M) * part_o[(base + sp) * hd + d];
+#pragma unroll 8
+        for (int sp = 0; sp < used; ++sp) o += w[sp] * part_o[(base + sp) * hd + d];
         out[((long)t * n_head + h) * hd + d] = o * inv;
     }
 }

@@ -102,26 +102,28 @@ fn check(op: &'static str, a: &PrefillAttn) -> Result<Scalars, CudaError> {
             ),
         ));
     }
-    let (esz, align) = match a.kv_ty {
-        KV_TY_F32 => (4 * a.hd as u64, 4),
-        KV_TY_F16 => (2 * a.hd as u64, 2),
-        KV_TY_Q8_0 if a.hd % 32 == 0 => ((a.hd / 32 * 34) as u64, 2),
+    // A row holds n_head_kv heads; q8_0 blocks of 32 may straddle heads (head size 16), so
+    // only the whole row must be whole blocks.
+    let width = (a.n_head_kv * a.hd) as u64;
+    let (row, align) = match a.kv_ty {
+        KV_TY_F32 => (4 * width, 4),
+        KV_TY_F16 => (2 * width, 2),
+        KV_TY_Q8_0 if width % 32 == 0 => (width / 32 * 34, 2),
         other => {
             return Err(bad(
                 op,
                 format!(
-                    "KV type {other} with head size {} (F32 = 0, F16 = 1, Q8_0 = 3 with hd a multiple of 32)",
-                    a.hd
+                    "KV type {other} with rows of {width} (F32 = 0, F16 = 1, Q8_0 = 3 with rows a multiple of 32)"
                 ),
             ))
         }
     };
-    if a.row_bytes < esz * a.n_head_kv as u64 {
+    if a.row_bytes < row {
         return Err(bad(
             op,
             format!(
-                "row_bytes {} is less than a row of {} heads ({} bytes each)",
-                a.row_bytes, a.n_head_kv, esz
+                "row_bytes {} is less than a row of {} heads of {} ({row} bytes)",
+                a.row_bytes, a.n_head_kv, a.hd
             ),
         ));
     }
