@@ -40,7 +40,10 @@ fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine 
         // it is planned from the file itself.
         Some(g) => {
             let inv = strata_plan::model::load_model(g).unwrap();
-            (plan_inventory(variant, &inv, g, &ask), open_model(g).unwrap())
+            (
+                plan_inventory(variant, &inv, g, &ask),
+                open_model(g).unwrap(),
+            )
         }
         None => (
             plan(variant, &ask),
@@ -157,76 +160,12 @@ fn q8_0_gguf_and_q8_0_kv_match_the_cpu_engine() {
             let (cl, ct) = run(&mut c, 0, prompt, 8);
             let e = rel_err(&gl, &cl, v);
             eprintln!("Q8_0 weights, {kv:?} KV, prompt {pi}: GPU vs CPU {e:e}");
-            if kv == KvType::F16 {
-                // Same quantized weights and KV type on both sides: only summation order
-                // differs.
-                assert!(e < 2e-3, "{kv:?} prompt {pi}: {e}");
-                assert_eq!(gt, ct, "{kv:?} prompt {pi}: greedy GPU vs CPU");
-            } else {
-                // Top-2 of 8 experts on a random model: a K/V value that the two sides round
-                // to neighbouring q8_0 steps (their f32 inputs differ in the last bits) can
-                // flip a router choice, which moves logits by up to a third of their largest.
-                // Only a loose check here; `q8_0_kv_with_every_expert_matches_the_cpu_engine`
-                // removes the router's choice and holds q8_0 KV to a tight bound.
-                assert!(e < 0.5, "{kv:?} prompt {pi}: {e}");
-                let same = gt.iter().zip(&ct).filter(|(a, b)| a == b).count();
-                assert!(same >= 4, "{kv:?} prompt {pi}: greedy {gt:?} vs CPU {ct:?}");
-            }
+            // Same quantized weights and KV type on both sides, the same rounding of every
+            // stored K/V value (kv_store is byte-identical to the host quantizer, see
+            // cuda_ops): only summation order differs.
+            assert!(e < 2e-3, "{kv:?} prompt {pi}: {e}");
+            assert_eq!(gt, ct, "{kv:?} KV prompt {pi}: greedy GPU vs CPU");
         }
-    }
-}
-
-/// q8_0 KV with the router's choice taken away: the base model with every token routed to
-/// all 8 experts (the weights stay continuous in the logits), as a Q8_0 GGUF. Then a K/V value
-/// rounded to a neighbouring q8_0 step on one side (a step is 1/127 of its 32-block's
-/// largest |value|; f32 summation order decides the rare ties) moves the logits by about
-/// that step times the value's share of one attention output, far below 1e-2 of the largest
-/// logit, while a wrong block layout, scale or cell address gives errors near 1.
-#[test]
-fn q8_0_kv_with_every_expert_matches_the_cpu_engine() {
-    if !gpu_present() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let folder = dir.path().join("all-experts");
-    std::fs::create_dir_all(&folder).unwrap();
-    for f in std::fs::read_dir(data("base")).unwrap() {
-        let f = f.unwrap();
-        std::fs::copy(f.path(), folder.join(f.file_name())).unwrap();
-    }
-    let cfg_path = folder.join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
-    let n_expert = cfg["num_experts"].as_u64().unwrap();
-    cfg["num_experts_per_tok"] = serde_json::json!(n_expert);
-    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
-    let gguf = dir.path().join("all-experts-q8_0.gguf");
-    strata_schemas::gguf::write::convert_hf_folder(&folder, &gguf, GgmlType::Q8_0, None).unwrap();
-    let r = reference("base");
-    let ask = Ask {
-        kv: KvType::Q8_0,
-        ..Ask::default()
-    };
-    let mut g = cuda("all-experts", &ask, Some(&gguf));
-    let inv = strata_plan::model::load_model(&gguf).unwrap();
-    assert_eq!(inv.hparams.n_expert_used, n_expert, "the file routes to every expert");
-    let cp = plan_inventory("all-experts", &inv, &gguf, &ask);
-    let mut c = strata_exec::exec::PlanEngine::start(
-        &cp,
-        open_model(&gguf).unwrap(),
-        strata_exec::exec::EngineOptions::default(),
-    )
-    .unwrap();
-    let v = g.info().n_vocab;
-    for (pi, prompt) in prompts(&r).iter().enumerate() {
-        g.reset_slot(0);
-        c.reset_slot(0);
-        let (gl, gt) = run(&mut g, 0, prompt, 8);
-        let (cl, ct) = run(&mut c, 0, prompt, 8);
-        let e = rel_err(&gl, &cl, v);
-        eprintln!("Q8_0 weights, Q8_0 KV, all {n_expert} experts, prompt {pi}: GPU vs CPU {e:e}");
-        assert!(e < 1e-2, "all experts, q8_0 KV, prompt {pi}: GPU vs CPU {e}");
-        assert_eq!(gt, ct, "all experts, q8_0 KV, prompt {pi}: greedy GPU vs CPU");
     }
 }
 
@@ -438,12 +377,15 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
 }
 
 /// The Qwen3-30B head geometry (head dim 128, 4 query heads per KV head) on a small random
-/// Q8_0 file routed to all of its experts: exercises what the 16-wide reference heads cannot
-/// reach (16-byte F16 KV rows read 8 halves at a time by `dq_attn_gqa`, the fused QK-norm +
-/// RoPE + KV store writing whole q8_0 blocks per head, decode over several attention splits,
-/// a tensor-core prefill of 40 tokens). GPU and CPU read the same file, so F16 KV differs only
-/// in summation order (bound 2e-3 of the largest logit, as for the Q8_0 reference file); q8_0
-/// KV adds only rare one-step rounding ties, with no router choice left to flip (1e-2).
+/// Q8_0 file routed to all of its experts (no router choice to flip): exercises what the
+/// 16-wide reference heads cannot reach (16-byte F16 KV rows read 8 halves at a time by
+/// `dq_attn_gqa`, the fused QK-norm + RoPE + KV store writing whole q8_0 blocks per head,
+/// `fa_prefill`, decode over several attention splits). GPU and CPU read the same file; the
+/// 40-token prefill runs on tensor cores (f16/bf16 operands, 1e-3 in
+/// `tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path`), so F16 KV is held to
+/// 2e-3 of the largest logit; with q8_0 KV those last-bit differences in K and V move some
+/// stored values by a whole q8_0 step (1/127 of a block's largest), so 1e-2 (6.2e-3 measured
+/// on the H200); a wrong block layout or scale gives errors near 1.
 #[test]
 fn head_dim_128_random_model_matches_the_cpu_engine() {
     if !gpu_present() {
@@ -503,8 +445,13 @@ fn head_dim_128_random_model_matches_the_cpu_engine() {
             worst = worst.max(rel_err(&gl, &cl, v));
             tok = argmax(&cl);
         }
-        eprintln!("head dim 128, {kv:?} KV, 40-token prefill + 30 decode steps: GPU vs CPU {worst:e}");
+        eprintln!(
+            "head dim 128, {kv:?} KV, 40-token prefill + 30 decode steps: GPU vs CPU {worst:e}"
+        );
         let bound = if kv == KvType::F16 { 2e-3 } else { 1e-2 };
-        assert!(worst < bound, "{kv:?} KV: GPU vs CPU {worst} (bound {bound})");
+        assert!(
+            worst < bound,
+            "{kv:?} KV: GPU vs CPU {worst} (bound {bound})"
+        );
     }
 }

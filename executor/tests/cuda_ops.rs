@@ -656,7 +656,12 @@ fn kv_store_matches_the_host_quantizer_byte_for_byte() {
             let pos: Vec<i32> = (0..n).map(|i| [0, 5, 39, 17, 6, 0, 1][i]).collect();
             let k = rand_vec(&mut rng, n * row_elems, 3.0);
             let v = rand_vec(&mut rng, n * row_elems, 0.5);
-            let (kd, vd, sd, pd) = (put(d, &c, &k), put(d, &c, &v), put(d, &c, &slots), put(d, &c, &pos));
+            let (kd, vd, sd, pd) = (
+                put(d, &c, &k),
+                put(d, &c, &v),
+                put(d, &c, &slots),
+                put(d, &c, &pos),
+            );
             d.kv_store(&l, kd, vd, kvv, &slots, sd, &pos, pd).unwrap();
             let got = get::<u8>(d, kvv, kv.len());
             let rb = l.row_bytes().unwrap() as usize;
@@ -712,10 +717,26 @@ fn prefill_attention_f16_and_q8_0_kv_matches_the_cpu() {
                 let slot = 1i32;
                 let pos: Vec<i32> = (p0..p0 + n_tok).map(|p| p as i32).collect();
                 let q = rand_vec(&mut rng, n_tok * n_head * hd, 1.0);
-                let (qd, kvd, sd, pd) = (put(d, &c, &q), put(d, &c, &kv), put(d, &c, &[slot]), put(d, &c, &pos));
+                let (qd, kvd, sd, pd) = (
+                    put(d, &c, &q),
+                    put(d, &c, &kv),
+                    put(d, &c, &[slot]),
+                    put(d, &c, &pos),
+                );
                 let od = c.take(4 * (n_tok * n_head * hd) as u64);
-                d.attn_prefill(&l, (n_head, n_head_kv, hd), false, qd, kvd, &[slot], sd, &pos, pd, od)
-                    .unwrap();
+                d.attn_prefill(
+                    &l,
+                    (n_head, n_head_kv, hd),
+                    false,
+                    qd,
+                    kvd,
+                    &[slot],
+                    sd,
+                    &pos,
+                    pd,
+                    od,
+                )
+                .unwrap();
                 let rb = l.row_bytes().unwrap() as usize;
                 let base = slot as usize * 2 * l.n_cells * rb;
                 let layer = KvLayer {
@@ -734,8 +755,15 @@ fn prefill_attention_f16_and_q8_0_kv_matches_the_cpu() {
                 };
                 let mut want = vec![0f32; n_tok * n_head * hd];
                 let scale = 1.0 / (hd as f32).sqrt();
-                cpu::attention(shape, &q, n_tok, |t| (layer, pos[t] as usize + 1), scale, &mut want)
-                    .unwrap();
+                cpu::attention(
+                    shape,
+                    &q,
+                    n_tok,
+                    |t| (layer, pos[t] as usize + 1),
+                    scale,
+                    &mut want,
+                )
+                .unwrap();
                 let got = get::<f32>(d, od, want.len());
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     let e = (g - w).abs();

@@ -351,58 +351,88 @@ ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int
 
 #define DQ_DOWN_MAXK 32
 // MoE down and weighted sum, added into the residual stream:
-// y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]). Q8_0 (k <= DQ_DOWN_MAXK)
-// spreads the k experts' rows over the warp's lanes as one flat loop of 16-byte loads (all
-// in flight together), the expert addresses and weights looked up once into shared memory.
-// grid: (ceil(E / DQ_WARPS), n_tok).
+// y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]), one warp per row, any weight
+// type (Q8_0 with k <= DQ_DOWN_MAXK takes dq_moe_down_rows). grid: (ceil(E / DQ_WARPS), n_tok).
 ST_KERNEL void dq_moe_down(const unsigned long long* eptr, int ty, int E, int F, const int* ids,
                            const float* wts, int k, const float* h, float* y) {
-    __shared__ const u8* dm[DQ_DOWN_MAXK];
-    __shared__ float dw[DQ_DOWN_MAXK];
     const int t = blockIdx.y;
-    if (ty == ST_TY_Q8_0 && k <= DQ_DOWN_MAXK) {
-        // The token's k expert matrices and weights, looked up once per block.
-        if (threadIdx.x < k) {
-            const long a = (long)t * k + threadIdx.x;
-            dm[threadIdx.x] = (const u8*)eptr[(long)ids[a] * 3 + 2];
-            dw[threadIdx.x] = wts[a];
-        }
-        __syncthreads();
-    }
     const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     if (row >= E) return;
-    const int lane = threadIdx.x % ST_WARP;
     float tot = 0.0f;
-    if (ty == ST_TY_Q8_0 && k <= DQ_DOWN_MAXK) {
-        const int per = F / 16;  // 16-byte pieces per row
-        const float* ht = h + (long)t * k * F;
-        // Piece p = j * per + r, stepped by the warp width without a division per step.
-        int j = lane / per, r = lane - j * per;
-#pragma unroll 4
-        for (int p = lane; p < k * per; p += ST_WARP) {
-            const int i0 = r * 16;
-            const u8* D = dm[j];
-            const int4 q = *(const int4*)(D + (long)row * F + i0);
-            const float d = st_h2f(((const u16*)(D + (long)E * F))[(long)row * (F / QK8_0) + i0 / QK8_0]);
-            tot += dw[j] * d * dq_dot16_q8(q, ht + (long)j * F + i0);
-            for (r += ST_WARP; r >= per; r -= per) ++j;
-        }
-        tot = st_warp_sum(tot);
-    } else {
-        for (int j = 0; j < k; ++j) {
-            const long a = (long)t * k + j;
-            const u8* D = (const u8*)eptr[(long)ids[a] * 3 + 2];
-            DqIn<1> in;
-            in.x = h + a * F;
-            in.stride = F;
-            in.nw = nullptr;
-            in.s[0] = 1.0f;
-            float acc[1] = {0.0f};
-            dq_row_dot<1>(D, ty, E, F, row, in, 1, acc);
-            tot += wts[a] * st_warp_sum(acc[0]);
-        }
+    for (int j = 0; j < k; ++j) {
+        const long a = (long)t * k + j;
+        const u8* D = (const u8*)eptr[(long)ids[a] * 3 + 2];
+        DqIn<1> in;
+        in.x = h + a * F;
+        in.stride = F;
+        in.nw = nullptr;
+        in.s[0] = 1.0f;
+        float acc[1] = {0.0f};
+        dq_row_dot<1>(D, ty, E, F, row, in, 1, acc);
+        tot += wts[a] * st_warp_sum(acc[0]);
     }
-    if (lane == 0) y[(long)t * E + row] += tot;
+    if (threadIdx.x % ST_WARP == 0) y[(long)t * E + row] += tot;
+}
+
+// MoE down for Q8_0 experts with one block per output row, the k experts' 16-byte pieces
+// spread over the whole block (a few loads per thread, all in flight) and summed by a block
+// reduction: y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]). Same function as
+// dq_moe_down with four times the warps in flight. grid: (E, n_tok); block: 128; k <= 32.
+ST_KERNEL void dq_moe_down_rows(const unsigned long long* eptr, int E, int F, const int* ids,
+                                const float* wts, int k, const float* h, float* y) {
+    __shared__ const u8* dm[DQ_DOWN_MAXK];
+    __shared__ float dw[DQ_DOWN_MAXK];
+    __shared__ float red[32];
+    const int row = blockIdx.x, t = blockIdx.y;
+    if (threadIdx.x < k) {
+        const long a = (long)t * k + threadIdx.x;
+        dm[threadIdx.x] = (const u8*)eptr[(long)ids[a] * 3 + 2];
+        dw[threadIdx.x] = wts[a];
+    }
+    __syncthreads();
+    const int per = F / 16;
+    const float* ht = h + (long)t * k * F;
+    float tot = 0.0f;
+#pragma unroll 4
+    for (int p = threadIdx.x; p < k * per; p += blockDim.x) {
+        const int j = p / per, i0 = (p - j * per) * 16;
+        const u8* D = dm[j];
+        const int4 q = *(const int4*)(D + (long)row * F + i0);
+        const float d = st_h2f(((const u16*)(D + (long)E * F))[(long)row * (F / QK8_0) + i0 / QK8_0]);
+        tot += dw[j] * d * dq_dot16_q8(q, ht + (long)j * F + i0);
+    }
+    tot = st_block_sum(tot, red);
+    if (threadIdx.x == 0) y[(long)t * E + row] += tot;
+}
+
+// The router's logits for F32 weights, one block per (row, token): the block computes token
+// t's RMS factor, dots its 16-byte slices of the row with x * s * nw, reduces; block (0, t)
+// also writes xn[t] = x[t] * s * nw for the experts. (One warp per row over 128 rows left
+// the whole GPU waiting on 32 blocks.) grid: (rows, n_tok); block: 128; cols % 4 == 0.
+ST_KERNEL void dq_router_rows(const float* W, int rows, int cols, const float* x,
+                              const float* nw, float eps, float* y, float* xn_out) {
+    __shared__ float red[32];
+    const int r = blockIdx.x, t = blockIdx.y;
+    const float* xt = x + (long)t * cols;
+    float ss = 0.0f;
+    for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
+        const float4 v = *(const float4*)(xt + i);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    const float sc = 1.0f / sqrtf(st_block_sum(ss, red) / (float)cols + eps);
+    const float* wr = W + (long)r * cols;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
+        const float4 v = *(const float4*)(xt + i);
+        const float4 g = *(const float4*)(nw + i);
+        const float4 w = *(const float4*)(wr + i);
+        const float4 n = make_float4(v.x * sc * g.x, v.y * sc * g.y, v.z * sc * g.z, v.w * sc * g.w);
+        acc += w.x * n.x + w.y * n.y + w.z * n.z + w.w * n.w;
+        if (r == 0) *(float4*)(xn_out + (long)t * cols + i) = n;
+    }
+    acc = st_block_sum(acc, red);
+    if (threadIdx.x == 0) y[(long)t * rows + r] = acc;
 }
 
 // Embedding lookup: out[t] = row ids[t] of W (rows x cols, device layout), dequantized.

@@ -70,6 +70,8 @@ const RAW: &[Raw] = &[
             "dq_moe_combine",
             "dq_router_topk",
             "dq_spin",
+            "dq_moe_down_rows",
+            "dq_router_rows",
         ],
     },
     Raw {

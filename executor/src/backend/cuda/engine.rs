@@ -1567,6 +1567,8 @@ fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
 }
 
 const DQ_WARPS: u32 = 4;
+/// Largest top-k of `dq_moe_down_rows` (decode.cu's DQ_DOWN_MAXK).
+const DQ_DOWN_MAXK: usize = 32;
 
 /// The KV kernels' addressing of layer `l` in stage `st`: bytes per slot, K and V offsets of
 /// the layer inside a slot, bytes per cell row (as the kernels' `long`s).
@@ -1643,8 +1645,28 @@ impl Kern<'_> {
     /// The router's logits from the residual stream x: RMSNorm by the layer's ffn_norm in
     /// the product's prologue, which also leaves xn = RMSNorm(x) * ffn_norm for the experts
     /// (one launch instead of a norm and a product).
-    fn router_logits(&self, l: &Layer, b_: &Bufs, d: Dims, n: usize) -> Result<(), CudaEngineError> {
-        self.mv_launch(l.gate_inp, b_.x.ptr, l.ffn_norm, d.eps, b_.router.ptr, n, false, b_.xn.ptr, "mv_router")
+    fn router_logits(
+        &self,
+        l: &Layer,
+        b_: &Bufs,
+        d: Dims,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
+        if l.gate_inp.gty == GgmlType::F32 && d.e % 4 == 0 {
+            let w = l.gate_inp;
+            return launch!(self, "dq_router_rows" => "router_rows", cfg((w.rows as u32, n as u32, 1), 128, 0); &w.ptr, &w.rows, &w.cols, &b_.x.ptr, &l.ffn_norm, &d.eps, &b_.router.ptr, &b_.xn.ptr);
+        }
+        self.mv_launch(
+            l.gate_inp,
+            b_.x.ptr,
+            l.ffn_norm,
+            d.eps,
+            b_.router.ptr,
+            n,
+            false,
+            b_.xn.ptr,
+            "mv_router",
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1785,7 +1807,9 @@ impl Kern<'_> {
         // SAFETY: q and att hold max_tok tokens' heads, the slot's layer of KV lies in the
         // stage's region and every position is below the planned context (checked by the
         // callers before the pass).
-        self.timed("attn_prefill", || unsafe { super::flash::attn_prefill(self.dev, &a) })
+        self.timed("attn_prefill", || unsafe {
+            super::flash::attn_prefill(self.dev, &a)
+        })
     }
 
     /// out = RMSNorm(x (+ res)) * w per row; h_out (if non-zero) gets x + res.
@@ -1840,6 +1864,9 @@ impl Kern<'_> {
         let (f, e, k, no_norm) = (d.f as i32, d.e as i32, d.k as i32, 0u64);
         // x is xn, already normalised by the caller.
         launch!(self, "dq_moe_gate_up", cfg(((d.f as u32).div_ceil(DQ_WARPS), (n * d.k) as u32, 1), 32 * DQ_WARPS, 0); &l.experts, &l.exp_ty, &f, &e, &b_.ids.ptr, &k, &b_.xn.ptr, &no_norm, &d.eps, &b_.h.ptr)?;
+        if Some(l.exp_ty) == kty(GgmlType::Q8_0) && d.k <= DQ_DOWN_MAXK {
+            return launch!(self, "dq_moe_down_rows", cfg((d.e as u32, n as u32, 1), 128, 0); &l.experts, &e, &f, &b_.ids.ptr, &b_.wts.ptr, &k, &b_.h.ptr, &b_.x.ptr);
+        }
         launch!(self, "dq_moe_down", cfg(((d.e as u32).div_ceil(DQ_WARPS), n as u32, 1), 32 * DQ_WARPS, 0); &l.experts, &l.exp_ty, &e, &f, &b_.ids.ptr, &b_.wts.ptr, &k, &b_.h.ptr, &b_.x.ptr)
     }
 }

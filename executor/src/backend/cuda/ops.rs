@@ -411,7 +411,9 @@ impl CudaDevice {
                 ),
             ));
         }
-        if a.head_dim_k > ATT_MAX_D || a.head_dim_k != a.head_dim_v || a.k_row_elems != a.v_row_elems
+        if a.head_dim_k > ATT_MAX_D
+            || a.head_dim_k != a.head_dim_v
+            || a.k_row_elems != a.v_row_elems
         {
             return Err(bad(
                 OP,
@@ -473,7 +475,8 @@ impl CudaDevice {
         // The engine's kernel addresses K and V as offsets from one per-slot base; here the
         // base is K, V sits at (v - k) and the slot stride is 0 (so the slot array, any int
         // array of n_tok values, is only read and multiplied by 0).
-        let (base, k_off, v_off, slot_bytes) = (k.ptr(), 0i64, v.ptr() as i64 - k.ptr() as i64, 0i64);
+        let (base, k_off, v_off, slot_bytes) =
+            (k.ptr(), 0i64, v.ptr() as i64 - k.ptr() as i64, 0i64);
         let (rb, cp, op) = (krb as i64, n_ctx.ptr(), out.ptr());
         let qp = q.ptr();
         let f = self.function("dq_attn_gqa")?;
@@ -489,10 +492,7 @@ impl CudaDevice {
             .arg(&nh)
             .arg(&nkv)
             .arg(&hd);
-        b.arg(&rb)
-            .arg(&a.scale)
-            .arg(&part_o)
-            .arg(&part_ms);
+        b.arg(&rb).arg(&a.scale).arg(&part_o).arg(&part_ms);
         let cfg = LaunchConfig {
             grid_dim: (
                 a.n_head_kv as u32,
