@@ -123,9 +123,11 @@ async fn disconnect_mid_prefill_frees_the_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_mid_decode_frees_the_slot() {
     let s = server().await;
-    // Streaming: read a few tokens first.
+    // Streaming: read a few tokens first. 900 tokens take 22 s at 25 ms a step, so the slot
+    // is still decoding when /slots is polled even on a loaded 2-core CI box (with 300, a
+    // poll delayed past 7.5 s once found both slots idle).
     let before = cancelled(&s).await;
-    let mut conn = open(&s, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 300, "stream": true})).await;
+    let mut conn = open(&s, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 900, "stream": true})).await;
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     while got.windows(6).filter(|w| w == b"data: ").count() < 4 {
@@ -146,7 +148,7 @@ async fn disconnect_mid_decode_frees_the_slot() {
     let conn = open(
         &s,
         "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 300}),
+        json!({"prompt": "Hello", "max_tokens": 900}),
     )
     .await;
     wait_state(&s, "decode").await;
