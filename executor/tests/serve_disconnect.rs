@@ -124,8 +124,9 @@ async fn disconnect_mid_prefill_frees_the_slot() {
 async fn disconnect_mid_decode_frees_the_slot() {
     let s = server().await;
     // Streaming: read a few tokens first. 900 tokens take 22 s at 25 ms a step, so the slot
-    // is still decoding when /slots is polled even on a loaded 2-core CI box (with 300, a
-    // poll delayed past 7.5 s once found both slots idle).
+    // is still decoding when /slots is polled even on a loaded 2-core CI box (with 300, one
+    // CI run found both slots idle; a poll delayed past the 7.5 s generation is the likely
+    // cause).
     let before = cancelled(&s).await;
     let mut conn = open(&s, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 900, "stream": true})).await;
     let mut got = Vec::new();
