@@ -346,6 +346,13 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
             ubatch: 32,
             ..Ask::default()
         },
+        // The longest context this model has, with two slots: many decode-attention splits
+        // on a model whose scratch is otherwise tiny.
+        Ask {
+            batch: 2,
+            ctx: 128,
+            ..Ask::default()
+        },
     ];
     for ask in asks {
         let ask = Ask { gpu: true, ..ask };
@@ -366,13 +373,90 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
                 Ok(_) => {}
                 Err(CudaEngineError::Plan(m)) | Err(CudaEngineError::Model(m)) => {
                     panic!(
-                        "{name}, batch {}, ubatch {}: refused before the device: {m}",
-                        ask.batch, ask.ubatch
+                        "{name}, batch {}, ubatch {}, context {}: refused before the device: {m}",
+                        ask.batch, ask.ubatch, ask.ctx
                     )
                 }
                 Err(e) => eprintln!("{name}: stopped at the device as expected here: {e}"),
             }
         }
+    }
+    // The serve check's plan (scripts/gpu_serve_check.sh: tiny-chat-moe, 256 cells, 2
+    // slots) and a long-context one on the same model.
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-chat-moe");
+    let inv = strata_plan::model::load_model(&chat).unwrap();
+    for ask in [
+        Ask {
+            batch: 2,
+            ctx: 256,
+            ..Ask::default()
+        },
+        Ask {
+            batch: 4,
+            ctx: 4096,
+            kv: KvType::Q8_0,
+            ..Ask::default()
+        },
+    ] {
+        let ask = Ask { gpu: true, ..ask };
+        let p = plan_inventory("tiny-chat-moe", &inv, &chat, &ask);
+        match CudaEngine::start(&p, open_model(&chat).unwrap(), CudaEngineOptions::default()) {
+            Ok(_) => {}
+            Err(CudaEngineError::Plan(m)) | Err(CudaEngineError::Model(m)) => panic!(
+                "tiny-chat-moe, batch {}, context {}: refused before the device: {m}",
+                ask.batch, ask.ctx
+            ),
+            Err(e) => eprintln!("tiny-chat-moe: stopped at the device as expected here: {e}"),
+        }
+    }
+    // A plan from before the forward graph sized 16-cell attention splits has less scratch:
+    // the engine runs it with fewer splits instead of refusing it. The scratch below holds
+    // exactly what one split needs (the engine's refusal of an empty scratch names it).
+    let mut old = plan_inventory(
+        "tiny-chat-moe",
+        &inv,
+        &chat,
+        &Ask {
+            gpu: true,
+            batch: 2,
+            ctx: 256,
+            ..Ask::default()
+        },
+    );
+    let set_scratch = |p: &mut strata_schemas::plan::Plan, bytes: u64| {
+        let r = p.devices[0]
+            .regions
+            .iter_mut()
+            .find(|r| r.kind == strata_schemas::plan::RegionKind::Scratch)
+            .unwrap();
+        r.bytes = bytes;
+    };
+    set_scratch(&mut old, 0);
+    let need_one_split = match CudaEngine::start(
+        &old,
+        open_model(&chat).unwrap(),
+        CudaEngineOptions::default(),
+    ) {
+        Err(CudaEngineError::Plan(m)) => m
+            .split("needs ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("an empty scratch: the refusal names no size: {m}")),
+        Ok(_) => panic!("an empty scratch region was accepted"),
+        Err(e) => panic!("an empty scratch region reached the device: {e}"),
+    };
+    set_scratch(&mut old, need_one_split);
+    match CudaEngine::start(
+        &old,
+        open_model(&chat).unwrap(),
+        CudaEngineOptions::default(),
+    ) {
+        Ok(_) => {}
+        Err(CudaEngineError::Plan(m)) | Err(CudaEngineError::Model(m)) => {
+            panic!("a scratch of {need_one_split} bytes (one attention split) refused: {m}")
+        }
+        Err(e) => eprintln!("one-split scratch: stopped at the device as expected here: {e}"),
     }
 }
 

@@ -31,8 +31,9 @@ use std::collections::BTreeMap;
 
 /// Alignment of every scratch buffer's size and offset, in bytes.
 pub const SCRATCH_ALIGN: u64 = 256;
-/// KV cells one flash-attention split covers in split-KV decode.
-pub const SPLIT_KV_CELLS_PER_SPLIT: u64 = 256;
+/// KV cells one split covers in split-KV decode attention at the longest context (the CUDA
+/// decode kernel's sub-chunk; more splits keep more of the GPU busy at batch 1).
+pub const SPLIT_KV_CELLS_PER_SPLIT: u64 = 16;
 /// Most KV splits per (token, head).
 pub const SPLIT_KV_MAX_SPLITS: u64 = 64;
 /// Split-KV attention is used only when a step has at most this many query tokens; above
@@ -117,7 +118,7 @@ impl ForwardGraph {
 
 /// KV splits per (token, head) for split-KV flash attention at these parameters: 1 (no
 /// split, no partials buffer) above [`SPLIT_KV_MAX_TOKENS`] query tokens, else
-/// `ceil(ctx_cells / 256)` clamped to `1..=64`.
+/// `ceil(ctx_cells / 16)` clamped to `1..=64`.
 pub fn kv_splits(p: &GraphParams) -> u64 {
     if p.tokens > SPLIT_KV_MAX_TOKENS {
         return 1;
@@ -878,12 +879,18 @@ pub(crate) mod tests {
     fn split_kv_partials_only_for_small_steps() {
         let hp = qwen3moe_30b();
         let g = forward_graph("qwen3moe", &hp, &decode()).unwrap();
-        // ctx 4096 -> 16 splits; 1 token x 32 heads x 16 x (128 + 2) f32.
-        assert_eq!(kv_splits(&decode()), 16);
+        // ctx 4096 -> 64 splits (the cap; 256 of 16 cells); 1 token x 32 heads x 64 x
+        // (128 + 2) f32.
+        assert_eq!(kv_splits(&decode()), 64);
         assert_eq!(
             g.buffer("attn.fa_partials").unwrap().bytes,
-            (32 * 16 * 130 * 4u64).next_multiple_of(256)
+            (32 * 64 * 130 * 4u64).next_multiple_of(256)
         );
+        let short = GraphParams {
+            ctx_cells: 100,
+            ..decode()
+        };
+        assert_eq!(kv_splits(&short), 7, "ceil(100 / 16)");
         assert_eq!(
             life(&g, "attn.fa_partials"),
             (op(&g, "attn.flash_split"), op(&g, "attn.flash_combine"))

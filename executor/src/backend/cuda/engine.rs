@@ -376,7 +376,7 @@ impl CudaEngine {
         let ubatch = (s.ubatch as usize).max(1);
         // The largest pass every device's scratch holds: `Err(need)` when not even a decode
         // batch fits.
-        let pass_fit = |gemm: bool| -> Result<usize, (u32, u64, u64)> {
+        let pass_fit = |gemm: bool, att_splits: usize| -> Result<usize, (u32, u64, u64)> {
             let mut max_tok = ubatch.max(n_slots);
             for dp in &plan.devices {
                 let have = dp.region_bytes(RegionKind::Scratch);
@@ -397,17 +397,30 @@ impl CudaEngine {
         // The tensor-core path only serves passes of GEMM_MIN_TOK tokens or more; when the
         // scratch cannot hold its buffers for such a pass, prefill with the matrix-vector
         // kernels instead.
-        let (gemm, max_tok) = match pass_fit(gemm) {
-            Ok(t) if !gemm || t >= GEMM_MIN_TOK => (gemm, t),
-            _ => match pass_fit(false) {
-                Ok(t) => (false, t),
+        let choose = |att_splits: usize| match pass_fit(gemm, att_splits) {
+            Ok(t) if !gemm || t >= GEMM_MIN_TOK => Ok((gemm, t)),
+            _ => pass_fit(false, att_splits).map(|t| (false, t)),
+        };
+        // A plan made before the forward graph sized 16-cell splits has room for fewer: run
+        // with as many as fit (the same results; decode attention is slower at long contexts).
+        let full_splits = att_splits;
+        let mut att_splits = full_splits;
+        let (gemm, max_tok) = loop {
+            match choose(att_splits) {
+                Ok(v) => break v,
+                Err(_) if att_splits > 1 => att_splits /= 2,
                 Err((index, have, need)) => {
                     return Err(plan_err(format!(
                         "device {index}: the scratch region holds {have} bytes but the CUDA engine needs {need} for a decode batch of {n_slots} slots: re-plan with fewer slots (--batch)"
                     )))
                 }
-            },
+            }
         };
+        if att_splits < full_splits {
+            eprintln!(
+                "note: the plan's scratch holds {att_splits} of {full_splits} decode-attention splits (a plan from an older strata-plan): decode at long contexts is slower until you re-plan"
+            );
+        }
 
         // The GPU, and whether the planned arenas fit it.
         let dev = CudaDevice::open(opts.gpu)?;
