@@ -322,16 +322,37 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
 }
 
 /// Runs without a GPU too: the engine's start-up checks that come before any device is
-/// opened (pipeline, KV type, scratch fit) accept the plans the GPU tests use, so those tests
-/// can only fail on the device itself.
+/// opened (pipeline, KV type, kernel limits, scratch fit) accept the plans the GPU tests use,
+/// so those tests can only fail on the device itself; and plans made now give the engine
+/// prefill passes of the whole ubatch and every decode-attention split.
 #[test]
 fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
-    use strata_exec::backend::cuda::engine::CudaEngineError;
+    use strata_exec::backend::cuda::engine::{CudaEngineError, Preflight};
+    use strata_exec::load::HostModel;
+    use strata_schemas::plan::{Plan, RegionKind};
+    let preflight = |what: &str, p: &Plan, host: &dyn HostModel| -> Preflight {
+        CudaEngine::preflight(p, host, &CudaEngineOptions::default())
+            .unwrap_or_else(|e| panic!("{what}: refused before the device: {e}"))
+    };
+    let full_shape = |what: &str, p: &Plan, pf: &Preflight| {
+        let s = &p.serve;
+        assert_eq!(
+            pf.max_tok,
+            (s.ubatch as usize).max(s.batch as usize),
+            "{what}: prefill pass cut short"
+        );
+        assert_eq!(
+            pf.att_splits, pf.full_att_splits,
+            "{what}: attention splits"
+        );
+    };
     let dir = tempfile::tempdir().unwrap();
     let gguf = dir.path().join("tiny-q8_0.gguf");
     strata_schemas::gguf::write::convert_hf_folder(&data("base"), &gguf, GgmlType::Q8_0, None)
         .unwrap();
     let inv = strata_plan::model::load_model(&gguf).unwrap();
+    let folder = SafetensorsModel::open(&data("base")).unwrap();
+    let q8 = open_model(&gguf).unwrap();
     let asks = [
         Ask::default(),
         Ask {
@@ -356,108 +377,73 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
     ];
     for ask in asks {
         let ask = Ask { gpu: true, ..ask };
-        for (name, p, host) in [
-            (
-                "folder",
-                plan("base", &ask),
-                Box::new(SafetensorsModel::open(&data("base")).unwrap())
-                    as Box<dyn strata_exec::load::HostModel>,
-            ),
-            (
-                "Q8_0 GGUF",
-                plan_inventory("base", &inv, &gguf, &ask),
-                open_model(&gguf).unwrap(),
-            ),
-        ] {
-            match CudaEngine::start(&p, host, CudaEngineOptions::default()) {
-                Ok(_) => {}
-                Err(CudaEngineError::Plan(m)) | Err(CudaEngineError::Model(m)) => {
-                    panic!(
-                        "{name}, batch {}, ubatch {}, context {}: refused before the device: {m}",
-                        ask.batch, ask.ubatch, ask.ctx
-                    )
-                }
-                Err(e) => eprintln!("{name}: stopped at the device as expected here: {e}"),
-            }
-        }
+        let what = |m: &str| {
+            format!(
+                "{m}, batch {}, ubatch {}, context {}",
+                ask.batch, ask.ubatch, ask.ctx
+            )
+        };
+        let p = plan("base", &ask);
+        let pf = preflight(&what("folder"), &p, &folder);
+        full_shape(&what("folder"), &p, &pf);
+        let p = plan_inventory("base", &inv, &gguf, &ask);
+        let pf = preflight(&what("Q8_0 GGUF"), &p, q8.as_ref());
+        full_shape(&what("Q8_0 GGUF"), &p, &pf);
+        // 32-token passes of Q8_0 weights take the tensor-core path.
+        assert_eq!(pf.gemm, ask.ubatch >= 16, "{}", what("Q8_0 GGUF"));
     }
     // The serve check's plan (scripts/gpu_serve_check.sh: tiny-chat-moe, 256 cells, 2
     // slots) and a long-context one on the same model.
     let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-chat-moe");
     let inv = strata_plan::model::load_model(&chat).unwrap();
+    let host = open_model(&chat).unwrap();
+    let chat_ask = |batch: u32, ctx: u64, kv: KvType| Ask {
+        gpu: true,
+        batch,
+        ctx,
+        kv,
+        ..Ask::default()
+    };
     for ask in [
-        Ask {
-            batch: 2,
-            ctx: 256,
-            ..Ask::default()
-        },
-        Ask {
-            batch: 4,
-            ctx: 4096,
-            kv: KvType::Q8_0,
-            ..Ask::default()
-        },
+        chat_ask(2, 256, KvType::F16),
+        chat_ask(4, 4096, KvType::Q8_0),
     ] {
-        let ask = Ask { gpu: true, ..ask };
+        let what = format!("tiny-chat-moe, batch {}, context {}", ask.batch, ask.ctx);
         let p = plan_inventory("tiny-chat-moe", &inv, &chat, &ask);
-        match CudaEngine::start(&p, open_model(&chat).unwrap(), CudaEngineOptions::default()) {
-            Ok(_) => {}
-            Err(CudaEngineError::Plan(m)) | Err(CudaEngineError::Model(m)) => panic!(
-                "tiny-chat-moe, batch {}, context {}: refused before the device: {m}",
-                ask.batch, ask.ctx
-            ),
-            Err(e) => eprintln!("tiny-chat-moe: stopped at the device as expected here: {e}"),
-        }
+        let pf = preflight(&what, &p, host.as_ref());
+        full_shape(&what, &p, &pf);
     }
-    // A plan from before the forward graph sized 16-cell attention splits has less scratch:
-    // the engine runs it with fewer splits instead of refusing it. The scratch below holds
-    // exactly what one split needs (the engine's refusal of an empty scratch names it).
-    let mut old = plan_inventory(
-        "tiny-chat-moe",
-        &inv,
-        &chat,
-        &Ask {
-            gpu: true,
-            batch: 2,
-            ctx: 256,
-            ..Ask::default()
-        },
-    );
-    let set_scratch = |p: &mut strata_schemas::plan::Plan, bytes: u64| {
+    // A plan from before the planner sized the engine's working set has less scratch: the
+    // engine runs it with fewer attention splits instead of refusing it. The scratch below
+    // holds exactly what one split needs for a decode batch (the engine's refusal of an empty
+    // scratch names it).
+    let mut old = plan_inventory("tiny-chat-moe", &inv, &chat, &chat_ask(2, 256, KvType::F16));
+    let set_scratch = |p: &mut Plan, bytes: u64| {
         let r = p.devices[0]
             .regions
             .iter_mut()
-            .find(|r| r.kind == strata_schemas::plan::RegionKind::Scratch)
+            .find(|r| r.kind == RegionKind::Scratch)
             .unwrap();
         r.bytes = bytes;
     };
     set_scratch(&mut old, 0);
-    let need_one_split = match CudaEngine::start(
-        &old,
-        open_model(&chat).unwrap(),
-        CudaEngineOptions::default(),
-    ) {
-        Err(CudaEngineError::Plan(m)) => m
-            .split("needs ")
-            .nth(1)
-            .and_then(|r| r.split(' ').next())
-            .and_then(|n| n.parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("an empty scratch: the refusal names no size: {m}")),
-        Ok(_) => panic!("an empty scratch region was accepted"),
-        Err(e) => panic!("an empty scratch region reached the device: {e}"),
-    };
+    let need_one_split =
+        match CudaEngine::preflight(&old, host.as_ref(), &CudaEngineOptions::default()) {
+            Err(CudaEngineError::Plan(m)) => m
+                .split("needs ")
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("an empty scratch: the refusal names no size: {m}")),
+            Ok(_) => panic!("an empty scratch region was accepted"),
+            Err(e) => panic!("an empty scratch region: {e}"),
+        };
     set_scratch(&mut old, need_one_split);
-    match CudaEngine::start(
-        &old,
-        open_model(&chat).unwrap(),
-        CudaEngineOptions::default(),
-    ) {
-        Ok(_) => {}
-        Err(CudaEngineError::Plan(m)) | Err(CudaEngineError::Model(m)) => {
-            panic!("a scratch of {need_one_split} bytes (one attention split) refused: {m}")
-        }
-        Err(e) => eprintln!("one-split scratch: stopped at the device as expected here: {e}"),
-    }
+    let pf = preflight("one-split scratch", &old, host.as_ref());
+    assert_eq!(pf.att_splits, 1);
+    assert_eq!(pf.full_att_splits, 16, "256 cells in 16-cell splits");
+    // The refusal sized the smallest pass, a decode batch: prompts then run 2 tokens a pass.
+    assert_eq!(pf.max_tok, 2);
 }
 
 /// The Qwen3-30B head geometry (head dim 128, 4 query heads per KV head) on a small random

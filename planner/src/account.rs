@@ -10,8 +10,9 @@ use std::collections::BTreeMap;
 use strata_schemas::graph::{forward_graph, per_slot_session_bytes, GraphParams};
 use strata_schemas::inventory::{ModelInventory, VisionSpec};
 use strata_schemas::plan::{RegionKind, ScratchBuffer};
-use strata_schemas::probe::DeviceProbe;
+use strata_schemas::probe::{DeviceProbe, Vendor};
 use strata_schemas::serve::ExpertCache;
+use strata_schemas::workset;
 
 /// Alignment of every region inside an arena.
 pub const ALIGN: u64 = 256;
@@ -168,6 +169,31 @@ impl<'a> Sizing<'a> {
         value
     }
 
+    /// Scratch bytes the CUDA engine carves on an NVIDIA device holding `n_layer` layers
+    /// (its working set for a pass of the step's tokens; 0 where it does not run the model).
+    /// The scratch region holds the larger of this and the packed forward graph, so the
+    /// engine's prefill passes are the planned ubatch.
+    pub fn cuda_workset(&self, dev: &DeviceProbe, n_layer: u64, slots: u64) -> u64 {
+        let hp = &self.inv.hparams;
+        if dev.vendor != Vendor::Nvidia || !workset::cuda_runs(&self.inv.arch, hp) {
+            return 0;
+        }
+        let pass = workset::Pass {
+            tokens: self.step_tokens(slots) as usize,
+            logit_rows: slots.max(1) as usize,
+            att_splits: workset::att_splits(self.ctx as usize),
+            slots: slots as usize,
+            gemm: true,
+        };
+        // Norm vectors counted as converted to f32 (the most the engine keeps).
+        align(workset::stage_bytes(
+            &workset::WorkDims::of(hp),
+            n_layer as usize,
+            false,
+            &pass,
+        ))
+    }
+
     /// The demand of `dev` holding layers `[a, b)`.
     #[allow(clippy::too_many_arguments)]
     pub fn demand(
@@ -223,7 +249,9 @@ impl<'a> Sizing<'a> {
         regions.push((RegionKind::LinearState, align(slots * f.linear_range(a, b))));
         let per_slot = per_slot_session_bytes(&self.inv.arch, hp, self.spec as u32);
         regions.push((RegionKind::SlotSessions, align(slots * per_slot)));
-        regions.push((RegionKind::Scratch, self.scratch(slots, resident, last).0));
+        let graph = self.scratch(slots, resident, last).0;
+        let engine = self.cuda_workset(dev, u64::from(b - a), slots);
+        regions.push((RegionKind::Scratch, graph.max(engine)));
         let mut staging = 0;
         if self.n_devices > 1 {
             staging += 2 * self.step_tokens(slots) * hp.n_embd * 4;

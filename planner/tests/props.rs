@@ -212,6 +212,34 @@ fn check_plan(plan: &Plan) {
     assert_eq!(&back, plan, "plan round-trips");
 }
 
+/// Every NVIDIA device of a model the CUDA engine runs has scratch for the engine's whole
+/// working set at the planned ubatch (its prefill passes are never cut short).
+fn check_cuda_workset(plan: &Plan, inv: &ModelInventory) {
+    use strata_schemas::workset::{att_splits, cuda_runs, stage_bytes, Pass, WorkDims};
+    if !cuda_runs(&inv.arch, &inv.hparams) {
+        return;
+    }
+    let s = &plan.serve;
+    let slots = s.batch as usize;
+    let pass = Pass {
+        tokens: (s.ubatch as usize).max(slots * (1 + s.spec as usize)),
+        logit_rows: slots.max(1),
+        att_splits: att_splits(s.max_context as usize),
+        slots,
+        gemm: true,
+    };
+    for d in plan.devices.iter().filter(|d| d.vendor == "nvidia") {
+        let n_layer = (d.layer_end - d.layer_first) as usize;
+        let need = stage_bytes(&WorkDims::of(&inv.hparams), n_layer, false, &pass);
+        let have = d.region_bytes(RegionKind::Scratch);
+        assert!(
+            have >= need,
+            "device {}: scratch {have} < the CUDA engine's {need} for {pass:?}",
+            d.index
+        );
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
@@ -230,6 +258,7 @@ proptest! {
         match solve(&req) {
             Ok(Outcome::Planned(plan)) => {
                 check_plan(&plan);
+                check_cuda_workset(&plan, &inv);
                 prop_assert!(plan.serve.batch >= 1 && plan.serve.batch <= s.batch);
                 // Deterministic: the same request gives the same bytes.
                 let again = match solve(&req) { Ok(Outcome::Planned(p)) => p, _ => panic!("second solve differs") };

@@ -16,3 +16,4 @@ pub mod profile;
 pub mod quant;
 pub mod safetensors;
 pub mod serve;
+pub mod workset;

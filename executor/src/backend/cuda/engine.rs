@@ -18,6 +18,7 @@ use cudarc::driver::{CudaGraph, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::plan::{Placement, Plan, RegionKind};
+use strata_schemas::workset::{self, Pass, WorkDims, CARVE_ALIGN};
 
 /// Why the CUDA engine did not start or a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +167,26 @@ struct Dims {
     attn_factor: f32,
 }
 
+/// What [`CudaEngine::preflight`] decided before any GPU is touched.
+pub struct Preflight {
+    /// Tokens of the largest forward pass the scratch holds (prefill chunks are split to it).
+    pub max_tok: usize,
+    /// Prefill through the tensor-core products.
+    pub gemm: bool,
+    /// Decode-attention splits the scratch holds, and the number the context asks for.
+    pub att_splits: usize,
+    pub full_att_splits: usize,
+    /// The plan's ubatch.
+    pub ubatch: usize,
+    d: Dims,
+    kv_ty: i32,
+    kv_row_bytes: u64,
+    rope: Rope,
+    n_slots: usize,
+    ctx: usize,
+    logit_rows: usize,
+}
+
 /// A plan-bound engine on one CUDA GPU.
 pub struct CudaEngine {
     info: EngineInfo,
@@ -213,73 +234,32 @@ fn mat_bytes(ty: GgmlType, rows: usize, cols: usize) -> Result<u64, CudaEngineEr
     Ok(rb as u64 * rows as u64)
 }
 
-/// Sizes of one stage's working buffers for `t` tokens per pass.
-fn bufs_layout(
-    d: &Dims,
-    t: usize,
-    logit_rows: usize,
-    att_splits: usize,
-    n_slots: usize,
-    gemm: bool,
-) -> Vec<(&'static str, u64)> {
-    let f = 4u64;
-    let dec = n_slots.max(1) as u64;
-    let g = |b: u64| if gemm { b } else { 0 };
-    let q_out = d.n_head * d.hd;
-    vec![
-        // The normalised input shares `att`'s memory when it fits: xn lives from a norm to
-        // the products that read it, att from attention to the output projection, and the
-        // two never overlap.
-        (
-            "xn",
-            if q_out >= d.e {
-                0
-            } else {
-                f * (t * d.e) as u64
-            },
-        ),
-        ("xh", g(2 * (t * d.e.max(q_out)).max(t * d.k * d.f) as u64)),
-        ("tmp", g(f * (t * d.e) as u64)),
-        ("yd", g(f * (t * d.k * d.e) as u64)),
-        (
-            "sorted",
-            g(super::gemm::moe_scratch_bytes(t, d.k, d.n_expert)),
-        ),
-        ("inputs", 3 * 4 * t as u64),
-        ("n_ctx", 4 * t as u64),
-        ("x", f * (t * d.e) as u64),
-        ("q", f * (t * d.n_head * d.hd) as u64),
-        ("k", f * (t * d.n_head_kv * d.hd) as u64),
-        ("v", f * (t * d.n_head_kv * d.hd) as u64),
-        ("att", f * (t * d.n_head * d.hd) as u64),
-        ("part_o", f * dec * (d.n_head * att_splits * d.hd) as u64),
-        ("part_ms", f * dec * (d.n_head * att_splits * 2) as u64),
-        ("router", f * (t * d.n_expert) as u64),
-        ("ids", 4 * (t * d.k) as u64),
-        ("wts", f * (t * d.k) as u64),
-        ("h", f * (t * d.k * d.f) as u64),
-        ("logits", f * (logit_rows * d.vocab) as u64),
-        ("inv_freq", f * (d.n_rot / 2).max(1) as u64),
-    ]
-}
-
-/// Alignment of carved buffers (the kernels' widest loads are 16 bytes).
-const CARVE_ALIGN: u64 = 16;
-
-fn layout_bytes(l: &[(&'static str, u64)]) -> u64 {
-    l.iter().map(|(_, b)| align(*b, CARVE_ALIGN)).sum()
+impl Dims {
+    fn work(&self) -> WorkDims {
+        WorkDims {
+            e: self.e,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            hd: self.hd,
+            n_rot: self.n_rot,
+            n_expert: self.n_expert,
+            k: self.k,
+            f: self.f,
+            vocab: self.vocab,
+        }
+    }
 }
 
 impl CudaEngine {
-    /// Check `host` against `plan` and the GPU, allocate the planned arenas, upload the weights
-    /// and prepare every stage.
-    pub fn start(
+    /// Every start-up check that needs no GPU (fingerprint, architecture, pipeline, tensor
+    /// sizes, KV type, kernel limits, scratch fit), and the pass shape the scratch allows.
+    pub fn preflight(
         plan: &Plan,
-        host: Box<dyn HostModel>,
-        opts: CudaEngineOptions,
-    ) -> Result<Self, CudaEngineError> {
+        host: &dyn HostModel,
+        opts: &CudaEngineOptions,
+    ) -> Result<Preflight, CudaEngineError> {
         let inv = host.inventory();
-        load::check_fingerprint(plan, host.as_ref())?;
+        load::check_fingerprint(plan, host)?;
         if inv.arch != "qwen3moe" {
             return Err(plan_err(format!(
                 "architecture `{}` has no CUDA forward pass in this build (qwen3moe only)",
@@ -293,7 +273,7 @@ impl CudaEngine {
             ));
         }
         crate::bind::check_pipeline(plan, hp.n_layer).map_err(CudaEngineError::Plan)?;
-        load::check_tensors(plan, host.as_ref())?;
+        load::check_tensors(plan, host)?;
         let s = &plan.serve;
         if s.kv_resident < s.max_context {
             return Err(plan_err(format!(
@@ -381,9 +361,15 @@ impl CudaEngine {
             for dp in &plan.devices {
                 let have = dp.region_bytes(RegionKind::Scratch);
                 let n_layer = (dp.layer_end - dp.layer_first) as usize;
-                let fixed = fixed_bytes(&d, n_layer, f32_norms);
                 let need = |t: usize| {
-                    fixed + layout_bytes(&bufs_layout(&d, t, logit_rows, att_splits, n_slots, gemm))
+                    let p = Pass {
+                        tokens: t,
+                        logit_rows,
+                        att_splits,
+                        slots: n_slots,
+                        gemm,
+                    };
+                    workset::stage_bytes(&d.work(), n_layer, f32_norms, &p)
                 };
                 while max_tok > n_slots.max(1) && need(max_tok) > have {
                     max_tok = (max_tok / 2).max(n_slots.max(1));
@@ -416,11 +402,57 @@ impl CudaEngine {
                 }
             }
         };
-        if att_splits < full_splits {
+        Ok(Preflight {
+            max_tok,
+            gemm,
+            att_splits,
+            full_att_splits: full_splits,
+            ubatch,
+            d,
+            kv_ty,
+            kv_row_bytes,
+            rope,
+            n_slots,
+            ctx,
+            logit_rows,
+        })
+    }
+
+    /// Check `host` against `plan` and the GPU, allocate the planned arenas, upload the weights
+    /// and prepare every stage.
+    pub fn start(
+        plan: &Plan,
+        host: Box<dyn HostModel>,
+        opts: CudaEngineOptions,
+    ) -> Result<Self, CudaEngineError> {
+        let pf = Self::preflight(plan, host.as_ref(), &opts)?;
+        if pf.att_splits < pf.full_att_splits {
             eprintln!(
-                "note: the plan's scratch holds {att_splits} of {full_splits} decode-attention splits (a plan from an older strata-plan): decode at long contexts is slower until you re-plan"
+                "note: the plan's scratch holds {} of {} decode-attention splits (a plan from an older strata-plan): decode at long contexts is slower until you re-plan",
+                pf.att_splits, pf.full_att_splits
             );
         }
+        if pf.max_tok < pf.ubatch {
+            eprintln!(
+                "note: the plan's scratch holds prefill passes of {} of its {} ubatch tokens (a plan from an older strata-plan, or a smaller --ubatch would do): prompts run in {}-token passes until you re-plan",
+                pf.max_tok, pf.ubatch, pf.max_tok
+            );
+        }
+        let Preflight {
+            max_tok,
+            gemm,
+            att_splits,
+            ubatch,
+            d,
+            kv_ty,
+            kv_row_bytes,
+            rope,
+            n_slots,
+            ctx,
+            logit_rows,
+            ..
+        } = pf;
+        let s = &plan.serve;
 
         // The GPU, and whether the planned arenas fit it.
         let dev = CudaDevice::open(opts.gpu)?;
@@ -1040,18 +1072,6 @@ fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
     Ok((free as u64, total as u64))
 }
 
-/// Persistent scratch bytes of a stage: expert tables and converted norm vectors.
-fn fixed_bytes(d: &Dims, n_layer: usize, f32_norms: bool) -> u64 {
-    let a = |b: usize| align(b as u64, CARVE_ALIGN);
-    let tables = a(d.n_expert * 3 * 8) * n_layer as u64;
-    let norms = if f32_norms {
-        0
-    } else {
-        (a(d.e * 4) * 2 + a(d.hd * 4) * 2) * n_layer as u64 + a(d.e * 4)
-    };
-    tables + norms
-}
-
 /// Shape of a tensor as (matrices, rows, cols) from its GGUF dims.
 fn shape3(dims: &[u64]) -> (usize, usize, usize) {
     let cols = dims.first().copied().unwrap_or(1) as usize;
@@ -1413,13 +1433,15 @@ fn build_stage(
             stacks,
         });
     }
-    let lay = bufs_layout(
-        d,
-        sz.max_tok,
-        sz.logit_rows,
-        sz.att_splits,
-        sz.n_slots,
-        sz.gemm,
+    let lay = workset::buffers(
+        &d.work(),
+        &Pass {
+            tokens: sz.max_tok,
+            logit_rows: sz.logit_rows,
+            att_splits: sz.att_splits,
+            slots: sz.n_slots,
+            gemm: sz.gemm,
+        },
     );
     let mut bufs = Bufs::default();
     for (name, bytes) in lay {
@@ -1445,7 +1467,7 @@ fn build_stage(
             "tmp" => bufs.tmp = b,
             "yd" => bufs.yd = b,
             "sorted" => bufs.sorted = b,
-            _ => unreachable!("every buffer of bufs_layout is named here"),
+            _ => unreachable!("every buffer of workset::buffers is named here"),
         }
     }
     if d.n_head * d.hd >= d.e {

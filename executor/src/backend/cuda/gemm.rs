@@ -15,8 +15,9 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use strata_schemas::ggml::GgmlType;
 
-/// Tokens (or expert assignments) per CTA tile, and so per MoE tile (gemm.cu's GM_BN).
-pub const GEMM_BN: usize = 64;
+/// Tokens (or expert assignments) per CTA tile, and so per MoE tile (gemm.cu's GM_BN; the
+/// planner sizes the MoE tile list with it).
+pub const GEMM_BN: usize = strata_schemas::workset::MOE_TILE_TOKENS;
 /// Columns per pipeline stage (GM_BK).
 pub const GEMM_BK: usize = 64;
 /// Pipeline depth (GM_STAGES).
@@ -69,48 +70,9 @@ pub fn gemm_scratch_bytes(x_rows: usize, cols: usize) -> u64 {
     2 * x_rows as u64 * cols as u64
 }
 
-/// Where `moe_sort` puts its outputs inside one scratch view (byte offsets, 16-aligned):
-/// `offsets` i32 `[n_expert + 1]` (assignments of expert e are `perm[offsets[e] ..
-/// offsets[e + 1]]`; `offsets[n_expert]` counts the valid ones), `perm` i32 `[n_assign]`,
-/// `tiles` i32 pairs `(expert, first position)` `[max_tiles]`, `n_tiles` one i32.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MoeScratch {
-    pub n_assign: usize,
-    pub n_expert: usize,
-    /// Host upper bound of the tile count: `min(ceil(n_assign / GEMM_BN) + n_expert,
-    /// n_assign)`; it sizes the MoE grid.
-    pub max_tiles: usize,
-    pub offsets: u64,
-    pub perm: u64,
-    pub tiles: u64,
-    pub n_tiles: u64,
-    /// Total bytes.
-    pub bytes: u64,
-}
-
-impl MoeScratch {
-    /// The layout for `n_tok` tokens of `k` choices among `n_expert` experts.
-    pub fn new(n_tok: usize, k: usize, n_expert: usize) -> Self {
-        let n_assign = n_tok * k;
-        let max_tiles = (n_assign.div_ceil(GEMM_BN) + n_expert).min(n_assign);
-        let al = |b: u64| b.div_ceil(16) * 16;
-        let offsets = 0u64;
-        let perm = al(offsets + 4 * (n_expert as u64 + 1));
-        let tiles = al(perm + 4 * n_assign as u64);
-        let n_tiles = al(tiles + 8 * max_tiles as u64);
-        let bytes = al(n_tiles + 4);
-        Self {
-            n_assign,
-            n_expert,
-            max_tiles,
-            offsets,
-            perm,
-            tiles,
-            n_tiles,
-            bytes,
-        }
-    }
-}
+/// Where `moe_sort` puts its outputs inside one scratch view (the layout is the planner's
+/// too, so it lives with the engine's working set in `strata_schemas::workset`).
+pub use strata_schemas::workset::MoeScratch;
 
 /// Bytes of the scratch `moe_sort` writes and `moe_gemm` reads.
 pub fn moe_scratch_bytes(n_tok: usize, k: usize, n_expert: usize) -> u64 {

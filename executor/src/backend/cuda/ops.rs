@@ -17,16 +17,11 @@ pub const ATT_MAX_D: usize = 256;
 /// DA_MAXG).
 pub const ATT_MAX_GROUP: usize = 16;
 
-/// Splits of the decode attention for contexts up to `ctx` cells, as the plan's forward
-/// graph sizes them (one per `SPLIT_KV_CELLS_PER_SPLIT` = 16 cells, a `dq_attn_gqa`
-/// sub-chunk, at most 64). The kernel spreads each token's actual context over all of them,
-/// so a graph captured for `ctx` serves any shorter one.
-pub fn att_splits(ctx: usize) -> usize {
-    use strata_schemas::graph::{SPLIT_KV_CELLS_PER_SPLIT, SPLIT_KV_MAX_SPLITS};
-    (ctx as u64)
-        .div_ceil(SPLIT_KV_CELLS_PER_SPLIT)
-        .clamp(1, SPLIT_KV_MAX_SPLITS) as usize
-}
+/// Splits of the decode attention for contexts up to `ctx` cells (16 cells each, a
+/// `dq_attn_gqa` sub-chunk, at most 64; the plan sizes their partials). The kernel spreads
+/// each token's actual context over all of them, so a graph captured for `ctx` serves any
+/// shorter one.
+pub use strata_schemas::workset::att_splits;
 
 /// Largest top-k of the router kernel.
 pub const ROUTER_MAX_K: usize = 64;
