@@ -88,6 +88,15 @@ pub fn main(args: BenchArgs) {
         #[cfg(feature = "cuda")]
         Backend::Cuda => {
             let e = super::start_cuda_engine(&plan, host, &args.common).unwrap_or_else(|e| fail(e));
+            eprintln!(
+                "strata-exec bench: prefill in passes of up to {} tokens ({})",
+                e.pass_tokens(),
+                if e.grouped_prefill() {
+                    "tensor-core products"
+                } else {
+                    "matrix-vector kernels"
+                }
+            );
             let planned = e.planned_bytes();
             let (free, total) = e.mem_info().unwrap_or_else(|e| fail(e));
             memory = Some((planned, total - free));
