@@ -79,6 +79,21 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
         err.contains("fingerprint") && err.contains(&p.model.fingerprint),
         "{err}"
     );
+
+    // A device map for a plan the CPU backend runs.
+    let out = exe()
+        .arg(&plan_path)
+        .arg("--model")
+        .arg(data("base"))
+        .args(["--prompt-tokens", "1,2", "--device-map", "0,0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--device-map") && err.contains("CPU backend"),
+        "{err}"
+    );
 }
 
 fn json_run(args: &[&str]) -> serde_json::Value {

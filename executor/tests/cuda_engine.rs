@@ -1,7 +1,8 @@
 //! The CUDA engine end to end on the tiny reference models: the same greedy tokens as
 //! transformers and the CPU engine, logits within tolerance, for F32 safetensors and Q8_0 GGUF
 //! files, f16 and q8_0 KV, batched decode equal to one slot at a time, and layer splits over
-//! 2 and 3 planned devices mapped onto one GPU equal to the unsplit plan.
+//! 2 and 3 planned devices mapped onto one GPU equal to the unsplit plan (on one stream, and
+//! with a device object, stream and hand-off per stage as `--device-map 0,0,0` runs them).
 //! Needs a CUDA GPU: without one every test prints SKIP and returns (run them on the GPU
 //! machine: `cargo test -p strata-exec --release --test cuda_engine -- --test-threads=1`).
 
@@ -210,6 +211,7 @@ fn batched_decode_equals_one_slot_at_a_time() {
 
 #[test]
 fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
+    use strata_exec::backend::cuda::handoff::HandoffPolicy;
     if !gpu_present() {
         return;
     }
@@ -219,7 +221,7 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
     random_folder(&folder, 6, 128, 8, 2, 64, 300, 7);
     let inv = strata_plan::model::load_model(&folder).unwrap();
     let prompt: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % 300).collect();
-    let start = |ask: &Ask| {
+    let start = |ask: &Ask, opts: CudaEngineOptions| {
         let p = plan_inventory(
             "six",
             &inv,
@@ -230,13 +232,11 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
             },
         );
         let n = p.devices.len();
+        let arenas: u64 = p.devices.iter().map(|d| d.arena_bytes).sum();
         let host = Box::new(SafetensorsModel::open(&folder).unwrap());
-        (
-            n,
-            CudaEngine::start(&p, host, CudaEngineOptions::default()).unwrap(),
-        )
+        (n, arenas, CudaEngine::start(&p, host, opts).unwrap())
     };
-    let (_, mut one) = start(&Ask::default());
+    let (_, _, mut one) = start(&Ask::default(), CudaEngineOptions::default());
     let (l1, t1) = run(&mut one, 0, &prompt, 8);
     drop(one);
     for split in [vec![3], vec![2, 4]] {
@@ -245,14 +245,60 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
             split: Some(split.clone()),
             ..Ask::default()
         };
-        let (n, mut e) = start(&ask);
-        assert_eq!(n, split.len() + 1, "planned devices for split {split:?}");
-        let (l, t) = run(&mut e, 0, &prompt, 8);
-        let err = rel_err(&l, &l1, e.info().n_vocab);
-        eprintln!("{n} planned devices on one GPU ({split:?}): vs unsplit {err:e}");
-        assert_eq!(t, t1, "{split:?}: greedy tokens");
-        assert!(err < 1e-5, "{split:?}: {err}");
-        assert_eq!(e.allocations(), n as u64, "one arena per planned device");
+        let n = split.len() + 1;
+        // Every stage on one device object and stream; then each stage with a device object,
+        // stream and hand-off of its own (`--device-map 0,0[,0]`): a peer copy, and a copy
+        // through pinned host memory with and without graphs.
+        let map = Some(vec![0; n]);
+        let variants = [
+            ("one stream", CudaEngineOptions::default(), "same stream"),
+            (
+                "device map, peer",
+                CudaEngineOptions {
+                    device_map: map.clone(),
+                    ..CudaEngineOptions::default()
+                },
+                "peer copy",
+            ),
+            (
+                "device map, host",
+                CudaEngineOptions {
+                    device_map: map.clone(),
+                    handoff: HandoffPolicy::Host,
+                    ..CudaEngineOptions::default()
+                },
+                "pinned host",
+            ),
+            (
+                "device map, host, no graphs",
+                CudaEngineOptions {
+                    device_map: map.clone(),
+                    handoff: HandoffPolicy::Host,
+                    graphs: false,
+                    ..CudaEngineOptions::default()
+                },
+                "pinned host",
+            ),
+        ];
+        for (what, opts, link) in variants {
+            let (planned_n, arenas, mut e) = start(&ask, opts);
+            assert_eq!(planned_n, n, "planned devices for split {split:?}");
+            assert_eq!(e.handoffs(), vec![link; n - 1], "{what}");
+            let (l, t) = run(&mut e, 0, &prompt, 8);
+            let err = rel_err(&l, &l1, e.info().n_vocab);
+            eprintln!("{n} planned devices on one GPU ({split:?}, {what}): vs unsplit {err:e}");
+            assert_eq!(t, t1, "{split:?}, {what}: greedy tokens");
+            assert!(err < 1e-5, "{split:?}, {what}: {err}");
+            assert_eq!(e.allocations(), n as u64, "one arena per planned device");
+            let mem = e.device_memory().unwrap();
+            assert_eq!(mem.len(), 1, "{what}: one GPU");
+            assert_eq!(mem[0].1, arenas, "{what}: the planned arenas, all on GPU 0");
+            assert!(
+                mem[0].2 >= arenas,
+                "{what}: used {} < planned {arenas}",
+                mem[0].2
+            );
+        }
     }
 }
 
@@ -442,6 +488,21 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
     let pf = preflight("one-split scratch", &old, host.as_ref());
     assert_eq!(pf.att_splits, 1);
     assert_eq!(pf.full_att_splits, 16, "256 cells in 16-cell splits");
+    // A device map must name one GPU per planned device.
+    let p = plan_inventory("tiny-chat-moe", &inv, &chat, &chat_ask(2, 256, KvType::F16));
+    let opts = CudaEngineOptions {
+        device_map: Some(vec![0, 0]),
+        ..CudaEngineOptions::default()
+    };
+    match CudaEngine::preflight(&p, host.as_ref(), &opts) {
+        Err(CudaEngineError::Plan(m)) => assert!(
+            m.contains("--device-map lists 2 GPU(s) for a plan of 1 device(s)")
+                && m.contains("--device-map 0"),
+            "{m}"
+        ),
+        Ok(_) => panic!("a device map of 2 GPUs for a 1-device plan was accepted"),
+        Err(e) => panic!("a bad device map: {e}"),
+    }
     // The refusal sized the smallest pass, a decode batch: prompts then run 2 tokens a pass.
     assert_eq!(pf.max_tok, 2);
 }

@@ -83,7 +83,8 @@ pub fn main(args: BenchArgs) {
     let backend = backend_for(&plan, &args.common);
     let host = strata_exec::load::open_model(&model).unwrap_or_else(|e| fail(e));
     let t_load = Instant::now();
-    let mut memory: Option<(u64, u64)> = None;
+    // Per GPU in use: (ordinal, planned arena bytes on it, bytes in use on it).
+    let mut memory: Option<Vec<(usize, u64, u64)>> = None;
     let mut engine: Box<dyn Engine> = match backend {
         #[cfg(feature = "cuda")]
         Backend::Cuda => {
@@ -97,9 +98,15 @@ pub fn main(args: BenchArgs) {
                     "matrix-vector kernels"
                 }
             );
-            let planned = e.planned_bytes();
-            let (free, total) = e.mem_info().unwrap_or_else(|e| fail(e));
-            memory = Some((planned, total - free));
+            let links = e.handoffs();
+            if !links.is_empty() {
+                eprintln!(
+                    "strata-exec bench: {} stages, hand-offs: {}",
+                    links.len() + 1,
+                    links.join(", ")
+                );
+            }
+            memory = Some(e.device_memory().unwrap_or_else(|e| fail(e)));
             Box::new(e)
         }
         _ => super::start_engine(&plan, &model, &args.common),
@@ -151,8 +158,13 @@ pub fn main(args: BenchArgs) {
             "decode_tok_s": {"mean": tm, "sd": ts, "all": tgs},
             "allocated_bytes": engine.allocated_bytes(),
         });
-        if let Some((planned, used)) = memory {
-            j["device_memory"] = serde_json::json!({"planned_arenas": planned, "used": used});
+        if let Some(m) = &memory {
+            j["device_memory"] = m
+                .iter()
+                .map(|(gpu, planned, used)| {
+                    serde_json::json!({"gpu": gpu, "planned_arenas": planned, "used": used})
+                })
+                .collect();
         }
         println!("{j}");
     } else {
@@ -170,13 +182,16 @@ pub fn main(args: BenchArgs) {
                 args.n_gen
             );
         }
-        if let Some((planned, used)) = memory {
-            println!(
-                "device memory: {:.2} GiB used of which {:.2} GiB are the planned arenas ({:.2} GiB runtime: context, modules, graphs)",
-                used as f64 / (1u64 << 30) as f64,
-                planned as f64 / (1u64 << 30) as f64,
-                used.saturating_sub(planned) as f64 / (1u64 << 30) as f64
-            );
+        if let Some(m) = &memory {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            for (gpu, planned, used) in m {
+                println!(
+                    "device memory, GPU {gpu}: {:.2} GiB used of which {:.2} GiB are the planned arenas ({:.2} GiB runtime: context, modules, graphs)",
+                    gib(*used),
+                    gib(*planned),
+                    gib(used.saturating_sub(*planned))
+                );
+            }
         } else {
             println!(
                 "host arenas: {:.2} GiB allocated as planned",

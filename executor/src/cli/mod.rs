@@ -30,6 +30,17 @@ pub enum Backend {
     Cuda,
 }
 
+/// Stage-to-stage hand-off of a layer split run with `--device-map`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Handoff {
+    /// A peer copy where the GPUs reach each other (or are one GPU), else pinned host memory.
+    Auto,
+    /// Always a peer copy (the driver stages it when there is no direct path).
+    Peer,
+    /// Always through pinned host memory (the plan's staging chunks).
+    Host,
+}
+
 /// The options every command that runs a plan takes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlanArgs {
@@ -41,9 +52,22 @@ pub struct PlanArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
     /// CUDA device every planned device maps onto (a layer split over several planned
-    /// devices then runs on this one card).
+    /// devices then runs on this one card, all stages on one stream).
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
+    /// One CUDA device per planned device, in plan order: `--device-map 0,1,2` runs a
+    /// three-way layer split on three GPUs; `--device-map 0,0,0` runs each stage on GPU 0
+    /// with a stream and hand-off of its own (the multi-GPU code on one card).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        conflicts_with = "gpu",
+        value_name = "GPU,GPU,..."
+    )]
+    pub device_map: Option<Vec<usize>>,
+    /// How stages on separate device objects (`--device-map`) hand over the hidden state.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub handoff: Handoff,
     /// Launch decode kernels one by one instead of replaying a captured CUDA graph.
     #[arg(long)]
     pub no_graphs: bool,
@@ -66,13 +90,18 @@ pub fn open_plan(path: &Path, args: &PlanArgs) -> (Plan, PathBuf) {
     (plan, model)
 }
 
-/// The backend `args` asks for, resolved against the plan's devices.
+/// The backend `args` asks for, resolved against the plan's devices (exits 1 when
+/// `--device-map` is given for a plan the CPU backend runs).
 pub fn backend_for(plan: &Plan, args: &PlanArgs) -> Backend {
-    match args.backend {
+    let b = match args.backend {
         Backend::Auto if plan.devices.iter().any(|d| d.vendor == "nvidia") => Backend::Cuda,
         Backend::Auto => Backend::Cpu,
         b => b,
+    };
+    if b == Backend::Cpu && args.device_map.is_some() {
+        fail("--device-map maps planned devices onto CUDA GPUs, but this plan runs on the CPU backend: drop --device-map, or pass --backend cuda for a plan made for NVIDIA devices");
     }
+    b
 }
 
 /// Check and load `model` into the plan's memory on the chosen backend.
@@ -125,11 +154,18 @@ pub fn start_cuda_engine(
     strata_exec::backend::cuda::engine::CudaEngineError,
 > {
     use strata_exec::backend::cuda::engine::{CudaEngine, CudaEngineOptions};
+    use strata_exec::backend::cuda::handoff::HandoffPolicy;
     CudaEngine::start(
         plan,
         host,
         CudaEngineOptions {
             gpu: args.gpu,
+            device_map: args.device_map.clone(),
+            handoff: match args.handoff {
+                Handoff::Auto => HandoffPolicy::Auto,
+                Handoff::Peer => HandoffPolicy::Peer,
+                Handoff::Host => HandoffPolicy::Host,
+            },
             progress: !args.quiet,
             graphs: !args.no_graphs,
             prefill_gemm: !args.no_prefill_gemm,

@@ -8,6 +8,7 @@
 //! memory, scratch fit) all pass before the first arena is allocated; after start-up the
 //! engine allocates no device memory, and a stage's kernels touch only its own arena.
 
+use super::handoff::{HandoffPolicy, Link};
 use super::layout;
 use super::{drv, CudaDevice, CudaError, DeviceArena};
 use crate::backend::cpu::{Rope, Yarn};
@@ -36,10 +37,17 @@ pub enum CudaEngineError {
 }
 
 /// Start-up options.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct CudaEngineOptions {
-    /// CUDA device ordinal every planned device maps onto.
+    /// CUDA device ordinal every planned device maps onto (when `device_map` is None): one
+    /// device object and one stream for every stage.
     pub gpu: usize,
+    /// One CUDA ordinal per planned device: each stage gets a device object (context binding,
+    /// stream, kernels) of its own, even where ordinals repeat, and hands the hidden state
+    /// to the next through `handoff`.
+    pub device_map: Option<Vec<usize>>,
+    /// How stages on separate device objects hand over (see `handoff`).
+    pub handoff: HandoffPolicy,
     /// Draw a loading progress bar on stderr (only when it is a terminal).
     pub progress: bool,
     /// Capture decode steps in CUDA graphs.
@@ -53,6 +61,8 @@ impl Default for CudaEngineOptions {
     fn default() -> Self {
         Self {
             gpu: 0,
+            device_map: None,
+            handoff: HandoffPolicy::Auto,
             progress: false,
             graphs: true,
             prefill_gemm: true,
@@ -140,6 +150,8 @@ struct Bufs {
 
 struct Stage {
     arena: usize,
+    /// Index of its device object in `CudaEngine::devs`.
+    dev: usize,
     layers: Vec<Layer>,
     embd: Option<Mat>,
     out_norm: CUdeviceptr,
@@ -203,7 +215,9 @@ pub struct CudaEngine {
     host_in: Vec<i32>,
     logits: Vec<f32>,
     all_rows: Vec<f32>,
-    graphs: HashMap<usize, Graph>,
+    /// Captured decode steps by batch size: the whole step on one device object, or one
+    /// graph per stage when stages have device objects of their own.
+    graphs: HashMap<usize, Vec<Graph>>,
     use_graphs: bool,
     /// Prefill through the tensor-core products (else the matrix-vector kernels).
     gemm: bool,
@@ -214,7 +228,10 @@ pub struct CudaEngine {
     steps: u64,
     arenas: Vec<DeviceArena>,
     planned_bytes: u64,
-    dev: CudaDevice,
+    /// The hand-off into stage i + 1 (one per stage boundary).
+    links: Vec<Link>,
+    /// One device object shared by every stage, or one per stage (`--device-map`).
+    devs: Vec<CudaDevice>,
     #[allow(dead_code)]
     host: Box<dyn HostModel>,
 }
@@ -274,6 +291,17 @@ impl CudaEngine {
         }
         crate::bind::check_pipeline(plan, hp.n_layer).map_err(CudaEngineError::Plan)?;
         load::check_tensors(plan, host)?;
+        if let Some(map) = &opts.device_map {
+            if map.len() != plan.devices.len() {
+                let example: Vec<String> = (0..plan.devices.len()).map(|i| i.to_string()).collect();
+                return Err(plan_err(format!(
+                    "--device-map lists {} GPU(s) for a plan of {} device(s): give one CUDA ordinal per planned device, e.g. --device-map {}",
+                    map.len(),
+                    plan.devices.len(),
+                    example.join(",")
+                )));
+            }
+        }
         let s = &plan.serve;
         if s.kv_resident < s.max_context {
             return Err(plan_err(format!(
@@ -332,7 +360,7 @@ impl CudaEngine {
         let kv_width = d.n_head_kv * d.hd;
         let kv_row_bytes = crate::quant::row_bytes(kv_gg, kv_width)
             .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
-        let att_splits = super::ops::att_splits(ctx);
+        let full_splits = super::ops::att_splits(ctx);
         let logit_rows = n_slots.max(1);
 
         // The tensor-core prefill path: every projection and expert matrix Q8_0 or BF16
@@ -389,7 +417,6 @@ impl CudaEngine {
         };
         // A plan made before the forward graph sized 16-cell splits has room for fewer: run
         // with as many as fit (the same results; decode attention is slower at long contexts).
-        let full_splits = att_splits;
         let mut att_splits = full_splits;
         let (gemm, max_tok) = loop {
             match choose(att_splits) {
@@ -454,30 +481,51 @@ impl CudaEngine {
         } = pf;
         let s = &plan.serve;
 
-        // The GPU, and whether the planned arenas fit it.
-        let dev = CudaDevice::open(opts.gpu)?;
-        let (free, total) = mem_info(&dev)?;
+        // The GPUs: one device object for every stage, or one per stage (`--device-map`), and
+        // whether each GPU's free memory holds the arenas planned onto it.
+        let devs: Vec<CudaDevice> = match &opts.device_map {
+            None => vec![CudaDevice::open(opts.gpu)?],
+            Some(map) => map
+                .iter()
+                .map(|&o| CudaDevice::open(o))
+                .collect::<Result<_, _>>()?,
+        };
+        let mapped = opts.device_map.is_some();
+        let dev_of = |i: usize| if mapped { i } else { 0 };
         let planned: u64 = plan.devices.iter().map(|dp| dp.arena_bytes).sum();
-        if planned > free {
-            return Err(plan_err(format!(
-                "the plan's arenas need {planned} bytes on GPU {} ({}) but {free} of {total} are free: re-plan with a probe of this machine (strata-exec probe) or free the GPU",
-                opts.gpu,
-                dev.name()
-            )));
+        for (i, dev) in devs.iter().enumerate() {
+            if devs[..i].iter().any(|o| o.ordinal() == dev.ordinal()) {
+                continue;
+            }
+            let here: u64 = (0..plan.devices.len())
+                .filter(|&j| devs[dev_of(j)].ordinal() == dev.ordinal())
+                .map(|j| plan.devices[j].arena_bytes)
+                .sum();
+            let (free, total) = mem_info(dev)?;
+            if here > free {
+                return Err(plan_err(format!(
+                    "the plan's arenas need {here} bytes on GPU {} ({}) but {free} of {total} are free: re-plan with a probe of this machine (strata-exec probe), free the GPU, or map fewer planned devices onto it (--device-map)",
+                    dev.ordinal(),
+                    dev.name()
+                )));
+            }
         }
 
         // Every allocation, then the weights.
         let mut arenas = Vec::with_capacity(plan.devices.len());
-        for dp in &plan.devices {
-            arenas.push(dev.alloc_arena(&format!("device {}", dp.index), dp.arena_bytes)?);
+        for (i, dp) in plan.devices.iter().enumerate() {
+            arenas.push(
+                devs[dev_of(i)].alloc_arena(&format!("device {}", dp.index), dp.arena_bytes)?,
+            );
         }
-        upload_weights(plan, &dev, &arenas, host.as_ref(), opts.progress)?;
+        let arena_devs: Vec<&CudaDevice> = (0..arenas.len()).map(|i| &devs[dev_of(i)]).collect();
+        upload_weights(plan, &arena_devs, &arenas, host.as_ref(), opts.progress)?;
 
         let mut stages = Vec::with_capacity(plan.devices.len());
         for (i, arena) in arenas.iter().enumerate() {
             stages.push(build_stage(
                 plan,
-                &dev,
+                &devs[dev_of(i)],
                 arena,
                 i,
                 host.as_ref(),
@@ -493,8 +541,43 @@ impl CudaEngine {
                     kv_row_bytes,
                 },
             )?);
+            if let Some(st) = stages.last_mut() {
+                st.dev = dev_of(i);
+            }
         }
-        dev.synchronize()?;
+        // The hand-offs between stages; a staged one through the pinned host memory the plan
+        // sets aside for the receiving device.
+        let handoff_bytes = (max_tok * d.e * 4) as u64;
+        let mut links = Vec::with_capacity(stages.len().saturating_sub(1));
+        for i in 1..stages.len() {
+            let link = Link::choose(
+                opts.handoff,
+                &devs[dev_of(i - 1)],
+                &devs[dev_of(i)],
+                !mapped,
+                handoff_bytes,
+            )?;
+            if matches!(link, Link::Host(_)) {
+                let dp = &plan.devices[i];
+                let staged: u64 = plan
+                    .host
+                    .pinned_chunks
+                    .iter()
+                    .filter(|c| c.purpose == "staging" && c.device == dp.index)
+                    .map(|c| c.bytes)
+                    .sum();
+                if staged < handoff_bytes {
+                    return Err(plan_err(format!(
+                        "device {}: the plan's pinned staging holds {staged} bytes but a hand-off of {max_tok} tokens x {} floats through host memory needs {handoff_bytes}: re-plan with this strata-plan, or use --handoff peer",
+                        dp.index, d.e
+                    )));
+                }
+            }
+            links.push(link);
+        }
+        for dev in &devs {
+            dev.synchronize()?;
+        }
         Ok(Self {
             info: EngineInfo {
                 model_name: plan.model.name.clone(),
@@ -522,14 +605,57 @@ impl CudaEngine {
             steps: 0,
             arenas,
             planned_bytes: planned,
-            dev,
+            links,
+            devs,
             host,
         })
     }
 
-    /// The GPU.
+    /// The GPU of the first stage.
     pub fn device(&self) -> &CudaDevice {
-        &self.dev
+        &self.devs[0]
+    }
+
+    /// How each stage boundary hands over the hidden state (`same stream`, `peer copy` or
+    /// `pinned host`), first boundary first.
+    pub fn handoffs(&self) -> Vec<&'static str> {
+        self.links.iter().map(|l| l.kind()).collect()
+    }
+
+    /// Per GPU in use: (ordinal, bytes of the planned arenas on it, bytes in use on it now).
+    pub fn device_memory(&self) -> Result<Vec<(usize, u64, u64)>, CudaEngineError> {
+        let mut out: Vec<(usize, u64, u64)> = Vec::new();
+        for st in &self.stages {
+            let dev = &self.devs[st.dev];
+            let bytes = self.arenas[st.arena].size();
+            match out.iter_mut().find(|o| o.0 == dev.ordinal()) {
+                Some(o) => o.1 += bytes,
+                None => {
+                    let (free, total) = mem_info(dev)?;
+                    out.push((dev.ordinal(), bytes, total - free));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn dev(&self, st: &Stage) -> &CudaDevice {
+        &self.devs[st.dev]
+    }
+
+    fn kern(&self, st: &Stage) -> Kern<'_> {
+        Kern {
+            dev: self.dev(st),
+            prof: self.prof.as_ref(),
+        }
+    }
+
+    /// Waits for every stream.
+    fn sync_all(&self) -> Result<(), CudaEngineError> {
+        for dev in &self.devs {
+            dev.synchronize()?;
+        }
+        Ok(())
     }
 
     /// Whether prefill passes of at least 16 tokens run through the tensor-core products in
@@ -552,9 +678,9 @@ impl CudaEngine {
         self.planned_bytes
     }
 
-    /// Device memory (free, total) now.
+    /// Device memory (free, total) of the first stage's GPU now.
     pub fn mem_info(&self) -> Result<(u64, u64), CudaEngineError> {
-        Ok(mem_info(&self.dev)?)
+        Ok(mem_info(&self.devs[0])?)
     }
 
     /// Upload tokens/positions/slots of `n` tokens to every stage.
@@ -562,14 +688,15 @@ impl CudaEngine {
         let m = self.max_tok;
         for st in &self.stages {
             let bytes = &self.host_in[..3 * m];
-            self.dev.ctx_bind()?;
+            let dev = self.dev(st);
+            dev.ctx_bind()?;
             // SAFETY: `inputs` was carved with 3 * max_tok i32s; the host slice lives in
             // self and is not touched until the stream is synchronized after the step.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
                     st.bufs.inputs.ptr,
                     bytes,
-                    self.dev.stream().cu_stream(),
+                    dev.stream().cu_stream(),
                 )
             }
             .map_err(drv("cuMemcpyHtoDAsync(step inputs)"))?;
@@ -588,12 +715,43 @@ impl CudaEngine {
         head_first: usize,
         head_rows: usize,
     ) -> Result<(), CudaEngineError> {
+        for si in 0..self.stages.len() {
+            if si > 0 {
+                self.handoff(si, n)?;
+            }
+            self.stage_pass(si, n, decode, head_first, head_rows)?;
+        }
+        Ok(())
+    }
+
+    /// Queue the copy of the hidden state of `n` tokens from stage `si - 1` into stage `si`.
+    fn handoff(&self, si: usize, n: usize) -> Result<(), CudaEngineError> {
+        let (from, to) = (&self.stages[si - 1], &self.stages[si]);
+        let bytes = (n * self.d.e * 4) as u64;
+        self.links[si - 1].copy(
+            self.dev(from),
+            self.dev(to),
+            from.bufs.x.ptr,
+            to.bufs.x.ptr,
+            bytes,
+        )?;
+        Ok(())
+    }
+
+    /// Stage `si`'s layers over `n` tokens whose hidden state is in its `x` (the first stage
+    /// looks up the embedding), and the head when it is the last stage and `head_rows > 0`.
+    fn stage_pass(
+        &self,
+        si: usize,
+        n: usize,
+        decode: bool,
+        head_first: usize,
+        head_rows: usize,
+    ) -> Result<(), CudaEngineError> {
         let d = self.d;
-        let k = Kern {
-            dev: &self.dev,
-            prof: self.prof.as_ref(),
-        };
-        for (si, st) in self.stages.iter().enumerate() {
+        let st = &self.stages[si];
+        let k = self.kern(st);
+        {
             let b = &st.bufs;
             let m = self.max_tok as u64;
             let tok = b.inputs.ptr;
@@ -604,9 +762,6 @@ impl CudaEngine {
                     .embd
                     .ok_or_else(|| plan_err("the first stage holds no embedding"))?;
                 k.get_rows(e, tok, b.x.ptr, n)?;
-            } else {
-                let prev = &self.stages[si - 1].bufs.x;
-                k.dtod(prev.ptr, b.x.ptr, (n * d.e * 4) as u64)?;
             }
             k.ctx_from_pos(pos, b.n_ctx.ptr, n)?;
             for l in &st.layers {
@@ -640,8 +795,7 @@ impl CudaEngine {
                 k.moe(l, b, d, n)?;
             }
         }
-        if head_rows > 0 {
-            let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
+        if head_rows > 0 && si + 1 == self.stages.len() {
             let head = st
                 .head
                 .ok_or_else(|| plan_err("the last stage holds no head"))?;
@@ -667,10 +821,8 @@ impl CudaEngine {
         use super::gemm::{GemmTile, MoeInput, MOE_DEFAULT_TILE};
         let d = self.d;
         let b = &st.bufs;
-        let k = Kern {
-            dev: &self.dev,
-            prof: self.prof.as_ref(),
-        };
+        let k = self.kern(st);
+        let dev = self.dev(st);
         let arena = &self.arenas[st.arena];
         let base = arena.all().ptr();
         let v = |ptr: u64, len: u64| arena.view(ptr - base, len);
@@ -690,16 +842,14 @@ impl CudaEngine {
         ] {
             let w = v(m.ptr, mat_bytes(m.gty, rows, d.e)?)?;
             let y = v(out, f(n * rows))?;
-            k.timed("gemm_qkv", || {
-                self.dev.gemm(w, m.gty, rows, d.e, xn, n, y, xh)
-            })?;
+            k.timed("gemm_qkv", || dev.gemm(w, m.gty, rows, d.e, xn, n, y, xh))?;
         }
         k.rope_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
         let wo = v(l.o.ptr, mat_bytes(l.o.gty, d.e, q_out)?)?;
         let (att, tmp) = (v(b.att.ptr, f(n * q_out))?, v(b.tmp.ptr, f(n * d.e))?);
         k.timed("gemm_o", || {
-            self.dev.gemm(wo, l.o.gty, d.e, q_out, att, n, tmp, xh)
+            dev.gemm(wo, l.o.gty, d.e, q_out, att, n, tmp, xh)
         })?;
         // x += attention output; xn = RMSNorm(x) * ffn_norm.
         k.rmsnorm(
@@ -709,18 +859,16 @@ impl CudaEngine {
         k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
         let sorted = v(b.sorted.ptr, b.sorted.bytes)?;
         let ids = v(b.ids.ptr, (4 * n * d.k) as u64)?;
-        k.timed("moe_sort", || {
-            self.dev.moe_sort(ids, n, d.k, d.n_expert, sorted)
-        })?;
+        k.timed("moe_sort", || dev.moe_sort(ids, n, d.k, d.n_expert, sorted))?;
         let gu_bytes = mat_bytes(s.ty, d.f, d.e)?;
         let gu_span = s.gu_stride * (d.n_expert as u64 - 1) + gu_bytes;
         k.timed("gemm_convert_x", || {
-            self.dev.gemm_convert_x(xn, n, d.e, s.ty, xh)
+            dev.gemm_convert_x(xn, n, d.e, s.ty, xh)
         })?;
         let h = v(b.h.ptr, f(n * d.k * d.f))?;
         let (wg, wu) = (v(s.gate, gu_span)?, v(s.up, gu_span)?);
         k.timed("moe_gemm_glu", || {
-            self.dev.moe_gemm_converted_strided(
+            dev.moe_gemm_converted_strided(
                 GemmTile::M64,
                 wg,
                 Some(wu),
@@ -740,11 +888,11 @@ impl CudaEngine {
         let dn_bytes = mat_bytes(s.ty, d.e, d.f)?;
         let dn_span = s.down_stride * (d.n_expert as u64 - 1) + dn_bytes;
         k.timed("gemm_convert_x", || {
-            self.dev.gemm_convert_x(h, n * d.k, d.f, s.ty, xh)
+            dev.gemm_convert_x(h, n * d.k, d.f, s.ty, xh)
         })?;
         let (wd, yd) = (v(s.down, dn_span)?, v(b.yd.ptr, f(n * d.k * d.e))?);
         k.timed("moe_gemm_down", || {
-            self.dev.moe_gemm_converted_strided(
+            dev.moe_gemm_converted_strided(
                 MOE_DEFAULT_TILE,
                 wd,
                 None,
@@ -770,7 +918,7 @@ impl CudaEngine {
         let Some(p) = &self.prof else {
             return Ok(());
         };
-        self.dev.synchronize()?;
+        self.sync_all()?;
         let mut tot = self.prof_totals.borrow_mut();
         for (name, e0, e1) in p.borrow_mut().drain(..) {
             let ms = e0.elapsed_ms(&e1).map_err(drv("cuEventElapsedTime"))? as f64;
@@ -784,18 +932,21 @@ impl CudaEngine {
     fn logits_back(&mut self, rows: usize) -> Result<(), CudaEngineError> {
         let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
         let n = rows * self.d.vocab;
-        self.dev.ctx_bind()?;
+        let dev = &self.devs[st.dev];
+        dev.ctx_bind()?;
         // SAFETY: `logits` holds logit_rows x vocab floats on the device and rows <= logit_rows;
         // the host buffer is borrowed until the synchronize below.
         unsafe {
             cudarc::driver::result::memcpy_dtoh_async(
                 &mut self.logits[..n],
                 st.bufs.logits.ptr,
-                self.dev.stream().cu_stream(),
+                dev.stream().cu_stream(),
             )
         }
         .map_err(drv("cuMemcpyDtoHAsync(logits)"))?;
-        self.dev.synchronize()?;
+        // The last stage's stream waited for every earlier stage's hand-off; the others are
+        // synchronised too so that no stream still runs when the next step reuses buffers.
+        self.sync_all()?;
         Ok(())
     }
 
@@ -871,7 +1022,7 @@ impl CudaEngine {
                 }
                 _ => {
                     self.forward(c, false, 0, 0).map_err(internal)?;
-                    self.dev.synchronize().map_err(|e| internal(e.into()))?;
+                    self.sync_all().map_err(internal)?;
                 }
             }
             self.prof_collect(false).map_err(internal)?;
@@ -882,11 +1033,8 @@ impl CudaEngine {
 
     fn forward_head_only(&self, first: usize, rows: usize) -> Result<(), CudaEngineError> {
         let d = self.d;
-        let k = Kern {
-            dev: &self.dev,
-            prof: self.prof.as_ref(),
-        };
         let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
+        let k = self.kern(st);
         let head = st
             .head
             .ok_or_else(|| plan_err("the last stage holds no head"))?;
@@ -930,12 +1078,18 @@ impl CudaEngine {
         if self.use_graphs {
             if !self.graphs.contains_key(&n) {
                 let g = self.capture(n).map_err(internal)?;
-                self.graphs.insert(n, Graph(g));
+                self.graphs.insert(n, g);
             }
-            let g = &self.graphs[&n];
-            g.0.launch()
-                .map_err(drv("cuGraphLaunch"))
-                .map_err(|e| internal(e.into()))?;
+            let graphs = &self.graphs[&n];
+            for (si, g) in graphs.iter().enumerate() {
+                // One graph for the whole step, or one per stage with the hand-offs between.
+                if si > 0 {
+                    self.handoff(si, n).map_err(internal)?;
+                }
+                g.0.launch()
+                    .map_err(drv("cuGraphLaunch"))
+                    .map_err(|e| internal(e.into()))?;
+            }
         } else {
             self.forward(n, true, 0, n).map_err(internal)?;
         }
@@ -948,18 +1102,37 @@ impl CudaEngine {
         Ok(())
     }
 
-    fn capture(&self, n: usize) -> Result<CudaGraph, CudaEngineError> {
-        use cudarc::driver::sys;
-        let stream = self.dev.stream();
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(drv("cuStreamBeginCapture"))?;
-        let r = self.forward(n, true, 0, n);
-        let g = stream
-            .end_capture(sys::CUgraphInstantiate_flags_enum(0))
-            .map_err(drv("cuStreamEndCapture"));
-        r?;
-        g?.ok_or_else(|| plan_err("CUDA graph capture produced no graph"))
+    /// Capture a decode step of `n` slots: the whole step when every stage shares one device
+    /// object (hand-offs included), else one graph per stage on its own stream (the
+    /// hand-offs, ordered by events across streams, run between the replays).
+    fn capture(&self, n: usize) -> Result<Vec<Graph>, CudaEngineError> {
+        let one = |stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+                   run: &dyn Fn() -> Result<(), CudaEngineError>|
+         -> Result<Graph, CudaEngineError> {
+            use cudarc::driver::sys;
+            stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(drv("cuStreamBeginCapture"))?;
+            let r = run();
+            let g = stream
+                .end_capture(sys::CUgraphInstantiate_flags_enum(0))
+                .map_err(drv("cuStreamEndCapture"));
+            r?;
+            Ok(Graph(g?.ok_or_else(|| {
+                plan_err("CUDA graph capture produced no graph")
+            })?))
+        };
+        if self.devs.len() == 1 {
+            return Ok(vec![one(self.devs[0].stream(), &|| {
+                self.forward(n, true, 0, n)
+            })?]);
+        }
+        (0..self.stages.len())
+            .map(|si| {
+                let stream = self.dev(&self.stages[si]).stream();
+                one(stream, &|| self.stage_pass(si, n, true, 0, n))
+            })
+            .collect()
     }
 }
 
@@ -1080,10 +1253,11 @@ fn shape3(dims: &[u64]) -> (usize, usize, usize) {
     (mats, rows, cols)
 }
 
-/// Copy every device-placed tensor and every resident expert to its planned place.
+/// Copy every device-placed tensor and every resident expert to its planned place (arena i
+/// on `devs[i]`).
 fn upload_weights(
     plan: &Plan,
-    dev: &CudaDevice,
+    devs: &[&CudaDevice],
     arenas: &[DeviceArena],
     host: &dyn HostModel,
     progress: bool,
@@ -1122,7 +1296,7 @@ fn upload_weights(
             })
     };
     let mut tmp: Vec<u8> = Vec::new();
-    let mut put = |arena: &DeviceArena,
+    let mut put = |ai: usize,
                    offset: u64,
                    ty: GgmlType,
                    src: &[u8],
@@ -1133,8 +1307,8 @@ fn upload_weights(
         tmp.resize(src.len(), 0);
         layout::to_device(ty, src, mats, rows, cols, &mut tmp)
             .map_err(|e| CudaEngineError::Model(e.to_string()))?;
-        let view = arena.view(offset, src.len() as u64)?;
-        dev.htod(&tmp[..], view)?;
+        let view = arenas[ai].view(offset, src.len() as u64)?;
+        devs[ai].htod(&tmp[..], view)?;
         Ok(())
     };
     for t in &plan.tensors {
@@ -1152,7 +1326,7 @@ fn upload_weights(
             })?;
         let (mats, rows, cols) = shape3(&info.dims);
         put(
-            &arenas[arena_of(device)?],
+            arena_of(device)?,
             offset,
             info.ggml_type,
             data,
@@ -1190,7 +1364,7 @@ fn upload_weights(
                     )));
                 }
                 put(
-                    &arenas[ai],
+                    ai,
                     off,
                     info.ggml_type,
                     &data[e * per..(e + 1) * per],
@@ -1495,6 +1669,7 @@ fn build_stage(
     }
     Ok(Stage {
         arena: arena_index,
+        dev: 0,
         layers,
         embd: if dp.holds_embedding {
             Some(mat("token_embd.weight", d.vocab, d.e)?)
@@ -1622,20 +1797,6 @@ impl Kern<'_> {
     fn get_rows(&self, w: Mat, ids: u64, out: u64, n: usize) -> Result<(), CudaEngineError> {
         let n32 = n as u32;
         launch!(self, "dq_get_rows", cfg((n32, 1, 1), 256, 0); &w.ptr, &w.ty, &w.rows, &w.cols, &ids, &out)
-    }
-
-    fn dtod(&self, src: u64, dst: u64, bytes: u64) -> Result<(), CudaEngineError> {
-        // SAFETY: both ranges lie in live arenas (buffers of max_tok tokens).
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(
-                dst,
-                src,
-                bytes as usize,
-                self.dev.stream().cu_stream(),
-            )
-        }
-        .map_err(drv("cuMemcpyDtoDAsync(stage hand-off)"))?;
-        Ok(())
     }
 
     fn ctx_from_pos(&self, pos: u64, n_ctx: u64, n: usize) -> Result<(), CudaEngineError> {

@@ -10,6 +10,7 @@ pub mod compile;
 pub mod engine;
 pub mod flash;
 pub mod gemm;
+pub mod handoff;
 pub mod layout;
 pub mod ops;
 pub mod probe;
@@ -35,7 +36,7 @@ pub enum CudaError {
         #[source]
         source: DriverError,
     },
-    #[error("CUDA device {ordinal} does not exist: the driver reports {count} device(s); pick one with --gpu")]
+    #[error("CUDA device {ordinal} does not exist: the driver reports {count} device(s); pick one with --gpu (or list existing ones in --device-map)")]
     NoDevice { ordinal: usize, count: i32 },
     #[error("NVRTC {version} could not compile kernel module `{module}` (kernels {kernels:?}) for {arch}:\n{log}")]
     Compile {
@@ -217,6 +218,17 @@ impl CudaDevice {
             functions,
             modules_from_cache,
         })
+    }
+
+    /// The CUDA ordinal this device was opened as.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The device's context (the primary context of its ordinal, shared by every
+    /// `CudaDevice` opened on that ordinal).
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
     /// The device's name as the driver reports it.
