@@ -40,6 +40,7 @@ pub fn plan_json(plan: &Plan) -> Value {
                 },
                 "kv_layers": d.kv_layers,
                 "predicted_token_seconds": d.predicted_token_seconds,
+                "handoff_in": d.handoff_in,
             })
         })
         .collect();
@@ -162,7 +163,7 @@ pub fn plan_text(plan: &Plan) -> String {
     for d in &plan.devices {
         let planned = d.planned_bytes();
         o.push_str(&format!(
-            "\n  device {} {} ({}): layers [{}, {}){}{}{}{}\n",
+            "\n  device {} {} ({}): layers [{}, {}){}{}{}{}{}\n",
             d.index,
             d.name,
             gib(d.vram_bytes),
@@ -172,6 +173,11 @@ pub fn plan_text(plan: &Plan) -> String {
             if d.holds_head { " +head" } else { "" },
             if d.holds_mtp { " +mtp" } else { "" },
             if d.holds_vision { " +vision" } else { "" },
+            match d.handoff_in.as_str() {
+                "peer" => ", hidden state in by peer copy",
+                "host" => ", hidden state in through pinned host memory",
+                _ => "",
+            },
         ));
         for r in &d.regions {
             if r.bytes > 0 {

@@ -13,7 +13,7 @@ use crate::split::{best_split, check_bounds, ranges, Bounds};
 use crate::verify::verify_device;
 use strata_schemas::inventory::{ModelInventory, TensorRole, VisionSpec};
 use strata_schemas::plan::*;
-use strata_schemas::probe::{DeviceProbe, HardwareProbe, GIB, MIB};
+use strata_schemas::probe::{DeviceProbe, HardwareProbe, Vendor, GIB, MIB};
 use strata_schemas::profile::ExpertProfile;
 use strata_schemas::serve::{ExpertCache, LayerSplit, ServeSettings};
 
@@ -835,6 +835,7 @@ impl<'a> Solver<'a> {
                 kv_layers,
                 linear_layers,
                 predicted_token_seconds: secs,
+                handoff_in: handoff_in(i.checked_sub(1).map(|j| self.devices[j]), dev).into(),
             });
             let planned = device_plans.last().expect("just pushed");
             verify_device(planned)
@@ -1105,6 +1106,22 @@ pub fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / GIB as f64)
 }
 
+/// How the hidden state reaches `dev` from `prev`, the device before it in the split: "none"
+/// for the first device, "peer" when both are GPUs of one vendor and the probe lists `prev`
+/// among `dev`'s peers, else "host" (through pinned host memory; also every CPU device).
+fn handoff_in(prev: Option<&DeviceProbe>, dev: &DeviceProbe) -> &'static str {
+    let Some(prev) = prev else {
+        return "none";
+    };
+    let gpus = dev.vendor != Vendor::Cpu && dev.vendor == prev.vendor;
+    let reach = dev.peers.as_ref().is_some_and(|p| p.contains(&prev.index));
+    if gpus && reach {
+        "peer"
+    } else {
+        "host"
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1125,6 +1142,43 @@ mod tests {
             },
         };
         solve(&req).unwrap()
+    }
+
+    #[test]
+    fn the_hand_off_into_each_device_follows_the_probe_peers() {
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let s = ServeSettings {
+            max_context: 4096,
+            ..Default::default()
+        };
+        let three = || {
+            probe(
+                &[(24 * G, 900.0), (24 * G, 900.0), (24 * G, 900.0)],
+                128 * G,
+                120 * G,
+            )
+        };
+        let handoffs = |pr: &HardwareProbe| match run(&inv, pr, &s) {
+            Outcome::Planned(p) => p
+                .devices
+                .iter()
+                .map(|d| d.handoff_in.clone())
+                .collect::<Vec<_>>(),
+            Outcome::Infeasible(i) => panic!("{}", crate::report::infeasible_text(&i)),
+        };
+        // No peer lists in the probe: through host memory.
+        assert_eq!(handoffs(&three()), ["none", "host", "host"]);
+        // Device 1 reads device 0 directly; device 2 lists only device 0, not its predecessor.
+        let mut pr = three();
+        pr.devices[1].peers = Some(vec![0, 2]);
+        pr.devices[2].peers = Some(vec![0]);
+        assert_eq!(handoffs(&pr), ["none", "peer", "host"]);
+        // A CPU device never gets a peer copy.
+        let mut pr = three();
+        pr.devices[2].vendor = Vendor::Cpu;
+        pr.devices[2].peers = Some(vec![1]);
+        pr.devices[1].peers = Some(vec![0]);
+        assert_eq!(handoffs(&pr), ["none", "peer", "host"]);
     }
 
     #[test]

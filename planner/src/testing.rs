@@ -57,6 +57,7 @@ pub fn probe(devices: &[(u64, f64)], ram: u64, available: u64) -> HardwareProbe 
                 h2d_gbps: Some(25.0),
                 pcie_gen: None,
                 pcie_width: None,
+                peers: None,
             })
             .collect(),
     }

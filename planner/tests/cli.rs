@@ -232,6 +232,14 @@ fn seed004_three_3060s_honour_the_split_with_bounded_pinned_chunks() {
         .map(|d| (u(&d["layers"][0]), u(&d["layers"][1])))
         .collect();
     assert_eq!(layers, vec![(0, 16), (16, 32), (32, 48)]);
+    // The catalogue's 3060 probe lists no peers: hand-offs go through pinned host memory.
+    let handoffs: Vec<&str> = j["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["handoff_in"].as_str().unwrap())
+        .collect();
+    assert_eq!(handoffs, ["none", "host", "host"]);
     let h = &j["host"];
     assert!(
         u(&h["pinned_chunk_max_bytes"]) <= 256 << 20,

@@ -134,6 +134,11 @@ pub struct DevicePlan {
     pub linear_layers: Vec<u32>,
     /// Predicted seconds this device spends per decoded token at batch 1.
     pub predicted_token_seconds: f64,
+    /// How the hidden state arrives from the previous device of a layer split: "none" (the
+    /// first device), "peer" (a device-to-device copy: both GPUs of one vendor and the probe
+    /// lists the previous one among this one's `peers`) or "host" (through this device's
+    /// pinned `staging` chunks).
+    pub handoff_in: String,
 }
 
 impl DevicePlan {

@@ -584,6 +584,7 @@ pub mod testing {
             kv_layers: (first..end).step_by(4).collect(),
             linear_layers: (first..end).filter(|l| l % 4 != 0).collect(),
             predicted_token_seconds: 0.0125,
+            handoff_in: if index == 0 { "none" } else { "peer" }.into(),
         };
         Plan {
             model: PlanModel {

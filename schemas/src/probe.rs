@@ -81,6 +81,10 @@ pub struct DeviceProbe {
     pub pcie_gen: Option<u32>,
     #[serde(default)]
     pub pcie_width: Option<u32>,
+    /// Indices of the devices whose memory this one reads directly (CUDA peer access, from
+    /// `strata-exec probe`); absent = unknown, planned as none (hand-offs through host memory).
+    #[serde(default)]
+    pub peers: Option<Vec<u32>>,
 }
 
 impl DeviceProbe {

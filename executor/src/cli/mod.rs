@@ -52,12 +52,15 @@ pub struct PlanArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
     /// CUDA device every planned device maps onto (a layer split over several planned
-    /// devices then runs on this one card, all stages on one stream).
-    #[arg(long, default_value_t = 0)]
-    pub gpu: usize,
+    /// devices then runs on this one card, all stages on one stream) [default: 0, or the
+    /// plan's own GPUs for a plan over several NVIDIA devices].
+    #[arg(long)]
+    pub gpu: Option<usize>,
     /// One CUDA device per planned device, in plan order: `--device-map 0,1,2` runs a
     /// three-way layer split on three GPUs; `--device-map 0,0,0` runs each stage on GPU 0
-    /// with a stream and hand-off of its own (the multi-GPU code on one card).
+    /// with a stream and hand-off of its own (the multi-GPU code on one card). Without it
+    /// and without --gpu, a plan over several NVIDIA devices runs on the GPUs it was planned
+    /// for (their probe indices).
     #[arg(
         long,
         value_delimiter = ',',
@@ -143,6 +146,21 @@ fn start_cuda(
         .map_err(|e| e.to_string())
 }
 
+/// Which CUDA GPU each planned device runs on: `--device-map` as given; none (everything on
+/// one `--gpu`) when --gpu is given or the plan has one device; else the plan's own device
+/// indices, which `strata-exec probe` took from the CUDA ordinals.
+#[cfg(feature = "cuda")]
+fn device_map(plan: &Plan, args: &PlanArgs) -> Option<Vec<usize>> {
+    if let Some(m) = &args.device_map {
+        return Some(m.clone());
+    }
+    let gpus = plan.devices.iter().filter(|d| d.vendor == "nvidia").count();
+    if args.gpu.is_some() || plan.devices.len() < 2 || gpus != plan.devices.len() {
+        return None;
+    }
+    Some(plan.devices.iter().map(|d| d.index as usize).collect())
+}
+
 /// The CUDA engine itself (bench reads its device memory).
 #[cfg(feature = "cuda")]
 pub fn start_cuda_engine(
@@ -159,8 +177,8 @@ pub fn start_cuda_engine(
         plan,
         host,
         CudaEngineOptions {
-            gpu: args.gpu,
-            device_map: args.device_map.clone(),
+            gpu: args.gpu.unwrap_or(0),
+            device_map: device_map(plan, args),
             handoff: match args.handoff {
                 Handoff::Auto => HandoffPolicy::Auto,
                 Handoff::Peer => HandoffPolicy::Peer,

@@ -249,6 +249,12 @@ fn write_cuda_device(out: &mut String, m: &strata_exec::backend::cuda::probe::De
     }
     let _ = writeln!(
         out,
+        "# devices whose memory this one reads directly (cuDeviceCanAccessPeer): a layer split's hand-off between them is a peer copy"
+    );
+    let peers: Vec<String> = m.peers.iter().map(|p| p.to_string()).collect();
+    let _ = writeln!(out, "peers = [{}]", peers.join(", "));
+    let _ = writeln!(
+        out,
         "# kernel modules opened in {:.1}s ({} from the disk cache)",
         m.open_seconds, m.modules_from_cache
     );

@@ -81,6 +81,7 @@ pub fn cpu_probe(n: usize) -> HardwareProbe {
                 h2d_gbps: Some(20.0),
                 pcie_gen: None,
                 pcie_width: None,
+                peers: None,
             })
             .collect(),
     }

@@ -39,6 +39,7 @@ fn cpu_probe() -> HardwareProbe {
             h2d_gbps: Some(20.0),
             pcie_gen: None,
             pcie_width: None,
+            peers: None,
         }],
     }
 }

@@ -555,6 +555,7 @@ impl CudaEngine {
                 &devs[dev_of(i - 1)],
                 &devs[dev_of(i)],
                 !mapped,
+                &plan.devices[i].handoff_in,
                 handoff_bytes,
             )?;
             if matches!(link, Link::Host(_)) {

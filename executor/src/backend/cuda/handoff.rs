@@ -14,8 +14,9 @@ use cudarc::driver::sys;
 /// How stages on separate device objects hand over the hidden state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HandoffPolicy {
-    /// A peer copy where the GPUs can reach each other (or are the same GPU), else staged
-    /// through pinned host memory.
+    /// What the plan chose for the receiving device (`handoff_in`: a peer copy where the
+    /// probe said the GPUs reach each other, else pinned host memory); a peer copy when both
+    /// stages are on the same GPU.
     #[default]
     Auto,
     /// Always a peer copy (the driver stages it itself when there is no direct path).
@@ -70,28 +71,32 @@ pub(crate) enum Link {
 
 impl Link {
     /// The link from `from` to `to` for hand-offs of up to `bytes`. `shared`: both stages use
-    /// the same device object.
+    /// the same device object; `planned`: the plan's `handoff_in` of the receiving device.
     pub(crate) fn choose(
         policy: HandoffPolicy,
         from: &CudaDevice,
         to: &CudaDevice,
         shared: bool,
+        planned: &str,
         bytes: u64,
     ) -> Result<Self, CudaError> {
         if shared {
             return Ok(Link::Same);
         }
-        let direct = from.ordinal() == to.ordinal() || can_access_peer(to, from)?;
-        match policy {
-            HandoffPolicy::Host => Ok(Link::Host(pinned(to, bytes)?)),
-            HandoffPolicy::Auto if !direct => Ok(Link::Host(pinned(to, bytes)?)),
-            HandoffPolicy::Auto | HandoffPolicy::Peer => {
-                if direct && from.ordinal() != to.ordinal() {
-                    enable_peer_access(to, from)?;
-                }
-                Ok(Link::Peer)
-            }
+        let same_gpu = from.ordinal() == to.ordinal();
+        let peer = match policy {
+            HandoffPolicy::Host => false,
+            HandoffPolicy::Peer => true,
+            HandoffPolicy::Auto => same_gpu || planned == "peer",
+        };
+        if !peer {
+            return Ok(Link::Host(pinned(to, bytes)?));
         }
+        // Direct access where the GPUs allow it; else the driver stages the peer copy.
+        if !same_gpu && can_access_peer(to, from)? {
+            enable_peer_access(to, from)?;
+        }
+        Ok(Link::Peer)
     }
 
     /// What the link does, for reports: `same stream`, `peer copy` or `pinned host`.

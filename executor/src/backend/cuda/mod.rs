@@ -36,7 +36,7 @@ pub enum CudaError {
         #[source]
         source: DriverError,
     },
-    #[error("CUDA device {ordinal} does not exist: the driver reports {count} device(s); pick one with --gpu (or list existing ones in --device-map)")]
+    #[error("CUDA device {ordinal} does not exist: the driver reports {count} device(s); pick one with --gpu N (every planned device on GPU N) or give one existing GPU per planned device with --device-map (a plan over several GPUs runs on its own device indices by default)")]
     NoDevice { ordinal: usize, count: i32 },
     #[error("NVRTC {version} could not compile kernel module `{module}` (kernels {kernels:?}) for {arch}:\n{log}")]
     Compile {

@@ -63,6 +63,9 @@ pub struct DeviceMeasure {
     pub open_seconds: f64,
     /// Kernel modules served by the disk cache at open.
     pub modules_from_cache: usize,
+    /// Ordinals of the other devices whose memory this one can read directly
+    /// (`cuDeviceCanAccessPeer`).
+    pub peers: Vec<u32>,
     /// Why something above is None, or anything odd seen while measuring.
     pub notes: Vec<String>,
 }
@@ -266,6 +269,7 @@ fn measure_inner(
     };
 
     drop((graph, blas));
+    let peers = peers_of(ordinal)?;
     Ok(DeviceMeasure {
         ordinal: ordinal as u32,
         name,
@@ -281,8 +285,36 @@ fn measure_inner(
         d2d_gbps,
         open_seconds,
         modules_from_cache: dev.modules_from_cache,
+        peers,
         notes,
     })
+}
+
+/// Ordinals of the other CUDA devices that device `ordinal` can read directly.
+fn peers_of(ordinal: usize) -> Result<Vec<u32>, CudaError> {
+    use cudarc::driver::sys;
+    let n = CudaContext::device_count().map_err(drv("cuDeviceGetCount"))?;
+    let handle = |o: usize| -> Result<sys::CUdevice, CudaError> {
+        let mut d = 0;
+        // SAFETY: writes one device handle; `o` is below the driver's device count.
+        unsafe { sys::cuDeviceGet(&mut d, o as i32) }
+            .result()
+            .map_err(drv(format!("cuDeviceGet({o})")))?;
+        Ok(d)
+    };
+    let me = handle(ordinal)?;
+    let mut out = Vec::new();
+    for o in (0..n.max(0) as usize).filter(|&o| o != ordinal) {
+        let mut ok = 0;
+        // SAFETY: writes one int; both handles come from cuDeviceGet above.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut ok, me, handle(o)?) }
+            .result()
+            .map_err(drv("cuDeviceCanAccessPeer"))?;
+        if ok != 0 {
+            out.push(o as u32);
+        }
+    }
+    Ok(out)
 }
 
 /// A cuBLAS handle on the compute stream runs one 256x256 SGEMM, which makes it allocate its
