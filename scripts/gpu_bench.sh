@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine: the CUDA test suites, then the Qwen3-30B-A3B-shaped Q8_0 benchmark
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
-# in the same run. Binaries come from target/gpu/ (built on the dev box:
-# `cargo build --release -p strata-exec -p strata-tools -p strata-plan` and the test
-# binaries from `cargo test --release -p strata-exec --no-run --test cuda_engine --test cuda_ops`).
-# Usage: scripts/gpu_bench.sh [tests|serve|bench|torch|all] [OUTDIR]
+# in the same run. Binaries come from target/gpu/ (built on the dev box by
+# scripts/build_gpu.sh; carry target/gpu with the device tool).
+# Usage: scripts/gpu_bench.sh [tests|serve|bench|split|torch|all] [OUTDIR]
+# (split: the same file planned over two H200s, run on this one GPU with a device object per
+# stage, hand-offs by peer copy and by pinned host memory, and on one shared stream.)
 # (serve needs the `openai` package; on the GPU machine carry it as wheels in .whl/ and put
 # them on PYTHONPATH first, as the device README says.)
 set -uo pipefail
@@ -38,6 +39,17 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 --batch 1 -o /tmp/q30.plan | tail -25
     echo "== strata-exec bench"
     $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 | tee "$out/bench.txt"
+fi
+if [ "$what" = split ] || [ "$what" = all ]; then
+    m=/tmp/q30-q8_0.gguf
+    [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
+    $bin/strata-plan --hardware plans/hardware/h200-x2.toml --model $m --max-context 4096 \
+        --batch 1 --layer-split 24 -o /tmp/q30-split.plan | grep -E "device|hidden" | head -6
+    for flags in "--device-map 0,0" "--device-map 0,0 --handoff host" "--gpu 0"; do
+        echo "== strata-exec bench (2-way split on one GPU, $flags)"
+        $bin/strata-exec bench /tmp/q30-split.plan -p 512 -n 128 -r 3 -q $flags 2>&1 |
+            tee -a "$out/split.txt"
+    done
 fi
 if [ "$what" = torch ] || [ "$what" = all ]; then
     echo "== PyTorch baseline"
