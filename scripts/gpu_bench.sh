@@ -43,11 +43,16 @@ fi
 if [ "$what" = split ] || [ "$what" = all ]; then
     m=/tmp/q30-q8_0.gguf
     [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
-    $bin/strata-plan --hardware plans/hardware/h200-x2.toml --model $m --max-context 4096 \
-        --batch 1 --layer-split 24 -o /tmp/q30-split.plan | grep -E "device|hidden" | head -6
-    for flags in "--device-map 0,0" "--device-map 0,0 --handoff host" "--gpu 0"; do
-        echo "== strata-exec bench (2-way split on one GPU, $flags)"
-        $bin/strata-exec bench /tmp/q30-split.plan -p 512 -n 128 -r 3 -q $flags 2>&1 |
+    # Planned with NVLink peers (peer copy), and without (through pinned host memory).
+    grep -v '^peers' plans/hardware/h200-x2.toml >/tmp/h200-x2-nopeers.toml
+    for hw in plans/hardware/h200-x2.toml /tmp/h200-x2-nopeers.toml; do
+        $bin/strata-plan --hardware $hw --model $m --max-context 4096 --batch 1 \
+            --layer-split 24 -o /tmp/q30-split-$(basename $hw .toml).plan | grep -E "^  device" | head -4
+    done
+    for run in "h200-x2 --device-map 0,0" "h200-x2-nopeers --device-map 0,0" "h200-x2 --gpu 0"; do
+        set -- $run
+        echo "== strata-exec bench (2-way split on one GPU: plan $1, ${*:2})"
+        $bin/strata-exec bench /tmp/q30-split-$1.plan -p 512 -n 128 -r 3 -q "${@:2}" 2>&1 |
             tee -a "$out/split.txt"
     done
 fi

@@ -790,7 +790,10 @@ impl<'a> Solver<'a> {
             if slots[i] < dem.experts_here {
                 staging += 2 * dem.slot_bytes;
             }
-            if nd > 1 {
+            // The hidden state arriving through host memory (double-buffered); a peer copy
+            // and the first device need none.
+            let handoff = handoff_in(i.checked_sub(1).map(|j| self.devices[j]), dev);
+            if handoff == "host" {
                 staging += 2 * self.sizing.step_tokens(c.slots) * hp.n_embd * 4;
             }
             push_chunks(
@@ -835,7 +838,7 @@ impl<'a> Solver<'a> {
                 kv_layers,
                 linear_layers,
                 predicted_token_seconds: secs,
-                handoff_in: handoff_in(i.checked_sub(1).map(|j| self.devices[j]), dev).into(),
+                handoff_in: handoff.into(),
             });
             let planned = device_plans.last().expect("just pushed");
             verify_device(planned)
@@ -1173,6 +1176,23 @@ mod tests {
         pr.devices[1].peers = Some(vec![0, 2]);
         pr.devices[2].peers = Some(vec![0]);
         assert_eq!(handoffs(&pr), ["none", "peer", "host"]);
+        // Pinned hand-off staging only where the state arrives through host memory: two
+        // buffers of a 512-token step of 2048 floats (every expert is resident, so no expert
+        // staging either).
+        let Outcome::Planned(p) = run(&inv, &pr, &s) else {
+            panic!("planned above")
+        };
+        let staged: Vec<u64> = (0..3)
+            .map(|d| {
+                p.host
+                    .pinned_chunks
+                    .iter()
+                    .filter(|c| c.purpose == "staging" && c.device == d)
+                    .map(|c| c.bytes)
+                    .sum()
+            })
+            .collect();
+        assert_eq!(staged, [0, 0, 2 * 512 * 2048 * 4]);
         // A CPU device never gets a peer copy.
         let mut pr = three();
         pr.devices[2].vendor = Vendor::Cpu;
