@@ -106,6 +106,12 @@ pub fn main(args: BenchArgs) {
                     links.join(", ")
                 );
             }
+            for (i, ((gpu, bytes), dp)) in e.arenas().iter().zip(&plan.devices).enumerate() {
+                eprintln!(
+                    "strata-exec bench: planned device {i} (index {}) on GPU {gpu}: arena {bytes} bytes allocated, {} planned",
+                    dp.index, dp.arena_bytes
+                );
+            }
             memory = Some(e.device_memory().unwrap_or_else(|e| fail(e)));
             Box::new(e)
         }

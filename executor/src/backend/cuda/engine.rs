@@ -623,6 +623,15 @@ impl CudaEngine {
         self.links.iter().map(|l| l.kind()).collect()
     }
 
+    /// Per planned device, in plan order: (CUDA ordinal it runs on, bytes of its allocated
+    /// arena).
+    pub fn arenas(&self) -> Vec<(usize, u64)> {
+        self.stages
+            .iter()
+            .map(|st| (self.devs[st.dev].ordinal(), self.arenas[st.arena].size()))
+            .collect()
+    }
+
     /// Per GPU in use: (ordinal, bytes of the planned arenas on it, bytes in use on it now).
     pub fn device_memory(&self) -> Result<Vec<(usize, u64, u64)>, CudaEngineError> {
         let mut out: Vec<(usize, u64, u64)> = Vec::new();
