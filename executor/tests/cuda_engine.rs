@@ -232,7 +232,7 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
             },
         );
         let n = p.devices.len();
-        let arenas: u64 = p.devices.iter().map(|d| d.arena_bytes).sum();
+        let arenas: Vec<u64> = p.devices.iter().map(|d| d.arena_bytes).collect();
         let host = Box::new(SafetensorsModel::open(&folder).unwrap());
         (n, arenas, CudaEngine::start(&p, host, opts).unwrap())
     };
@@ -290,12 +290,17 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
             assert_eq!(t, t1, "{split:?}, {what}: greedy tokens");
             assert!(err < 1e-5, "{split:?}, {what}: {err}");
             assert_eq!(e.allocations(), n as u64, "one arena per planned device");
+            // Each planned device's arena as planned, all on GPU 0, and the GPU's use at least
+            // their sum.
+            let want: Vec<(usize, u64)> = arenas.iter().map(|&b| (0, b)).collect();
+            assert_eq!(e.arenas(), want, "{what}: arenas per planned device");
+            let total: u64 = arenas.iter().sum();
             let mem = e.device_memory().unwrap();
             assert_eq!(mem.len(), 1, "{what}: one GPU");
-            assert_eq!(mem[0].1, arenas, "{what}: the planned arenas, all on GPU 0");
+            assert_eq!(mem[0].1, total, "{what}: the planned arenas, all on GPU 0");
             assert!(
-                mem[0].2 >= arenas,
-                "{what}: used {} < planned {arenas}",
+                mem[0].2 >= total,
+                "{what}: used {} < planned {total}",
                 mem[0].2
             );
         }
