@@ -33,7 +33,8 @@ pub enum Backend {
 /// Stage-to-stage hand-off of a layer split run with `--device-map`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Handoff {
-    /// A peer copy where the GPUs reach each other (or are one GPU), else pinned host memory.
+    /// What the plan chose (its `handoff_in`: a peer copy where the probe found the GPUs
+    /// reach each other, else pinned host memory); a peer copy when both stages share a GPU.
     Auto,
     /// Always a peer copy (the driver stages it when there is no direct path).
     Peer,
