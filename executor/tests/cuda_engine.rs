@@ -54,6 +54,19 @@ fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine 
     CudaEngine::start(&p, host, CudaEngineOptions::default()).unwrap()
 }
 
+/// The CPU engine on `gguf`, planned from the file itself with `ask` on CPU devices (the
+/// reference the GPU runs of the same file are compared with).
+fn cpu_on_gguf(variant: &str, gguf: &std::path::Path, ask: &Ask) -> strata_exec::exec::PlanEngine {
+    let inv = strata_plan::model::load_model(gguf).unwrap();
+    let cp = plan_inventory(variant, &inv, gguf, ask);
+    strata_exec::exec::PlanEngine::start(
+        &cp,
+        open_model(gguf).unwrap(),
+        strata_exec::exec::EngineOptions::default(),
+    )
+    .unwrap()
+}
+
 /// Prompt logits (every position) and a greedy continuation of `n` tokens.
 fn run(e: &mut dyn Engine, slot: usize, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>) {
     let ub = e.info().ubatch;
@@ -145,14 +158,7 @@ fn q8_0_gguf_and_q8_0_kv_match_the_cpu_engine() {
             ..Ask::default()
         };
         let mut g = cuda("base", &ask, Some(&gguf));
-        let inv = strata_plan::model::load_model(&gguf).unwrap();
-        let cp = plan_inventory("base", &inv, &gguf, &ask);
-        let mut c = strata_exec::exec::PlanEngine::start(
-            &cp,
-            open_model(&gguf).unwrap(),
-            strata_exec::exec::EngineOptions::default(),
-        )
-        .unwrap();
+        let mut c = cpu_on_gguf("base", &gguf, &ask);
         let v = g.info().n_vocab;
         for (pi, prompt) in prompts(&r).iter().enumerate() {
             g.reset_slot(0);
@@ -348,13 +354,7 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
     );
     let mut mv = start(false);
     assert!(!mv.grouped_prefill());
-    let cp = plan_inventory("base", &inv, &gguf, &ask);
-    let mut c = strata_exec::exec::PlanEngine::start(
-        &cp,
-        open_model(&gguf).unwrap(),
-        strata_exec::exec::EngineOptions::default(),
-    )
-    .unwrap();
+    let mut c = cpu_on_gguf("base", &gguf, &ask);
     let prompt: Vec<u32> = (0..29).map(|i| (i * 53 + 11) % 256).collect();
     let v = tc.info().n_vocab;
     let (lt, tt) = run(&mut tc, 0, &prompt, 8);
@@ -560,14 +560,7 @@ fn head_dim_128_random_model_matches_the_cpu_engine() {
             ..Ask::default()
         };
         let mut g = cuda("hd128", &ask, Some(&gguf));
-        let inv = strata_plan::model::load_model(&gguf).unwrap();
-        let cp = plan_inventory("hd128", &inv, &gguf, &ask);
-        let mut c = strata_exec::exec::PlanEngine::start(
-            &cp,
-            open_model(&gguf).unwrap(),
-            strata_exec::exec::EngineOptions::default(),
-        )
-        .unwrap();
+        let mut c = cpu_on_gguf("hd128", &gguf, &ask);
         let v = g.info().n_vocab;
         // Teacher-forced decode: both engines see the same tokens, so every step's logits
         // are comparable even if a greedy choice differed.
