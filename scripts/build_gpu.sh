@@ -3,17 +3,26 @@
 # target/gpu/ — the release strata-exec, strata-plan and strata-gguf, and the CUDA test
 # binaries (cuda_ops, cuda_flash, cuda_gemm, cuda_engine) — then carry target/gpu to the GPU
 # machine and run `scripts/gpu_bench.sh all "$OUT"` there.
-# Invariant: target/gpu holds exactly one binary per test suite, all from this checkout, and
-# fits the device tool's 64 MiB carry limit.
+#
+# usage: scripts/build_gpu.sh [PATCH]
+#   PATCH (e.g. patches/prefill-router-sgemm.patch): also build strata-exec, cuda_ops and
+#   cuda_engine with it applied into target/gpu/patch/, so that one GPU call checks and
+#   benchmarks main and the patch side by side (`gpu_bench.sh patch`). The patch is applied
+#   to this working tree for the build and always reversed afterwards.
+# Invariant: target/gpu holds one binary per test suite, all from this checkout (plus the
+# patch's under target/gpu/patch), and fits the device tool's 64 MiB carry limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -p strata-exec -p strata-plan -p strata-tools --bins
-tests=(cuda_ops cuda_flash cuda_gemm cuda_engine)
-args=()
-for t in "${tests[@]}"; do args+=(--test "$t"); done
-# The test binaries' paths, from cargo's JSON messages (the hash in the name changes).
-paths=$(cargo test --release -p strata-exec --no-run "${args[@]}" --message-format=json 2>/dev/null |
-    python3 -c '
+patch=${1:-}
+if [ -n "$patch" ]; then
+    git apply --check "$patch"
+fi
+
+# Paths of the test binaries built for `cargo test --release --no-run ARGS`, from cargo's
+# JSON messages (the hash in their names changes).
+test_bins() {
+    cargo test --release -p strata-exec --no-run "$@" --message-format=json 2>/dev/null |
+        python3 -c '
 import json, sys
 for line in sys.stdin:
     try:
@@ -22,12 +31,33 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["executable"])
-')
+'
+}
+# Without debug info: the device tool carries at most 64 MiB (about 30 MiB stripped, 436 with).
+strip_into() {
+    local dir=$1
+    shift
+    mkdir -p "$dir"
+    for p in "$@"; do strip --strip-debug -o "$dir/$(basename "$p")" "$p"; done
+}
+
+cargo build --release -p strata-exec -p strata-plan -p strata-tools --bins
+paths=$(test_bins --test cuda_ops --test cuda_flash --test cuda_gemm --test cuda_engine)
 rm -rf target/gpu
-mkdir -p target/gpu
-# Without debug info: the device tool carries at most 64 MiB (about 29 MiB stripped, 436 with).
-for p in target/release/strata-exec target/release/strata-plan target/release/strata-gguf $paths; do
-    strip --strip-debug -o "target/gpu/$(basename "$p")" "$p"
-done
-ls -la target/gpu
+strip_into target/gpu target/release/strata-exec target/release/strata-plan \
+    target/release/strata-gguf $paths
+
+if [ -n "$patch" ]; then
+    git apply "$patch"
+    trap 'git apply -R "$patch"' EXIT
+    cargo build --release -p strata-exec --bin strata-exec
+    paths=$(test_bins --test cuda_ops --test cuda_engine)
+    strip_into target/gpu/patch target/release/strata-exec $paths
+    basename "$patch" >target/gpu/patch/NAME
+    git apply -R "$patch"
+    trap - EXIT
+    # Leave target/release as main built it.
+    cargo build --release -p strata-exec --bin strata-exec
+fi
+ls -la target/gpu ${patch:+target/gpu/patch}
 du -sh target/gpu

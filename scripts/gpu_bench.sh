@@ -3,7 +3,8 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|serve|bench|split|torch|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|serve|bench|split|patch|torch|all] [OUTDIR]
+# (patch: the tests and bench of target/gpu/patch, built by `build_gpu.sh PATCH`, after main's.)
 # (split: the same file planned over two H200s, run on this one GPU with a device object per
 # stage, hand-offs by peer copy and by pinned host memory, and on one shared stream.)
 # (serve needs the `openai` package; on the GPU machine carry it as wheels in .whl/ and put
@@ -55,6 +56,15 @@ if [ "$what" = split ] || [ "$what" = all ]; then
         $bin/strata-exec bench /tmp/q30-split-$1.plan -p 512 -n 128 -r 3 -q "${@:2}" 2>&1 |
             tee -a "$out/split.txt"
     done
+fi
+if { [ "$what" = patch ] || [ "$what" = all ]; } && [ -d $bin/patch ]; then
+    echo "== patch $(cat $bin/patch/NAME): its CUDA tests and bench"
+    for t in $bin/patch/cuda_ops-* $bin/patch/cuda_engine-*; do
+        echo "== $t"
+        "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/patch-tests.log" | grep -E "^test |vs |result|panicked|error" | head -60
+    done
+    [ -f /tmp/q30.plan ] && $bin/patch/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 |
+        tee "$out/patch-bench.txt"
 fi
 if [ "$what" = torch ] || [ "$what" = all ]; then
     echo "== PyTorch baseline"
