@@ -1,6 +1,7 @@
 //! The CUDA engine end to end on the tiny reference models: the same greedy tokens as
 //! transformers and the CPU engine, logits within tolerance, for F32 safetensors and Q8_0 GGUF
-//! files, f16 and q8_0 KV, batched decode equal to one slot at a time, and layer splits over
+//! files, f16 and q8_0 KV, random Q8_0 models at the 30B head geometry and at odd sizes
+//! (ragged tiles and passes), batched decode equal to one slot at a time, and layer splits over
 //! 2 and 3 planned devices mapped onto one GPU equal to the unsplit plan (on one stream, and
 //! with a device object, stream and hand-off per stage as `--device-map 0,0,0` runs them).
 //! Needs a CUDA GPU: without one every test prints SKIP and returns (run them on the GPU
@@ -527,8 +528,6 @@ fn head_dim_128_random_model_matches_the_cpu_engine() {
     if !gpu_present() {
         return;
     }
-    use strata_schemas::arch::QuantRecipe;
-    use strata_schemas::gguf::write::{write_random_model, RandomOptions};
     let mut hp = strata_schemas::known::qwen3_30b_a3b();
     hp.n_layer = 2;
     hp.n_embd = 256;
@@ -540,40 +539,7 @@ fn head_dim_128_random_model_matches_the_cpu_engine() {
     hp.n_expert_used = 8;
     hp.n_ff_exp = 64;
     hp.n_vocab = 512;
-    let dir = tempfile::tempdir().unwrap();
-    let gguf = dir.path().join("hd128-q8_0.gguf");
-    write_random_model(
-        &gguf,
-        "qwen3moe",
-        &hp,
-        &QuantRecipe::preset("Q8_0").unwrap(),
-        7,
-        RandomOptions::default(),
-    )
-    .unwrap();
-    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 512).collect();
-    for kv in [KvType::F16, KvType::Q8_0] {
-        let ask = Ask {
-            kv,
-            ctx: 128,
-            ubatch: 64,
-            ..Ask::default()
-        };
-        let mut g = cuda("hd128", &ask, Some(&gguf));
-        let mut c = cpu_on_gguf("hd128", &gguf, &ask);
-        let v = g.info().n_vocab;
-        // Teacher-forced decode: both engines see the same tokens, so every step's logits
-        // are comparable even if a greedy choice differed.
-        let gp = g.prefill_all(0, &prompt).unwrap().to_vec();
-        let cpl = c.prefill_all(0, &prompt).unwrap().to_vec();
-        let mut worst = rel_err(&gp, &cpl, v);
-        let mut tok = argmax(&cpl[cpl.len() - v..]);
-        for _ in 0..30 {
-            let gl = g.decode(&[(0, tok)]).unwrap().to_vec();
-            let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
-            worst = worst.max(rel_err(&gl, &cl, v));
-            tok = argmax(&cl);
-        }
+    for (kv, worst) in random_q8_0_vs_cpu("hd128", &hp, 40, 64, 30) {
         eprintln!(
             "head dim 128, {kv:?} KV, 40-token prefill + 30 decode steps: GPU vs CPU {worst:e}"
         );
@@ -583,4 +549,91 @@ fn head_dim_128_random_model_matches_the_cpu_engine() {
             "{kv:?} KV: GPU vs CPU {worst} (bound {bound})"
         );
     }
+}
+
+/// Sizes no power of two divides beyond 32: hidden 96, 6 query heads over 2 KV heads of 48
+/// (so q8_0 KV takes the three-kernel store, and prefill attention the SIMT kernel instead
+/// of `fa_prefill`), 6 experts of width 96, a 333-token vocabulary; a 37-token prompt in
+/// 16-token passes (two on tensor cores, a 5-token tail through the matrix-vector kernels,
+/// every product tile ragged), then 20 decode steps. Same bounds as the head-dim-128 model.
+#[test]
+fn odd_sized_random_model_matches_the_cpu_engine() {
+    if !gpu_present() {
+        return;
+    }
+    let mut hp = strata_schemas::known::qwen3_30b_a3b();
+    hp.n_layer = 3;
+    hp.n_embd = 96;
+    hp.n_head = 6;
+    hp.n_head_kv = 2;
+    hp.head_dim_k = 48;
+    hp.head_dim_v = 48;
+    hp.n_expert = 6;
+    hp.n_expert_used = 6;
+    hp.n_ff_exp = 96;
+    hp.n_vocab = 333;
+    for (kv, worst) in random_q8_0_vs_cpu("odd", &hp, 37, 16, 20) {
+        eprintln!("odd sizes, {kv:?} KV, 37-token prefill + 20 decode steps: GPU vs CPU {worst:e}");
+        let bound = if kv == KvType::F16 { 2e-3 } else { 1e-2 };
+        assert!(
+            worst < bound,
+            "{kv:?} KV: GPU vs CPU {worst} (bound {bound})"
+        );
+    }
+}
+
+/// A random Q8_0 GGUF of `hp` routed to all of its experts (set `n_expert_used = n_expert`, so
+/// no router choice can flip), run teacher-forced on the GPU and on the CPU engine: the
+/// `prompt_len`-token prompt in `ubatch` chunks with every position's logits, then `steps`
+/// decode steps fed the CPU's greedy tokens, so every row is comparable even where a greedy
+/// choice would differ. Per KV type (f16, q8_0): the worst max |GPU - CPU| / max |CPU| row.
+fn random_q8_0_vs_cpu(
+    name: &str,
+    hp: &strata_schemas::inventory::HParams,
+    prompt_len: u32,
+    ubatch: u32,
+    steps: usize,
+) -> Vec<(KvType, f64)> {
+    use strata_schemas::arch::QuantRecipe;
+    use strata_schemas::gguf::write::{write_random_model, RandomOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join(format!("{name}-q8_0.gguf"));
+    write_random_model(
+        &gguf,
+        "qwen3moe",
+        hp,
+        &QuantRecipe::preset("Q8_0").unwrap(),
+        7,
+        RandomOptions::default(),
+    )
+    .unwrap();
+    let vocab = hp.n_vocab as u32;
+    let prompt: Vec<u32> = (0..prompt_len).map(|i| (i * 37 + 11) % vocab).collect();
+    let mut out = Vec::new();
+    for kv in [KvType::F16, KvType::Q8_0] {
+        let ask = Ask {
+            kv,
+            ctx: 128,
+            ubatch,
+            ..Ask::default()
+        };
+        let mut g = cuda(name, &ask, Some(&gguf));
+        let mut c = cpu_on_gguf(name, &gguf, &ask);
+        let v = g.info().n_vocab;
+        let (mut gp, mut cpl) = (Vec::new(), Vec::new());
+        for chunk in prompt.chunks(ubatch as usize) {
+            gp.extend_from_slice(g.prefill_all(0, chunk).unwrap());
+            cpl.extend_from_slice(c.prefill_all(0, chunk).unwrap());
+        }
+        let mut worst = rel_err(&gp, &cpl, v);
+        let mut tok = argmax(&cpl[cpl.len() - v..]);
+        for _ in 0..steps {
+            let gl = g.decode(&[(0, tok)]).unwrap().to_vec();
+            let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
+            worst = worst.max(rel_err(&gl, &cl, v));
+            tok = argmax(&cl);
+        }
+        out.push((kv, worst));
+    }
+    out
 }
