@@ -1,6 +1,7 @@
 //! The hardware probe (TOML): host RAM limits and the devices a plan may use.
-//! Invariant: unknown keys, zero sizes and duplicate device indices are errors that name the
-//! file and key; every default filled in here is documented on its field.
+//! Invariant: unknown keys, zero sizes, duplicate device indices and peers that are not
+//! another device of the probe are errors that name the file and key; every default filled in
+//! here is documented on its field.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -239,6 +240,16 @@ impl HardwareProbe {
                 return Err(bad(k("name"), "is empty"));
             }
         }
+        for (i, d) in self.devices.iter().enumerate() {
+            for &p in d.peers.iter().flatten() {
+                if p == d.index || !self.devices.iter().any(|o| o.index == p) {
+                    return Err(bad(
+                        format!("device[{i}].peers"),
+                        "lists an index that is not another [[device]] of this probe",
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -317,6 +328,22 @@ pcie_width = 16
             .unwrap_err()
             .to_string();
         assert!(e.contains("device[1].index"), "{e}");
+    }
+
+    #[test]
+    fn peers_name_other_devices_of_the_probe() {
+        let second = OK[OK.find("[[device]]").unwrap()..].replace("index = 0", "index = 1");
+        let two = format!("{OK}peers = [1]\n\n{second}");
+        let p = HardwareProbe::from_toml(&two, "t.toml").unwrap();
+        assert_eq!(p.devices[0].peers, Some(vec![1]));
+        assert_eq!(p.devices[1].peers, None);
+        for bad in ["peers = [0]", "peers = [7]"] {
+            let text = format!("{OK}{bad}\n\n{second}");
+            let e = HardwareProbe::from_toml(&text, "t.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("device[0].peers"), "{bad}: {e}");
+        }
     }
 
     #[test]
