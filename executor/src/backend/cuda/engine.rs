@@ -493,14 +493,9 @@ impl CudaEngine {
         let mapped = opts.device_map.is_some();
         let dev_of = |i: usize| if mapped { i } else { 0 };
         let planned: u64 = plan.devices.iter().map(|dp| dp.arena_bytes).sum();
-        for (i, dev) in devs.iter().enumerate() {
-            if devs[..i].iter().any(|o| o.ordinal() == dev.ordinal()) {
-                continue;
-            }
-            let here: u64 = (0..plan.devices.len())
-                .filter(|&j| devs[dev_of(j)].ordinal() == dev.ordinal())
-                .map(|j| plan.devices[j].arena_bytes)
-                .sum();
+        let wanted = (0..plan.devices.len()).map(|j| (dev_of(j), plan.devices[j].arena_bytes));
+        for (di, here) in bytes_per_gpu(&devs, wanted) {
+            let dev = &devs[di];
             let (free, total) = mem_info(dev)?;
             if here > free {
                 return Err(plan_err(format!(
@@ -634,19 +629,17 @@ impl CudaEngine {
 
     /// Per GPU in use: (ordinal, bytes of the planned arenas on it, bytes in use on it now).
     pub fn device_memory(&self) -> Result<Vec<(usize, u64, u64)>, CudaEngineError> {
-        let mut out: Vec<(usize, u64, u64)> = Vec::new();
-        for st in &self.stages {
-            let dev = &self.devs[st.dev];
-            let bytes = self.arenas[st.arena].size();
-            match out.iter_mut().find(|o| o.0 == dev.ordinal()) {
-                Some(o) => o.1 += bytes,
-                None => {
-                    let (free, total) = mem_info(dev)?;
-                    out.push((dev.ordinal(), bytes, total - free));
-                }
-            }
-        }
-        Ok(out)
+        let held = self
+            .stages
+            .iter()
+            .map(|st| (st.dev, self.arenas[st.arena].size()));
+        bytes_per_gpu(&self.devs, held)
+            .into_iter()
+            .map(|(di, bytes)| {
+                let (free, total) = mem_info(&self.devs[di])?;
+                Ok((self.devs[di].ordinal(), bytes, total - free))
+            })
+            .collect()
     }
 
     fn dev(&self, st: &Stage) -> &CudaDevice {
@@ -1247,6 +1240,23 @@ impl CudaDevice {
             .bind_to_thread()
             .map_err(drv("cuCtxSetCurrent"))
     }
+}
+
+/// Arena bytes per GPU, in order of first use: (index into `devs` of a device object on that
+/// GPU, the bytes of every arena on it). `arenas`: (index into `devs`, bytes) per arena.
+fn bytes_per_gpu(
+    devs: &[CudaDevice],
+    arenas: impl IntoIterator<Item = (usize, u64)>,
+) -> Vec<(usize, u64)> {
+    let mut out: Vec<(usize, u64)> = Vec::new();
+    for (di, bytes) in arenas {
+        let ordinal = devs[di].ordinal();
+        match out.iter_mut().find(|o| devs[o.0].ordinal() == ordinal) {
+            Some(o) => o.1 += bytes,
+            None => out.push((di, bytes)),
+        }
+    }
+    out
 }
 
 fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
