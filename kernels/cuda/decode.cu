@@ -891,3 +891,69 @@ ST_KERNEL void dq_spin(long long ns) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     } while ((long long)(t - t0) < ns);
 }
+
+// Prefill router logits as a split-K F32 product (the router's F32 weights are too small for
+// the tensor-core path and too large to re-read per 8 tokens): part[s][t][r] = the sum over
+// k in split s of x[t][k] * W[r][k], k ascending. A block computes 64 tokens x 32 rows of one
+// split through shared-memory tiles of 32 k; each thread 2 tokens x 4 rows.
+// grid: (ceil(n_tok / 64), ceil(rows / 32), n_split); block: 256; k_chunk a multiple of 32.
+#define SG_TT 64
+#define SG_TR 32
+#define SG_TK 32
+ST_KERNEL void dq_sgemm_split(const float* W, int rows, int cols, const float* x, int n_tok,
+                              int k_chunk, float* part) {
+    __shared__ float xs[SG_TK][SG_TT + 1];
+    __shared__ float ws[SG_TK][SG_TR + 1];
+    const int t0 = blockIdx.x * SG_TT, r0 = blockIdx.y * SG_TR, s = blockIdx.z;
+    const int k_begin = s * k_chunk, k_end = min(cols, k_begin + k_chunk);
+    const int tid = threadIdx.x;
+    const int tt = tid / 8, tr = tid % 8;
+    float acc[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (int k0 = k_begin; k0 < k_end; k0 += SG_TK) {
+        for (int i = tid; i < SG_TT * SG_TK; i += blockDim.x) {
+            const int tk = i / SG_TK, kk = i % SG_TK;
+            const int t = t0 + tk, k = k0 + kk;
+            xs[kk][tk] = (t < n_tok && k < k_end) ? x[(long)t * cols + k] : 0.0f;
+        }
+        for (int i = tid; i < SG_TR * SG_TK; i += blockDim.x) {
+            const int rr = i / SG_TK, kk = i % SG_TK;
+            const int r = r0 + rr, k = k0 + kk;
+            ws[kk][rr] = (r < rows && k < k_end) ? W[(long)r * cols + k] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int kk = 0; kk < SG_TK; ++kk) {
+            const float a0 = xs[kk][tt * 2], a1 = xs[kk][tt * 2 + 1];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float b = ws[kk][tr * 4 + j];
+                acc[0][j] += a0 * b;
+                acc[1][j] += a1 * b;
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int t = t0 + tt * 2 + i;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = r0 + tr * 4 + j;
+            if (t < n_tok && r < rows) part[((long)s * n_tok + t) * rows + r] = acc[i][j];
+        }
+    }
+}
+
+// y[i] = the sum over s of part[s * n + i], s ascending (dq_sgemm_split's splits in a fixed
+// order, so the result does not depend on scheduling). grid: ceil(n / 256); block: 256.
+ST_KERNEL void dq_split_sum(const float* part, int n_split, long n, float* y) {
+    const long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float a = 0.0f;
+    for (int s = 0; s < n_split; ++s) a += part[(long)s * n + i];
+    y[i] = a;
+}

@@ -72,6 +72,8 @@ const RAW: &[Raw] = &[
             "dq_spin",
             "dq_moe_down_rows",
             "dq_router_rows",
+            "dq_sgemm_split",
+            "dq_split_sum",
         ],
     },
     Raw {

@@ -858,7 +858,7 @@ impl CudaEngine {
         k.rmsnorm(
             b.tmp.ptr, b.x.ptr, b.x.ptr, l.ffn_norm, b.xn.ptr, d.e, d.eps, n,
         )?;
-        k.mv_chunks(l.gate_inp, b.xn.ptr, 0, d.eps, b.router.ptr, n, false)?;
+        k.router_prefill(l, b, d, n)?;
         k.router(b.router.ptr, d, b.ids.ptr, b.wts.ptr, n)?;
         let sorted = v(b.sorted.ptr, b.sorted.bytes)?;
         let ids = v(b.ids.ptr, (4 * n * d.k) as u64)?;
@@ -1856,6 +1856,46 @@ impl Kern<'_> {
     ) -> Result<(), CudaEngineError> {
         let label = if add { "mv_o" } else { "mv" };
         self.mv_launch(w, x, nw, eps, y, n, add, 0, label)
+    }
+
+    /// Prefill router logits of n tokens from xn (tensor-core path only, where `yd` exists):
+    /// a split-K F32 product whose partials go to `yd` (the experts write it only later),
+    /// summed in a fixed order; routers stored in other types use the matrix-vector kernels.
+    fn router_prefill(
+        &self,
+        l: &Layer,
+        b: &Bufs,
+        d: Dims,
+        n: usize,
+    ) -> Result<(), CudaEngineError> {
+        let w = l.gate_inp;
+        let (rows, cols) = (w.rows as usize, w.cols as usize);
+        if w.gty != GgmlType::F32 || cols % 32 != 0 {
+            return self.mv_chunks(w, b.xn.ptr, 0, d.eps, b.router.ptr, n, false);
+        }
+        // Enough blocks for every SM twice over, k chunks of whole 32-wide tiles, and
+        // partials that fit in yd.
+        let tiles = n.div_ceil(64) * rows.div_ceil(32);
+        let mut splits = 264usize.div_ceil(tiles).clamp(1, 16).min(cols / 32);
+        while splits > 1 && (4 * splits * n * rows) as u64 > b.yd.bytes {
+            splits /= 2;
+        }
+        let k_chunk = cols.div_ceil(splits).div_ceil(32) * 32;
+        let splits = cols.div_ceil(k_chunk);
+        if (4 * splits * n * rows) as u64 > b.yd.bytes {
+            return self.mv_chunks(w, b.xn.ptr, 0, d.eps, b.router.ptr, n, false);
+        }
+        let (n32, kc, ns) = (n as i32, k_chunk as i32, splits as i32);
+        let grid = (
+            n.div_ceil(64) as u32,
+            rows.div_ceil(32) as u32,
+            splits as u32,
+        );
+        launch!(self, "dq_sgemm_split" => "router_sgemm", cfg(grid, 256, 0);
+            &w.ptr, &w.rows, &w.cols, &b.xn.ptr, &n32, &kc, &b.yd.ptr)?;
+        let total = (n * rows) as i64;
+        launch!(self, "dq_split_sum" => "router_sum", cfg(((total as u64).div_ceil(256) as u32, 1, 1), 256, 0);
+            &b.yd.ptr, &ns, &total, &b.router.ptr)
     }
 
     /// The router's logits from the residual stream x: RMSNorm by the layer's ffn_norm in
