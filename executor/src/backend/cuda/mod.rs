@@ -236,6 +236,11 @@ impl CudaDevice {
         &self.name
     }
 
+    /// The device's compute capability (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+
     /// The architecture the kernels were compiled for, e.g. `sm_90`.
     pub fn arch(&self) -> String {
         compile::arch_name(self.cc)
@@ -262,7 +267,8 @@ impl CudaDevice {
         &self.stream
     }
 
-    pub(crate) fn function(&self, name: &str) -> Result<&CudaFunction, CudaError> {
+    /// The loaded kernel `name` (public so op tests can launch a kernel directly).
+    pub fn function(&self, name: &str) -> Result<&CudaFunction, CudaError> {
         self.functions
             .get(name)
             .ok_or_else(|| CudaError::UnknownKernel(name.to_string()))
