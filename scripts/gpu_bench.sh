@@ -3,7 +3,10 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|serve|bench|split|patch|torch|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|serve|bench|split|patch|torch|decode|all] [OUTDIR]
+# (decode: the decode launch options side by side -- programmatic dependent launch on/off, the
+# top-k fusion -- then, where Nsight Systems is installed, each kernel's time and the
+# idle gap before it inside the graph replays, by scripts/nsys_gaps.py.)
 # (patch: the tests and bench of target/gpu/patch, built by `build_gpu.sh PATCH`, after main's.)
 # (split: the same file planned over two H200s, run on this one GPU with a device object per
 # stage, hand-offs by peer copy and by pinned host memory, and on one shared stream.)
@@ -19,7 +22,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
-    for t in $bin/cuda_ops-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-*; do
+    for t in $bin/cuda_ops-* $bin/cuda_decode_ops-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-*; do
         [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error|TIME" | head -60
@@ -65,6 +68,33 @@ if { [ "$what" = patch ] || [ "$what" = all ]; } && [ -d $bin/patch ]; then
     done
     [ -f /tmp/q30.plan ] && $bin/patch/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 |
         tee "$out/patch-bench.txt"
+fi
+if [ "$what" = decode ] || [ "$what" = all ]; then
+    m=/tmp/q30-q8_0.gguf
+    [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
+    [ -f /tmp/q30.plan ] || $bin/strata-plan --hardware plans/hardware/h200.toml --model $m \
+        --max-context 4096 --batch 1 -o /tmp/q30.plan >/dev/null
+    for run in "default" "--no-pdl" "STRATA_FUSE_TOPK=0" "STRATA_FUSE_TOPK=0 --no-pdl"; do
+        echo "== strata-exec bench: $run"
+        env_part=$(echo "$run" | tr ' ' '\n' | grep = | tr '\n' ' ')
+        flags=$(echo "$run" | tr ' ' '\n' | grep -- '^--' | tr '\n' ' ')
+        env $env_part $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q $flags 2>&1 |
+            grep -E "tok/s|\| cuda|warning" | tee -a "$out/decode.txt"
+    done
+    nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    if [ -n "$nsys" ]; then
+        for run in "" "--no-pdl"; do
+            echo "== nsys: decode kernels and gaps in graph replays ${run:-(default)}"
+            rm -f /tmp/dec.nsys-rep /tmp/dec*.csv
+            "$nsys" profile -q -t cuda --cuda-graph-trace=node -o /tmp/dec \
+                $bin/strata-exec bench /tmp/q30.plan -p 512 -n 24 -r 1 -q $run >/dev/null 2>&1
+            "$nsys" stats -q -r cuda_gpu_trace -f csv -o /tmp/dec /tmp/dec.nsys-rep >/dev/null 2>&1
+            python3 scripts/nsys_gaps.py /tmp/dec*cuda_gpu_trace*.csv --last 4810 2>&1 |
+                tee -a "$out/nsys.txt"
+        done
+    else
+        echo "nsys not installed; no in-graph timeline"
+    fi
 fi
 if [ "$what" = torch ] || [ "$what" = all ]; then
     echo "== PyTorch baseline"

@@ -12,7 +12,7 @@
 mod common;
 
 use common::*;
-use strata_exec::backend::cuda::engine::{CudaEngine, CudaEngineOptions};
+use strata_exec::backend::cuda::engine::{CudaEngine, CudaEngineOptions, DecodeFuse};
 use strata_exec::engine::Engine;
 use strata_exec::load::{open_model, SafetensorsModel};
 use strata_schemas::ggml::GgmlType;
@@ -33,6 +33,15 @@ fn gpu_present() -> bool {
 }
 
 fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine {
+    cuda_with(variant, ask, gguf, CudaEngineOptions::default())
+}
+
+fn cuda_with(
+    variant: &str,
+    ask: &Ask,
+    gguf: Option<&std::path::Path>,
+    opts: CudaEngineOptions,
+) -> CudaEngine {
     let ask = Ask {
         gpu: true,
         ..ask.clone()
@@ -52,7 +61,7 @@ fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine 
             Box::new(SafetensorsModel::open(&data(variant)).unwrap()),
         ),
     };
-    CudaEngine::start(&p, host, CudaEngineOptions::default()).unwrap()
+    CudaEngine::start(&p, host, opts).unwrap()
 }
 
 /// The CPU engine on `gguf`, planned from the file itself with `ask` on CPU devices (the
@@ -547,6 +556,106 @@ fn head_dim_128_random_model_matches_the_cpu_engine() {
         assert!(
             worst < bound,
             "{kv:?} KV: GPU vs CPU {worst} (bound {bound})"
+        );
+    }
+}
+
+/// Programmatic dependent launch only lets a kernel start (and prefetch weights) while the one
+/// ahead finishes; every kernel still waits for its inputs, so the logits must be bit for bit
+/// those of strictly ordered launches: with and without graphs, for one slot and for two
+/// slots decoded together, on a model that routes 2 of 8 experts (so wrong expert ids read
+/// too early would show). A missing wait shows as a different bit somewhere.
+#[test]
+fn programmatic_dependent_launch_changes_no_logit() {
+    if !gpu_present() {
+        return;
+    }
+    use strata_schemas::arch::QuantRecipe;
+    use strata_schemas::gguf::write::{write_random_model, RandomOptions};
+    let mut hp = strata_schemas::known::qwen3_30b_a3b();
+    hp.n_layer = 3;
+    hp.n_embd = 256;
+    hp.n_head = 8;
+    hp.n_head_kv = 2;
+    hp.head_dim_k = 128;
+    hp.head_dim_v = 128;
+    hp.n_expert = 8;
+    hp.n_expert_used = 2;
+    hp.n_ff_exp = 64;
+    hp.n_vocab = 512;
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("pdl-q8_0.gguf");
+    let recipe = QuantRecipe::preset("Q8_0").unwrap();
+    write_random_model(
+        &gguf,
+        "qwen3moe",
+        &hp,
+        &recipe,
+        11,
+        RandomOptions::default(),
+    )
+    .unwrap();
+    let ask = Ask {
+        ctx: 128,
+        ubatch: 16,
+        batch: 2,
+        ..Ask::default()
+    };
+    let prompts: [Vec<u32>; 2] = [
+        (0..23).map(|i| (i * 37 + 11) % 512).collect(),
+        (0..9).map(|i| (i * 91 + 3) % 512).collect(),
+    ];
+    let go = |pdl: bool, graphs: bool, fuse: DecodeFuse| {
+        let opts = CudaEngineOptions {
+            pdl,
+            graphs,
+            fuse,
+            ..CudaEngineOptions::default()
+        };
+        let mut e = cuda_with("pdl", &ask, Some(&gguf), opts);
+        let (mut logits, tokens) = run(&mut e, 0, &prompts[0], 12);
+        let v = e.info().n_vocab;
+        // Slot 1's prompt, then both slots decoded together.
+        for chunk in prompts[1].chunks(16) {
+            logits.extend_from_slice(e.prefill_all(1, chunk).unwrap());
+        }
+        let mut next = [
+            tokens[tokens.len() - 1],
+            argmax(&logits[logits.len() - v..]),
+        ];
+        for _ in 0..6 {
+            let l = e.decode(&[(0, next[0]), (1, next[1])]).unwrap().to_vec();
+            next = [argmax(&l[..v]), argmax(&l[v..])];
+            logits.extend_from_slice(&l);
+        }
+        (logits, tokens)
+    };
+    let plain = DecodeFuse { topk: false };
+    let (base_l, base_t) = go(false, false, plain);
+    // The top-k in the router's last block runs the same code as its own launch.
+    let topk = DecodeFuse { topk: true };
+    for (pdl, graphs, fuse) in [
+        (true, true, plain),
+        (true, false, plain),
+        (false, true, plain),
+        (false, false, topk),
+        (true, true, topk),
+    ] {
+        let (l, t) = go(pdl, graphs, fuse);
+        assert_eq!(t, base_t, "pdl {pdl}, graphs {graphs}: greedy tokens");
+        let differ = l
+            .iter()
+            .zip(&base_l)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        eprintln!(
+            "pdl {pdl}, graphs {graphs}: {differ} of {} logits differ",
+            l.len()
+        );
+        assert_eq!(l.len(), base_l.len());
+        assert_eq!(
+            differ, 0,
+            "pdl {pdl}, graphs {graphs}: logits must be bit-identical"
         );
     }
 }

@@ -19,6 +19,41 @@ typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 
+// Programmatic dependent launch (sm_90 and later; a no-op elsewhere and when the host
+// launched the kernel without the attribute). The host may start a kernel before the one
+// ahead of it on the stream has finished; such a kernel may only prefetch weights (never
+// written during a step) before st_pdl_wait(), which returns once the kernel ahead has
+// completed and its writes are visible. Every kernel the host launches this way calls
+// st_pdl_wait() on every path, and st_pdl_launch() only after it, so the kernel after it
+// starts no earlier than this one's wait: when a kernel's pre-wait code runs, the kernel two
+// ahead of it has completed.
+__device__ __forceinline__ void st_pdl_wait() {
+#if defined(ST_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void st_pdl_launch() {
+#if defined(ST_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Wait for the kernel ahead, then let the next one start (the usual kernel entry).
+__device__ __forceinline__ void st_pdl_enter() {
+    st_pdl_wait();
+    st_pdl_launch();
+}
+
+// Ask L2 to fetch [p, p + bytes): the calling warp's lanes take one 128-byte line each in
+// turn. Only a hint (L2 is the GPU's point of coherence, so it can never make a later load
+// stale), hence allowed before st_pdl_wait().
+__device__ __forceinline__ void st_prefetch_l2(const void* p, long bytes) {
+#ifdef ST_CUDA
+    const char* c = (const char*)p;
+    for (long o = (long)(threadIdx.x % ST_WARP) * 128; o < bytes; o += ST_WARP * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+#endif
+}
+
 #define ST_NEG_INF (__int_as_float(0xff800000))
 
 // f16 bits -> f32, exact.

@@ -29,6 +29,24 @@ __device__ __forceinline__ float dq_elem(const u8* W, int ty, long rows, long co
     return st_row_elem(W + r * rb, ty, i);
 }
 
+// L2 prefetch of row r of a matrix in the device layout (the calling warp's lanes share it):
+// for Q8_0 its quants and its scales, else its bytes. Weights only, so allowed before
+// st_pdl_wait().
+__device__ __forceinline__ void dq_prefetch_row(const u8* W, int ty, long rows, long cols, long r) {
+    if (ty == ST_TY_Q8_0) {
+        st_prefetch_l2(W + r * cols, cols);
+        st_prefetch_l2(W + rows * cols + r * (cols / QK8_0) * 2, cols / QK8_0 * 2);
+        return;
+    }
+    long rb;
+    switch (ty) {
+        case ST_TY_F32: rb = cols * 4; break;
+        case ST_TY_Q4_K: rb = cols / QK_K * Q4_K_BYTES; break;
+        default: rb = cols * 2; break;
+    }
+    st_prefetch_l2(W + r * rb, rb);
+}
+
 // Per-token input scaling: x[t][i] * s[t] * nw[i] when nw is given (RMSNorm folded into the
 // product), else x[t][i].
 template <int NT>
@@ -51,6 +69,32 @@ struct DqIn {
     }
 };
 
+// 16-byte pieces of a split-layout Q8_0 row in flight per lane before any arithmetic: GPUs do
+// not issue a loop's later loads ahead of its earlier arithmetic by themselves, and one piece
+// per lane in flight (512 bytes a warp) holds the weight stream far under the DRAM bandwidth.
+#define DQ_U 4
+
+// The lane's pieces b0, b0 + 512, ... (U of them) of a split Q8_0 row: quants q[u] and
+// scales d[u], every load issued before the caller's arithmetic; pieces past cols are zero.
+template <int U>
+__device__ __forceinline__ void dq_load_q8(const u8* __restrict__ qs, const u16* __restrict__ ds,
+                                           long cols, long b0, int4 (&q)[U], float (&d)[U]) {
+    u16 dh[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const long i0 = b0 + (long)u * ST_WARP * 16;
+        if (i0 < cols) {
+            q[u] = __ldg((const int4*)(qs + i0));
+            dh[u] = __ldg(ds + i0 / QK8_0);
+        } else {
+            q[u] = make_int4(0, 0, 0, 0);
+            dh[u] = 0;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) d[u] = st_h2f(dh[u]);
+}
+
 // acc[t] += W_r . in(t) over the warp's lanes (not yet reduced across the warp).
 template <int NT>
 __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, long rows, long cols,
@@ -60,25 +104,30 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
     if (ty == ST_TY_Q8_0) {
         const u8* qs = W + r * cols;
         const u16* ds = (const u16*)(W + rows * cols) + r * (cols / QK8_0);
-#pragma unroll 4
-        for (long i0 = lane * 16; i0 < cols; i0 += ST_WARP * 16) {
-            const int4 q = *(const int4*)(qs + i0);
-            const float d = st_h2f(ds[i0 / QK8_0]);
-            const int qw[4] = {q.x, q.y, q.z, q.w};
-            float w[16];
+        for (long b0 = lane * 16; b0 < cols; b0 += DQ_U * ST_WARP * 16) {
+            int4 q[DQ_U];
+            float d[DQ_U];
+            dq_load_q8<DQ_U>(qs, ds, cols, b0, q, d);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) st_i8x4_to_f32(qw[j], w + 4 * j);
+            for (int u = 0; u < DQ_U; ++u) {
+                const long i0 = b0 + (long)u * ST_WARP * 16;
+                if (i0 >= cols) break;
+                const int qw[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+                float w[16];
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                if (t < n_tok) {
-                    float s = 0.0f;
+                for (int j = 0; j < 4; ++j) st_i8x4_to_f32(qw[j], w + 4 * j);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float4 xv = in.ld(t, i0 + 4 * j);
-                        s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
-                             w[4 * j + 3] * xv.w;
+                for (int t = 0; t < NT; ++t) {
+                    if (t < n_tok) {
+                        float s = 0.0f;
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const float4 xv = in.ld(t, i0 + 4 * j);
+                            s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
+                                 w[4 * j + 3] * xv.w;
+                        }
+                        acc[t] += d[u] * s;
                     }
-                    acc[t] += d * s;
                 }
             }
         }
@@ -191,6 +240,11 @@ template <int NT>
 __device__ __forceinline__ void dq_mv_body(const u8* W, int ty, int rows, int cols, const float* x,
                                            const float* nw, float eps, float* y, int n_tok,
                                            int add, float* xn_out) {
+    {
+        const int r = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+        if (blockIdx.y == 0 && r < rows) dq_prefetch_row(W, ty, rows, cols, r);
+    }
+    st_pdl_enter();
     // grid.y: chunks of NT tokens.
     const int t0 = blockIdx.y * NT;
     if (t0 >= n_tok) return;
@@ -246,6 +300,13 @@ __device__ __forceinline__ void dq_qkv_body(const u8* Wq, const u8* Wk, const u8
                                             int rq, int rk, int rv, int cols, const float* x,
                                             const float* nw, float eps, float* yq, float* yk,
                                             float* yv, int n_tok) {
+    if (blockIdx.y == 0) {
+        const int r = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+        if (r < rq) dq_prefetch_row(Wq, ty, rq, cols, r);
+        else if (r < rq + rk) dq_prefetch_row(Wk, ty, rk, cols, r - rq);
+        else if (r < rq + rk + rv) dq_prefetch_row(Wv, ty, rv, cols, r - rq - rk);
+    }
+    st_pdl_enter();
     const int t0 = blockIdx.y * NT;
     if (t0 >= n_tok) return;
     x += (long)t0 * cols;
@@ -314,6 +375,7 @@ __device__ __forceinline__ float dq_dot16_q8(const int4 q, const float* x) {
 ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int E,
                               const int* ids, int k, const float* x, const float* nw, float eps,
                               float* h) {
+    st_pdl_enter();  // the expert ids come from the kernel just ahead
     const int a = blockIdx.y;
     const int t = a / k;
     DqIn<1> in;
@@ -333,13 +395,18 @@ ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int
         const u8* uq = U + (long)row * E;
         const u16* gd = (const u16*)(G + (long)F * E) + (long)row * (E / QK8_0);
         const u16* ud = (const u16*)(U + (long)F * E) + (long)row * (E / QK8_0);
-#pragma unroll 4
-        for (int i0 = lane * 16; i0 < E; i0 += ST_WARP * 16) {
-            const int4 qg = *(const int4*)(gq + i0);
-            const int4 qu = *(const int4*)(uq + i0);
-            const float dg = st_h2f(gd[i0 / QK8_0]), du = st_h2f(ud[i0 / QK8_0]);
-            g[0] += dg * dq_dot16_q8(qg, in.x + i0);
-            u[0] += du * dq_dot16_q8(qu, in.x + i0);
+        for (long b0 = lane * 16; b0 < E; b0 += DQ_U * ST_WARP * 16) {
+            int4 qg[DQ_U], qu[DQ_U];
+            float dg[DQ_U], du[DQ_U];
+            dq_load_q8<DQ_U>(gq, gd, E, b0, qg, dg);
+            dq_load_q8<DQ_U>(uq, ud, E, b0, qu, du);
+#pragma unroll
+            for (int v = 0; v < DQ_U; ++v) {
+                const long i0 = b0 + (long)v * ST_WARP * 16;
+                if (i0 >= E) break;
+                g[0] += dg[v] * dq_dot16_q8(qg[v], in.x + i0);
+                u[0] += du[v] * dq_dot16_q8(qu[v], in.x + i0);
+            }
         }
     } else {
         dq_row_dot<1>(G, ty, F, E, row, in, 1, g);
@@ -355,6 +422,7 @@ ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int
 // type (Q8_0 with k <= DQ_DOWN_MAXK takes dq_moe_down_rows). grid: (ceil(E / DQ_WARPS), n_tok).
 ST_KERNEL void dq_moe_down(const unsigned long long* eptr, int ty, int E, int F, const int* ids,
                            const float* wts, int k, const float* h, float* y) {
+    st_pdl_enter();
     const int t = blockIdx.y;
     const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     if (row >= E) return;
@@ -384,6 +452,15 @@ ST_KERNEL void dq_moe_down_rows(const unsigned long long* eptr, int E, int F, co
     __shared__ float dw[DQ_DOWN_MAXK];
     __shared__ float red[32];
     const int row = blockIdx.x, t = blockIdx.y;
+    // Before the wait: the expert ids were written two kernels ahead (complete by now, see
+    // st_pdl_wait), read through L2 (__ldcg) since this SM's L1 may hold older lines; each
+    // of the first k warps prefetches its expert's row.
+    if (threadIdx.x / ST_WARP < k) {
+        const int j = threadIdx.x / ST_WARP;
+        const u8* D = (const u8*)eptr[(long)__ldcg(ids + (long)t * k + j) * 3 + 2];
+        dq_prefetch_row(D, ST_TY_Q8_0, E, F, row);
+    }
+    st_pdl_enter();
     if (threadIdx.x < k) {
         const long a = (long)t * k + threadIdx.x;
         dm[threadIdx.x] = (const u8*)eptr[(long)ids[a] * 3 + 2];
@@ -393,26 +470,50 @@ ST_KERNEL void dq_moe_down_rows(const unsigned long long* eptr, int E, int F, co
     const int per = F / 16;
     const float* ht = h + (long)t * k * F;
     float tot = 0.0f;
-#pragma unroll 4
-    for (int p = threadIdx.x; p < k * per; p += blockDim.x) {
-        const int j = p / per, i0 = (p - j * per) * 16;
-        const u8* D = dm[j];
-        const int4 q = *(const int4*)(D + (long)row * F + i0);
-        const float d = st_h2f(((const u16*)(D + (long)E * F))[(long)row * (F / QK8_0) + i0 / QK8_0]);
-        tot += dw[j] * d * dq_dot16_q8(q, ht + (long)j * F + i0);
+    // DQ_U pieces per thread in flight before any arithmetic (see dq_load_q8).
+    for (int p0 = threadIdx.x; p0 < k * per; p0 += DQ_U * blockDim.x) {
+        int4 q[DQ_U];
+        u16 dh[DQ_U];
+#pragma unroll
+        for (int u = 0; u < DQ_U; ++u) {
+            const int p = p0 + u * blockDim.x;
+            if (p < k * per) {
+                const int j = p / per, i0 = (p - j * per) * 16;
+                const u8* D = dm[j];
+                q[u] = __ldg((const int4*)(D + (long)row * F + i0));
+                dh[u] = __ldg((const u16*)(D + (long)E * F) + (long)row * (F / QK8_0) + i0 / QK8_0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < DQ_U; ++u) {
+            const int p = p0 + u * blockDim.x;
+            if (p >= k * per) break;
+            const int j = p / per, i0 = (p - j * per) * 16;
+            tot += dw[j] * st_h2f(dh[u]) * dq_dot16_q8(q[u], ht + (long)j * F + i0);
+        }
     }
     tot = st_block_sum(tot, red);
     if (threadIdx.x == 0) y[(long)t * E + row] += tot;
 }
 
+__device__ void dq_topk_warp(const float* x, int n_expert, int k, int norm, int* idx_out,
+                             float* w_out);
+
 // The router's logits for F32 weights, one block per (row, token): the block computes token
 // t's RMS factor, dots its 16-byte slices of the row with x * s * nw, reduces; block (0, t)
 // also writes xn[t] = x[t] * s * nw for the experts. (One warp per row over 128 rows left
-// the whole GPU waiting on 32 blocks.) grid: (rows, n_tok); block: 128; cols % 4 == 0.
+// the whole GPU waiting on 32 blocks.) With cnt (n_tok counters, zero between launches): the
+// last block of token t to finish (counted in cnt[t], which it resets) also runs the
+// softmax and top-k of dq_router_topk into idx_out / w_out, saving that launch.
+// grid: (rows, n_tok); block: 128; cols % 4 == 0; with cnt, rows <= 32 * DQ_RT_PER, k <= 32.
 ST_KERNEL void dq_router_rows(const float* W, int rows, int cols, const float* x,
-                              const float* nw, float eps, float* y, float* xn_out) {
+                              const float* nw, float eps, float* y, float* xn_out, int* cnt,
+                              int k, int norm, int* idx_out, float* w_out) {
     __shared__ float red[32];
+    __shared__ int last;
     const int r = blockIdx.x, t = blockIdx.y;
+    if (t == 0 && threadIdx.x < ST_WARP) st_prefetch_l2(W + (long)r * cols, (long)cols * 4);
+    st_pdl_enter();
     const float* xt = x + (long)t * cols;
     float ss = 0.0f;
     for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
@@ -429,18 +530,55 @@ ST_KERNEL void dq_router_rows(const float* W, int rows, int cols, const float* x
         const float4 w = *(const float4*)(wr + i);
         const float4 n = make_float4(v.x * sc * g.x, v.y * sc * g.y, v.z * sc * g.z, v.w * sc * g.w);
         acc += w.x * n.x + w.y * n.y + w.z * n.z + w.w * n.w;
-        if (r == 0) *(float4*)(xn_out + (long)t * cols + i) = n;
+    }
+    // The normalised input in a loop of its own: a store inside the product's loop would keep
+    // each iteration's loads from being issued before the previous iteration's store.
+    if (r == 0) {
+        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
+            const float4 v = *(const float4*)(xt + i);
+            const float4 g = *(const float4*)(nw + i);
+            *(float4*)(xn_out + (long)t * cols + i) =
+                make_float4(v.x * sc * g.x, v.y * sc * g.y, v.z * sc * g.z, v.w * sc * g.w);
+        }
     }
     acc = st_block_sum(acc, red);
-    if (threadIdx.x == 0) y[(long)t * rows + r] = acc;
+    if (!cnt) {
+        if (threadIdx.x == 0) y[(long)t * rows + r] = acc;
+        return;
+    }
+    if (threadIdx.x == 0) {
+        y[(long)t * rows + r] = acc;
+        __threadfence();  // this logit is visible before the count says so
+        last = atomicAdd(cnt + t, 1) == rows - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x < ST_WARP)
+        dq_topk_warp(y + (long)t * rows, rows, k, norm, idx_out + (long)t * k, w_out + (long)t * k);
+    if (threadIdx.x == 0) cnt[t] = 0;
 }
 
 // Embedding lookup: out[t] = row ids[t] of W (rows x cols, device layout), dequantized.
 // grid: n_tok.
 ST_KERNEL void dq_get_rows(const u8* W, int ty, int rows, int cols, const int* ids, float* out) {
+    st_pdl_enter();
     const long r = ids[blockIdx.x];
     float* o = out + (long)blockIdx.x * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = dq_elem(W, ty, rows, cols, r, i);
+    // Four elements' loads per thread before their stores (see dq_attn_gqa's query loads).
+    for (int i0 = threadIdx.x; i0 < cols; i0 += 4 * blockDim.x) {
+        float v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * blockDim.x;
+            v[u] = i < cols ? dq_elem(W, ty, rows, cols, r, i) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * blockDim.x;
+            if (i < cols) o[i] = v[u];
+        }
+    }
 }
 
 // Stores elements [e0, e0 + n) of one K or V row (src holds those n floats) into the KV row
@@ -484,6 +622,7 @@ __device__ __forceinline__ void dq_store_seg(const float* src, u8* dst, int kv_t
 ST_KERNEL void dq_kv_store(const float* k, const float* v, u8* kv, const int* slot,
                            const int* pos, long slot_bytes, long k_off, long v_off,
                            long row_bytes, int kv_ty, int width) {
+    st_pdl_enter();
     const int t = blockIdx.x;
     u8* base = kv + (long)slot[t] * slot_bytes + (long)pos[t] * row_bytes;
     dq_store_seg(k + (long)t * width, base + k_off, kv_ty, 0, width);
@@ -502,6 +641,7 @@ ST_KERNEL void dq_rope_store(float* q, float* k, const float* v, const float* q_
                              int n_head_kv, int hd, int n_rot, u8* kv, const int* slot,
                              long slot_bytes, long k_off, long v_off, long row_bytes,
                              int kv_ty) {
+    st_pdl_enter();
     __shared__ float red[32];
     __shared__ float sh[1024];
     const int h = blockIdx.x, t = blockIdx.y;
@@ -548,6 +688,7 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
                            long slot_bytes, long k_off, long v_off, int kv_ty, int n_head,
                            int n_head_kv, int hd, long row_bytes, float scale, float* part_o,
                            float* part_ms) {
+    st_pdl_enter();
     __shared__ __align__(16) float qs[DA_MAXG * ATT_MAX_D];
     __shared__ float ps[DA_MAXG][DA_SUB];
     __shared__ float ml[DA_MAXG][2], cf[DA_MAXG];
@@ -561,7 +702,22 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
     const u8* kb = kv + (long)slot[t] * slot_bytes + k_off;
     const u8* vb = kv + (long)slot[t] * slot_bytes + v_off;
     const float* qg = q + ((long)t * n_head + (long)kvh * G) * hd;
-    for (int i = threadIdx.x; i < G * hd; i += DA_THREADS) qs[i] = qg[i] * scale;
+    // The group's queries, eight loads per thread in flight before the shared stores (a store
+    // between loads through a generic pointer, which may alias shared memory, would hold
+    // each load back until the store before it).
+    for (int i0 = threadIdx.x; i0 < G * hd; i0 += 8 * DA_THREADS) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = i0 + u * DA_THREADS;
+            v[u] = i < G * hd ? qg[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = i0 + u * DA_THREADS;
+            if (i < G * hd) qs[i] = v[u] * scale;
+        }
+    }
     if (threadIdx.x < G) {
         ml[threadIdx.x][0] = ST_NEG_INF;
         ml[threadIdx.x][1] = 0.0f;
@@ -688,6 +844,7 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
 #define DA_MAX_SPLIT 128
 ST_KERNEL void dq_attn_combine(const float* part_o, const float* part_ms, const int* n_ctx,
                                int n_head, int hd, int n_split, float* out) {
+    st_pdl_enter();
     __shared__ float w[DA_MAX_SPLIT];
     __shared__ float red[32];
     const int h = blockIdx.x, t = blockIdx.y;
@@ -707,7 +864,7 @@ ST_KERNEL void dq_attn_combine(const float* part_o, const float* part_ms, const 
     const float inv = 1.0f / st_block_sum(l, red);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float o = 0.0f;
-#pragma unroll 8
+#pragma unroll 16
         for (int sp = 0; sp < used; ++sp) o += w[sp] * part_o[(base + sp) * hd + d];
         out[((long)t * n_head + h) * hd + d] = o * inv;
     }
@@ -715,6 +872,7 @@ ST_KERNEL void dq_attn_combine(const float* part_o, const float* part_ms, const 
 
 // Step inputs derived on the device: n_ctx[t] = pos[t] + 1.
 ST_KERNEL void dq_ctx_from_pos(const int* pos, int* n_ctx, int n_tok) {
+    st_pdl_enter();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < n_tok) n_ctx[t] = pos[t] + 1;
 }
@@ -731,6 +889,7 @@ ST_KERNEL void dq_attn_prefill(const float* q, const u8* kv, const int* slot, co
                                long slot_bytes, long k_off, long v_off, int kv_ty, int n_head,
                                int n_head_kv, int hd, long row_bytes, float scale, int kt,
                                int n_tok, float* out) {
+    st_pdl_enter();
     extern __shared__ float sm[];
     const int ld = hd + 1;
     float* ks = sm;
@@ -816,6 +975,7 @@ ST_KERNEL void dq_attn_prefill(const float* q, const u8* kv, const int* slot, co
 // MoE combine for prefill: x[t][i] += sum_j wts[t*k+j] * y[(t*k+j)][i] (y: one row of width n
 // per assignment). grid: n_tok; block: 256.
 ST_KERNEL void dq_moe_combine(const float* y, const float* wts, int k, int n, float* x) {
+    st_pdl_enter();
     const long t = blockIdx.x;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float s = 0.0f;
@@ -830,16 +990,25 @@ ST_KERNEL void dq_moe_combine(const float* y, const float* wts, int k, int n, fl
 #define DQ_RT_PER 8
 ST_KERNEL void dq_router_topk(const float* logits, int n_expert, int k, int norm, int n_tok,
                               int* idx_out, float* w_out) {
-    const int lane = threadIdx.x % ST_WARP;
+    st_pdl_enter();
     const int t = blockIdx.x * (blockDim.x / ST_WARP) + threadIdx.x / ST_WARP;
     if (t >= n_tok) return;
-    const float* x = logits + (long)t * n_expert;
+    dq_topk_warp(logits + (long)t * n_expert, n_expert, k, norm, idx_out + (long)t * k,
+                 w_out + (long)t * k);
+}
+
+// Softmax over one token's n_expert logits x and its top k by the calling warp, written to
+// idx_out[0..k) / w_out[0..k). Reads x through L2, so logits written by other blocks of the
+// same launch (dq_router_rows) are seen once their writers' fences are.
+__device__ void dq_topk_warp(const float* x, int n_expert, int k, int norm, int* idx_out,
+                             float* w_out) {
+    const int lane = threadIdx.x % ST_WARP;
     float p[DQ_RT_PER];
     float m = ST_NEG_INF;
 #pragma unroll
     for (int i = 0; i < DQ_RT_PER; ++i) {
         const int e = lane + i * ST_WARP;
-        p[i] = e < n_expert ? x[e] : ST_NEG_INF;
+        p[i] = e < n_expert ? __ldcg(x + e) : ST_NEG_INF;
         m = fmaxf(m, p[i]);
     }
     m = st_warp_max(m);
@@ -876,9 +1045,9 @@ ST_KERNEL void dq_router_topk(const float* logits, int n_expert, int k, int norm
             if (lane + i * ST_WARP == bi) p[i] = -1.0f;
         if (lane == j) mine = best;
         tot += best;
-        if (lane == 0) idx_out[(long)t * k + j] = bi;
+        if (lane == 0) idx_out[j] = bi;
     }
-    if (lane < k) w_out[(long)t * k + lane] = norm ? mine / tot : mine;
+    if (lane < k) w_out[lane] = norm ? mine / tot : mine;
 }
 
 // Profiling aid: keep the stream busy for `ns` nanoseconds so that the host queues the next
@@ -902,6 +1071,7 @@ ST_KERNEL void dq_spin(long long ns) {
 #define SG_TK 32
 ST_KERNEL void dq_sgemm_split(const float* W, int rows, int cols, const float* x, int n_tok,
                               int k_chunk, float* part) {
+    st_pdl_enter();
     __shared__ float xs[SG_TK][SG_TT + 1];
     __shared__ float ws[SG_TK][SG_TR + 1];
     const int t0 = blockIdx.x * SG_TT, r0 = blockIdx.y * SG_TR, s = blockIdx.z;
@@ -951,6 +1121,7 @@ ST_KERNEL void dq_sgemm_split(const float* W, int rows, int cols, const float* x
 // y[i] = the sum over s of part[s * n + i], s ascending (dq_sgemm_split's splits in a fixed
 // order, so the result does not depend on scheduling). grid: ceil(n / 256); block: 256.
 ST_KERNEL void dq_split_sum(const float* part, int n_split, long n, float* y) {
+    st_pdl_enter();
     const long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     float a = 0.0f;

@@ -3,12 +3,45 @@
 // attn_factor). Invariant: one block per row or head; every element is read and written by
 // the same thread, so in-place use (out == x, h_out == res) is safe.
 
+// Elements per thread a row may have for the register path of rmsnorm_f32.
+#define RN_PER 16
+
 // h = x (+ res); out = w * (h / sqrt(mean(h^2) + eps)); h_out (if non-null) gets h.
 // grid: n_rows; block: a multiple of the warp size.
 ST_KERNEL void rmsnorm_f32(const float* __restrict__ x, const float* res, float* h_out,
                            const float* __restrict__ w, float* out, int n, float eps) {
+    st_pdl_enter();
     __shared__ float red[32];
     const long base = (long)blockIdx.x * n;
+    if (n <= (int)blockDim.x * RN_PER) {
+        // Every load of the row first, into registers, so they are all in flight at once (a
+        // loop that stores h_out between loads waits a memory round trip per element). Same
+        // per-thread order of the squares as the loop below, so the same result.
+        float h[RN_PER];
+#pragma unroll
+        for (int j = 0; j < RN_PER; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            h[j] = 0.0f;
+            if (i < n) {
+                h[j] = x[base + i];
+                if (res) h[j] += res[base + i];
+            }
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < RN_PER; ++j) ss += h[j] * h[j];
+        ss = st_block_sum(ss, red);
+        const float r = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma unroll
+        for (int j = 0; j < RN_PER; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < n) {
+                if (h_out) h_out[base + i] = h[j];
+                out[base + i] = w[i] * (h[j] * r);
+            }
+        }
+        return;
+    }
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float h = x[base + i];
@@ -37,6 +70,7 @@ ST_KERNEL void rmsnorm_f32(const float* __restrict__ x, const float* res, float*
 ST_KERNEL void qk_norm_rope_f32(float* x, const float* w, float eps, const int* pos,
                                 const float* inv_freq, float attn_factor, int n_head,
                                 int head_dim, int n_rot) {
+    st_pdl_enter();
     __shared__ float red[32];
     __shared__ float sh[1024];
     const long base = ((long)blockIdx.y * n_head + blockIdx.x) * head_dim;

@@ -6,6 +6,7 @@
 // idx_out / w_out: n_tok x k. k <= 64.
 ST_KERNEL void router_softmax_topk(const float* logits, int n_expert, int k, int norm,
                                    int* idx_out, float* w_out) {
+    st_pdl_enter();
     extern __shared__ float p[];
     __shared__ float red[32];
     __shared__ float bv[32];

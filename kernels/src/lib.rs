@@ -140,9 +140,72 @@ pub fn module_of(entry: &str) -> Option<&'static KernelSource> {
     all().iter().find(|k| k.entry_points.contains(&entry))
 }
 
+/// Whether kernel `entry` may be launched with programmatic dependent launch: it calls
+/// `st_pdl_wait()` (common.cuh) on every path before touching anything but weights. That is
+/// every entry point of the `norm`, `router` and `decode` modules but the profiler's spin
+/// kernel (the test below checks each one's body).
+pub fn pdl_aware(entry: &str) -> bool {
+    entry != "dq_spin"
+        && module_of(entry).is_some_and(|m| matches!(m.name, "norm" | "router" | "decode"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The text of kernel `e`'s body in `src`: from its declaration to the next kernel's.
+    fn body<'a>(src: &'a str, e: &str) -> &'a str {
+        let start = src.find(&format!("ST_KERNEL void {e}(")).unwrap();
+        let rest = &src[start + 10..];
+        let end = rest.find("ST_KERNEL void ").map_or(rest.len(), |i| i);
+        &rest[..end]
+    }
+
+    /// Whether a kernel body waits: itself, or through the `dq_*_body` template it calls.
+    fn waits(src: &str, b: &str) -> bool {
+        if b.contains("st_pdl_enter()") || b.contains("st_pdl_wait()") {
+            return true;
+        }
+        let Some(i) = b.find("_body<") else {
+            return false;
+        };
+        let name_start = b[..i]
+            .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap()
+            + 1;
+        let helper = &b[name_start..i + 5];
+        let def = src.find(&format!("void {helper}(")).unwrap();
+        let end = src[def..].find("\n}\n").unwrap();
+        let hb = &src[def..def + end];
+        hb.contains("st_pdl_enter()") || hb.contains("st_pdl_wait()")
+    }
+
+    #[test]
+    fn every_pdl_aware_kernel_waits_for_the_kernel_ahead() {
+        let mut aware = 0;
+        for k in all() {
+            for e in k.entry_points {
+                let b = body(&k.source, e);
+                if pdl_aware(e) {
+                    aware += 1;
+                    // The wait comes before the body's first statement that could read
+                    // activations: it is one of the first calls, after at most a prefetch.
+                    assert!(
+                        waits(&k.source, b),
+                        "{e} is launched with PDL but never waits"
+                    );
+                } else {
+                    assert!(
+                        !b.contains("st_pdl_"),
+                        "{e} waits but is not listed as PDL-aware"
+                    );
+                }
+            }
+        }
+        assert!(aware >= 20, "{aware} PDL-aware kernels");
+        assert!(pdl_aware("dq_qkv1") && pdl_aware("rmsnorm_f32"));
+        assert!(!pdl_aware("dq_spin") && !pdl_aware("fa_prefill") && !pdl_aware("nope"));
+    }
 
     #[test]
     fn every_entry_point_is_defined_once_in_its_source() {

@@ -78,6 +78,11 @@ pub struct PlanArgs {
     /// Prefill with the matrix-vector kernels instead of the tensor-core products.
     #[arg(long)]
     pub no_prefill_gemm: bool,
+    /// Launch every kernel only after the one ahead has finished. By default, on Hopper and
+    /// later GPUs, a kernel starts while the one ahead finishes (programmatic dependent
+    /// launch) and fetches its weights meanwhile; this turns that off, for comparison.
+    #[arg(long)]
+    pub no_pdl: bool,
     /// No progress bar.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -188,6 +193,8 @@ pub fn start_cuda_engine(
             progress: !args.quiet,
             graphs: !args.no_graphs,
             prefill_gemm: !args.no_prefill_gemm,
+            pdl: !args.no_pdl,
+            fuse: Default::default(),
         },
     )
 }
