@@ -69,32 +69,6 @@ struct DqIn {
     }
 };
 
-// 16-byte pieces of a split-layout Q8_0 row in flight per lane before any arithmetic: GPUs do
-// not issue a loop's later loads ahead of its earlier arithmetic by themselves, and one piece
-// per lane in flight (512 bytes a warp) holds the weight stream far under the DRAM bandwidth.
-#define DQ_U 4
-
-// The lane's pieces b0, b0 + 512, ... (U of them) of a split Q8_0 row: quants q[u] and
-// scales d[u], every load issued before the caller's arithmetic; pieces past cols are zero.
-template <int U>
-__device__ __forceinline__ void dq_load_q8(const u8* __restrict__ qs, const u16* __restrict__ ds,
-                                           long cols, long b0, int4 (&q)[U], float (&d)[U]) {
-    u16 dh[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const long i0 = b0 + (long)u * ST_WARP * 16;
-        if (i0 < cols) {
-            q[u] = __ldg((const int4*)(qs + i0));
-            dh[u] = __ldg(ds + i0 / QK8_0);
-        } else {
-            q[u] = make_int4(0, 0, 0, 0);
-            dh[u] = 0;
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) d[u] = st_h2f(dh[u]);
-}
-
 // acc[t] += W_r . in(t) over the warp's lanes (not yet reduced across the warp).
 template <int NT>
 __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, long rows, long cols,
@@ -104,30 +78,25 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
     if (ty == ST_TY_Q8_0) {
         const u8* qs = W + r * cols;
         const u16* ds = (const u16*)(W + rows * cols) + r * (cols / QK8_0);
-        for (long b0 = lane * 16; b0 < cols; b0 += DQ_U * ST_WARP * 16) {
-            int4 q[DQ_U];
-            float d[DQ_U];
-            dq_load_q8<DQ_U>(qs, ds, cols, b0, q, d);
+#pragma unroll 4
+        for (long i0 = lane * 16; i0 < cols; i0 += ST_WARP * 16) {
+            const int4 q = *(const int4*)(qs + i0);
+            const float d = st_h2f(ds[i0 / QK8_0]);
+            const int qw[4] = {q.x, q.y, q.z, q.w};
+            float w[16];
 #pragma unroll
-            for (int u = 0; u < DQ_U; ++u) {
-                const long i0 = b0 + (long)u * ST_WARP * 16;
-                if (i0 >= cols) break;
-                const int qw[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-                float w[16];
+            for (int j = 0; j < 4; ++j) st_i8x4_to_f32(qw[j], w + 4 * j);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) st_i8x4_to_f32(qw[j], w + 4 * j);
+            for (int t = 0; t < NT; ++t) {
+                if (t < n_tok) {
+                    float s = 0.0f;
 #pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    if (t < n_tok) {
-                        float s = 0.0f;
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const float4 xv = in.ld(t, i0 + 4 * j);
-                            s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
-                                 w[4 * j + 3] * xv.w;
-                        }
-                        acc[t] += d[u] * s;
+                    for (int j = 0; j < 4; ++j) {
+                        const float4 xv = in.ld(t, i0 + 4 * j);
+                        s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
+                             w[4 * j + 3] * xv.w;
                     }
+                    acc[t] += d * s;
                 }
             }
         }
@@ -395,18 +364,13 @@ ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int
         const u8* uq = U + (long)row * E;
         const u16* gd = (const u16*)(G + (long)F * E) + (long)row * (E / QK8_0);
         const u16* ud = (const u16*)(U + (long)F * E) + (long)row * (E / QK8_0);
-        for (long b0 = lane * 16; b0 < E; b0 += DQ_U * ST_WARP * 16) {
-            int4 qg[DQ_U], qu[DQ_U];
-            float dg[DQ_U], du[DQ_U];
-            dq_load_q8<DQ_U>(gq, gd, E, b0, qg, dg);
-            dq_load_q8<DQ_U>(uq, ud, E, b0, qu, du);
-#pragma unroll
-            for (int v = 0; v < DQ_U; ++v) {
-                const long i0 = b0 + (long)v * ST_WARP * 16;
-                if (i0 >= E) break;
-                g[0] += dg[v] * dq_dot16_q8(qg[v], in.x + i0);
-                u[0] += du[v] * dq_dot16_q8(qu[v], in.x + i0);
-            }
+#pragma unroll 4
+        for (int i0 = lane * 16; i0 < E; i0 += ST_WARP * 16) {
+            const int4 qg = *(const int4*)(gq + i0);
+            const int4 qu = *(const int4*)(uq + i0);
+            const float dg = st_h2f(gd[i0 / QK8_0]), du = st_h2f(ud[i0 / QK8_0]);
+            g[0] += dg * dq_dot16_q8(qg, in.x + i0);
+            u[0] += du * dq_dot16_q8(qu, in.x + i0);
         }
     } else {
         dq_row_dot<1>(G, ty, F, E, row, in, 1, g);
@@ -470,27 +434,13 @@ ST_KERNEL void dq_moe_down_rows(const unsigned long long* eptr, int E, int F, co
     const int per = F / 16;
     const float* ht = h + (long)t * k * F;
     float tot = 0.0f;
-    // DQ_U pieces per thread in flight before any arithmetic (see dq_load_q8).
-    for (int p0 = threadIdx.x; p0 < k * per; p0 += DQ_U * blockDim.x) {
-        int4 q[DQ_U];
-        u16 dh[DQ_U];
-#pragma unroll
-        for (int u = 0; u < DQ_U; ++u) {
-            const int p = p0 + u * blockDim.x;
-            if (p < k * per) {
-                const int j = p / per, i0 = (p - j * per) * 16;
-                const u8* D = dm[j];
-                q[u] = __ldg((const int4*)(D + (long)row * F + i0));
-                dh[u] = __ldg((const u16*)(D + (long)E * F) + (long)row * (F / QK8_0) + i0 / QK8_0);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < DQ_U; ++u) {
-            const int p = p0 + u * blockDim.x;
-            if (p >= k * per) break;
-            const int j = p / per, i0 = (p - j * per) * 16;
-            tot += dw[j] * st_h2f(dh[u]) * dq_dot16_q8(q[u], ht + (long)j * F + i0);
-        }
+#pragma unroll 4
+    for (int p = threadIdx.x; p < k * per; p += blockDim.x) {
+        const int j = p / per, i0 = (p - j * per) * 16;
+        const u8* D = dm[j];
+        const int4 q = *(const int4*)(D + (long)row * F + i0);
+        const float d = st_h2f(((const u16*)(D + (long)E * F))[(long)row * (F / QK8_0) + i0 / QK8_0]);
+        tot += dw[j] * d * dq_dot16_q8(q, ht + (long)j * F + i0);
     }
     tot = st_block_sum(tot, red);
     if (threadIdx.x == 0) y[(long)t * E + row] += tot;
