@@ -5,8 +5,9 @@
 # target/gpu to the GPU machine and run `scripts/gpu_bench.sh all "$OUT"` there.
 #
 # usage: scripts/build_gpu.sh [PATCH]
-#   PATCH (e.g. patches/prefill-router-sgemm.patch): also build strata-exec, cuda_ops and
-#   cuda_engine with it applied into target/gpu/patch/, so that one GPU call checks and
+#   PATCH (e.g. patches/decode-input-registers.patch): also build strata-exec, cuda_ops,
+#   cuda_decode_ops and cuda_engine with it applied into target/gpu/patch/ (about 55 MiB in
+#   all with main's; carry .whl in a call of its own), so that one GPU call checks and
 #   benchmarks main and the patch side by side (`gpu_bench.sh patch`). The patch is applied
 #   to this working tree for the build and always reversed afterwards.
 # Invariant: target/gpu holds one binary per test suite, all from this checkout (plus the
@@ -51,7 +52,7 @@ if [ -n "$patch" ]; then
     git apply "$patch"
     trap 'git apply -R "$patch"' EXIT
     cargo build --release -p strata-exec --bin strata-exec
-    paths=$(test_bins --test cuda_ops --test cuda_engine)
+    paths=$(test_bins --test cuda_ops --test cuda_decode_ops --test cuda_engine)
     strip_into target/gpu/patch target/release/strata-exec $paths
     basename "$patch" >target/gpu/patch/NAME
     git apply -R "$patch"

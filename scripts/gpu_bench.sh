@@ -62,7 +62,7 @@ if [ "$what" = split ] || [ "$what" = all ]; then
 fi
 if { [ "$what" = patch ] || [ "$what" = all ]; } && [ -d $bin/patch ]; then
     echo "== patch $(cat $bin/patch/NAME): its CUDA tests and bench"
-    for t in $bin/patch/cuda_ops-* $bin/patch/cuda_engine-*; do
+    for t in $bin/patch/cuda_ops-* $bin/patch/cuda_decode_ops-* $bin/patch/cuda_engine-*; do
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/patch-tests.log" | grep -E "^test |vs |result|panicked|error" | head -60
     done
