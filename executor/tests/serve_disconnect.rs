@@ -128,7 +128,10 @@ async fn disconnect_mid_decode_frees_the_slot() {
     // CI run found both slots idle; a poll delayed past the 7.5 s generation is the likely
     // cause).
     let before = cancelled(&s).await;
-    let mut conn = open(&s, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 900, "stream": true})).await;
+    // Greedy: a sampled story on the random tiny model can draw an end-of-turn token within
+    // the few steps before the drop and end as finished, not cancelled (one CI run saw
+    // requests_cancelled stay 0 with the slot idle); the greedy one is the same every run.
+    let mut conn = open(&s, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 900, "stream": true, "temperature": 0})).await;
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     while got.windows(6).filter(|w| w == b"data: ").count() < 4 {
@@ -149,7 +152,7 @@ async fn disconnect_mid_decode_frees_the_slot() {
     let conn = open(
         &s,
         "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 900}),
+        json!({"prompt": "Hello", "max_tokens": 900, "temperature": 0}),
     )
     .await;
     wait_state(&s, "decode").await;
