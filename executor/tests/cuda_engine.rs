@@ -570,8 +570,6 @@ fn programmatic_dependent_launch_changes_no_logit() {
     if !gpu_present() {
         return;
     }
-    use strata_schemas::arch::QuantRecipe;
-    use strata_schemas::gguf::write::{write_random_model, RandomOptions};
     let mut hp = strata_schemas::known::qwen3_30b_a3b();
     hp.n_layer = 3;
     hp.n_embd = 256;
@@ -584,17 +582,7 @@ fn programmatic_dependent_launch_changes_no_logit() {
     hp.n_ff_exp = 64;
     hp.n_vocab = 512;
     let dir = tempfile::tempdir().unwrap();
-    let gguf = dir.path().join("pdl-q8_0.gguf");
-    let recipe = QuantRecipe::preset("Q8_0").unwrap();
-    write_random_model(
-        &gguf,
-        "qwen3moe",
-        &hp,
-        &recipe,
-        11,
-        RandomOptions::default(),
-    )
-    .unwrap();
+    let gguf = random_q8_0_gguf(dir.path(), "pdl", &hp, 11);
     let ask = Ask {
         ctx: 128,
         ubatch: 16,
@@ -703,19 +691,8 @@ fn random_q8_0_vs_cpu(
     ubatch: u32,
     steps: usize,
 ) -> Vec<(KvType, f64)> {
-    use strata_schemas::arch::QuantRecipe;
-    use strata_schemas::gguf::write::{write_random_model, RandomOptions};
     let dir = tempfile::tempdir().unwrap();
-    let gguf = dir.path().join(format!("{name}-q8_0.gguf"));
-    write_random_model(
-        &gguf,
-        "qwen3moe",
-        hp,
-        &QuantRecipe::preset("Q8_0").unwrap(),
-        7,
-        RandomOptions::default(),
-    )
-    .unwrap();
+    let gguf = random_q8_0_gguf(dir.path(), name, hp, 7);
     let vocab = hp.n_vocab as u32;
     let prompt: Vec<u32> = (0..prompt_len).map(|i| (i * 37 + 11) % vocab).collect();
     let mut out = Vec::new();
@@ -745,4 +722,28 @@ fn random_q8_0_vs_cpu(
         out.push((kv, worst));
     }
     out
+}
+
+/// A random-weight Q8_0 GGUF of `hp` (qwen3moe, llama.cpp layout) written as
+/// `dir/NAME-q8_0.gguf` by the project's writer with `seed`.
+fn random_q8_0_gguf(
+    dir: &std::path::Path,
+    name: &str,
+    hp: &strata_schemas::inventory::HParams,
+    seed: u64,
+) -> std::path::PathBuf {
+    use strata_schemas::arch::QuantRecipe;
+    use strata_schemas::gguf::write::{write_random_model, RandomOptions};
+    let gguf = dir.join(format!("{name}-q8_0.gguf"));
+    let recipe = QuantRecipe::preset("Q8_0").unwrap();
+    write_random_model(
+        &gguf,
+        "qwen3moe",
+        hp,
+        &recipe,
+        seed,
+        RandomOptions::default(),
+    )
+    .unwrap();
+    gguf
 }
