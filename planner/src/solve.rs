@@ -237,15 +237,15 @@ impl<'a> Solver<'a> {
         spill + self.staging_estimate(slots)
     }
 
+    /// Pinned staging before the split is known: two expert slots per device (whether or not
+    /// its experts all end up resident) and the double-buffered hidden state of each device
+    /// whose hand-off in goes through host memory (as the plan allocates them; a peer copy
+    /// and the first device need none).
     fn staging_estimate(&self, slots: u64) -> u64 {
         let n = self.devices.len() as u64;
         let slot = align(self.facts.slot_bytes(0, self.n_layer()));
-        let handoff = if n > 1 {
-            2 * self.sizing.step_tokens(slots) * self.req.inventory.hparams.n_embd * 4
-        } else {
-            0
-        };
-        n * (2 * slot + handoff)
+        let handoff = 2 * self.sizing.step_tokens(slots) * self.req.inventory.hparams.n_embd * 4;
+        n * 2 * slot + host_handoffs(&self.devices) * handoff
     }
 
     /// Smallest resident window whose spill fits the pinned budget.
@@ -1125,6 +1125,14 @@ fn handoff_in(prev: Option<&DeviceProbe>, dev: &DeviceProbe) -> &'static str {
     }
 }
 
+/// How many devices of a split (in order) take the hidden state in through pinned host memory.
+fn host_handoffs(devices: &[&DeviceProbe]) -> u64 {
+    devices
+        .windows(2)
+        .filter(|w| handoff_in(Some(w[0]), w[1]) == "host")
+        .count() as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1193,6 +1201,12 @@ mod tests {
             })
             .collect();
         assert_eq!(staged, [0, 0, 2 * 512 * 2048 * 4]);
+        // The staging estimate made before the split is known counts the same hand-offs.
+        let refs =
+            |pr: &HardwareProbe| -> u64 { host_handoffs(&pr.devices.iter().collect::<Vec<_>>()) };
+        assert_eq!(refs(&pr), 1);
+        assert_eq!(refs(&three()), 2);
+        assert_eq!(host_handoffs(&[&three().devices[0]]), 0);
         // A CPU device never gets a peer copy.
         let mut pr = three();
         pr.devices[2].vendor = Vendor::Cpu;
