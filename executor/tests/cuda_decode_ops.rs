@@ -23,7 +23,7 @@ use strata_schemas::ggml::GgmlType;
 static DEV: OnceLock<Result<CudaDevice, String>> = OnceLock::new();
 
 fn dev(test: &str) -> Option<&'static CudaDevice> {
-    let r = DEV.get_or_init(|| {
+    cuda_common::device_or_skip(&DEV, test, || {
         let d = CudaDevice::open(0).map_err(|e| e.to_string())?;
         eprintln!(
             "device: {} ({}), NVRTC {:?}",
@@ -32,14 +32,7 @@ fn dev(test: &str) -> Option<&'static CudaDevice> {
             d.nvrtc_version()
         );
         Ok(d)
-    });
-    match r {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("SKIP (no CUDA device): {test}: {e}");
-            None
-        }
-    }
+    })
 }
 
 /// RMSNorm epsilon passed to every kernel.

@@ -37,13 +37,9 @@ use strata_schemas::ggml::GgmlType;
 static DEV: OnceLock<Result<CudaDevice, String>> = OnceLock::new();
 
 fn dev(test: &str) -> Option<&'static CudaDevice> {
-    match DEV.get_or_init(|| CudaDevice::open(0).map_err(|e| e.to_string())) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("SKIP (no CUDA device): {test}: {e}");
-            None
-        }
-    }
+    cuda_common::device_or_skip(&DEV, test, || {
+        CudaDevice::open(0).map_err(|e| e.to_string())
+    })
 }
 
 const U: f64 = 1.0 / 2048.0;

@@ -32,7 +32,7 @@ use strata_schemas::ggml::GgmlType;
 static DEV: OnceLock<Result<CudaDevice, String>> = OnceLock::new();
 
 fn dev(test: &str) -> Option<&'static CudaDevice> {
-    let r = DEV.get_or_init(|| {
+    cuda_common::device_or_skip(&DEV, test, || {
         let dir = std::env::temp_dir().join(format!("strata-kcache-gemm-{}", std::process::id()));
         std::env::set_var("STRATA_KERNEL_CACHE", &dir);
         let t = std::time::Instant::now();
@@ -45,14 +45,7 @@ fn dev(test: &str) -> Option<&'static CudaDevice> {
             t.elapsed().as_secs_f64()
         );
         Ok(d)
-    });
-    match r {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("SKIP (no CUDA device): {test}: {e}");
-            None
-        }
-    }
+    })
 }
 
 /// `mats` random matrices of `rows × cols` of `ty`: (device-layout bytes, dequantized f32).

@@ -48,13 +48,7 @@ fn init() -> Result<CudaDevice, String> {
 }
 
 fn dev(test: &str) -> Option<&'static CudaDevice> {
-    match DEV.get_or_init(init) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("SKIP (no CUDA device): {test}: {e}");
-            None
-        }
-    }
+    cuda_common::device_or_skip(&DEV, test, init)
 }
 
 /// Asserts |got - want| <= atol + rtol * |want| elementwise (with a per-element scale when

@@ -1,11 +1,29 @@
-//! Shared helpers of the CUDA kernel tests (`cuda_ops`, `cuda_gemm`): carving test buffers out
-//! of one arena, copying host data in and out, random inputs.
+//! Shared helpers of the CUDA kernel tests (`cuda_ops`, `cuda_gemm`, `cuda_flash`,
+//! `cuda_decode_ops`): the device or a loud skip, carving test buffers out of one arena,
+//! copying host data in and out, random inputs.
 //! Invariant: every view handed out lies inside its arena (`DeviceArena::view` checks it).
 #![allow(dead_code)]
 
 use rand::{rngs::StdRng, Rng};
 use std::cell::Cell;
+use std::sync::OnceLock;
 use strata_exec::backend::cuda::{CudaDevice, DeviceArena, DeviceView, Pod};
+
+/// The test binary's device, opened once by `init` into `cell`; `None` after printing
+/// `SKIP (no CUDA device): TEST: why` when there is none, so no GPU test passes silently.
+pub fn device_or_skip(
+    cell: &'static OnceLock<Result<CudaDevice, String>>,
+    test: &str,
+    init: impl FnOnce() -> Result<CudaDevice, String>,
+) -> Option<&'static CudaDevice> {
+    match cell.get_or_init(init) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("SKIP (no CUDA device): {test}: {e}");
+            None
+        }
+    }
+}
 
 /// Hands out 256-aligned windows of one arena, front to back.
 pub struct Carve<'a> {
