@@ -4,9 +4,10 @@
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
 # Usage: scripts/gpu_bench.sh [tests|serve|bench|split|patch|torch|decode|all] [OUTDIR]
-# (decode: the decode launch options side by side -- programmatic dependent launch on/off, the
-# top-k fusion -- then, where Nsight Systems is installed, each kernel's time and the
-# idle gap before it inside the graph replays, by scripts/nsys_gaps.py.)
+# (decode: the decode launch options side by side -- the fused attention's split size, the
+# products' input staged in shared memory, the fused attention --
+# then, where Nsight Systems is installed, each kernel's time and the idle gap before it
+# inside the graph replays, by scripts/nsys_gaps.py.)
 # (patch: the tests and bench of target/gpu/patch, built by `build_gpu.sh PATCH`, after main's.)
 # (split: the same file planned over two H200s, run on this one GPU with a device object per
 # stage, hand-offs by peer copy and by pinned host memory, and on one shared stream.)
@@ -74,7 +75,7 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
     [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
     [ -f /tmp/q30.plan ] || $bin/strata-plan --hardware plans/hardware/h200.toml --model $m \
         --max-context 4096 --batch 1 -o /tmp/q30.plan >/dev/null
-    for run in "default" "--no-pdl" "STRATA_FUSE_TOPK=0" "STRATA_FUSE_TOPK=0 --no-pdl"; do
+    for run in "default" "STRATA_ATT_CHUNK=32" "STRATA_XS=0" "STRATA_FUSE_ATTN=0"; do
         echo "== strata-exec bench: $run"
         env_part=$(echo "$run" | tr ' ' '\n' | grep = | tr '\n' ' ')
         flags=$(echo "$run" | tr ' ' '\n' | grep -- '^--' | tr '\n' ' ')

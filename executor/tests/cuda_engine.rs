@@ -12,7 +12,12 @@
 mod common;
 
 use common::*;
-use strata_exec::backend::cuda::engine::{CudaEngine, CudaEngineOptions, DecodeFuse};
+use strata_exec::backend::cuda::engine::{
+    CudaEngine, CudaEngineOptions, DecodeFuse, XS_GATE_UP, XS_OUT, XS_QKV,
+};
+
+/// Every product that can stage its input in shared memory.
+const XS_ALL: u8 = XS_QKV | XS_OUT | XS_GATE_UP;
 use strata_exec::engine::Engine;
 use strata_exec::load::{open_model, SafetensorsModel};
 use strata_schemas::ggml::GgmlType;
@@ -618,16 +623,33 @@ fn programmatic_dependent_launch_changes_no_logit() {
         }
         (logits, tokens)
     };
-    let plain = DecodeFuse { topk: false };
+    // The fused attention sums in another order, so it is checked on its own below.
+    let plain = DecodeFuse {
+        topk: false,
+        attn: false,
+        attn_chunk: 32,
+        xs: 0,
+    };
     let (base_l, base_t) = go(false, false, plain);
-    // The top-k in the router's last block runs the same code as its own launch.
-    let topk = DecodeFuse { topk: true };
+    // The top-k in the router's last block runs the same code as its own launch; the inputs
+    // staged in shared memory are the same values in the same sums.
+    let topk = DecodeFuse {
+        topk: true,
+        ..plain
+    };
+    let xs = DecodeFuse {
+        xs: XS_ALL,
+        ..plain
+    };
+    let both = DecodeFuse { xs: XS_ALL, ..topk };
     for (pdl, graphs, fuse) in [
         (true, true, plain),
         (true, false, plain),
         (false, true, plain),
         (false, false, topk),
         (true, true, topk),
+        (false, false, xs),
+        (true, true, both),
     ] {
         let (l, t) = go(pdl, graphs, fuse);
         assert_eq!(t, base_t, "pdl {pdl}, graphs {graphs}: greedy tokens");
@@ -637,7 +659,7 @@ fn programmatic_dependent_launch_changes_no_logit() {
             .filter(|(a, b)| a.to_bits() != b.to_bits())
             .count();
         eprintln!(
-            "pdl {pdl}, graphs {graphs}: {differ} of {} logits differ",
+            "pdl {pdl}, graphs {graphs}, {fuse:?}: {differ} of {} logits differ",
             l.len()
         );
         assert_eq!(l.len(), base_l.len());
@@ -645,6 +667,87 @@ fn programmatic_dependent_launch_changes_no_logit() {
             differ, 0,
             "pdl {pdl}, graphs {graphs}: logits must be bit-identical"
         );
+    }
+}
+
+/// Decode attention as one `dq_attn_fused` launch per layer (norm, RoPE, KV store, split-KV
+/// attention and the merge of its splits) against the three launches it replaces: the same
+/// greedy tokens and logits within 1e-5 of the largest (only the order of the softmax sums
+/// differs), one slot decoded to 200 cells of context (up to thirteen 16-cell splits) and two
+/// slots decoded together, with graphs and PDL, for splits of at least 16, 32 (the default) and 96 cells, and
+/// with the fusion off the engine reports it off. Query groups of 8 (24 heads over 3) of head
+/// dim 128, so the output projection's 3072-column rows also stage their input (`xs`).
+#[test]
+fn fused_decode_attention_matches_the_three_launches() {
+    if !gpu_present() {
+        return;
+    }
+    let mut hp = strata_schemas::known::qwen3_30b_a3b();
+    hp.n_layer = 2;
+    hp.n_embd = 256;
+    hp.n_head = 24;
+    hp.n_head_kv = 3;
+    hp.head_dim_k = 128;
+    hp.head_dim_v = 128;
+    hp.n_expert = 8;
+    hp.n_expert_used = 2;
+    hp.n_ff_exp = 64;
+    hp.n_vocab = 512;
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = random_q8_0_gguf(dir.path(), "fattn", &hp, 5);
+    let ask = Ask {
+        ctx: 512,
+        ubatch: 16,
+        batch: 2,
+        ..Ask::default()
+    };
+    let prompts: [Vec<u32>; 2] = [
+        (0..41).map(|i| (i * 53 + 7) % 512).collect(),
+        (0..3).map(|i| (i * 17 + 5) % 512).collect(),
+    ];
+    let go = |fuse: DecodeFuse| {
+        let opts = CudaEngineOptions {
+            fuse,
+            ..CudaEngineOptions::default()
+        };
+        let mut e = cuda_with("fattn", &ask, Some(&gguf), opts);
+        assert_eq!(e.fused_attention(), fuse.attn, "{fuse:?}");
+        let (mut logits, tokens) = run(&mut e, 0, &prompts[0], 160);
+        let v = e.info().n_vocab;
+        for chunk in prompts[1].chunks(16) {
+            logits.extend_from_slice(e.prefill_all(1, chunk).unwrap());
+        }
+        let mut next = [
+            tokens[tokens.len() - 1],
+            argmax(&logits[logits.len() - v..]),
+        ];
+        let mut all = tokens.clone();
+        for _ in 0..40 {
+            let l = e.decode(&[(0, next[0]), (1, next[1])]).unwrap().to_vec();
+            next = [argmax(&l[..v]), argmax(&l[v..])];
+            all.extend_from_slice(&next);
+            logits.extend_from_slice(&l);
+        }
+        (logits, all, v)
+    };
+    let three = DecodeFuse {
+        topk: true,
+        attn: false,
+        attn_chunk: 32,
+        xs: XS_ALL,
+    };
+    let (base_l, base_t, v) = go(three);
+    for chunk in [16, 32, 96] {
+        let fused = DecodeFuse {
+            attn: true,
+            attn_chunk: chunk,
+            ..three
+        };
+        let (l, t, _) = go(fused);
+        let err = rel_err(&l, &base_l, v);
+        eprintln!("fused attention, splits of at least {chunk} cells: logits within {err:e} of the three launches");
+        assert_eq!(t, base_t, "splits of at least {chunk}: greedy tokens");
+        assert!(err < 1e-5, "splits of at least {chunk}: {err}");
     }
 }
 

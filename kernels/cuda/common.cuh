@@ -6,10 +6,13 @@
 #define ST_HIP 1
 #define ST_WARP 64
 #define ST_SHFL_XOR(v, m) __shfl_xor((v), (m))
+// A wavefront runs in lockstep; the barrier orders its shared-memory accesses.
+#define ST_SYNCWARP() __builtin_amdgcn_wave_barrier()
 #else
 #define ST_CUDA 1
 #define ST_WARP 32
 #define ST_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define ST_SYNCWARP() __syncwarp()
 #endif
 
 #define ST_KERNEL extern "C" __global__

@@ -69,11 +69,48 @@ struct DqIn {
     }
 };
 
-// acc[t] += W_r . in(t) over the warp's lanes (not yet reduced across the warp).
-template <int NT>
+// The input of a one-token Q8_0 product staged in shared memory ("xs"), when the host gives the
+// launch at least cols * 4 bytes of dynamic shared memory (dq_xs_bytes reads what it gave).
+// A lane of the Q8_0 loops reads the 16 floats of its 16-column piece, 64 bytes from its
+// neighbour's: from global memory each such float4 load touches 16 lines, which bound the
+// products by L1 throughput on the H200. In shared memory float4 m sits at dq_xs_slot(m), so
+// every 8 lanes of such a load hit the 8 distinct 16-byte bank groups: 4 wavefronts a load.
+// The values and the arithmetic are the same, so the outputs are bit for bit the same.
+__device__ __forceinline__ unsigned dq_xs_bytes() {
+    unsigned v = 0;
+#ifdef ST_CUDA
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+#endif
+    return v;
+}
+__device__ __forceinline__ int dq_xs_slot(int m) { return m ^ ((m >> 3) & 7); }
+// xs = x[0..cols) (cols % 4 == 0) by every thread of the block; ends with a barrier. Eight
+// loads per thread are in flight before their stores.
+__device__ __forceinline__ void dq_xs_fill(float4* xs, const float* x, int cols) {
+    const int n4 = cols / 4;
+    for (int m0 = threadIdx.x; m0 < n4; m0 += 8 * blockDim.x) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int m = m0 + u * blockDim.x;
+            if (m < n4) v[u] = *(const float4*)(x + 4 * m);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int m = m0 + u * blockDim.x;
+            if (m < n4) xs[dq_xs_slot(m)] = v[u];
+        }
+    }
+    __syncthreads();
+}
+
+// acc[t] += W_r . in(t) over the warp's lanes (not yet reduced across the warp). XS (one
+// token, no norm, Q8_0): the input is read from xs instead (dq_xs_fill); a separate
+// instantiation, so the plain loop's code is what it was without the staging.
+template <int NT, bool XS = false>
 __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, long rows, long cols,
                                            long r, const DqIn<NT>& in, int n_tok,
-                                           float (&acc)[NT]) {
+                                           float (&acc)[NT], const float4* xs = nullptr) {
     const int lane = threadIdx.x % ST_WARP;
     if (ty == ST_TY_Q8_0) {
         const u8* qs = W + r * cols;
@@ -92,7 +129,8 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
                     float s = 0.0f;
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
-                        const float4 xv = in.ld(t, i0 + 4 * j);
+                        const float4 xv = XS ? xs[dq_xs_slot((int)(i0 / 4) + j)]
+                                             : in.ld(t, i0 + 4 * j);
                         s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
                              w[4 * j + 3] * xv.w;
                     }
@@ -181,6 +219,66 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
     }
 }
 
+// Q8_0 products of one token with the input held in registers: a lane of dq_row_dot's Q8_0
+// loop reads the same columns of x (its 16-column pieces, 512 apart) in every row, so a warp
+// that walks many rows keeps those pieces in registers and reads only weights per row (x's
+// float4 loads, each touching 16 cache lines, bound the one-row-per-warp kernels by L1
+// throughput). Used by dq_mv1 over the LM head, whose 151936 rows give every warp dozens
+// (measured on the H200: head 198 -> 169 us a token; the same path in dq_qkv1 and the MoE
+// gate/up, with 3 and 1 rows a warp, cost more than it saved: gate/up 16.5 -> 22.4 us).
+// Rows of at most DQ_XR_COLS columns; same arithmetic, in the same order, as dq_row_dot<1>.
+#define DQ_XR_PIECES 4
+#define DQ_XR_COLS (DQ_XR_PIECES * ST_WARP * 16)
+
+template <int NT>
+__device__ __forceinline__ void dq_xr_load(const DqIn<NT>& in, long cols,
+                                           float (&xr)[DQ_XR_PIECES * 16]) {
+    const int lane = threadIdx.x % ST_WARP;
+#pragma unroll
+    for (int u = 0; u < DQ_XR_PIECES; ++u) {
+        const long i0 = lane * 16 + (long)u * ST_WARP * 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (i0 < cols) v = in.ld(0, i0 + 4 * j);
+            xr[u * 16 + 4 * j] = v.x;
+            xr[u * 16 + 4 * j + 1] = v.y;
+            xr[u * 16 + 4 * j + 2] = v.z;
+            xr[u * 16 + 4 * j + 3] = v.w;
+        }
+    }
+}
+
+// The lane's part of row r (of a rows x cols split Q8_0 matrix) . x, x in xr (dq_xr_load).
+__device__ __forceinline__ float dq_row_q8_xr(const u8* W, long rows, long cols, long r,
+                                              const float (&xr)[DQ_XR_PIECES * 16]) {
+    const int lane = threadIdx.x % ST_WARP;
+    const u8* qs = W + r * cols;
+    const u16* ds = (const u16*)(W + rows * cols) + r * (cols / QK8_0);
+    float acc = 0.0f;
+#pragma unroll
+    for (int u = 0; u < DQ_XR_PIECES; ++u) {
+        const long i0 = lane * 16 + (long)u * ST_WARP * 16;
+        if (i0 < cols) {
+            // Read-only loads (ld.global.nc), so the next row's can be issued ahead of this
+            // row's output store.
+            const int4 q = __ldg((const int4*)(qs + i0));
+            const float d = st_h2f(__ldg(ds + i0 / QK8_0));
+            const int qw[4] = {q.x, q.y, q.z, q.w};
+            float w[16];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) st_i8x4_to_f32(qw[j], w + 4 * j);
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                s += w[4 * j] * xr[u * 16 + 4 * j] + w[4 * j + 1] * xr[u * 16 + 4 * j + 1] +
+                     w[4 * j + 2] * xr[u * 16 + 4 * j + 2] + w[4 * j + 3] * xr[u * 16 + 4 * j + 3];
+            acc += d * s;
+        }
+    }
+    return acc;
+}
+
 // The block's per-token RMS factors 1/sqrt(mean(x^2) + eps) into in.s (nw non-null only).
 template <int NT>
 __device__ __forceinline__ void dq_norm_prologue(DqIn<NT>& in, long cols, int n_tok, float eps) {
@@ -200,7 +298,9 @@ __device__ __forceinline__ void dq_norm_prologue(DqIn<NT>& in, long cols, int n_
     }
 }
 
-// y[t][r] (+)= W_r . norm?(x[t]) for t < n_tok. W: rows x cols, device layout.
+// y[t][r] (+)= W_r . norm?(x[t]) for t < n_tok. W: rows x cols, device layout. One token
+// per chunk (dq_mv1) over Q8_0 rows of at most DQ_XR_COLS columns takes the register path,
+// where a grid.x smaller than ceil(rows / DQ_WARPS) makes each warp walk several rows.
 // nw: RMSNorm weights (cols) or null; add: accumulate into y instead of overwriting;
 // xn_out (with nw; may be null): the blocks of grid column 0 also write the normalised
 // inputs there, for the kernels that follow (the router's launch hands xn to the experts).
@@ -231,12 +331,30 @@ __device__ __forceinline__ void dq_mv_body(const u8* W, int ty, int rows, int co
             for (long i = threadIdx.x; i < cols; i += blockDim.x)
                 xn_out[t * cols + i] = in.ld1(t, i);
     }
+    if (NT == 1 && ty == ST_TY_Q8_0 && cols <= DQ_XR_COLS) {
+        // Every row r = blockIdx.x * DQ_WARPS + warp + i * gridDim.x * DQ_WARPS.
+        float xr[DQ_XR_PIECES * 16];
+        dq_xr_load<NT>(in, cols, xr);
+        const int lane = threadIdx.x % ST_WARP;
+#pragma unroll 2
+        for (int r = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP; r < rows;
+             r += gridDim.x * DQ_WARPS) {
+            const float s = st_warp_sum(dq_row_q8_xr(W, rows, cols, r, xr));
+            if (lane == 0) y[r] = add ? y[r] + s : s;
+        }
+        return;
+    }
+    // The input staged in shared memory when the host gave room for it (before any return).
+    extern __shared__ __align__(16) float4 dq_mv_xs[];
+    const bool xs = NT == 1 && ty == ST_TY_Q8_0 && !nw && dq_xs_bytes() >= 4u * cols;
+    if (xs) dq_xs_fill(dq_mv_xs, x, cols);
     const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     if (row >= rows) return;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-    dq_row_dot<NT>(W, ty, rows, cols, row, in, n_tok, acc);
+    if (xs) dq_row_dot<NT, true>(W, ty, rows, cols, row, in, n_tok, acc, dq_mv_xs);
+    else dq_row_dot<NT>(W, ty, rows, cols, row, in, n_tok, acc);
     const int lane = threadIdx.x % ST_WARP;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -288,6 +406,10 @@ __device__ __forceinline__ void dq_qkv_body(const u8* Wq, const u8* Wk, const u8
     in.stride = cols;
     in.nw = nw;
     dq_norm_prologue<NT>(in, cols, n_tok, eps);
+    // The input staged in shared memory when the host gave room for it (before any return).
+    extern __shared__ __align__(16) float4 dq_qkv_xs[];
+    const bool xs = NT == 1 && ty == ST_TY_Q8_0 && !nw && dq_xs_bytes() >= 4u * cols;
+    if (xs) dq_xs_fill(dq_qkv_xs, x, cols);
     int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     const u8* W;
     float* y;
@@ -299,7 +421,8 @@ __device__ __forceinline__ void dq_qkv_body(const u8* Wq, const u8* Wk, const u8
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-    dq_row_dot<NT>(W, ty, rows, cols, row, in, n_tok, acc);
+    if (xs) dq_row_dot<NT, true>(W, ty, rows, cols, row, in, n_tok, acc, dq_qkv_xs);
+    else dq_row_dot<NT>(W, ty, rows, cols, row, in, n_tok, acc);
     const int lane = threadIdx.x % ST_WARP;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -322,18 +445,42 @@ ST_KERNEL void dq_qkv8(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq,
     dq_qkv_body<DQ_MAX_TOK>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
 }
 
-// 16 Q8_0 weights (one 16-byte load of a split-layout row) dotted with x[0..16).
-__device__ __forceinline__ float dq_dot16_q8(const int4 q, const float* x) {
+// 16 Q8_0 weights (one 16-byte load of a split-layout row) dotted with x[0..16), or (XS)
+// with float4s m4 .. m4 + 3 of xs (dq_xs_fill).
+template <bool XS = false>
+__device__ __forceinline__ float dq_dot16_q8(const int4 q, const float* x,
+                                             const float4* xs = nullptr, int m4 = 0) {
     const int qw[4] = {q.x, q.y, q.z, q.w};
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const float4 xv = *(const float4*)(x + 4 * j);
+        const float4 xv = XS ? xs[dq_xs_slot(m4 + j)] : *(const float4*)(x + 4 * j);
         float w[4];
         st_i8x4_to_f32(qw[j], w);
         s += w[0] * xv.x + w[1] * xv.y + w[2] * xv.z + w[3] * xv.w;
     }
     return s;
+}
+
+// The lane's parts of G_row . x and U_row . x for Q8_0 gate/up matrices (F x E): their loads
+// in flight together; x from global memory, or (XS) staged in xs.
+template <bool XS>
+__device__ __forceinline__ void dq_gate_up_q8(const u8* G, const u8* U, int F, int E, int row,
+                                              const float* x, const float4* xs, float& g,
+                                              float& u) {
+    const int lane = threadIdx.x % ST_WARP;
+    const u8* gq = G + (long)row * E;
+    const u8* uq = U + (long)row * E;
+    const u16* gd = (const u16*)(G + (long)F * E) + (long)row * (E / QK8_0);
+    const u16* ud = (const u16*)(U + (long)F * E) + (long)row * (E / QK8_0);
+#pragma unroll 4
+    for (int i0 = lane * 16; i0 < E; i0 += ST_WARP * 16) {
+        const int4 qg = *(const int4*)(gq + i0);
+        const int4 qu = *(const int4*)(uq + i0);
+        const float dg = st_h2f(gd[i0 / QK8_0]), du = st_h2f(ud[i0 / QK8_0]);
+        g += dg * dq_dot16_q8<XS>(qg, x + i0, xs, i0 / 4);
+        u += du * dq_dot16_q8<XS>(qu, x + i0, xs, i0 / 4);
+    }
 }
 
 // MoE gate and up with SwiGLU: for assignment a = t*k + j (grid.y, a < n_tok*k), expert
@@ -352,26 +499,21 @@ ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int
     in.stride = E;
     in.nw = nw;
     dq_norm_prologue<1>(in, E, 1, eps);
-    const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
-    if (row >= F) return;
+    // The expert's matrices first (their loads need no barrier), then the input staged in
+    // shared memory when the host gave room for it (before any return).
     const int e = ids[a];
     const u8* G = (const u8*)eptr[(long)e * 3 + 0];
     const u8* U = (const u8*)eptr[(long)e * 3 + 1];
+    extern __shared__ __align__(16) float4 dq_gu_xs[];
+    const bool xs = ty == ST_TY_Q8_0 && !nw && dq_xs_bytes() >= 4u * E;
+    if (xs) dq_xs_fill(dq_gu_xs, in.x, E);
+    const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+    if (row >= F) return;
     const int lane = threadIdx.x % ST_WARP;
     float g[1] = {0.0f}, u[1] = {0.0f};
     if (ty == ST_TY_Q8_0 && !nw) {
-        const u8* gq = G + (long)row * E;
-        const u8* uq = U + (long)row * E;
-        const u16* gd = (const u16*)(G + (long)F * E) + (long)row * (E / QK8_0);
-        const u16* ud = (const u16*)(U + (long)F * E) + (long)row * (E / QK8_0);
-#pragma unroll 4
-        for (int i0 = lane * 16; i0 < E; i0 += ST_WARP * 16) {
-            const int4 qg = *(const int4*)(gq + i0);
-            const int4 qu = *(const int4*)(uq + i0);
-            const float dg = st_h2f(gd[i0 / QK8_0]), du = st_h2f(ud[i0 / QK8_0]);
-            g[0] += dg * dq_dot16_q8(qg, in.x + i0);
-            u[0] += du * dq_dot16_q8(qu, in.x + i0);
-        }
+        if (xs) dq_gate_up_q8<true>(G, U, F, E, row, in.x, dq_gu_xs, g[0], u[0]);
+        else dq_gate_up_q8<false>(G, U, F, E, row, in.x, nullptr, g[0], u[0]);
     } else {
         dq_row_dot<1>(G, ty, F, E, row, in, 1, g);
         dq_row_dot<1>(U, ty, F, E, row, in, 1, u);
@@ -817,6 +959,327 @@ ST_KERNEL void dq_attn_combine(const float* part_o, const float* part_ms, const 
 #pragma unroll 16
         for (int sp = 0; sp < used; ++sp) o += w[sp] * part_o[(base + sp) * hd + d];
         out[((long)t * n_head + h) * hd + d] = o * inv;
+    }
+}
+
+// Decode attention in one launch per layer: the QK-norm and RoPE of the queries, the KV store
+// of the step's own K and V, split-KV attention and the merge of the splits, which
+// dq_rope_store + dq_attn_gqa + dq_attn_combine do in three. Block (kvh, sp, t) serves the
+// G = n_head / n_head_kv query heads of KV head kvh over cells [sp * chunk, +chunk) of token
+// t's context (pos[t] + 1 cells; chunk from df_chunk, at least min_chunk cells), walked in
+// tiles of DF_SUB cells of K and V staged in shared memory. Before st_pdl_wait it loads its
+// first tile's cells of earlier steps (written by earlier steps' launches, never by this
+// step's) and asks L2 for the rest; the block whose split holds the step's own cell
+// normalises, rotates and stores K and stores V there first. Each block normalises and rotates its G queries in
+// shared memory (q itself is left as the Q/K/V product wrote it). A context of one split
+// writes out directly; otherwise every block writes its unnormalised output and (max, sum)
+// into part_o / part_ms, and the last of the token's blocks for kvh to finish (counted in
+// cnt[t * n_head_kv + kvh], which it resets) merges them into out. F16 KV only, hd <= 128 and
+// a multiple of 8, 128 % G == 0 (the host uses the three launches otherwise).
+// grid: (n_head_kv, n_split, n_tok); block: DA_THREADS (128).
+#define DF_SUB 32
+#define DF_TPC (DA_THREADS / DF_SUB)
+#define DF_MAXD 128
+#define DF_K8 (DF_MAXD / 8 / DF_TPC)
+// A tile: DF_SUB cells of the head's K and V rows (16-byte chunks, rows padded by one chunk
+// so the score loads of 8 cells spread over the bank groups), DF_TU chunks a thread.
+#define DF_ROW (DF_MAXD / 8 + 1)
+#define DF_TU (2 * DF_SUB * (DF_MAXD / 8) / DA_THREADS)
+
+// Loads (into registers) of the tile of cells [s0, s0 + nc) of K and V head kvh (the head's
+// n8 chunks at byte hoff of each row), leaving out cell `skip`: the thread's chunk i = tid +
+// u * DA_THREADS is (K or V, cell, chunk) = (i / (DF_SUB * 16), i / 16 % DF_SUB, i % 16).
+__device__ __forceinline__ void df_tile_load(uint4 (&r)[DF_TU], const u8* kb, const u8* vb,
+                                             long row_bytes, long hoff, int s0, int nc, int n8,
+                                             int skip) {
+#pragma unroll
+    for (int u = 0; u < DF_TU; ++u) {
+        const int i = threadIdx.x + u * DA_THREADS;
+        const int cell = i / (DF_MAXD / 8) % DF_SUB, j = i % (DF_MAXD / 8);
+        const u8* base = i < DF_SUB * (DF_MAXD / 8) ? kb : vb;
+        if (cell < nc && j < n8 && s0 + cell != skip)
+            r[u] = *(const uint4*)(base + (long)(s0 + cell) * row_bytes + hoff + j * 16);
+    }
+}
+// ... and their stores into the tile (the same chunks).
+__device__ __forceinline__ void df_tile_store(const uint4 (&r)[DF_TU], uint4 (*kt)[DF_ROW],
+                                              uint4 (*vt)[DF_ROW], int s0, int nc, int n8,
+                                              int skip) {
+#pragma unroll
+    for (int u = 0; u < DF_TU; ++u) {
+        const int i = threadIdx.x + u * DA_THREADS;
+        const int cell = i / (DF_MAXD / 8) % DF_SUB, j = i % (DF_MAXD / 8);
+        if (cell < nc && j < n8 && s0 + cell != skip)
+            (i < DF_SUB * (DF_MAXD / 8) ? kt : vt)[cell][j] = r[u];
+    }
+}
+
+// Cells per split of dq_attn_fused: the context over n_split splits, at least min_chunk, in
+// multiples of 16 (a split of 16 cells fills half a tile). On the H200 at a 600-cell context
+// splits of at least 32 cells (the engine's default) beat 16 and 64: 243 against 235 and 224
+// tok/s decode.
+__device__ __forceinline__ int df_chunk(int ctx, int n_split, int min_chunk) {
+    const int per = max((ctx + n_split - 1) / n_split, min_chunk);
+    return (per + 15) / 16 * 16;
+}
+
+// dst[0..hd) = RoPE(RMSNorm(src) * w) * mul by the calling warp (st_head_norm_rope's
+// arithmetic, then the factor mul): the warp's writes to dst are visible to it on return.
+__device__ __forceinline__ void df_warp_norm_rope(const float* src, float* dst, const float* w,
+                                                  float eps, float p, const float* inv_freq,
+                                                  float attn_factor, int hd, int n_rot,
+                                                  float mul) {
+    const int lane = threadIdx.x % ST_WARP;
+    float ss = 0.0f;
+    for (int i = lane; i < hd; i += ST_WARP) {
+        const float v = src[i];
+        dst[i] = v;
+        ss += v * v;
+    }
+    ss = st_warp_sum(ss);
+    if (w) {
+        const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+        for (int i = lane; i < hd; i += ST_WARP) dst[i] = w[i] * (dst[i] * r);
+    }
+    ST_SYNCWARP();
+    const int half = n_rot / 2;
+    for (int i = lane; i < half; i += ST_WARP) {
+        float s, c;
+        sincosf(inv_freq[i] * p, &s, &c);
+        c *= attn_factor;
+        s *= attn_factor;
+        const float a = dst[i], b = dst[i + half];
+        const float x0 = a * c - b * s, x1 = b * c + a * s;
+        dst[i] = x0 * mul;
+        dst[i + half] = x1 * mul;
+    }
+    if (mul != 1.0f)
+        for (int i = n_rot + lane; i < hd; i += ST_WARP) dst[i] *= mul;
+    ST_SYNCWARP();
+}
+
+ST_KERNEL void dq_attn_fused(const float* q, const float* k, const float* v, const float* q_norm,
+                             const float* k_norm, float eps, const int* pos,
+                             const float* inv_freq, float attn_factor, int n_head,
+                             int n_head_kv, int hd, int n_rot, u8* kv, const int* slot,
+                             long slot_bytes, long k_off, long v_off, long row_bytes,
+                             float scale, int min_chunk, float* part_o, float* part_ms,
+                             unsigned* cnt, float* out) {
+    __shared__ __align__(16) float qs[DA_MAXG * DF_MAXD];
+    __shared__ __align__(16) uint4 kt[DF_SUB][DF_ROW], vt[DF_SUB][DF_ROW];
+    __shared__ float ps[DA_MAXG][DF_SUB + 1];  // + 1: the P.V groups read different rows
+    __shared__ float kn[DF_MAXD];
+    __shared__ float ml[DA_MAXG][2], cf[DA_MAXG];
+    __shared__ int last;
+    const int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z, n_split = gridDim.y;
+    const int G = n_head / n_head_kv;
+    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+    const int n_warps = DA_THREADS / ST_WARP;
+    const int n8 = hd / 8;
+    // pos and slot are step inputs, uploaded before the step began.
+    const int p = pos[t], ctx = p + 1;
+    const int chunk = df_chunk(ctx, n_split, min_chunk);
+    const int used = (ctx + chunk - 1) / chunk;
+    const int c0 = sp * chunk, c1 = min(c0 + chunk, ctx);
+    u8* kb = kv + (long)slot[t] * slot_bytes + k_off;
+    u8* vb = kv + (long)slot[t] * slot_bytes + v_off;
+    const long hoff = (long)kvh * hd * 2;  // F16: the head's bytes in a row
+    // The first tile's cells of earlier steps, loaded while the kernel ahead finishes (earlier
+    // steps wrote them); the rest of the split only asked of L2.
+    uint4 pre[DF_TU];
+    if (c0 < ctx) df_tile_load(pre, kb, vb, row_bytes, hoff, c0, min(DF_SUB, c1 - c0), n8, p);
+    for (int c = c0 + DF_SUB + warp; c < min(c1, p); c += n_warps) {
+        st_prefetch_l2(kb + (long)c * row_bytes + hoff, hd * 2);
+        st_prefetch_l2(vb + (long)c * row_bytes + hoff, hd * 2);
+    }
+    st_pdl_enter();
+    if (c0 >= ctx) return;
+    df_tile_store(pre, kt, vt, c0, min(DF_SUB, c1 - c0), n8, p);
+    for (int g = warp; g < G; g += n_warps)
+        df_warp_norm_rope(q + ((long)t * n_head + (long)kvh * G + g) * hd, qs + g * hd, q_norm,
+                          eps, (float)p, inv_freq, attn_factor, hd, n_rot, scale);
+    if (c1 == ctx) {
+        // This split holds the step's own cell: K normalised and rotated, K and V stored, and
+        // when the first tile holds the cell, its row read back into the tile (the block's
+        // own stores, visible to it after the barrier).
+        if (warp == n_warps - 1)
+            df_warp_norm_rope(k + ((long)t * n_head_kv + kvh) * hd, kn, k_norm, eps, (float)p,
+                              inv_freq, attn_factor, hd, n_rot, 1.0f);
+        __syncthreads();
+        u8* cell = kv + (long)slot[t] * slot_bytes + (long)p * row_bytes;
+        dq_store_seg(kn, cell + k_off, ST_TY_F16, kvh * hd, hd);
+        dq_store_seg(v + ((long)t * n_head_kv + kvh) * hd, cell + v_off, ST_TY_F16, kvh * hd, hd);
+        __syncthreads();
+        if (p < c0 + DF_SUB && threadIdx.x < 2 * n8) {
+            const int j = threadIdx.x % n8;
+            const bool is_v = threadIdx.x >= n8;
+            (is_v ? vt : kt)[p - c0][j] =
+                *(const uint4*)((is_v ? vb : kb) + (long)p * row_bytes + hoff + j * 16);
+        }
+    }
+    if (threadIdx.x < G) {
+        ml[threadIdx.x][0] = ST_NEG_INF;
+        ml[threadIdx.x][1] = 0.0f;
+    }
+    __syncthreads();
+    // Scores: DF_TPC threads per cell, 8 dims (one 16-byte chunk) at a time.
+    const int cc = threadIdx.x / DF_TPC, part = threadIdx.x % DF_TPC;
+    // P.V: 128 / G threads per head, 8 dims each at a time.
+    const int tph = DA_THREADS / G, pg = threadIdx.x / tph, pj = threadIdx.x % tph;
+    float acc[2][8];
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+    for (int s0 = c0; s0 < c1; s0 += DF_SUB) {
+        const int nc = min(DF_SUB, c1 - s0);
+        if (s0 > c0) {
+            // Later tiles (long contexts): loaded now, the step's own cell included.
+            uint4 r[DF_TU];
+            df_tile_load(r, kb, vb, row_bytes, hoff, s0, nc, n8, -1);
+            df_tile_store(r, kt, vt, s0, nc, n8, -1);
+            __syncthreads();
+        }
+        float kf[DF_K8][8];
+        if (cc < nc) {
+#pragma unroll
+            for (int u = 0; u < DF_K8; ++u) {
+                const int j = part + u * DF_TPC;
+                const uint4 raw = j < n8 ? kt[cc][j] : make_uint4(0, 0, 0, 0);
+                const u32 pk[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    kf[u][2 * e] = st_h2f((u16)(pk[e] & 0xffff));
+                    kf[u][2 * e + 1] = st_h2f((u16)(pk[e] >> 16));
+                }
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            float s = 0.0f;
+            if (cc < nc) {
+#pragma unroll
+                for (int u = 0; u < DF_K8; ++u) {
+                    const int j = part + u * DF_TPC;
+                    if (j < n8) {
+                        const float4 a = *(const float4*)(qs + g * hd + j * 8);
+                        const float4 b = *(const float4*)(qs + g * hd + j * 8 + 4);
+                        s += a.x * kf[u][0] + a.y * kf[u][1] + a.z * kf[u][2] + a.w * kf[u][3] +
+                             b.x * kf[u][4] + b.y * kf[u][5] + b.z * kf[u][6] + b.w * kf[u][7];
+                    }
+                }
+            }
+#pragma unroll
+            for (int o = DF_TPC / 2; o > 0; o >>= 1) s += ST_SHFL_XOR(s, o);
+            if (part == 0) ps[g][cc] = cc < nc ? s : ST_NEG_INF;
+        }
+        __syncthreads();
+        // Online softmax: one warp per head, one cell per lane.
+        for (int g = warp; g < G; g += n_warps) {
+            const float sv = lane < DF_SUB ? ps[g][lane] : ST_NEG_INF;
+            const float mo = ml[g][0];
+            const float mn = fmaxf(mo, st_warp_max(sv));
+            const float e = sv == ST_NEG_INF ? 0.0f : expf(sv - mn);
+            const float l = st_warp_sum(e);
+            if (lane < DF_SUB) ps[g][lane] = e;
+            if (lane == 0) {
+                const float c = mo == ST_NEG_INF ? 0.0f : expf(mo - mn);
+                cf[g] = c;
+                ml[g][0] = mn;
+                ml[g][1] = ml[g][1] * c + l;
+            }
+        }
+        __syncthreads();
+        // P.V: this thread's head pg, dims [8j, 8j + 8) for j = pj, pj + tph (at most two).
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int j = pj + u * tph;
+            if (j < n8) {
+                const float c = cf[pg];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[u][i] *= c;
+#pragma unroll 4
+                for (int cl = 0; cl < nc; ++cl) {
+                    const uint4 raw = vt[cl][j];
+                    const float pv = ps[pg][cl];
+                    const u32 pk[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        acc[u][2 * e] += pv * st_h2f((u16)(pk[e] & 0xffff));
+                        acc[u][2 * e + 1] += pv * st_h2f((u16)(pk[e] >> 16));
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    const long head = (long)t * n_head + (long)kvh * G + pg;
+    if (used == 1) {
+        const float inv = 1.0f / ml[pg][1];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int j = pj + u * tph;
+            if (j < n8)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) out[head * hd + j * 8 + i] = acc[u][i] * inv;
+        }
+        return;
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int j = pj + u * tph;
+        if (j < n8)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) part_o[(head * n_split + sp) * hd + j * 8 + i] = acc[u][i];
+    }
+    if (threadIdx.x < G) {
+        const long sl = ((long)t * n_head + (long)kvh * G + threadIdx.x) * n_split + sp;
+        part_ms[sl * 2] = ml[threadIdx.x][0];
+        part_ms[sl * 2 + 1] = ml[threadIdx.x][1];
+    }
+    __threadfence();  // this split's part is visible before the count says so
+    __syncthreads();
+    unsigned* c = cnt + (long)t * n_head_kv + kvh;
+    if (threadIdx.x == 0) last = atomicAdd(c, 1u) == (unsigned)(used - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *c = 0;
+    // The merge: weights exp(m_s - M) per head and split into qs (free now), the sums into ml.
+    float* w = qs;
+    for (int g = warp; g < G; g += n_warps) {
+        const long base = ((long)t * n_head + (long)kvh * G + g) * n_split;
+        float m = ST_NEG_INF;
+        for (int s = lane; s < used; s += ST_WARP) m = fmaxf(m, __ldcg(part_ms + (base + s) * 2));
+        m = st_warp_max(m);
+        float l = 0.0f;
+        for (int s = lane; s < used; s += ST_WARP) {
+            const float e = expf(__ldcg(part_ms + (base + s) * 2) - m);
+            w[g * DA_MAX_SPLIT + s] = e;
+            l += e * __ldcg(part_ms + (base + s) * 2 + 1);
+        }
+        l = st_warp_sum(l);
+        if (lane == 0) ml[g][1] = l;
+    }
+    __syncthreads();
+    const float inv = 1.0f / ml[pg][1];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int j = pj + u * tph;
+        if (j < n8) {
+            float o[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[i] = 0.0f;
+#pragma unroll 4
+            for (int s = 0; s < used; ++s) {
+                const float ws = w[pg * DA_MAX_SPLIT + s];
+                const float4* src = (const float4*)(part_o + (head * n_split + s) * hd + j * 8);
+                const float4 a = __ldcg(src), b = __ldcg(src + 1);
+                o[0] += ws * a.x; o[1] += ws * a.y; o[2] += ws * a.z; o[3] += ws * a.w;
+                o[4] += ws * b.x; o[5] += ws * b.y; o[6] += ws * b.z; o[7] += ws * b.w;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) out[head * hd + j * 8 + i] = o[i] * inv;
+        }
     }
 }
 

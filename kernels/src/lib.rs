@@ -65,6 +65,7 @@ const RAW: &[Raw] = &[
             "dq_rope_store",
             "dq_attn_gqa",
             "dq_attn_combine",
+            "dq_attn_fused",
             "dq_ctx_from_pos",
             "dq_attn_prefill",
             "dq_moe_combine",

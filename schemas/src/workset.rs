@@ -161,9 +161,10 @@ pub fn buffers(d: &WorkDims, p: &Pass) -> Vec<(&'static str, u64)> {
         ("h", f * (t * d.k * d.f) as u64),
         ("logits", f * (p.logit_rows * d.vocab) as u64),
         ("inv_freq", f * (d.n_rot / 2).max(1) as u64),
-        // One u32 per token for the kernels whose last block finishes the work of the
-        // others (the router's top-k); zero between launches.
-        ("counters", 4 * t as u64),
+        // The counters of the kernels whose last block finishes the work of the others,
+        // zero between launches: one u32 per token for the router's top-k, then one per
+        // token and KV head for the decode attention's merge of its splits.
+        ("counters", 4 * (t * (1 + d.n_head_kv)) as u64),
     ]
 }
 

@@ -208,15 +208,35 @@ pub struct Preflight {
     logit_rows: usize,
 }
 
-/// Launch fusions of a decode step. A fused launch runs the same code as the launches it
-/// replaces, so the logits are bit for bit the same either way.
-/// Its `Default` reads STRATA_FUSE_TOPK ("0" off, anything else on; on by default).
+/// Launch fusions and staging of a decode step. Its `Default` reads STRATA_FUSE_TOPK and
+/// STRATA_FUSE_ATTN ("0" off, anything else on; both on by default), STRATA_ATT_CHUNK (the
+/// fused attention's smallest split, in cells; 32 by default) and STRATA_XS (the mask of
+/// products staging their input; all of them by default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeFuse {
     /// The router's softmax and top-k in the last block of its logit launch instead of a
-    /// launch of their own.
+    /// launch of their own. The same code either way, so the logits are bit for bit the same.
     pub topk: bool,
+    /// QK-norm + RoPE, the KV store, split-KV attention and the merge of the splits in one
+    /// launch (`dq_attn_fused`) instead of three, where the model allows it (F16 KV, head
+    /// dims a multiple of 8 up to 128, query groups dividing 128 up to 16). Its splits are at
+    /// least `attn_chunk` cells, so its sums run in another order than the three launches'.
+    pub attn: bool,
+    /// The fused attention's smallest split, in cells (rounded up to a multiple of 16).
+    pub attn_chunk: u32,
+    /// Which one-token Q8_0 products stage their input in shared memory (decode.cu's
+    /// dq_xs_fill), where the lanes' loads of it take a quarter of the L1 wavefronts: a mask
+    /// of [`XS_QKV`], [`XS_OUT`] (the output projection) and [`XS_GATE_UP`]. The same values
+    /// and arithmetic either way: bit for bit the same logits.
+    pub xs: u8,
 }
+
+/// [`DecodeFuse::xs`]: the Q/K/V product stages its input.
+pub const XS_QKV: u8 = 1;
+/// [`DecodeFuse::xs`]: the output projection (rows wider than the register path's) does.
+pub const XS_OUT: u8 = 2;
+/// [`DecodeFuse::xs`]: the MoE gate/up product does.
+pub const XS_GATE_UP: u8 = 4;
 
 impl Default for DecodeFuse {
     fn default() -> Self {
@@ -226,6 +246,15 @@ impl Default for DecodeFuse {
         };
         Self {
             topk: on("STRATA_FUSE_TOPK", true),
+            attn: on("STRATA_FUSE_ATTN", true),
+            attn_chunk: std::env::var("STRATA_ATT_CHUNK")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(32),
+            xs: std::env::var("STRATA_XS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(XS_QKV | XS_OUT | XS_GATE_UP),
         }
     }
 }
@@ -609,6 +638,7 @@ impl CudaEngine {
         for dev in &devs {
             dev.synchronize()?;
         }
+        let attn_ok = attn_fusable(&d, kv_ty, kv_row_bytes, max_tok, &stages);
         Ok(Self {
             info: EngineInfo {
                 model_name: plan.model.name.clone(),
@@ -630,7 +660,10 @@ impl CudaEngine {
             all_rows: Vec::with_capacity(ubatch * d.vocab),
             graphs: HashMap::new(),
             use_graphs: opts.graphs && std::env::var_os("STRATA_PROFILE").is_none(),
-            fuse: opts.fuse,
+            fuse: DecodeFuse {
+                attn: opts.fuse.attn && attn_ok,
+                ..opts.fuse
+            },
             // Profiling times each kernel alone, so it launches them strictly in order.
             pdl: opts.pdl
                 && std::env::var_os("STRATA_PROFILE").is_none()
@@ -645,6 +678,12 @@ impl CudaEngine {
             devs,
             host,
         })
+    }
+
+    /// Whether decode steps run attention as one `dq_attn_fused` launch per layer (asked for
+    /// in the options, and the model and plan allow it).
+    pub fn fused_attention(&self) -> bool {
+        self.fuse.attn
     }
 
     /// The GPU of the first stage.
@@ -694,6 +733,7 @@ impl CudaEngine {
             dev: self.dev(st),
             pdl: self.pdl && decode,
             prof: self.prof.as_ref(),
+            xs: self.fuse.xs,
         }
     }
 
@@ -821,21 +861,37 @@ impl CudaEngine {
                 // the H200: 212 against 227 tok/s decode.)
                 k.rmsnorm(b.x.ptr, 0, 0, l.attn_norm, b.xn.ptr, d.e, d.eps, n)?;
                 k.qkv(l, b.xn.ptr, b.q.ptr, b.k.ptr, b.v.ptr, n)?;
-                k.rope_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
-                if decode {
-                    k.attn_decode(
+                if decode && self.fuse.attn {
+                    k.attn_fused(
                         b,
                         st,
                         l,
                         slot,
-                        self.kv_ty,
+                        pos,
                         self.kv_row_bytes,
                         d,
                         n,
                         self.att_splits,
+                        self.max_tok,
+                        self.fuse.attn_chunk,
                     )?;
                 } else {
-                    k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+                    k.rope_store(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+                    if decode {
+                        k.attn_decode(
+                            b,
+                            st,
+                            l,
+                            slot,
+                            self.kv_ty,
+                            self.kv_row_bytes,
+                            d,
+                            n,
+                            self.att_splits,
+                        )?;
+                    } else {
+                        k.attn_prefill(b, st, l, slot, pos, self.kv_ty, self.kv_row_bytes, d, n)?;
+                    }
                 }
                 k.mv_chunks(l.o, b.att.ptr, 0, d.eps, b.x.ptr, n, true)?;
                 // Router and experts over xn = RMSNorm(x) * ffn_norm.
@@ -1485,6 +1541,30 @@ impl Carver {
     }
 }
 
+/// Whether `dq_attn_fused` can serve these stages: F16 KV, head dims a multiple of 8 up to
+/// 128, query groups dividing 128 up to 16, every KV row, slot and layer offset 16-byte
+/// aligned (its 16-byte loads), and counters for every token and KV head after the router's.
+fn attn_fusable(d: &Dims, kv_ty: i32, kv_row_bytes: u64, max_tok: usize, stages: &[Stage]) -> bool {
+    let g = d.n_head / d.n_head_kv.max(1);
+    let shape = Some(kv_ty) == kty(GgmlType::F16)
+        && d.hd % 8 == 0
+        && d.hd <= 128
+        && d.n_rot % 2 == 0
+        && d.n_rot <= d.hd
+        && d.n_head % d.n_head_kv.max(1) == 0
+        && (1..=16).contains(&g)
+        && 128 % g == 0;
+    let a16 = |v: u64| v % 16 == 0;
+    shape
+        && a16(kv_row_bytes)
+        && stages.iter().all(|st| {
+            a16(st.kv)
+                && a16(st.kv_slot_bytes)
+                && st.bufs.counters.bytes >= (4 * max_tok * (1 + d.n_head_kv)) as u64
+                && st.layers.iter().all(|l| a16(l.k_off) && a16(l.v_off))
+        })
+}
+
 struct StageSizes {
     gemm: bool,
     max_tok: usize,
@@ -1859,6 +1939,9 @@ struct Kern<'a> {
     pdl: bool,
     /// When profiling: every launch's name with events recorded around it.
     prof: Option<&'a Prof>,
+    /// The products that stage their one-token Q8_0 input in shared memory
+    /// ([`DecodeFuse::xs`]).
+    xs: u8,
 }
 
 /// Launch count and milliseconds per (decode?, kernel name).
@@ -1915,6 +1998,14 @@ fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
 }
 
 const DQ_WARPS: u32 = 4;
+/// decode.cu's DQ_XR_COLS: the widest rows of the register path of the one-token products.
+const DQ_XR_COLS: usize = 2048;
+/// Blocks per SM of the register path (its about 100 registers a thread allow 4 blocks of
+/// 128 threads an SM).
+const XR_BLOCKS_PER_SM: u32 = 4;
+/// Rows per warp below which a one-token product keeps a warp per row (the register path's
+/// capped grid measured slower for Q/K/V and the experts, 1-3 rows a warp, on the H200).
+const XR_MIN_ROWS: u32 = 8;
 /// Largest top-k of `dq_moe_down_rows` (decode.cu's DQ_DOWN_MAXK).
 const DQ_DOWN_MAXK: usize = 32;
 
@@ -1958,7 +2049,38 @@ impl Kern<'_> {
         let (n32, no_norm, eps) = (n as i32, 0u64, 0f32);
         let chunks = n.div_ceil(8) as u32;
         let name = if n == 1 { "dq_qkv1" } else { "dq_qkv8" };
-        launch!(self, name, cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0); &l.q.ptr, &l.k.ptr, &l.v.ptr, &l.q.ty, &l.q.rows, &l.k.rows, &l.v.rows, &l.q.cols, &x, &no_norm, &eps, &yq, &yk, &yv, &n32)
+        let smem = self.xs_bytes(XS_QKV, n, l.q.gty, l.q.cols as usize);
+        launch!(self, name, cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, smem); &l.q.ptr, &l.k.ptr, &l.v.ptr, &l.q.ty, &l.q.rows, &l.k.rows, &l.v.rows, &l.q.cols, &x, &no_norm, &eps, &yq, &yk, &yv, &n32)
+    }
+
+    /// Dynamic shared memory for a product of `n` tokens over rows of `cols` columns: room
+    /// to stage the input ([`DecodeFuse::xs`]) for one token of Q8_0 rows (at most 48 KiB,
+    /// the limit without opting in), else none.
+    fn xs_bytes(&self, which: u8, n: usize, ty: GgmlType, cols: usize) -> u32 {
+        if self.xs & which != 0
+            && n == 1
+            && ty == GgmlType::Q8_0
+            && cols % 4 == 0
+            && cols * 4 <= 48 << 10
+        {
+            (cols * 4) as u32
+        } else {
+            0
+        }
+    }
+
+    /// Blocks of a one-token product (`dq_mv1`) over `rows` rows: decode.cu's register path
+    /// (Q8_0 rows of at most DQ_XR_COLS columns) lets each warp walk several rows, reading
+    /// the input once, so where that gives every warp at least XR_MIN_ROWS rows (the LM
+    /// head) the grid stops at XR_BLOCKS_PER_SM blocks per SM; otherwise a warp per row.
+    fn mv1_blocks(&self, rows: usize, cols: usize, q8_0: bool) -> u32 {
+        let full = (rows as u32).div_ceil(DQ_WARPS);
+        let cap = self.dev.sm_count() as u32 * XR_BLOCKS_PER_SM;
+        if q8_0 && cols <= DQ_XR_COLS && full >= cap * XR_MIN_ROWS {
+            cap
+        } else {
+            full
+        }
     }
 
     /// y (+)= W . norm?(x) for n tokens, in launches of at most 8 tokens.
@@ -2068,7 +2190,18 @@ impl Kern<'_> {
         let (add, n32) = (add as i32, n as i32);
         let name = if n == 1 { "dq_mv1" } else { "dq_mv8" };
         let chunks = n.div_ceil(8) as u32;
-        launch!(self, name => label, cfg(((w.rows as u32).div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0);
+        let blocks = if n == 1 {
+            self.mv1_blocks(w.rows as usize, w.cols as usize, w.gty == GgmlType::Q8_0)
+        } else {
+            (w.rows as u32).div_ceil(DQ_WARPS)
+        };
+        // Rows of at most DQ_XR_COLS take the register path, which stages nothing.
+        let smem = if nw == 0 && w.cols as usize > DQ_XR_COLS {
+            self.xs_bytes(XS_OUT, n, w.gty, w.cols as usize)
+        } else {
+            0
+        };
+        launch!(self, name => label, cfg((blocks, chunks, 1), 32 * DQ_WARPS, smem);
             &w.ptr, &w.ty, &w.rows, &w.cols, &x, &nw, &eps, &y, &n32, &add, &xn_out)
     }
 
@@ -2134,6 +2267,37 @@ impl Kern<'_> {
         let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
         let width = (d.n_head_kv * d.hd) as i32;
         launch!(self, "dq_kv_store", cfg((n as u32, 1, 1), 128, 0); &b_.k.ptr, &b_.v.ptr, &st.kv, &slot, &pos, &sb, &ko, &vo, &rb, &kv_ty, &width)
+    }
+
+    /// Decode attention in one launch (see [`DecodeFuse::attn`]): QK-norm + RoPE, the KV
+    /// store, split-KV attention and the merge of the splits into `att`.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_fused(
+        &self,
+        b_: &Bufs,
+        st: &Stage,
+        l: &Layer,
+        slot: u64,
+        pos: u64,
+        row_bytes: u64,
+        d: Dims,
+        n: usize,
+        splits: usize,
+        max_tok: usize,
+        min_chunk: u32,
+    ) -> Result<(), CudaEngineError> {
+        let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
+        let (nh, nkv, hd, nr) = (
+            d.n_head as i32,
+            d.n_head_kv as i32,
+            d.hd as i32,
+            d.n_rot as i32,
+        );
+        let scale = 1.0f32 / (d.hd as f32).sqrt();
+        let chunk = min_chunk.clamp(1, 1 << 20) as i32;
+        // The attention's counters follow the router's max_tok.
+        let cnt = b_.counters.ptr + 4 * max_tok as u64;
+        launch!(self, "dq_attn_fused", cfg((d.n_head_kv as u32, splits as u32, n as u32), 128, 0); &b_.q.ptr, &b_.k.ptr, &b_.v.ptr, &l.q_norm, &l.k_norm, &d.eps, &pos, &b_.inv_freq.ptr, &d.attn_factor, &nh, &nkv, &hd, &nr, &st.kv, &slot, &sb, &ko, &vo, &rb, &scale, &chunk, &b_.part_o.ptr, &b_.part_ms.ptr, &cnt, &b_.att.ptr)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -2246,7 +2410,12 @@ impl Kern<'_> {
     fn moe(&self, l: &Layer, b_: &Bufs, d: Dims, n: usize) -> Result<(), CudaEngineError> {
         let (f, e, k, no_norm) = (d.f as i32, d.e as i32, d.k as i32, 0u64);
         // x is xn, already normalised by the caller.
-        launch!(self, "dq_moe_gate_up", cfg(((d.f as u32).div_ceil(DQ_WARPS), (n * d.k) as u32, 1), 32 * DQ_WARPS, 0); &l.experts, &l.exp_ty, &f, &e, &b_.ids.ptr, &k, &b_.xn.ptr, &no_norm, &d.eps, &b_.h.ptr)?;
+        let smem = if Some(l.exp_ty) == kty(GgmlType::Q8_0) {
+            self.xs_bytes(XS_GATE_UP, 1, GgmlType::Q8_0, d.e)
+        } else {
+            0
+        };
+        launch!(self, "dq_moe_gate_up", cfg(((d.f as u32).div_ceil(DQ_WARPS), (n * d.k) as u32, 1), 32 * DQ_WARPS, smem); &l.experts, &l.exp_ty, &f, &e, &b_.ids.ptr, &k, &b_.xn.ptr, &no_norm, &d.eps, &b_.h.ptr)?;
         if Some(l.exp_ty) == kty(GgmlType::Q8_0) && d.k <= DQ_DOWN_MAXK {
             return launch!(self, "dq_moe_down_rows", cfg((d.e as u32, n as u32, 1), 128, 0); &l.experts, &e, &f, &b_.ids.ptr, &b_.wts.ptr, &k, &b_.h.ptr, &b_.x.ptr);
         }

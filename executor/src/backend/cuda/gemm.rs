@@ -130,7 +130,8 @@ fn kernel_name(moe: bool, ty: GgmlType, tile: GemmTile) -> &'static str {
 }
 
 impl CudaDevice {
-    fn sm_count(&self) -> usize {
+    /// The device's number of streaming multiprocessors (132 if the driver will not say).
+    pub(crate) fn sm_count(&self) -> usize {
         self.ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_or(132, |n| n.max(1) as usize)
