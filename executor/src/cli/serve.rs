@@ -27,6 +27,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8080, requires = "serve")]
     pub port: u16,
     /// Require `Authorization: Bearer KEY` on every route but /health (401 otherwise).
+    /// A key on the command line shows in the process list; the STRATA_API_KEY environment
+    /// variable does not (this flag wins when both are given).
     #[arg(long, value_name = "KEY", requires = "serve")]
     pub api_key: Option<String>,
     /// Requests that may wait for a free slot; beyond that the server answers 503 with
@@ -83,7 +85,10 @@ pub fn main(args: RunArgs) -> ! {
     let opts = ServeOptions {
         host: s.host.clone(),
         port: s.port,
-        api_key: s.api_key.clone().filter(|k| !k.is_empty()),
+        api_key: api_key(
+            s.api_key.as_deref(),
+            std::env::var("STRATA_API_KEY").ok().as_deref(),
+        ),
         queue: s.queue as usize,
         max_body_bytes: s.max_body as usize,
         shutdown_grace: Duration::from_secs_f64(s.shutdown_grace),
@@ -109,5 +114,24 @@ pub fn main(args: RunArgs) -> ! {
     match serve_with_loader_blocking(loader, opts) {
         Ok(()) => std::process::exit(0),
         Err(e) => fail(e),
+    }
+}
+
+/// The server's key: `--api-key`, else STRATA_API_KEY; an empty one means none.
+fn api_key(flag: Option<&str>, env: Option<&str>) -> Option<String> {
+    flag.or(env).filter(|k| !k.is_empty()).map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::api_key;
+
+    #[test]
+    fn the_flag_wins_over_the_environment_and_empty_means_none() {
+        assert_eq!(api_key(Some("a"), Some("b")).as_deref(), Some("a"));
+        assert_eq!(api_key(None, Some("b")).as_deref(), Some("b"));
+        assert_eq!(api_key(None, None), None);
+        assert_eq!(api_key(Some(""), None), None);
+        assert_eq!(api_key(None, Some("")), None);
     }
 }
