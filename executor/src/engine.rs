@@ -51,6 +51,29 @@ pub trait Engine: Send {
     /// One decode step of several slots together: entry i appends `token` to `slot` and
     /// gets logits row i (`batch.len() x n_vocab`).
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<&[f32], EngineError>;
+    /// One decode step like [`Engine::decode`] whose next tokens are picked greedily: `out[i]`
+    /// gets the argmax of row i's logits (lowest id on ties, NaN never wins; see
+    /// [`crate::sampler::argmax`]). Engines that can pick on their device override it and
+    /// skip bringing the logits back; this default picks from [`Engine::decode`]'s rows.
+    fn decode_greedy(
+        &mut self,
+        batch: &[(usize, u32)],
+        out: &mut [u32],
+    ) -> Result<(), EngineError> {
+        if out.len() < batch.len() {
+            return Err(EngineError::Request(format!(
+                "decode_greedy: room for {} tokens, the step has {}",
+                out.len(),
+                batch.len()
+            )));
+        }
+        let v = self.info().n_vocab;
+        let logits = self.decode(batch)?;
+        for (o, row) in out.iter_mut().zip(logits.chunks_exact(v)) {
+            *o = crate::sampler::argmax(row);
+        }
+        Ok(())
+    }
     /// Forget `slot`'s context so it can take a new request.
     fn reset_slot(&mut self, slot: usize);
     /// Cells of `slot`'s context in use.

@@ -63,9 +63,12 @@ fn rep(e: &mut dyn Engine, p: usize, n: usize, seed: u64) -> Result<(f64, f64), 
     }
     let pp = prompt.len() as f64 / t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
+    let mut next = [0u32];
     for _ in 0..n {
-        let l = e.decode(&[(0, last)]).map_err(|e| e.to_string())?;
-        last = strata_exec::sampler::argmax(l);
+        // Greedy, picked by the engine (on the device where it can).
+        e.decode_greedy(&[(0, last)], &mut next)
+            .map_err(|e| e.to_string())?;
+        last = next[0];
     }
     let tg = n as f64 / t1.elapsed().as_secs_f64().max(1e-12);
     Ok((pp, tg))

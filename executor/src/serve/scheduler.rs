@@ -415,18 +415,18 @@ impl Sched {
         }
         let t0 = Instant::now();
         let n_vocab = self.engine.info().n_vocab;
-        let res = self.engine.decode(&self.batch);
-        match res {
-            Err(e) => {
-                let msg = engine_msg(&e);
-                for k in 0..self.batch_slot.len() {
-                    let slot = self.batch_slot[k];
-                    self.finish(slot, Event::Error(msg.clone()));
-                }
-                return;
-            }
-            Ok(logits) => {
-                self.sampled.clear();
+        // Every request greedy: the engine picks the tokens (on its device where it can).
+        let greedy = self.batch_slot.iter().all(|&s| {
+            self.slots[s]
+                .as_ref()
+                .is_some_and(|a| a.sampler.params().temperature <= 0.0)
+        });
+        self.sampled.clear();
+        let res = if greedy {
+            self.sampled.resize(self.batch.len(), u32::MAX);
+            self.engine.decode_greedy(&self.batch, &mut self.sampled)
+        } else {
+            self.engine.decode(&self.batch).map(|logits| {
                 for (row, &slot) in self.batch_slot.iter().enumerate() {
                     let tok = match (
                         self.slots[slot].as_mut(),
@@ -437,7 +437,15 @@ impl Sched {
                     };
                     self.sampled.push(tok);
                 }
+            })
+        };
+        if let Err(e) = res {
+            let msg = engine_msg(&e);
+            for k in 0..self.batch_slot.len() {
+                let slot = self.batch_slot[k];
+                self.finish(slot, Event::Error(msg.clone()));
             }
+            return;
         }
         let dt = t0.elapsed().as_secs_f64().max(1e-9);
         let rate = self.batch.len() as f64 / dt;

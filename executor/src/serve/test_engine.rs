@@ -216,6 +216,44 @@ impl Engine for TinyEngine {
 mod tests {
     use super::*;
 
+    /// The trait's default greedy step: the argmax of each row `decode` returns (checked on a
+    /// twin engine fed the same tokens), and a too-small output is a request error.
+    #[test]
+    fn default_decode_greedy_is_the_argmax_of_each_row() {
+        let cfg = TinyConfig {
+            n_slots: 2,
+            ubatch: 4,
+            ..Default::default()
+        };
+        let (mut a, mut b) = (
+            TinyEngine::new(&cfg).unwrap(),
+            TinyEngine::new(&cfg).unwrap(),
+        );
+        for e in [&mut a, &mut b] {
+            e.prefill(0, &[5, 17, 42], false).unwrap();
+            e.prefill(1, &[9, 1], false).unwrap();
+        }
+        let mut next = [3u32, 7];
+        let v = a.info().n_vocab;
+        for _ in 0..6 {
+            let batch = [(0, next[0]), (1, next[1])];
+            let l = b.decode(&batch).unwrap();
+            let want = [
+                crate::sampler::argmax(&l[..v]),
+                crate::sampler::argmax(&l[v..2 * v]),
+            ];
+            let mut got = [u32::MAX; 2];
+            a.decode_greedy(&batch, &mut got).unwrap();
+            assert_eq!(got, want);
+            next = got;
+        }
+        let mut small = [0u32; 1];
+        assert!(matches!(
+            a.decode_greedy(&[(0, 1), (1, 2)], &mut small),
+            Err(EngineError::Request(_))
+        ));
+    }
+
     #[test]
     fn tiny_engine_is_deterministic_and_slots_are_independent() {
         let cfg = TinyConfig {
