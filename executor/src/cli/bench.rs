@@ -84,9 +84,12 @@ pub fn main(args: BenchArgs) {
         ));
     }
     let backend = backend_for(&plan, &args.common);
+    // (Only the CUDA engine takes the opened model here; the others open it themselves.)
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     let host = strata_exec::load::open_model(&model).unwrap_or_else(|e| fail(e));
     let t_load = Instant::now();
     // Per GPU in use: (ordinal, planned arena bytes on it, bytes in use on it).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     let mut memory: Option<Vec<(usize, u64, u64)>> = None;
     let mut engine: Box<dyn Engine> = match backend {
         #[cfg(feature = "cuda")]

@@ -90,6 +90,7 @@ fn mib(b: u64) -> String {
 }
 
 /// A float TOML reads back as a float (always with a decimal point).
+#[cfg(feature = "cuda")]
 fn toml_f64(v: f64) -> String {
     format!("{v:.1}")
 }
@@ -268,6 +269,7 @@ enum NoCuda {
     /// No library, no driver or no device: the CPU fallback applies.
     Absent(String),
     /// A device exists but measuring it failed: an error, not a fallback.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Failed(String),
 }
 
