@@ -83,7 +83,7 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
     [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
     [ -f /tmp/q30.plan ] || $bin/strata-plan --hardware plans/hardware/h200.toml --model $m \
         --max-context 4096 --batch 1 -o /tmp/q30.plan >/dev/null
-    for run in "default" "STRATA_ATT_CHUNK=32" "STRATA_XS=0" "STRATA_FUSE_ATTN=0"; do
+    for run in "default" "STRATA_ATT_CHUNK=64" "STRATA_XS=0" "STRATA_FUSE_ATTN=0"; do
         echo "== strata-exec bench: $run"
         env_part=$(echo "$run" | tr ' ' '\n' | grep = | tr '\n' ' ')
         flags=$(echo "$run" | tr ' ' '\n' | grep -- '^--' | tr '\n' ' ')
