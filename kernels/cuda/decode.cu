@@ -755,6 +755,26 @@ ST_KERNEL void dq_rope_store(float* q, float* k, const float* v, const float* q_
     }
 }
 
+// One online-softmax step of one head, by the calling warp: the scores s[0..n) (n <= 32, one
+// per lane; -inf for cells past the context) become exp(s - m') in place, where m' is the
+// larger of the running max ml[0] and theirs; the running (max, sum) ml becomes (m', sum * c +
+// the new exps' sum) and *c = exp(ml[0] - m') rescales the outputs accumulated so far.
+__device__ __forceinline__ void da_softmax_step(float* s, int n, float* ml, float* c) {
+    const int lane = threadIdx.x % ST_WARP;
+    const float v = lane < n ? s[lane] : ST_NEG_INF;
+    const float mo = ml[0];
+    const float mn = fmaxf(mo, st_warp_max(v));
+    const float p = v == ST_NEG_INF ? 0.0f : expf(v - mn);
+    const float l = st_warp_sum(p);
+    if (lane < n) s[lane] = p;
+    if (lane == 0) {
+        const float r = mo == ST_NEG_INF ? 0.0f : expf(mo - mn);
+        *c = r;
+        ml[0] = mn;
+        ml[1] = ml[1] * r + l;
+    }
+}
+
 // Decode attention over per-slot KV, split over the context, one block per (KV head, split,
 // token) serving all G = n_head / n_head_kv query heads that share the KV head, so each K and
 // V row is read once per step rather than G times. Token t reads slot slot[t]'s layer at
@@ -814,7 +834,7 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
         ml[threadIdx.x][0] = ST_NEG_INF;
         ml[threadIdx.x][1] = 0.0f;
     }
-    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+    const int warp = threadIdx.x / ST_WARP;
     const int cc = threadIdx.x / DA_TPC, part = threadIdx.x % DA_TPC;
     // F16 rows read 8 halves at a time when every address involved is 16-byte aligned.
     const bool vec = kv_ty == ST_TY_F16 && hd % (8 * DA_TPC) == 0 &&
@@ -875,20 +895,8 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
         }
         __syncthreads();
         // Online softmax: one warp per head (DA_SUB <= 32 cells, one per lane).
-        for (int g = warp; g < G; g += DA_THREADS / ST_WARP) {
-            const float v = lane < DA_SUB ? ps[g][lane] : ST_NEG_INF;
-            const float mo = ml[g][0];
-            const float mn = fmaxf(mo, st_warp_max(v));
-            const float p = v == ST_NEG_INF ? 0.0f : expf(v - mn);
-            const float l = st_warp_sum(p);
-            if (lane < DA_SUB) ps[g][lane] = p;
-            if (lane == 0) {
-                const float c = mo == ST_NEG_INF ? 0.0f : expf(mo - mn);
-                cf[g] = c;
-                ml[g][0] = mn;
-                ml[g][1] = ml[g][1] * c + l;
-            }
-        }
+        for (int g = warp; g < G; g += DA_THREADS / ST_WARP)
+            da_softmax_step(ps[g], DA_SUB, ml[g], cf + g);
         __syncthreads();
         // P.V for this thread's dims.
 #pragma unroll
@@ -1174,20 +1182,7 @@ ST_KERNEL void dq_attn_fused(const float* q, const float* k, const float* v, con
         }
         __syncthreads();
         // Online softmax: one warp per head, one cell per lane.
-        for (int g = warp; g < G; g += n_warps) {
-            const float sv = lane < DF_SUB ? ps[g][lane] : ST_NEG_INF;
-            const float mo = ml[g][0];
-            const float mn = fmaxf(mo, st_warp_max(sv));
-            const float e = sv == ST_NEG_INF ? 0.0f : expf(sv - mn);
-            const float l = st_warp_sum(e);
-            if (lane < DF_SUB) ps[g][lane] = e;
-            if (lane == 0) {
-                const float c = mo == ST_NEG_INF ? 0.0f : expf(mo - mn);
-                cf[g] = c;
-                ml[g][0] = mn;
-                ml[g][1] = ml[g][1] * c + l;
-            }
-        }
+        for (int g = warp; g < G; g += n_warps) da_softmax_step(ps[g], DF_SUB, ml[g], cf + g);
         __syncthreads();
         // P.V: this thread's head pg, dims [8j, 8j + 8) for j = pj, pj + tph (at most two).
 #pragma unroll
