@@ -99,6 +99,55 @@ fn run(e: &mut dyn Engine, slot: usize, prompt: &[u32], n: usize) -> (Vec<f32>, 
     (logits, out)
 }
 
+/// Slot 0's prompt and `n0` greedy tokens by [`run`], then slot 1's prompt in 16-token
+/// passes, then `steps` greedy decode steps of both slots together: every logit row the
+/// engine returned (prefills' rows included) and every token picked, in order.
+fn two_slots(
+    e: &mut CudaEngine,
+    prompts: &[Vec<u32>; 2],
+    n0: usize,
+    steps: usize,
+) -> (Vec<f32>, Vec<u32>) {
+    let (mut logits, mut tokens) = run(e, 0, &prompts[0], n0);
+    let v = e.info().n_vocab;
+    for chunk in prompts[1].chunks(16) {
+        logits.extend_from_slice(e.prefill_all(1, chunk).unwrap());
+    }
+    let mut next = [
+        tokens[tokens.len() - 1],
+        argmax(&logits[logits.len() - v..]),
+    ];
+    for _ in 0..steps {
+        let l = e.decode(&[(0, next[0]), (1, next[1])]).unwrap();
+        next = [argmax(&l[..v]), argmax(&l[v..])];
+        tokens.extend_from_slice(&next);
+        logits.extend_from_slice(l);
+    }
+    (logits, tokens)
+}
+
+/// A small random-weight Qwen3-MoE shape: `n_layer` layers of hidden 256, `n_head` query and
+/// `n_head_kv` KV heads of 128, 8 experts of width 64 routing `k`, a 512-token vocabulary.
+fn small_moe(
+    n_layer: u32,
+    n_head: u64,
+    n_head_kv: u64,
+    k: u64,
+) -> strata_schemas::inventory::HParams {
+    let mut hp = strata_schemas::known::qwen3_30b_a3b();
+    hp.n_layer = n_layer;
+    hp.n_embd = 256;
+    hp.n_head = n_head;
+    hp.n_head_kv = n_head_kv;
+    hp.head_dim_k = 128;
+    hp.head_dim_v = 128;
+    hp.n_expert = 8;
+    hp.n_expert_used = k;
+    hp.n_ff_exp = 64;
+    hp.n_vocab = 512;
+    hp
+}
+
 /// Max over positions of max |a - b| / max |b| of the position's row.
 fn rel_err(a: &[f32], b: &[f32], v: usize) -> f64 {
     let mut worst = 0f64;
@@ -542,17 +591,7 @@ fn head_dim_128_random_model_matches_the_cpu_engine() {
     if !gpu_present() {
         return;
     }
-    let mut hp = strata_schemas::known::qwen3_30b_a3b();
-    hp.n_layer = 2;
-    hp.n_embd = 256;
-    hp.n_head = 8;
-    hp.n_head_kv = 2;
-    hp.head_dim_k = 128;
-    hp.head_dim_v = 128;
-    hp.n_expert = 8;
-    hp.n_expert_used = 8;
-    hp.n_ff_exp = 64;
-    hp.n_vocab = 512;
+    let hp = small_moe(2, 8, 2, 8);
     for (kv, worst) in random_q8_0_vs_cpu("hd128", &hp, 40, 64, 30) {
         eprintln!(
             "head dim 128, {kv:?} KV, 40-token prefill + 30 decode steps: GPU vs CPU {worst:e}"
@@ -575,17 +614,7 @@ fn programmatic_dependent_launch_changes_no_logit() {
     if !gpu_present() {
         return;
     }
-    let mut hp = strata_schemas::known::qwen3_30b_a3b();
-    hp.n_layer = 3;
-    hp.n_embd = 256;
-    hp.n_head = 8;
-    hp.n_head_kv = 2;
-    hp.head_dim_k = 128;
-    hp.head_dim_v = 128;
-    hp.n_expert = 8;
-    hp.n_expert_used = 2;
-    hp.n_ff_exp = 64;
-    hp.n_vocab = 512;
+    let hp = small_moe(3, 8, 2, 2);
     let dir = tempfile::tempdir().unwrap();
     let gguf = random_q8_0_gguf(dir.path(), "pdl", &hp, 11);
     let ask = Ask {
@@ -606,22 +635,7 @@ fn programmatic_dependent_launch_changes_no_logit() {
             ..CudaEngineOptions::default()
         };
         let mut e = cuda_with("pdl", &ask, Some(&gguf), opts);
-        let (mut logits, tokens) = run(&mut e, 0, &prompts[0], 12);
-        let v = e.info().n_vocab;
-        // Slot 1's prompt, then both slots decoded together.
-        for chunk in prompts[1].chunks(16) {
-            logits.extend_from_slice(e.prefill_all(1, chunk).unwrap());
-        }
-        let mut next = [
-            tokens[tokens.len() - 1],
-            argmax(&logits[logits.len() - v..]),
-        ];
-        for _ in 0..6 {
-            let l = e.decode(&[(0, next[0]), (1, next[1])]).unwrap().to_vec();
-            next = [argmax(&l[..v]), argmax(&l[v..])];
-            logits.extend_from_slice(&l);
-        }
-        (logits, tokens)
+        two_slots(&mut e, &prompts, 12, 6)
     };
     // The fused attention sums in another order, so it is checked on its own below.
     let plain = DecodeFuse {
@@ -674,25 +688,15 @@ fn programmatic_dependent_launch_changes_no_logit() {
 /// attention and the merge of its splits) against the three launches it replaces: the same
 /// greedy tokens and logits within 1e-5 of the largest (only the order of the softmax sums
 /// differs), one slot decoded to 200 cells of context (up to thirteen 16-cell splits) and two
-/// slots decoded together, with graphs and PDL, for splits of at least 16, 32 (the default) and 96 cells, and
-/// with the fusion off the engine reports it off. Query groups of 8 (24 heads over 3) of head
+/// slots decoded together, with graphs and PDL, for splits of at least 16, 32 (the default)
+/// and 96 cells, and with the fusion off the engine reports it off. Query groups of 8 (24 heads over 3) of head
 /// dim 128, so the output projection's 3072-column rows also stage their input (`xs`).
 #[test]
 fn fused_decode_attention_matches_the_three_launches() {
     if !gpu_present() {
         return;
     }
-    let mut hp = strata_schemas::known::qwen3_30b_a3b();
-    hp.n_layer = 2;
-    hp.n_embd = 256;
-    hp.n_head = 24;
-    hp.n_head_kv = 3;
-    hp.head_dim_k = 128;
-    hp.head_dim_v = 128;
-    hp.n_expert = 8;
-    hp.n_expert_used = 2;
-    hp.n_ff_exp = 64;
-    hp.n_vocab = 512;
+    let hp = small_moe(2, 24, 3, 2);
     let dir = tempfile::tempdir().unwrap();
     let gguf = random_q8_0_gguf(dir.path(), "fattn", &hp, 5);
     let ask = Ask {
@@ -712,23 +716,7 @@ fn fused_decode_attention_matches_the_three_launches() {
         };
         let mut e = cuda_with("fattn", &ask, Some(&gguf), opts);
         assert_eq!(e.fused_attention(), fuse.attn, "{fuse:?}");
-        let (mut logits, tokens) = run(&mut e, 0, &prompts[0], 160);
-        let v = e.info().n_vocab;
-        for chunk in prompts[1].chunks(16) {
-            logits.extend_from_slice(e.prefill_all(1, chunk).unwrap());
-        }
-        let mut next = [
-            tokens[tokens.len() - 1],
-            argmax(&logits[logits.len() - v..]),
-        ];
-        let mut all = tokens.clone();
-        for _ in 0..40 {
-            let l = e.decode(&[(0, next[0]), (1, next[1])]).unwrap().to_vec();
-            next = [argmax(&l[..v]), argmax(&l[v..])];
-            all.extend_from_slice(&next);
-            logits.extend_from_slice(&l);
-        }
-        (logits, all, v)
+        two_slots(&mut e, &prompts, 160, 40)
     };
     let three = DecodeFuse {
         topk: true,
@@ -736,14 +724,15 @@ fn fused_decode_attention_matches_the_three_launches() {
         attn_chunk: 32,
         xs: XS_ALL,
     };
-    let (base_l, base_t, v) = go(three);
+    let (base_l, base_t) = go(three);
+    let v = hp.n_vocab as usize;
     for chunk in [16, 32, 96] {
         let fused = DecodeFuse {
             attn: true,
             attn_chunk: chunk,
             ..three
         };
-        let (l, t, _) = go(fused);
+        let (l, t) = go(fused);
         let err = rel_err(&l, &base_l, v);
         eprintln!("fused attention, splits of at least {chunk} cells: logits within {err:e} of the three launches");
         assert_eq!(t, base_t, "splits of at least {chunk}: greedy tokens");
