@@ -188,6 +188,18 @@ struct Dims {
     attn_factor: f32,
 }
 
+impl Dims {
+    /// Query heads, KV heads, head dim and rotated dims as the kernels' `int`s.
+    fn heads(&self) -> (i32, i32, i32, i32) {
+        (
+            self.n_head as i32,
+            self.n_head_kv as i32,
+            self.hd as i32,
+            self.n_rot as i32,
+        )
+    }
+}
+
 /// What [`CudaEngine::preflight`] decided before any GPU is touched.
 pub struct Preflight {
     /// Tokens of the largest forward pass the scratch holds (prefill chunks are split to it).
@@ -2241,12 +2253,7 @@ impl Kern<'_> {
             return self.kv_store(b_, st, l, slot, pos, kv_ty, row_bytes, d, n);
         }
         let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
-        let (nh, nkv, hd, nr) = (
-            d.n_head as i32,
-            d.n_head_kv as i32,
-            d.hd as i32,
-            d.n_rot as i32,
-        );
+        let (nh, nkv, hd, nr) = d.heads();
         let blocks = (d.n_head + 2 * d.n_head_kv) as u32;
         launch!(self, "dq_rope_store", cfg((blocks, n as u32, 1), 128, 0); &b_.q.ptr, &b_.k.ptr, &b_.v.ptr, &l.q_norm, &l.k_norm, &d.eps, &pos, &b_.inv_freq.ptr, &d.attn_factor, &nh, &nkv, &hd, &nr, &st.kv, &slot, &sb, &ko, &vo, &rb, &kv_ty)
     }
@@ -2287,12 +2294,7 @@ impl Kern<'_> {
         min_chunk: u32,
     ) -> Result<(), CudaEngineError> {
         let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
-        let (nh, nkv, hd, nr) = (
-            d.n_head as i32,
-            d.n_head_kv as i32,
-            d.hd as i32,
-            d.n_rot as i32,
-        );
+        let (nh, nkv, hd, nr) = d.heads();
         let scale = 1.0f32 / (d.hd as f32).sqrt();
         let chunk = min_chunk.clamp(1, 1 << 20) as i32;
         // The attention's counters follow the router's max_tok.
@@ -2314,7 +2316,7 @@ impl Kern<'_> {
         splits: usize,
     ) -> Result<(), CudaEngineError> {
         let (sb, ko, vo, rb) = kv_geometry(st, l, row_bytes);
-        let (nh, nkv, hd) = (d.n_head as i32, d.n_head_kv as i32, d.hd as i32);
+        let (nh, nkv, hd, _) = d.heads();
         let scale = 1.0f32 / (d.hd as f32).sqrt();
         let sp = splits as i32;
         launch!(self, "dq_attn_gqa", cfg((d.n_head_kv as u32, splits as u32, n as u32), 128, 0); &b_.q.ptr, &st.kv, &slot, &b_.n_ctx.ptr, &sb, &ko, &vo, &kv_ty, &nh, &nkv, &hd, &rb, &scale, &b_.part_o.ptr, &b_.part_ms.ptr)?;
