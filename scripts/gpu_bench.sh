@@ -69,9 +69,9 @@ if { [ "$what" = patch ] || [ "$what" = all ]; } && [ -d $bin/patch ]; then
     done
     [ -f /tmp/q30.plan ] && $bin/patch/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 |
         tee "$out/patch-bench.txt"
-    # The patched build's own options beside its defaults (a patch's toggles: the staged MoE
-    # down is bit 8 of STRATA_XS, STRATA_HOST_GREEDY picks greedy tokens on the host).
-    for run in "STRATA_XS=7" "STRATA_HOST_GREEDY=1"; do
+    # The patched build's own options beside its defaults (a patch's toggles, named in
+    # PATCH_TOGGLES, e.g. "STRATA_XS=7 STRATA_HOST_GREEDY=1"; each is one run).
+    for run in ${PATCH_TOGGLES:-}; do
         [ -f /tmp/q30.plan ] || break
         echo "== patched strata-exec bench: $run"
         env $run $bin/patch/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 |

@@ -1935,3 +1935,95 @@ fn check_stored(
     assert_region(what, lay, region, &exp);
     exp
 }
+
+/// `dq_argmax_rows` (grid (blocks, rows), block 256) against the host's
+/// `strata_exec::sampler::argmax`, row by row: rows of 1 to 151936 logits over 1, 3 and 64
+/// blocks, with the maximum planted twice (the lower index wins), NaNs (never win), -inf and
+/// +inf entries, a row of only NaN and -inf (0, as on the host); the counters are back to 0
+/// after every launch, so launching again without clearing them gives the same tokens.
+#[test]
+fn argmax_rows_ties_nan_and_infinities_like_the_host() {
+    let Some(d) = dev("dq_argmax_rows") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(0xdec0_0005);
+    let a = d.alloc_arena("test", 64 << 20).unwrap();
+    let name = "dq_argmax_rows";
+    let mut launches = 0;
+    for &cols in &[1usize, 7, 255, 256, 257, 4099, 151_936] {
+        for &nb in &[1u32, 3, 64] {
+            let rows = 5;
+            let mut x = rand_vec(&mut rng, rows * cols, 4.0);
+            // Row 1: its maximum at two random places (the lower index must win).
+            if cols > 1 {
+                let (i, j) = (rng.random_range(0..cols), rng.random_range(0..cols));
+                let m = x[cols..2 * cols].iter().cloned().fold(f32::MIN, f32::max) + 1.0;
+                x[cols + i] = m;
+                x[cols + j] = m;
+            }
+            // Row 2: NaNs and -inf sprinkled, a +inf late.
+            for c in (0..cols).step_by(3) {
+                x[2 * cols + c] = if c % 2 == 0 {
+                    f32::NAN
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            x[2 * cols + cols - 1] = f32::INFINITY;
+            // Row 3: nothing but NaN and -inf.
+            for c in 0..cols {
+                x[3 * cols + c] = if c % 2 == 0 {
+                    f32::NAN
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            // Row 4: all equal.
+            for c in 0..cols {
+                x[4 * cols + c] = 0.5;
+            }
+            let want: Vec<i32> = x
+                .chunks_exact(cols)
+                .map(|r| strata_exec::sampler::argmax(r) as i32)
+                .collect();
+            let c = Carve::new(&a);
+            let xv = put(d, &c, &x);
+            let pv = put(d, &c, &vec![poison(); rows * nb as usize]);
+            let pi = put(d, &c, &vec![POISON_I32; rows * nb as usize]);
+            let cnt = put(d, &c, &vec![0u32; rows + 1]);
+            let out = put(d, &c, &vec![POISON_I32; rows + 1]);
+            for round in 0..2 {
+                let f = d.function(name).unwrap();
+                let mut b = d.stream().launch_builder(f);
+                let ci = int(cols);
+                let (xp, pvp, pip, cp, op) = (xv.ptr(), pv.ptr(), pi.ptr(), cnt.ptr(), out.ptr());
+                b.arg(&xp).arg(&ci).arg(&pvp).arg(&pip).arg(&cp).arg(&op);
+                // SAFETY: the arguments follow dq_argmax_rows's parameter list (pointers as
+                // u64 device addresses, int as i32); x holds rows x cols floats, part_v and
+                // part_i rows x nb entries, cnt and out rows (+1 guard) entries, all in a live
+                // test arena.
+                unsafe { b.launch(cfg((nb, rows as u32, 1), 256)) }
+                    .unwrap_or_else(|e| panic!("launch {name}: {e}"));
+                finish(d, name);
+                launches += 1;
+                let got = get::<i32>(d, out, rows + 1);
+                assert_eq!(
+                    &got[..rows],
+                    &want[..],
+                    "{name} cols={cols} blocks={nb} round {round}: device vs host argmax"
+                );
+                assert_eq!(got[rows], POISON_I32, "{name}: out's guard");
+                let counters = get::<u32>(d, cnt, rows + 1);
+                assert!(
+                    counters.iter().all(|&v| v == 0),
+                    "{name} cols={cols} blocks={nb}: counters not reset: {counters:?}"
+                );
+            }
+        }
+    }
+    eprintln!(
+        "PASS dq_argmax_rows: cols 1..151936, 1/3/64 blocks a row, ties (lowest index), NaN, \
+         -inf, +inf, all-NaN/-inf rows (0) and equal rows, {launches} launches: the host's \
+         argmax exactly; counters reset"
+    );
+}

@@ -740,6 +740,66 @@ fn fused_decode_attention_matches_the_three_launches() {
     }
 }
 
+/// Greedy decode with the tokens picked on the device (`decode_greedy`, `dq_argmax_rows`)
+/// against the host's argmax of the same engine's logits: the same tokens for one slot and
+/// for two slots decoded together, with graphs and without.
+#[test]
+fn greedy_decode_on_the_device_equals_the_host_argmax() {
+    if !gpu_present() {
+        return;
+    }
+    let mut hp = strata_schemas::known::qwen3_30b_a3b();
+    hp.n_layer = 2;
+    hp.n_embd = 256;
+    hp.n_head = 8;
+    hp.n_head_kv = 2;
+    hp.head_dim_k = 128;
+    hp.head_dim_v = 128;
+    hp.n_expert = 8;
+    hp.n_expert_used = 2;
+    hp.n_ff_exp = 64;
+    hp.n_vocab = 1000;
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = random_q8_0_gguf(dir.path(), "greedy", &hp, 13);
+    let ask = Ask {
+        ctx: 128,
+        ubatch: 16,
+        batch: 2,
+        ..Ask::default()
+    };
+    for graphs in [true, false] {
+        let opts = CudaEngineOptions {
+            graphs,
+            ..CudaEngineOptions::default()
+        };
+        let mut host = cuda_with("greedy", &ask, Some(&gguf), opts.clone());
+        let mut dev = cuda_with("greedy", &ask, Some(&gguf), opts);
+        let v = host.info().n_vocab;
+        for e in [&mut host, &mut dev] {
+            e.prefill(0, &[3, 14, 15, 92, 65], false).unwrap();
+            e.prefill(1, &[35, 89], false).unwrap();
+        }
+        let (mut a, mut b) = ([7u32, 11], [7u32, 11]);
+        for step in 0..12 {
+            // Slot 0 alone on even steps, both slots together on odd ones.
+            let n = 1 + step % 2;
+            let batch_a: Vec<(usize, u32)> = (0..n).map(|i| (i, a[i])).collect();
+            let l = host.decode(&batch_a).unwrap();
+            for i in 0..n {
+                a[i] = argmax(&l[i * v..(i + 1) * v]);
+            }
+            let batch_b: Vec<(usize, u32)> = (0..n).map(|i| (i, b[i])).collect();
+            let mut out = [u32::MAX; 2];
+            dev.decode_greedy(&batch_b, &mut out).unwrap();
+            b[..n].copy_from_slice(&out[..n]);
+            assert_eq!(a, b, "graphs {graphs}, step {step}: device vs host argmax");
+        }
+        eprintln!(
+            "graphs {graphs}: 12 greedy steps (1 and 2 slots) picked on the device = host argmax"
+        );
+    }
+}
+
 /// Sizes no power of two divides beyond 32: hidden 96, 6 query heads over 2 KV heads of 48
 /// (so q8_0 KV takes the three-kernel store, and prefill attention the SIMT kernel instead
 /// of `fa_prefill`), 6 experts of width 96, a 333-token vocabulary; a 37-token prompt in

@@ -1278,6 +1278,84 @@ ST_KERNEL void dq_attn_fused(const float* q, const float* k, const float* v, con
     }
 }
 
+// Greedy token choice on the device: out[r] = the index of the largest of x[r][0..cols)
+// (lowest index on ties; NaN and -inf never win; a row with neither a finite value nor +inf
+// gives 0, as sampler::argmax on the host). Block (b, r) reduces its slice of row r to a
+// (value, index) pair in part_v / part_i[r * gridDim.x + b]; the last of row r's blocks to
+// finish (counted in cnt[r], which it resets) reduces the row's pairs into out[r].
+// grid: (blocks per row, rows); block: AM_THREADS.
+#define AM_THREADS 256
+#define AM_NONE 0x7fffffff
+__device__ __forceinline__ void am_take(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+// The block's best pair, in thread 0 (every thread calls it).
+__device__ __forceinline__ void am_block(float& bv, int& bi, float* sv, int* si) {
+    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+#pragma unroll
+    for (int o = ST_WARP / 2; o > 0; o >>= 1) {
+        const float ov = ST_SHFL_XOR(bv, o);
+        const int oi = ST_SHFL_XOR(bi, o);
+        am_take(bv, bi, ov, oi);
+    }
+    __syncthreads();  // sv / si free (a previous call's readers are done)
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x / ST_WARP;
+        bv = lane < nw ? sv[lane] : ST_NEG_INF;
+        bi = lane < nw ? si[lane] : AM_NONE;
+#pragma unroll
+        for (int o = ST_WARP / 2; o > 0; o >>= 1) {
+            const float ov = ST_SHFL_XOR(bv, o);
+            const int oi = ST_SHFL_XOR(bi, o);
+            am_take(bv, bi, ov, oi);
+        }
+    }
+}
+ST_KERNEL void dq_argmax_rows(const float* x, int cols, float* part_v, int* part_i,
+                              unsigned* cnt, int* out) {
+    st_pdl_enter();
+    __shared__ float sv[AM_THREADS / 32];
+    __shared__ int si[AM_THREADS / 32];
+    __shared__ int last;
+    const int r = blockIdx.y, nb = gridDim.x;
+    const long per = ((long)cols + nb - 1) / nb;
+    const long c0 = (long)blockIdx.x * per, c1 = min((long)cols, c0 + per);
+    const float* row = x + (long)r * cols;
+    float bv = ST_NEG_INF;
+    int bi = AM_NONE;
+    for (long c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        const float v = row[c];
+        if (v > ST_NEG_INF) am_take(bv, bi, v, (int)c);
+    }
+    am_block(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        part_v[(long)r * nb + blockIdx.x] = bv;
+        part_i[(long)r * nb + blockIdx.x] = bi;
+        __threadfence();  // the pair is visible before the count says so
+        last = atomicAdd(cnt + r, 1u) == (unsigned)(nb - 1);
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = ST_NEG_INF;
+    bi = AM_NONE;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x)
+        am_take(bv, bi, __ldcg(part_v + (long)r * nb + b), __ldcg(part_i + (long)r * nb + b));
+    am_block(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        out[r] = bi == AM_NONE ? 0 : bi;
+        cnt[r] = 0;
+    }
+}
+
 // Step inputs derived on the device: n_ctx[t] = pos[t] + 1.
 ST_KERNEL void dq_ctx_from_pos(const int* pos, int* n_ctx, int n_tok) {
     st_pdl_enter();

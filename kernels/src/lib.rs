@@ -66,6 +66,7 @@ const RAW: &[Raw] = &[
             "dq_attn_gqa",
             "dq_attn_combine",
             "dq_attn_fused",
+            "dq_argmax_rows",
             "dq_ctx_from_pos",
             "dq_attn_prefill",
             "dq_moe_combine",

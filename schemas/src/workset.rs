@@ -123,6 +123,9 @@ pub struct Pass {
     pub gemm: bool,
 }
 
+/// Blocks per logit row of the device's greedy choice (the CUDA engine's `dq_argmax_rows`).
+pub const ARGMAX_BLOCKS: u64 = 64;
+
 /// The buffers of one stage's pass, in carve order: `(name, bytes)`, sizes before alignment.
 pub fn buffers(d: &WorkDims, p: &Pass) -> Vec<(&'static str, u64)> {
     let f = 4u64;
@@ -165,6 +168,9 @@ pub fn buffers(d: &WorkDims, p: &Pass) -> Vec<(&'static str, u64)> {
         // zero between launches: one u32 per token for the router's top-k, then one per
         // token and KV head for the decode attention's merge of its splits.
         ("counters", 4 * (t * (1 + d.n_head_kv)) as u64),
+        // Greedy decode on the device, per decoding slot: ARGMAX_BLOCKS (value, index)
+        // pairs, a counter (zero between launches) and the chosen token.
+        ("argmax", dec * (ARGMAX_BLOCKS * 8 + 8)),
     ]
 }
 

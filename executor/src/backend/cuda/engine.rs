@@ -149,6 +149,9 @@ struct Bufs {
     inv_freq: Buf,
     /// Per-token counters of the last-block-finishes kernels, zero between launches.
     counters: Buf,
+    /// The greedy choice on the device (`dq_argmax_rows`): per decoding slot ARGMAX_BLOCKS
+    /// values, as many indices, a counter (zero between launches), the chosen token.
+    argmax: Buf,
     // Prefill products (empty when the grouped path is off).
     xn: Buf,
     xh: Buf,
@@ -1047,6 +1050,44 @@ impl CudaEngine {
         Ok(())
     }
 
+    /// The argmax of each of the first `out.len()` rows of the last stage's logits, chosen on
+    /// its device and copied into `out`; every stream synchronised after.
+    fn greedy_back(&mut self, out: &mut [u32]) -> Result<(), CudaEngineError> {
+        let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
+        let rows = out.len();
+        let nb = strata_schemas::workset::ARGMAX_BLOCKS;
+        let a = st.bufs.argmax;
+        let slots = self.info.n_slots as u64;
+        let need = slots * (nb * 8 + 8);
+        if a.bytes < need || rows as u64 > slots {
+            return Err(plan_err(format!(
+                "the argmax buffer holds {} bytes, {slots} slots need {need}: re-plan with this strata-plan",
+                a.bytes
+            )));
+        }
+        let (part_v, part_i) = (a.ptr, a.ptr + slots * nb * 4);
+        let (cnt, ids) = (part_i + slots * nb * 4, part_i + slots * nb * 4 + slots * 4);
+        let k = Kern {
+            pdl: false,
+            ..self.kern(st, true)
+        };
+        k.argmax_rows(
+            st.bufs.logits.ptr,
+            self.d.vocab,
+            rows,
+            nb as u32,
+            [part_v, part_i, cnt, ids],
+        )?;
+        let dev = &self.devs[st.dev];
+        dev.ctx_bind()?;
+        // SAFETY: `ids` holds n_slots >= rows u32s on the device (checked against the buffer
+        // above); `out` stays borrowed until the synchronize below.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(out, ids, dev.stream().cu_stream()) }
+            .map_err(drv("cuMemcpyDtoHAsync(greedy tokens)"))?;
+        self.sync_all()?;
+        Ok(())
+    }
+
     fn logits_back(&mut self, rows: usize) -> Result<(), CudaEngineError> {
         let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
         let n = rows * self.d.vocab;
@@ -1169,7 +1210,13 @@ impl CudaEngine {
         )
     }
 
-    fn decode_inner(&mut self, batch: &[(usize, u32)]) -> Result<(), EngineError> {
+    /// One decode step; the logits come back to the host when `logits_back`, else they stay
+    /// on the device (for [`Self::greedy_back`]).
+    fn decode_inner(
+        &mut self,
+        batch: &[(usize, u32)],
+        logits_back: bool,
+    ) -> Result<(), EngineError> {
         let n = batch.len();
         if n == 0 || n > self.info.n_slots {
             return Err(EngineError::Request(format!(
@@ -1223,7 +1270,9 @@ impl CudaEngine {
             self.forward(n, true, 0, n).map_err(internal)?;
         }
         self.prof_collect(true).map_err(internal)?;
-        self.logits_back(n).map_err(internal)?;
+        if logits_back {
+            self.logits_back(n).map_err(internal)?;
+        }
         for &(slot, _) in batch {
             self.lens[slot] += 1;
         }
@@ -1323,8 +1372,41 @@ impl Engine for CudaEngine {
     }
 
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<&[f32], EngineError> {
-        self.decode_inner(batch)?;
+        self.decode_inner(batch, true)?;
         Ok(&self.logits[..batch.len() * self.d.vocab])
+    }
+
+    /// The tokens picked on the device (`dq_argmax_rows` over the last stage's logits): only
+    /// one u32 per slot comes back instead of a row of logits. With STRATA_HOST_GREEDY set,
+    /// the logits come back and the host picks (for comparison).
+    fn decode_greedy(
+        &mut self,
+        batch: &[(usize, u32)],
+        out: &mut [u32],
+    ) -> Result<(), EngineError> {
+        if out.len() < batch.len() {
+            return Err(EngineError::Request(format!(
+                "decode_greedy: room for {} tokens, the step has {}",
+                out.len(),
+                batch.len()
+            )));
+        }
+        if std::env::var_os("STRATA_HOST_GREEDY").is_some() {
+            // For comparison: the logits back and the argmax on the host, as the trait's
+            // default does.
+            self.decode_inner(batch, true)?;
+            let v = self.d.vocab;
+            for (o, row) in out
+                .iter_mut()
+                .zip(self.logits.chunks_exact(v))
+                .take(batch.len())
+            {
+                *o = crate::sampler::argmax(row);
+            }
+            return Ok(());
+        }
+        self.decode_inner(batch, false)?;
+        self.greedy_back(&mut out[..batch.len()]).map_err(internal)
     }
 
     fn reset_slot(&mut self, slot: usize) {
@@ -1807,6 +1889,7 @@ fn build_stage(
             "logits" => bufs.logits = b,
             "inv_freq" => bufs.inv_freq = b,
             "counters" => bufs.counters = b,
+            "argmax" => bufs.argmax = b,
             "xn" => bufs.xn = b,
             "xh" => bufs.xh = b,
             "tmp" => bufs.tmp = b,
@@ -1818,10 +1901,9 @@ fn build_stage(
     if d.n_head * d.hd >= d.e {
         bufs.xn = bufs.att;
     }
-    dev.memset(
-        arena.view(bufs.counters.ptr - base, bufs.counters.bytes)?,
-        0,
-    )?;
+    for zeroed in [bufs.counters, bufs.argmax] {
+        dev.memset(arena.view(zeroed.ptr - base, zeroed.bytes)?, 0)?;
+    }
     let inv_freq = rope.inv_freq();
     dev.htod(
         inv_freq,
@@ -2035,6 +2117,21 @@ fn kv_geometry(st: &Stage, l: &Layer, row_bytes: u64) -> (i64, i64, i64, i64) {
 const GEMM_MIN_TOK: usize = 16;
 
 impl Kern<'_> {
+    /// `dq_argmax_rows` over `rows` rows of `cols` logits at `x`, `nb` blocks a row; `scratch`:
+    /// the pairs' values and indices, the row counters and the chosen tokens.
+    fn argmax_rows(
+        &self,
+        x: u64,
+        cols: usize,
+        rows: usize,
+        nb: u32,
+        scratch: [u64; 4],
+    ) -> Result<(), CudaEngineError> {
+        let [part_v, part_i, cnt, ids] = scratch;
+        let cols = cols as i32;
+        launch!(self, "dq_argmax_rows", cfg((nb, rows as u32, 1), 256, 0); &x, &cols, &part_v, &part_i, &cnt, &ids)
+    }
+
     fn get_rows(&self, w: Mat, ids: u64, out: u64, n: usize) -> Result<(), CudaEngineError> {
         let n32 = n as u32;
         launch!(self, "dq_get_rows", cfg((n32, 1, 1), 256, 0); &w.ptr, &w.ty, &w.rows, &w.cols, &ids, &out)
