@@ -3,7 +3,9 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|serve|bench|split|patch|torch|decode|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|serve|bench|sample|split|patch|torch|decode|all] [OUTDIR]
+# (sample: decode with tokens drawn (temperature, top-k, top-p) on the device and, with
+# STRATA_HOST_SAMPLE=1, on the host, beside greedy, in one call.)
 # (decode: the decode launch options side by side -- the fused attention's split size, the
 # products' input staged in shared memory, the fused attention --
 # then, where Nsight Systems is installed, each kernel's time and the idle gap before it
@@ -23,7 +25,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
-    for t in $bin/cuda_ops-* $bin/cuda_decode_ops-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-*; do
+    for t in $bin/cuda_ops-* $bin/cuda_decode_ops-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_sample-*; do
         [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error|TIME" | head -60
@@ -44,6 +46,17 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 --batch 1 -o /tmp/q30.plan | tail -25
     echo "== strata-exec bench"
     $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 | tee "$out/bench.txt"
+fi
+if [ "$what" = sample ] || [ "$what" = all ]; then
+    [ -f /tmp/q30.plan ] || { echo "sample: run bench first (it writes /tmp/q30.plan)"; exit 1; }
+    for run in "greedy" "--temperature 0.8 --top-k 40 --top-p 0.95" "--temperature 1.0" \
+        "STRATA_HOST_SAMPLE=1 --temperature 0.8 --top-k 40 --top-p 0.95" "STRATA_HOST_SAMPLE=1 --temperature 1.0"; do
+        echo "== strata-exec bench (decode: $run)"
+        env_part=$(echo "$run" | tr ' ' '\n' | grep = | tr '\n' ' ')
+        flags=$(echo "$run" | tr ' ' '\n' | grep -v = | grep -v greedy | tr '\n' ' ')
+        env $env_part $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q $flags 2>&1 |
+            grep -E "\| cuda \| tg" | tee -a "$out/sample.txt"
+    done
 fi
 if [ "$what" = split ] || [ "$what" = all ]; then
     m=/tmp/q30-q8_0.gguf

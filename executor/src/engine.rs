@@ -37,6 +37,16 @@ pub enum EngineError {
     Internal(String),
 }
 
+/// `decode_sample`'s arguments agree: a draw and an output for every entry of the step.
+pub fn check_sample_args(batch: usize, draws: usize, out: usize) -> Result<(), EngineError> {
+    if draws < batch || out < batch {
+        return Err(EngineError::Request(format!(
+            "decode_sample: the step has {batch} entries but {draws} draws and room for {out} tokens"
+        )));
+    }
+    Ok(())
+}
+
 /// A model bound to planned memory, driven one step at a time.
 pub trait Engine: Send {
     fn info(&self) -> &EngineInfo;
@@ -71,6 +81,28 @@ pub trait Engine: Send {
         let logits = self.decode(batch)?;
         for (o, row) in out.iter_mut().zip(logits.chunks_exact(v)) {
             *o = crate::sampler::argmax(row);
+        }
+        Ok(())
+    }
+    /// One decode step like [`Engine::decode`] whose next tokens are drawn: `out[i]` gets
+    /// [`crate::sampler::sample_with`]`(row i, draws[i])`. Engines that can sample on their
+    /// device override it and skip bringing the logits back; this default samples from
+    /// [`Engine::decode`]'s rows on the host.
+    fn decode_sample(
+        &mut self,
+        batch: &[(usize, u32)],
+        draws: &[crate::sampler::Draw],
+        out: &mut [u32],
+    ) -> Result<(), EngineError> {
+        check_sample_args(batch.len(), draws.len(), out.len())?;
+        if draws[..batch.len()].iter().all(|d| d.is_greedy()) {
+            return self.decode_greedy(batch, out);
+        }
+        let v = self.info().n_vocab;
+        let logits = self.decode(batch)?;
+        let mut cand = Vec::new();
+        for ((o, row), d) in out.iter_mut().zip(logits.chunks_exact(v)).zip(draws) {
+            *o = crate::sampler::sample_into(row, d, &mut cand);
         }
         Ok(())
     }

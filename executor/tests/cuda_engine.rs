@@ -20,6 +20,7 @@ use strata_exec::backend::cuda::engine::{
 const XS_ALL: u8 = XS_QKV | XS_OUT | XS_GATE_UP;
 use strata_exec::engine::Engine;
 use strata_exec::load::{open_model, SafetensorsModel};
+use strata_exec::sampler::{sample_with, Draw, Sampler, SamplingParams};
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::serve::KvType;
 
@@ -796,6 +797,92 @@ fn greedy_decode_on_the_device_equals_the_host_argmax() {
         }
         eprintln!(
             "graphs {graphs}: 12 greedy steps (1 and 2 slots) picked on the device = host argmax"
+        );
+    }
+}
+
+/// Sampled decode with the tokens drawn on the device (`decode_sample`, `sample_rows`)
+/// against the host sampler over the same engine's logits: two slots with their own settings
+/// (one greedy on every third step, so batches mix greedy and sampled draws), the same draws
+/// on both sides, with graphs and without. The random model's logits leave no near-ties, so
+/// every token must be the host's.
+#[test]
+fn sampled_decode_on_the_device_equals_the_host_sampler() {
+    if !gpu_present() {
+        return;
+    }
+    let mut hp = strata_schemas::known::qwen3_30b_a3b();
+    hp.n_layer = 2;
+    hp.n_embd = 256;
+    hp.n_head = 8;
+    hp.n_head_kv = 2;
+    hp.head_dim_k = 128;
+    hp.head_dim_v = 128;
+    hp.n_expert = 8;
+    hp.n_expert_used = 2;
+    hp.n_ff_exp = 64;
+    hp.n_vocab = 1000;
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = random_q8_0_gguf(dir.path(), "sample", &hp, 17);
+    let ask = Ask {
+        ctx: 128,
+        ubatch: 16,
+        batch: 2,
+        ..Ask::default()
+    };
+    for graphs in [true, false] {
+        let opts = CudaEngineOptions {
+            graphs,
+            ..CudaEngineOptions::default()
+        };
+        let mut host = cuda_with("sample", &ask, Some(&gguf), opts.clone());
+        let mut dev = cuda_with("sample", &ask, Some(&gguf), opts);
+        let v = host.info().n_vocab;
+        for e in [&mut host, &mut dev] {
+            e.prefill(0, &[3, 14, 15, 92, 65], false).unwrap();
+            e.prefill(1, &[35, 89], false).unwrap();
+        }
+        let mut samplers = [
+            Sampler::new(SamplingParams {
+                temperature: 0.9,
+                top_k: 40,
+                top_p: 0.95,
+                seed: 5,
+            }),
+            Sampler::new(SamplingParams {
+                temperature: 1.3,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 6,
+            }),
+        ];
+        let (mut a, mut b) = ([7u32, 11], [7u32, 11]);
+        let mut distinct = std::collections::BTreeSet::new();
+        for step in 0..16 {
+            let batch_a: Vec<(usize, u32)> = (0..2).map(|i| (i, a[i])).collect();
+            let batch_b: Vec<(usize, u32)> = (0..2).map(|i| (i, b[i])).collect();
+            let mut draws: Vec<Draw> = samplers.iter_mut().map(|s| s.next_draw()).collect();
+            if step % 3 == 2 {
+                draws[1] = Draw::GREEDY;
+            }
+            let l = host.decode(&batch_a).unwrap();
+            for i in 0..2 {
+                a[i] = sample_with(&l[i * v..(i + 1) * v], &draws[i]);
+            }
+            let mut out = [u32::MAX; 2];
+            dev.decode_sample(&batch_b, &draws, &mut out).unwrap();
+            b = out;
+            assert_eq!(a, b, "graphs {graphs}, step {step}: device vs host sampler");
+            distinct.insert(a[0]);
+        }
+        assert!(
+            distinct.len() > 1,
+            "slot 0 sampled, not greedy: {distinct:?}"
+        );
+        eprintln!(
+            "graphs {graphs}: 16 sampled steps (2 slots, top-k/top-p and plain temperature, \
+             greedy mixed in) drawn on the device = host sampler; slot 0 drew {} distinct tokens",
+            distinct.len()
         );
     }
 }

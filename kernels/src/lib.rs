@@ -101,6 +101,11 @@ const RAW: &[Raw] = &[
         ],
     },
     Raw {
+        name: "sample",
+        body: include_str!("../cuda/sample.cu"),
+        entry_points: &["sample_rows"],
+    },
+    Raw {
         name: "flash",
         body: include_str!("../cuda/flash.cu"),
         entry_points: &["fa_prefill"],

@@ -126,6 +126,9 @@ pub struct Pass {
 /// Blocks per logit row of the device's greedy choice (the CUDA engine's `dq_argmax_rows`).
 pub const ARGMAX_BLOCKS: u64 = 64;
 
+/// Bytes of one slot's sampling draw on the device (`sampler::Draw`, sample.cu's SampleDraw).
+pub const DRAW_BYTES: u64 = 32;
+
 /// The buffers of one stage's pass, in carve order: `(name, bytes)`, sizes before alignment.
 pub fn buffers(d: &WorkDims, p: &Pass) -> Vec<(&'static str, u64)> {
     let f = 4u64;
@@ -171,6 +174,8 @@ pub fn buffers(d: &WorkDims, p: &Pass) -> Vec<(&'static str, u64)> {
         // Greedy decode on the device, per decoding slot: ARGMAX_BLOCKS (value, index)
         // pairs, a counter (zero between launches) and the chosen token.
         ("argmax", dec * (ARGMAX_BLOCKS * 8 + 8)),
+        // Sampling on the device: one 32-byte draw (settings and noise key) per slot.
+        ("draws", dec * DRAW_BYTES),
     ]
 }
 

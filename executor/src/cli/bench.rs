@@ -7,10 +7,11 @@ use super::{backend_for, fail, open_plan, Backend, PlanArgs};
 use std::path::PathBuf;
 use std::time::Instant;
 use strata_exec::engine::Engine;
+use strata_exec::sampler::{Sampler, SamplingParams};
 
 #[derive(clap::Args, Debug, Clone)]
 #[command(
-    after_help = "Example:\n  strata-exec bench h200.plan -p 512 -n 128 -r 3\nPrompt tokens are pseudo-random ids; decode feeds back the argmax token (batch 1, slot 0)."
+    after_help = "Example:\n  strata-exec bench h200.plan -p 512 -n 128 -r 3\nPrompt tokens are pseudo-random ids; decode feeds back the argmax token (batch 1, slot 0),\nor with --temperature a token drawn as `strata-exec run` and the server draw it (on the\ndevice where the engine can), e.g.\n  strata-exec bench h200.plan -p 512 -n 128 --temperature 0.8 --top-k 40 --top-p 0.95"
 )]
 pub struct BenchArgs {
     /// The plan file written by strata-plan.
@@ -26,6 +27,15 @@ pub struct BenchArgs {
     /// Repetitions (each on a fresh context).
     #[arg(short = 'r', long, default_value_t = 3)]
     pub reps: usize,
+    /// Decode draws its tokens with this temperature (0 = greedy, the default).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With --temperature: keep the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// With --temperature: keep the smallest set of likeliest tokens holding P of the mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// Output: text (a table) or json (one object).
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub format: String,
@@ -38,8 +48,15 @@ fn mean_sd(v: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
-/// One repetition: prefill `p` tokens, then decode `n`; returns (prefill tok/s, decode tok/s).
-fn rep(e: &mut dyn Engine, p: usize, n: usize, seed: u64) -> Result<(f64, f64), String> {
+/// One repetition: prefill `p` tokens, then decode `n` (greedy, or drawn with `sampling`'s
+/// temperature); returns (prefill tok/s, decode tok/s).
+fn rep(
+    e: &mut dyn Engine,
+    p: usize,
+    n: usize,
+    seed: u64,
+    sampling: SamplingParams,
+) -> Result<(f64, f64), String> {
     let info = e.info().clone();
     e.reset_slot(0);
     let mut x = seed
@@ -64,14 +81,34 @@ fn rep(e: &mut dyn Engine, p: usize, n: usize, seed: u64) -> Result<(f64, f64), 
     let pp = prompt.len() as f64 / t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut next = [0u32];
+    let mut sampler = Sampler::new(SamplingParams { seed, ..sampling });
     for _ in 0..n {
-        // Greedy, picked by the engine (on the device where it can).
-        e.decode_greedy(&[(0, last)], &mut next)
-            .map_err(|e| e.to_string())?;
+        // Picked by the engine (on the device where it can).
+        if sampling.temperature > 0.0 {
+            e.decode_sample(&[(0, last)], &[sampler.next_draw()], &mut next)
+        } else {
+            e.decode_greedy(&[(0, last)], &mut next)
+        }
+        .map_err(|e| e.to_string())?;
         last = next[0];
     }
     let tg = n as f64 / t1.elapsed().as_secs_f64().max(1e-12);
     Ok((pp, tg))
+}
+
+/// The decode row's suffix naming its sampling (empty for greedy).
+fn sampled_label(s: &SamplingParams) -> String {
+    if s.temperature <= 0.0 {
+        return String::new();
+    }
+    let mut l = format!(" T{}", s.temperature);
+    if s.top_k > 0 {
+        l += &format!(" top-k {}", s.top_k);
+    }
+    if s.top_p < 1.0 {
+        l += &format!(" top-p {}", s.top_p);
+    }
+    l
 }
 
 pub fn main(args: BenchArgs) {
@@ -83,6 +120,18 @@ pub fn main(args: BenchArgs) {
             args.prompt, args.n_gen
         ));
     }
+    if args.temperature.is_nan() || args.temperature < 0.0 || !(0.0..=1.0).contains(&args.top_p) {
+        fail(format!(
+            "--temperature {} / --top-p {}: the temperature must be >= 0 and top-p in [0, 1]",
+            args.temperature, args.top_p
+        ));
+    }
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: 0,
+    };
     let backend = backend_for(&plan, &args.common);
     // (Only the CUDA engine takes the opened model here; the others open it themselves.)
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
@@ -127,14 +176,14 @@ pub fn main(args: BenchArgs) {
     eprintln!("strata-exec bench: loaded in {load_s:.1} s; warming up");
     // Warm-up: compiles nothing new but fills caches and captures the batch-1 decode graph.
     let warm_p = args.prompt.min(engine.info().ubatch);
-    if let Err(e) = rep(engine.as_mut(), warm_p, 4.min(args.n_gen), 99) {
+    if let Err(e) = rep(engine.as_mut(), warm_p, 4.min(args.n_gen), 99, sampling) {
         eprintln!("strata-exec: {e}");
         std::process::exit(2);
     }
     let mut pps = Vec::new();
     let mut tgs = Vec::new();
     for r in 0..args.reps.max(1) {
-        match rep(engine.as_mut(), args.prompt, args.n_gen, r as u64) {
+        match rep(engine.as_mut(), args.prompt, args.n_gen, r as u64, sampling) {
             Ok((pp, tg)) => {
                 eprintln!(
                     "  rep {}: pp{} {pp:.1} tok/s, tg{} {tg:.1} tok/s",
@@ -168,6 +217,7 @@ pub fn main(args: BenchArgs) {
             "reps": pps.len(),
             "prefill_tok_s": {"mean": pm, "sd": ps, "all": pps},
             "decode_tok_s": {"mean": tm, "sd": ts, "all": tgs},
+            "decode_sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
             "allocated_bytes": engine.allocated_bytes(),
         });
         if let Some(m) = &memory {
@@ -190,8 +240,9 @@ pub fn main(args: BenchArgs) {
         }
         if args.n_gen > 0 {
             println!(
-                "| {name} | {backend_s} | tg{} | {tm:.2} ± {ts:.2} |",
-                args.n_gen
+                "| {name} | {backend_s} | tg{}{} | {tm:.2} ± {ts:.2} |",
+                args.n_gen,
+                sampled_label(&sampling)
             );
         }
         if let Some(m) = &memory {

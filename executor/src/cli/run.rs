@@ -132,9 +132,10 @@ pub fn main(cli: RunArgs) {
         if n > 0 {
             let mut next = sampler.sample(&last);
             out.push(next);
+            let mut tok = [0u32];
             while out.len() < n && !eos.contains(&next) {
-                let l = engine.decode(&[(0, next)])?;
-                next = sampler.sample(l);
+                engine.decode_sample(&[(0, next)], &[sampler.next_draw()], &mut tok)?;
+                next = tok[0];
                 out.push(next);
             }
         }

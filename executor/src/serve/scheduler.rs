@@ -9,7 +9,7 @@
 
 use super::metrics::{Ready, Shared, SlotView};
 use crate::engine::{Engine, EngineError};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{Draw, Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{self, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
@@ -181,6 +181,8 @@ struct Sched {
     batch: Vec<(usize, u32)>,
     batch_slot: Vec<usize>,
     sampled: Vec<u32>,
+    /// This step's sampling draws, one per batch entry.
+    draws: Vec<Draw>,
     ubatch: usize,
     max_context: u64,
 }
@@ -213,6 +215,7 @@ impl Sched {
             batch: Vec::with_capacity(n),
             batch_slot: Vec::with_capacity(n),
             sampled: Vec::with_capacity(n),
+            draws: Vec::with_capacity(n),
             ubatch: info.ubatch.max(1),
             max_context: info.max_context,
         }
@@ -414,31 +417,20 @@ impl Sched {
             return;
         }
         let t0 = Instant::now();
-        let n_vocab = self.engine.info().n_vocab;
-        // Every request greedy: the engine picks the tokens (on its device where it can).
-        let greedy = self.batch_slot.iter().all(|&s| {
-            self.slots[s]
-                .as_ref()
-                .is_some_and(|a| a.sampler.params().temperature <= 0.0)
-        });
+        // Each slot's draw for this step; the engine samples (on its device where it can,
+        // with a plain argmax when every request is greedy).
+        self.draws.clear();
+        for &slot in &self.batch_slot {
+            let d = self.slots[slot]
+                .as_mut()
+                .map_or(Draw::GREEDY, |a| a.sampler.next_draw());
+            self.draws.push(d);
+        }
         self.sampled.clear();
-        let res = if greedy {
-            self.sampled.resize(self.batch.len(), u32::MAX);
-            self.engine.decode_greedy(&self.batch, &mut self.sampled)
-        } else {
-            self.engine.decode(&self.batch).map(|logits| {
-                for (row, &slot) in self.batch_slot.iter().enumerate() {
-                    let tok = match (
-                        self.slots[slot].as_mut(),
-                        logits.get(row * n_vocab..(row + 1) * n_vocab),
-                    ) {
-                        (Some(a), Some(l)) => a.sampler.sample(l),
-                        _ => u32::MAX,
-                    };
-                    self.sampled.push(tok);
-                }
-            })
-        };
+        self.sampled.resize(self.batch.len(), u32::MAX);
+        let res = self
+            .engine
+            .decode_sample(&self.batch, &self.draws, &mut self.sampled);
         if let Err(e) = res {
             let msg = engine_msg(&e);
             for k in 0..self.batch_slot.len() {

@@ -14,6 +14,7 @@ use super::{drv, CudaDevice, CudaError, DeviceArena};
 use crate::backend::cpu::{Rope, Yarn};
 use crate::engine::{Engine, EngineError, EngineInfo, EngineStats};
 use crate::load::{self, HostModel};
+use crate::sampler::Draw;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaGraph, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
@@ -152,6 +153,8 @@ struct Bufs {
     /// The greedy choice on the device (`dq_argmax_rows`): per decoding slot ARGMAX_BLOCKS
     /// values, as many indices, a counter (zero between launches), the chosen token.
     argmax: Buf,
+    /// Sampling on the device (`sample_rows`): one `sampler::Draw` per decoding slot.
+    draws: Buf,
     // Prefill products (empty when the grouped path is off).
     xn: Buf,
     xh: Buf,
@@ -1088,6 +1091,66 @@ impl CudaEngine {
         Ok(())
     }
 
+    /// The token of `draws[i]` from each of the first `out.len()` rows of the last stage's
+    /// logits, drawn on its device (`sample_rows`) and copied into `out`; every stream
+    /// synchronised after.
+    fn sample_back(&mut self, draws: &[Draw], out: &mut [u32]) -> Result<(), CudaEngineError> {
+        let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
+        let rows = out.len();
+        let slots = self.info.n_slots as u64;
+        let (a, dr) = (st.bufs.argmax, st.bufs.draws);
+        let nb = strata_schemas::workset::ARGMAX_BLOCKS;
+        let draw_bytes = strata_schemas::workset::DRAW_BYTES;
+        if a.bytes < slots * (nb * 8 + 8) || dr.bytes < slots * draw_bytes || rows as u64 > slots {
+            return Err(plan_err(format!(
+                "the sampling buffers hold {} and {} bytes, {slots} slots need {} and {}: re-plan with this strata-plan",
+                a.bytes,
+                dr.bytes,
+                slots * (nb * 8 + 8),
+                slots * draw_bytes
+            )));
+        }
+        // The argmax buffer's pairs, counters and token slots serve the sampler too.
+        let (part_v, part_i) = (a.ptr, a.ptr + slots * nb * 4);
+        let (cnt, ids) = (part_i + slots * nb * 4, part_i + slots * nb * 4 + slots * 4);
+        let mut bytes = Vec::with_capacity(rows * draw_bytes as usize);
+        for d in draws {
+            bytes.extend_from_slice(&d.to_bytes());
+        }
+        let dev = &self.devs[st.dev];
+        dev.ctx_bind()?;
+        // SAFETY: `draws` holds n_slots >= rows 32-byte draws on the device (checked above);
+        // the host bytes stay alive until the synchronize below.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dr.ptr, &bytes, dev.stream().cu_stream())
+        }
+        .map_err(drv("cuMemcpyHtoDAsync(sampling draws)"))?;
+        let k = Kern {
+            pdl: false,
+            ..self.kern(st, true)
+        };
+        // Blocks per row: every block repeats the row's threshold passes, so fewer when a
+        // draw has cuts (they read the row four or eight more times).
+        let cuts = draws.iter().any(|d| {
+            !d.is_greedy() && ((d.top_k > 0 && (d.top_k as usize) < self.d.vocab) || d.top_p < 1.0)
+        });
+        let blocks = if cuts { SAMPLE_BLOCKS_CUTS } else { nb as u32 };
+        k.sample_rows(
+            st.bufs.logits.ptr,
+            self.d.vocab,
+            rows,
+            blocks,
+            dr.ptr,
+            [part_v, part_i, cnt, ids],
+        )?;
+        // SAFETY: `ids` holds n_slots >= rows u32s on the device; `out` stays borrowed until
+        // the synchronize below.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(out, ids, dev.stream().cu_stream()) }
+            .map_err(drv("cuMemcpyDtoHAsync(sampled tokens)"))?;
+        self.sync_all()?;
+        Ok(())
+    }
+
     fn logits_back(&mut self, rows: usize) -> Result<(), CudaEngineError> {
         let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
         let n = rows * self.d.vocab;
@@ -1407,6 +1470,34 @@ impl Engine for CudaEngine {
         }
         self.decode_inner(batch, false)?;
         self.greedy_back(&mut out[..batch.len()]).map_err(internal)
+    }
+
+    /// Drawn on the device (`sample_rows` over the last stage's logits) unless every draw is
+    /// greedy (then `dq_argmax_rows`, as [`Engine::decode_greedy`]); `STRATA_HOST_SAMPLE=1`
+    /// brings the logits back and samples on the host, for comparison.
+    fn decode_sample(
+        &mut self,
+        batch: &[(usize, u32)],
+        draws: &[Draw],
+        out: &mut [u32],
+    ) -> Result<(), EngineError> {
+        crate::engine::check_sample_args(batch.len(), draws.len(), out.len())?;
+        let n = batch.len();
+        if draws[..n].iter().all(|d| d.is_greedy()) {
+            return self.decode_greedy(batch, out);
+        }
+        if std::env::var_os("STRATA_HOST_SAMPLE").is_some() || self.d.vocab > SAMPLE_MAX_VOCAB {
+            self.decode_inner(batch, true)?;
+            let v = self.d.vocab;
+            let mut cand = Vec::new();
+            for ((o, row), d) in out.iter_mut().zip(self.logits.chunks_exact(v)).zip(draws) {
+                *o = crate::sampler::sample_into(row, d, &mut cand);
+            }
+            return Ok(());
+        }
+        self.decode_inner(batch, false)?;
+        self.sample_back(&draws[..n], &mut out[..n])
+            .map_err(internal)
     }
 
     fn reset_slot(&mut self, slot: usize) {
@@ -1890,6 +1981,7 @@ fn build_stage(
             "inv_freq" => bufs.inv_freq = b,
             "counters" => bufs.counters = b,
             "argmax" => bufs.argmax = b,
+            "draws" => bufs.draws = b,
             "xn" => bufs.xn = b,
             "xh" => bufs.xh = b,
             "tmp" => bufs.tmp = b,
@@ -2115,6 +2207,12 @@ fn kv_geometry(st: &Stage, l: &Layer, row_bytes: u64) -> (i64, i64, i64, i64) {
 }
 /// Prefill passes of at least this many tokens use the tensor-core products.
 const GEMM_MIN_TOK: usize = 16;
+/// The largest vocabulary `sample_rows` takes (sample.cu's SP_MAX_VOCAB: its histogram
+/// parts count in u32); larger ones sample on the host.
+const SAMPLE_MAX_VOCAB: usize = 1 << 19;
+/// `sample_rows`' blocks per row when a draw has top-k or top-p cuts (without cuts it takes
+/// `workset::ARGMAX_BLOCKS`, the most the scratch holds).
+const SAMPLE_BLOCKS_CUTS: u32 = 16;
 
 impl Kern<'_> {
     /// `dq_argmax_rows` over `rows` rows of `cols` logits at `x`, `nb` blocks a row; `scratch`:
@@ -2130,6 +2228,22 @@ impl Kern<'_> {
         let [part_v, part_i, cnt, ids] = scratch;
         let cols = cols as i32;
         launch!(self, "dq_argmax_rows", cfg((nb, rows as u32, 1), 256, 0); &x, &cols, &part_v, &part_i, &cnt, &ids)
+    }
+
+    /// sample.cu's `sample_rows`: `nb` blocks of 1024 threads per row of `cols` logits;
+    /// scratch as `argmax_rows`'s (part_v, part_i: rows x nb; counters; tokens).
+    fn sample_rows(
+        &self,
+        x: u64,
+        cols: usize,
+        rows: usize,
+        nb: u32,
+        draws: u64,
+        scratch: [u64; 4],
+    ) -> Result<(), CudaEngineError> {
+        let [part_v, part_i, cnt, out] = scratch;
+        let cols = cols as i32;
+        launch!(self, "sample_rows", cfg((nb, rows as u32, 1), 1024, 0); &x, &cols, &draws, &part_v, &part_i, &cnt, &out)
     }
 
     fn get_rows(&self, w: Mat, ids: u64, out: u64, n: usize) -> Result<(), CudaEngineError> {
