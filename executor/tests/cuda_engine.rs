@@ -458,6 +458,7 @@ fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
     let mut hp = small_moe(2, 8, 2, 8);
     hp.n_ff_exp = 256;
     let dir = tempfile::tempdir().unwrap();
+    let mut bad = Vec::new();
     let mixed = QuantRecipe {
         expert_gate_up: GgmlType::Q4K,
         expert_down: GgmlType::Q4K,
@@ -525,16 +526,17 @@ fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
         eprintln!(
             "{name} (attention {attn_ty}, experts Q4_K): 53-token prefill vs CPU: tensor-core path {p_tc:e}, matvec path {p_mv:e}; 10 decode steps after it: {d_tc:e} / {d_mv:e}"
         );
-        assert!(
-            p_mv < 2e-3 && d_mv < 2e-3,
-            "{name}: matvec path {p_mv} / {d_mv}"
-        );
-        assert!(p_tc < 1e-2, "{name}: tensor-core prefill {p_tc}");
-        assert!(
-            d_tc < 1e-2,
-            "{name}: decode after a tensor-core prefill {d_tc}"
-        );
+        // Both models run before any bound is asserted, so one failure shows the other's numbers.
+        if !(p_mv < 2e-3 && d_mv < 2e-3) {
+            bad.push(format!("{name}: matvec path {p_mv} / {d_mv} (bound 2e-3)"));
+        }
+        if !(p_tc < 1e-2 && d_tc < 1e-2) {
+            bad.push(format!(
+                "{name}: tensor-core prefill {p_tc}, decode after it {d_tc} (bound 1e-2)"
+            ));
+        }
     }
+    assert!(bad.is_empty(), "{}", bad.join("; "));
 }
 
 /// Runs without a GPU too: the engine's start-up checks that come before any device is

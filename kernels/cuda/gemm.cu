@@ -386,22 +386,45 @@ __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes
 }
 
 // Entry points. Dense: W, X16 (n_tok rows of cols 16-bit values), Y (n_tok x rows f32).
-#define GM_DENSE_ARGS                                                                        \
-    const u8 *__restrict__ W, const u16 *__restrict__ X16, float *__restrict__ Y, int rows,  \
-        int cols, int n_tok
-#define GM_DENSE(name, wt, bm, wn)                                                           \
-    ST_KERNEL void name(GM_DENSE_ARGS) { gm_dense<wt, bm, wn>(W, X16, Y, rows, cols, n_tok); }
-GM_DENSE(gemm_q8_0_m64, GM_Q8, 64, 2)
-GM_DENSE(gemm_q8_0_m128, GM_Q8, 128, 2)
-GM_DENSE(gemm_q4_k_m64, GM_Q4K, 64, 2)
-GM_DENSE(gemm_q4_k_m128, GM_Q4K, 128, 2)
-GM_DENSE(gemm_bf16_m64, GM_BF16, 64, 2)
-GM_DENSE(gemm_bf16_m128, GM_BF16, 128, 2)
+ST_KERNEL void gemm_q8_0_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q8, 64, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_q8_0_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                              float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q8, 128, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_q4_k_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q4K, 64, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_q4_k_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                              float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q4K, 128, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_bf16_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_BF16, 64, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_bf16_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                              float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_BF16, 128, 2>(W, X16, Y, rows, cols, n_tok);
+}
+
 // 128 rows, one warp along the tokens (4 warps of 32 rows x 64 tokens): fewer instructions
 // per mma than the 32 x 32 warp tiles above.
-GM_DENSE(gemm_q8_0_m128w, GM_Q8, 128, 1)
-GM_DENSE(gemm_q4_k_m128w, GM_Q4K, 128, 1)
-GM_DENSE(gemm_bf16_m128w, GM_BF16, 128, 1)
+ST_KERNEL void gemm_q8_0_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                               float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q8, 128, 1>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_q4_k_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                               float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q4K, 128, 1>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_bf16_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                               float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_BF16, 128, 1>(W, X16, Y, rows, cols, n_tok);
+}
 
 // Grouped: W the 3-D expert tensor, X16 (n_tok rows when gather, else n_tok * k), Y
 // (n_tok * k rows of `rows` f32, indexed by assignment), the rest from moe_sort.
@@ -411,27 +434,45 @@ GM_DENSE(gemm_bf16_m128w, GM_BF16, 128, 1)
         const int *__restrict__ perm, const int *__restrict__ tiles,                         \
         const int *__restrict__ n_tiles, int k, int gather
 #define GM_MOE_PASS mat_bytes, X16, Y, rows, cols, offsets, perm, tiles, n_tiles, k, gather
-#define GM_MOE(name, wt, bm, wn)                                                             \
-    ST_KERNEL void name(GM_MOE_ARGS) { gm_moe<wt, bm, wn, false>(W, W, GM_MOE_PASS); }
-GM_MOE(moe_gemm_q8_0_m64, GM_Q8, 64, 2)
-GM_MOE(moe_gemm_q8_0_m128, GM_Q8, 128, 2)
-GM_MOE(moe_gemm_q8_0_m128w, GM_Q8, 128, 1)
-GM_MOE(moe_gemm_q4_k_m64, GM_Q4K, 64, 2)
-GM_MOE(moe_gemm_q4_k_m128, GM_Q4K, 128, 2)
-GM_MOE(moe_gemm_q4_k_m128w, GM_Q4K, 128, 1)
-GM_MOE(moe_gemm_bf16_m64, GM_BF16, 64, 2)
-GM_MOE(moe_gemm_bf16_m128, GM_BF16, 128, 2)
-GM_MOE(moe_gemm_bf16_m128w, GM_BF16, 128, 1)
+ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) {
+    gm_moe<GM_Q8, 64, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q8_0_m128(GM_MOE_ARGS) {
+    gm_moe<GM_Q8, 128, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q8_0_m128w(GM_MOE_ARGS) {
+    gm_moe<GM_Q8, 128, 1, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q4_k_m64(GM_MOE_ARGS) {
+    gm_moe<GM_Q4K, 64, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q4_k_m128(GM_MOE_ARGS) {
+    gm_moe<GM_Q4K, 128, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q4_k_m128w(GM_MOE_ARGS) {
+    gm_moe<GM_Q4K, 128, 1, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_bf16_m64(GM_MOE_ARGS) {
+    gm_moe<GM_BF16, 64, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_bf16_m128(GM_MOE_ARGS) {
+    gm_moe<GM_BF16, 128, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_bf16_m128w(GM_MOE_ARGS) {
+    gm_moe<GM_BF16, 128, 1, false>(W, W, GM_MOE_PASS);
+}
 
 // Fused gate + up (SwiGLU): Y[a][r] = silu(Wg_e,r . xrow(a)) * (Wu_e,r . xrow(a)), Wg and Wu
 // two expert tensors of the same shape and type (W is the gate tensor).
-#define GM_MOE_GLU(name, wt)                                                                 \
-    ST_KERNEL void name(const u8* __restrict__ Wu, GM_MOE_ARGS) {                            \
-        gm_moe<wt, 64, 2, true>(W, Wu, GM_MOE_PASS);                                         \
-    }
-GM_MOE_GLU(moe_gemm_glu_q8_0_m64, GM_Q8)
-GM_MOE_GLU(moe_gemm_glu_q4_k_m64, GM_Q4K)
-GM_MOE_GLU(moe_gemm_glu_bf16_m64, GM_BF16)
+ST_KERNEL void moe_gemm_glu_q8_0_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
+    gm_moe<GM_Q8, 64, 2, true>(W, Wu, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_glu_q4_k_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
+    gm_moe<GM_Q4K, 64, 2, true>(W, Wu, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_glu_bf16_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
+    gm_moe<GM_BF16, 64, 2, true>(W, Wu, GM_MOE_PASS);
+}
 
 // X f32 -> f16 (bf16 != 0: bf16), round to nearest even; n a multiple of 4, both 16-byte
 // aligned. Grid-stride.

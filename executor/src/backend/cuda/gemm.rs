@@ -644,3 +644,40 @@ impl CudaDevice {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel a launcher can name is an entry point of the gemm module (a missing one
+    /// only shows at launch, on a GPU).
+    #[test]
+    fn every_launched_kernel_is_a_gemm_entry_point() {
+        let mut n = 0;
+        for (moe, glu) in [(false, false), (true, false), (true, true)] {
+            for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
+                for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
+                    let name = kernel_name(moe, glu, ty, tile);
+                    let m = strata_kernels::module_of(name);
+                    assert!(m.is_some_and(|m| m.name == "gemm"), "{name}");
+                    n += 1;
+                }
+            }
+        }
+        assert_eq!(n, 27);
+    }
+
+    #[test]
+    fn q4_k_matrices_need_whole_256_column_blocks() {
+        assert_eq!(
+            matrix_bytes("t", GgmlType::Q4K, 3, 512).unwrap(),
+            3 * 2 * 144
+        );
+        let e = matrix_bytes("t", GgmlType::Q4K, 3, 384)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("3 x 384") && e.contains("256"), "{e}");
+        assert!(matrix_bytes("t", GgmlType::Q6K, 3, 256).is_err());
+        assert!(gemm_supports(GgmlType::Q4K) && !gemm_supports(GgmlType::Q6K));
+    }
+}
