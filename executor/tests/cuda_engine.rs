@@ -1,7 +1,8 @@
 //! The CUDA engine end to end on the tiny reference models: the same greedy tokens as
 //! transformers and the CPU engine, logits within tolerance, for F32 safetensors and Q8_0 GGUF
 //! files, f16 and q8_0 KV, random Q8_0 models at the 30B head geometry and at odd sizes
-//! (ragged tiles and passes), batched decode equal to one slot at a time, and layer splits over
+//! (ragged tiles and passes), random Q4_K models (all Q4_K, and Q4_K experts with Q8_0
+//! attention) on the tensor-core prefill, batched decode equal to one slot at a time, and layer splits over
 //! 2 and 3 planned devices mapped onto one GPU equal to the unsplit plan (on one stream, and
 //! with a device object, stream and hand-off per stage as `--device-map 0,0,0` runs them).
 //! Needs a CUDA GPU: without one every test prints SKIP and returns (run them on the GPU
@@ -437,6 +438,108 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
     assert_eq!(tt, tcpu, "greedy: tensor-core path vs CPU");
 }
 
+/// Q4_K on the tensor-core prefill (dense Q/K/V/O products, fused gate + up and down expert
+/// products): a random tiny Qwen3-MoE (hidden 256, 8 heads of 128 over 2 KV heads, 8 experts
+/// of width 256, all routed so no router choice can flip; every matrix width a multiple of
+/// 256) written once with every matrix Q4_K (the "Q4_K" preset, embedding and head too) and
+/// once with Q4_K experts and Q8_0 attention, embedding and head (each product picks its
+/// kernel by its own tensor's type). The engine must take the tensor-core path (and the
+/// matvec engine not), a 53-token prompt in passes of 32 and 21 (both on tensor cores, the
+/// second a ragged tile) then 10 decode steps fed the CPU's tokens are compared row by row
+/// with the CPU engine: the matrix-vector path computes in f32 like the CPU (held to 2e-3 of
+/// the largest logit, as the Q8_0 tests), the tensor-core path rounds weights and inputs to
+/// f16 (held to 1e-2, the bound of the Q8_0 tensor-core test; a wrong block layout, scale or
+/// min gives errors near 1).
+#[test]
+fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
+    if !gpu_present() {
+        return;
+    }
+    use strata_schemas::arch::QuantRecipe;
+    let mut hp = small_moe(2, 8, 2, 8);
+    hp.n_ff_exp = 256;
+    let dir = tempfile::tempdir().unwrap();
+    let mut bad = Vec::new();
+    let mixed = QuantRecipe {
+        expert_gate_up: GgmlType::Q4K,
+        expert_down: GgmlType::Q4K,
+        ..QuantRecipe::preset("Q8_0").unwrap()
+    };
+    for (name, recipe, attn_ty) in [
+        ("q4k", QuantRecipe::preset("Q4_K").unwrap(), GgmlType::Q4K),
+        ("q4k-experts", mixed, GgmlType::Q8_0),
+    ] {
+        let gguf = random_gguf(dir.path(), name, &hp, &recipe, 7);
+        let inv = strata_plan::model::load_model(&gguf).unwrap();
+        for (t, want) in [
+            ("blk.1.attn_q.weight", attn_ty),
+            ("blk.1.attn_output.weight", attn_ty),
+            ("blk.1.ffn_gate_exps.weight", GgmlType::Q4K),
+            ("blk.1.ffn_up_exps.weight", GgmlType::Q4K),
+            ("blk.1.ffn_down_exps.weight", GgmlType::Q4K),
+        ] {
+            assert_eq!(inv.tensor(t).unwrap().ggml_type, want, "{name}: {t}");
+        }
+        let ask = Ask {
+            ctx: 128,
+            ubatch: 32,
+            ..Ask::default()
+        };
+        let start = |gemm: bool| {
+            let opts = CudaEngineOptions {
+                prefill_gemm: gemm,
+                ..CudaEngineOptions::default()
+            };
+            cuda_with(name, &ask, Some(&gguf), opts)
+        };
+        let mut tc = start(true);
+        assert!(
+            tc.grouped_prefill(),
+            "{name}: the Q4_K file must take the tensor-core prefill path"
+        );
+        let mut mv = start(false);
+        assert!(!mv.grouped_prefill());
+        let mut c = cpu_on_gguf(name, &gguf, &ask);
+        let v = tc.info().n_vocab;
+        let vocab = hp.n_vocab as u32;
+        let prompt: Vec<u32> = (0..53).map(|i| (i * 37 + 11) % vocab).collect();
+        let (mut lt, mut lm, mut lc) = (Vec::new(), Vec::new(), Vec::new());
+        for chunk in prompt.chunks(32) {
+            lt.extend_from_slice(tc.prefill_all(0, chunk).unwrap());
+            lm.extend_from_slice(mv.prefill_all(0, chunk).unwrap());
+            lc.extend_from_slice(c.prefill_all(0, chunk).unwrap());
+        }
+        let (p_tc, p_mv) = (rel_err(&lt, &lc, v), rel_err(&lm, &lc, v));
+        assert!(
+            lt != lm,
+            "{name}: tensor-core and matvec prefill logits are bit-identical; was the tensor-core path taken?"
+        );
+        let (mut d_tc, mut d_mv) = (0f64, 0f64);
+        let mut tok = argmax(&lc[lc.len() - v..]);
+        for _ in 0..10 {
+            let gt = tc.decode(&[(0, tok)]).unwrap().to_vec();
+            let gm = mv.decode(&[(0, tok)]).unwrap().to_vec();
+            let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
+            d_tc = d_tc.max(rel_err(&gt, &cl, v));
+            d_mv = d_mv.max(rel_err(&gm, &cl, v));
+            tok = argmax(&cl);
+        }
+        eprintln!(
+            "{name} (attention {attn_ty}, experts Q4_K): 53-token prefill vs CPU: tensor-core path {p_tc:e}, matvec path {p_mv:e}; 10 decode steps after it: {d_tc:e} / {d_mv:e}"
+        );
+        // Both models run before any bound is asserted, so one failure shows the other's numbers.
+        if !(p_mv < 2e-3 && d_mv < 2e-3) {
+            bad.push(format!("{name}: matvec path {p_mv} / {d_mv} (bound 2e-3)"));
+        }
+        if !(p_tc < 1e-2 && d_tc < 1e-2) {
+            bad.push(format!(
+                "{name}: tensor-core prefill {p_tc}, decode after it {d_tc} (bound 1e-2)"
+            ));
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("; "));
+}
+
 /// Runs without a GPU too: the engine's start-up checks that come before any device is
 /// opened (pipeline, KV type, kernel limits, scratch fit) accept the plans the GPU tests use,
 /// so those tests can only fail on the device itself; and plans made now give the engine
@@ -529,6 +632,27 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
         let pf = preflight(&what, &p, host.as_ref());
         full_shape(&what, &p, &pf);
     }
+    // The Q4_K models of `q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine`
+    // take the tensor-core path too.
+    let mut hp = small_moe(2, 8, 2, 8);
+    hp.n_ff_exp = 256;
+    let recipe = strata_schemas::arch::QuantRecipe::preset("Q4_K").unwrap();
+    let g = random_gguf(dir.path(), "q4k", &hp, &recipe, 7);
+    let inv = strata_plan::model::load_model(&g).unwrap();
+    let ask = Ask {
+        gpu: true,
+        ctx: 128,
+        ubatch: 32,
+        ..Ask::default()
+    };
+    let p = plan_inventory("q4k", &inv, &g, &ask);
+    let host = open_model(&g).unwrap();
+    let pf = preflight("Q4_K", &p, host.as_ref());
+    full_shape("Q4_K", &p, &pf);
+    assert!(
+        pf.gemm,
+        "the Q4_K model must take the tensor-core prefill path"
+    );
     // A plan from before the planner sized the engine's working set has less scratch: the
     // engine runs it with fewer attention splits instead of refusing it. The scratch below
     // holds exactly what one split needs for a decode batch (the engine's refusal of an empty
@@ -971,15 +1095,26 @@ fn random_q8_0_gguf(
     hp: &strata_schemas::inventory::HParams,
     seed: u64,
 ) -> std::path::PathBuf {
-    use strata_schemas::arch::QuantRecipe;
+    let recipe = strata_schemas::arch::QuantRecipe::preset("Q8_0").unwrap();
+    random_gguf(dir, &format!("{name}-q8_0"), hp, &recipe, seed)
+}
+
+/// A random-weight GGUF of `hp` (qwen3moe, llama.cpp layout) quantized by `recipe`, written
+/// as `dir/NAME.gguf` by the project's writer with `seed`.
+fn random_gguf(
+    dir: &std::path::Path,
+    name: &str,
+    hp: &strata_schemas::inventory::HParams,
+    recipe: &strata_schemas::arch::QuantRecipe,
+    seed: u64,
+) -> std::path::PathBuf {
     use strata_schemas::gguf::write::{write_random_model, RandomOptions};
-    let gguf = dir.join(format!("{name}-q8_0.gguf"));
-    let recipe = QuantRecipe::preset("Q8_0").unwrap();
+    let gguf = dir.join(format!("{name}.gguf"));
     write_random_model(
         &gguf,
         "qwen3moe",
         hp,
-        &recipe,
+        recipe,
         seed,
         RandomOptions::default(),
     )

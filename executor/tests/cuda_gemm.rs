@@ -1,5 +1,6 @@
 //! GPU tests of the prefill tensor-core products (`backend::cuda::gemm`): the dense GEMM for
-//! Q8_0 (split device layout) and BF16 weights, `moe_sort` and the grouped `moe_gemm`, each
+//! Q8_0 (split device layout), Q4_K and BF16 weights, `moe_sort` and the grouped `moe_gemm`
+//! (and its fused SwiGLU form), each
 //! against a host reference (`quant::dequantize_row` + f64 matmul) on fresh random inputs
 //! with odd sizes, ragged tails, empty experts and one expert taking every token; then
 //! timings at Qwen3-30B-A3B's shapes.
@@ -12,7 +13,10 @@
 //! u = 2^-8); products are exact and summed in f32. The error of one output is then about
 //! u * sqrt(sum (w x)^2) (random-sign rounding), which is ~ u * sqrt(cols) * rms(w x); we
 //! assert |err| <= 8u * sqrt(sum (w x)^2) (Q8_0) or 6u * sqrt(...) (BF16), about 7 and 10
-//! standard deviations, plus 1e-6 * sum |w x| for f32 summation.
+//! standard deviations, plus 1e-6 * sum |w x| for f32 summation. Q4_K runs in f16 too, but its
+//! weight is fma(q, f16(d sc), -f16(dmin m)): the two rounded sub-block factors add errors
+//! that are shared by the 32 columns of a sub-block (each about one more u * sqrt(sum (w x)^2)
+//! at these random rows, ~1.7 in all), so Q4_K is held to 12u * sqrt(...), about 7 deviations.
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
@@ -95,10 +99,10 @@ fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<(f64, f64, f
 
 fn unit(ty: GgmlType) -> (f64, f64) {
     // (unit roundoff, multiple of it allowed per sqrt(sum (w x)^2))
-    if ty == GgmlType::BF16 {
-        (2f64.powi(-8), 6.0)
-    } else {
-        (2f64.powi(-11), 8.0)
+    match ty {
+        GgmlType::BF16 => (2f64.powi(-8), 6.0),
+        GgmlType::Q4K => (2f64.powi(-11), 12.0),
+        _ => (2f64.powi(-11), 8.0),
     }
 }
 
@@ -122,7 +126,7 @@ fn check(what: &str, ty: GgmlType, got: &[f32], want: &[(f64, f64, f64)]) -> f64
 const GUARD: f32 = -12345.5;
 
 #[test]
-fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
+fn dense_gemm_q8_0_q4_k_and_bf16_odd_shapes_match_cpu() {
     let Some(d) = dev("dense_gemm") else { return };
     let mut rng = StdRng::seed_from_u64(11);
     let a = d.alloc_arena("gemm-test", 256 << 20).unwrap();
@@ -137,6 +141,18 @@ fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
                 (129, 96),
                 (257, 160),
                 (100, 2080),
+                (768, 2048),
+            ],
+        ),
+        // Q4_K: columns multiples of 256 (one to nine blocks; 768 and 2304 odd block counts).
+        (
+            GgmlType::Q4K,
+            &[
+                (1, 256),
+                (33, 512),
+                (129, 256),
+                (257, 768),
+                (100, 2304),
                 (768, 2048),
             ],
         ),
@@ -223,9 +239,25 @@ fn dense_gemm_q8_0_and_bf16_odd_shapes_match_cpu() {
         )
         .is_err());
     assert!(d.gemm(wv, GgmlType::Q8_0, 65, 64, xv, 8, yv, sv).is_err());
-    assert!(d.gemm(wv, GgmlType::Q4K, 8, 256, xv, 2, yv, sv).is_err());
+    // Q4_K needs whole 256-column blocks: 8 x 128 is refused, and the message names the shape.
+    let e = d
+        .gemm(wv, GgmlType::Q4K, 8, 128, xv, 2, yv, sv)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("8 x 128") && e.contains("256"),
+        "Q4_K 8 x 128 refusal: {e}"
+    );
+    eprintln!("refused as it should: {e}");
+    let e = d
+        .gemm(wv, GgmlType::Q6K, 8, 256, xv, 2, yv, sv)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no tensor-core kernel"), "Q6_K refusal: {e}");
     assert!(d.gemm(wv, GgmlType::BF16, 8, 12, xv, 2, yv, sv).is_err());
-    eprintln!("PASS gemm refusals: short y, short scratch, short w, Q4_K, BF16 cols 12");
+    eprintln!(
+        "PASS gemm refusals: short y, short scratch, short w, Q4_K 8 x 128, Q6_K, BF16 cols 12"
+    );
 }
 
 /// Expected sort: counts, and the set of assignments per expert.
@@ -458,16 +490,17 @@ fn moe_gemm_gather_and_direct_match_cpu() {
     let Some(d) = dev("moe_gemm") else { return };
     let mut rng = StdRng::seed_from_u64(13);
     let a = d.alloc_arena("moe-test", 512 << 20).unwrap();
-    for ty in [GgmlType::Q8_0, GgmlType::BF16] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
         let mut worst = 0f64;
         let mut n = 0;
-        // (experts, rows, cols): rows*cols/32*34 a multiple of 16 for Q8_0.
-        for &(ne, rows, cols) in &[
-            (8usize, 100usize, 64usize),
-            (16, 72, 256),
-            (4, 200, 96),
-            (8, 768, 512),
-        ] {
+        // (experts, rows, cols): rows*cols/32*34 a multiple of 16 for Q8_0; Q4_K columns
+        // multiples of 256 (1, 2 and 3 blocks).
+        let shapes: &[(usize, usize, usize)] = if ty == GgmlType::Q4K {
+            &[(8, 100, 256), (16, 72, 512), (4, 200, 768), (8, 768, 512)]
+        } else {
+            &[(8, 100, 64), (16, 72, 256), (4, 200, 96), (8, 768, 512)]
+        };
+        for &(ne, rows, cols) in shapes {
             for &(n_tok, k) in &[(1usize, 2usize), (7, 3), (33, 4), (200, 2)] {
                 for mode in 0..3 {
                     let ids: Vec<i32> = (0..n_tok * k)
@@ -487,7 +520,7 @@ fn moe_gemm_gather_and_direct_match_cpu() {
             }
         }
         eprintln!(
-            "PASS moe_gemm {ty}: {n} cases x gather/direct (+ fused SwiGLU on the 64-row tile) (experts 4..16, rows 72..768, cols 64..512, n_tok 1..200, k 2..4, random / one expert / two experts, tiles 64/128/128w): max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
+            "PASS moe_gemm {ty}: {n} cases x gather/direct (+ fused SwiGLU on the 64-row tile) (experts 4..16, rows 72..768, shapes {shapes:?}, n_tok 1..200, k 2..4, random / one expert / two experts, tiles 64/128/128w): max err = {worst:.2} u*sqrt(sum (wx)^2) (tol {})",
             unit(ty).1
         );
     }
@@ -551,6 +584,42 @@ fn q8_row(b: &[u8], m: usize, rows: usize, cols: usize, r: usize) -> Vec<f32> {
         .collect()
 }
 
+/// Random Q4_K bytes (quants and 6-bit scales anything, d in [0.0005, 0.002) and dmin in
+/// [0.001, 0.01) as f16) for `mats` matrices, fast enough for hundreds of MB.
+fn fast_q4k(rng: &mut StdRng, mats: usize, rows: usize, cols: usize) -> Vec<u8> {
+    let mut b = vec![0u8; mats * rows * cols / 256 * 144];
+    rng.fill(&mut b[..]);
+    for blk in b.chunks_exact_mut(144) {
+        let d = half::f16::from_f32(0.0005 + 0.0015 * (blk[0] as f32 / 255.0));
+        let dm = half::f16::from_f32(0.001 + 0.009 * (blk[2] as f32 / 255.0));
+        blk[0..2].copy_from_slice(&d.to_bits().to_le_bytes());
+        blk[2..4].copy_from_slice(&dm.to_bits().to_le_bytes());
+    }
+    b
+}
+
+/// Random device-layout weights of `ty` (Q8_0 or Q4_K) for `mats` matrices.
+fn fast_w(rng: &mut StdRng, ty: GgmlType, mats: usize, rows: usize, cols: usize) -> Vec<u8> {
+    if ty == GgmlType::Q4K {
+        fast_q4k(rng, mats, rows, cols)
+    } else {
+        fast_q8(rng, mats, rows, cols)
+    }
+}
+
+/// One dequantized row of matrix `m` of [`fast_w`] bytes.
+fn w_row(ty: GgmlType, b: &[u8], m: usize, rows: usize, cols: usize, r: usize) -> Vec<f32> {
+    if ty == GgmlType::Q4K {
+        let rb = cols / 256 * 144;
+        let at = (m * rows + r) * rb;
+        let mut out = vec![0f32; cols];
+        quant::dequantize_row(ty, &b[at..at + rb], &mut out).unwrap();
+        out
+    } else {
+        q8_row(b, m, rows, cols, r)
+    }
+}
+
 fn time_ms(d: &CudaDevice, reps: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..3 {
         f();
@@ -579,12 +648,12 @@ fn timings_at_qwen3_30b_shapes() {
         (512, 2048),
         (2048, 4096),
     ] {
-        for ty in [GgmlType::Q8_0, GgmlType::BF16] {
+        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
             let c = Carve::new(&a);
-            let (wb, deq) = if ty == GgmlType::Q8_0 {
-                let b = fast_q8(&mut rng, 1, rows, cols);
+            let (wb, deq) = if ty != GgmlType::BF16 {
+                let b = fast_w(&mut rng, ty, 1, rows, cols);
                 let deq: Vec<f32> = (0..rows)
-                    .flat_map(|r| q8_row(&b, 0, rows, cols, r))
+                    .flat_map(|r| w_row(ty, &b, 0, rows, cols, r))
                     .collect();
                 (b, deq)
             } else {
@@ -664,7 +733,7 @@ fn timings_at_qwen3_30b_shapes() {
         }
     }
     // MoE layer of Qwen3-30B-A3B at pp512: 128 experts, top-8, gate/up 768 x 2048 (gather),
-    // down 2048 x 768 (direct), Q8_0.
+    // down 2048 x 768 (direct), Q8_0 and Q4_K.
     let (ne, k, ff, hid) = (128usize, 8usize, 768usize, 2048usize);
     let n_assign = n_tok * k;
     let ids: Vec<i32> = (0..n_tok)
@@ -687,10 +756,15 @@ fn timings_at_qwen3_30b_shapes() {
         "TIME moe_sort n_tok={n_tok} k={k} experts={ne}: {:.1} us",
         t_sort * 1e3
     );
-    for &(rows, cols, input) in &[(ff, hid, MoeInput::Gather), (hid, ff, MoeInput::Direct)] {
+    for (ty, rows, cols, input) in [GgmlType::Q8_0, GgmlType::Q4K].into_iter().flat_map(|ty| {
+        [
+            (ty, ff, hid, MoeInput::Gather),
+            (ty, hid, ff, MoeInput::Direct),
+        ]
+    }) {
         let c2 = Carve::new(&a);
         c2.off.set(c.off.get());
-        let wb = fast_q8(&mut rng, ne, rows, cols);
+        let wb = fast_w(&mut rng, ty, ne, rows, cols);
         let x_rows = if input == MoeInput::Gather {
             n_tok
         } else {
@@ -702,30 +776,17 @@ fn timings_at_qwen3_30b_shapes() {
         let yv = c2.take(4 * (n_assign * rows) as u64);
         let flop = 2.0 * (n_assign * rows * cols) as f64;
         let t_cvt = time_ms(d, reps, || {
-            d.gemm_convert_x(xv, x_rows, cols, GgmlType::Q8_0, sv)
-                .unwrap()
+            d.gemm_convert_x(xv, x_rows, cols, ty, sv).unwrap()
         });
         let mut line = format!(
-            "TIME moe_gemm Q8_0 {input:?} rows={rows} cols={cols} n_tok={n_tok} k={k} experts={ne} ({} MB of weights): convert x {:.1} us",
+            "TIME moe_gemm {ty} {input:?} rows={rows} cols={cols} n_tok={n_tok} k={k} experts={ne} ({} MB of weights): convert x {:.1} us",
             wb.len() >> 20,
             t_cvt * 1e3
         );
         for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
             let t = time_ms(d, reps, || {
                 d.moe_gemm_converted(
-                    tile,
-                    wv,
-                    None,
-                    GgmlType::Q8_0,
-                    ne,
-                    rows,
-                    cols,
-                    sv,
-                    input,
-                    n_tok,
-                    k,
-                    sorted,
-                    yv,
+                    tile, wv, None, ty, ne, rows, cols, sv, input, n_tok, k, sorted, yv,
                 )
                 .unwrap()
             });
@@ -745,26 +806,26 @@ fn timings_at_qwen3_30b_shapes() {
                     asg
                 };
                 let wdeq: Vec<f32> = (0..rows)
-                    .flat_map(|r| q8_row(&wb, e, rows, cols, r))
+                    .flat_map(|r| w_row(ty, &wb, e, rows, cols, r))
                     .collect();
                 let want = reference(&wdeq, rows, cols, &x[xr * cols..(xr + 1) * cols]);
                 check(
                     &format!("timed moe_gemm {input:?} {tile:?} assignment {asg}"),
-                    GgmlType::Q8_0,
+                    ty,
                     &got[asg * rows..(asg + 1) * rows],
                     &want,
                 );
             }
         }
         if input == MoeInput::Gather {
-            let ub = fast_q8(&mut rng, ne, rows, cols);
+            let ub = fast_w(&mut rng, ty, ne, rows, cols);
             let uv = put(d, &c2, &ub);
             let t = time_ms(d, reps, || {
                 d.moe_gemm_converted(
                     GemmTile::M64,
                     wv,
                     Some(uv),
-                    GgmlType::Q8_0,
+                    ty,
                     ne,
                     rows,
                     cols,
@@ -787,75 +848,77 @@ fn timings_at_qwen3_30b_shapes() {
     }
     // The whole expert FFN of one layer with the default launchers: sort, gate and up
     // (gather), SwiGLU, down (direct).
-    let c3 = Carve::new(&a);
-    c3.off.set(c.off.get());
-    let wg = put(d, &c3, &fast_q8(&mut rng, ne, ff, hid));
-    let wu = put(d, &c3, &fast_q8(&mut rng, ne, ff, hid));
-    let wdn = put(d, &c3, &fast_q8(&mut rng, ne, hid, ff));
-    let xv = put(d, &c3, &rand_vec(&mut rng, n_tok * hid, 1.0));
-    let sv = c3.take(gemm_scratch_bytes(n_assign, hid.max(ff)));
-    let (gv, uv2, hv) = (
-        c3.take(4 * (n_assign * ff) as u64),
-        c3.take(4 * (n_assign * ff) as u64),
-        c3.take(4 * (n_assign * ff) as u64),
-    );
-    let ov = c3.take(4 * (n_assign * hid) as u64);
-    let t = time_ms(d, reps, || {
-        d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
-        let s1 = sv.sub(0, gemm_scratch_bytes(n_tok, hid)).unwrap();
-        d.moe_gemm(
-            wg,
-            GgmlType::Q8_0,
-            ne,
-            ff,
-            hid,
-            xv,
-            MoeInput::Gather,
-            n_tok,
-            k,
-            sorted,
-            gv,
-            s1,
-        )
-        .unwrap();
-        d.moe_gemm(
-            wu,
-            GgmlType::Q8_0,
-            ne,
-            ff,
-            hid,
-            xv,
-            MoeInput::Gather,
-            n_tok,
-            k,
-            sorted,
-            uv2,
-            s1,
-        )
-        .unwrap();
-        d.swiglu(gv, uv2, hv, n_assign * ff).unwrap();
-        let s2 = sv.sub(0, gemm_scratch_bytes(n_assign, ff)).unwrap();
-        d.moe_gemm(
-            wdn,
-            GgmlType::Q8_0,
-            ne,
-            hid,
-            ff,
-            hv,
-            MoeInput::Direct,
-            n_tok,
-            k,
-            sorted,
-            ov,
-            s2,
-        )
-        .unwrap();
-    });
-    let flop = 2.0 * 3.0 * (n_assign * ff * hid) as f64;
-    eprintln!(
-        "TIME MoE FFN layer (sort + gate + up + swiglu + down, {MOE_DEFAULT_TILE:?}, Q8_0) n_tok={n_tok}: {:.1} us = {:.1} TFLOP/s; x48 layers = {:.2} ms per {n_tok} tokens",
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K] {
+        let c3 = Carve::new(&a);
+        c3.off.set(c.off.get());
+        let wg = put(d, &c3, &fast_w(&mut rng, ty, ne, ff, hid));
+        let wu = put(d, &c3, &fast_w(&mut rng, ty, ne, ff, hid));
+        let wdn = put(d, &c3, &fast_w(&mut rng, ty, ne, hid, ff));
+        let xv = put(d, &c3, &rand_vec(&mut rng, n_tok * hid, 1.0));
+        let sv = c3.take(gemm_scratch_bytes(n_assign, hid.max(ff)));
+        let (gv, uv2, hv) = (
+            c3.take(4 * (n_assign * ff) as u64),
+            c3.take(4 * (n_assign * ff) as u64),
+            c3.take(4 * (n_assign * ff) as u64),
+        );
+        let ov = c3.take(4 * (n_assign * hid) as u64);
+        let t = time_ms(d, reps, || {
+            d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
+            let s1 = sv.sub(0, gemm_scratch_bytes(n_tok, hid)).unwrap();
+            d.moe_gemm(
+                wg,
+                ty,
+                ne,
+                ff,
+                hid,
+                xv,
+                MoeInput::Gather,
+                n_tok,
+                k,
+                sorted,
+                gv,
+                s1,
+            )
+            .unwrap();
+            d.moe_gemm(
+                wu,
+                ty,
+                ne,
+                ff,
+                hid,
+                xv,
+                MoeInput::Gather,
+                n_tok,
+                k,
+                sorted,
+                uv2,
+                s1,
+            )
+            .unwrap();
+            d.swiglu(gv, uv2, hv, n_assign * ff).unwrap();
+            let s2 = sv.sub(0, gemm_scratch_bytes(n_assign, ff)).unwrap();
+            d.moe_gemm(
+                wdn,
+                ty,
+                ne,
+                hid,
+                ff,
+                hv,
+                MoeInput::Direct,
+                n_tok,
+                k,
+                sorted,
+                ov,
+                s2,
+            )
+            .unwrap();
+        });
+        let flop = 2.0 * 3.0 * (n_assign * ff * hid) as f64;
+        eprintln!(
+        "TIME MoE FFN layer (sort + gate + up + swiglu + down, {MOE_DEFAULT_TILE:?}, {ty}) n_tok={n_tok}: {:.1} us = {:.1} TFLOP/s; x48 layers = {:.2} ms per {n_tok} tokens",
         t * 1e3,
         flop / t / 1e9,
         48.0 * t
     );
+    }
 }

@@ -1,9 +1,12 @@
 // gemm.cu: prefill matrix-matrix products on the tensor cores (mma.sync m16n8k16 through
 // inline PTX, f32 accumulate): Y[t][r] = W_r . X[t] for W in the Q8_0 split device layout
-// (quants then f16 scales, see executor/src/backend/cuda/layout.rs) or BF16 row-major, X
-// converted once to f16 (Q8_0 weights) or bf16 (BF16 weights) by gemm_cvt_x, Y f32; and the
-// grouped MoE form: moe_sort (counting sort of the router's choices into per-expert tiles,
-// all on the device) then moe_gemm over the tile list, gathering X rows and scattering Y rows.
+// (quants then f16 scales, see executor/src/backend/cuda/layout.rs), Q4_K in the GGUF layout
+// (144-byte blocks of 256 columns: f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins,
+// 128 bytes of nibbles; cols a multiple of 256) or BF16 row-major, X converted once to f16
+// (Q8_0 and Q4_K weights) or bf16 (BF16 weights) by gemm_cvt_x, Y f32; quantized weights are
+// dequantized to f16 in registers from the pipeline stage in shared memory. And the grouped
+// MoE form: moe_sort (counting sort of the router's choices into per-expert tiles, all on the
+// device) then moe_gemm over the tile list, gathering X rows and scattering Y rows.
 // Invariant: rows past `rows`, tokens past a tile's count and columns past `cols` are never
 // read from global memory (cp.async zero-fills them) nor written; every launch has fixed
 // arguments (the MoE grid is sized by a host upper bound; surplus CTAs exit), so a CUDA graph
@@ -16,6 +19,16 @@
 #define GM_STAGES 3    // cp.async pipeline depth
 #define GM_Q8_WSTRIDE 80   // bytes per W row in shared memory (64 int8 + pad: no bank conflicts)
 #define GM_H_STRIDE 160    // bytes per row of 64 16-bit values (128 + pad)
+// Q4_K: bytes per W row in shared memory: the block's 16-byte header (d, dmin, scales), then
+// the stage's 32 bytes of nibbles (12 words apart: the 8 rows x 4 words a warp reads at once
+// fall in 32 distinct banks).
+#define GM_Q4_WSTRIDE 48
+#define GM_Q4K_BLOCK 144   // bytes per Q4_K block of 256 columns
+
+// Weight types of the templates.
+#define GM_BF16 0
+#define GM_Q8 1
+#define GM_Q4K 2
 
 __device__ __forceinline__ u32 gm_smem_addr(const void* p) {
     u32 a;
@@ -54,9 +67,48 @@ __device__ __forceinline__ void gm_dq4(u32 w, u32 d2, u32& lo, u32& hi) {
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(b), "r"(d2));
 }
 
-template <bool Q8>
+// Four Q4_K nibbles (the low (hi == 0) or high halves of one 32-bit word of quants) times
+// the sub-block's (d * sc, -dmin * m) pair `sm` -> two f16x2 registers (lo = columns 0, 1,
+// hi = columns 2, 3): q exact via the 1024 + q magic, then one fma rounding.
+__device__ __forceinline__ void gm_dq4k(u32 w, int hi, u32 sm, u32& lo, u32& h) {
+    const u32 q = hi ? (w >> 4) & 0x0f0f0f0fu : w & 0x0f0f0f0fu;
+    u32 a = __byte_perm(q, 0x64646464u, 0x4140);
+    u32 b = __byte_perm(q, 0x64646464u, 0x4342);
+    asm("sub.f16x2 %0, %0, %1;" : "+r"(a) : "r"(0x64006400u));
+    asm("sub.f16x2 %0, %0, %1;" : "+r"(b) : "r"(0x64006400u));
+    const u32 s2 = __byte_perm(sm, 0, 0x1010), m2 = __byte_perm(sm, 0, 0x3232);
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(lo) : "r"(a), "r"(s2), "r"(m2));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(h) : "r"(b), "r"(s2), "r"(m2));
+}
+
+// A Q4_K block header (h.x = d | dmin << 16, h.y..h.w the 12 scale bytes) -> the f16x2 pairs
+// (d * sc[j], -dmin * m[j]) of sub-blocks j = 2c (s0) and 2c + 1 (s1), c the 64-column chunk;
+// the 6-bit unpacking of ggml's get_scale_min_k4 done four bytes at a time. sc and m are
+// exact in f16, so each product is rounded once.
+__device__ __forceinline__ void gm_q4k_scales(uint4 h, int c, u32& s0, u32& s1) {
+    u32 sc, mn;  // bytes: scales / mins of sub-blocks 0..3 (c < 2) or 4..7
+    if (c < 2) {
+        sc = h.y & 0x3f3f3f3fu;
+        mn = h.z & 0x3f3f3f3fu;
+    } else {
+        sc = (h.w & 0x0f0f0f0fu) | ((h.y >> 2) & 0x30303030u);
+        mn = ((h.w >> 4) & 0x0f0f0f0fu) | ((h.z >> 2) & 0x30303030u);
+    }
+    // [sc_j, mn_j, sc_j+1, mn_j+1] for j = 2c mod 4.
+    const u32 p = __byte_perm(sc, mn, (c & 1) ? 0x7362 : 0x5140);
+    u32 a = __byte_perm(p, 0x64646464u, 0x4140);
+    u32 b = __byte_perm(p, 0x64646464u, 0x4342);
+    asm("sub.f16x2 %0, %0, %1;" : "+r"(a) : "r"(0x64006400u));
+    asm("sub.f16x2 %0, %0, %1;" : "+r"(b) : "r"(0x64006400u));
+    const u32 dd = h.x ^ 0x80000000u;  // (d, -dmin)
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(s0) : "r"(a), "r"(dd));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(s1) : "r"(b), "r"(dd));
+}
+
+// f16 operands (Q8_0 and Q4_K weights) or bf16 (BF16 weights).
+template <bool F16>
 __device__ __forceinline__ void gm_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    if (Q8) {
+    if (F16) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
             "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -73,10 +125,12 @@ __device__ __forceinline__ void gm_mma(float (&c)[4], const u32 (&a)[4], u32 b0,
 
 // Shared-memory bytes of one pipeline stage.
 // With GLU two weight tiles (gate, then up) each of W + S bytes.
-template <bool Q8, int BM, bool GLU>
+template <int WT, int BM, bool GLU>
 struct GmStage {
-    static constexpr int W = Q8 ? BM * GM_Q8_WSTRIDE : BM * GM_H_STRIDE;
-    static constexpr int S = Q8 ? BM * 4 : 0;  // two f16 scales per row (64 columns)
+    static constexpr int W = WT == GM_Q8    ? BM * GM_Q8_WSTRIDE
+                             : WT == GM_Q4K ? BM * GM_Q4_WSTRIDE
+                                            : BM * GM_H_STRIDE;
+    static constexpr int S = WT == GM_Q8 ? BM * 4 : 0;  // Q8_0: two f16 scales per row
     static constexpr int X = GM_BN * GM_H_STRIDE;
     static constexpr int NW = GLU ? 2 : 1;
     static constexpr int BYTES = NW * (W + S) + X;
@@ -90,16 +144,20 @@ struct GmStage {
 // K order inside one mma: the 16 logical k of a m16n8k16 step map to physical columns so that
 // every thread's A pair (k 2t, 2t+1) and (k 2t+8, 2t+9) and B pair are 4 consecutive
 // columns 4t..4t+3; A and B use the same map, so the products are unchanged and each
-// fragment is one 32-bit (int8 W) or 64-bit (16-bit W, X) shared load.
+// fragment is one 32-bit (int8 W) or 64-bit (16-bit W, X) shared load. Q4_K: the 32 quant
+// bytes of a 64-column chunk hold columns 0..31 in their low nibbles and 32..63 in their
+// high ones, so steps 0, 1 read the low and steps 2, 3 the high nibbles of the same words
+// (sub-blocks 2c and 2c + 1), one 32-bit load per fragment.
 // GLU: W2 is a second matrix (up) of the same shape as W (gate); the tile writes
 // silu(W_r . x) * (W2_r . x).
-template <bool Q8, int BM, int WN, bool GLU>
+template <int WT, int BM, int WN, bool GLU>
 __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __restrict__ W2,
                                         int rows, int cols, int row0,
                                         const u16* __restrict__ X16, const int* xrow,
                                         const int* yrow, int n_valid, float* __restrict__ Y,
                                         int ldy, u8* smem, int kpart, int kparts) {
-    typedef GmStage<Q8, BM, GLU> St;
+    constexpr bool Q8 = WT == GM_Q8, Q4K = WT == GM_Q4K;
+    typedef GmStage<WT, BM, GLU> St;
     constexpr int NT = BM * WN;         // threads: BM/32 warps along the rows x WN
     constexpr int NI = GM_BN / 8 / WN;  // n-fragments (8 tokens) per warp
     const int tid = threadIdx.x;
@@ -145,6 +203,19 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                     ss[row * 2] = s0;
                     ss[row * 2 + 1] = s1;
                 }
+            }
+        } else if (Q4K) {
+            // Per row: the block's header, then the stage's 32 bytes of quants (chunk
+            // c = kt mod 4 of block kt / 4). cols is a multiple of 256, so k0 < cols.
+            const long rb = (long)(cols / 256) * GM_Q4K_BLOCK;
+            const int kb = k0 / 256, ch = (k0 / 64) & 3;
+            for (int c = tid; c < BM * 3; c += NT) {
+                const int row = c / 3, part = c - row * 3;
+                const int gr = row0 + row;
+                const bool ok = gr < rows;
+                const int off = part == 0 ? 0 : 16 + 32 * ch + 16 * (part - 1);
+                const u8* src = ok ? Wm + gr * rb + kb * GM_Q4K_BLOCK + off : Wm;
+                gm_cp16(st + row * GM_Q4_WSTRIDE + part * 16, src, ok ? 16 : 0);
             }
         } else {
             for (int c = tid; c < BM * 8; c += NT) {
@@ -192,6 +263,24 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
             gm_commit();
         }
         const u8* sx = smem + (kt % GM_STAGES) * St::BYTES + St::NW * (St::W + St::S);
+        // Q4_K: (d * sc, -dmin * m) of this stage's two sub-blocks for each row a thread
+        // reads: [m][mi][row r0 / r1][sub-block].
+        u32 q4s[St::NW][2][2][2];
+        if (Q4K) {
+            const int ch = (kt_lo + kt) & 3;
+#pragma unroll
+            for (int m = 0; m < St::NW; ++m) {
+                const u8* st = smem + (kt % GM_STAGES) * St::BYTES + m * (St::W + St::S);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = wm * 32 + mi * 16 + g + h * 8;
+                        const uint4 hd = *(const uint4*)(st + r * GM_Q4_WSTRIDE);
+                        gm_q4k_scales(hd, ch, q4s[m][mi][h][0], q4s[m][mi][h][1]);
+                    }
+            }
+        }
 #pragma unroll
         for (int s = 0; s < GM_BK / 16; ++s) {
 #pragma unroll
@@ -208,6 +297,12 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                     const u32 d0 = ss[r0 * 2 + (s >> 1)], d1 = ss[r1 * 2 + (s >> 1)];
                     gm_dq4(w0, d0 | (d0 << 16), a[mi][0], a[mi][2]);
                     gm_dq4(w1, d1 | (d1 << 16), a[mi][1], a[mi][3]);
+                } else if (Q4K) {
+                    const int o = 16 + (s & 1) * 16 + tg * 4;
+                    const u32 w0 = *(const u32*)(st + r0 * GM_Q4_WSTRIDE + o);
+                    const u32 w1 = *(const u32*)(st + r1 * GM_Q4_WSTRIDE + o);
+                    gm_dq4k(w0, s >> 1, q4s[m][mi][0][s >> 1], a[mi][0], a[mi][2]);
+                    gm_dq4k(w1, s >> 1, q4s[m][mi][1][s >> 1], a[mi][1], a[mi][3]);
                 } else {
                     const uint2 v0 = *(const uint2*)(st + r0 * GM_H_STRIDE + s * 32 + tg * 8);
                     const uint2 v1 = *(const uint2*)(st + r1 * GM_H_STRIDE + s * 32 + tg * 8);
@@ -222,7 +317,8 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                 const int n = wn * (GM_BN / WN) + ni * 8 + g;
                 const uint2 b = *(const uint2*)(sx + n * GM_H_STRIDE + s * 32 + tg * 8);
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) gm_mma<Q8>(acc[m][mi][ni], a[mi], b.x, b.y);
+                for (int mi = 0; mi < 2; ++mi)
+                    gm_mma<WT != GM_BF16>(acc[m][mi][ni], a[mi], b.x, b.y);
             }
           }
         }
@@ -251,7 +347,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
 // Dense: grid (ceil(rows / BM), ceil(n_tok / GM_BN), K parts), block BM * WN, dynamic shared
 // memory GM_STAGES * GmStage::BYTES. With more than one K part Y must be zeroed first; two
 // parts keep the result deterministic (0 + a + b == 0 + b + a).
-template <bool Q8, int BM, int WN>
+template <int WT, int BM, int WN>
 __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, int rows,
                                          int cols, int n_tok) {
     extern __shared__ __align__(16) u8 gm_smem[];
@@ -260,14 +356,14 @@ __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, 
     const int n_valid = min(GM_BN, n_tok - t0);
     if (threadIdx.x < GM_BN) xrow[threadIdx.x] = t0 + threadIdx.x;
     __syncthreads();
-    gm_tile<Q8, BM, WN, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y,
+    gm_tile<WT, BM, WN, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y,
                                rows, gm_smem, blockIdx.z, gridDim.z);
 }
 
 // Grouped: grid (ceil(rows / BM), max_tiles), block 2 * BM. Tile y covers assignments
 // perm[pos0 .. pos0 + count) of expert e = tiles[2y] (pos0 = tiles[2y + 1]); CTAs past the
 // device-side tile count exit. Expert e's matrix starts at byte e * mat_bytes of W.
-template <bool Q8, int BM, int WN, bool GLU>
+template <int WT, int BM, int WN, bool GLU>
 __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes,
                                        const u16* X16, float* Y,
                                        int rows, int cols, const int* offsets, const int* perm,
@@ -285,37 +381,49 @@ __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes
         yrow[threadIdx.x] = a;
     }
     __syncthreads();
-    gm_tile<Q8, BM, WN, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
+    gm_tile<WT, BM, WN, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
                          blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1);
 }
 
 // Entry points. Dense: W, X16 (n_tok rows of cols 16-bit values), Y (n_tok x rows f32).
 ST_KERNEL void gemm_q8_0_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
                              float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<true, 64, 2>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<GM_Q8, 64, 2>(W, X16, Y, rows, cols, n_tok);
 }
 ST_KERNEL void gemm_q8_0_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
                               float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<true, 128, 2>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<GM_Q8, 128, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_q4_k_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q4K, 64, 2>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_q4_k_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                              float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q4K, 128, 2>(W, X16, Y, rows, cols, n_tok);
 }
 ST_KERNEL void gemm_bf16_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
                              float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<false, 64, 2>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<GM_BF16, 64, 2>(W, X16, Y, rows, cols, n_tok);
 }
 ST_KERNEL void gemm_bf16_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
                               float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<false, 128, 2>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<GM_BF16, 128, 2>(W, X16, Y, rows, cols, n_tok);
 }
 
 // 128 rows, one warp along the tokens (4 warps of 32 rows x 64 tokens): fewer instructions
 // per mma than the 32 x 32 warp tiles above.
 ST_KERNEL void gemm_q8_0_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
                                float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<true, 128, 1>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<GM_Q8, 128, 1>(W, X16, Y, rows, cols, n_tok);
+}
+ST_KERNEL void gemm_q4_k_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                               float* __restrict__ Y, int rows, int cols, int n_tok) {
+    gm_dense<GM_Q4K, 128, 1>(W, X16, Y, rows, cols, n_tok);
 }
 ST_KERNEL void gemm_bf16_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
                                float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<false, 128, 1>(W, X16, Y, rows, cols, n_tok);
+    gm_dense<GM_BF16, 128, 1>(W, X16, Y, rows, cols, n_tok);
 }
 
 // Grouped: W the 3-D expert tensor, X16 (n_tok rows when gather, else n_tok * k), Y
@@ -326,20 +434,44 @@ ST_KERNEL void gemm_bf16_m128w(const u8* __restrict__ W, const u16* __restrict__
         const int *__restrict__ perm, const int *__restrict__ tiles,                         \
         const int *__restrict__ n_tiles, int k, int gather
 #define GM_MOE_PASS mat_bytes, X16, Y, rows, cols, offsets, perm, tiles, n_tiles, k, gather
-ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) { gm_moe<true, 64, 2, false>(W, W, GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_q8_0_m128(GM_MOE_ARGS) { gm_moe<true, 128, 2, false>(W, W, GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_bf16_m64(GM_MOE_ARGS) { gm_moe<false, 64, 2, false>(W, W, GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_bf16_m128(GM_MOE_ARGS) { gm_moe<false, 128, 2, false>(W, W, GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_q8_0_m128w(GM_MOE_ARGS) { gm_moe<true, 128, 1, false>(W, W, GM_MOE_PASS); }
-ST_KERNEL void moe_gemm_bf16_m128w(GM_MOE_ARGS) { gm_moe<false, 128, 1, false>(W, W, GM_MOE_PASS); }
+ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) {
+    gm_moe<GM_Q8, 64, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q8_0_m128(GM_MOE_ARGS) {
+    gm_moe<GM_Q8, 128, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q8_0_m128w(GM_MOE_ARGS) {
+    gm_moe<GM_Q8, 128, 1, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q4_k_m64(GM_MOE_ARGS) {
+    gm_moe<GM_Q4K, 64, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q4_k_m128(GM_MOE_ARGS) {
+    gm_moe<GM_Q4K, 128, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_q4_k_m128w(GM_MOE_ARGS) {
+    gm_moe<GM_Q4K, 128, 1, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_bf16_m64(GM_MOE_ARGS) {
+    gm_moe<GM_BF16, 64, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_bf16_m128(GM_MOE_ARGS) {
+    gm_moe<GM_BF16, 128, 2, false>(W, W, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_bf16_m128w(GM_MOE_ARGS) {
+    gm_moe<GM_BF16, 128, 1, false>(W, W, GM_MOE_PASS);
+}
 
 // Fused gate + up (SwiGLU): Y[a][r] = silu(Wg_e,r . xrow(a)) * (Wu_e,r . xrow(a)), Wg and Wu
 // two expert tensors of the same shape and type (W is the gate tensor).
 ST_KERNEL void moe_gemm_glu_q8_0_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
-    gm_moe<true, 64, 2, true>(W, Wu, GM_MOE_PASS);
+    gm_moe<GM_Q8, 64, 2, true>(W, Wu, GM_MOE_PASS);
+}
+ST_KERNEL void moe_gemm_glu_q4_k_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
+    gm_moe<GM_Q4K, 64, 2, true>(W, Wu, GM_MOE_PASS);
 }
 ST_KERNEL void moe_gemm_glu_bf16_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
-    gm_moe<false, 64, 2, true>(W, Wu, GM_MOE_PASS);
+    gm_moe<GM_BF16, 64, 2, true>(W, Wu, GM_MOE_PASS);
 }
 
 // X f32 -> f16 (bf16 != 0: bf16), round to nearest even; n a multiple of 4, both 16-byte

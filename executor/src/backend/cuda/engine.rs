@@ -53,7 +53,7 @@ pub struct CudaEngineOptions {
     pub progress: bool,
     /// Capture decode steps in CUDA graphs.
     pub graphs: bool,
-    /// Prefill through the tensor-core products when the weights allow (Q8_0 / BF16 and
+    /// Prefill through the tensor-core products when the weights allow (Q8_0 / Q4_K / BF16 and
     /// experts at a fixed stride); else every pass uses the matrix-vector kernels.
     pub prefill_gemm: bool,
     /// Programmatic dependent launch on GPUs of compute capability 9.0 and later (a kernel
@@ -445,8 +445,9 @@ impl CudaEngine {
         let full_splits = super::ops::att_splits(ctx);
         let logit_rows = n_slots.max(1);
 
-        // The tensor-core prefill path: every projection and expert matrix Q8_0 or BF16
-        let gemm_ty = |t: GgmlType| matches!(t, GgmlType::Q8_0 | GgmlType::BF16);
+        // The tensor-core prefill path: every projection and expert matrix Q8_0, Q4_K or BF16
+        // (each product picks its kernel by its own tensor's type, so they may be mixed).
+        let gemm_ty = super::gemm::gemm_supports;
         let gemm = opts.prefill_gemm
             && inv.tensors.iter().all(|t| {
                 let n = t.name.as_str();
@@ -764,7 +765,7 @@ impl CudaEngine {
     }
 
     /// Whether prefill passes of at least 16 tokens run through the tensor-core products in
-    /// every layer (Q8_0/BF16 weights, experts at a fixed stride).
+    /// every layer (Q8_0/Q4_K/BF16 weights, experts at a fixed stride).
     pub fn grouped_prefill(&self) -> bool {
         self.gemm
             && self
@@ -1916,11 +1917,11 @@ fn build_stage(
                     && table[3 * e + 1] == table[1] + e as u64 * gs
                     && table[3 * e + 2] == table[2] + e as u64 * ds
             });
-            let down_ty = inv
-                .tensor(&n("ffn_down_exps"))
-                .map(|t| t.ggml_type)
-                .unwrap_or(ety);
-            (d.n_expert > 1 && uniform && gs % 16 == 0 && ds % 16 == 0 && down_ty == ety).then_some(
+            // The grouped products read gate, up and down with one kernel type.
+            let same_ty = ["ffn_up_exps", "ffn_down_exps"]
+                .iter()
+                .all(|s| inv.tensor(&n(s)).map_or(ety, |t| t.ggml_type) == ety);
+            (d.n_expert > 1 && uniform && gs % 16 == 0 && ds % 16 == 0 && same_ty).then_some(
                 Stacks {
                     gate: table[0],
                     up: table[1],

@@ -1,9 +1,10 @@
 //! Prefill matrix-matrix launchers of the CUDA backend (kernels in `kernels/cuda/gemm.cu`):
 //! the dense tensor-core GEMM `y[t][r] = W_r · x[t]` for Q8_0 (split device layout, see
-//! `layout`) and BF16 weights, and the grouped MoE form: `moe_sort` (router choices to
-//! per-expert tiles, on the device) then `moe_gemm` over those tiles. Activations are f32 in
-//! and out; each product first rounds `x` into a caller-provided 16-bit scratch (f16 for
-//! Q8_0 weights, bf16 for BF16 weights).
+//! `layout`), Q4_K (GGUF layout, columns a multiple of 256) and BF16 weights, and the grouped
+//! MoE form: `moe_sort` (router choices to per-expert tiles, on the device) then `moe_gemm`
+//! over those tiles. Activations are f32 in and out; each product first rounds `x` into a
+//! caller-provided 16-bit scratch (f16 for Q8_0 and Q4_K weights, bf16 for BF16 weights).
+//! Each product picks its kernel by its own weight type, so types may be mixed per tensor.
 //! Invariant: every launch's views are checked (bytes and alignment) against what the kernels
 //! touch before it is queued, and no launcher reads anything back from the device, so the
 //! whole MoE sequence (sort, convert, products) can be captured in a CUDA graph: its grids
@@ -26,6 +27,7 @@ pub const GEMM_STAGES: usize = 3;
 pub const MOE_MAX_EXPERT: usize = 4096;
 const SORT_THREADS: u32 = 1024;
 /// The tile `moe_gemm` uses (fastest at Qwen3-30B-A3B's Q8_0 expert shapes on an H200).
+/// Q4_K experts use it too.
 pub const MOE_DEFAULT_TILE: GemmTile = GemmTile::M128W;
 
 /// CTA tile over the weight rows (always `GEMM_BN` tokens): `M64` 64 rows by 4 warps of
@@ -90,42 +92,73 @@ fn matrix_bytes(
     let (r, c) = (rows as u64, cols as u64);
     match ty {
         GgmlType::Q8_0 if cols % 32 == 0 && cols > 0 => Ok(r * c / 32 * 34),
+        GgmlType::Q4K if cols % 256 == 0 && cols > 0 => Ok(r * c / 256 * 144),
         GgmlType::BF16 if cols % 8 == 0 && cols > 0 => Ok(r * c * 2),
-        GgmlType::Q8_0 | GgmlType::BF16 => Err(bad(
+        GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::BF16 => Err(bad(
             op,
-            format!("{ty} weights of {cols} columns: Q8_0 needs a multiple of 32, BF16 of 8"),
+            format!("{ty} weights of {rows} x {cols}: the columns must be a positive multiple of {} for {ty} (Q8_0 32, Q4_K 256, BF16 8); use the matvec kernels for this matrix", gemm_col_multiple(ty)),
         )),
         other => Err(bad(
             op,
-            format!("no tensor-core kernel for {other} weights (Q8_0 and BF16 only); use matvec"),
+            format!("no tensor-core kernel for {other} weights (Q8_0, Q4_K and BF16 only); use matvec"),
         )),
     }
 }
 
+/// The column multiple the tensor-core kernels need for weights of `ty` (0: no kernel).
+pub fn gemm_col_multiple(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 32,
+        GgmlType::Q4K => 256,
+        GgmlType::BF16 => 8,
+        _ => 0,
+    }
+}
+
+/// Whether the tensor-core products take weights of `ty` (with the column rule of
+/// [`gemm_col_multiple`]).
+pub fn gemm_supports(ty: GgmlType) -> bool {
+    gemm_col_multiple(ty) != 0
+}
+
 fn smem_bytes(ty: GgmlType, tile: GemmTile, n_weights: usize) -> usize {
     let bm = tile.rows();
-    let w = if ty == GgmlType::Q8_0 {
-        bm * 80 + bm * 4
-    } else {
-        bm * 160
+    let w = match ty {
+        // GM_Q8_WSTRIDE bytes of quants and two f16 scales per row.
+        GgmlType::Q8_0 => bm * 80 + bm * 4,
+        // GM_Q4_WSTRIDE: the block header and 32 bytes of nibbles per row.
+        GgmlType::Q4K => bm * 48,
+        _ => bm * 160,
     };
     GEMM_STAGES * (n_weights * w + GEMM_BN * 160)
 }
 
-fn kernel_name(moe: bool, ty: GgmlType, tile: GemmTile) -> &'static str {
-    match (moe, ty == GgmlType::Q8_0, tile) {
-        (false, true, GemmTile::M64) => "gemm_q8_0_m64",
-        (false, true, GemmTile::M128) => "gemm_q8_0_m128",
-        (false, false, GemmTile::M64) => "gemm_bf16_m64",
-        (false, false, GemmTile::M128) => "gemm_bf16_m128",
-        (false, true, GemmTile::M128W) => "gemm_q8_0_m128w",
-        (false, false, GemmTile::M128W) => "gemm_bf16_m128w",
-        (true, true, GemmTile::M128W) => "moe_gemm_q8_0_m128w",
-        (true, false, GemmTile::M128W) => "moe_gemm_bf16_m128w",
-        (true, true, GemmTile::M64) => "moe_gemm_q8_0_m64",
-        (true, true, GemmTile::M128) => "moe_gemm_q8_0_m128",
-        (true, false, GemmTile::M64) => "moe_gemm_bf16_m64",
-        (true, false, GemmTile::M128) => "moe_gemm_bf16_m128",
+/// The kernel of a product (`glu`: the fused gate + up form, 64-row tile only).
+fn kernel_name(moe: bool, glu: bool, ty: GgmlType, tile: GemmTile) -> &'static str {
+    use GemmTile::*;
+    use GgmlType::{Q4K, Q8_0};
+    match (moe, glu, ty, tile) {
+        (true, true, Q8_0, _) => "moe_gemm_glu_q8_0_m64",
+        (true, true, Q4K, _) => "moe_gemm_glu_q4_k_m64",
+        (true, true, _, _) => "moe_gemm_glu_bf16_m64",
+        (false, _, Q8_0, M64) => "gemm_q8_0_m64",
+        (false, _, Q8_0, M128) => "gemm_q8_0_m128",
+        (false, _, Q8_0, M128W) => "gemm_q8_0_m128w",
+        (false, _, Q4K, M64) => "gemm_q4_k_m64",
+        (false, _, Q4K, M128) => "gemm_q4_k_m128",
+        (false, _, Q4K, M128W) => "gemm_q4_k_m128w",
+        (false, _, _, M64) => "gemm_bf16_m64",
+        (false, _, _, M128) => "gemm_bf16_m128",
+        (false, _, _, M128W) => "gemm_bf16_m128w",
+        (true, false, Q8_0, M64) => "moe_gemm_q8_0_m64",
+        (true, false, Q8_0, M128) => "moe_gemm_q8_0_m128",
+        (true, false, Q8_0, M128W) => "moe_gemm_q8_0_m128w",
+        (true, false, Q4K, M64) => "moe_gemm_q4_k_m64",
+        (true, false, Q4K, M128) => "moe_gemm_q4_k_m128",
+        (true, false, Q4K, M128W) => "moe_gemm_q4_k_m128w",
+        (true, false, _, M64) => "moe_gemm_bf16_m64",
+        (true, false, _, M128) => "moe_gemm_bf16_m128",
+        (true, false, _, M128W) => "moe_gemm_bf16_m128w",
     }
 }
 
@@ -138,12 +171,12 @@ impl CudaDevice {
     }
 
     /// The tile the dense product uses by default for `ty`: when 128-row tiles still give
-    /// at least half a CTA per multiprocessor, `M128W` for Q8_0 and `M128` for BF16, else
+    /// at least half a CTA per multiprocessor, `M128W` for Q8_0 and Q4_K and `M128` for BF16, else
     /// `M64` (the fastest of each on an H200 at pp512).
     pub fn gemm_default_tile(&self, ty: GgmlType, rows: usize, n_tok: usize) -> GemmTile {
         if 2 * rows.div_ceil(128) * n_tok.div_ceil(GEMM_BN) < self.sm_count() {
             GemmTile::M64
-        } else if ty == GgmlType::Q8_0 {
+        } else if matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K) {
             GemmTile::M128W
         } else {
             GemmTile::M128
@@ -151,7 +184,8 @@ impl CudaDevice {
     }
 
     /// Rounds `x` (`x_rows × cols` f32, 16-byte aligned) into `xh` (`x_rows × cols` 16-bit:
-    /// f16 when `ty` is Q8_0, bf16 when BF16), the input form of the tensor-core products.
+    /// f16 when `ty` is Q8_0 or Q4_K, bf16 when BF16), the input form of the tensor-core
+    /// products.
     pub fn gemm_convert_x(
         &self,
         x: DeviceView<'_>,
@@ -171,7 +205,7 @@ impl CudaDevice {
             return Ok(());
         }
         let bf16 = match ty {
-            GgmlType::Q8_0 => 0i32,
+            GgmlType::Q8_0 | GgmlType::Q4K => 0i32,
             GgmlType::BF16 => 1,
             other => return Err(bad(OP, format!("no tensor-core kernel for {other}"))),
         };
@@ -192,7 +226,7 @@ impl CudaDevice {
     }
 
     /// `y[t][r] = W_r · x[t]` for `n_tok` tokens: W `rows × cols` of `ty` (Q8_0 in the split
-    /// device layout, or BF16 row-major) 16-byte aligned, x `n_tok × cols` f32 (16-byte
+    /// device layout, Q4_K in the GGUF layout, or BF16 row-major) 16-byte aligned, x `n_tok × cols` f32 (16-byte
     /// aligned), y `n_tok × rows` f32; `scratch` holds `gemm_scratch_bytes(n_tok, cols)`.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
@@ -289,7 +323,7 @@ impl CudaDevice {
                 format!("n_tok {n_tok} needs more than 65535 token tiles"),
             ));
         }
-        let name = kernel_name(false, ty, tile);
+        let name = kernel_name(false, false, ty, tile);
         let f = self.function(name)?;
         let smem = smem_bytes(ty, tile, 1);
         f.set_attribute(
@@ -387,7 +421,7 @@ impl CudaDevice {
     /// as sorted into `sorted` by [`CudaDevice::moe_sort`] with the same `n_tok, k,
     /// n_expert`), `y[a][r] = W_e,r · xrow(a)`, xrow(a) = `x[a / k]` (Gather: x is `n_tok ×
     /// cols`) or `x[a]` (Direct: x is `n_tok·k × cols`). W is the 3-D expert tensor,
-    /// `n_expert` matrices of `rows × cols` (Q8_0 split layout per matrix, or BF16), matrix e
+    /// `n_expert` matrices of `rows × cols` (Q8_0 split layout per matrix, Q4_K, or BF16), matrix e
     /// at byte `e · matrix bytes` (which must be a multiple of 16); y is `n_tok·k × rows` f32;
     /// `scratch` holds `gemm_scratch_bytes(x rows, cols)`.
     #[allow(clippy::too_many_arguments)]
@@ -570,11 +604,8 @@ impl CudaDevice {
             ));
         }
         let gather = (input == MoeInput::Gather) as i32;
-        let (name, tile) = match (wu.is_some(), ty == GgmlType::Q8_0) {
-            (false, _) => (kernel_name(true, ty, tile), tile),
-            (true, true) => ("moe_gemm_glu_q8_0_m64", GemmTile::M64),
-            (true, false) => ("moe_gemm_glu_bf16_m64", GemmTile::M64),
-        };
+        let tile = if wu.is_some() { GemmTile::M64 } else { tile };
+        let name = kernel_name(true, wu.is_some(), ty, tile);
         let f = self.function(name)?;
         let smem = smem_bytes(ty, tile, 1 + wu.is_some() as usize);
         f.set_attribute(
@@ -611,5 +642,42 @@ impl CudaDevice {
         // (a / k < n_tok) and every scattered row < n_assign; CTAs past n_tiles exit.
         unsafe { b.launch(cfg) }.map_err(drv(format!("launch {name}")))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel a launcher can name is an entry point of the gemm module (a missing one
+    /// only shows at launch, on a GPU).
+    #[test]
+    fn every_launched_kernel_is_a_gemm_entry_point() {
+        let mut n = 0;
+        for (moe, glu) in [(false, false), (true, false), (true, true)] {
+            for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
+                for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
+                    let name = kernel_name(moe, glu, ty, tile);
+                    let m = strata_kernels::module_of(name);
+                    assert!(m.is_some_and(|m| m.name == "gemm"), "{name}");
+                    n += 1;
+                }
+            }
+        }
+        assert_eq!(n, 27);
+    }
+
+    #[test]
+    fn q4_k_matrices_need_whole_256_column_blocks() {
+        assert_eq!(
+            matrix_bytes("t", GgmlType::Q4K, 3, 512).unwrap(),
+            3 * 2 * 144
+        );
+        let e = matrix_bytes("t", GgmlType::Q4K, 3, 384)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("3 x 384") && e.contains("256"), "{e}");
+        assert!(matrix_bytes("t", GgmlType::Q6K, 3, 256).is_err());
+        assert!(gemm_supports(GgmlType::Q4K) && !gemm_supports(GgmlType::Q6K));
     }
 }
