@@ -327,7 +327,11 @@ fn sample_rows_time_at_qwen3_vocabulary() {
             e1.synchronize().unwrap();
             let us = e0.elapsed_ms(&e1).unwrap() as f64 * 1e3 / reps as f64;
             let tok: Vec<i32> = get(d, s[3], 1);
-            assert_eq!(tok[0] as u32, sample_with(&x, &dr), "{name}: the host's token");
+            assert_eq!(
+                tok[0] as u32,
+                sample_with(&x, &dr),
+                "{name}: the host's token"
+            );
             line += &format!("{name} {us:.1} us ({nb} blocks); ");
         }
         line += "\n";
