@@ -303,3 +303,54 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
         "{err}"
     );
 }
+
+/// `bench --temperature`: decode draws its tokens (here on the CPU engine, through
+/// `Engine::decode_sample`'s host default) and the tg row and the JSON name the draw; bad
+/// sampling settings exit 1 naming the flags before any plan is read.
+#[test]
+fn bench_sampled_decode_names_its_draw_and_bad_settings_exit_1() {
+    let p = plan("base", &Ask::default());
+    let dir = tempfile::tempdir().unwrap();
+    let plan_path = dir.path().join("tiny.plan");
+    strata_schemas::planfile::write_plan(&p, &plan_path).unwrap();
+    let bench = |extra: &[&str]| {
+        exe()
+            .arg("bench")
+            .arg(&plan_path)
+            .arg("--model")
+            .arg(data("base"))
+            .args(["-p", "8", "-n", "8", "-r", "1", "-q"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = bench(&["--temperature", "0.8", "--top-k", "5", "--top-p", "0.9"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("| tg8 T0.8 top-k 5 top-p 0.9 |"),
+        "no sampled tg row in:\n{text}"
+    );
+    let out = bench(&["--temperature", "1.5", "--format", "json"]);
+    assert!(out.status.success());
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["decode_sampling"]["temperature"], 1.5);
+    assert!(j["decode_tok_s"]["mean"].as_f64().unwrap() > 0.0);
+    for bad in [["--top-p", "1.5"], ["--temperature=-0.5", "-q"]] {
+        let out = exe()
+            .args(["bench", "missing.plan"])
+            .args(bad)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{bad:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--temperature") && err.contains("--top-p"),
+            "{bad:?}: {err}"
+        );
+    }
+}

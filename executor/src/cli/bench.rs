@@ -112,14 +112,6 @@ fn sampled_label(s: &SamplingParams) -> String {
 }
 
 pub fn main(args: BenchArgs) {
-    let (plan, model) = open_plan(&args.plan, &args.common);
-    let ctx = plan.serve.max_context as usize;
-    if args.prompt + args.n_gen >= ctx {
-        fail(format!(
-            "-p {} plus -n {} do not fit the plan's context of {ctx} cells: lower them or re-plan with a larger --max-context",
-            args.prompt, args.n_gen
-        ));
-    }
     if args.temperature.is_nan() || args.temperature < 0.0 || !(0.0..=1.0).contains(&args.top_p) {
         fail(format!(
             "--temperature {} / --top-p {}: the temperature must be >= 0 and top-p in [0, 1]",
@@ -132,6 +124,14 @@ pub fn main(args: BenchArgs) {
         top_p: args.top_p,
         seed: 0,
     };
+    let (plan, model) = open_plan(&args.plan, &args.common);
+    let ctx = plan.serve.max_context as usize;
+    if args.prompt + args.n_gen >= ctx {
+        fail(format!(
+            "-p {} plus -n {} do not fit the plan's context of {ctx} cells: lower them or re-plan with a larger --max-context",
+            args.prompt, args.n_gen
+        ));
+    }
     let backend = backend_for(&plan, &args.common);
     // (Only the CUDA engine takes the opened model here; the others open it themselves.)
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
