@@ -99,11 +99,9 @@ pub trait Engine: Send {
             return self.decode_greedy(batch, out);
         }
         let v = self.info().n_vocab;
+        let n = batch.len();
         let logits = self.decode(batch)?;
-        let mut cand = Vec::new();
-        for ((o, row), d) in out.iter_mut().zip(logits.chunks_exact(v)).zip(draws) {
-            *o = crate::sampler::sample_into(row, d, &mut cand);
-        }
+        crate::sampler::sample_rows(logits, v, &draws[..n], &mut out[..n]);
         Ok(())
     }
     /// Forget `slot`'s context so it can take a new request.

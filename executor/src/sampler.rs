@@ -202,6 +202,19 @@ pub fn sample_into(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> u32 
     }
 }
 
+/// [`sample_into`] for consecutive rows of `n_vocab` logits: `out[i]` gets row i's token
+/// under `draws[i]` (as many rows as the shortest of the three gives).
+pub fn sample_rows(logits: &[f32], n_vocab: usize, draws: &[Draw], out: &mut [u32]) {
+    let mut cand = Vec::new();
+    for ((o, row), d) in out
+        .iter_mut()
+        .zip(logits.chunks_exact(n_vocab.max(1)))
+        .zip(draws)
+    {
+        *o = sample_into(row, d, &mut cand);
+    }
+}
+
 /// [`sample_into`] with its own scratch.
 pub fn sample_with(logits: &[f32], d: &Draw) -> u32 {
     sample_into(logits, d, &mut Vec::new())

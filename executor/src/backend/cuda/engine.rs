@@ -1060,17 +1060,7 @@ impl CudaEngine {
         let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
         let rows = out.len();
         let nb = strata_schemas::workset::ARGMAX_BLOCKS;
-        let a = st.bufs.argmax;
-        let slots = self.info.n_slots as u64;
-        let need = slots * (nb * 8 + 8);
-        if a.bytes < need || rows as u64 > slots {
-            return Err(plan_err(format!(
-                "the argmax buffer holds {} bytes, {slots} slots need {need}: re-plan with this strata-plan",
-                a.bytes
-            )));
-        }
-        let (part_v, part_i) = (a.ptr, a.ptr + slots * nb * 4);
-        let (cnt, ids) = (part_i + slots * nb * 4, part_i + slots * nb * 4 + slots * 4);
+        let [part_v, part_i, cnt, ids] = self.pick_scratch(st, rows)?;
         let k = Kern {
             pdl: false,
             ..self.kern(st, true)
@@ -1092,6 +1082,25 @@ impl CudaEngine {
         Ok(())
     }
 
+    /// The last stage's `argmax` buffer carved for picking tokens from `rows` rows of logits
+    /// (`dq_argmax_rows` and `sample_rows`): per slot ARGMAX_BLOCKS partial values, as many
+    /// indices, then a counter per slot and the chosen token per slot.
+    fn pick_scratch(&self, st: &Stage, rows: usize) -> Result<[u64; 4], CudaEngineError> {
+        let nb = strata_schemas::workset::ARGMAX_BLOCKS;
+        let a = st.bufs.argmax;
+        let slots = self.info.n_slots as u64;
+        let need = slots * (nb * 8 + 8);
+        if a.bytes < need || rows as u64 > slots {
+            return Err(plan_err(format!(
+                "the argmax buffer holds {} bytes, {slots} slots need {need}: re-plan with this strata-plan",
+                a.bytes
+            )));
+        }
+        let (part_v, part_i) = (a.ptr, a.ptr + slots * nb * 4);
+        let cnt = part_i + slots * nb * 4;
+        Ok([part_v, part_i, cnt, cnt + slots * 4])
+    }
+
     /// The token of `draws[i]` from each of the first `out.len()` rows of the last stage's
     /// logits, drawn on its device (`sample_rows`) and copied into `out`; every stream
     /// synchronised after.
@@ -1099,21 +1108,18 @@ impl CudaEngine {
         let st = self.stages.last().ok_or_else(|| plan_err("no stages"))?;
         let rows = out.len();
         let slots = self.info.n_slots as u64;
-        let (a, dr) = (st.bufs.argmax, st.bufs.draws);
+        let dr = st.bufs.draws;
         let nb = strata_schemas::workset::ARGMAX_BLOCKS;
         let draw_bytes = strata_schemas::workset::DRAW_BYTES;
-        if a.bytes < slots * (nb * 8 + 8) || dr.bytes < slots * draw_bytes || rows as u64 > slots {
+        if dr.bytes < slots * draw_bytes {
             return Err(plan_err(format!(
-                "the sampling buffers hold {} and {} bytes, {slots} slots need {} and {}: re-plan with this strata-plan",
-                a.bytes,
+                "the draws buffer holds {} bytes, {slots} slots need {}: re-plan with this strata-plan",
                 dr.bytes,
-                slots * (nb * 8 + 8),
                 slots * draw_bytes
             )));
         }
         // The argmax buffer's pairs, counters and token slots serve the sampler too.
-        let (part_v, part_i) = (a.ptr, a.ptr + slots * nb * 4);
-        let (cnt, ids) = (part_i + slots * nb * 4, part_i + slots * nb * 4 + slots * 4);
+        let [part_v, part_i, cnt, ids] = self.pick_scratch(st, rows)?;
         let mut bytes = Vec::with_capacity(rows * draw_bytes as usize);
         for d in draws {
             bytes.extend_from_slice(&d.to_bytes());
@@ -1489,11 +1495,7 @@ impl Engine for CudaEngine {
         }
         if std::env::var_os("STRATA_HOST_SAMPLE").is_some() || self.d.vocab > SAMPLE_MAX_VOCAB {
             self.decode_inner(batch, true)?;
-            let v = self.d.vocab;
-            let mut cand = Vec::new();
-            for ((o, row), d) in out.iter_mut().zip(self.logits.chunks_exact(v)).zip(draws) {
-                *o = crate::sampler::sample_into(row, d, &mut cand);
-            }
+            crate::sampler::sample_rows(&self.logits, self.d.vocab, &draws[..n], &mut out[..n]);
             return Ok(());
         }
         self.decode_inner(batch, false)?;
