@@ -37,6 +37,16 @@ pub enum EngineError {
     Internal(String),
 }
 
+/// `decode_greedy`'s arguments agree: an output for every entry of the step.
+pub fn check_greedy_args(batch: usize, out: usize) -> Result<(), EngineError> {
+    if out < batch {
+        return Err(EngineError::Request(format!(
+            "decode_greedy: room for {out} tokens, the step has {batch}"
+        )));
+    }
+    Ok(())
+}
+
 /// `decode_sample`'s arguments agree: a draw and an output for every entry of the step.
 pub fn check_sample_args(batch: usize, draws: usize, out: usize) -> Result<(), EngineError> {
     if draws < batch || out < batch {
@@ -70,18 +80,11 @@ pub trait Engine: Send {
         batch: &[(usize, u32)],
         out: &mut [u32],
     ) -> Result<(), EngineError> {
-        if out.len() < batch.len() {
-            return Err(EngineError::Request(format!(
-                "decode_greedy: room for {} tokens, the step has {}",
-                out.len(),
-                batch.len()
-            )));
-        }
+        check_greedy_args(batch.len(), out.len())?;
         let v = self.info().n_vocab;
+        let n = batch.len();
         let logits = self.decode(batch)?;
-        for (o, row) in out.iter_mut().zip(logits.chunks_exact(v)) {
-            *o = crate::sampler::argmax(row);
-        }
+        crate::sampler::argmax_rows(logits, v, &mut out[..n]);
         Ok(())
     }
     /// One decode step like [`Engine::decode`] whose next tokens are drawn: `out[i]` gets

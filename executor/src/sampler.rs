@@ -202,6 +202,14 @@ pub fn sample_into(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> u32 
     }
 }
 
+/// [`argmax`] of consecutive rows of `n_vocab` logits into `out` (as many rows as the
+/// shorter of the two gives).
+pub fn argmax_rows(logits: &[f32], n_vocab: usize, out: &mut [u32]) {
+    for (o, row) in out.iter_mut().zip(logits.chunks_exact(n_vocab.max(1))) {
+        *o = argmax(row);
+    }
+}
+
 /// [`sample_into`] for consecutive rows of `n_vocab` logits: `out[i]` gets row i's token
 /// under `draws[i]` (as many rows as the shortest of the three gives).
 pub fn sample_rows(logits: &[f32], n_vocab: usize, draws: &[Draw], out: &mut [u32]) {

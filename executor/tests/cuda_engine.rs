@@ -865,27 +865,19 @@ fn fused_decode_attention_matches_the_three_launches() {
     }
 }
 
-/// Greedy decode with the tokens picked on the device (`decode_greedy`, `dq_argmax_rows`)
-/// against the host's argmax of the same engine's logits: the same tokens for one slot and
-/// for two slots decoded together, with graphs and without.
-#[test]
-fn greedy_decode_on_the_device_equals_the_host_argmax() {
-    if !gpu_present() {
-        return;
-    }
-    let mut hp = strata_schemas::known::qwen3_30b_a3b();
-    hp.n_layer = 2;
-    hp.n_embd = 256;
-    hp.n_head = 8;
-    hp.n_head_kv = 2;
-    hp.head_dim_k = 128;
-    hp.head_dim_v = 128;
-    hp.n_expert = 8;
-    hp.n_expert_used = 2;
-    hp.n_ff_exp = 64;
+/// Two engines over one random two-layer model (`small_moe(2, 8, 2, 2)` with a 1000-token
+/// vocabulary, written with `seed`), two slots each with the same prompts prefilled, handed
+/// to `check` as (graphs, host side, device side), with decode graphs and without: the
+/// device-pick tests compare a host pick from one engine's logits with the other's pick.
+fn host_and_device_pairs(
+    tag: &str,
+    seed: u64,
+    mut check: impl FnMut(bool, &mut CudaEngine, &mut CudaEngine),
+) {
+    let mut hp = small_moe(2, 8, 2, 2);
     hp.n_vocab = 1000;
     let dir = tempfile::tempdir().unwrap();
-    let gguf = random_q8_0_gguf(dir.path(), "greedy", &hp, 13);
+    let gguf = random_q8_0_gguf(dir.path(), tag, &hp, seed);
     let ask = Ask {
         ctx: 128,
         ubatch: 16,
@@ -897,13 +889,26 @@ fn greedy_decode_on_the_device_equals_the_host_argmax() {
             graphs,
             ..CudaEngineOptions::default()
         };
-        let mut host = cuda_with("greedy", &ask, Some(&gguf), opts.clone());
-        let mut dev = cuda_with("greedy", &ask, Some(&gguf), opts);
-        let v = host.info().n_vocab;
+        let mut host = cuda_with(tag, &ask, Some(&gguf), opts.clone());
+        let mut dev = cuda_with(tag, &ask, Some(&gguf), opts);
         for e in [&mut host, &mut dev] {
             e.prefill(0, &[3, 14, 15, 92, 65], false).unwrap();
             e.prefill(1, &[35, 89], false).unwrap();
         }
+        check(graphs, &mut host, &mut dev);
+    }
+}
+
+/// Greedy decode with the tokens picked on the device (`decode_greedy`, `dq_argmax_rows`)
+/// against the host's argmax of the same engine's logits: the same tokens for one slot and
+/// for two slots decoded together, with graphs and without.
+#[test]
+fn greedy_decode_on_the_device_equals_the_host_argmax() {
+    if !gpu_present() {
+        return;
+    }
+    host_and_device_pairs("greedy", 13, |graphs, host, dev| {
+        let v = host.info().n_vocab;
         let (mut a, mut b) = ([7u32, 11], [7u32, 11]);
         for step in 0..12 {
             // Slot 0 alone on even steps, both slots together on odd ones.
@@ -922,7 +927,7 @@ fn greedy_decode_on_the_device_equals_the_host_argmax() {
         eprintln!(
             "graphs {graphs}: 12 greedy steps (1 and 2 slots) picked on the device = host argmax"
         );
-    }
+    });
 }
 
 /// Sampled decode with the tokens drawn on the device (`decode_sample`, `sample_rows`)
@@ -935,37 +940,8 @@ fn sampled_decode_on_the_device_equals_the_host_sampler() {
     if !gpu_present() {
         return;
     }
-    let mut hp = strata_schemas::known::qwen3_30b_a3b();
-    hp.n_layer = 2;
-    hp.n_embd = 256;
-    hp.n_head = 8;
-    hp.n_head_kv = 2;
-    hp.head_dim_k = 128;
-    hp.head_dim_v = 128;
-    hp.n_expert = 8;
-    hp.n_expert_used = 2;
-    hp.n_ff_exp = 64;
-    hp.n_vocab = 1000;
-    let dir = tempfile::tempdir().unwrap();
-    let gguf = random_q8_0_gguf(dir.path(), "sample", &hp, 17);
-    let ask = Ask {
-        ctx: 128,
-        ubatch: 16,
-        batch: 2,
-        ..Ask::default()
-    };
-    for graphs in [true, false] {
-        let opts = CudaEngineOptions {
-            graphs,
-            ..CudaEngineOptions::default()
-        };
-        let mut host = cuda_with("sample", &ask, Some(&gguf), opts.clone());
-        let mut dev = cuda_with("sample", &ask, Some(&gguf), opts);
+    host_and_device_pairs("sample", 17, |graphs, host, dev| {
         let v = host.info().n_vocab;
-        for e in [&mut host, &mut dev] {
-            e.prefill(0, &[3, 14, 15, 92, 65], false).unwrap();
-            e.prefill(1, &[35, 89], false).unwrap();
-        }
         let mut samplers = [
             Sampler::new(SamplingParams {
                 temperature: 0.9,
@@ -1008,7 +984,7 @@ fn sampled_decode_on_the_device_equals_the_host_sampler() {
              greedy mixed in) drawn on the device = host sampler; slot 0 drew {} distinct tokens",
             distinct.len()
         );
-    }
+    });
 }
 
 /// Sizes no power of two divides beyond 32: hidden 96, 6 query heads over 2 KV heads of 48

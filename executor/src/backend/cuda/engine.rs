@@ -1454,25 +1454,13 @@ impl Engine for CudaEngine {
         batch: &[(usize, u32)],
         out: &mut [u32],
     ) -> Result<(), EngineError> {
-        if out.len() < batch.len() {
-            return Err(EngineError::Request(format!(
-                "decode_greedy: room for {} tokens, the step has {}",
-                out.len(),
-                batch.len()
-            )));
-        }
+        crate::engine::check_greedy_args(batch.len(), out.len())?;
+        let n = batch.len();
         if std::env::var_os("STRATA_HOST_GREEDY").is_some() {
             // For comparison: the logits back and the argmax on the host, as the trait's
             // default does.
             self.decode_inner(batch, true)?;
-            let v = self.d.vocab;
-            for (o, row) in out
-                .iter_mut()
-                .zip(self.logits.chunks_exact(v))
-                .take(batch.len())
-            {
-                *o = crate::sampler::argmax(row);
-            }
+            crate::sampler::argmax_rows(&self.logits, self.d.vocab, &mut out[..n]);
             return Ok(());
         }
         self.decode_inner(batch, false)?;
