@@ -227,7 +227,7 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
 
     // A GGUF with the vocabulary embedded by the converter: same tokens.
     let gguf = dir.path().join("m.gguf");
-    strata_schemas::gguf::write::convert_hf_folder(
+    strata_schemas::gguf::convert::convert_hf_folder(
         &model,
         &gguf,
         strata_schemas::ggml::GgmlType::F32,
@@ -282,7 +282,7 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
 
     // A GGUF without a vocabulary.
     let bare = dir.path().join("bare.gguf");
-    strata_schemas::gguf::write::convert_hf_folder(
+    strata_schemas::gguf::convert::convert_hf_folder(
         &data("base"),
         &bare,
         strata_schemas::ggml::GgmlType::F32,

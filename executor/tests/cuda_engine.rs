@@ -215,7 +215,7 @@ fn q8_0_gguf_and_q8_0_kv_match_the_cpu_engine() {
     }
     let dir = tempfile::tempdir().unwrap();
     let gguf = dir.path().join("tiny-q8_0.gguf");
-    strata_schemas::gguf::write::convert_hf_folder(&data("base"), &gguf, GgmlType::Q8_0, None)
+    strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &gguf, GgmlType::Q8_0, None)
         .unwrap();
     let r = reference("base");
     for kv in [KvType::F16, KvType::Q8_0] {
@@ -386,7 +386,7 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
     }
     let dir = tempfile::tempdir().unwrap();
     let gguf = dir.path().join("tiny-q8_0.gguf");
-    strata_schemas::gguf::write::convert_hf_folder(&data("base"), &gguf, GgmlType::Q8_0, None)
+    strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &gguf, GgmlType::Q8_0, None)
         .unwrap();
     let ask = Ask {
         ubatch: 32,
@@ -567,7 +567,7 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
     };
     let dir = tempfile::tempdir().unwrap();
     let gguf = dir.path().join("tiny-q8_0.gguf");
-    strata_schemas::gguf::write::convert_hf_folder(&data("base"), &gguf, GgmlType::Q8_0, None)
+    strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &gguf, GgmlType::Q8_0, None)
         .unwrap();
     let inv = strata_plan::model::load_model(&gguf).unwrap();
     let folder = SafetensorsModel::open(&data("base")).unwrap();
@@ -1084,7 +1084,7 @@ fn random_gguf(
     recipe: &strata_schemas::arch::QuantRecipe,
     seed: u64,
 ) -> std::path::PathBuf {
-    use strata_schemas::gguf::write::{write_random_model, RandomOptions};
+    use strata_schemas::gguf::random::{write_random_model, RandomOptions};
     let gguf = dir.join(format!("{name}.gguf"));
     write_random_model(
         &gguf,

@@ -29,7 +29,7 @@ fn json_of(out: &Output) -> Value {
 
 const NEXT_IQ3S: &str = "plans/models/qwen3-next-80b-a3b-iq3_s.toml";
 
-/// Seed 000 translated to our flags (see ../shared/seeds/000_*.txt).
+/// Seed 000 translated to our flags (see docs/seeds/000_*.txt).
 fn seed000_args(hardware: &str) -> Vec<String> {
     [
         "--hardware",

@@ -1,11 +1,14 @@
 //! GGUF headers: the in-memory model of a GGUF file (metadata, tensor infos, split parts) and
-//! its typed errors; the reader is [`read`], the writer (random models, HF conversion) is
-//! [`write`]. Invariant: a `GgufFile` only exists after every count, length, type id,
+//! its typed errors; the reader is [`read`], the writer [`write`], with random models in
+//! [`random`] and HF conversion in [`convert`]. Invariant: a `GgufFile` only exists after every count, length, type id,
 //! dimension, offset and size in the file was checked against the file size and the caps in
 //! [`read`]; its tensors lie inside their part's data section and never overlap.
 
+pub mod convert;
+pub mod metadata;
 pub mod mmproj;
 pub mod model;
+pub mod random;
 pub mod read;
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -129,3 +129,101 @@ pub fn split_part(no: u16, count: u16, name: &str, extra_kv: bool) -> Vec<u8> {
     }
     b.tensor(name, &[8], 0, 0).pad(32).data(32).done()
 }
+
+// Shared helpers of the writer, random-model and conversion tests.
+
+use super::read_gguf;
+use crate::inventory::{HParams, SsmParams};
+use crate::quant;
+use std::path::Path;
+
+/// A fresh temporary folder.
+pub fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+/// A qwen3moe small enough for debug-build tests; widths hold 32-element blocks.
+pub(crate) fn small_moe() -> HParams {
+    HParams {
+        n_layer: 2,
+        n_embd: 64,
+        n_vocab: 32,
+        n_ctx_train: 4096,
+        n_head: 2,
+        n_head_kv: 1,
+        head_dim_k: 32,
+        head_dim_v: 32,
+        n_ff: 0,
+        n_expert: 2,
+        n_expert_used: 1,
+        n_ff_exp: 32,
+        n_ff_shexp: 0,
+        n_leading_dense: 0,
+        full_attention_interval: None,
+        ssm: None,
+        nextn_predict_layers: 0,
+        rope_theta: 1e6,
+        rope_dim: None,
+        rms_eps: 1e-6,
+        norm_topk_prob: true,
+        tied_embeddings: false,
+    }
+}
+
+/// A qwen3next (linear block, full block, MTP block) of the same size.
+pub(crate) fn small_next() -> HParams {
+    HParams {
+        n_ff_shexp: 32,
+        full_attention_interval: Some(2),
+        ssm: Some(SsmParams {
+            conv_kernel: 4,
+            state_size: 16,
+            group_count: 2,
+            time_step_rank: 4,
+            inner_size: 64,
+        }),
+        nextn_predict_layers: 1,
+        rope_dim: Some(16),
+        ..small_moe()
+    }
+}
+
+/// The same models with every quantized row a multiple of 256, so Q4_K never falls back
+/// (and one block of each kind only: debug-build Q4_K quantization is slow).
+pub fn q4k_shapes(mut hp: HParams) -> HParams {
+    hp.n_layer = hp.full_attention_interval.unwrap_or(1);
+    hp.nextn_predict_layers = 0;
+    hp.n_embd = 256;
+    hp.head_dim_k = 128;
+    hp.head_dim_v = 128;
+    hp.n_ff_exp = 256;
+    hp.n_expert = 1;
+    if hp.ssm.is_some() {
+        hp.n_ff_shexp = 256;
+        hp.rope_dim = Some(64);
+        hp.ssm = Some(SsmParams {
+            conv_kernel: 4,
+            state_size: 64,
+            group_count: 2,
+            time_step_rank: 4,
+            inner_size: 256,
+        });
+    }
+    hp
+}
+
+/// Every value of tensor `name` of the GGUF at `path`, dequantized.
+pub fn tensor_f32(path: &Path, name: &str) -> Vec<f32> {
+    let f = read_gguf(path).unwrap();
+    let t = f.tensor(name).unwrap();
+    let bytes = std::fs::read(path).unwrap();
+    let at = f.tensor_file_offset(t).unwrap() as usize;
+    let raw = &bytes[at..at + t.bytes as usize];
+    let mut out = vec![0f32; t.n_elements() as usize];
+    let ne0 = t.dims[0] as usize;
+    let rb = t.ggml_type.bytes_for(ne0 as u64).unwrap() as usize;
+    for (r, o) in raw.chunks_exact(rb).zip(out.chunks_exact_mut(ne0)) {
+        quant::dequantize_row(t.ggml_type, r, o).unwrap();
+    }
+    out
+}

@@ -12,10 +12,10 @@ use std::time::Instant;
 use strata_schemas::arch::{self, QuantRecipe, PRESETS};
 use strata_schemas::descriptor::load_descriptor;
 use strata_schemas::ggml::GgmlType;
-use strata_schemas::gguf::write::{
-    convert_hf_folder, file_type, write_random_model, write_random_tensors, ProgressFn,
-    RandomOptions, WriteSummary,
-};
+use strata_schemas::gguf::convert::convert_hf_folder;
+use strata_schemas::gguf::metadata::file_type;
+use strata_schemas::gguf::random::{write_random_model, write_random_tensors, RandomOptions};
+use strata_schemas::gguf::write::{ProgressFn, WriteSummary};
 use strata_schemas::inventory::HParams;
 
 #[derive(Parser)]
