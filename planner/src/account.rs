@@ -7,12 +7,13 @@ use crate::facts::ModelFacts;
 use crate::pack::pack_best_fit;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use strata_schemas::graph::{forward_graph, per_slot_session_bytes, GraphParams};
+use strata_schemas::dims::Dims;
+use strata_schemas::graph::{forward_graph, per_slot_session_bytes, BufferSpec, GraphParams};
 use strata_schemas::inventory::{ModelInventory, VisionSpec};
-use strata_schemas::plan::{RegionKind, ScratchBuffer};
-use strata_schemas::probe::{DeviceProbe, Vendor};
+use strata_schemas::plan::{RegionKind, ScratchBuffer, WorkPass};
+use strata_schemas::probe::DeviceProbe;
 use strata_schemas::serve::ExpertCache;
-use strata_schemas::workset;
+use strata_schemas::workset::{self, BackendKind};
 
 /// Alignment of every region inside an arena.
 pub const ALIGN: u64 = 256;
@@ -40,8 +41,27 @@ pub struct Sizing<'a> {
     scratch: RefCell<ScratchMemo>,
 }
 
-/// Packed scratch by (slots, resident cells, holds the head): (bytes, buffers).
-type ScratchMemo = BTreeMap<(u64, u64, bool), (u64, Vec<ScratchBuffer>)>;
+/// Packed scratch by (backend, layers, slots, resident cells, holds the head): (bytes,
+/// buffers, the pass a working set was sized for).
+type ScratchMemo =
+    BTreeMap<(BackendKind, u64, u64, u64, bool), (u64, Vec<ScratchBuffer>, WorkPass)>;
+
+/// Buffers packed by lifetime into one aligned scratch: (bytes, buffers with offsets).
+fn pack(specs: &[BufferSpec]) -> (u64, Vec<ScratchBuffer>) {
+    let packed = pack_best_fit(specs, ALIGN);
+    let bufs = specs
+        .iter()
+        .zip(&packed.offsets)
+        .map(|(b, off)| ScratchBuffer {
+            name: b.name.clone(),
+            offset: *off,
+            bytes: b.bytes,
+            first_op: b.first_op,
+            last_op: b.last_op,
+        })
+        .collect();
+    (align(packed.total_bytes), bufs)
+}
 
 /// One device's demand for a layer range at `slots` slots with `resident` cells each.
 #[derive(Debug, Clone)]
@@ -131,67 +151,98 @@ impl<'a> Sizing<'a> {
         self.ubatch.max(slots * (1 + self.spec))
     }
 
-    /// Scratch of one forward step, packed by lifetime; logits only where the head is.
-    pub fn scratch(&self, slots: u64, resident: u64, last: bool) -> (u64, Vec<ScratchBuffer>) {
-        let key = (slots, resident, last);
+    /// The scratch of a device holding layers `[a, b)` (`last`: and the head): the working
+    /// set this build's executor binds there (`workset::buffers` for the device's backend at
+    /// a pass of the planned step), packed, with the pass it was sized for; or, where no
+    /// backend of this build runs the model, the forward graph's buffers packed by lifetime
+    /// (an estimate nothing binds) and an all-zero pass. Returns (bytes, buffers, pass).
+    pub fn scratch(
+        &self,
+        dev: &DeviceProbe,
+        n_layer: u64,
+        slots: u64,
+        resident: u64,
+        last: bool,
+    ) -> (u64, Vec<ScratchBuffer>, WorkPass) {
+        let backend = BackendKind::for_vendor(dev.vendor.as_str());
+        let key = (backend, n_layer, slots, resident, last);
         if let Some(v) = self.scratch.borrow().get(&key) {
             return v.clone();
         }
-        let params = GraphParams {
-            tokens: self.step_tokens(slots),
-            logits_rows: if last {
-                (slots * (1 + self.spec)).max(1)
-            } else {
-                0
-            },
-            ctx_cells: resident,
-        };
-        let value = match forward_graph(&self.inv.arch, &self.inv.hparams, &params) {
-            Ok(g) => {
-                let packed = pack_best_fit(&g.buffers, ALIGN);
-                let bufs = g
-                    .buffers
-                    .iter()
-                    .zip(&packed.offsets)
-                    .map(|(b, off)| ScratchBuffer {
-                        name: b.name.clone(),
-                        offset: *off,
-                        bytes: b.bytes,
-                        first_op: b.first_op,
-                        last_op: b.last_op,
-                    })
-                    .collect();
-                (align(packed.total_bytes), bufs)
+        let value = match self.work_buffers(backend, n_layer, slots, last) {
+            Some((specs, pass)) => {
+                let (bytes, bufs) = pack(&specs);
+                (bytes, bufs, pass)
             }
-            Err(_) => (0, Vec::new()),
+            None => {
+                let params = GraphParams {
+                    tokens: self.step_tokens(slots),
+                    logits_rows: if last {
+                        (slots * (1 + self.spec)).max(1)
+                    } else {
+                        0
+                    },
+                    ctx_cells: resident,
+                };
+                match forward_graph(&self.inv.arch, &self.inv.hparams, &params) {
+                    Ok(g) => {
+                        let (bytes, bufs) = pack(&g.buffers);
+                        (bytes, bufs, WorkPass::default())
+                    }
+                    Err(_) => (0, Vec::new(), WorkPass::default()),
+                }
+            }
         };
         self.scratch.borrow_mut().insert(key, value.clone());
         value
     }
 
-    /// Scratch bytes the CUDA engine carves on an NVIDIA device holding `n_layer` layers
-    /// (its working set for a pass of the step's tokens; 0 where it does not run the model).
-    /// The scratch region holds the larger of this and the packed forward graph, so the
-    /// engine's prefill passes are the planned ubatch.
-    pub fn cuda_workset(&self, dev: &DeviceProbe, n_layer: u64, slots: u64) -> u64 {
+    /// The executor's working set on a device of `backend` holding `n_layer` layers, every
+    /// buffer live for the whole step; `None` when this build has no forward pass for the
+    /// model on that backend.
+    fn work_buffers(
+        &self,
+        backend: BackendKind,
+        n_layer: u64,
+        slots: u64,
+        last: bool,
+    ) -> Option<(Vec<BufferSpec>, WorkPass)> {
         let hp = &self.inv.hparams;
-        if dev.vendor != Vendor::Nvidia || !workset::cuda_runs(&self.inv.arch, hp) {
-            return 0;
+        if !workset::runs(backend, &self.inv.arch, hp) {
+            return None;
         }
+        let rows = (slots * (1 + self.spec)).max(1);
         let pass = workset::Pass {
             tokens: self.step_tokens(slots) as usize,
-            logit_rows: slots.max(1) as usize,
+            logit_rows: if last { rows as usize } else { 0 },
             att_splits: workset::att_splits(self.ctx as usize),
             slots: slots as usize,
-            gemm: true,
+            gemm: backend == BackendKind::Gpu,
         };
-        // Norm vectors counted as converted to f32 (the most the engine keeps).
-        align(workset::stage_bytes(
-            &workset::WorkDims::of(hp),
-            n_layer as usize,
-            false,
-            &pass,
-        ))
+        let f32_norms = self
+            .inv
+            .tensors
+            .iter()
+            .filter(|t| t.name.ends_with("norm.weight"))
+            .all(|t| t.ggml_type == strata_schemas::ggml::GgmlType::F32);
+        let d = Dims::of(hp);
+        let specs = workset::buffers(backend, &d, n_layer as usize, f32_norms, &pass)
+            .into_iter()
+            .map(|(b, bytes)| BufferSpec {
+                name: b.name().into(),
+                bytes: align(bytes),
+                first_op: 0,
+                last_op: 0,
+            })
+            .collect();
+        let work_pass = WorkPass {
+            tokens: pass.tokens as u32,
+            logit_rows: pass.logit_rows as u32,
+            att_splits: pass.att_splits as u32,
+            slots: pass.slots as u32,
+            gemm: pass.gemm,
+        };
+        Some((specs, work_pass))
     }
 
     /// The demand of `dev` holding layers `[a, b)`.
@@ -249,9 +300,8 @@ impl<'a> Sizing<'a> {
         regions.push((RegionKind::LinearState, align(slots * f.linear_range(a, b))));
         let per_slot = per_slot_session_bytes(&self.inv.arch, hp, self.spec as u32);
         regions.push((RegionKind::SlotSessions, align(slots * per_slot)));
-        let graph = self.scratch(slots, resident, last).0;
-        let engine = self.cuda_workset(dev, u64::from(b - a), slots);
-        regions.push((RegionKind::Scratch, graph.max(engine)));
+        let scratch = self.scratch(dev, u64::from(b - a), slots, resident, last).0;
+        regions.push((RegionKind::Scratch, scratch));
         let mut staging = 0;
         if self.n_devices > 1 {
             staging += 2 * self.step_tokens(slots) * hp.n_embd * 4;

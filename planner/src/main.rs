@@ -181,11 +181,19 @@ fn main() -> ExitCode {
 fn inspect(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> {
     let plan = strata_schemas::planfile::read_plan(path).map_err(|e| Fail::Bad(e.to_string()))?;
     match format {
-        Format::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&report::plan_json(&plan)).expect("JSON value prints")
+        Format::Json => {
+            let mut v = report::plan_json(&plan);
+            v["scratch"] = report::scratch_json(&plan);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&v).expect("JSON value prints")
+            )
+        }
+        Format::Text => print!(
+            "{}{}",
+            report::plan_text(&plan),
+            report::scratch_text(&plan)
         ),
-        Format::Text => print!("{}", report::plan_text(&plan)),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -81,15 +81,15 @@ pub fn plan_json(plan: &Plan) -> Value {
             "spec": s.spec,
             "vision": s.vision,
             "vram_reserve_bytes": s.vram_reserve_bytes,
-            "expert_cache": s.expert_cache,
+            "expert_cache": s.expert_cache.to_string(),
             "expert_profile": s.expert_profile,
             "layer_split": s.layer_split,
             "layer_split_requested": s.layer_split_requested,
             "gpu": s.gpu,
             "pinned_chunk_bytes": s.pinned_chunk_bytes,
-            "rope_scaling": s.rope_scaling,
-            "rope_scale": s.rope_scale,
-            "yarn_orig_ctx": s.yarn_orig_ctx,
+            "rope_scaling": if s.yarn.is_some() { "yarn" } else { "none" },
+            "rope_scale": s.yarn.map_or(1.0, |y| y.factor),
+            "yarn_orig_ctx": s.yarn.map(|y| y.orig_ctx),
         },
         "degradations": plan.degradations.iter().map(|d| json!({
             "what": d.what, "requested": d.requested, "planned": d.planned, "reason": d.reason,
@@ -149,7 +149,7 @@ pub fn plan_text(plan: &Plan) -> String {
         s.batch,
         s.max_context,
         s.kv_resident,
-        s.kv,
+        s.kv.as_str(),
         s.ubatch,
         if s.mtp { "on" } else { "off" },
         if s.spec > 0 { format!(" (spec {})", s.spec) } else { String::new() },
@@ -291,4 +291,66 @@ pub fn infeasible_text(inf: &Infeasible) -> String {
         }
     }
     o
+}
+
+/// Each device's working buffers as `strata-plan inspect` lists them: the pass they were
+/// sized for and every named buffer's offset (inside the scratch region) and size.
+pub fn scratch_json(plan: &Plan) -> Value {
+    let devs: Vec<Value> = plan
+        .devices
+        .iter()
+        .map(|d| {
+            let p = d.work_pass;
+            json!({
+                "index": d.index,
+                "pass": {
+                    "tokens": p.tokens,
+                    "logit_rows": p.logit_rows,
+                    "att_splits": p.att_splits,
+                    "slots": p.slots,
+                    "gemm": p.gemm,
+                },
+                "buffers": d.scratch.iter().map(|b| json!({
+                    "name": b.name,
+                    "offset": b.offset,
+                    "bytes": b.bytes,
+                    "first_op": b.first_op,
+                    "last_op": b.last_op,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!(devs)
+}
+
+/// The text form of [`scratch_json`].
+pub fn scratch_text(plan: &Plan) -> String {
+    let mut out = String::new();
+    for d in &plan.devices {
+        let p = d.work_pass;
+        if p.tokens == 0 {
+            out.push_str(&format!(
+                "  device {} scratch: the forward graph's estimate ({} buffers); no backend of this build binds it\n",
+                d.index,
+                d.scratch.len()
+            ));
+            continue;
+        }
+        out.push_str(&format!(
+            "  device {} scratch: passes of {} tokens, {} logit rows, {} attention splits, {} slots{}\n",
+            d.index,
+            p.tokens,
+            p.logit_rows,
+            p.att_splits,
+            p.slots,
+            if p.gemm { ", tensor-core prefill" } else { "" }
+        ));
+        for b in &d.scratch {
+            out.push_str(&format!(
+                "    {:<10} at {:>12} {:>14} B\n",
+                b.name, b.offset, b.bytes
+            ));
+        }
+    }
+    out
 }

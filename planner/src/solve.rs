@@ -674,7 +674,9 @@ impl<'a> Solver<'a> {
                 bytes: dem.user_reserve,
             });
             // Scratch buffers with their packed offsets (verified with the regions below).
-            let (_, scratch) = self.sizing.scratch(c.slots, c.resident, last);
+            let (_, scratch, work_pass) =
+                self.sizing
+                    .scratch(dev, u64::from(b - a), c.slots, c.resident, last);
 
             // Tensor placements.
             let mut cursor = std::collections::BTreeMap::<RegionKind, u64>::new();
@@ -835,6 +837,7 @@ impl<'a> Solver<'a> {
                 expert_cache_slots: slots[i],
                 resident_experts,
                 scratch,
+                work_pass,
                 kv_layers,
                 linear_layers,
                 predicted_token_seconds: secs,
@@ -912,7 +915,10 @@ impl<'a> Solver<'a> {
 
         let suggestions = self.suggestions(c, &demands, &slots, &degradations);
         let vision = self.sizing.vision.is_some();
-        let rope = s.rope_scaling.clone();
+        let yarn = s.rope_scaling.as_ref().map(|r| PlanYarn {
+            factor: r.factor,
+            orig_ctx: r.orig_ctx.unwrap_or(hp.n_ctx_train),
+        });
         Ok(Plan {
             model: PlanModel {
                 arch: inv.arch.clone(),
@@ -929,7 +935,7 @@ impl<'a> Solver<'a> {
                 max_context: self.ctx,
                 requested_batch: s.batch,
                 batch: c.slots as u32,
-                kv: s.kv.as_str().into(),
+                kv: s.kv,
                 requested_kv_resident: s.kv_resident_cells(),
                 kv_resident: c.resident,
                 ubatch: s.ubatch,
@@ -937,16 +943,12 @@ impl<'a> Solver<'a> {
                 spec: s.spec,
                 vision,
                 vram_reserve_bytes: s.vram_reserve_mib * MIB,
-                expert_cache: s.expert_cache.to_string(),
+                expert_cache: s.expert_cache,
                 layer_split: c.bounds.clone(),
                 layer_split_requested: s.layer_split.to_string(),
                 gpu: self.devices.iter().map(|d| d.index).collect(),
                 pinned_chunk_bytes: chunk_max,
-                rope_scaling: rope.as_ref().map_or("none".into(), |r| r.kind.clone()),
-                rope_scale: rope.as_ref().map_or(1.0, |r| r.factor),
-                yarn_orig_ctx: rope
-                    .as_ref()
-                    .map_or(hp.n_ctx_train, |r| r.orig_ctx.unwrap_or(hp.n_ctx_train)),
+                yarn,
                 expert_profile: s.expert_profile.clone().unwrap_or_default(),
             },
             devices: device_plans,

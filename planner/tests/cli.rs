@@ -280,9 +280,18 @@ fn plan_file_round_trips_through_inspect_and_is_deterministic() {
     let direct = json_of(&run(&seed000_args("plans/hardware/r9700-x2.toml")));
     let out = plan_cmd(&["inspect", a.to_str().unwrap(), "--format", "json"]);
     assert_eq!(out.status.code(), Some(0));
-    assert_eq!(json_of(&out), direct, "inspect prints the same report");
+    let mut inspected = json_of(&out);
+    // inspect adds each device's working buffers to the report.
+    let scratch = inspected
+        .as_object_mut()
+        .and_then(|o| o.remove("scratch"))
+        .expect("inspect lists the scratch buffers");
+    assert_eq!(inspected, direct, "inspect prints the same report");
+    assert_eq!(scratch.as_array().map(|a| a.len()), Some(2), "{scratch}");
     let text = plan_cmd(&["inspect", a.to_str().unwrap()]);
-    assert!(String::from_utf8_lossy(&text.stdout).contains("FEASIBLE"));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("FEASIBLE"));
+    assert!(text.contains("device 0 scratch:"), "{text}");
 
     // A corrupted or truncated plan is exit 1 with a message, never a panic.
     let mut bad = bytes_a.clone();
@@ -736,4 +745,65 @@ fn a_profile_raises_the_predicted_hit_rate_over_uniform() {
         skew["predicted"]["decode_tok_s"].as_f64().unwrap()
             > uniform["predicted"]["decode_tok_s"].as_f64().unwrap()
     );
+}
+
+/// A plan of a model this build runs lists, per device, the named working buffers the
+/// executor binds (the GPU backend's set, sized for the planned pass); `inspect` shows them.
+#[test]
+fn inspect_lists_the_executor_working_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("q30.plan");
+    let out = plan_cmd(&[
+        "--hardware",
+        "plans/hardware/h200.toml",
+        "--model",
+        "plans/models/qwen3-30b-a3b-q8_0.toml",
+        "--max-context",
+        "4096",
+        "--batch",
+        "2",
+        "-o",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = json_of(&plan_cmd(&[
+        "inspect",
+        p.to_str().unwrap(),
+        "--format",
+        "json",
+    ]));
+    let dev = &v["scratch"][0];
+    assert_eq!(dev["pass"]["tokens"], 512, "{dev}");
+    assert_eq!(dev["pass"]["slots"], 2);
+    assert_eq!(dev["pass"]["gemm"], true);
+    let names: Vec<&str> = dev["buffers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["name"].as_str().unwrap())
+        .collect();
+    for want in [
+        "inputs", "x", "xn", "q", "att", "logits", "h", "tables", "xh", "sorted",
+    ] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    // Every buffer lies inside the device's scratch region, none overlapping.
+    let region = u(&v["devices"][0]["regions"]["scratch"]);
+    let mut spans: Vec<(u64, u64)> = dev["buffers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| (u(&b["offset"]), u(&b["offset"]) + u(&b["bytes"])))
+        .collect();
+    spans.sort();
+    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "{spans:?}");
+    assert!(spans.last().unwrap().1 <= region);
+    let text =
+        String::from_utf8_lossy(&plan_cmd(&["inspect", p.to_str().unwrap()]).stdout).to_string();
+    assert!(text.contains("passes of 512 tokens"), "{text}");
 }

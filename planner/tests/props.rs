@@ -212,31 +212,50 @@ fn check_plan(plan: &Plan) {
     assert_eq!(&back, plan, "plan round-trips");
 }
 
-/// Every NVIDIA device of a model the CUDA engine runs has scratch for the engine's whole
-/// working set at the planned ubatch (its prefill passes are never cut short).
-fn check_cuda_workset(plan: &Plan, inv: &ModelInventory) {
-    use strata_schemas::workset::{att_splits, cuda_runs, stage_bytes, Pass, WorkDims};
-    if !cuda_runs(&inv.arch, &inv.hparams) {
-        return;
-    }
-    let s = &plan.serve;
-    let slots = s.batch as usize;
-    let pass = Pass {
-        tokens: (s.ubatch as usize).max(slots * (1 + s.spec as usize)),
-        logit_rows: slots.max(1),
-        att_splits: att_splits(s.max_context as usize),
-        slots,
-        gemm: true,
-    };
-    for d in plan.devices.iter().filter(|d| d.vendor == "nvidia") {
+/// Every device of a model a backend of this build runs binds exactly that backend's working
+/// set at the planned pass: each named buffer is in the plan, at least as large as
+/// `workset::buffers` says, inside the scratch region.
+fn check_workset(plan: &Plan, inv: &ModelInventory) {
+    use strata_schemas::dims::Dims;
+    use strata_schemas::workset::{buffers, runs, BackendKind, Pass};
+    for d in &plan.devices {
+        let be = BackendKind::for_vendor(&d.vendor);
+        if !runs(be, &inv.arch, &inv.hparams) {
+            assert_eq!(d.work_pass.tokens, 0, "device {}", d.index);
+            continue;
+        }
+        let w = d.work_pass;
+        let s = &plan.serve;
+        assert!(w.tokens as u64 >= u64::from(s.ubatch).max(u64::from(s.batch)));
+        let pass = Pass {
+            tokens: w.tokens as usize,
+            logit_rows: w.logit_rows as usize,
+            att_splits: w.att_splits as usize,
+            slots: w.slots as usize,
+            gemm: w.gemm,
+        };
         let n_layer = (d.layer_end - d.layer_first) as usize;
-        let need = stage_bytes(&WorkDims::of(&inv.hparams), n_layer, false, &pass);
-        let have = d.region_bytes(RegionKind::Scratch);
-        assert!(
-            have >= need,
-            "device {}: scratch {have} < the CUDA engine's {need} for {pass:?}",
-            d.index
-        );
+        let region = d.region_bytes(RegionKind::Scratch);
+        for (b, need) in buffers(be, &Dims::of(&inv.hparams), n_layer, false, &pass) {
+            let got = d
+                .scratch
+                .iter()
+                .find(|s| s.name == b.name())
+                .unwrap_or_else(|| panic!("device {}: no `{}` buffer", d.index, b.name()));
+            assert!(
+                got.bytes >= need,
+                "device {}: {} {} < {need}",
+                d.index,
+                b.name(),
+                got.bytes
+            );
+            assert!(
+                got.offset + got.bytes <= region,
+                "device {}: {} outside",
+                d.index,
+                b.name()
+            );
+        }
     }
 }
 
@@ -258,7 +277,7 @@ proptest! {
         match solve(&req) {
             Ok(Outcome::Planned(plan)) => {
                 check_plan(&plan);
-                check_cuda_workset(&plan, &inv);
+                check_workset(&plan, &inv);
                 prop_assert!(plan.serve.batch >= 1 && plan.serve.batch <= s.batch);
                 // Deterministic: the same request gives the same bytes.
                 let again = match solve(&req) { Ok(Outcome::Planned(p)) => p, _ => panic!("second solve differs") };

@@ -3,6 +3,7 @@
 
 pub mod arch;
 pub mod descriptor;
+pub mod dims;
 pub mod ggml;
 pub mod gguf;
 pub mod graph;

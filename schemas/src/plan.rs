@@ -3,6 +3,7 @@
 //! memory (arena regions from 0 up, the two reserves at the top), every tensor a placement.
 //! Any change to this file changes the schema hash (see `planfile`), so old plans are refused.
 
+use crate::serve::{ExpertCache, KvType};
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Region kinds, named as in DESIGN.md's report contract.
@@ -92,6 +93,24 @@ pub struct ScratchBuffer {
     pub last_op: u32,
 }
 
+/// The pass a device's working set (its `scratch` buffers) was sized for: the largest forward
+/// pass the executor may run there. All zero when no backend of this build runs the model
+/// (the scratch then holds the forward graph's estimate, and nothing binds it).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[rkyv(derive(Debug))]
+pub struct WorkPass {
+    /// Tokens of the largest pass (a prefill chunk, or every slot's decode tokens).
+    pub tokens: u32,
+    /// Rows of logits the head computes per pass.
+    pub logit_rows: u32,
+    /// Decode-attention splits.
+    pub att_splits: u32,
+    /// Decode slots.
+    pub slots: u32,
+    /// Prefill through the tensor-core products (their buffers are planned).
+    pub gemm: bool,
+}
+
 /// An expert resident in a cache slot at start-up.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
@@ -127,7 +146,11 @@ pub struct DevicePlan {
     pub expert_slot_bytes: u64,
     pub expert_cache_slots: u64,
     pub resident_experts: Vec<ResidentExpert>,
+    /// The named working buffers the executor binds (`workset::WorkBuf` names), packed in
+    /// the scratch region; or the forward graph's buffers when no backend of this build runs
+    /// the model here (`work_pass.tokens == 0`).
     pub scratch: Vec<ScratchBuffer>,
+    pub work_pass: WorkPass,
     /// Full-attention layers whose KV lives here (MTP block included when it does).
     pub kv_layers: Vec<u32>,
     /// Linear-attention layers whose state lives here.
@@ -250,7 +273,7 @@ pub struct PlanServe {
     pub requested_batch: u32,
     /// Slots planned.
     pub batch: u32,
-    pub kv: String,
+    pub kv: KvType,
     pub requested_kv_resident: u64,
     /// Cells per slot planned in VRAM.
     pub kv_resident: u64,
@@ -259,16 +282,24 @@ pub struct PlanServe {
     pub spec: u32,
     pub vision: bool,
     pub vram_reserve_bytes: u64,
-    pub expert_cache: String,
+    pub expert_cache: ExpertCache,
     /// Resolved boundaries (one fewer than `gpu`).
     pub layer_split: Vec<u32>,
     pub layer_split_requested: String,
     pub gpu: Vec<u32>,
     pub pinned_chunk_bytes: u64,
-    pub rope_scaling: String,
-    pub rope_scale: f64,
-    pub yarn_orig_ctx: u64,
+    /// YaRN rope scaling, when asked for.
+    pub yarn: Option<PlanYarn>,
     pub expert_profile: String,
+}
+
+/// YaRN rope scaling as planned.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct PlanYarn {
+    pub factor: f64,
+    /// The original (trained) context the factor stretches.
+    pub orig_ctx: u64,
 }
 
 /// The whole plan.

@@ -7,7 +7,20 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// KV cache element type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    Default,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq, Clone, Copy))]
 pub enum KvType {
     #[default]
     #[serde(rename = "f16")]
@@ -39,7 +52,10 @@ impl KvType {
 }
 
 /// `--expert-cache auto|N|off`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq, Clone, Copy))]
 pub enum ExpertCache {
     /// The cache takes every byte left after the required and requested items.
     #[default]
