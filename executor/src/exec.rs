@@ -1,20 +1,27 @@
-//! `PlanEngine`: a Qwen3-MoE model bound to a plan on the CPU backend — one stage per planned
-//! device in pipeline order, each running its blocks `[layer_first, layer_end)` over weights
-//! in its arena, KV in its `kv_cache` region (cells `[0, kv_resident)`) and its `kv_spill`
-//! chunks (the rest), routed experts through its expert cache, and handing hidden states to
-//! the next device through that device's `staging` region.
-//! Invariant: start-up checks (fingerprint, hardware, memory) all pass before any arena is
-//! allocated; after start-up a prefill chunk or decode step allocates nothing; a stage
-//! only touches memory of its own device's arena and chunks.
+//! Starting a model on the CPU backend: from a plan (one stage per planned device in pipeline
+//! order, weights in its arena, working buffers bound from its scratch region by name, KV in
+//! its `kv_cache` region (cells `[0, kv_resident)`) and its `kv_spill` chunks (the rest),
+//! routed experts through its expert cache), or plan-less over in-memory weights for tests
+//! and references.
+//! Invariant: start-up checks (fingerprint, hardware, memory, tensors) all pass before any
+//! arena is allocated; after start-up a pass allocates nothing; a stage only touches memory of
+//! its own device's arena and chunks.
 
-use crate::backend::cpu::Yarn;
-use crate::bind::{self, BindError, Binding, RawView};
-use crate::engine::{Engine, EngineError, EngineInfo, EngineStats};
+use crate::backend::cpu::kv::{KvCache, KvGeom};
+use crate::backend::cpu::scratch::Scratch;
+use crate::backend::cpu::{CpuStage, Rope, Yarn};
+use crate::bind::{self, BindError, Binding};
+use crate::engine::{EngineError, EngineInfo};
 use crate::experts::{CpuExpertCache, HostStacks, LruPolicy};
-use crate::load::{self, ArenaWeights, HostModel, LoadError, LoadStats};
-use crate::model::qwen3moe::{KvCache, Model, ModelError, ModelOptions, StageSpec};
+use crate::load::{self, ArenaWeights, HostModel, LoadError};
+use crate::model::qwen3moe::{self, Qwen3Moe, StageSpec};
+use crate::model::{ModelError, WeightSource};
+use crate::pipeline::{Pipeline, PipelineShape, StageOf};
+use strata_schemas::dims::Dims;
 use strata_schemas::ggml::GgmlType;
-use strata_schemas::plan::{Plan, RegionKind};
+use strata_schemas::inventory::HParams;
+use strata_schemas::plan::{DevicePlan, Plan, RegionKind};
+use strata_schemas::workset::{self, BackendKind, WorkBuf};
 
 /// Why an engine did not start. Every message names the plan, file or numbers.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +36,8 @@ pub enum StartError {
     Plan(String),
     #[error("model: {0}")]
     Model(#[from] ModelError),
+    #[error("{0}")]
+    Backend(String),
 }
 
 /// Start-up options.
@@ -40,490 +49,666 @@ pub struct EngineOptions {
     pub mem_available: Option<u64>,
 }
 
-struct Stage {
-    // Field order is drop order: the model and cache borrow `weights` and the binding.
-    model: Model<'static>,
-    cache: Option<CpuExpertCache<'static>>,
-    /// Inbound hand-off buffer in this device's `staging` region (empty on the first stage).
-    staging_in: &'static mut [f32],
-    #[allow(dead_code)]
-    weights: Box<ArenaWeights<'static>>,
-    device: u32,
+/// A Qwen3-MoE model on the CPU backend.
+pub type CpuEngine = Pipeline<CpuStage<'static>, Qwen3Moe<CpuStage<'static>>>;
+
+fn backend_err(e: impl std::fmt::Display) -> StartError {
+    StartError::Backend(e.to_string())
 }
 
-/// A plan-bound engine on the CPU backend.
-pub struct PlanEngine {
-    info: EngineInfo,
-    // Dropped before `binding` and `host`, which they borrow.
-    stages: Vec<Stage>,
-    lens: Vec<u64>,
-    tok: Vec<u32>,
-    slot_of: Vec<usize>,
-    pos: Vec<u32>,
-    load: LoadStats,
-    allocations: u64,
-    binding: Binding,
-    host: Box<dyn HostModel>,
+/// The rotary embedding a plan's serve settings ask for.
+pub fn rope_of(plan: &Plan, d: &Dims) -> Rope {
+    let yarn = plan.serve.yarn.map(|y| Yarn::new(y.factor, y.orig_ctx));
+    Rope::new(d.n_rot, d.rope_theta, yarn)
 }
 
-fn kv_type(s: &str) -> Result<GgmlType, StartError> {
-    match s {
-        "f16" => Ok(GgmlType::F16),
-        "q8_0" => Ok(GgmlType::Q8_0),
-        "f32" => Ok(GgmlType::F32),
-        other => Err(StartError::Plan(format!(
-            "serve.kv `{other}` is not a KV type this build runs (f16, q8_0)"
-        ))),
+/// The named working buffers a plan gives `dp`, as (buffer, offset, bytes).
+pub fn planned_buffers(dp: &DevicePlan) -> Result<Vec<(WorkBuf, u64, u64)>, String> {
+    if dp.work_pass.tokens == 0 {
+        return Err(format!(
+            "device {}: the plan binds no working set (the planner found no backend of its build that runs this model here): re-plan with this build's strata-plan",
+            dp.index
+        ));
     }
-}
-
-fn req(e: ModelError) -> EngineError {
-    match e {
-        ModelError::NoSlot { .. }
-        | ModelError::ContextFull { .. }
-        | ModelError::BadToken { .. }
-        | ModelError::BatchTooLarge { .. }
-        | ModelError::Request(_) => EngineError::Request(e.to_string()),
-        other => EngineError::Internal(other.to_string()),
-    }
-}
-
-impl PlanEngine {
-    /// Check `host` against `plan` and this machine, allocate the planned arenas and chunks,
-    /// load the weights and bind the stages.
-    pub fn start(
-        plan: &Plan,
-        host: Box<dyn HostModel>,
-        opts: EngineOptions,
-    ) -> Result<Self, StartError> {
-        let inv = host.inventory();
-        load::check_fingerprint(plan, host.as_ref())?;
-        if inv.arch != "qwen3moe" {
-            return Err(StartError::Plan(format!(
-                "architecture `{}` has no CPU forward pass in this build (qwen3moe only)",
-                inv.arch
-            )));
-        }
-        let available = match opts.mem_available {
-            Some(v) => v,
-            None => bind::mem_available()?,
-        };
-        bind::check_hardware(plan, available)?;
-        let hp = inv.hparams.clone();
-        bind::check_pipeline(plan, hp.n_layer).map_err(StartError::Plan)?;
-        load::check_tensors(plan, host.as_ref())?;
-
-        // Every allocation, then the weights.
-        let mut binding = Binding::allocate(plan)?;
-        let allocations = binding.allocations();
-        let load = load::load_weights(plan, &mut binding, host.as_ref(), opts.progress)?;
-
-        let s = &plan.serve;
-        let kv = kv_type(&s.kv)?;
-        let n_slots = s.batch as usize;
-        let ctx = s.max_context as usize;
-        let resident = (s.kv_resident.min(s.max_context)) as usize;
-        let max_tok = (s.ubatch as usize).max(n_slots).max(1);
-        let yarn = (s.rope_scaling == "yarn").then(|| Yarn::new(s.rope_scale, s.yarn_orig_ctx));
-        let e = hp.n_embd as usize;
-        // SAFETY: `host` is boxed (its address is stable) and is dropped after every stage
-        // (field order of PlanEngine), so borrows of it may be treated as 'static here.
-        let host_ref: &'static dyn HostModel = unsafe { &*(host.as_ref() as *const dyn HostModel) };
-        let mut stages = Vec::with_capacity(plan.devices.len());
-        for (i, d) in plan.devices.iter().enumerate() {
-            let n_layer = (d.layer_end - d.layer_first) as usize;
-            // SAFETY: the weight views cover only the tensors' own planned bytes (weight
-            // regions), which nothing writes after loading; the binding outlives the stage.
-            let weights = Box::new(unsafe {
-                ArenaWeights::from_binding(plan, host_ref.inventory(), d.index, &binding)?
-            });
-            // SAFETY: the box's heap address is stable and the box is dropped after `model`
-            // (field order of Stage).
-            let wref: &'static ArenaWeights<'static> =
-                unsafe { &*(weights.as_ref() as *const ArenaWeights<'static>) };
-            let spec = StageSpec {
-                layer_first: d.layer_first,
-                layer_end: d.layer_end,
-                embedding: d.holds_embedding,
-                head: d.holds_head,
-                expert_stacks: false,
-            };
-            let mut model = Model::new_stage(
-                &hp,
-                wref,
-                ModelOptions {
-                    max_batch_tokens: max_tok,
-                    yarn,
-                },
-                spec,
-            )?;
-
-            // KV: per slot a resident window in kv_cache, the other cells in kv_spill chunks.
-            let cell = KvCache::cell_bytes(&hp, kv, n_layer)? as usize;
-            let kv_view = binding.region_view(d.index, RegionKind::KvCache)?;
-            let need = n_slots * resident * cell;
-            if kv_view.len() < need {
-                return Err(StartError::Plan(format!(
-                    "device {}: kv_cache holds {} bytes but {n_slots} slots x {resident} cells x {cell} need {need}",
-                    d.index,
-                    kv_view.len()
-                )));
-            }
-            // SAFETY: the kv_cache region is disjoint from every other region of the arena
-            // (checked by the planner's verifier and `Binding::allocate`), and only this
-            // stage's caches touch it; the binding outlives them.
-            let mut kv_rest: &'static mut [u8] = unsafe { kv_view.slice_mut() };
-            let mut spill_cells: Vec<&'static mut [u8]> = Vec::new();
-            for ch in binding.chunk_views(d.index, "kv_spill") {
-                // SAFETY: each chunk is its own allocation, used only by this stage.
-                let c: &'static mut [u8] = unsafe { ch.slice_mut() };
-                if cell > 0 {
-                    spill_cells.extend(c.chunks_exact_mut(cell));
-                }
-            }
-            let spill_per_slot = ctx - resident;
-            if spill_cells.len() < n_slots * spill_per_slot {
-                return Err(StartError::Plan(format!(
-                    "device {}: kv_spill chunks hold {} cells of {cell} bytes but {n_slots} slots x {spill_per_slot} cells are planned beyond the resident window",
-                    d.index,
-                    spill_cells.len()
-                )));
-            }
-            let mut spill_iter = spill_cells.into_iter();
-            for _ in 0..n_slots {
-                let (mine, rest) = std::mem::take(&mut kv_rest).split_at_mut(resident * cell);
-                kv_rest = rest;
-                let cells: Vec<&'static mut [u8]> =
-                    spill_iter.by_ref().take(spill_per_slot).collect();
-                model.add_slot(KvCache::split(&hp, kv, n_layer, resident, mine, cells)?)?;
-            }
-
-            // Expert cache.
-            let has_experts = (d.layer_first..d.layer_end).any(|l| hp.layer_has_experts(l));
-            let cache = if has_experts {
-                let policy = LruPolicy::new(
-                    d.layer_first,
-                    d.layer_end,
-                    hp.n_expert as u32,
-                    d.expert_cache_slots as u32,
-                    &d.resident_experts,
-                )
-                .map_err(|m| StartError::Plan(format!("device {}: {m}", d.index)))?;
-                let view = binding.region_view(d.index, RegionKind::ExpertCache)?;
-                // SAFETY: the expert_cache region is disjoint from the others and only this
-                // stage's cache touches it.
-                let slots: &'static mut [u8] = unsafe { view.slice_mut() };
-                let mut stacks = Vec::with_capacity(n_layer);
-                for l in d.layer_first..d.layer_end {
-                    if !hp.layer_has_experts(l) {
-                        stacks.push(None);
-                        continue;
-                    }
-                    let get = |p: &str| -> Result<(GgmlType, &'static [u8]), StartError> {
-                        let name = format!("blk.{l}.ffn_{p}_exps.weight");
-                        let ty = host_ref
-                            .inventory()
-                            .tensor(&name)
-                            .map(|t| t.ggml_type)
-                            .ok_or_else(|| StartError::Plan(format!("`{name}` missing")))?;
-                        let b = host_ref
-                            .tensor_bytes(&name)
-                            .ok_or_else(|| StartError::Plan(format!("`{name}` missing")))?;
-                        Ok((ty, b))
-                    };
-                    stacks.push(Some(HostStacks {
-                        gate: get("gate")?,
-                        up: get("up")?,
-                        down: get("down")?,
-                    }));
-                }
-                Some(
-                    CpuExpertCache::new(
-                        policy,
-                        slots,
-                        d.expert_slot_bytes,
-                        hp.n_expert as u32,
-                        stacks,
+    dp.scratch
+        .iter()
+        .map(|b| {
+            WorkBuf::from_name(&b.name)
+                .map(|w| (w, b.offset, b.bytes))
+                .ok_or_else(|| {
+                    format!(
+                        "device {}: scratch buffer `{}` is not one this build binds: re-plan with this build's strata-plan",
+                        dp.index, b.name
                     )
-                    .map_err(|m| StartError::Plan(format!("device {}: {m}", d.index)))?,
-                )
-            } else {
-                None
-            };
-
-            // Inbound hand-off: the first half of this device's staging region.
-            let staging_in: &'static mut [f32] = if i == 0 {
-                &mut []
-            } else {
-                let need = (max_tok * e * 4) as u64;
-                let (off, bytes) = binding
-                    .region(d.index, RegionKind::Staging)
-                    .unwrap_or((0, 0));
-                if bytes < need {
-                    return Err(StartError::Plan(format!(
-                        "device {}: staging holds {bytes} bytes but a hand-off of {max_tok} tokens x {e} floats needs {need}",
-                        d.index
-                    )));
-                }
-                let v: RawView = binding.arena_view(d.index, off, need)?;
-                // SAFETY: the staging region is disjoint from the others and only the
-                // previous stage (writing) and this one (reading) touch it, one at a time.
-                let b: &'static mut [u8] = unsafe { v.slice_mut() };
-                // SAFETY: every bit pattern is a valid f32; alignment is checked below
-                // (arenas are page-aligned and regions 256-aligned, so it always holds).
-                let (pre, f, _) = unsafe { b.align_to_mut::<f32>() };
-                if !pre.is_empty() {
-                    return Err(StartError::Plan(format!(
-                        "device {}: staging region at offset {off} is not 4-byte aligned",
-                        d.index
-                    )));
-                }
-                f
-            };
-            stages.push(Stage {
-                model,
-                cache,
-                staging_in,
-                weights,
-                device: d.index,
-            });
-        }
-        Ok(Self {
-            info: EngineInfo {
-                model_name: plan.model.name.clone(),
-                n_slots,
-                max_context: s.max_context,
-                ubatch: (s.ubatch as usize).max(1),
-                n_vocab: hp.n_vocab as usize,
-            },
-            stages,
-            lens: vec![0; n_slots],
-            tok: Vec::with_capacity(max_tok),
-            slot_of: Vec::with_capacity(max_tok),
-            pos: Vec::with_capacity(max_tok),
-            load,
-            allocations,
-            binding,
-            host,
+                })
         })
-    }
-
-    /// Arena and chunk allocations made at start-up.
-    pub fn allocations(&self) -> u64 {
-        self.allocations
-    }
-
-    /// What loading copied.
-    pub fn load_stats(&self) -> LoadStats {
-        self.load
-    }
-
-    /// Bytes of every arena and chunk.
-    pub fn allocated_bytes(&self) -> u64 {
-        self.binding.allocated_bytes()
-    }
-
-    /// The model as host memory.
-    pub fn host(&self) -> &dyn HostModel {
-        self.host.as_ref()
-    }
-
-    /// Stage devices in pipeline order.
-    pub fn stage_devices(&self) -> Vec<u32> {
-        self.stages.iter().map(|s| s.device).collect()
-    }
-
-    /// Like [`Engine::prefill`] but returns the logits of every token fed
-    /// (`tokens.len() x n_vocab`), e.g. for `--logits`.
-    pub fn prefill_all(&mut self, slot: usize, tokens: &[u32]) -> Result<&[f32], EngineError> {
-        self.prefill_inner(slot, tokens, 2)
-            .map(|o| o.unwrap_or(&[]))
-    }
-
-    /// want: 0 none, 1 last row, 2 every row.
-    fn prefill_inner(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        want: u8,
-    ) -> Result<Option<&[f32]>, EngineError> {
-        let n = tokens.len();
-        if slot >= self.info.n_slots {
-            return Err(EngineError::Request(format!(
-                "slot {slot} does not exist (the plan has {})",
-                self.info.n_slots
-            )));
-        }
-        if n == 0 || n > self.info.ubatch {
-            return Err(EngineError::Request(format!(
-                "prefill of {n} tokens: give 1..={} (the plan's ubatch) per call",
-                self.info.ubatch
-            )));
-        }
-        let len = self.lens[slot];
-        if len + n as u64 > self.info.max_context {
-            return Err(EngineError::Request(format!(
-                "slot {slot} holds {len} of {} cells; {n} more do not fit",
-                self.info.max_context
-            )));
-        }
-        self.tok.clear();
-        self.slot_of.clear();
-        self.pos.clear();
-        for (i, &t) in tokens.iter().enumerate() {
-            self.tok.push(t);
-            self.slot_of.push(slot);
-            self.pos.push((len + i as u64) as u32);
-        }
-        run_stages(&mut self.stages, &self.tok, &self.slot_of, &self.pos).map_err(req)?;
-        for st in self.stages.iter_mut() {
-            st.model.advance(slot, n).map_err(req)?;
-        }
-        self.lens[slot] += n as u64;
-        let last = self
-            .stages
-            .last_mut()
-            .ok_or_else(|| EngineError::Internal("no stages".into()))?;
-        match want {
-            0 => Ok(None),
-            1 => last.model.head_rows(n - 1, 1).map(Some).map_err(req),
-            _ => last.model.head_rows(0, n).map(Some).map_err(req),
-        }
-    }
+        .collect()
 }
 
-/// Run every stage over the staged tokens, handing hidden states down the pipeline.
-fn run_stages(
-    stages: &mut [Stage],
-    tok: &[u32],
-    slot_of: &[usize],
-    pos: &[u32],
-) -> Result<(), ModelError> {
-    let n = slot_of.len();
-    for i in 0..stages.len() {
-        let (cur, rest) = stages[i..]
-            .split_first_mut()
-            .ok_or_else(|| ModelError::Request("stage index out of range".into()))?;
-        let Stage {
-            model,
+/// The KV caches of one stage: per slot a resident window of `kv_cache`, the other cells in
+/// the device's `kv_spill` chunks.
+fn stage_kv(
+    plan: &Plan,
+    binding: &Binding,
+    dp: &DevicePlan,
+    g: KvGeom,
+) -> Result<Vec<KvCache<'static>>, StartError> {
+    let s = &plan.serve;
+    let (n_slots, ctx) = (s.batch as usize, s.max_context as usize);
+    let resident = (s.kv_resident.min(s.max_context)) as usize;
+    let cell = g.cell_bytes();
+    let kv_view = binding.region_view(dp.index, RegionKind::KvCache)?;
+    let need = n_slots * resident * cell;
+    if kv_view.len() < need {
+        return Err(StartError::Plan(format!(
+            "device {}: kv_cache holds {} bytes but {n_slots} slots x {resident} cells x {cell} need {need}",
+            dp.index,
+            kv_view.len()
+        )));
+    }
+    // SAFETY: the kv_cache region is disjoint from every other region of the arena (checked
+    // by the planner's verifier and `Binding::allocate`), and only this stage's caches touch
+    // it; the binding outlives them (the pipeline drops its stages first).
+    let mut kv_rest: &'static mut [u8] = unsafe { kv_view.slice_mut() };
+    let mut spill_cells: Vec<&'static mut [u8]> = Vec::new();
+    for ch in binding.chunk_views(dp.index, "kv_spill") {
+        // SAFETY: each chunk is its own allocation, used only by this stage.
+        let c: &'static mut [u8] = unsafe { ch.slice_mut() };
+        if cell > 0 {
+            spill_cells.extend(c.chunks_exact_mut(cell));
+        }
+    }
+    let spill_per_slot = ctx - resident;
+    if spill_cells.len() < n_slots * spill_per_slot {
+        return Err(StartError::Plan(format!(
+            "device {}: kv_spill chunks hold {} cells of {cell} bytes but {n_slots} slots x {spill_per_slot} cells are planned beyond the resident window",
+            dp.index,
+            spill_cells.len()
+        )));
+    }
+    let mut spill_iter = spill_cells.into_iter();
+    let mut caches = Vec::with_capacity(n_slots);
+    for _ in 0..n_slots {
+        let (mine, rest) = std::mem::take(&mut kv_rest).split_at_mut(resident * cell);
+        kv_rest = rest;
+        let cells: Vec<&'static mut [u8]> = spill_iter.by_ref().take(spill_per_slot).collect();
+        caches.push(KvCache::split(g, resident, mine, cells).map_err(backend_err)?);
+    }
+    Ok(caches)
+}
+
+/// The expert cache of a stage whose layers have experts: its planned slots over the
+/// `expert_cache` region, filled from the host stacks.
+fn stage_cache(
+    host: &'static dyn HostModel,
+    binding: &Binding,
+    hp: &HParams,
+    dp: &DevicePlan,
+) -> Result<Option<CpuExpertCache<'static>>, StartError> {
+    if !(dp.layer_first..dp.layer_end).any(|l| hp.layer_has_experts(l)) {
+        return Ok(None);
+    }
+    let perr = |m: String| StartError::Plan(format!("device {}: {m}", dp.index));
+    let policy = LruPolicy::new(
+        dp.layer_first,
+        dp.layer_end,
+        hp.n_expert as u32,
+        dp.expert_cache_slots as u32,
+        &dp.resident_experts,
+    )
+    .map_err(perr)?;
+    let view = binding.region_view(dp.index, RegionKind::ExpertCache)?;
+    // SAFETY: the expert_cache region is disjoint from the others and only this stage's
+    // cache touches it; the binding outlives the cache.
+    let slots: &'static mut [u8] = unsafe { view.slice_mut() };
+    let mut stacks = Vec::with_capacity((dp.layer_end - dp.layer_first) as usize);
+    for l in dp.layer_first..dp.layer_end {
+        if !hp.layer_has_experts(l) {
+            stacks.push(None);
+            continue;
+        }
+        let get = |p: &str| -> Result<(GgmlType, &'static [u8]), StartError> {
+            let name = format!("blk.{l}.ffn_{p}_exps.weight");
+            let ty = host
+                .inventory()
+                .tensor(&name)
+                .map(|t| t.ggml_type)
+                .ok_or_else(|| StartError::Plan(format!("`{name}` missing")))?;
+            let b = host
+                .tensor_bytes(&name)
+                .ok_or_else(|| StartError::Plan(format!("`{name}` missing")))?;
+            Ok((ty, b))
+        };
+        stacks.push(Some(HostStacks {
+            gate: get("gate")?,
+            up: get("up")?,
+            down: get("down")?,
+        }));
+    }
+    CpuExpertCache::new(
+        policy,
+        slots,
+        dp.expert_slot_bytes,
+        hp.n_expert as u32,
+        stacks,
+    )
+    .map(Some)
+    .map_err(perr)
+}
+
+/// Check `host` against `plan` and this machine, allocate the planned arenas and chunks,
+/// load the weights and bind one CPU stage per planned device.
+pub fn start_cpu(
+    plan: &Plan,
+    host: Box<dyn HostModel>,
+    opts: EngineOptions,
+) -> Result<CpuEngine, StartError> {
+    let inv = host.inventory();
+    load::check_fingerprint(plan, host.as_ref())?;
+    if !workset::runs(BackendKind::Cpu, &inv.arch, &inv.hparams) {
+        return Err(StartError::Plan(format!(
+            "architecture `{}` has no CPU forward pass in this build (qwen3moe only)",
+            inv.arch
+        )));
+    }
+    let available = match opts.mem_available {
+        Some(v) => v,
+        None => bind::mem_available()?,
+    };
+    bind::check_hardware(plan, available)?;
+    let hp = inv.hparams.clone();
+    let d = qwen3moe::check_dims(&hp)?;
+    bind::check_pipeline(plan, hp.n_layer).map_err(StartError::Plan)?;
+    load::check_tensors(plan, host.as_ref())?;
+    let layouts = plan
+        .devices
+        .iter()
+        .map(planned_buffers)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(StartError::Plan)?;
+
+    // Every allocation, then the weights.
+    let mut binding = Binding::allocate(plan)?;
+    let allocations = binding.allocations();
+    load::load_weights(plan, &mut binding, host.as_ref(), opts.progress)?;
+
+    let s = &plan.serve;
+    let kv_ty = s.kv.ggml();
+    let rope = rope_of(plan, &d);
+    // SAFETY: `host` is boxed (its address is stable) and kept by the pipeline until after
+    // every stage is dropped, so borrows of it may be treated as 'static here.
+    let host_ref: &'static dyn HostModel = unsafe { &*(host.as_ref() as *const dyn HostModel) };
+    let mut keep: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
+    let mut stages = Vec::with_capacity(plan.devices.len());
+    for (dp, layout) in plan.devices.iter().zip(&layouts) {
+        let n_layer = (dp.layer_end - dp.layer_first) as usize;
+        // SAFETY: the weight views cover only the tensors' own planned bytes (weight regions),
+        // which nothing writes after loading; the binding outlives the stage.
+        let weights = Box::new(unsafe {
+            ArenaWeights::from_binding(plan, host_ref.inventory(), dp.index, &binding)?
+        });
+        // SAFETY: the box's heap address is stable and the pipeline drops it (in `keep`) after
+        // the stage that borrows it.
+        let wref: &'static (dyn WeightSource + Sync) =
+            unsafe { &*(weights.as_ref() as *const ArenaWeights<'static>) };
+        keep.push(weights);
+        let view = binding.region_view(dp.index, RegionKind::Scratch)?;
+        // SAFETY: the scratch region is disjoint from the arena's other regions and only this
+        // stage touches it; the binding outlives the stage.
+        let region: &'static mut [u8] = unsafe { view.slice_mut() };
+        let scratch = Scratch::bind(region, layout).map_err(backend_err)?;
+        let g = KvGeom::new(&d, kv_ty, n_layer, s.max_context as usize).map_err(backend_err)?;
+        let kv = stage_kv(plan, &binding, dp, g)?;
+        let cache = stage_cache(host_ref, &binding, &hp, dp)?;
+        let mut backend = CpuStage::new(
+            d,
+            qwen3moe::ARCH,
+            wref,
+            rope.clone(),
+            scratch,
+            kv,
             cache,
-            staging_in,
-            ..
-        } = cur;
-        let hidden_in = if i == 0 { None } else { Some(&staging_in[..]) };
-        let fetch = cache
-            .as_mut()
-            .map(|c| c as &mut dyn crate::model::qwen3moe::ExpertFetch);
-        model.step(tok, slot_of, pos, hidden_in, fetch)?;
-        if let Some(next) = rest.first_mut() {
-            let h = model.hidden(n);
-            next.staging_in[..h.len()].copy_from_slice(h);
-        }
+            dp.work_pass.tokens as usize,
+        );
+        let spec = StageSpec {
+            layer_first: dp.layer_first,
+            layer_end: dp.layer_end,
+            embedding: dp.holds_embedding,
+            head: dp.holds_head,
+        };
+        let model = Qwen3Moe::bind(&mut backend, &d, &hp, spec).map_err(|e| match e {
+            crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
+            other => backend_err(other),
+        })?;
+        stages.push(StageOf { backend, model });
     }
-    Ok(())
+    let last = plan.devices.last().map(|dp| dp.work_pass);
+    let shape = PipelineShape {
+        max_tok: plan
+            .devices
+            .iter()
+            .map(|dp| dp.work_pass.tokens as usize)
+            .min()
+            .unwrap_or(0),
+        logit_rows: last.map_or(0, |w| w.logit_rows as usize),
+        allocations,
+        allocated_bytes: binding.allocated_bytes(),
+    };
+    let info = EngineInfo {
+        model_name: plan.model.name.clone(),
+        n_slots: s.batch as usize,
+        max_context: s.max_context,
+        ubatch: (s.ubatch as usize).max(1),
+        n_vocab: d.vocab,
+    };
+    keep.push(Box::new(binding));
+    keep.push(Box::new(host));
+    Pipeline::new(info, stages, shape, keep).map_err(|e| StartError::Plan(e.to_string()))
 }
 
-impl Engine for PlanEngine {
-    fn info(&self) -> &EngineInfo {
-        &self.info
-    }
+/// The shape of a plan-less CPU engine.
+#[derive(Debug, Clone, Copy)]
+pub struct Standalone {
+    pub slots: usize,
+    /// Cells per slot.
+    pub ctx: usize,
+    /// KV element type.
+    pub kv: GgmlType,
+    /// Tokens per pass (longer prefill calls run in passes of this many).
+    pub max_tok: usize,
+    /// The most tokens one prefill call takes.
+    pub ubatch: usize,
+    pub yarn: Option<Yarn>,
+}
 
-    fn prefill_all(&mut self, slot: usize, tokens: &[u32]) -> Result<&[f32], EngineError> {
-        PlanEngine::prefill_all(self, slot, tokens)
-    }
+/// A Qwen3-MoE model over `src` on the CPU with no plan: one stage holding the whole model,
+/// its working buffers, KV and logits owned here, sized by the same working-set rule the
+/// planner uses. For tests, references and the serve test engine.
+pub fn standalone_cpu<'a>(
+    hp: &HParams,
+    src: &'a (dyn WeightSource + Sync),
+    name: &str,
+    s: Standalone,
+) -> Result<Pipeline<CpuStage<'a>, Qwen3Moe<CpuStage<'a>>>, StartError> {
+    let d = qwen3moe::check_dims(hp)?;
+    let logit_rows = s.slots.max(1);
+    let pass = workset::Pass {
+        tokens: s.max_tok.max(s.slots),
+        logit_rows,
+        att_splits: 1,
+        slots: s.slots,
+        gemm: false,
+    };
+    let bufs = workset::buffers(BackendKind::Cpu, &d, d.n_layer, true, &pass);
+    let scratch = Scratch::owned(&bufs).map_err(backend_err)?;
+    let g = KvGeom::new(&d, s.kv, d.n_layer, s.ctx).map_err(backend_err)?;
+    let kv = (0..s.slots)
+        .map(|_| KvCache::owned(g))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(backend_err)?;
+    let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
+    let mut backend = CpuStage::new(d, qwen3moe::ARCH, src, rope, scratch, kv, None, pass.tokens);
+    let model = Qwen3Moe::bind(&mut backend, &d, hp, StageSpec::whole(hp.n_layer)).map_err(
+        |e| match e {
+            crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
+            other => backend_err(other),
+        },
+    )?;
+    let info = EngineInfo {
+        model_name: name.into(),
+        n_slots: s.slots,
+        max_context: s.ctx as u64,
+        ubatch: s.ubatch.max(1),
+        n_vocab: d.vocab,
+    };
+    let shape = PipelineShape {
+        max_tok: pass.tokens,
+        logit_rows,
+        allocations: 0,
+        allocated_bytes: 0,
+    };
+    Pipeline::new(info, vec![StageOf { backend, model }], shape, Vec::new())
+        .map_err(|e: EngineError| StartError::Plan(e.to_string()))
+}
 
-    fn allocations(&self) -> u64 {
-        PlanEngine::allocations(self)
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::Engine;
+    use crate::model::MemWeights;
+    use crate::quant;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    fn allocated_bytes(&self) -> u64 {
-        PlanEngine::allocated_bytes(self)
-    }
-
-    fn prefill(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        want_logits: bool,
-    ) -> Result<Option<&[f32]>, EngineError> {
-        self.prefill_inner(slot, tokens, u8::from(want_logits))
-    }
-
-    fn decode(&mut self, batch: &[(usize, u32)]) -> Result<&[f32], EngineError> {
-        let n = batch.len();
-        if n == 0 || n > self.info.n_slots {
-            return Err(EngineError::Request(format!(
-                "decode of {n} slots: give 1..={} (the plan's batch)",
-                self.info.n_slots
-            )));
+    fn tiny_hp() -> HParams {
+        HParams {
+            n_layer: 2,
+            n_embd: 64,
+            n_vocab: 97,
+            n_ctx_train: 256,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim_k: 16,
+            head_dim_v: 16,
+            n_ff: 0,
+            n_expert: 8,
+            n_expert_used: 2,
+            n_ff_exp: 32,
+            n_ff_shexp: 0,
+            n_leading_dense: 0,
+            full_attention_interval: None,
+            ssm: None,
+            nextn_predict_layers: 0,
+            rope_theta: 10000.0,
+            rope_dim: None,
+            rms_eps: 1e-6,
+            norm_topk_prob: true,
+            tied_embeddings: false,
         }
-        self.tok.clear();
-        self.slot_of.clear();
-        self.pos.clear();
-        for (i, &(slot, t)) in batch.iter().enumerate() {
-            if slot >= self.info.n_slots {
-                return Err(EngineError::Request(format!(
-                    "slot {slot} does not exist (the plan has {})",
-                    self.info.n_slots
-                )));
+    }
+
+    /// A random tiny model: every tensor as f32 values (GGUF dims), encoded as `ty` (Q8_0
+    /// where a row is not whole `ty` blocks) except norms, which stay F32 as converters keep
+    /// them.
+    fn tiny_weights(hp: &HParams, ty: GgmlType, seed: u64) -> MemWeights {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut w = MemWeights::new();
+        let (e, v) = (hp.n_embd, hp.n_vocab);
+        let (qo, kvo) = (hp.n_head * hp.head_dim_k, hp.n_head_kv * hp.head_dim_k);
+        let mut put =
+            |w: &mut MemWeights, name: String, dims: &[u64], scale: f32, off: f32, ty: GgmlType| {
+                let n: u64 = dims.iter().product();
+                // Like llama.cpp's quantizer, fall back to Q8_0 where rows are not whole blocks.
+                let ty = if dims[0] % ty.block_elems() == 0 {
+                    ty
+                } else {
+                    GgmlType::Q8_0
+                };
+                let vals: Vec<f32> = (0..n)
+                    .map(|_| off + scale * (2.0 * rng.random::<f32>() - 1.0))
+                    .collect();
+                w.insert_f32(name, dims, &vals, ty).unwrap();
+            };
+        let f32t = GgmlType::F32;
+        put(&mut w, "token_embd.weight".into(), &[e, v], 1.0, 0.0, ty);
+        put(&mut w, "output_norm.weight".into(), &[e], 0.2, 1.0, f32t);
+        put(&mut w, "output.weight".into(), &[e, v], 0.2, 0.0, ty);
+        for l in 0..hp.n_layer {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            put(&mut w, n("attn_norm"), &[e], 0.2, 1.0, f32t);
+            put(&mut w, n("ffn_norm"), &[e], 0.2, 1.0, f32t);
+            put(&mut w, n("attn_q_norm"), &[hp.head_dim_k], 0.2, 1.0, f32t);
+            put(&mut w, n("attn_k_norm"), &[hp.head_dim_k], 0.2, 1.0, f32t);
+            put(&mut w, n("attn_q"), &[e, qo], 0.2, 0.0, ty);
+            put(&mut w, n("attn_k"), &[e, kvo], 0.2, 0.0, ty);
+            put(&mut w, n("attn_v"), &[e, kvo], 0.2, 0.0, ty);
+            put(&mut w, n("attn_output"), &[qo, e], 0.2, 0.0, ty);
+            put(&mut w, n("ffn_gate_inp"), &[e, hp.n_expert], 0.3, 0.0, ty);
+            let (f, x) = (hp.n_ff_exp, hp.n_expert);
+            put(&mut w, n("ffn_gate_exps"), &[e, f, x], 0.2, 0.0, ty);
+            put(&mut w, n("ffn_up_exps"), &[e, f, x], 0.2, 0.0, ty);
+            put(&mut w, n("ffn_down_exps"), &[f, e, x], 0.2, 0.0, ty);
+        }
+        w
+    }
+
+    /// The same tensors with every quantized one replaced by its F32 dequantization.
+    fn dequantized_copy(w: &MemWeights) -> MemWeights {
+        let mut out = MemWeights::new();
+        for name in w.names() {
+            let t = w.get(name).unwrap();
+            let n: u64 = t.dims.iter().product();
+            let mut vals = vec![0f32; n as usize];
+            let ne0 = t.dims[0] as usize;
+            let rb = quant::row_bytes(t.ggml_type, ne0).unwrap();
+            for (row, o) in t.data.chunks_exact(rb).zip(vals.chunks_exact_mut(ne0)) {
+                quant::dequantize_row(t.ggml_type, row, o).unwrap();
             }
-            if batch[..i].iter().any(|(s, _)| *s == slot) {
-                return Err(EngineError::Request(format!(
-                    "slot {slot} appears twice in one decode step"
-                )));
-            }
-            if self.lens[slot] + 1 > self.info.max_context {
-                return Err(EngineError::Request(format!(
-                    "slot {slot} is full ({} cells)",
-                    self.info.max_context
-                )));
-            }
-            self.tok.push(t);
-            self.slot_of.push(slot);
-            self.pos.push(self.lens[slot] as u32);
+            out.insert_f32(name, &t.dims, &vals, GgmlType::F32).unwrap();
         }
-        run_stages(&mut self.stages, &self.tok, &self.slot_of, &self.pos).map_err(req)?;
-        for &(slot, _) in batch {
-            for st in self.stages.iter_mut() {
-                st.model.advance(slot, 1).map_err(req)?;
-            }
-            self.lens[slot] += 1;
-        }
-        let last = self
-            .stages
-            .last_mut()
-            .ok_or_else(|| EngineError::Internal("no stages".into()))?;
-        last.model.head_rows(0, n).map_err(req)
+        out
     }
 
-    fn reset_slot(&mut self, slot: usize) {
-        if let Some(l) = self.lens.get_mut(slot) {
-            *l = 0;
+    type Tiny<'a> = Pipeline<CpuStage<'a>, Qwen3Moe<CpuStage<'a>>>;
+
+    fn engine<'a>(hp: &HParams, w: &'a MemWeights, slots: usize, kv: GgmlType, pass: usize) -> Tiny<'a> {
+        standalone_cpu(
+            hp,
+            w,
+            "tiny",
+            Standalone {
+                slots,
+                ctx: 64,
+                kv,
+                max_tok: pass,
+                ubatch: 16,
+                yarn: None,
+            },
+        )
+        .unwrap()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    }
+
+    const PROMPT: [u32; 11] = [5, 17, 42, 3, 96, 0, 61, 61, 8, 33, 70];
+
+    #[test]
+    fn prefill_then_decode_equals_longer_prefill() {
+        let hp = tiny_hp();
+        let w = tiny_weights(&hp, GgmlType::F32, 1);
+        let mut a = engine(&hp, &w, 1, GgmlType::F32, 8);
+        let full = a.prefill_all(0, &PROMPT).unwrap().to_vec();
+        assert!(full.iter().all(|v| v.is_finite()));
+        let mut b = engine(&hp, &w, 1, GgmlType::F32, 8);
+        let last = b.prefill(0, &PROMPT[..8], true).unwrap().unwrap().to_vec();
+        assert_eq!(max_diff(&last, &full[7 * 97..8 * 97]), 0.0);
+        for (i, &t) in PROMPT[8..].iter().enumerate() {
+            let got = b.decode(&[(0, t)]).unwrap().to_vec();
+            let want = &full[(8 + i) * 97..(9 + i) * 97];
+            assert!(max_diff(&got, want) <= 1e-5, "step {i}: {}", max_diff(&got, want));
         }
-        for st in self.stages.iter_mut() {
-            if let Some(kv) = st.model.slot_mut(slot) {
-                kv.clear();
+        assert_eq!(b.slot_len(0), PROMPT.len() as u64);
+        // Logits vary with the input (a model that ignores it would pass the checks above).
+        assert!(max_diff(&full[..97], &full[97..194]) > 1e-3);
+    }
+
+    #[test]
+    fn batched_decode_equals_one_at_a_time() {
+        let hp = tiny_hp();
+        let w = tiny_weights(&hp, GgmlType::F32, 2);
+        let prompts: [&[u32]; 3] = [&PROMPT[..3], &PROMPT[2..9], &PROMPT[5..6]];
+        let steps: [[u32; 3]; 3] = [[1, 2, 3], [50, 60, 70], [96, 0, 11]];
+        let mut batched = engine(&hp, &w, 3, GgmlType::F16, 4);
+        let mut single = engine(&hp, &w, 3, GgmlType::F16, 4);
+        for (s, p) in prompts.iter().enumerate() {
+            batched.prefill(s, p, false).unwrap();
+            single.prefill(s, p, false).unwrap();
+        }
+        for step in steps {
+            let batch: Vec<(usize, u32)> = (0..3).map(|s| (s, step[s])).collect();
+            let got = batched.decode(&batch).unwrap().to_vec();
+            for s in 0..3 {
+                let one = single.decode(&[(s, step[s])]).unwrap();
+                assert_eq!(&got[s * 97..(s + 1) * 97], one, "slot {s}: batch-invariant");
             }
+        }
+        assert!(
+            batched.decode(&[(0, 1), (0, 2)]).is_err(),
+            "one token per slot per step"
+        );
+    }
+
+    #[test]
+    fn pass_chunking_matches_one_pass() {
+        let hp = tiny_hp();
+        let w = tiny_weights(&hp, GgmlType::F32, 3);
+        let one = engine(&hp, &w, 1, GgmlType::F32, 8)
+            .prefill_all(0, &PROMPT[..8])
+            .unwrap()
+            .to_vec();
+        let chunked = engine(&hp, &w, 1, GgmlType::F32, 3)
+            .prefill_all(0, &PROMPT[..8])
+            .unwrap()
+            .to_vec();
+        assert!(max_diff(&one, &chunked) <= 1e-5);
+        let mut c = engine(&hp, &w, 1, GgmlType::F32, 3);
+        let last = c.prefill(0, &PROMPT[..8], true).unwrap().unwrap();
+        assert_eq!(last, &one[7 * 97..]);
+    }
+
+    #[test]
+    fn quantized_weights_and_kv_stay_close_to_f32() {
+        let hp = tiny_hp();
+        // Same underlying f32 values (same seed), encoded as F32 and as Q8_0.
+        let wf = tiny_weights(&hp, GgmlType::F32, 4);
+        let wq = tiny_weights(&hp, GgmlType::Q8_0, 4);
+        let lf = engine(&hp, &wf, 1, GgmlType::F32, 4)
+            .prefill_all(0, &PROMPT)
+            .unwrap()
+            .to_vec();
+        let lq = engine(&hp, &wq, 1, GgmlType::F32, 4)
+            .prefill_all(0, &PROMPT)
+            .unwrap()
+            .to_vec();
+        let scale = lf.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // Bound: Q8_0 weights move every logit by at most 2% of the largest |logit|, and the
+        // argmax of every position agrees.
+        let diff = max_diff(&lf, &lq);
+        assert!(diff <= 0.02 * scale, "Q8_0 weights: {diff} vs scale {scale}");
+        assert!(diff > 0.0, "the Q8_0 copy really is quantized");
+        for p in 0..PROMPT.len() {
+            assert_eq!(
+                crate::sampler::argmax(&lf[p * 97..(p + 1) * 97]),
+                crate::sampler::argmax(&lq[p * 97..(p + 1) * 97])
+            );
+        }
+        // Q8_0 and F16 KV caches (F32 weights): within 1% of the largest |logit|.
+        for kv in [GgmlType::Q8_0, GgmlType::F16] {
+            let lk = engine(&hp, &wf, 1, kv, 4)
+                .prefill_all(0, &PROMPT)
+                .unwrap()
+                .to_vec();
+            let diff = max_diff(&lf, &lk);
+            assert!(diff <= 0.01 * scale, "{kv} KV: {diff} vs scale {scale}");
         }
     }
 
-    fn slot_len(&self, slot: usize) -> u64 {
-        self.lens.get(slot).copied().unwrap_or(0)
+    #[test]
+    fn q4_k_model_runs_close_to_f32() {
+        // Q4_K rows are 256 elements: a model with n_embd 256 and n_ff_exp 256, so every
+        // matrix but attn_output (rows of n_head x head_dim = 64, kept Q8_0) is Q4_K.
+        let mut hp = tiny_hp();
+        hp.n_embd = 256;
+        hp.n_ff_exp = 256;
+        hp.n_layer = 1;
+        let wf = tiny_weights(&hp, GgmlType::F32, 5);
+        let wq = tiny_weights(&hp, GgmlType::Q4K, 5);
+        let run = |w: &MemWeights| {
+            engine(&hp, w, 1, GgmlType::F32, 5)
+                .prefill(0, &PROMPT[..5], true)
+                .unwrap()
+                .unwrap()
+                .to_vec()
+        };
+        let (lf, lq) = (run(&wf), run(&wq));
+        let scale = lf.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // Exactness of the on-the-fly Q4_K path: an F32 model holding the dequantized Q4_K
+        // values gives the same logits within 1e-4 of the largest |logit| (only the order of
+        // f32 sums differs).
+        let wd = dequantized_copy(&wq);
+        let exact = max_diff(&run(&wd), &lq);
+        assert!(exact <= 1e-4 * scale, "Q4_K vs its dequantized copy: {exact}");
+        // Against the original f32 weights (uniform ±0.2, so ~7% RMS error per weight over
+        // six matmuls in series plus router flips): relative RMS logit error <= 30%.
+        let num: f32 = lf.iter().zip(&lq).map(|(a, b)| (a - b) * (a - b)).sum();
+        let den: f32 = lf.iter().map(|a| a * a).sum();
+        let rel = (num / den).sqrt();
+        assert!(max_diff(&lf, &lq) > 0.0 && rel <= 0.30, "relative RMS {rel}");
     }
 
-    fn stats(&self) -> EngineStats {
-        let (mut hits, mut misses) = (0, 0);
-        for st in &self.stages {
-            if let Some(c) = &st.cache {
-                let (h, m) = c.counters();
-                hits += h;
-                misses += m;
-            }
+    #[test]
+    fn yarn_tables_reach_the_backend() {
+        let hp = tiny_hp();
+        let w = tiny_weights(&hp, GgmlType::F32, 6);
+        let mut m = standalone_cpu(
+            &hp,
+            &w,
+            "yarn",
+            Standalone {
+                slots: 1,
+                ctx: 32,
+                kv: GgmlType::F16,
+                max_tok: 4,
+                ubatch: 16,
+                yarn: Some(Yarn::new(4.0, 64)),
+            },
+        )
+        .unwrap();
+        let rope = m.stages()[0].backend.rope().clone();
+        // Same hand values as backend::cpu's YaRN test: head_dim 16, theta 1e4, factor 4.
+        assert!((rope.inv_freq()[1] - 0.237_170_8).abs() < 1e-6);
+        assert!((rope.attn_factor() - 1.138_629_4).abs() < 1e-6);
+        let l = m.prefill(0, &PROMPT, true).unwrap().unwrap();
+        assert!(l.iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn bad_inputs_are_refused_with_names() {
+        let hp = tiny_hp();
+        let w = tiny_weights(&hp, GgmlType::F32, 7);
+        let mut m = engine(&hp, &w, 1, GgmlType::F32, 8);
+        let req = |r: Result<Option<&[f32]>, crate::engine::EngineError>| match r {
+            Err(crate::engine::EngineError::Request(m)) => m,
+            other => panic!("not a request error: {:?}", other.map(|o| o.map(|l| l.len()))),
+        };
+        assert!(req(m.prefill(0, &[97], false)).contains("token 97"));
+        assert!(req(m.prefill(1, &[1], false)).contains("slot 1"));
+        assert!(req(m.prefill(0, &[1; 17], false)).contains("ubatch"));
+        for _ in 0..4 {
+            m.prefill(0, &[1; 16], false).unwrap();
         }
-        EngineStats {
-            expert_hits: hits,
-            expert_misses: misses,
-            kv_cells_in_use: self.lens.clone(),
-        }
+        assert!(req(m.prefill(0, &[1], false)).contains("64 of 64"));
+        m.reset_slot(0);
+        assert_eq!(m.slot_len(0), 0, "a reset slot takes a new request");
+        // A wrong-shaped tensor is named.
+        let mut bad = w.get("blk.1.attn_k.weight").unwrap().clone();
+        bad.dims = vec![64, 16];
+        bad.data.truncate(64 * 16 * 4);
+        let mut w2 = w.clone();
+        w2.insert("blk.1.attn_k.weight", bad);
+        let s = Standalone {
+            slots: 1,
+            ctx: 8,
+            kv: GgmlType::F32,
+            max_tok: 4,
+            ubatch: 4,
+            yarn: None,
+        };
+        let err = standalone_cpu(&hp, &w2, "bad", s).err().unwrap();
+        assert!(err.to_string().contains("blk.1.attn_k.weight"), "{err}");
+        let mut w3 = tiny_weights(&hp, GgmlType::F32, 7);
+        w3.remove("blk.0.ffn_up_exps.weight");
+        let err = standalone_cpu(&hp, &w3, "bad", s).err().unwrap();
+        assert!(
+            matches!(&err, StartError::Model(ModelError::MissingTensor { name, .. }) if name == "blk.0.ffn_up_exps.weight"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn norm_topk_prob_changes_the_output() {
+        let mut hp = tiny_hp();
+        let w = tiny_weights(&hp, GgmlType::F32, 8);
+        let a = engine(&hp, &w, 1, GgmlType::F32, 4)
+            .prefill(0, &PROMPT[..4], true)
+            .unwrap()
+            .unwrap()
+            .to_vec();
+        hp.norm_topk_prob = false;
+        let mut mb = engine(&hp, &w, 1, GgmlType::F32, 4);
+        let b = mb.prefill(0, &PROMPT[..4], true).unwrap().unwrap();
+        assert!(max_diff(&a, b) > 1e-4);
     }
 }

@@ -7,11 +7,20 @@
 //! oldest use; seeds start in plan order, best first, so the coldest seed goes first);
 //! nothing is allocated after construction.
 
-use crate::model::qwen3moe::{ExpertBytes, ExpertFetch, ModelError};
+
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::plan::ResidentExpert;
 
 const NONE: u32 = u32::MAX;
+
+/// One routed expert's three matrices as the cache hands them out: (type, bytes) of gate
+/// (`n_ff_exp` rows of `n_embd`), up (same) and down (`n_embd` rows of `n_ff_exp`).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertBytes<'b> {
+    pub gate: (GgmlType, &'b [u8]),
+    pub up: (GgmlType, &'b [u8]),
+    pub down: (GgmlType, &'b [u8]),
+}
 
 /// What a lookup decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -235,22 +244,19 @@ impl<'a> CpuExpertCache<'a> {
     }
 }
 
-impl ExpertFetch for CpuExpertCache<'_> {
-    fn fetch(&mut self, layer: u32, expert: u32) -> Result<ExpertBytes<'_>, ModelError> {
-        let slot = match self
-            .policy
-            .lookup(layer, expert)
-            .map_err(ModelError::Request)?
-        {
+impl CpuExpertCache<'_> {
+    /// Expert `expert` of `layer` from its cache slot, filled from the host stacks on a miss
+    /// (the bytes stay valid until the next call).
+    pub fn fetch(&mut self, layer: u32, expert: u32) -> Result<ExpertBytes<'_>, String> {
+        let slot = match self.policy.lookup(layer, expert)? {
             Lookup::Hit { slot } => slot,
             Lookup::Miss { slot, .. } => {
-                self.fill(layer, expert, slot)
-                    .map_err(ModelError::Request)?;
+                self.fill(layer, expert, slot)?;
                 slot
             }
         };
         let st = self.stacks[(layer - self.policy.layer_first) as usize]
-            .ok_or_else(|| ModelError::Request(format!("layer {layer} has no experts")))?;
+            .ok_or_else(|| format!("layer {layer} has no experts"))?;
         let base = slot as usize * self.slot_bytes;
         let n = self.n_expert;
         let (g, u, d) = (st.gate.1.len() / n, st.up.1.len() / n, st.down.1.len() / n);

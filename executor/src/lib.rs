@@ -1,8 +1,9 @@
-//! strata-exec: the executor — CPU reference numerics (`quant`, `backend::cpu`), the Qwen3-MoE
-//! forward pass (`model::qwen3moe`), plan binding (`bind`), weight loading (`load`), the
-//! expert cache (`experts`) and the plan-bound engine (`exec::PlanEngine`).
-//! Invariant: the reference computes what transformers' `Qwen3MoeForCausalLM` computes in
-//! float32, and allocates nothing per token once its scratch is warm.
+//! strata-exec: the executor — the backend seam and its backends (`backend::cpu`, the
+//! reference; `backend::cuda`), one forward pass per architecture over the seam (`model`),
+//! the pipeline that drives any backend as an engine (`pipeline`), plan binding (`bind`),
+//! weight loading (`load`), the expert cache (`experts`), sampling, tokenizer and server.
+//! Invariant: the CPU reference computes what transformers computes in float32, every GPU
+//! kernel is checked against it, and no engine allocates per token after start-up.
 
 pub mod backend;
 pub mod bind;
@@ -11,6 +12,7 @@ pub mod exec;
 pub mod experts;
 pub mod load;
 pub mod model;
+pub mod pipeline;
 pub use strata_schemas::quant;
 pub mod sampler;
 pub mod serve;

@@ -1,4 +1,4 @@
-//! `PlanEngine` end to end on the tiny reference models: planned with the planner library,
+//! The CPU engine (`exec::start_cpu`) end to end on the tiny reference models: planned with the planner library,
 //! bound to CPU arenas, checked against transformers and against itself across splits,
 //! expert-cache sizes, KV spill and batching.
 
@@ -7,12 +7,12 @@ mod common;
 use common::*;
 use strata_exec::bind::BindError;
 use strata_exec::engine::Engine;
-use strata_exec::exec::{EngineOptions, PlanEngine, StartError};
+use strata_exec::exec::{start_cpu, CpuEngine, EngineOptions, StartError};
 use strata_exec::load::SafetensorsModel;
 use strata_schemas::serve::{ExpertCache, KvType};
 
 /// Prompt logits (every position) and a greedy continuation of `n` tokens.
-fn run(e: &mut PlanEngine, slot: usize, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>) {
+fn run(e: &mut CpuEngine, slot: usize, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>) {
     let ub = e.info().ubatch;
     let mut logits = Vec::new();
     for chunk in prompt.chunks(ub) {
@@ -103,7 +103,7 @@ fn split_plans_small_caches_and_kv_spill_give_identical_logits() {
         .count();
     assert!(spill >= 2, "KV spill chunks on both devices");
     let mut e2 = engine("base", &two);
-    assert_eq!(e2.stage_devices(), vec![0, 1]);
+    assert_eq!(e2.stages().len(), 2);
     assert_eq!(
         e2.allocations(),
         2 + two.host.pinned_chunks.len() as u64,
@@ -164,7 +164,7 @@ fn start_up_refuses_mismatches_with_numbers() {
     let p = plan("base", &Ask::default());
     // Another model's file.
     let other = SafetensorsModel::open(&data("yarn")).unwrap();
-    let err = PlanEngine::start(&p, Box::new(other), EngineOptions::default())
+    let err = start_cpu(&p, Box::new(other), EngineOptions::default())
         .err()
         .unwrap();
     let msg = err.to_string();
@@ -179,7 +179,7 @@ fn start_up_refuses_mismatches_with_numbers() {
         mem_available: Some(1000),
         ..EngineOptions::default()
     };
-    let err = PlanEngine::start(&p, Box::new(host), opts).err().unwrap();
+    let err = start_cpu(&p, Box::new(host), opts).err().unwrap();
     assert!(
         matches!(
             err,
@@ -194,7 +194,7 @@ fn start_up_refuses_mismatches_with_numbers() {
     let mut gpu = p.clone();
     gpu.devices[0].vendor = "nvidia".into();
     let host = SafetensorsModel::open(&data("base")).unwrap();
-    let err = PlanEngine::start(&gpu, Box::new(host), EngineOptions::default())
+    let err = start_cpu(&gpu, Box::new(host), EngineOptions::default())
         .err()
         .unwrap();
     assert!(err.to_string().contains("CUDA"), "{err}");
@@ -222,7 +222,7 @@ fn one_two_and_three_device_plans_agree_bit_for_bit() {
         let p = plan_folder(dir.path(), n, split, cache, Some(7));
         assert_eq!(p.devices.len(), n);
         let host = SafetensorsModel::open(dir.path()).unwrap();
-        let mut e = PlanEngine::start(&p, Box::new(host), EngineOptions::default()).unwrap();
+        let mut e = start_cpu(&p, Box::new(host), EngineOptions::default()).unwrap();
         assert_eq!(
             e.allocations(),
             n as u64 + p.host.pinned_chunks.len() as u64

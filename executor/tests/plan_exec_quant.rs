@@ -1,7 +1,7 @@
 //! GGUF models through a plan, and the quantized weight and KV types against the real
 //! thing: the tiny reference model converted by our writer to F32, F16, BF16 and Q8_0 GGUFs
 //! (and a 256-wide random model to Q4_K, which needs 256-element rows), each planned for
-//! `plans/hardware/cpu.toml` with the planner library and run by `PlanEngine`.
+//! `plans/hardware/cpu.toml` with the planner library and run by the CPU engine.
 //! Invariant: every quantized run is checked twice — against an f32 run of exactly the
 //! weights the file decodes to (proves the on-the-fly dot products, to 1e-4), and against
 //! transformers (or the f32 path that matches it) within a bound derived from the type's
@@ -12,7 +12,7 @@ mod common;
 use common::*;
 use std::path::Path;
 use strata_exec::engine::Engine;
-use strata_exec::exec::{EngineOptions, PlanEngine};
+use strata_exec::exec::{start_cpu, CpuEngine, EngineOptions};
 use strata_exec::load::{GgufModel, HostModel, SafetensorsModel};
 use strata_plan::solve::{solve, Outcome, PlanRequest};
 use strata_schemas::ggml::GgmlType;
@@ -69,13 +69,13 @@ fn open(model: &Path) -> Box<dyn HostModel> {
 }
 
 /// Plan and start `model`.
-fn start(model: &Path, kv: KvType) -> PlanEngine {
+fn start(model: &Path, kv: KvType) -> CpuEngine {
     let p = plan_model(model, kv);
-    PlanEngine::start(&p, open(model), EngineOptions::default()).unwrap()
+    start_cpu(&p, open(model), EngineOptions::default()).unwrap()
 }
 
 /// Logits of every position of `tokens` (teacher-forced), in ubatch chunks from a fresh slot.
-fn logits(e: &mut PlanEngine, tokens: &[u32]) -> Vec<f32> {
+fn logits(e: &mut CpuEngine, tokens: &[u32]) -> Vec<f32> {
     e.reset_slot(0);
     let ub = e.info().ubatch;
     let mut out = Vec::new();
@@ -228,7 +228,7 @@ fn f32_gguf_plans_and_runs_like_the_safetensors_folder() {
         .tensors
         .iter()
         .any(|t| t.name == "blk.1.ffn_down_exps.weight"));
-    let mut g = PlanEngine::start(&p, open(&gguf), EngineOptions::default()).unwrap();
+    let mut g = start_cpu(&p, open(&gguf), EngineOptions::default()).unwrap();
     let mut st = start(&base, KvType::F16);
     let v = g.info().n_vocab;
     for (pi, (seq, n)) in forced(&r).iter().enumerate() {
@@ -249,7 +249,7 @@ fn f32_gguf_plans_and_runs_like_the_safetensors_folder() {
     // Another model's GGUF is refused at start-up, naming the fingerprint.
     let other = dir.path().join("nonorm.gguf");
     convert_hf_folder(&data("nonorm"), &other, GgmlType::F32, None).unwrap();
-    let err = PlanEngine::start(&p, open(&other), EngineOptions::default())
+    let err = start_cpu(&p, open(&other), EngineOptions::default())
         .err()
         .unwrap()
         .to_string();

@@ -64,7 +64,7 @@ macro_rules! work_bufs {
 }
 
 work_bufs! {
-    /// Step inputs: token ids, positions, slots (u32 x tokens each, back to back).
+    /// GPU: step inputs: token ids, positions, slots (u32 x tokens each, back to back).
     Inputs = "inputs",
     /// The residual stream (f32, tokens x hidden).
     X = "x",
@@ -227,7 +227,6 @@ pub fn buffers(
     let t = p.tokens as u64;
     let u = |n: usize| n as u64;
     let shared = [
-        (Inputs, 3 * 4 * t),
         (X, f * t * u(d.e)),
         (Xn, f * t * u(d.e)),
         (Q, f * t * u(d.q_out())),
@@ -265,6 +264,7 @@ pub fn buffers(
             let dec = p.slots.max(1) as u64;
             let g = |b: u64| if p.gemm { b } else { 0 };
             out.extend([
+                (Inputs, 3 * 4 * t),
                 (H, f * t * u(d.k) * u(d.f)),
                 (NCtx, 4 * t),
                 (

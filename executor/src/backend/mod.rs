@@ -1,6 +1,199 @@
-//! Compute backends. `cpu` is the reference every device kernel is tested against.
-//! Invariant: backends take pre-validated shapes and never size memory from what is free.
+//! The backend seam: the handful of operations a forward pass is written in ([`Ops`]), and
+//! what a pipeline needs of one planned device's backend to drive a step ([`Stage`]). A
+//! model's forward pass (`model::*`) is written once over `Ops`; each backend implements it
+//! (`cpu` plainly, as the reference; `cuda` with its fused kernels, graphs and launch tricks
+//! kept private).
+//! Invariant: ops read and write only the named working buffers they are given (bound from
+//! the plan's scratch by [`WorkBuf`] name), the weights bound at start-up, and the stage's
+//! own KV; no op allocates or sizes memory, and every op checks its buffers against the rows
+//! it is asked for before it starts.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+
+pub use strata_schemas::workset::WorkBuf;
+
+/// What a forward step carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StepKind {
+    /// Consecutive prompt tokens of one slot (positions ascending).
+    Prefill,
+    /// One token for each of several distinct slots.
+    Decode,
+}
+
+/// The attention op of one layer: per-head RMSNorm of Q and K (when the model has it),
+/// rotary embedding, the store of K and V into the stage's KV at each token's (slot,
+/// position), then causal attention of each token over its slot's cells `0..=pos`.
+#[derive(Debug, Clone, Copy)]
+pub struct Attention<V> {
+    /// The layer's index among the stage's KV layers (its place in the stage's KV).
+    pub kv_layer: usize,
+    pub q: WorkBuf,
+    pub k: WorkBuf,
+    pub v: WorkBuf,
+    pub q_norm: Option<V>,
+    pub k_norm: Option<V>,
+    /// Attention output: `n x n_head x head_dim_v`.
+    pub out: WorkBuf,
+}
+
+/// The router of a MoE layer: `xn = RMSNorm(x) * norm`, router logits `W xn`, softmax over
+/// every expert, the top-k (ties to the lower index), renormalised when the model says so.
+#[derive(Debug, Clone, Copy)]
+pub struct Route<M, V> {
+    /// The residual stream it normalises.
+    pub x: WorkBuf,
+    pub norm: V,
+    pub router: M,
+    pub xn: WorkBuf,
+    /// Chosen experts (u32) and their weights (f32), `n x k`.
+    pub ids: WorkBuf,
+    pub wts: WorkBuf,
+}
+
+/// The operations of a forward pass on one planned device. Buffers hold rows of f32 (`n`
+/// rows of the width the op implies) unless said otherwise.
+pub trait Ops {
+    /// A weight matrix bound at start-up (`rows x cols` of some ggml type).
+    type Mat: Copy + std::fmt::Debug;
+    /// A vector of f32 bound at start-up (a norm's weights).
+    type Vector: Copy + std::fmt::Debug;
+    /// One layer's routed experts, wherever the backend keeps them.
+    type Experts: Copy + std::fmt::Debug;
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Start a pass of `n` tokens whose inputs were uploaded ([`Stage::upload_inputs`]).
+    fn pass_start(&mut self, n: usize) -> Result<(), Self::Error>;
+    /// `out[i] = table[token i]` for the pass's tokens.
+    fn embed(&mut self, table: Self::Mat, out: WorkBuf, n: usize) -> Result<(), Self::Error>;
+    /// `out[i] = RMSNorm(x[first + i]) * w` for `i < n`.
+    fn rms_norm(
+        &mut self,
+        x: WorkBuf,
+        first: usize,
+        w: Self::Vector,
+        out: WorkBuf,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// `y_j = W_j x` for every `(W_j, y_j)`; every `W_j` takes x's width.
+    fn project(
+        &mut self,
+        x: WorkBuf,
+        outs: &[(Self::Mat, WorkBuf)],
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// `y += W x`.
+    fn project_add(
+        &mut self,
+        w: Self::Mat,
+        x: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// See [`Attention`].
+    fn attention(
+        &mut self,
+        a: &Attention<Self::Vector>,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// See [`Route`].
+    fn route(
+        &mut self,
+        r: &Route<Self::Mat, Self::Vector>,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// `y[i] += sum_j wts[i][j] * down_e(silu(gate_e xn[i]) * up_e xn[i])` over token i's
+    /// chosen experts `e = ids[i][j]` of `layer` (the model's layer index).
+    #[allow(clippy::too_many_arguments)]
+    fn experts(
+        &mut self,
+        layer: u32,
+        e: &Self::Experts,
+        xn: WorkBuf,
+        ids: WorkBuf,
+        wts: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// A dense SwiGLU FFN: `y += down(silu(gate xn) * up xn)`.
+    fn dense_ffn(
+        &mut self,
+        gate: Self::Mat,
+        up: Self::Mat,
+        down: Self::Mat,
+        xn: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+}
+
+/// How the weights a forward pass names are bound on a backend (at start-up only).
+pub trait Bind: Ops {
+    /// The tensor `name` as a matrix of `rows x cols` (GGUF dims `[cols, rows]`).
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Self::Mat, Self::Error>;
+    /// The tensor `name` (dims `[n]`) as f32.
+    fn vector(&mut self, name: &str, n: usize) -> Result<Self::Vector, Self::Error>;
+    /// The routed experts of `layer` (the stacks `blk.L.ffn_{gate,up,down}_exps.weight`, of
+    /// `n_expert` matrices: gate/up `f x e`, down `e x f`), wherever this device keeps them.
+    fn experts_of(&mut self, layer: u32) -> Result<Self::Experts, Self::Error>;
+    /// Whether the model has a tensor called `name`.
+    fn has(&self, name: &str) -> bool;
+}
+
+/// One planned device's backend as a pipeline drives it.
+pub trait Stage: Ops {
+    /// Put the step's inputs where the pass reads them: token `i` of slot `slots[i]` at
+    /// position `pos[i]` (`tokens` may be empty on stages that take hidden states).
+    fn upload_inputs(
+        &mut self,
+        kind: StepKind,
+        tokens: &[u32],
+        slots: &[u32],
+        pos: &[u32],
+    ) -> Result<(), Self::Error>;
+    /// Run one pass of `kind` over `n` tokens: `forward` issues its ops. A backend may record
+    /// the ops of a decode pass once per `n` and replay them (CUDA graphs); `forward` must
+    /// then issue the same ops for the same `n`.
+    fn run(
+        &mut self,
+        kind: StepKind,
+        n: usize,
+        forward: &mut dyn FnMut(&mut Self) -> Result<(), Self::Error>,
+    ) -> Result<(), Self::Error>;
+    /// Hand the first `n` rows of `x` to the next stage's `x`.
+    fn send_hidden(&mut self, next: &mut Self, x: WorkBuf, n: usize) -> Result<(), Self::Error>;
+    /// Copy the first `rows` rows of the logits buffer to `out` (`rows x vocab`), after every
+    /// queued op is done.
+    fn read_logits(&mut self, rows: usize, out: &mut [f32]) -> Result<(), Self::Error>;
+    /// The argmax of each of the first `out.len()` logit rows (lowest id on ties, NaN never
+    /// wins). Backends that pick on their device override it; this reads the logits back.
+    fn pick_greedy(&mut self, scratch: &mut [f32], out: &mut [u32]) -> Result<(), Self::Error> {
+        let rows = out.len();
+        let v = scratch.len() / rows.max(1);
+        self.read_logits(rows, &mut scratch[..rows * v])?;
+        crate::sampler::argmax_rows(&scratch[..rows * v], v, out);
+        Ok(())
+    }
+    /// `out[i]` = the token `draws[i]` picks from logit row `i`. Backends that sample on their
+    /// device override it; this reads the logits back and samples on the host.
+    fn pick_sample(
+        &mut self,
+        draws: &[crate::sampler::Draw],
+        scratch: &mut [f32],
+        out: &mut [u32],
+    ) -> Result<(), Self::Error> {
+        let rows = out.len();
+        let v = scratch.len() / rows.max(1);
+        self.read_logits(rows, &mut scratch[..rows * v])?;
+        crate::sampler::sample_rows(&scratch[..rows * v], v, &draws[..rows], out);
+        Ok(())
+    }
+    /// Wait for everything queued.
+    fn sync(&mut self) -> Result<(), Self::Error>;
+    /// Expert cache counters (hits, misses) since start-up.
+    fn expert_counters(&self) -> (u64, u64) {
+        (0, 0)
+    }
+}

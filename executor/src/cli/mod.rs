@@ -10,7 +10,7 @@ pub mod serve;
 
 use std::path::{Path, PathBuf};
 use strata_exec::engine::Engine;
-use strata_exec::exec::{EngineOptions, PlanEngine};
+use strata_exec::exec::{start_cpu, EngineOptions};
 use strata_schemas::plan::Plan;
 
 /// Print `strata-exec: MSG` and exit 1 (bad input or a mismatch).
@@ -128,7 +128,7 @@ pub fn try_start_engine(
     let host = strata_exec::load::open_model(model).map_err(|e| e.to_string())?;
     match backend_for(plan, args) {
         Backend::Cuda => start_cuda(plan, host, args),
-        _ => PlanEngine::start(
+        _ => start_cpu(
             plan,
             host,
             EngineOptions {

@@ -4,9 +4,10 @@
 //! Invariant: the mapping only renames and stacks (a PyTorch `[out, in]` weight is GGUF
 //! `[in, out]` with the same bytes); it never transforms values.
 
-use super::qwen3moe::{KvCache, Model, ModelOptions};
 use super::MemWeights;
 use crate::backend::cpu::Yarn;
+use crate::engine::Engine;
+use crate::exec::{standalone_cpu, Standalone};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
@@ -184,11 +185,23 @@ fn check_variant(dir: &Path) -> Result<f32, String> {
     });
     let t = parse_safetensors(&rd("model.safetensors")?)?;
     let w = hf_to_gguf(&t, &hp, GgmlType::F32)?;
-    let opts = ModelOptions {
-        max_batch_tokens: 64,
-        yarn,
-    };
-    let mut m = Model::new(&hp, &w, opts).map_err(|e| e.to_string())?;
+    let prompts = reference["prompts"].as_array().ok_or("prompts")?;
+    let mut m = standalone_cpu(
+        &hp,
+        &w,
+        "reference",
+        Standalone {
+            slots: prompts.len(),
+            ctx: 64,
+            kv: GgmlType::F32,
+            // Passes of 5 tokens, so prompts run in several.
+            max_tok: 5,
+            ubatch: 64,
+            yarn,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let rope = m.stages()[0].backend.rope().clone();
     // RoPE tables against transformers' own.
     let inv: Vec<f64> = reference["rope"]["inv_freq"]
         .as_array()
@@ -196,7 +209,7 @@ fn check_variant(dir: &Path) -> Result<f32, String> {
         .iter()
         .map(|v| v.as_f64().unwrap_or(0.0))
         .collect();
-    for (i, (a, b)) in m.rope().inv_freq().iter().zip(&inv).enumerate() {
+    for (i, (a, b)) in rope.inv_freq().iter().zip(&inv).enumerate() {
         if ((*a as f64) - b).abs() > 1e-6 * b.abs().max(1e-3) {
             return Err(format!("inv_freq[{i}]: ours {a}, transformers {b}"));
         }
@@ -204,15 +217,14 @@ fn check_variant(dir: &Path) -> Result<f32, String> {
     let att = reference["rope"]["attention_scaling"]
         .as_f64()
         .unwrap_or(1.0);
-    if ((m.rope().attn_factor() as f64) - att).abs() > 1e-6 {
+    if ((rope.attn_factor() as f64) - att).abs() > 1e-6 {
         return Err(format!(
             "attention scaling: ours {}, transformers {att}",
-            m.rope().attn_factor()
+            rope.attn_factor()
         ));
     }
     let v = hp.n_vocab as usize;
     let mut worst = 0f32;
-    let prompts = reference["prompts"].as_array().ok_or("prompts")?;
     for (pi, p) in prompts.iter().enumerate() {
         let toks: Vec<u32> = p
             .as_array()
@@ -220,11 +232,9 @@ fn check_variant(dir: &Path) -> Result<f32, String> {
             .iter()
             .map(|t| t.as_u64().unwrap_or(0) as u32)
             .collect();
-        let slot = m
-            .add_slot(KvCache::new_owned(&hp, GgmlType::F32, 64).map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
+        let slot = pi;
         let ours = m
-            .prefill(slot, &toks, 5, true)
+            .prefill_all(slot, &toks)
             .map_err(|e| e.to_string())?
             .to_vec();
         let want = reference["logits"][pi].as_array().ok_or("logits")?;
@@ -351,11 +361,21 @@ fn mapping_renames_and_stacks_without_changing_values() {
     let gate_inp = w.get("blk.0.ffn_gate_inp.weight").unwrap();
     assert_eq!(gate_inp.dims, vec![4, 2]);
     // The mapped model has every tensor the forward pass needs, with the right dims.
-    let mut m = Model::new(&hp, &w, ModelOptions::new(4)).unwrap();
-    let s = m
-        .add_slot(KvCache::new_owned(&hp, GgmlType::F32, 4).unwrap())
-        .unwrap();
-    assert_eq!(m.prefill(s, &[0, 2], 2, false).unwrap().len(), 3);
+    let mut m = standalone_cpu(
+        &hp,
+        &w,
+        "mapped",
+        Standalone {
+            slots: 1,
+            ctx: 4,
+            kv: GgmlType::F32,
+            max_tok: 2,
+            ubatch: 2,
+            yarn: None,
+        },
+    )
+    .unwrap();
+    assert_eq!(m.prefill(0, &[0, 2], true).unwrap().unwrap().len(), 3);
 }
 
 #[test]

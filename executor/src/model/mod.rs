@@ -1,16 +1,94 @@
-//! Model forward passes and the weight-source abstraction they read tensors through.
-//! Invariant: a forward pass sees weights only as (type, GGUF dims, bytes) views named with
-//! llama.cpp's tensor names; where the bytes live (mmap, arena, test map) is the source's
-//! business.
+//! Model forward passes, one module per architecture written once over the backend seam
+//! (`backend::Ops`), and the weight-source abstraction a CPU backend binds tensors through.
+//! Invariant: a forward pass names weights only by llama.cpp's tensor names and shapes;
+//! where the bytes live (mmap, arena, device) is the backend's business, and every tensor is
+//! checked (presence, dims, type, byte count) before the first pass.
 
 pub mod qwen3moe;
 
 #[cfg(test)]
 mod hf_reference;
 
+use crate::backend::Ops;
 use crate::quant::{self, QuantError};
 use std::collections::HashMap;
 use strata_schemas::ggml::GgmlType;
+
+/// A problem with the model's tensors or hyperparameters, naming the tensor or key.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ModelError {
+    #[error("tensor `{name}` is missing: the {arch} forward pass needs it (was the file converted for another architecture?)")]
+    MissingTensor { name: String, arch: &'static str },
+    #[error("tensor `{name}` has dims {got:?} but the hyperparameters say {expected:?} (GGUF order, ne0 first)")]
+    BadShape {
+        name: String,
+        expected: Vec<u64>,
+        got: Vec<u64>,
+    },
+    #[error("tensor `{name}` holds {got} bytes but {ty} with dims {dims:?} needs {expected}")]
+    BadBytes {
+        name: String,
+        ty: GgmlType,
+        dims: Vec<u64>,
+        expected: u64,
+        got: u64,
+    },
+    #[error("tensor `{name}`: {source}")]
+    Tensor { name: String, source: QuantError },
+    #[error("hyperparameter `{key}`: {reason}")]
+    HParam { key: &'static str, reason: String },
+}
+
+/// A model's forward pass over one stage of a pipeline (its layers, and the embedding and
+/// head where the stage holds them), as a pipeline drives it.
+pub trait Forward<B: Ops> {
+    /// Run the stage's layers over the `n` tokens of a pass whose inputs are uploaded: the
+    /// first stage embeds its tokens into `x`, the others start from the `x` the previous
+    /// stage handed on; the final hidden states are left in `x`.
+    fn forward(&self, b: &mut B, n: usize) -> Result<(), B::Error>;
+    /// The output norm and head over rows `first..first + rows` of `x`, into the logits
+    /// buffer's rows `0..rows` (last stage only).
+    fn head(&self, b: &mut B, first: usize, rows: usize) -> Result<(), B::Error>;
+    /// Whether this stage holds the output head.
+    fn holds_head(&self) -> bool;
+}
+
+/// `name` from `src`, checked: present, the given dims, a supported type, its exact bytes.
+pub fn check_view<'a, S: WeightSource + ?Sized>(
+    src: &'a S,
+    arch: &'static str,
+    name: &str,
+    dims: &[u64],
+) -> Result<WeightView<'a>, ModelError> {
+    let v = src.tensor(name).ok_or_else(|| ModelError::MissingTensor {
+        name: name.into(),
+        arch,
+    })?;
+    if v.dims != dims {
+        return Err(ModelError::BadShape {
+            name: name.into(),
+            expected: dims.to_vec(),
+            got: v.dims.to_vec(),
+        });
+    }
+    if !quant::is_supported(v.ggml_type) {
+        return Err(ModelError::Tensor {
+            name: name.into(),
+            source: QuantError::Unsupported { ty: v.ggml_type },
+        });
+    }
+    let expected = v.ggml_type.tensor_bytes(dims);
+    if expected != Some(v.data.len() as u64) {
+        return Err(ModelError::BadBytes {
+            name: name.into(),
+            ty: v.ggml_type,
+            dims: dims.to_vec(),
+            expected: expected.unwrap_or(u64::MAX),
+            got: v.data.len() as u64,
+        });
+    }
+    Ok(v)
+}
 
 /// One tensor's bytes as stored in GGUF: `dims[0]` is contiguous, so `[ne0, ne1]` is `ne1`
 /// rows of `ne0` elements (a PyTorch weight of shape `[ne1, ne0]`).
@@ -88,6 +166,11 @@ impl MemWeights {
             },
         );
         Ok(())
+    }
+
+    /// Take the tensor called `name` out.
+    pub fn remove(&mut self, name: &str) -> Option<OwnedTensor> {
+        self.tensors.remove(name)
     }
 
     /// Names in sorted order.

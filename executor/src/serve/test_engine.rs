@@ -1,12 +1,16 @@
-//! A test-support `Engine`: the CPU Qwen3-MoE `Model` over random in-memory weights (2
-//! layers, hidden 64, 4 experts top-2), so the server is testable without a plan or a GGUF.
+//! A test-support `Engine`: the plan-less CPU Qwen3-MoE engine over random in-memory weights
+//! (2 layers, hidden 64, 4 experts top-2), paced by an optional delay, so the server is
+//! testable without a plan or a GGUF.
 //! Invariant: the same `TinyConfig` gives bit-identical weights and therefore identical
 //! greedy outputs; each engine leaks its weights (well under 1 MiB) for the life of the
 //! process, which is what lets the model borrow them as `'static`.
 
+use crate::backend::cpu::CpuStage;
 use crate::engine::{Engine, EngineError, EngineInfo, EngineStats};
-use crate::model::qwen3moe::{KvCache, Model, ModelError, ModelOptions};
-use crate::model::MemWeights;
+use crate::exec::{standalone_cpu, Standalone};
+use crate::model::qwen3moe::Qwen3Moe;
+use crate::model::{MemWeights, ModelError};
+use crate::pipeline::Pipeline;
 use std::time::Duration;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::inventory::HParams;
@@ -115,44 +119,29 @@ pub fn tiny_weights(hp: &HParams, seed: u64) -> Result<MemWeights, ModelError> {
 
 /// An [`Engine`] over the CPU reference model with random weights.
 pub struct TinyEngine {
-    model: Model<'static>,
-    info: EngineInfo,
+    inner: Pipeline<CpuStage<'static>, Qwen3Moe<CpuStage<'static>>>,
     delay: Duration,
 }
 
-fn req(e: ModelError) -> EngineError {
-    match e {
-        ModelError::ContextFull { .. }
-        | ModelError::BadToken { .. }
-        | ModelError::NoSlot { .. }
-        | ModelError::BatchTooLarge { .. }
-        | ModelError::Request(_) => EngineError::Request(e.to_string()),
-        other => EngineError::Internal(other.to_string()),
-    }
-}
-
 impl TinyEngine {
-    pub fn new(cfg: &TinyConfig) -> Result<Self, ModelError> {
+    pub fn new(cfg: &TinyConfig) -> Result<Self, crate::exec::StartError> {
         let hp = tiny_hparams(cfg.n_vocab, cfg.max_context);
         let weights: &'static MemWeights = Box::leak(Box::new(tiny_weights(&hp, cfg.seed)?));
-        let max_batch = cfg.ubatch.max(cfg.n_slots).max(1);
-        let mut model = Model::new(&hp, weights, ModelOptions::new(max_batch))?;
-        for _ in 0..cfg.n_slots {
-            model.add_slot(KvCache::new_owned(
-                &hp,
-                GgmlType::F32,
-                cfg.max_context as usize,
-            )?)?;
-        }
-        Ok(Self {
-            model,
-            info: EngineInfo {
-                model_name: "strata-tiny".into(),
-                n_slots: cfg.n_slots,
-                max_context: cfg.max_context,
+        let inner = standalone_cpu(
+            &hp,
+            weights,
+            "strata-tiny",
+            Standalone {
+                slots: cfg.n_slots,
+                ctx: cfg.max_context as usize,
+                kv: GgmlType::F32,
+                max_tok: cfg.ubatch.max(1),
                 ubatch: cfg.ubatch.max(1),
-                n_vocab: cfg.n_vocab as usize,
+                yarn: None,
             },
+        )?;
+        Ok(Self {
+            inner,
             delay: cfg.step_delay,
         })
     }
@@ -166,7 +155,7 @@ impl TinyEngine {
 
 impl Engine for TinyEngine {
     fn info(&self) -> &EngineInfo {
-        &self.info
+        self.inner.info()
     }
 
     fn prefill(
@@ -175,40 +164,25 @@ impl Engine for TinyEngine {
         tokens: &[u32],
         want_logits: bool,
     ) -> Result<Option<&[f32]>, EngineError> {
-        if tokens.len() > self.info.ubatch {
-            return Err(EngineError::Request(format!(
-                "prefill chunk of {} tokens exceeds the ubatch {}",
-                tokens.len(),
-                self.info.ubatch
-            )));
-        }
         self.pace();
-        let ub = self.info.ubatch;
-        let logits = self.model.prefill(slot, tokens, ub, false).map_err(req)?;
-        Ok(want_logits.then_some(logits))
+        self.inner.prefill(slot, tokens, want_logits)
     }
 
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<&[f32], EngineError> {
         self.pace();
-        self.model.decode(batch).map_err(req)
+        self.inner.decode(batch)
     }
 
     fn reset_slot(&mut self, slot: usize) {
-        if let Some(kv) = self.model.slot_mut(slot) {
-            kv.clear();
-        }
+        self.inner.reset_slot(slot)
     }
 
     fn slot_len(&self, slot: usize) -> u64 {
-        self.model.slot(slot).map_or(0, |kv| kv.len() as u64)
+        self.inner.slot_len(slot)
     }
 
     fn stats(&self) -> EngineStats {
-        EngineStats {
-            expert_hits: 0,
-            expert_misses: 0,
-            kv_cells_in_use: (0..self.info.n_slots).map(|s| self.slot_len(s)).collect(),
-        }
+        self.inner.stats()
     }
 }
 

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use strata_exec::exec::{EngineOptions, PlanEngine};
+use strata_exec::exec::{start_cpu, CpuEngine, EngineOptions};
 use strata_exec::load::SafetensorsModel;
 use strata_plan::solve::{solve, Outcome, PlanRequest};
 use strata_schemas::plan::Plan;
@@ -191,9 +191,9 @@ pub fn plan_inventory(
     }
 }
 
-pub fn engine(variant: &str, plan: &Plan) -> PlanEngine {
+pub fn engine(variant: &str, plan: &Plan) -> CpuEngine {
     let host = SafetensorsModel::open(&data(variant)).unwrap();
-    PlanEngine::start(plan, Box::new(host), EngineOptions::default()).unwrap()
+    start_cpu(plan, Box::new(host), EngineOptions::default()).unwrap()
 }
 
 pub fn prompts(r: &Value) -> Vec<Vec<u32>> {

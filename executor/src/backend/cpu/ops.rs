@@ -1,6 +1,6 @@
 //! CPU reference ops on f32 slices: matmul against quantized weight rows, RMSNorm (whole
-//! rows and per head), NEOX rotary embedding with HF's YaRN scaling, softmax, SiLU and
-//! causal grouped-query attention over a KV region stored as F32, F16 or Q8_0.
+//! rows and per head), NEOX rotary embedding with HF's YaRN scaling, softmax and SiLU.
+//! (Attention over a slot's KV lives with the KV in `kv`.)
 //! Invariant: every op checks its shapes before it starts, writes only its output slices and
 //! allocates nothing; a token's result never depends on the other tokens of its batch.
 
@@ -360,29 +360,6 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// One layer of one slot's KV region: `n_cells` K rows then `n_cells` V rows, each row
-/// holding every KV head (`n_head_kv × head_dim`) in `ty`.
-#[derive(Debug, Clone, Copy)]
-pub struct KvLayer<'a> {
-    pub ty: GgmlType,
-    pub k: &'a [u8],
-    pub v: &'a [u8],
-    pub n_cells: usize,
-    pub k_row_elems: usize,
-    pub v_row_elems: usize,
-}
-
-impl KvLayer<'_> {
-    fn k_row(&self, c: usize) -> &[u8] {
-        let rb = self.k.len() / self.n_cells.max(1);
-        &self.k[c * rb..(c + 1) * rb]
-    }
-    fn v_row(&self, c: usize) -> &[u8] {
-        let rb = self.v.len() / self.n_cells.max(1);
-        &self.v[c * rb..(c + 1) * rb]
-    }
-}
-
 /// Head counts and sizes of an attention op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnShape {
@@ -390,91 +367,6 @@ pub struct AttnShape {
     pub n_head_kv: usize,
     pub head_dim_k: usize,
     pub head_dim_v: usize,
-}
-
-/// Causal GQA attention. `q` is `n_tok × n_head × head_dim_k`; `kv_of(t)` gives token `t`'s
-/// KV layer and how many cells it sees (its position + 1; its own K/V already written);
-/// `out` gets `n_tok × n_head × head_dim_v`. Query head `h` reads KV head
-/// `h / (n_head / n_head_kv)`. Parallel over (token, head).
-pub fn attention<'a, F>(
-    shape: AttnShape,
-    q: &[f32],
-    n_tok: usize,
-    kv_of: F,
-    scale: f32,
-    out: &mut [f32],
-) -> Result<(), OpError>
-where
-    F: Fn(usize) -> (KvLayer<'a>, usize) + Sync,
-{
-    let AttnShape {
-        n_head,
-        n_head_kv,
-        head_dim_k: hdk,
-        head_dim_v: hdv,
-    } = shape;
-    if n_head_kv == 0 || n_head % n_head_kv != 0 {
-        return Err(OpError::Shape {
-            op: "attention",
-            what: "n_head (a multiple of n_head_kv)",
-            expected: n_head_kv,
-            got: n_head,
-        });
-    }
-    need("attention", "q", n_tok * n_head * hdk, q.len())?;
-    need("attention", "out", n_tok * n_head * hdv, out.len())?;
-    for t in 0..n_tok {
-        let (kv, n_ctx) = kv_of(t);
-        if n_ctx > kv.n_cells || n_ctx == 0 {
-            return Err(OpError::KvRange {
-                token: t,
-                n_ctx,
-                n_cells: kv.n_cells,
-            });
-        }
-        need("attention", "kv row (k)", n_head_kv * hdk, kv.k_row_elems)?;
-        need("attention", "kv row (v)", n_head_kv * hdv, kv.v_row_elems)?;
-        let krb = quant::row_bytes(kv.ty, kv.k_row_elems)?;
-        let vrb = quant::row_bytes(kv.ty, kv.v_row_elems)?;
-        need("attention", "k bytes", krb * kv.n_cells, kv.k.len())?;
-        need("attention", "v bytes", vrb * kv.n_cells, kv.v.len())?;
-        if !quant::is_kv_type(kv.ty) {
-            return Err(QuantError::Unsupported { ty: kv.ty }.into());
-        }
-    }
-    let group = n_head / n_head_kv;
-    out[..n_tok * n_head * hdv]
-        .par_chunks_mut(hdv)
-        .enumerate()
-        .for_each(|(idx, o)| {
-            let (t, h) = (idx / n_head, idx % n_head);
-            let kvh = h / group;
-            let qh = &q[idx * hdk..(idx + 1) * hdk];
-            let (kv, n_ctx) = kv_of(t);
-            let score = |c: usize| {
-                quant::dot_range(kv.ty, kv.k_row(c), kv.k_row_elems, kvh * hdk, qh)
-                    .unwrap_or(f32::NAN)
-                    * scale
-            };
-            let mut m = f32::NEG_INFINITY;
-            for c in 0..n_ctx {
-                m = m.max(score(c));
-            }
-            o.fill(0.0);
-            let mut sum = 0f32;
-            for c in 0..n_ctx {
-                let e = (score(c) - m).exp();
-                sum += e;
-                if quant::axpy_range(kv.ty, kv.v_row(c), kv.v_row_elems, kvh * hdv, e, o).is_err() {
-                    o.fill(f32::NAN);
-                    return;
-                }
-            }
-            for v in o.iter_mut() {
-                *v /= sum;
-            }
-        });
-    Ok(())
 }
 
 #[cfg(test)]
@@ -568,46 +460,6 @@ mod tests {
         let m = 1.138_629_4f32;
         assert!((x[1] - m * 0.711_512_4f32.cos()).abs() < 1e-5, "{}", x[1]);
         assert!((x[9] - m * 0.711_512_4f32.sin()).abs() < 1e-5, "{}", x[9]);
-    }
-
-    #[test]
-    fn attention_gqa_two_cells_by_hand() {
-        // 2 query heads share 1 KV head of dim 2. Cells: k0 = (1,0), k1 = (0,1); v0 = (1,2),
-        // v1 = (3,4). Query head 0 = (ln 3, 0) with scale 1: scores (ln 3, 0) -> weights
-        // (3/4, 1/4) -> out = (1.5, 2.5). Head 1 = (0,0): uniform -> (2, 3).
-        let mut k = Vec::new();
-        let mut v = Vec::new();
-        for row in [[1.0f32, 0.0], [0.0, 1.0]] {
-            quantize_row(GgmlType::F16, &row, &mut k).unwrap();
-        }
-        for row in [[1.0f32, 2.0], [3.0, 4.0]] {
-            quantize_row(GgmlType::F16, &row, &mut v).unwrap();
-        }
-        let kv = KvLayer {
-            ty: GgmlType::F16,
-            k: &k,
-            v: &v,
-            n_cells: 2,
-            k_row_elems: 2,
-            v_row_elems: 2,
-        };
-        let shape = AttnShape {
-            n_head: 2,
-            n_head_kv: 1,
-            head_dim_k: 2,
-            head_dim_v: 2,
-        };
-        let q = [3f32.ln(), 0.0, 0.0, 0.0];
-        let mut out = [0f32; 4];
-        attention(shape, &q, 1, |_| (kv, 2), 1.0, &mut out).unwrap();
-        let want = [1.5, 2.5, 2.0, 3.0];
-        for (a, b) in out.iter().zip(want) {
-            assert!((a - b).abs() < 1e-3, "{out:?}");
-        }
-        // Causal: seeing only cell 0 gives v0 exactly.
-        attention(shape, &q, 1, |_| (kv, 1), 1.0, &mut out).unwrap();
-        assert_eq!(out, [1.0, 2.0, 1.0, 2.0]);
-        assert!(attention(shape, &q, 1, |_| (kv, 3), 1.0, &mut out).is_err());
     }
 
     #[test]

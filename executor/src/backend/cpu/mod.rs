@@ -1,0 +1,578 @@
+//! The CPU reference backend: [`CpuStage`] implements the seam's ops plainly, over weights
+//! read in place from a [`WeightSource`] (a planned arena or the mmapped file), working
+//! buffers bound from the plan's scratch, each slot's KV in its planned `kv_cache` window and
+//! `kv_spill` cells, and routed experts from their stacks or through the expert cache. Every
+//! GPU kernel is tested against these ops.
+//! Invariant: an op touches only the buffers it is given, the stage's KV and its expert
+//! cache; a token's result never depends on the other tokens of its pass; nothing is
+//! allocated per pass.
+
+pub mod kv;
+pub mod ops;
+pub mod scratch;
+
+pub use ops::{AttnShape, Matrix, OpError, Rope, Yarn};
+
+use crate::backend::{Attention, Bind, Ops, Route, Stage, StepKind, WorkBuf};
+use crate::experts::{CpuExpertCache, ExpertBytes};
+use crate::model::{check_view, ModelError, WeightSource};
+use crate::quant::{self, QuantError};
+use kv::{KvCache, KvError};
+use scratch::{Scratch, ScratchError};
+use strata_schemas::dims::Dims;
+use strata_schemas::ggml::GgmlType;
+
+/// Why a CPU op or binding failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CpuError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Op(#[from] OpError),
+    #[error(transparent)]
+    Scratch(#[from] ScratchError),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<QuantError> for CpuError {
+    fn from(e: QuantError) -> Self {
+        CpuError::Op(OpError::Quant(e))
+    }
+}
+
+/// A norm vector bound by [`CpuStage::vector`] (an index into the stage's f32 vectors).
+#[derive(Debug, Clone, Copy)]
+pub struct CpuVector(usize);
+
+/// One expert stack (`[cols, rows, n_expert]` in GGUF order) read in place.
+#[derive(Debug, Clone, Copy)]
+pub struct Stack<'a> {
+    ty: GgmlType,
+    cols: usize,
+    rows: usize,
+    per_expert: usize,
+    data: &'a [u8],
+}
+
+impl<'a> Stack<'a> {
+    fn expert(&self, e: usize) -> Result<Matrix<'a>, OpError> {
+        Matrix::new(
+            self.ty,
+            self.cols,
+            self.rows,
+            &self.data[e * self.per_expert..(e + 1) * self.per_expert],
+        )
+    }
+}
+
+/// Where a layer's routed experts are read from.
+#[derive(Debug, Clone, Copy)]
+pub enum CpuExperts<'a> {
+    /// Gate, up and down stacks, read in place.
+    Stacks(Stack<'a>, Stack<'a>, Stack<'a>),
+    /// Through the stage's expert cache.
+    Cache,
+}
+
+/// One planned device (or a whole plan-less model) on the CPU.
+pub struct CpuStage<'a> {
+    d: Dims,
+    src: &'a (dyn WeightSource + Sync),
+    arch: &'static str,
+    rope: Rope,
+    vectors: Vec<Vec<f32>>,
+    scratch: Scratch<'a>,
+    kv: Vec<KvCache<'a>>,
+    cache: Option<CpuExpertCache<'a>>,
+    /// The pass's inputs: token ids, slots and positions (capacity: the planned pass).
+    tok: Vec<u32>,
+    slot: Vec<u32>,
+    pos: Vec<u32>,
+    /// Per token of the pass, the cells it sees (`pos + 1`).
+    n_ctx: Vec<u32>,
+    max_tok: usize,
+}
+
+impl<'a> CpuStage<'a> {
+    /// A stage over `src`'s weights with its working buffers in `scratch`, one KV cache per
+    /// slot and (where experts are not read from their stacks) an expert cache; passes of at
+    /// most `max_tok` tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        d: Dims,
+        arch: &'static str,
+        src: &'a (dyn WeightSource + Sync),
+        rope: Rope,
+        scratch: Scratch<'a>,
+        kv: Vec<KvCache<'a>>,
+        cache: Option<CpuExpertCache<'a>>,
+        max_tok: usize,
+    ) -> Self {
+        Self {
+            d,
+            src,
+            arch,
+            rope,
+            vectors: Vec::new(),
+            scratch,
+            kv,
+            cache,
+            tok: Vec::with_capacity(max_tok),
+            slot: Vec::with_capacity(max_tok),
+            pos: Vec::with_capacity(max_tok),
+            n_ctx: Vec::with_capacity(max_tok),
+            max_tok,
+        }
+    }
+
+    /// The model dimensions.
+    pub fn dims(&self) -> &Dims {
+        &self.d
+    }
+
+    /// The rotary embedding in use.
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    fn check_n(&self, n: usize) -> Result<(), CpuError> {
+        if n == 0 || n > self.tok.len().max(self.slot.len()) || n > self.max_tok {
+            return Err(CpuError::Other(format!(
+                "a pass of {n} tokens, but {} were uploaded (at most {})",
+                self.slot.len(),
+                self.max_tok
+            )));
+        }
+        Ok(())
+    }
+
+    fn stack(&self, name: &str, cols: usize, rows: usize) -> Result<Stack<'a>, CpuError> {
+        let n = self.d.n_expert;
+        let v = check_view(self.src, self.arch, name, &[cols as u64, rows as u64, n as u64])?;
+        let rb = quant::row_bytes(v.ggml_type, cols).map_err(|source| ModelError::Tensor {
+            name: name.into(),
+            source,
+        })?;
+        Ok(Stack {
+            ty: v.ggml_type,
+            cols,
+            rows,
+            per_expert: rb * rows,
+            data: v.data,
+        })
+    }
+}
+
+/// `x += y` element by element.
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+fn expert_matrix<'b>(
+    ex: usize,
+    layer: u32,
+    what: &str,
+    (ty, data): (GgmlType, &'b [u8]),
+    cols: usize,
+    rows: usize,
+) -> Result<Matrix<'b>, CpuError> {
+    Matrix::new(ty, cols, rows, data).map_err(|err| {
+        CpuError::Other(format!(
+            "expert {ex} of layer {layer}: {what} from the expert cache: {err}"
+        ))
+    })
+}
+
+impl<'a> Ops for CpuStage<'a> {
+    type Mat = Matrix<'a>;
+    type Vector = CpuVector;
+    type Experts = CpuExperts<'a>;
+    type Error = CpuError;
+
+    fn pass_start(&mut self, n: usize) -> Result<(), CpuError> {
+        self.check_n(n)
+    }
+
+    fn embed(&mut self, table: Matrix<'a>, out: WorkBuf, n: usize) -> Result<(), CpuError> {
+        let e = table.cols;
+        let [o]: [&mut [f32]; 1] = self.scratch.words([(out, n * e)])?;
+        for (t, &tok) in self.tok[..n].iter().enumerate() {
+            table.dequantize_row(tok as usize, &mut o[t * e..(t + 1) * e])?;
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: WorkBuf,
+        first: usize,
+        w: CpuVector,
+        out: WorkBuf,
+        n: usize,
+    ) -> Result<(), CpuError> {
+        let wv = &self.vectors[w.0];
+        let e = wv.len();
+        let [xs, o]: [&mut [f32]; 2] = self.scratch.words([(x, (first + n) * e), (out, n * e)])?;
+        ops::rmsnorm_rows(&xs[first * e..], wv, self.d.eps, n, o)?;
+        Ok(())
+    }
+
+    fn project(
+        &mut self,
+        x: WorkBuf,
+        outs: &[(Matrix<'a>, WorkBuf)],
+        n: usize,
+    ) -> Result<(), CpuError> {
+        for (w, y) in outs {
+            let [xs, ys, tmp]: [&mut [f32]; 3] = self.scratch.words([
+                (x, n * w.cols),
+                (*y, n * w.rows),
+                (WorkBuf::Tmp, if n > 1 { n * w.rows } else { 0 }),
+            ])?;
+            ops::matmul(w, xs, n, ys, tmp)?;
+        }
+        Ok(())
+    }
+
+    fn project_add(
+        &mut self,
+        w: Matrix<'a>,
+        x: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), CpuError> {
+        let [xs, ys, proj, tmp]: [&mut [f32]; 4] = self.scratch.words([
+            (x, n * w.cols),
+            (y, n * w.rows),
+            (WorkBuf::Proj, n * w.rows),
+            (WorkBuf::Tmp, if n > 1 { n * w.rows } else { 0 }),
+        ])?;
+        ops::matmul(&w, xs, n, proj, tmp)?;
+        add_into(&mut ys[..n * w.rows], &proj[..n * w.rows]);
+        Ok(())
+    }
+
+    fn attention(&mut self, a: &Attention<CpuVector>, n: usize) -> Result<(), CpuError> {
+        let d = self.d;
+        let (qw, kw, vw) = (d.q_out(), d.k_out(), d.v_out());
+        let [q, k, v, out]: [&mut [f32]; 4] = self.scratch.words([
+            (a.q, n * qw),
+            (a.k, n * kw),
+            (a.v, n * vw),
+            (a.out, n * d.att_out()),
+        ])?;
+        if let Some(w) = a.q_norm {
+            ops::rmsnorm_heads_inplace(&mut q[..n * qw], &self.vectors[w.0], d.eps)?;
+        }
+        if let Some(w) = a.k_norm {
+            ops::rmsnorm_heads_inplace(&mut k[..n * kw], &self.vectors[w.0], d.eps)?;
+        }
+        for t in 0..n {
+            let p = self.pos[t];
+            self.rope.apply(&mut q[t * qw..(t + 1) * qw], d.hd, p)?;
+            self.rope.apply(&mut k[t * kw..(t + 1) * kw], d.hd, p)?;
+            let s = self.slot[t] as usize;
+            let kv = self.kv.get_mut(s).ok_or_else(|| {
+                CpuError::Other(format!("slot {s} has no KV cache on this stage"))
+            })?;
+            kv.write(
+                a.kv_layer,
+                p as usize,
+                &k[t * kw..(t + 1) * kw],
+                &v[t * vw..(t + 1) * vw],
+            )?;
+        }
+        let shape = AttnShape {
+            n_head: d.n_head,
+            n_head_kv: d.n_head_kv,
+            head_dim_k: d.hd,
+            head_dim_v: d.hd_v,
+        };
+        let scale = 1.0 / (d.hd as f32).sqrt();
+        kv::attention(
+            shape,
+            &self.kv,
+            a.kv_layer,
+            &self.slot[..n],
+            &self.n_ctx[..n],
+            q,
+            scale,
+            out,
+        )?;
+        Ok(())
+    }
+
+    fn route(&mut self, r: &Route<Matrix<'a>, CpuVector>, n: usize) -> Result<(), CpuError> {
+        let d = self.d;
+        let (e, ne, k) = (d.e, d.n_expert, d.k);
+        let ([x, xn, logits, wts, tmp], [ids]): ([&mut [f32]; 5], [&mut [u32]; 1]) =
+            self.scratch.mixed(
+                [
+                    (r.x, n * e),
+                    (r.xn, n * e),
+                    (WorkBuf::Router, n * ne),
+                    (r.wts, n * k),
+                    (WorkBuf::Tmp, if n > 1 { n * ne } else { 0 }),
+                ],
+                [(r.ids, n * k)],
+            )?;
+        ops::rmsnorm_rows(x, &self.vectors[r.norm.0], d.eps, n, xn)?;
+        ops::matmul(&r.router, xn, n, logits, tmp)?;
+        for t in 0..n {
+            let probs = &mut logits[t * ne..(t + 1) * ne];
+            ops::softmax(probs);
+            let idx = &mut ids[t * k..(t + 1) * k];
+            let w = &mut wts[t * k..(t + 1) * k];
+            for j in 0..k {
+                // Largest remaining probability; ties go to the lower expert index.
+                let mut best = usize::MAX;
+                for c in 0..ne {
+                    if idx[..j].contains(&(c as u32)) {
+                        continue;
+                    }
+                    if best == usize::MAX || probs[c] > probs[best] {
+                        best = c;
+                    }
+                }
+                idx[j] = best as u32;
+                w[j] = probs[best];
+            }
+            if d.norm_topk {
+                let sum: f32 = w.iter().sum();
+                for v in w.iter_mut() {
+                    *v /= sum;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Each expert runs once over the tokens that picked it, in increasing expert index (as
+    /// HF's loop does); a token's outputs are summed in that order, then added into `y`.
+    fn experts(
+        &mut self,
+        layer: u32,
+        src: &CpuExperts<'a>,
+        xn: WorkBuf,
+        ids: WorkBuf,
+        wts: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), CpuError> {
+        let d = self.d;
+        let (e, ne, k, f) = (d.e, d.n_expert, d.k, d.f);
+        let ([xs, ws, ys, proj, ex_w, ex_x, ex_g, ex_u, ex_d, tmp], [is, ex_tok]): (
+            [&mut [f32]; 10],
+            [&mut [u32]; 2],
+        ) = self.scratch.mixed(
+            [
+                (xn, n * e),
+                (wts, n * k),
+                (y, n * e),
+                (WorkBuf::Proj, n * e),
+                (WorkBuf::ExW, n),
+                (WorkBuf::ExX, n * e),
+                (WorkBuf::ExG, n * f),
+                (WorkBuf::ExU, n * f),
+                (WorkBuf::ExD, n * e),
+                (WorkBuf::Tmp, if n > 1 { n * e.max(f) } else { 0 }),
+            ],
+            [(ids, n * k), (WorkBuf::ExTok, n)],
+        )?;
+        proj[..n * e].fill(0.0);
+        for ex in 0..ne {
+            let mut cnt = 0;
+            for t in 0..n {
+                if let Some(j) = is[t * k..(t + 1) * k].iter().position(|&c| c == ex as u32) {
+                    ex_tok[cnt] = t as u32;
+                    ex_w[cnt] = ws[t * k + j];
+                    ex_x[cnt * e..(cnt + 1) * e].copy_from_slice(&xs[t * e..(t + 1) * e]);
+                    cnt += 1;
+                }
+            }
+            if cnt == 0 {
+                continue;
+            }
+            let (gate, up, down) = match src {
+                CpuExperts::Stacks(g, u, dn) => (g.expert(ex)?, u.expert(ex)?, dn.expert(ex)?),
+                CpuExperts::Cache => {
+                    let cache = self.cache.as_mut().ok_or_else(|| {
+                        CpuError::Other(format!(
+                            "layer {layer} reads its experts through an expert cache this stage lacks"
+                        ))
+                    })?;
+                    let b: ExpertBytes<'_> =
+                        cache.fetch(layer, ex as u32).map_err(CpuError::Other)?;
+                    (
+                        expert_matrix(ex, layer, "gate", b.gate, e, f)?,
+                        expert_matrix(ex, layer, "up", b.up, e, f)?,
+                        expert_matrix(ex, layer, "down", b.down, f, e)?,
+                    )
+                }
+            };
+            ops::matmul(&gate, ex_x, cnt, ex_g, tmp)?;
+            ops::matmul(&up, ex_x, cnt, ex_u, tmp)?;
+            for (g, u) in ex_g[..cnt * f].iter_mut().zip(&ex_u[..cnt * f]) {
+                *g = ops::silu(*g) * u;
+            }
+            ops::matmul(&down, ex_g, cnt, ex_d, tmp)?;
+            for i in 0..cnt {
+                let (t, w) = (ex_tok[i] as usize, ex_w[i]);
+                for (o, v) in proj[t * e..(t + 1) * e]
+                    .iter_mut()
+                    .zip(&ex_d[i * e..(i + 1) * e])
+                {
+                    *o += w * v;
+                }
+            }
+        }
+        add_into(&mut ys[..n * e], &proj[..n * e]);
+        Ok(())
+    }
+
+    fn dense_ffn(
+        &mut self,
+        gate: Matrix<'a>,
+        up: Matrix<'a>,
+        down: Matrix<'a>,
+        xn: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), CpuError> {
+        let (e, f) = (self.d.e, gate.rows);
+        let [xs, ys, g, u, proj, tmp]: [&mut [f32]; 6] = self.scratch.words([
+            (xn, n * e),
+            (y, n * e),
+            (WorkBuf::ExG, n * f),
+            (WorkBuf::ExU, n * f),
+            (WorkBuf::Proj, n * e),
+            (WorkBuf::Tmp, if n > 1 { n * e.max(f) } else { 0 }),
+        ])?;
+        ops::matmul(&gate, xs, n, g, tmp)?;
+        ops::matmul(&up, xs, n, u, tmp)?;
+        for (a, b) in g[..n * f].iter_mut().zip(&u[..n * f]) {
+            *a = ops::silu(*a) * b;
+        }
+        ops::matmul(&down, g, n, proj, tmp)?;
+        add_into(&mut ys[..n * e], &proj[..n * e]);
+        Ok(())
+    }
+}
+
+impl<'a> Bind for CpuStage<'a> {
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Matrix<'a>, CpuError> {
+        let v = check_view(self.src, self.arch, name, &[cols as u64, rows as u64])?;
+        Matrix::new(v.ggml_type, cols, rows, v.data).map_err(|e| match e {
+            OpError::Quant(source) => CpuError::Model(ModelError::Tensor {
+                name: name.into(),
+                source,
+            }),
+            other => CpuError::Op(other),
+        })
+    }
+
+    fn vector(&mut self, name: &str, n: usize) -> Result<CpuVector, CpuError> {
+        let v = check_view(self.src, self.arch, name, &[n as u64])?;
+        let mut out = vec![0f32; n];
+        quant::dequantize_row(v.ggml_type, v.data, &mut out).map_err(|source| {
+            ModelError::Tensor {
+                name: name.into(),
+                source,
+            }
+        })?;
+        self.vectors.push(out);
+        Ok(CpuVector(self.vectors.len() - 1))
+    }
+
+    fn experts_of(&mut self, layer: u32) -> Result<CpuExperts<'a>, CpuError> {
+        let n = |p: &str| format!("blk.{layer}.ffn_{p}_exps.weight");
+        let (e, f) = (self.d.e, self.d.f);
+        if self.cache.is_some() {
+            return Ok(CpuExperts::Cache);
+        }
+        Ok(CpuExperts::Stacks(
+            self.stack(&n("gate"), e, f)?,
+            self.stack(&n("up"), e, f)?,
+            self.stack(&n("down"), f, e)?,
+        ))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.src.tensor(name).is_some()
+    }
+}
+
+impl Stage for CpuStage<'_> {
+    fn upload_inputs(
+        &mut self,
+        _kind: StepKind,
+        tokens: &[u32],
+        slots: &[u32],
+        pos: &[u32],
+    ) -> Result<(), CpuError> {
+        let n = slots.len();
+        if n > self.max_tok || pos.len() != n || (!tokens.is_empty() && tokens.len() != n) {
+            return Err(CpuError::Other(format!(
+                "step inputs of {} tokens, {n} slots and {} positions (at most {} a pass)",
+                tokens.len(),
+                pos.len(),
+                self.max_tok
+            )));
+        }
+        for (&s, &p) in slots.iter().zip(pos) {
+            let cap = self.kv.get(s as usize).map(|c| c.geom().n_cells);
+            if cap.is_none_or(|c| p as usize >= c) {
+                return Err(CpuError::Other(format!(
+                    "slot {s} position {p} is outside its KV ({} cells)",
+                    cap.unwrap_or(0)
+                )));
+            }
+        }
+        self.tok.clear();
+        self.tok.extend_from_slice(tokens);
+        self.slot.clear();
+        self.slot.extend_from_slice(slots);
+        self.pos.clear();
+        self.pos.extend_from_slice(pos);
+        self.n_ctx.clear();
+        self.n_ctx.extend(pos.iter().map(|p| p + 1));
+        Ok(())
+    }
+
+    fn run(
+        &mut self,
+        _kind: StepKind,
+        _n: usize,
+        forward: &mut dyn FnMut(&mut Self) -> Result<(), CpuError>,
+    ) -> Result<(), CpuError> {
+        forward(self)
+    }
+
+    fn send_hidden(&mut self, next: &mut Self, x: WorkBuf, n: usize) -> Result<(), CpuError> {
+        let e = self.d.e;
+        let [src]: [&mut [f32]; 1] = self.scratch.words([(x, n * e)])?;
+        let [dst]: [&mut [f32]; 1] = next.scratch.words([(x, n * e)])?;
+        dst[..n * e].copy_from_slice(&src[..n * e]);
+        Ok(())
+    }
+
+    fn read_logits(&mut self, rows: usize, out: &mut [f32]) -> Result<(), CpuError> {
+        let v = self.d.vocab;
+        let [l]: [&mut [f32]; 1] = self.scratch.words([(WorkBuf::Logits, rows * v)])?;
+        out[..rows * v].copy_from_slice(&l[..rows * v]);
+        Ok(())
+    }
+
+    fn sync(&mut self) -> Result<(), CpuError> {
+        Ok(())
+    }
+
+    fn expert_counters(&self) -> (u64, u64) {
+        self.cache.as_ref().map_or((0, 0), |c| c.counters())
+    }
+}
