@@ -334,17 +334,7 @@ pub fn load_weights(
         .filter(|t| matches!(t.placement, Placement::Device { .. }))
         .map(|t| t.bytes)
         .sum();
-    let bar = if progress && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        let b = indicatif::ProgressBar::new(total);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "loading {bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-        ) {
-            b.set_style(style);
-        }
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = progress_bar(progress, total, "loading");
     let mut stats = LoadStats {
         tensors: 0,
         bytes: 0,
@@ -365,6 +355,21 @@ pub fn load_weights(
     }
     bar.finish_and_clear();
     Ok(stats)
+}
+
+/// A progress bar of `total` bytes labelled `what` on stderr, drawn only when asked for and
+/// stderr is a terminal.
+pub fn progress_bar(progress: bool, total: u64, what: &str) -> indicatif::ProgressBar {
+    if !(progress && std::io::IsTerminal::is_terminal(&std::io::stderr())) {
+        return indicatif::ProgressBar::hidden();
+    }
+    let b = indicatif::ProgressBar::new(total);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&format!(
+        "{what} {{bar:40}} {{bytes}}/{{total_bytes}} {{binary_bytes_per_sec}} eta {{eta}}"
+    )) {
+        b.set_style(style);
+    }
+    b
 }
 
 /// The tensors of one device as a [`WeightSource`] over its arena.

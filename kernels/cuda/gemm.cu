@@ -137,7 +137,8 @@ struct GmStage {
 };
 
 // One CTA tile: rows [row0, row0 + BM) of the matrix at `W` times the GM_BN X rows named by
-// xrow[] (n_valid of them), written to Y rows yrow[] (row length ldy). X16 holds 16-bit rows
+// xrow[] (n_valid of them), written to Y rows yrow[] (row length ldy), or added to them when
+// `acc` (one K part only: each element then has one writer, so the sum is deterministic). X16 holds 16-bit rows
 // of `cols`. Threads: BM * WN (warps BM/32 along the rows x WN along the tokens, each warp
 // 32 rows x 64/WN tokens).
 //
@@ -155,7 +156,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                                         int rows, int cols, int row0,
                                         const u16* __restrict__ X16, const int* xrow,
                                         const int* yrow, int n_valid, float* __restrict__ Y,
-                                        int ldy, u8* smem, int kpart, int kparts) {
+                                        int ldy, u8* smem, int kpart, int kparts, int acc) {
     constexpr bool Q8 = WT == GM_Q8, Q4K = WT == GM_Q4K;
     typedef GmStage<WT, BM, GLU> St;
     constexpr int NT = BM * WN;         // threads: BM/32 warps along the rows x WN
@@ -337,6 +338,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                 if (GLU) o = o / (1.0f + expf(-o)) * acc[St::NW - 1][mi][ni][v];
                 if (r < rows && n < n_valid) {
                     if (kparts > 1) atomicAdd(&Y[(long)yrow[n] * ldy + r], o);
+                    else if (acc) Y[(long)yrow[n] * ldy + r] += o;
                     else Y[(long)yrow[n] * ldy + r] = o;
                 }
             }
@@ -349,7 +351,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
 // parts keep the result deterministic (0 + a + b == 0 + b + a).
 template <int WT, int BM, int WN>
 __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, int rows,
-                                         int cols, int n_tok) {
+                                         int cols, int n_tok, int acc) {
     extern __shared__ __align__(16) u8 gm_smem[];
     __shared__ int xrow[GM_BN];
     const int t0 = blockIdx.y * GM_BN;
@@ -357,7 +359,7 @@ __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, 
     if (threadIdx.x < GM_BN) xrow[threadIdx.x] = t0 + threadIdx.x;
     __syncthreads();
     gm_tile<WT, BM, WN, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y,
-                               rows, gm_smem, blockIdx.z, gridDim.z);
+                               rows, gm_smem, blockIdx.z, gridDim.z, acc);
 }
 
 // Grouped: grid (ceil(rows / BM), max_tiles), block 2 * BM. Tile y covers assignments
@@ -382,48 +384,49 @@ __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes
     }
     __syncthreads();
     gm_tile<WT, BM, WN, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
-                         blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1);
+                         blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1, 0);
 }
 
-// Entry points. Dense: W, X16 (n_tok rows of cols 16-bit values), Y (n_tok x rows f32).
+// Entry points. Dense: W, X16 (n_tok rows of cols 16-bit values), Y (n_tok x rows f32),
+// `acc`: add into Y instead of overwriting it (launched with one K part).
 ST_KERNEL void gemm_q8_0_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
-                             float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_Q8, 64, 2>(W, X16, Y, rows, cols, n_tok);
+                             float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_Q8, 64, 2>(W, X16, Y, rows, cols, n_tok, acc);
 }
 ST_KERNEL void gemm_q8_0_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
-                              float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_Q8, 128, 2>(W, X16, Y, rows, cols, n_tok);
+                              float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_Q8, 128, 2>(W, X16, Y, rows, cols, n_tok, acc);
 }
 ST_KERNEL void gemm_q4_k_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
-                             float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_Q4K, 64, 2>(W, X16, Y, rows, cols, n_tok);
+                             float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_Q4K, 64, 2>(W, X16, Y, rows, cols, n_tok, acc);
 }
 ST_KERNEL void gemm_q4_k_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
-                              float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_Q4K, 128, 2>(W, X16, Y, rows, cols, n_tok);
+                              float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_Q4K, 128, 2>(W, X16, Y, rows, cols, n_tok, acc);
 }
 ST_KERNEL void gemm_bf16_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
-                             float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_BF16, 64, 2>(W, X16, Y, rows, cols, n_tok);
+                             float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_BF16, 64, 2>(W, X16, Y, rows, cols, n_tok, acc);
 }
 ST_KERNEL void gemm_bf16_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
-                              float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_BF16, 128, 2>(W, X16, Y, rows, cols, n_tok);
+                              float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_BF16, 128, 2>(W, X16, Y, rows, cols, n_tok, acc);
 }
 
 // 128 rows, one warp along the tokens (4 warps of 32 rows x 64 tokens): fewer instructions
 // per mma than the 32 x 32 warp tiles above.
 ST_KERNEL void gemm_q8_0_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
-                               float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_Q8, 128, 1>(W, X16, Y, rows, cols, n_tok);
+                               float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_Q8, 128, 1>(W, X16, Y, rows, cols, n_tok, acc);
 }
 ST_KERNEL void gemm_q4_k_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
-                               float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_Q4K, 128, 1>(W, X16, Y, rows, cols, n_tok);
+                               float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_Q4K, 128, 1>(W, X16, Y, rows, cols, n_tok, acc);
 }
 ST_KERNEL void gemm_bf16_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
-                               float* __restrict__ Y, int rows, int cols, int n_tok) {
-    gm_dense<GM_BF16, 128, 1>(W, X16, Y, rows, cols, n_tok);
+                               float* __restrict__ Y, int rows, int cols, int n_tok, int acc) {
+    gm_dense<GM_BF16, 128, 1>(W, X16, Y, rows, cols, n_tok, acc);
 }
 
 // Grouped: W the 3-D expert tensor, X16 (n_tok rows when gather, else n_tok * k), Y

@@ -83,6 +83,18 @@ pub struct PlanArgs {
     /// launch) and fetches its weights meanwhile; this turns that off, for comparison.
     #[arg(long)]
     pub no_pdl: bool,
+    /// Launch variants of the CUDA engine, for comparing a fused or staged kernel with the
+    /// launches it replaces, comma-separated: unfused-topk (the router's top-k in a launch of
+    /// its own), unfused-attention (decode attention in three launches), attn-chunk=N (the
+    /// fused attention's smallest split, cells; default 32), no-staging (one-token products
+    /// read their input from global memory), host-pick (greedy and sampled tokens picked on
+    /// the host from the logits). Every variant gives the same tokens.
+    #[arg(long, value_delimiter = ',', value_name = "OPT,OPT,...")]
+    pub kernel_options: Vec<String>,
+    /// Time every kernel launch with events (decode graphs and programmatic dependent launch
+    /// off) and print the totals per kernel on stderr at exit.
+    #[arg(long)]
+    pub profile: bool,
     /// No progress bar.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -109,6 +121,9 @@ pub fn backend_for(plan: &Plan, args: &PlanArgs) -> Backend {
     };
     if b == Backend::Cpu && args.device_map.is_some() {
         fail("--device-map maps planned devices onto CUDA GPUs, but this plan runs on the CPU backend: drop --device-map, or pass --backend cuda for a plan made for NVIDIA devices");
+    }
+    if b == Backend::Cpu && (!args.kernel_options.is_empty() || args.profile) {
+        fail("--kernel-options and --profile choose and time CUDA kernel launches, but this plan runs on the CPU backend: drop them, or pass --backend cuda for a plan made for NVIDIA devices");
     }
     b
 }
@@ -167,6 +182,28 @@ fn device_map(plan: &Plan, args: &PlanArgs) -> Option<Vec<usize>> {
     Some(plan.devices.iter().map(|d| d.index as usize).collect())
 }
 
+/// The CUDA start-up options `args` ask for (exits 1 on a bad `--kernel-options`).
+#[cfg(feature = "cuda")]
+pub fn cuda_options(plan: &Plan, args: &PlanArgs) -> strata_exec::backend::cuda::options::CudaOptions {
+    use strata_exec::backend::cuda::handoff::HandoffPolicy;
+    use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
+    CudaOptions {
+        gpu: args.gpu.unwrap_or(0),
+        device_map: device_map(plan, args),
+        handoff: match args.handoff {
+            Handoff::Auto => HandoffPolicy::Auto,
+            Handoff::Peer => HandoffPolicy::Peer,
+            Handoff::Host => HandoffPolicy::Host,
+        },
+        progress: !args.quiet,
+        graphs: !args.no_graphs,
+        prefill_gemm: !args.no_prefill_gemm,
+        pdl: !args.no_pdl,
+        profile: args.profile,
+        kernels: KernelOptions::parse(&args.kernel_options).unwrap_or_else(|e| fail(e)),
+    }
+}
+
 /// The CUDA engine itself (bench reads its device memory).
 #[cfg(feature = "cuda")]
 pub fn start_cuda_engine(
@@ -174,36 +211,18 @@ pub fn start_cuda_engine(
     host: Box<dyn strata_exec::load::HostModel>,
     args: &PlanArgs,
 ) -> Result<
-    strata_exec::backend::cuda::engine::CudaEngine,
-    strata_exec::backend::cuda::engine::CudaEngineError,
+    strata_exec::backend::cuda::start::CudaEngine,
+    strata_exec::backend::cuda::start::CudaEngineError,
 > {
-    use strata_exec::backend::cuda::engine::{CudaEngine, CudaEngineOptions};
-    use strata_exec::backend::cuda::handoff::HandoffPolicy;
-    CudaEngine::start(
-        plan,
-        host,
-        CudaEngineOptions {
-            gpu: args.gpu.unwrap_or(0),
-            device_map: device_map(plan, args),
-            handoff: match args.handoff {
-                Handoff::Auto => HandoffPolicy::Auto,
-                Handoff::Peer => HandoffPolicy::Peer,
-                Handoff::Host => HandoffPolicy::Host,
-            },
-            progress: !args.quiet,
-            graphs: !args.no_graphs,
-            prefill_gemm: !args.no_prefill_gemm,
-            pdl: !args.no_pdl,
-            fuse: Default::default(),
-        },
-    )
+    strata_exec::backend::cuda::start::start_cuda(plan, host, cuda_options(plan, args))
 }
 
 #[cfg(not(feature = "cuda"))]
 fn start_cuda(
     _plan: &Plan,
     _host: Box<dyn strata_exec::load::HostModel>,
-    _args: &PlanArgs,
+    args: &PlanArgs,
 ) -> Result<Box<dyn Engine>, String> {
+    let _ = (&args.kernel_options, args.profile);
     Err("this strata-exec was built without the `cuda` feature: rebuild with it, or pass --backend cpu".into())
 }

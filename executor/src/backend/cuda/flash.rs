@@ -8,7 +8,7 @@
 //! ascending), though neither kernel relies on it. Every launch's scalars are checked here;
 //! the addresses are the caller's promise (hence `unsafe`).
 
-use super::ops::{bad, int};
+use super::launch::{bad, int};
 use super::{drv, CudaDevice, CudaError};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};

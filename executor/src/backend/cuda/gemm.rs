@@ -10,7 +10,7 @@
 //! whole MoE sequence (sort, convert, products) can be captured in a CUDA graph: its grids
 //! depend only on `n_tok`, `k`, `n_expert` and the shapes.
 
-use super::ops::{bad, int};
+use super::launch::{bad, int};
 use super::{drv, CudaDevice, CudaError, DeviceView};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -243,7 +243,7 @@ impl CudaDevice {
         matrix_bytes("gemm", ty, rows, cols)?;
         self.gemm_convert_x(x, n_tok, cols, ty, scratch)?;
         let tile = self.gemm_default_tile(ty, rows, n_tok);
-        self.gemm_converted(tile, w, ty, rows, cols, scratch, n_tok, y)
+        self.gemm_converted(tile, w, ty, rows, cols, scratch, n_tok, y, false)
     }
 
     /// How many K parts the dense product splits into by default: 2 when the tiles fill less
@@ -265,7 +265,9 @@ impl CudaDevice {
     }
 
     /// The product of [`CudaDevice::gemm`] on an input already converted by
-    /// [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile and the default K split.
+    /// [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile and the default K split;
+    /// `acc`: add the product into `y` instead of overwriting it (one K part then, so each
+    /// element has one writer and the sum is deterministic).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_converted(
         &self,
@@ -277,14 +279,20 @@ impl CudaDevice {
         xh: DeviceView<'_>,
         n_tok: usize,
         y: DeviceView<'_>,
+        acc: bool,
     ) -> Result<(), CudaError> {
-        let kparts = self.gemm_default_kparts(tile, rows, cols, n_tok);
-        self.gemm_converted_kparts(tile, kparts, w, ty, rows, cols, xh, n_tok, y)
+        let kparts = if acc {
+            1
+        } else {
+            self.gemm_default_kparts(tile, rows, cols, n_tok)
+        };
+        self.gemm_converted_kparts(tile, kparts, w, ty, rows, cols, xh, n_tok, y, acc)
     }
 
-    /// [`CudaDevice::gemm_converted`] with an explicit K split: `kparts` 1 (plain stores) or
-    /// 2 (y zeroed, then both halves of the columns added atomically; 0 + a + b is the same
-    /// in either order, so the result stays deterministic).
+    /// [`CudaDevice::gemm_converted`] with an explicit K split: `kparts` 1 (plain stores, or
+    /// additions into `y` with `acc`) or 2 (y zeroed, then both halves of the columns added
+    /// atomically; 0 + a + b is the same in either order, so the result stays deterministic;
+    /// not with `acc`).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_converted_kparts(
         &self,
@@ -297,10 +305,14 @@ impl CudaDevice {
         xh: DeviceView<'_>,
         n_tok: usize,
         y: DeviceView<'_>,
+        acc: bool,
     ) -> Result<(), CudaError> {
         const OP: &str = "gemm";
-        if kparts != 1 && kparts != 2 {
-            return Err(bad(OP, format!("kparts {kparts} must be 1 or 2")));
+        if kparts != 1 && (kparts != 2 || acc) {
+            return Err(bad(
+                OP,
+                format!("kparts {kparts} must be 1 or 2, and 1 when adding into y"),
+            ));
         }
         let wb = matrix_bytes(OP, ty, rows, cols)?;
         w.expect(OP, "w", wb, 16)?;
@@ -333,9 +345,9 @@ impl CudaDevice {
         .map_err(drv(format!(
             "cuFuncSetAttribute({name}, {smem} bytes shared)"
         )))?;
-        let (wp, xp, yp) = (w.ptr(), xh.ptr(), y.ptr());
+        let (wp, xp, yp, acc) = (w.ptr(), xh.ptr(), y.ptr(), acc as i32);
         let mut b = self.stream.launch_builder(f);
-        b.arg(&wp).arg(&xp).arg(&yp).arg(&ri).arg(&ci).arg(&ni);
+        b.arg(&wp).arg(&xp).arg(&yp).arg(&ri).arg(&ci).arg(&ni).arg(&acc);
         // (the K part is blockIdx.z; the grid below sets the count)
         if kparts > 1 {
             self.memset(y.sub(0, 4 * n_tok as u64 * rows as u64)?, 0)?;

@@ -1,19 +1,25 @@
 //! The CUDA backend on cudarc with dynamic loading (it builds with no toolkit; libcuda and
 //! libnvrtc are opened at run time): device open (context + stream), one device allocation
 //! per planned arena with bounds-checked views, copies, events, NVRTC-compiled kernels cached
-//! on disk, and the op launchers in `ops` that the tests compare against the CPU reference.
+//! on disk; one launcher per kernel (`launch`, `gemm`, `flash`), the seam's ops on them
+//! (`forward`), weight binding (`bind`), the stage a pipeline drives (`stage`) and start-up
+//! (`start`).
 //! Invariant: no call here sizes memory from what is free, every launch's views are checked
 //! against the op's shape first, and a missing CUDA library is an error, never a panic.
 
 pub mod arena;
+pub mod bind;
 pub mod compile;
-pub mod engine;
 pub mod flash;
+pub mod forward;
 pub mod gemm;
 pub mod handoff;
+pub mod launch;
 pub mod layout;
-pub mod ops;
+pub mod options;
 pub mod probe;
+pub mod stage;
+pub mod start;
 
 pub use arena::{arena_allocations, DeviceArena, DeviceView};
 
@@ -320,6 +326,14 @@ impl CudaDevice {
             )
         }
         .map_err(drv("cuMemsetD8Async"))
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub(crate) fn ctx_bind(&self) -> Result<(), CudaError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(drv("cuCtxSetCurrent"))
     }
 
     /// Waits for everything queued on the stream.

@@ -1,0 +1,494 @@
+//! The seam's ops on CUDA: which kernels each op launches for the pass being issued. Decode
+//! passes (and short prefill passes) take the one-token and few-token kernels — RMSNorm,
+//! Q/K/V in one launch, the one-launch attention where the model allows it, the router with
+//! its norm and top-k fused, MoE gate/up and down reading the expert table; prefill passes of
+//! 16 tokens or more take the tensor-core products (the input converted once per product
+//! group, the output projection added into the residual, the experts grouped by `moe_sort`)
+//! and the flash prefill attention.
+//! Invariant: every choice depends only on the pass kind, its token count and what was bound
+//! at start-up, so a decode pass issues the same launches every time it has the same count
+//! (what graph replay needs).
+
+use super::flash::{self, PrefillAttn};
+use super::gemm::{gemm_col_multiple, GemmTile, MoeInput, MOE_DEFAULT_TILE};
+use super::launch::attention::{self, Heads, KvLayer, Splits};
+use super::launch::decode::{self, ExpertTable, FusedTopk, InNorm};
+use super::launch::{kty, Launcher, Mat};
+use super::stage::CudaStage;
+use super::{CudaError, DeviceView};
+use crate::backend::{Attention, Ops, Route, StepKind, WorkBuf};
+use strata_schemas::ggml::GgmlType;
+
+/// Prefill passes of at least this many tokens use the tensor-core products.
+pub const GEMM_MIN_TOK: usize = 16;
+
+/// A weight matrix bound on a stage: `rows x cols` of `ty` at an offset of its arena.
+#[derive(Debug, Clone, Copy)]
+pub struct CMat {
+    pub off: u64,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// An f32 vector of `n` at an offset of the stage's arena.
+#[derive(Debug, Clone, Copy)]
+pub struct CVec {
+    pub off: u64,
+    pub n: usize,
+}
+
+/// Expert `e`'s gate, up and down matrices at `gate + e * gu_stride` etc. (arena offsets),
+/// one type: what the grouped prefill products read.
+#[derive(Debug, Clone, Copy)]
+pub struct Stacks {
+    pub gate: u64,
+    pub up: u64,
+    pub down: u64,
+    pub gu_stride: u64,
+    pub down_stride: u64,
+}
+
+/// A layer's routed experts on a stage: the table of every expert's matrix addresses, and the
+/// experts as strided stacks when they sit at a fixed stride (a whole stack, or consecutive
+/// cache slots).
+#[derive(Debug, Clone, Copy)]
+pub struct CExperts {
+    pub table_off: u64,
+    pub ty: GgmlType,
+    pub stacks: Option<Stacks>,
+}
+
+fn shape(op: &'static str, detail: impl Into<String>) -> CudaError {
+    CudaError::Shape {
+        op,
+        detail: detail.into(),
+    }
+}
+
+/// Bytes of a `rows x cols` matrix of `ty`.
+pub(crate) fn mat_bytes(ty: GgmlType, rows: usize, cols: usize) -> Result<u64, CudaError> {
+    let rb = crate::quant::row_bytes(ty, cols)
+        .map_err(|e| shape("matrix", format!("{ty} rows of {cols}: {e}")))?;
+    Ok(rb as u64 * rows as u64)
+}
+
+impl CudaStage {
+    fn mat(&self, m: CMat) -> Result<Mat<'_>, CudaError> {
+        Ok(Mat {
+            w: self.view(m.off, mat_bytes(m.ty, m.rows, m.cols)?)?,
+            ty: m.ty,
+            rows: m.rows,
+            cols: m.cols,
+        })
+    }
+
+    fn vec(&self, v: CVec) -> Result<DeviceView<'_>, CudaError> {
+        self.view(v.off, 4 * v.n as u64)
+    }
+
+    /// `n` rows of `width` f32 of buffer `b`.
+    fn rows(&self, b: WorkBuf, n: usize, width: usize) -> Result<DeviceView<'_>, CudaError> {
+        self.buf_at(b, 0, 4 * (n * width) as u64)
+    }
+
+    /// Whether this pass takes the tensor-core products.
+    fn gemm_pass(&self, n: usize) -> bool {
+        self.kind == StepKind::Prefill && self.flags.gemm && n >= GEMM_MIN_TOK
+    }
+
+    fn gemm_fits(m: &CMat) -> bool {
+        let c = gemm_col_multiple(m.ty);
+        c != 0 && m.cols % c == 0
+    }
+
+    /// Tensor-core products of one input: `x` rounded to 16 bits once per input type, then
+    /// each product (added into its output when `acc`).
+    fn gemm_products(
+        &self,
+        l: &Launcher<'_>,
+        label: &'static str,
+        x: WorkBuf,
+        outs: &[(CMat, WorkBuf)],
+        n: usize,
+        acc: bool,
+    ) -> Result<(), CudaError> {
+        let xh = self.buf(WorkBuf::Xh)?;
+        let mut converted: Option<bool> = None;
+        for (m, y) in outs {
+            let bf16 = m.ty == GgmlType::BF16;
+            if converted != Some(bf16) {
+                let xv = self.rows(x, n, m.cols)?;
+                l.timed("gemm_convert_x", || {
+                    self.dev.gemm_convert_x(xv, n, m.cols, m.ty, xh)
+                })?;
+                converted = Some(bf16);
+            }
+            let w = self.mat(*m)?;
+            let yv = self.rows(*y, n, m.rows)?;
+            let tile = self.dev.gemm_default_tile(m.ty, m.rows, n);
+            l.timed(label, || {
+                self.dev
+                    .gemm_converted(tile, w.w, m.ty, m.rows, m.cols, xh, n, yv, acc)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The prefill router's logits of `n` tokens from `xn`: a split-K F32 product whose
+    /// partials go to `yd` (the experts write it only later), summed in a fixed order; routers
+    /// stored in other types use the matrix-vector kernels.
+    fn router_prefill(&self, l: &Launcher<'_>, w: Mat<'_>, n: usize) -> Result<(), CudaError> {
+        let (rows, cols) = (w.rows, w.cols);
+        let xn = self.rows(WorkBuf::Xn, n, cols)?;
+        let logits = self.rows(WorkBuf::Router, n, rows)?;
+        let yd = self.buf(WorkBuf::Yd)?;
+        if w.ty == GgmlType::F32 && cols % 32 == 0 {
+            // Enough blocks for every SM twice over, K chunks of whole 32-wide tiles, and
+            // partials that fit in yd.
+            let tiles = n.div_ceil(64) * rows.div_ceil(32);
+            let mut splits = 264usize.div_ceil(tiles).clamp(1, 16).min(cols / 32);
+            while splits > 1 && (4 * splits * n * rows) as u64 > yd.len() {
+                splits /= 2;
+            }
+            if (4 * splits * n * rows) as u64 <= yd.len() {
+                return decode::sgemm_split(l, w, xn, n, splits, yd, logits);
+            }
+        }
+        decode::mv(l, "mv_router", w, xn, None, logits, n, false, false)
+    }
+
+    /// The experts of a prefill pass on the tensor-core products: assignments grouped by
+    /// expert (`moe_sort`), a fused gate-up-SwiGLU product, the down product, then the
+    /// weighted sum added into `y`.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_grouped(
+        &self,
+        l: &Launcher<'_>,
+        s: Stacks,
+        ty: GgmlType,
+        xn: WorkBuf,
+        ids: WorkBuf,
+        wts: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let d = self.d;
+        let (e, f, k, ne) = (d.e, d.f, d.k, d.n_expert);
+        let xh = self.buf(WorkBuf::Xh)?;
+        let sorted = self.buf(WorkBuf::Sorted)?;
+        let idv = self.buf_at(ids, 0, (4 * n * k) as u64)?;
+        l.timed("moe_sort", || self.dev.moe_sort(idv, n, k, ne, sorted))?;
+        let gu_span = s.gu_stride * (ne as u64 - 1) + mat_bytes(ty, f, e)?;
+        let xv = self.rows(xn, n, e)?;
+        l.timed("gemm_convert_x", || self.dev.gemm_convert_x(xv, n, e, ty, xh))?;
+        let h = self.rows(WorkBuf::H, n * k, f)?;
+        let (wg, wu) = (self.view(s.gate, gu_span)?, self.view(s.up, gu_span)?);
+        l.timed("moe_gemm_glu", || {
+            self.dev.moe_gemm_converted_strided(
+                GemmTile::M64,
+                wg,
+                Some(wu),
+                s.gu_stride,
+                ty,
+                ne,
+                f,
+                e,
+                xh,
+                MoeInput::Gather,
+                n,
+                k,
+                sorted,
+                h,
+            )
+        })?;
+        let dn_span = s.down_stride * (ne as u64 - 1) + mat_bytes(ty, e, f)?;
+        l.timed("gemm_convert_x", || self.dev.gemm_convert_x(h, n * k, f, ty, xh))?;
+        let (wd, yd) = (self.view(s.down, dn_span)?, self.rows(WorkBuf::Yd, n * k, e)?);
+        l.timed("moe_gemm_down", || {
+            self.dev.moe_gemm_converted_strided(
+                MOE_DEFAULT_TILE,
+                wd,
+                None,
+                s.down_stride,
+                ty,
+                ne,
+                e,
+                f,
+                xh,
+                MoeInput::Direct,
+                n,
+                k,
+                sorted,
+                yd,
+            )
+        })?;
+        let (wv, yv) = (self.rows(wts, n, k)?, self.rows(y, n, e)?);
+        decode::moe_combine(l, yd, wv, k, e, yv, n)
+    }
+
+    fn heads(&self, q_norm: CVec, k_norm: CVec) -> Result<Heads<'_>, CudaError> {
+        let d = self.d;
+        Ok(Heads {
+            n_head: d.n_head,
+            n_head_kv: d.n_head_kv,
+            hd: d.hd,
+            n_rot: d.n_rot,
+            eps: d.eps,
+            attn_factor: self.attn_factor,
+            inv_freq: self.buf(WorkBuf::InvFreq)?,
+            q_norm: self.vec(q_norm)?,
+            k_norm: self.vec(k_norm)?,
+        })
+    }
+
+    fn kv_layer(&self, l: usize) -> Result<KvLayer<'_>, CudaError> {
+        let [_, pos, slot] = self.inputs()?;
+        let (k_off, v_off) = self.kv.layer(l);
+        Ok(KvLayer {
+            kv: self.view(self.kv.region.off, self.kv.region.bytes)?,
+            slot_bytes: self.kv.slot_bytes,
+            k_off,
+            v_off,
+            row_bytes: self.kv.row_bytes,
+            cells: self.kv.cells,
+            ty: self.kv.ty,
+            slot,
+            pos,
+        })
+    }
+
+    fn splits(&self) -> Result<Splits<'_>, CudaError> {
+        Ok(Splits {
+            n: self.att_splits,
+            part_o: self.buf(WorkBuf::PartO)?,
+            part_ms: self.buf(WorkBuf::PartMs)?,
+        })
+    }
+}
+
+impl Ops for CudaStage {
+    type Mat = CMat;
+    type Vector = CVec;
+    type Experts = CExperts;
+    type Error = CudaError;
+
+    fn pass_start(&mut self, n: usize) -> Result<(), CudaError> {
+        if n == 0 || n > self.max_tok {
+            return Err(shape(
+                "pass",
+                format!("{n} tokens for passes of at most {}", self.max_tok),
+            ));
+        }
+        let [_, pos, _] = self.inputs()?;
+        let n_ctx = self.buf(WorkBuf::NCtx)?;
+        decode::ctx_from_pos(&self.launcher(), pos, n_ctx, n)
+    }
+
+    fn embed(&mut self, table: CMat, out: WorkBuf, n: usize) -> Result<(), CudaError> {
+        let [tok, _, _] = self.inputs()?;
+        let o = self.rows(out, n, table.cols)?;
+        decode::get_rows(&self.launcher(), self.mat(table)?, tok, o, n)
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: WorkBuf,
+        first: usize,
+        w: CVec,
+        out: WorkBuf,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let e = w.n;
+        let xv = self.buf_at(x, (4 * first * e) as u64, (4 * n * e) as u64)?;
+        let o = self.rows(out, n, e)?;
+        let wv = self.vec(w)?;
+        decode::rmsnorm(&self.launcher(), xv, None, None, wv, o, e, self.d.eps, n)
+    }
+
+    fn project(&mut self, x: WorkBuf, outs: &[(CMat, WorkBuf)], n: usize) -> Result<(), CudaError> {
+        let l = self.launcher();
+        if self.gemm_pass(n) && outs.iter().all(|(m, _)| Self::gemm_fits(m)) {
+            let label = if outs.len() == 3 { "gemm_qkv" } else { "gemm" };
+            return self.gemm_products(&l, label, x, outs, n, false);
+        }
+        let stage = self.opts.stage_inputs;
+        if let [(q, yq), (k, yk), (v, yv)] = outs {
+            if q.ty == k.ty && q.ty == v.ty && q.cols == k.cols && q.cols == v.cols {
+                let xv = self.rows(x, n, q.cols)?;
+                let mats = [self.mat(*q)?, self.mat(*k)?, self.mat(*v)?];
+                let ys = [
+                    self.rows(*yq, n, q.rows)?,
+                    self.rows(*yk, n, k.rows)?,
+                    self.rows(*yv, n, v.rows)?,
+                ];
+                return decode::qkv(&l, mats, xv, ys, n, stage);
+            }
+        }
+        for (m, y) in outs {
+            let (xv, yv) = (self.rows(x, n, m.cols)?, self.rows(*y, n, m.rows)?);
+            decode::mv(&l, "mv", self.mat(*m)?, xv, None, yv, n, false, stage)?;
+        }
+        Ok(())
+    }
+
+    fn project_add(&mut self, w: CMat, x: WorkBuf, y: WorkBuf, n: usize) -> Result<(), CudaError> {
+        let l = self.launcher();
+        if self.gemm_pass(n) && Self::gemm_fits(&w) {
+            return self.gemm_products(&l, "gemm_o", x, &[(w, y)], n, true);
+        }
+        let (xv, yv) = (self.rows(x, n, w.cols)?, self.rows(y, n, w.rows)?);
+        let stage = self.opts.stage_inputs;
+        decode::mv(&l, "mv_o", self.mat(w)?, xv, None, yv, n, true, stage)
+    }
+
+    fn attention(&mut self, a: &Attention<CVec>, n: usize) -> Result<(), CudaError> {
+        let l = self.launcher();
+        let d = self.d;
+        let (Some(qn), Some(kn)) = (a.q_norm, a.k_norm) else {
+            return Err(shape(
+                "attention",
+                "the CUDA attention kernels apply Q/K norms; this model has none",
+            ));
+        };
+        let h = self.heads(qn, kn)?;
+        let kv = self.kv_layer(a.kv_layer)?;
+        let q = self.rows(a.q, n, d.q_out())?;
+        let k = self.rows(a.k, n, d.k_out())?;
+        let v = self.rows(a.v, n, d.v_out())?;
+        let out = self.rows(a.out, n, d.att_out())?;
+        if self.kind == StepKind::Decode && self.flags.fused_attention {
+            // The attention's counters follow the router's (one per token of the pass).
+            let m = 4 * self.max_tok as u64;
+            let counters = self.buf_at(WorkBuf::Counters, m, 4 * (n * d.n_head_kv) as u64)?;
+            let chunk = self.opts.attn_chunk;
+            return attention::attn_fused(&l, h, q, k, v, kv, self.splits()?, chunk, counters, out, n);
+        }
+        // QK-norm + RoPE and the KV store: one launch, or three where q8_0 KV blocks would
+        // straddle heads (head dims not a multiple of 32).
+        if Some(kv.ty) == kty(GgmlType::Q8_0) && d.hd % 32 != 0 {
+            let (pos, inv) = (kv.pos, h.inv_freq);
+            decode::qk_norm_rope(&l, q, h.q_norm, d.eps, pos, inv, h.attn_factor, d.n_head, d.hd, d.n_rot, n)?;
+            decode::qk_norm_rope(&l, k, h.k_norm, d.eps, pos, inv, h.attn_factor, d.n_head_kv, d.hd, d.n_rot, n)?;
+            attention::kv_store(&l, k, v, kv, d.k_out(), n)?;
+        } else {
+            attention::rope_store(&l, h, q, k, v, kv, n)?;
+        }
+        if self.kind == StepKind::Decode {
+            let n_ctx = self.buf(WorkBuf::NCtx)?;
+            return attention::attn_decode(&l, h, q, kv, n_ctx, self.splits()?, out, n);
+        }
+        let pa = PrefillAttn {
+            q: q.ptr(),
+            kv: kv.kv.ptr(),
+            slot: kv.slot.ptr(),
+            pos: kv.pos.ptr(),
+            slot_bytes: kv.slot_bytes,
+            k_off: kv.k_off,
+            v_off: kv.v_off,
+            row_bytes: kv.row_bytes,
+            kv_ty: kv.ty,
+            n_head: d.n_head,
+            n_head_kv: d.n_head_kv,
+            hd: d.hd,
+            scale: 1.0 / (d.hd as f32).sqrt(),
+            n_tok: n,
+            out: out.ptr(),
+        };
+        // SAFETY: q and out hold n tokens' heads (views checked above), the slot's layer of
+        // KV lies in the stage's region (checked by `KvLayer`'s geometry at binding and the
+        // pipeline's slot checks) and every position is below the planned context (checked
+        // by the pipeline before the pass).
+        l.timed("attn_prefill", || unsafe { flash::attn_prefill(&self.dev, &pa) })
+    }
+
+    fn route(&mut self, r: &Route<CMat, CVec>, n: usize) -> Result<(), CudaError> {
+        let l = self.launcher();
+        let d = self.d;
+        let w = self.mat(r.router)?;
+        let (x, xn) = (self.rows(r.x, n, d.e)?, self.rows(r.xn, n, d.e)?);
+        let (ids, wts) = (
+            self.buf_at(r.ids, 0, (4 * n * d.k) as u64)?,
+            self.rows(r.wts, n, d.k)?,
+        );
+        let norm = self.vec(r.norm)?;
+        let logits = self.rows(WorkBuf::Router, n, d.n_expert)?;
+        if self.gemm_pass(n) {
+            decode::rmsnorm(&l, x, None, None, norm, xn, d.e, d.eps, n)?;
+            self.router_prefill(&l, w, n)?;
+        } else if w.ty == GgmlType::F32 && d.e % 4 == 0 {
+            let fused = self.kind == StepKind::Decode
+                && self.opts.fused_topk
+                && d.n_expert <= 32 * 8
+                && d.k <= 32;
+            let topk = if fused {
+                Some(FusedTopk {
+                    counters: self.buf_at(WorkBuf::Counters, 0, 4 * n as u64)?,
+                    k: d.k,
+                    norm_topk: d.norm_topk,
+                    ids,
+                    wts,
+                })
+            } else {
+                None
+            };
+            decode::router_rows(&l, w, x, norm, d.eps, logits, xn, topk, n)?;
+            if fused {
+                return Ok(());
+            }
+        } else {
+            let nm = InNorm {
+                w: norm,
+                eps: d.eps,
+                xn_out: Some(xn),
+            };
+            decode::mv(&l, "mv_router", w, x, Some(nm), logits, n, false, false)?;
+        }
+        decode::router_topk(&l, logits, d.n_expert, d.k, d.norm_topk, ids, wts, n)
+    }
+
+    fn experts(
+        &mut self,
+        _layer: u32,
+        e: &CExperts,
+        xn: WorkBuf,
+        ids: WorkBuf,
+        wts: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let l = self.launcher();
+        if let (true, Some(s)) = (self.gemm_pass(n), e.stacks) {
+            return self.experts_grouped(&l, s, e.ty, xn, ids, wts, y, n);
+        }
+        let d = self.d;
+        let table = ExpertTable {
+            table: self.view(e.table_off, 24 * d.n_expert as u64)?,
+            ty: e.ty,
+            n_expert: d.n_expert,
+            f: d.f,
+            e: d.e,
+        };
+        let idv = self.buf_at(ids, 0, (4 * n * d.k) as u64)?;
+        let (xv, h) = (self.rows(xn, n, d.e)?, self.rows(WorkBuf::H, n * d.k, d.f)?);
+        let stage = self.opts.stage_inputs && e.ty == GgmlType::Q8_0;
+        decode::moe_gate_up(&l, table, idv, d.k, xv, h, n, stage)?;
+        let (wv, yv) = (self.rows(wts, n, d.k)?, self.rows(y, n, d.e)?);
+        decode::moe_down(&l, table, idv, wv, d.k, h, yv, n)
+    }
+
+    fn dense_ffn(
+        &mut self,
+        _gate: CMat,
+        _up: CMat,
+        _down: CMat,
+        _xn: WorkBuf,
+        _y: WorkBuf,
+        _n: usize,
+    ) -> Result<(), CudaError> {
+        Err(shape(
+            "dense_ffn",
+            "dense FFN layers are not in the CUDA forward pass yet: run with --backend cpu",
+        ))
+    }
+}

@@ -1,0 +1,535 @@
+//! Launchers of the norm, product, router, expert, lookup and token-pick kernels
+//! (`kernels/cuda/norm.cu`, `decode.cu`, `router.cu`, `sample.cu`): one function per kernel,
+//! each checking its views against what the kernel touches for the given shape.
+//! Invariant: activations are row-major f32 (`n x width`), index buffers i32, and every view
+//! is at least as long as the rows the launch reads or writes.
+
+use super::{
+    bad, cfg, f32s, int, launch, mv1_blocks, xs_bytes, Launcher, Mat, DQ_DOWN_MAXK, DQ_MAX_TOK,
+    DQ_WARPS, DQ_XR_COLS, SAMPLE_MAX_VOCAB,
+};
+use crate::backend::cuda::{CudaError, DeviceView};
+use strata_schemas::ggml::GgmlType;
+
+/// `dq_spin`: keeps the GPU busy for `ns` nanoseconds (the profiler's spacer).
+pub fn spin(l: &Launcher<'_>, ns: i64) -> Result<(), CudaError> {
+    use cudarc::driver::PushKernelArg;
+    let f = l.dev.function("dq_spin")?;
+    let mut b = l.dev.stream().launch_builder(f);
+    b.arg(&ns);
+    // SAFETY: dq_spin takes one integer and touches no memory.
+    unsafe { b.launch(cfg((1, 1, 1), 1, 0)) }.map_err(crate::backend::cuda::drv("launch dq_spin"))?;
+    Ok(())
+}
+
+/// `rmsnorm_f32`: `out[i] = RMSNorm(x[i] (+ res[i])) * w` over `n` rows of `e`; `h_out`
+/// (when given) gets `x[i] + res[i]`.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm(
+    l: &Launcher<'_>,
+    x: DeviceView<'_>,
+    res: Option<DeviceView<'_>>,
+    h_out: Option<DeviceView<'_>>,
+    w: DeviceView<'_>,
+    out: DeviceView<'_>,
+    e: usize,
+    eps: f32,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "rmsnorm";
+    let rows = f32s(n * e);
+    x.expect(OP, "x", rows, 4)?;
+    w.expect(OP, "w", f32s(e), 4)?;
+    out.expect(OP, "out", rows, 4)?;
+    if let Some(r) = res {
+        r.expect(OP, "res", rows, 4)?;
+    }
+    if let Some(h) = h_out {
+        h.expect(OP, "h_out", rows, 4)?;
+    }
+    let (xp, wp, op) = (x.ptr(), w.ptr(), out.ptr());
+    let rp = res.map_or(0, |r| r.ptr());
+    let hp = h_out.map_or(0, |h| h.ptr());
+    let e32 = int(OP, "e", e)?;
+    let nb = int(OP, "n", n)? as u32;
+    launch!(l, "rmsnorm_f32", cfg((nb, 1, 1), 256, 0); &xp, &rp, &hp, &wp, &op, &e32, &eps)
+}
+
+/// `qk_norm_rope_f32`: per-head RMSNorm by `w` then NEOX RoPE at each token's position, in
+/// place, over `n` tokens of `heads` heads of `hd` (`n_rot` dims rotated).
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope(
+    l: &Launcher<'_>,
+    x: DeviceView<'_>,
+    w: DeviceView<'_>,
+    eps: f32,
+    pos: DeviceView<'_>,
+    inv_freq: DeviceView<'_>,
+    attn_factor: f32,
+    heads: usize,
+    hd: usize,
+    n_rot: usize,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "qk_norm_rope";
+    x.expect(OP, "x", f32s(n * heads * hd), 4)?;
+    w.expect(OP, "w", f32s(hd), 4)?;
+    pos.expect(OP, "pos", 4 * n as u64, 4)?;
+    inv_freq.expect(OP, "inv_freq", f32s(n_rot / 2), 4)?;
+    if n_rot % 2 != 0 || n_rot > hd {
+        return Err(bad(OP, format!("n_rot {n_rot} must be even and at most {hd}")));
+    }
+    let (xp, wp, pp, fp) = (x.ptr(), w.ptr(), pos.ptr(), inv_freq.ptr());
+    let (nh, hdi, nr) = (int(OP, "heads", heads)?, int(OP, "hd", hd)?, int(OP, "n_rot", n_rot)?);
+    let grid = (heads as u32, int(OP, "n", n)? as u32, 1);
+    launch!(l, "qk_norm_rope_f32", cfg(grid, 128, 0); &xp, &wp, &eps, &pp, &fp, &attn_factor, &nh, &hdi, &nr)
+}
+
+/// `dq_get_rows`: `out[i] = W[ids[i]]` dequantized, for `n` ids.
+pub fn get_rows(
+    l: &Launcher<'_>,
+    w: Mat<'_>,
+    ids: DeviceView<'_>,
+    out: DeviceView<'_>,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "get_rows";
+    let ty = w.check(OP)?;
+    ids.expect(OP, "ids", 4 * n as u64, 4)?;
+    out.expect(OP, "out", f32s(n * w.cols), 4)?;
+    let (wp, ip, op) = (w.w.ptr(), ids.ptr(), out.ptr());
+    let (rows, cols) = (w.rows as i32, w.cols as i32);
+    launch!(l, "dq_get_rows", cfg((int(OP, "n", n)? as u32, 1, 1), 256, 0); &wp, &ty, &rows, &cols, &ip, &op)
+}
+
+/// `dq_ctx_from_pos`: `n_ctx[i] = pos[i] + 1`.
+pub fn ctx_from_pos(
+    l: &Launcher<'_>,
+    pos: DeviceView<'_>,
+    n_ctx: DeviceView<'_>,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "ctx_from_pos";
+    pos.expect(OP, "pos", 4 * n as u64, 4)?;
+    n_ctx.expect(OP, "n_ctx", 4 * n as u64, 4)?;
+    let (pp, cp, n32) = (pos.ptr(), n_ctx.ptr(), int(OP, "n", n)?);
+    launch!(l, "dq_ctx_from_pos", cfg((n.div_ceil(128) as u32, 1, 1), 128, 0); &pp, &cp, &n32)
+}
+
+/// The optional RMSNorm a one-token product applies to its input first: the weights and
+/// where the normalised rows go (`xn_out`, when wanted).
+#[derive(Debug, Clone, Copy)]
+pub struct InNorm<'a> {
+    pub w: DeviceView<'a>,
+    pub eps: f32,
+    pub xn_out: Option<DeviceView<'a>>,
+}
+
+/// `dq_mv1` (one token) / `dq_mv8` (up to 8 tokens per grid row): `y (+)= W norm?(x)` for `n`
+/// tokens. `stage`: a one-token product over Q8_0 rows wider than the register path stages its
+/// input in shared memory (bit for bit the same result).
+#[allow(clippy::too_many_arguments)]
+pub fn mv(
+    l: &Launcher<'_>,
+    label: &'static str,
+    w: Mat<'_>,
+    x: DeviceView<'_>,
+    norm: Option<InNorm<'_>>,
+    y: DeviceView<'_>,
+    n: usize,
+    add: bool,
+    stage: bool,
+) -> Result<(), CudaError> {
+    const OP: &str = "mv";
+    let ty = w.check(OP)?;
+    x.expect(OP, "x", f32s(n * w.cols), 4)?;
+    y.expect(OP, "y", f32s(n * w.rows), 4)?;
+    let (nw, eps, xn) = match norm {
+        Some(nm) => {
+            nm.w.expect(OP, "norm weights", f32s(w.cols), 4)?;
+            if let Some(o) = nm.xn_out {
+                o.expect(OP, "xn_out", f32s(n * w.cols), 4)?;
+            }
+            (nm.w.ptr(), nm.eps, nm.xn_out.map_or(0, |o| o.ptr()))
+        }
+        None => (0, 0.0, 0),
+    };
+    let (add, n32) = (add as i32, int(OP, "n", n)?);
+    let name = if n == 1 { "dq_mv1" } else { "dq_mv8" };
+    let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
+    let blocks = if n == 1 {
+        mv1_blocks(l, w.rows, w.cols, w.ty == GgmlType::Q8_0)
+    } else {
+        (w.rows as u32).div_ceil(DQ_WARPS)
+    };
+    // Rows of at most DQ_XR_COLS take the register path, which stages nothing.
+    let smem = if nw == 0 && w.cols > DQ_XR_COLS {
+        xs_bytes(stage, n, w.ty, w.cols)
+    } else {
+        0
+    };
+    let (wp, xp, yp) = (w.w.ptr(), x.ptr(), y.ptr());
+    let (rows, cols) = (w.rows as i32, w.cols as i32);
+    launch!(l, name => label, cfg((blocks, chunks, 1), 32 * DQ_WARPS, smem);
+        &wp, &ty, &rows, &cols, &xp, &nw, &eps, &yp, &n32, &add, &xn)
+}
+
+/// `dq_qkv1` / `dq_qkv8`: Q, K and V of `n` tokens (x already normalised) in one launch; the
+/// three matrices share one type and their columns. `stage`: as [`mv`]'s.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv(
+    l: &Launcher<'_>,
+    mats: [Mat<'_>; 3],
+    x: DeviceView<'_>,
+    outs: [DeviceView<'_>; 3],
+    n: usize,
+    stage: bool,
+) -> Result<(), CudaError> {
+    const OP: &str = "qkv";
+    let ty = mats[0].check(OP)?;
+    let cols = mats[0].cols;
+    for (m, y) in mats.iter().zip(&outs) {
+        if m.check(OP)? != ty || m.cols != cols {
+            return Err(bad(
+                OP,
+                "Q, K and V must share their type and columns (use three products)".into(),
+            ));
+        }
+        y.expect(OP, "y", f32s(n * m.rows), 4)?;
+    }
+    x.expect(OP, "x", f32s(n * cols), 4)?;
+    let rows = (mats[0].rows + mats[1].rows + mats[2].rows) as u32;
+    let (n32, no_norm, eps) = (int(OP, "n", n)?, 0u64, 0f32);
+    let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
+    let name = if n == 1 { "dq_qkv1" } else { "dq_qkv8" };
+    let smem = xs_bytes(stage, n, mats[0].ty, cols);
+    let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
+    let (rq, rk, rv, c) = (
+        mats[0].rows as i32,
+        mats[1].rows as i32,
+        mats[2].rows as i32,
+        cols as i32,
+    );
+    let (xp, yq, yk, yv) = (x.ptr(), outs[0].ptr(), outs[1].ptr(), outs[2].ptr());
+    launch!(l, name, cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, smem);
+        &wq, &wk, &wv, &ty, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv, &n32)
+}
+
+/// What [`router_rows`] picks in its last block per token, when asked to.
+#[derive(Debug, Clone, Copy)]
+pub struct FusedTopk<'a> {
+    /// One u32 per token, zero between launches.
+    pub counters: DeviceView<'a>,
+    pub k: usize,
+    pub norm_topk: bool,
+    pub ids: DeviceView<'a>,
+    pub wts: DeviceView<'a>,
+}
+
+/// `dq_router_rows`: router logits `y = W RMSNorm(x)` of F32 router weights (`rows` experts x
+/// `cols`), the normalised rows into `xn_out`, and with `topk` the softmax top-k of each
+/// token in its last block (at most 256 experts and k 32).
+#[allow(clippy::too_many_arguments)]
+pub fn router_rows(
+    l: &Launcher<'_>,
+    w: Mat<'_>,
+    x: DeviceView<'_>,
+    norm: DeviceView<'_>,
+    eps: f32,
+    y: DeviceView<'_>,
+    xn_out: DeviceView<'_>,
+    topk: Option<FusedTopk<'_>>,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "router_rows";
+    if w.ty != GgmlType::F32 || w.cols % 4 != 0 {
+        return Err(bad(
+            OP,
+            format!("{} router of {} columns: F32 and a multiple of 4 only", w.ty, w.cols),
+        ));
+    }
+    w.check(OP)?;
+    x.expect(OP, "x", f32s(n * w.cols), 16)?;
+    norm.expect(OP, "norm", f32s(w.cols), 4)?;
+    y.expect(OP, "y", f32s(n * w.rows), 4)?;
+    xn_out.expect(OP, "xn_out", f32s(n * w.cols), 4)?;
+    let (cnt, k, nt, ids, wts) = match topk {
+        Some(t) => {
+            if w.rows > 256 || t.k > 32 || t.k == 0 || t.k > w.rows {
+                return Err(bad(OP, format!("fused top-{} of {} experts", t.k, w.rows)));
+            }
+            t.counters.expect(OP, "counters", 4 * n as u64, 4)?;
+            t.ids.expect(OP, "ids", 4 * (n * t.k) as u64, 4)?;
+            t.wts.expect(OP, "wts", f32s(n * t.k), 4)?;
+            (t.counters.ptr(), t.k as i32, t.norm_topk as i32, t.ids.ptr(), t.wts.ptr())
+        }
+        None => (0, 0, 0, 0, 0),
+    };
+    let (wp, xp, np, yp, xo) = (w.w.ptr(), x.ptr(), norm.ptr(), y.ptr(), xn_out.ptr());
+    let (rows, cols) = (w.rows as i32, w.cols as i32);
+    let grid = (w.rows as u32, int(OP, "n", n)? as u32, 1);
+    launch!(l, "dq_router_rows" => "router_rows", cfg(grid, 128, 0);
+        &wp, &rows, &cols, &xp, &np, &eps, &yp, &xo, &cnt, &k, &nt, &ids, &wts)
+}
+
+/// `dq_sgemm_split` then `dq_split_sum`: `y = W x` for F32 `W` (`rows x cols`, cols a multiple
+/// of 32) over `n` tokens, K split into `splits` chunks whose partials go to `part` (`splits x
+/// n x rows` f32) and are summed in a fixed order. The prefill router's product.
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_split(
+    l: &Launcher<'_>,
+    w: Mat<'_>,
+    x: DeviceView<'_>,
+    n: usize,
+    splits: usize,
+    part: DeviceView<'_>,
+    y: DeviceView<'_>,
+) -> Result<(), CudaError> {
+    const OP: &str = "sgemm_split";
+    if w.ty != GgmlType::F32 || w.cols % 32 != 0 || splits == 0 {
+        return Err(bad(
+            OP,
+            format!("{} weights of {} columns in {splits} splits: F32, columns a multiple of 32, at least one split", w.ty, w.cols),
+        ));
+    }
+    w.check(OP)?;
+    x.expect(OP, "x", f32s(n * w.cols), 4)?;
+    y.expect(OP, "y", f32s(n * w.rows), 4)?;
+    let k_chunk = w.cols.div_ceil(splits).div_ceil(32) * 32;
+    let splits = w.cols.div_ceil(k_chunk);
+    part.expect(OP, "part", f32s(splits * n * w.rows), 4)?;
+    let (n32, kc, ns) = (int(OP, "n", n)?, k_chunk as i32, splits as i32);
+    let grid = (
+        n.div_ceil(64) as u32,
+        w.rows.div_ceil(32) as u32,
+        splits as u32,
+    );
+    let (wp, xp, pp, yp) = (w.w.ptr(), x.ptr(), part.ptr(), y.ptr());
+    let (rows, cols) = (w.rows as i32, w.cols as i32);
+    launch!(l, "dq_sgemm_split" => "router_sgemm", cfg(grid, 256, 0);
+        &wp, &rows, &cols, &xp, &n32, &kc, &pp)?;
+    let total = (n * w.rows) as i64;
+    launch!(l, "dq_split_sum" => "router_sum", cfg(((total as u64).div_ceil(256) as u32, 1, 1), 256, 0);
+        &pp, &ns, &total, &yp)
+}
+
+/// The router's softmax and top-k of `n` tokens' logits (`n x n_expert`): one warp per token
+/// (`dq_router_topk`) up to 256 experts and k 32, else a block per token
+/// (`router_softmax_topk`).
+#[allow(clippy::too_many_arguments)]
+pub fn router_topk(
+    l: &Launcher<'_>,
+    logits: DeviceView<'_>,
+    n_expert: usize,
+    k: usize,
+    norm_topk: bool,
+    ids: DeviceView<'_>,
+    wts: DeviceView<'_>,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "router_topk";
+    if k == 0 || k > n_expert || k > ROUTER_MAX_K {
+        return Err(bad(OP, format!("top-{k} of {n_expert} experts")));
+    }
+    logits.expect(OP, "logits", f32s(n * n_expert), 4)?;
+    ids.expect(OP, "ids", 4 * (n * k) as u64, 4)?;
+    wts.expect(OP, "wts", f32s(n * k), 4)?;
+    let (lp, ip, wp) = (logits.ptr(), ids.ptr(), wts.ptr());
+    let (ne, k32, norm, nt) = (
+        int(OP, "n_expert", n_expert)?,
+        k as i32,
+        norm_topk as i32,
+        int(OP, "n", n)?,
+    );
+    if n_expert <= 32 * 8 && k <= 32 {
+        return launch!(l, "dq_router_topk", cfg((n.div_ceil(4) as u32, 1, 1), 128, 0);
+            &lp, &ne, &k32, &norm, &nt, &ip, &wp);
+    }
+    let smem = (n_expert * 4) as u32;
+    launch!(l, "router_softmax_topk", cfg((n as u32, 1, 1), 128, smem); &lp, &ne, &k32, &norm, &ip, &wp)
+}
+
+/// Largest top-k of the router kernels.
+pub const ROUTER_MAX_K: usize = 64;
+
+/// A layer's routed experts as the expert kernels read them: a table of `n_expert x (gate,
+/// up, down)` device addresses (`n_expert x 3` u64), the matrices of one type.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertTable<'a> {
+    pub table: DeviceView<'a>,
+    pub ty: GgmlType,
+    pub n_expert: usize,
+    /// Expert width (gate/up rows, down columns) and hidden width.
+    pub f: usize,
+    pub e: usize,
+}
+
+impl ExpertTable<'_> {
+    fn check(&self, op: &'static str) -> Result<i32, CudaError> {
+        self.table
+            .expect(op, "expert table", 24 * self.n_expert as u64, 8)?;
+        int(op, "f", self.f)?;
+        int(op, "e", self.e)?;
+        super::kty(self.ty).ok_or_else(|| bad(op, format!("{} experts", self.ty)))
+    }
+}
+
+/// `dq_moe_gate_up`: for every assignment `a = t*k + j` of `n` tokens, `h[a] =
+/// silu(G_e xn[t]) * (U_e xn[t])` with `e = ids[a]`. `stage`: Q8_0 experts stage the input in
+/// shared memory.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_gate_up(
+    l: &Launcher<'_>,
+    ex: ExpertTable<'_>,
+    ids: DeviceView<'_>,
+    k: usize,
+    xn: DeviceView<'_>,
+    h: DeviceView<'_>,
+    n: usize,
+    stage: bool,
+) -> Result<(), CudaError> {
+    const OP: &str = "moe_gate_up";
+    let ty = ex.check(OP)?;
+    ids.expect(OP, "ids", 4 * (n * k) as u64, 4)?;
+    xn.expect(OP, "xn", f32s(n * ex.e), 16)?;
+    h.expect(OP, "h", f32s(n * k * ex.f), 4)?;
+    let smem = xs_bytes(stage, 1, ex.ty, ex.e);
+    let (f, e, k32, no_norm, eps) = (ex.f as i32, ex.e as i32, k as i32, 0u64, 0f32);
+    let (tp, ip, xp, hp) = (ex.table.ptr(), ids.ptr(), xn.ptr(), h.ptr());
+    let grid = ((ex.f as u32).div_ceil(DQ_WARPS), int(OP, "n * k", n * k)? as u32, 1);
+    launch!(l, "dq_moe_gate_up", cfg(grid, 32 * DQ_WARPS, smem);
+        &tp, &ty, &f, &e, &ip, &k32, &xp, &no_norm, &eps, &hp)
+}
+
+/// The MoE down products weighted and added into `y`: `y[t] += sum_j wts[t*k+j] D_e h[t*k+j]`
+/// — `dq_moe_down_rows` (a block per row) for Q8_0 experts and k up to 32, else `dq_moe_down`
+/// (a warp per row).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_down(
+    l: &Launcher<'_>,
+    ex: ExpertTable<'_>,
+    ids: DeviceView<'_>,
+    wts: DeviceView<'_>,
+    k: usize,
+    h: DeviceView<'_>,
+    y: DeviceView<'_>,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "moe_down";
+    let ty = ex.check(OP)?;
+    ids.expect(OP, "ids", 4 * (n * k) as u64, 4)?;
+    wts.expect(OP, "wts", f32s(n * k), 4)?;
+    h.expect(OP, "h", f32s(n * k * ex.f), 16)?;
+    y.expect(OP, "y", f32s(n * ex.e), 4)?;
+    let (e, f, k32) = (ex.e as i32, ex.f as i32, k as i32);
+    let (tp, ip, wp, hp, yp) = (ex.table.ptr(), ids.ptr(), wts.ptr(), h.ptr(), y.ptr());
+    let nt = int(OP, "n", n)? as u32;
+    if ex.ty == GgmlType::Q8_0 && k <= DQ_DOWN_MAXK {
+        return launch!(l, "dq_moe_down_rows", cfg((ex.e as u32, nt, 1), 128, 0);
+            &tp, &e, &f, &ip, &wp, &k32, &hp, &yp);
+    }
+    launch!(l, "dq_moe_down", cfg(((ex.e as u32).div_ceil(DQ_WARPS), nt, 1), 32 * DQ_WARPS, 0);
+        &tp, &ty, &e, &f, &ip, &wp, &k32, &hp, &yp)
+}
+
+/// `dq_moe_combine`: `x[t] += sum_j wts[t*k+j] y[t*k+j]` over rows of `e`.
+pub fn moe_combine(
+    l: &Launcher<'_>,
+    y: DeviceView<'_>,
+    wts: DeviceView<'_>,
+    k: usize,
+    e: usize,
+    x: DeviceView<'_>,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "moe_combine";
+    y.expect(OP, "y", f32s(n * k * e), 4)?;
+    wts.expect(OP, "wts", f32s(n * k), 4)?;
+    x.expect(OP, "x", f32s(n * e), 4)?;
+    let (yp, wp, xp) = (y.ptr(), wts.ptr(), x.ptr());
+    let (k32, e32) = (int(OP, "k", k)?, int(OP, "e", e)?);
+    launch!(l, "dq_moe_combine", cfg((int(OP, "n", n)? as u32, 1, 1), 256, 0); &yp, &wp, &k32, &e32, &xp)
+}
+
+/// Where the token picks work: per row, `blocks` partial (value, index) pairs, a counter
+/// (zero between launches) and the chosen token.
+#[derive(Debug, Clone, Copy)]
+pub struct PickScratch<'a> {
+    pub part_v: DeviceView<'a>,
+    pub part_i: DeviceView<'a>,
+    pub counters: DeviceView<'a>,
+    pub out: DeviceView<'a>,
+}
+
+impl PickScratch<'_> {
+    fn check(&self, op: &'static str, rows: usize, blocks: u32) -> Result<(), CudaError> {
+        let pairs = 4 * (rows as u64) * blocks as u64;
+        self.part_v.expect(op, "part_v", pairs, 4)?;
+        self.part_i.expect(op, "part_i", pairs, 4)?;
+        self.counters.expect(op, "counters", 4 * rows as u64, 4)?;
+        self.out.expect(op, "out", 4 * rows as u64, 4)
+    }
+}
+
+/// `dq_argmax_rows`: the argmax of each of `rows` rows of `cols` logits (lowest id on ties,
+/// NaN never wins), `blocks` blocks a row.
+pub fn argmax_rows(
+    l: &Launcher<'_>,
+    x: DeviceView<'_>,
+    cols: usize,
+    rows: usize,
+    blocks: u32,
+    s: PickScratch<'_>,
+) -> Result<(), CudaError> {
+    const OP: &str = "argmax_rows";
+    x.expect(OP, "x", f32s(rows * cols), 4)?;
+    s.check(OP, rows, blocks)?;
+    let (xp, pv, pi, cn, op) = (
+        x.ptr(),
+        s.part_v.ptr(),
+        s.part_i.ptr(),
+        s.counters.ptr(),
+        s.out.ptr(),
+    );
+    let c = int(OP, "cols", cols)?;
+    launch!(l, "dq_argmax_rows", cfg((blocks, rows as u32, 1), 256, 0); &xp, &c, &pv, &pi, &cn, &op)
+}
+
+/// `sample_rows`: row `i`'s token drawn by `draws[i]` (`sampler::Draw`'s 32-byte records),
+/// `blocks` blocks of 1024 threads a row.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_rows(
+    l: &Launcher<'_>,
+    x: DeviceView<'_>,
+    cols: usize,
+    rows: usize,
+    blocks: u32,
+    draws: DeviceView<'_>,
+    s: PickScratch<'_>,
+) -> Result<(), CudaError> {
+    const OP: &str = "sample_rows";
+    if cols > SAMPLE_MAX_VOCAB {
+        return Err(bad(
+            OP,
+            format!("{cols} logits: at most {SAMPLE_MAX_VOCAB} (sample on the host)"),
+        ));
+    }
+    x.expect(OP, "x", f32s(rows * cols), 4)?;
+    draws.expect(
+        OP,
+        "draws",
+        strata_schemas::workset::DRAW_BYTES * rows as u64,
+        8,
+    )?;
+    s.check(OP, rows, blocks)?;
+    let (xp, dp, pv, pi, cn, op) = (
+        x.ptr(),
+        draws.ptr(),
+        s.part_v.ptr(),
+        s.part_i.ptr(),
+        s.counters.ptr(),
+        s.out.ptr(),
+    );
+    let c = int(OP, "cols", cols)?;
+    launch!(l, "sample_rows", cfg((blocks, rows as u32, 1), 1024, 0); &xp, &c, &dp, &pv, &pi, &cn, &op)
+}

@@ -1,0 +1,290 @@
+//! Kernel launchers: exactly one Rust function per kernel of `kernels/cuda`, used by the CUDA
+//! backend's ops and by the GPU tests alike. Each takes bounds-checked views of the memory the
+//! kernel touches, checks them (bytes and alignment) and the scalar arguments against the
+//! kernel's limits, then queues the launch on the device's stream — with programmatic
+//! dependent launch when the [`Launcher`] asks for it and the kernel is PDL-aware, and timed
+//! when profiling.
+//! Invariant: nothing is launched with a view smaller than the kernel will touch, and no
+//! launcher reads anything back from the device, so every launch can be captured in a graph.
+
+pub mod attention;
+pub mod decode;
+
+use super::{CudaDevice, CudaError, DeviceView};
+use cudarc::driver::{CudaEvent, LaunchConfig};
+use strata_schemas::ggml::GgmlType;
+
+/// Tokens one matrix-vector launch handles per grid row (decode.cu's DQ_MAX_TOK).
+pub const DQ_MAX_TOK: usize = 8;
+/// Warps per block of the one-token products (decode.cu's DQ_WARPS).
+pub const DQ_WARPS: u32 = 4;
+/// The widest rows of the register path of the one-token products (decode.cu's DQ_XR_COLS).
+pub const DQ_XR_COLS: usize = 2048;
+/// Largest top-k of `dq_moe_down_rows` (decode.cu's DQ_DOWN_MAXK).
+pub const DQ_DOWN_MAXK: usize = 32;
+/// Largest head dimension of the attention kernels (common.cuh's ATT_MAX_D).
+pub const ATT_MAX_D: usize = 256;
+/// Largest number of query heads per KV head the decode attention serves (DA_MAXG).
+pub const ATT_MAX_GROUP: usize = 16;
+/// Most splits `dq_attn_combine` merges (DA_MAX_SPLIT).
+pub const ATT_MAX_SPLIT: usize = 128;
+/// Largest vocabulary `sample_rows` takes (sample.cu's SP_MAX_VOCAB: its histogram parts
+/// count in u32); larger ones sample on the host.
+pub const SAMPLE_MAX_VOCAB: usize = 1 << 19;
+
+/// Blocks per SM of the register path of the one-token products (about 100 registers a
+/// thread allow 4 blocks of 128 threads an SM).
+const XR_BLOCKS_PER_SM: u32 = 4;
+/// Rows per warp below which a one-token product keeps a warp per row (the register path's
+/// capped grid measured slower for Q/K/V and the experts, 1-3 rows a warp, on the H200).
+const XR_MIN_ROWS: u32 = 8;
+
+/// Kernel type numbers (common.cuh's ST_TY_*).
+pub fn kty(ty: GgmlType) -> Option<i32> {
+    Some(match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::BF16 => 2,
+        GgmlType::Q8_0 => 3,
+        GgmlType::Q4K => 4,
+        _ => return None,
+    })
+}
+
+/// `v` as a kernel's 32-bit index, or a shape error naming `what`.
+pub(crate) fn int(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Shape {
+        op,
+        detail: format!("{what} = {v} exceeds the kernel's 32-bit index"),
+    })
+}
+
+/// A shape error of `op`.
+pub(crate) fn bad(op: &'static str, detail: String) -> CudaError {
+    CudaError::Shape { op, detail }
+}
+
+/// Bytes of `n` f32 values.
+pub(crate) fn f32s(n: usize) -> u64 {
+    4 * n as u64
+}
+
+/// A weight matrix on the device: `rows x cols` of `ty` (Q8_0 in the split layout of
+/// `layout`, every other type in the GGUF layout).
+#[derive(Debug, Clone, Copy)]
+pub struct Mat<'a> {
+    pub w: DeviceView<'a>,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Mat<'_> {
+    /// Checks the view holds the matrix and the kernels read its type; returns the type code.
+    fn check(&self, op: &'static str) -> Result<i32, CudaError> {
+        let code = kty(self.ty).ok_or_else(|| {
+            bad(
+                op,
+                format!(
+                    "{} weights: the CUDA kernels read F32, F16, BF16, Q8_0 and Q4_K",
+                    self.ty
+                ),
+            )
+        })?;
+        let rb = crate::quant::row_bytes(self.ty, self.cols)
+            .map_err(|e| bad(op, format!("rows of {} {}: {e}", self.cols, self.ty)))?;
+        self.w
+            .expect(op, "weights", rb as u64 * self.rows as u64, 16)?;
+        int(op, "rows", self.rows)?;
+        int(op, "cols", self.cols)?;
+        Ok(code)
+    }
+}
+
+/// Launch count and milliseconds per (decode?, kernel label), for `--profile`.
+pub type ProfTotals = std::collections::BTreeMap<(bool, &'static str), (u64, f64)>;
+
+/// Events recorded around each launch of a profiled pass.
+pub type Prof = std::cell::RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>;
+
+/// How launches are queued on one device.
+#[derive(Clone, Copy)]
+pub struct Launcher<'a> {
+    pub dev: &'a CudaDevice,
+    /// Launch the PDL-aware kernels with programmatic dependent launch.
+    pub pdl: bool,
+    /// When profiling: every launch's label with events recorded around it.
+    pub prof: Option<&'a Prof>,
+}
+
+impl<'a> Launcher<'a> {
+    /// Plain launches in stream order (tests, and passes that gain nothing from PDL).
+    pub fn new(dev: &'a CudaDevice) -> Self {
+        Self {
+            dev,
+            pdl: false,
+            prof: None,
+        }
+    }
+
+    /// When profiling: a 40 us spin kernel, then the start event. The spin keeps the GPU busy
+    /// while the host queues the kernel and its end event, so the pair times the kernel alone
+    /// and not the host's launch latency (which CUDA graphs hide in real decode steps).
+    fn prof_start(&self) -> Result<Option<CudaEvent>, CudaError> {
+        if self.prof.is_none() {
+            return Ok(None);
+        }
+        decode::spin(self, 40_000)?;
+        Ok(Some(self.dev.record_event()?))
+    }
+
+    fn prof_end(&self, label: &'static str, e0: Option<CudaEvent>) -> Result<(), CudaError> {
+        if let (Some(p), Some(e0)) = (self.prof, e0) {
+            let e1 = self.dev.record_event()?;
+            p.borrow_mut().push((label, e0, e1));
+        }
+        Ok(())
+    }
+
+    /// Run `f` (which queues work on the stream) between two recorded events when profiling.
+    pub fn timed<T>(
+        &self,
+        label: &'static str,
+        f: impl FnOnce() -> Result<T, CudaError>,
+    ) -> Result<T, CudaError> {
+        let e0 = self.prof_start()?;
+        let r = f()?;
+        self.prof_end(label, e0)?;
+        Ok(r)
+    }
+
+    /// The device's number of multiprocessors.
+    pub fn sm_count(&self) -> usize {
+        self.dev.sm_count()
+    }
+}
+
+/// A launch configuration of `grid` blocks of `block` threads and `smem` bytes of dynamic
+/// shared memory.
+pub fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+/// Launch kernel `$name` through launcher `$l` with `$cfg` and the argument references in
+/// order (profiled under `$label`, default the kernel's name).
+macro_rules! launch {
+    ($l:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {
+        launch!($l, $name => $name, $cfg; $($arg),*)
+    };
+    ($l:expr, $name:expr => $label:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        use cudarc::driver::PushKernelArg;
+        let l: &$crate::backend::cuda::launch::Launcher<'_> = $l;
+        let f = l.dev.function($name)?;
+        let e0 = l.timed_start()?;
+        if l.pdl && strata_kernels::pdl_aware($name) {
+            let mut params = [$( $arg as *const _ as *mut std::ffi::c_void ),*];
+            // SAFETY: each entry points at a live argument value of the kernel's parameter
+            // type (the launcher checked every buffer against what the kernel touches); the
+            // kernel is PDL-aware (`strata_kernels::pdl_aware`), so it touches nothing but
+            // weights before waiting for the kernel ahead.
+            unsafe { $crate::backend::cuda::launch::launch_pdl(l.dev, f, $cfg, &mut params) }
+                .map_err($crate::backend::cuda::drv(format!("cuLaunchKernelEx {}", $name)))?;
+        } else {
+            let mut b = l.dev.stream().launch_builder(f);
+            $( b.arg($arg); )*
+            // SAFETY: every pointer argument addresses a view the launcher checked against
+            // the bytes the kernel reads or writes for these shapes.
+            unsafe { b.launch($cfg) }
+                .map_err($crate::backend::cuda::drv(format!("launch {}", $name)))?;
+        }
+        l.timed_end($label, e0)?;
+        Ok::<(), $crate::backend::cuda::CudaError>(())
+    }};
+}
+pub(crate) use launch;
+
+impl Launcher<'_> {
+    /// The start event of a profiled launch (see [`Launcher::timed`]).
+    #[doc(hidden)]
+    pub fn timed_start(&self) -> Result<Option<CudaEvent>, CudaError> {
+        self.prof_start()
+    }
+
+    /// The end event of a profiled launch.
+    #[doc(hidden)]
+    pub fn timed_end(&self, label: &'static str, e0: Option<CudaEvent>) -> Result<(), CudaError> {
+        self.prof_end(label, e0)
+    }
+}
+
+/// Launch `f` on `dev`'s stream with programmatic stream serialisation allowed: the driver
+/// may start it while the kernel ahead is finishing (Hopper's programmatic dependent launch;
+/// inside a graph capture this becomes a programmatic edge).
+///
+/// # Safety
+/// `params` must hold one pointer per kernel parameter, each to a live value of that
+/// parameter's type, and the kernel must be PDL-aware (`strata_kernels::pdl_aware`).
+pub unsafe fn launch_pdl(
+    dev: &CudaDevice,
+    f: &cudarc::driver::CudaFunction,
+    c: LaunchConfig,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    dev.stream().context().bind_to_thread()?;
+    // SAFETY: an all-zero launch attribute is a valid value of this plain C union.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let lc = sys::CUlaunchConfig {
+        gridDimX: c.grid_dim.0,
+        gridDimY: c.grid_dim.1,
+        gridDimZ: c.grid_dim.2,
+        blockDimX: c.block_dim.0,
+        blockDimY: c.block_dim.1,
+        blockDimZ: c.block_dim.2,
+        sharedMemBytes: c.shared_mem_bytes,
+        hStream: dev.stream().cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: the config lives across the call; `params` as the caller guarantees.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &lc,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+}
+
+/// Blocks of a one-token product (`dq_mv1`) over `rows` rows: decode.cu's register path
+/// (Q8_0 rows of at most DQ_XR_COLS columns) lets each warp walk several rows, reading
+/// the input once, so where that gives every warp at least XR_MIN_ROWS rows (the LM head)
+/// the grid stops at XR_BLOCKS_PER_SM blocks per SM; otherwise a warp per row.
+pub(crate) fn mv1_blocks(l: &Launcher<'_>, rows: usize, cols: usize, q8_0: bool) -> u32 {
+    let full = (rows as u32).div_ceil(DQ_WARPS);
+    let cap = l.sm_count() as u32 * XR_BLOCKS_PER_SM;
+    if q8_0 && cols <= DQ_XR_COLS && full >= cap * XR_MIN_ROWS {
+        cap
+    } else {
+        full
+    }
+}
+
+/// Dynamic shared memory for a one-token product over Q8_0 rows of `cols` columns that
+/// stages its input (decode.cu's dq_xs_fill): `cols` f32 (at most 48 KiB, the limit without
+/// opting in), else none.
+pub(crate) fn xs_bytes(stage: bool, n: usize, ty: GgmlType, cols: usize) -> u32 {
+    if stage && n == 1 && ty == GgmlType::Q8_0 && cols % 4 == 0 && cols * 4 <= 48 << 10 {
+        (cols * 4) as u32
+    } else {
+        0
+    }
+}

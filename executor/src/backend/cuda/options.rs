@@ -1,0 +1,140 @@
+//! The CUDA backend's start-up options: the documented flags of `strata-exec` (`--gpu`,
+//! `--device-map`, `--handoff`, `--no-graphs`, `--no-prefill-gemm`, `--no-pdl`, `--profile`)
+//! and the launch variants of `--kernel-options` (for comparing a fused or staged kernel with
+//! the launches it replaces), parsed once at start-up.
+//! Invariant: nothing here is read from the environment, and every variant computes the same
+//! function (most bit for bit; where a variant sums in another order, its doc says so).
+
+use super::handoff::HandoffPolicy;
+
+/// Launch variants of decode steps, for comparison (`--kernel-options`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelOptions {
+    /// The router's softmax and top-k in the last block of its logit launch instead of a
+    /// launch of their own (`unfused-topk` turns it off). Bit for bit the same either way.
+    pub fused_topk: bool,
+    /// QK-norm + RoPE, the KV store, split-KV attention and the merge of the splits in one
+    /// launch (`dq_attn_fused`) where the model allows it (`unfused-attention` runs the three
+    /// launches instead). Its splits are at least `attn_chunk` cells, so its sums run in
+    /// another order than the three launches'.
+    pub fused_attention: bool,
+    /// The fused attention's smallest split, in cells (`attn-chunk=N`, default 32).
+    pub attn_chunk: u32,
+    /// One-token Q8_0 products stage their input in shared memory (`no-staging` reads it
+    /// from global memory): Q/K/V, the output projection and the MoE gate/up. Bit for bit the
+    /// same logits either way.
+    pub stage_inputs: bool,
+    /// Greedy and sampled picks read the logits back and pick on the host (`host-pick`)
+    /// instead of on the device. The same tokens either way.
+    pub host_pick: bool,
+}
+
+impl Default for KernelOptions {
+    fn default() -> Self {
+        Self {
+            fused_topk: true,
+            fused_attention: true,
+            attn_chunk: 32,
+            stage_inputs: true,
+            host_pick: false,
+        }
+    }
+}
+
+/// The values `--kernel-options` takes, for `--help` and errors.
+pub const KERNEL_OPTIONS_HELP: &str =
+    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick";
+
+impl KernelOptions {
+    /// Parse a comma-separated `--kernel-options` list over the defaults.
+    pub fn parse(list: &[String]) -> Result<Self, String> {
+        let mut o = Self::default();
+        for item in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+            match item {
+                "unfused-topk" => o.fused_topk = false,
+                "unfused-attention" => o.fused_attention = false,
+                "no-staging" => o.stage_inputs = false,
+                "host-pick" => o.host_pick = true,
+                _ => match item.strip_prefix("attn-chunk=") {
+                    Some(v) => {
+                        o.attn_chunk = v
+                            .parse::<u32>()
+                            .ok()
+                            .filter(|n| (1..=1 << 20).contains(n))
+                            .ok_or_else(|| {
+                                format!("--kernel-options attn-chunk={v}: give a number of cells in 1..=1048576")
+                            })?
+                    }
+                    None => {
+                        return Err(format!(
+                            "--kernel-options: unknown option `{item}` (known: {KERNEL_OPTIONS_HELP})"
+                        ))
+                    }
+                },
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// Start-up options of the CUDA engine.
+#[derive(Debug, Clone)]
+pub struct CudaOptions {
+    /// CUDA device ordinal every planned device maps onto (when `device_map` is None): one
+    /// device object and one stream for every stage.
+    pub gpu: usize,
+    /// One CUDA ordinal per planned device: each stage gets a device object (context binding,
+    /// stream, kernels) of its own, even where ordinals repeat, and hands the hidden state
+    /// to the next through `handoff`.
+    pub device_map: Option<Vec<usize>>,
+    /// How stages on separate device objects hand over (see `handoff`).
+    pub handoff: HandoffPolicy,
+    /// Draw a loading progress bar on stderr (only when it is a terminal).
+    pub progress: bool,
+    /// Capture decode steps in CUDA graphs.
+    pub graphs: bool,
+    /// Prefill through the tensor-core products where the weights allow (Q8_0 / Q4_K / BF16,
+    /// experts at a fixed stride); else every pass uses the matrix-vector kernels.
+    pub prefill_gemm: bool,
+    /// Programmatic dependent launch on GPUs of compute capability 9.0 and later (a kernel
+    /// starts while the one ahead finishes and prefetches its weights meanwhile).
+    pub pdl: bool,
+    /// Time every launch with events (graphs and PDL off) and print the totals per kernel
+    /// when the engine is dropped.
+    pub profile: bool,
+    pub kernels: KernelOptions,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            gpu: 0,
+            device_map: None,
+            handoff: HandoffPolicy::Auto,
+            progress: false,
+            graphs: true,
+            prefill_gemm: true,
+            pdl: true,
+            profile: false,
+            kernels: KernelOptions::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_options_parse_and_refuse_with_the_list() {
+        let o = KernelOptions::parse(&["unfused-attention".into(), "attn-chunk=64".into()])
+            .unwrap();
+        assert!(!o.fused_attention && o.attn_chunk == 64 && o.fused_topk && o.stage_inputs);
+        assert_eq!(KernelOptions::parse(&[]).unwrap(), KernelOptions::default());
+        let e = KernelOptions::parse(&["fast".into()]).unwrap_err();
+        assert!(e.contains("`fast`") && e.contains("host-pick"), "{e}");
+        assert!(KernelOptions::parse(&["attn-chunk=0".into()]).is_err());
+        let o = KernelOptions::parse(&["no-staging".into(), "host-pick".into()]).unwrap();
+        assert!(!o.stage_inputs && o.host_pick);
+    }
+}

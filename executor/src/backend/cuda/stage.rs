@@ -1,0 +1,475 @@
+//! `CudaStage`: one planned device on a CUDA GPU as a pipeline drives it — its arena, the
+//! working buffers bound from the plan's scratch by name, its KV region, the step's inputs,
+//! decode passes captured once per token count as CUDA graphs and replayed, the hand-off of
+//! hidden states to the next stage, and token picks on the device. Its ops (`forward_ops`)
+//! and weight binding (`bind`) are in files of their own.
+//! Invariant: after start-up the stage allocates no device memory and its kernels touch only
+//! its own arena; a captured graph is replayed only for the token count it was captured for.
+
+use super::handoff::Link;
+use super::launch::decode::{self, PickScratch};
+use super::launch::{Launcher, Prof, ProfTotals, SAMPLE_MAX_VOCAB};
+use super::options::KernelOptions;
+use super::{drv, CudaDevice, CudaError, DeviceArena, DeviceView};
+use crate::backend::{Stage, StepKind, WorkBuf};
+use crate::sampler::Draw;
+use cudarc::driver::CudaGraph;
+use std::collections::HashMap;
+use std::sync::Arc;
+use strata_schemas::dims::Dims;
+use strata_schemas::workset::{ARGMAX_BLOCKS, DRAW_BYTES};
+
+/// Blocks per row of `sample_rows` when a draw has top-k or top-p cuts (without cuts it takes
+/// `ARGMAX_BLOCKS`, the most the scratch holds).
+const SAMPLE_BLOCKS_CUTS: u32 = 16;
+
+/// A planned buffer's place in the arena.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Span {
+    pub off: u64,
+    pub bytes: u64,
+}
+
+/// The KV region of a stage: per slot, per KV layer, `cells` K rows then `cells` V rows.
+#[derive(Debug, Clone)]
+pub(crate) struct KvGeo {
+    pub region: Span,
+    pub slot_bytes: u64,
+    pub row_bytes: u64,
+    pub cells: u64,
+    /// Kernel type code (F16 1, Q8_0 3).
+    pub ty: i32,
+}
+
+impl KvGeo {
+    /// Byte offsets of KV layer `l`'s K and V rows inside a slot.
+    pub fn layer(&self, l: usize) -> (u64, u64) {
+        let span = self.cells * self.row_bytes;
+        (2 * l as u64 * span, (2 * l as u64 + 1) * span)
+    }
+}
+
+/// A captured decode pass.
+pub(crate) struct Graph(CudaGraph);
+
+// SAFETY: a graph is only launched by the stage's owner, one call at a time (`&mut self`);
+// moving the stage to another thread moves its graphs with it, and cudarc binds the context
+// to the calling thread before each launch.
+unsafe impl Send for Graph {}
+
+/// How this stage's passes run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunFlags {
+    pub graphs: bool,
+    pub pdl: bool,
+    /// Prefill passes of `GEMM_MIN_TOK` tokens or more use the tensor-core products where the
+    /// weights allow.
+    pub gemm: bool,
+    /// Decode attention in one launch (the options ask for it and the model allows it).
+    pub fused_attention: bool,
+}
+
+/// One planned device on a CUDA GPU.
+pub struct CudaStage {
+    pub(crate) dev: Arc<CudaDevice>,
+    pub(crate) arena: DeviceArena,
+    pub(crate) bufs: HashMap<WorkBuf, Span>,
+    pub(crate) d: Dims,
+    pub(crate) opts: KernelOptions,
+    pub(crate) flags: RunFlags,
+    pub(crate) attn_factor: f32,
+    pub(crate) kv: KvGeo,
+    pub(crate) max_tok: usize,
+    pub(crate) att_splits: usize,
+    pub(crate) slots: usize,
+    /// The pass being issued.
+    pub(crate) kind: StepKind,
+    pub(crate) host_in: Vec<i32>,
+    graphs: HashMap<usize, Graph>,
+    pub(crate) prof: Option<Prof>,
+    prof_totals: ProfTotals,
+    /// The hand-off into this stage (none on the first).
+    pub(crate) link_in: Option<Link>,
+    /// While binding weights: the model's host view, the tensors placed here (name ->
+    /// offset) and the next free bytes of the `tables` and `norms` buffers.
+    pub(crate) binder: Option<super::bind::Binder>,
+}
+
+impl CudaStage {
+    /// A stage over `arena` on `dev` with its working buffers at `bufs`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        dev: Arc<CudaDevice>,
+        arena: DeviceArena,
+        bufs: HashMap<WorkBuf, Span>,
+        d: Dims,
+        opts: KernelOptions,
+        flags: RunFlags,
+        attn_factor: f32,
+        kv: KvGeo,
+        max_tok: usize,
+        att_splits: usize,
+        slots: usize,
+        profile: bool,
+        binder: super::bind::Binder,
+    ) -> Self {
+        Self {
+            dev,
+            arena,
+            bufs,
+            d,
+            opts,
+            flags,
+            attn_factor,
+            kv,
+            max_tok,
+            att_splits,
+            slots,
+            kind: StepKind::Prefill,
+            host_in: vec![0; 3 * max_tok],
+            graphs: HashMap::new(),
+            prof: profile.then(Prof::default),
+            prof_totals: ProfTotals::new(),
+            link_in: None,
+            binder: Some(binder),
+        }
+    }
+
+    /// The device this stage runs on.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// Bytes of the stage's arena.
+    pub fn arena_bytes(&self) -> u64 {
+        self.arena.size()
+    }
+
+    /// How the hidden state arrives (`same stream`, `peer copy`, `pinned host`), if it does.
+    pub fn handoff_in(&self) -> Option<&'static str> {
+        self.link_in.as_ref().map(|l| l.kind())
+    }
+
+    /// Whether decode attention runs as one launch per layer.
+    pub fn fused_attention(&self) -> bool {
+        self.flags.fused_attention
+    }
+
+    /// Whether prefill passes of 16 tokens or more may take the tensor-core products.
+    pub fn tensor_core_prefill(&self) -> bool {
+        self.flags.gemm
+    }
+
+    /// Launchers for the pass being issued: programmatic dependent launch in decode passes
+    /// only (measured on the H200: decode 224 -> 233 tok/s with it; prefill passes lost 4%
+    /// with it, so they launch in strict order).
+    pub(crate) fn launcher(&self) -> Launcher<'_> {
+        Launcher {
+            dev: &self.dev,
+            pdl: self.flags.pdl && self.kind == StepKind::Decode,
+            prof: self.prof.as_ref(),
+        }
+    }
+
+    /// Launchers in strict stream order (the token picks, after the pass).
+    pub(crate) fn plain_launcher(&self) -> Launcher<'_> {
+        Launcher {
+            pdl: false,
+            ..self.launcher()
+        }
+    }
+
+    /// The bound buffer `b` as a view.
+    pub(crate) fn buf(&self, b: WorkBuf) -> Result<DeviceView<'_>, CudaError> {
+        let s = self.bufs.get(&b).ok_or_else(|| CudaError::Shape {
+            op: "bind",
+            detail: format!(
+                "the plan's scratch has no `{}` buffer: re-plan with this build's strata-plan",
+                b.name()
+            ),
+        })?;
+        self.arena.view(s.off, s.bytes)
+    }
+
+    /// `len` bytes of buffer `b` from byte `at`.
+    pub(crate) fn buf_at(&self, b: WorkBuf, at: u64, len: u64) -> Result<DeviceView<'_>, CudaError> {
+        self.buf(b)?.sub(at, len)
+    }
+
+    /// The arena window `[off, off + len)`.
+    pub(crate) fn view(&self, off: u64, len: u64) -> Result<DeviceView<'_>, CudaError> {
+        self.arena.view(off, len)
+    }
+
+    /// The step inputs: token ids, positions and slots (`max_tok` i32 each).
+    pub(crate) fn inputs(&self) -> Result<[DeviceView<'_>; 3], CudaError> {
+        let m = 4 * self.max_tok as u64;
+        Ok([
+            self.buf_at(WorkBuf::Inputs, 0, m)?,
+            self.buf_at(WorkBuf::Inputs, m, m)?,
+            self.buf_at(WorkBuf::Inputs, 2 * m, m)?,
+        ])
+    }
+
+    /// The pick buffers for `rows` rows: per slot ARGMAX_BLOCKS partial values and as many
+    /// indices, then a counter and the chosen token per slot.
+    fn pick_scratch(&self, rows: usize) -> Result<PickScratch<'_>, CudaError> {
+        let nb = ARGMAX_BLOCKS;
+        let slots = self.slots as u64;
+        if rows as u64 > slots {
+            return Err(CudaError::Shape {
+                op: "pick",
+                detail: format!("{rows} rows for {slots} slots"),
+            });
+        }
+        let a = WorkBuf::Argmax;
+        let (pv, pi) = (0, slots * nb * 4);
+        let cnt = pi + slots * nb * 4;
+        Ok(PickScratch {
+            part_v: self.buf_at(a, pv, slots * nb * 4)?,
+            part_i: self.buf_at(a, pi, slots * nb * 4)?,
+            counters: self.buf_at(a, cnt, slots * 4)?,
+            out: self.buf_at(a, cnt + slots * 4, slots * 4)?,
+        })
+    }
+
+    /// Copy `out.len()` u32s from `src` back and wait for the stream.
+    fn back_u32(&self, src: DeviceView<'_>, out: &mut [u32]) -> Result<(), CudaError> {
+        self.dev.ctx_bind()?;
+        src.expect("pick", "tokens", 4 * out.len() as u64, 4)?;
+        // SAFETY: `src` holds out.len() u32s (checked above); `out` stays borrowed until the
+        // synchronize below.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(out, src.ptr(), self.dev.stream().cu_stream())
+        }
+        .map_err(drv("cuMemcpyDtoHAsync(picked tokens)"))?;
+        self.dev.synchronize()
+    }
+
+    /// Capture a decode pass of `n` tokens.
+    fn capture(
+        &mut self,
+        forward: &mut dyn FnMut(&mut Self) -> Result<(), CudaError>,
+    ) -> Result<Graph, CudaError> {
+        use cudarc::driver::sys;
+        let stream = self.dev.stream().clone();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("cuStreamBeginCapture"))?;
+        let r = forward(self);
+        let g = stream
+            .end_capture(sys::CUgraphInstantiate_flags_enum(0))
+            .map_err(drv("cuStreamEndCapture"));
+        r?;
+        Ok(Graph(g?.ok_or_else(|| CudaError::Shape {
+            op: "capture",
+            detail: "CUDA graph capture produced no graph".into(),
+        })?))
+    }
+
+    /// Profiling: wait for the pass, add each launch's time to the totals.
+    fn prof_collect(&mut self) -> Result<(), CudaError> {
+        let Some(p) = &self.prof else {
+            return Ok(());
+        };
+        self.dev.synchronize()?;
+        let decode = self.kind == StepKind::Decode;
+        for (name, e0, e1) in p.borrow_mut().drain(..) {
+            let ms = e0.elapsed_ms(&e1).map_err(drv("cuEventElapsedTime"))? as f64;
+            let t = self.prof_totals.entry((decode, name)).or_insert((0, 0.0));
+            t.0 += 1;
+            t.1 += ms;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaStage {
+    fn drop(&mut self) {
+        // No copy or kernel may still use the arena or a pinned staging buffer.
+        let _ = self.dev.synchronize();
+        if self.prof.is_none() {
+            return;
+        }
+        let tot = &self.prof_totals;
+        for decode in [false, true] {
+            let all: f64 = tot
+                .iter()
+                .filter(|((dd, _), _)| *dd == decode)
+                .map(|(_, v)| v.1)
+                .sum();
+            eprintln!(
+                "profile {}: {:.3} ms in kernels",
+                if decode { "decode" } else { "prefill" },
+                all
+            );
+            let mut rows: Vec<_> = tot.iter().filter(|((dd, _), _)| *dd == decode).collect();
+            rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+            for ((_, name), (count, ms)) in rows {
+                eprintln!(
+                    "  {name:<24} {count:>8} launches {ms:>10.3} ms {:>6.1}% {:>8.2} us/launch",
+                    100.0 * ms / all.max(1e-12),
+                    1000.0 * ms / *count as f64
+                );
+            }
+        }
+    }
+}
+
+impl Stage for CudaStage {
+    fn upload_inputs(
+        &mut self,
+        kind: StepKind,
+        tokens: &[u32],
+        slots: &[u32],
+        pos: &[u32],
+    ) -> Result<(), CudaError> {
+        let (n, m) = (slots.len(), self.max_tok);
+        if n == 0 || n > m || pos.len() != n || (!tokens.is_empty() && tokens.len() != n) {
+            return Err(CudaError::Shape {
+                op: "step inputs",
+                detail: format!(
+                    "{} tokens, {n} slots and {} positions for passes of at most {m}",
+                    tokens.len(),
+                    pos.len()
+                ),
+            });
+        }
+        for i in 0..n {
+            self.host_in[i] = tokens.get(i).map_or(0, |&t| t as i32);
+            self.host_in[m + i] = pos[i] as i32;
+            self.host_in[2 * m + i] = slots[i] as i32;
+        }
+        self.kind = kind;
+        let dst = self.buf_at(WorkBuf::Inputs, 0, 12 * m as u64)?.ptr();
+        self.dev.ctx_bind()?;
+        // SAFETY: `inputs` holds 3 x max_tok i32s (a view of exactly that was taken above);
+        // the copy from pageable host memory returns once the host bytes are staged, so
+        // `host_in` may change afterwards.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, &self.host_in[..], self.dev.stream().cu_stream())
+        }
+        .map_err(drv("cuMemcpyHtoDAsync(step inputs)"))
+    }
+
+    fn run(
+        &mut self,
+        kind: StepKind,
+        n: usize,
+        forward: &mut dyn FnMut(&mut Self) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        self.kind = kind;
+        if kind == StepKind::Decode && self.flags.graphs && self.prof.is_none() {
+            if !self.graphs.contains_key(&n) {
+                let g = match self.capture(forward) {
+                    Ok(g) => g,
+                    Err(e) if self.flags.pdl => {
+                        eprintln!(
+                            "warning: capturing a decode step with programmatic dependent launch failed ({e}); capturing it without (as --no-pdl would)"
+                        );
+                        self.flags.pdl = false;
+                        self.capture(forward)?
+                    }
+                    Err(e) => return Err(e),
+                };
+                self.graphs.insert(n, g);
+            }
+            self.dev.ctx_bind()?;
+            return self.graphs[&n].0.launch().map_err(drv("cuGraphLaunch"));
+        }
+        forward(self)?;
+        self.prof_collect()
+    }
+
+    fn send_hidden(&mut self, next: &mut Self, x: WorkBuf, n: usize) -> Result<(), CudaError> {
+        let bytes = (n * self.d.e * 4) as u64;
+        let src = self.buf_at(x, 0, bytes)?.ptr();
+        let dst = next.buf_at(x, 0, bytes)?.ptr();
+        let link = next.link_in.as_ref().ok_or_else(|| CudaError::Shape {
+            op: "stage hand-off",
+            detail: "the receiving stage has no link".into(),
+        })?;
+        link.copy(&self.dev, &next.dev, src, dst, bytes)
+    }
+
+    fn read_logits(&mut self, rows: usize, out: &mut [f32]) -> Result<(), CudaError> {
+        let n = rows * self.d.vocab;
+        let src = self.buf_at(WorkBuf::Logits, 0, 4 * n as u64)?.ptr();
+        self.dev.ctx_bind()?;
+        // SAFETY: the logits buffer holds `rows x vocab` floats (a view of exactly that was
+        // taken above); `out` is borrowed until the synchronize below.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut out[..n], src, self.dev.stream().cu_stream())
+        }
+        .map_err(drv("cuMemcpyDtoHAsync(logits)"))?;
+        self.dev.synchronize()
+    }
+
+    fn pick_greedy(&mut self, scratch: &mut [f32], out: &mut [u32]) -> Result<(), CudaError> {
+        let rows = out.len();
+        if self.opts.host_pick {
+            let v = self.d.vocab;
+            self.read_logits(rows, &mut scratch[..rows * v])?;
+            crate::sampler::argmax_rows(&scratch[..rows * v], v, out);
+            return Ok(());
+        }
+        let s = self.pick_scratch(rows)?;
+        let logits = self.buf(WorkBuf::Logits)?;
+        decode::argmax_rows(&self.plain_launcher(), logits, self.d.vocab, rows, ARGMAX_BLOCKS as u32, s)?;
+        self.back_u32(s.out, out)
+    }
+
+    fn pick_sample(
+        &mut self,
+        draws: &[Draw],
+        scratch: &mut [f32],
+        out: &mut [u32],
+    ) -> Result<(), CudaError> {
+        let rows = out.len();
+        let v = self.d.vocab;
+        if self.opts.host_pick || v > SAMPLE_MAX_VOCAB {
+            self.read_logits(rows, &mut scratch[..rows * v])?;
+            crate::sampler::sample_rows(&scratch[..rows * v], v, &draws[..rows], out);
+            return Ok(());
+        }
+        let mut bytes = [0u8; 32 * 64];
+        let need = rows * DRAW_BYTES as usize;
+        let dv = self.buf_at(WorkBuf::Draws, 0, need as u64)?;
+        self.dev.ctx_bind()?;
+        for chunk in draws[..rows].chunks(64).enumerate() {
+            let (ci, ds) = chunk;
+            for (i, d) in ds.iter().enumerate() {
+                bytes[32 * i..32 * (i + 1)].copy_from_slice(&d.to_bytes());
+            }
+            let at = dv.sub((ci * 64 * 32) as u64, (ds.len() * 32) as u64)?;
+            // SAFETY: `at` holds exactly these draws' bytes on the device; the copy from
+            // pageable memory returns once the host bytes are staged.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    at.ptr(),
+                    &bytes[..ds.len() * 32],
+                    self.dev.stream().cu_stream(),
+                )
+            }
+            .map_err(drv("cuMemcpyHtoDAsync(sampling draws)"))?;
+        }
+        // Blocks per row: every block repeats the row's threshold passes, so fewer when a
+        // draw has cuts (they read the row four or eight more times).
+        let cuts = draws[..rows]
+            .iter()
+            .any(|d| !d.is_greedy() && ((d.top_k > 0 && (d.top_k as usize) < v) || d.top_p < 1.0));
+        let blocks = if cuts {
+            SAMPLE_BLOCKS_CUTS
+        } else {
+            ARGMAX_BLOCKS as u32
+        };
+        let s = self.pick_scratch(rows)?;
+        let logits = self.buf(WorkBuf::Logits)?;
+        decode::sample_rows(&self.plain_launcher(), logits, v, rows, blocks, dv, s)?;
+        self.back_u32(s.out, out)
+    }
+
+    fn sync(&mut self) -> Result<(), CudaError> {
+        self.dev.synchronize()
+    }
+}

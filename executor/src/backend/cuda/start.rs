@@ -1,0 +1,433 @@
+//! Starting a plan on CUDA GPUs: every check that needs no GPU ([`preflight`]), the GPUs
+//! opened and their free memory checked against the arenas planned onto them, one arena per
+//! planned device, the weights uploaded, each stage's working buffers bound from the plan's
+//! scratch by name, its KV geometry checked against its `kv_cache` region, the model bound on
+//! it, and the hand-offs between stages chosen — a [`CudaEngine`], the pipeline over CUDA
+//! stages.
+//! Invariant: every check passes before the first arena is allocated; after start-up the
+//! engine allocates no device memory.
+
+use super::bind::{upload_weights, Binder};
+use super::handoff::Link;
+use super::launch::{kty, ATT_MAX_D, ATT_MAX_GROUP};
+use super::options::CudaOptions;
+use super::stage::{CudaStage, KvGeo, RunFlags, Span};
+use super::{CudaDevice, CudaError};
+use crate::backend::cpu::{Rope, Yarn};
+use crate::backend::WorkBuf;
+use crate::engine::EngineInfo;
+use crate::exec::planned_buffers;
+use crate::load::{self, HostModel};
+use crate::model::qwen3moe::{self, Qwen3Moe, StageSpec};
+use crate::pipeline::{Pipeline, PipelineShape, StageOf};
+use std::collections::HashMap;
+use std::sync::Arc;
+use strata_schemas::dims::Dims;
+use strata_schemas::plan::{Plan, RegionKind};
+use strata_schemas::serve::KvType;
+use strata_schemas::workset::{self, BackendKind};
+
+/// A Qwen3-MoE plan on CUDA GPUs.
+pub type CudaEngine = Pipeline<CudaStage, Qwen3Moe<CudaStage>>;
+
+/// Why the CUDA engine did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaEngineError {
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error(transparent)]
+    Load(#[from] load::LoadError),
+    #[error(transparent)]
+    Fingerprint(#[from] load::FingerprintMismatch),
+    #[error("plan: {0}")]
+    Plan(String),
+    #[error("model: {0}")]
+    Model(String),
+}
+
+fn plan_err(s: impl Into<String>) -> CudaEngineError {
+    CudaEngineError::Plan(s.into())
+}
+
+/// What [`preflight`] decided before any GPU is touched.
+pub struct Preflight {
+    /// Tokens of the largest pass (the plan's work pass).
+    pub max_tok: usize,
+    /// Rows of logits the head computes per pass.
+    pub logit_rows: usize,
+    /// Decode-attention splits the plan's scratch holds.
+    pub att_splits: usize,
+    /// The plan sized the tensor-core prefill's buffers.
+    pub gemm: bool,
+    pub d: Dims,
+    kv_ty: i32,
+    kv_row_bytes: u64,
+    rope: Rope,
+    layouts: Vec<HashMap<WorkBuf, Span>>,
+}
+
+/// Every start-up check that needs no GPU: fingerprint, architecture, head shapes the
+/// kernels take, pipeline, tensor sizes, KV type and residency, and each device's working
+/// buffers bound by name.
+pub fn preflight(
+    plan: &Plan,
+    host: &dyn HostModel,
+    opts: &CudaOptions,
+) -> Result<Preflight, CudaEngineError> {
+    let inv = host.inventory();
+    load::check_fingerprint(plan, host)?;
+    if !workset::runs(BackendKind::Gpu, &inv.arch, &inv.hparams) {
+        return Err(plan_err(format!(
+            "architecture `{}` (or its dense FFN layers) has no CUDA forward pass in this build (qwen3moe with every layer MoE): run with --backend cpu",
+            inv.arch
+        )));
+    }
+    let hp = &inv.hparams;
+    let d = qwen3moe::check_dims(hp).map_err(|e| CudaEngineError::Model(e.to_string()))?;
+    if d.hd_v != d.hd || d.hd > ATT_MAX_D || d.hd % 4 != 0 {
+        return Err(plan_err(format!(
+            "head dims k {} v {}: the CUDA kernels need equal K/V head dims, a multiple of 4, at most {ATT_MAX_D}",
+            d.hd, d.hd_v
+        )));
+    }
+    if d.n_head / d.n_head_kv > ATT_MAX_GROUP {
+        return Err(plan_err(format!(
+            "{} query heads over {} KV heads: the CUDA decode attention needs a whole group of at most {ATT_MAX_GROUP} query heads per KV head",
+            d.n_head, d.n_head_kv
+        )));
+    }
+    if d.e % 32 != 0 || d.f % 32 != 0 {
+        return Err(plan_err(format!(
+            "hidden {} / expert width {}: the CUDA kernels need both to be multiples of 32",
+            d.e, d.f
+        )));
+    }
+    crate::bind::check_pipeline(plan, hp.n_layer).map_err(CudaEngineError::Plan)?;
+    load::check_tensors(plan, host)?;
+    if let Some(map) = &opts.device_map {
+        if map.len() != plan.devices.len() {
+            let example: Vec<String> = (0..plan.devices.len()).map(|i| i.to_string()).collect();
+            return Err(plan_err(format!(
+                "--device-map lists {} GPU(s) for a plan of {} device(s): give one CUDA ordinal per planned device, e.g. --device-map {}",
+                map.len(),
+                plan.devices.len(),
+                example.join(",")
+            )));
+        }
+    }
+    let s = &plan.serve;
+    if s.kv_resident < s.max_context {
+        return Err(plan_err(format!(
+            "the plan keeps {} of {} KV cells per slot on the GPU; KV spill to host memory is not in the CUDA engine yet: re-plan with --kv-resident {} or run with --backend cpu",
+            s.kv_resident, s.max_context, s.max_context
+        )));
+    }
+    let kv_gg = s.kv.ggml();
+    let kv_ty = match s.kv {
+        KvType::F16 | KvType::Q8_0 => kty(kv_gg).unwrap_or(1),
+    };
+    let kv_row_bytes = crate::quant::row_bytes(kv_gg, d.k_out())
+        .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
+    let layouts = plan
+        .devices
+        .iter()
+        .map(|dp| {
+            let region = dp
+                .region(RegionKind::Scratch)
+                .ok_or_else(|| format!("device {} has no scratch region", dp.index))?;
+            Ok(planned_buffers(dp)?
+                .into_iter()
+                .map(|(b, off, bytes)| {
+                    (
+                        b,
+                        Span {
+                            off: region.offset + off,
+                            bytes,
+                        },
+                    )
+                })
+                .collect())
+        })
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(CudaEngineError::Plan)?;
+    let first = plan
+        .devices
+        .first()
+        .ok_or_else(|| plan_err("the plan has no devices"))?;
+    let last = plan.devices.last().unwrap_or(first);
+    let w = first.work_pass;
+    if plan.devices.iter().any(|dp| dp.work_pass.tokens != w.tokens) {
+        return Err(plan_err(
+            "the plan's devices were sized for passes of different lengths: re-plan with this build's strata-plan",
+        ));
+    }
+    let yarn = s.yarn.map(|y| Yarn::new(y.factor, y.orig_ctx));
+    Ok(Preflight {
+        max_tok: w.tokens as usize,
+        logit_rows: last.work_pass.logit_rows as usize,
+        att_splits: w.att_splits as usize,
+        gemm: w.gemm,
+        d,
+        kv_ty,
+        kv_row_bytes,
+        rope: Rope::new(d.n_rot, d.rope_theta, yarn),
+        layouts,
+    })
+}
+
+/// Whether `dq_attn_fused` can serve a stage: F16 KV, head dims a multiple of 8 up to 128,
+/// an even rotation, query groups dividing 128 up to 16, every KV row, slot and layer offset
+/// 16-byte aligned (its 16-byte loads).
+fn attn_fusable(d: &Dims, kv: &KvGeo) -> bool {
+    let g = d.n_head / d.n_head_kv.max(1);
+    let a16 = |v: u64| v % 16 == 0;
+    kv.ty == 1
+        && d.hd % 8 == 0
+        && d.hd <= 128
+        && d.n_rot % 2 == 0
+        && d.n_rot <= d.hd
+        && (1..=16).contains(&g)
+        && 128 % g == 0
+        && a16(kv.row_bytes)
+        && a16(kv.region.off)
+        && a16(kv.slot_bytes)
+        && a16(kv.cells * kv.row_bytes)
+}
+
+/// Arena bytes per GPU, in order of first use: (index into `devs` of a device object on that
+/// GPU, the bytes of every arena on it). `arenas`: (index into `devs`, bytes) per arena.
+fn bytes_per_gpu(
+    devs: &[Arc<CudaDevice>],
+    arenas: impl IntoIterator<Item = (usize, u64)>,
+) -> Vec<(usize, u64)> {
+    let mut out: Vec<(usize, u64)> = Vec::new();
+    for (di, bytes) in arenas {
+        let ordinal = devs[di].ordinal();
+        match out.iter_mut().find(|o| devs[o.0].ordinal() == ordinal) {
+            Some(o) => o.1 += bytes,
+            None => out.push((di, bytes)),
+        }
+    }
+    out
+}
+
+/// Device memory (free, total) of `dev` now.
+pub(crate) fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
+    dev.ctx_bind()?;
+    let (free, total) = cudarc::driver::result::mem_get_info()
+        .map_err(super::drv("cuMemGetInfo"))?;
+    Ok((free as u64, total as u64))
+}
+
+/// Check `host` against `plan` and the GPUs, allocate the planned arenas, upload the weights
+/// and bind every stage.
+pub fn start_cuda(
+    plan: &Plan,
+    host: Box<dyn HostModel>,
+    opts: CudaOptions,
+) -> Result<CudaEngine, CudaEngineError> {
+    let pf = preflight(plan, host.as_ref(), &opts)?;
+    let host: Arc<dyn HostModel> = Arc::from(host);
+    let s = &plan.serve;
+    let (n_slots, ctx) = (s.batch as usize, s.max_context as usize);
+    let d = pf.d;
+
+    // The GPUs: one device object for every stage, or one per stage (`--device-map`), and
+    // whether each GPU's free memory holds the arenas planned onto it.
+    let devs: Vec<Arc<CudaDevice>> = match &opts.device_map {
+        None => vec![Arc::new(CudaDevice::open(opts.gpu)?)],
+        Some(map) => map
+            .iter()
+            .map(|&o| CudaDevice::open(o).map(Arc::new))
+            .collect::<Result<_, _>>()?,
+    };
+    let mapped = opts.device_map.is_some();
+    let dev_of = |i: usize| if mapped { i } else { 0 };
+    let planned: u64 = plan.devices.iter().map(|dp| dp.arena_bytes).sum();
+    let wanted = (0..plan.devices.len()).map(|j| (dev_of(j), plan.devices[j].arena_bytes));
+    for (di, here) in bytes_per_gpu(&devs, wanted) {
+        let dev = &devs[di];
+        let (free, total) = mem_info(dev)?;
+        if here > free {
+            return Err(plan_err(format!(
+                "the plan's arenas need {here} bytes on GPU {} ({}) but {free} of {total} are free: re-plan with a probe of this machine (strata-exec probe), free the GPU, or map fewer planned devices onto it (--device-map)",
+                dev.ordinal(),
+                dev.name()
+            )));
+        }
+    }
+
+    // Every allocation, then the weights.
+    let mut arenas = Vec::with_capacity(plan.devices.len());
+    for (i, dp) in plan.devices.iter().enumerate() {
+        arenas.push(devs[dev_of(i)].alloc_arena(&format!("device {}", dp.index), dp.arena_bytes)?);
+    }
+    {
+        let arena_devs: Vec<&CudaDevice> = (0..arenas.len()).map(|i| devs[dev_of(i)].as_ref()).collect();
+        upload_weights(plan, &arena_devs, &arenas, host.as_ref(), opts.progress)?;
+    }
+    let pdl = opts.pdl && !opts.profile && devs.iter().all(|d| d.compute_capability().0 >= 9);
+    let mut stages = Vec::with_capacity(plan.devices.len());
+    for ((i, dp), arena) in plan.devices.iter().enumerate().zip(arenas) {
+        let n_layer = (dp.layer_end - dp.layer_first) as u64;
+        let kvr = dp
+            .region(RegionKind::KvCache)
+            .ok_or_else(|| plan_err(format!("device {} has no kv_cache region", dp.index)))?;
+        let slot_bytes = 2 * ctx as u64 * pf.kv_row_bytes * n_layer;
+        if kvr.bytes < slot_bytes * n_slots as u64 {
+            return Err(plan_err(format!(
+                "device {}: kv_cache holds {} bytes but {n_slots} slots x {n_layer} layers x {ctx} cells need {}",
+                dp.index,
+                kvr.bytes,
+                slot_bytes * n_slots as u64
+            )));
+        }
+        let kv = KvGeo {
+            region: Span {
+                off: kvr.offset,
+                bytes: kvr.bytes,
+            },
+            slot_bytes,
+            row_bytes: pf.kv_row_bytes,
+            cells: ctx as u64,
+            ty: pf.kv_ty,
+        };
+        let layout = pf.layouts[i].clone();
+        let has = |b: WorkBuf| layout.get(&b).is_some_and(|s| s.bytes > 0);
+        let flags = RunFlags {
+            graphs: opts.graphs && !opts.profile,
+            pdl,
+            gemm: opts.prefill_gemm && pf.gemm && has(WorkBuf::Xh) && has(WorkBuf::Yd),
+            fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
+        };
+        let binder = Binder::new(plan, dp, host.clone(), &layout);
+        let mut st = CudaStage::new(
+            devs[dev_of(i)].clone(),
+            arena,
+            layout,
+            d,
+            opts.kernels,
+            flags,
+            pf.rope.attn_factor(),
+            kv,
+            pf.max_tok,
+            pf.att_splits,
+            n_slots,
+            opts.profile,
+            binder,
+        );
+        // The zero-between-launches counters start at zero; the RoPE table is uploaded.
+        for b in [WorkBuf::Counters, WorkBuf::Argmax] {
+            let v = st.buf(b)?;
+            st.device().memset(v, 0)?;
+        }
+        let inv_freq = pf.rope.inv_freq();
+        let v = st.buf_at(WorkBuf::InvFreq, 0, 4 * inv_freq.len() as u64)?;
+        st.device().htod(inv_freq, v)?;
+        let spec = StageSpec {
+            layer_first: dp.layer_first,
+            layer_end: dp.layer_end,
+            embedding: dp.holds_embedding,
+            head: dp.holds_head,
+        };
+        let model = Qwen3Moe::bind(&mut st, &d, &host.inventory().hparams, spec)?;
+        st.finish_binding();
+        if i > 0 {
+            let handoff_bytes = (pf.max_tok * d.e * 4) as u64;
+            let prev: &StageOf<CudaStage, _> = &stages[i - 1];
+            let link = Link::choose(
+                opts.handoff,
+                prev.backend.device(),
+                st.device(),
+                !mapped,
+                &dp.handoff_in,
+                handoff_bytes,
+            )?;
+            if matches!(link, Link::Host(_)) {
+                let staged: u64 = plan
+                    .host
+                    .pinned_chunks
+                    .iter()
+                    .filter(|c| c.purpose == "staging" && c.device == dp.index)
+                    .map(|c| c.bytes)
+                    .sum();
+                if staged < handoff_bytes {
+                    return Err(plan_err(format!(
+                        "device {}: the plan's pinned staging holds {staged} bytes but a hand-off of {} tokens x {} floats through host memory needs {handoff_bytes}: re-plan with this strata-plan, or use --handoff peer",
+                        dp.index, pf.max_tok, d.e
+                    )));
+                }
+            }
+            st.link_in = Some(link);
+        }
+        stages.push(StageOf { backend: st, model });
+    }
+    for dev in &devs {
+        dev.synchronize()?;
+    }
+    let info = EngineInfo {
+        model_name: plan.model.name.clone(),
+        n_slots,
+        max_context: s.max_context,
+        ubatch: (s.ubatch as usize).max(1),
+        n_vocab: d.vocab,
+    };
+    let shape = PipelineShape {
+        max_tok: pf.max_tok,
+        logit_rows: pf.logit_rows,
+        allocations: plan.devices.len() as u64,
+        allocated_bytes: planned,
+    };
+    Pipeline::new(info, stages, shape, vec![Box::new(host)])
+        .map_err(|e| CudaEngineError::Plan(e.to_string()))
+}
+
+impl CudaEngine {
+    /// The GPU of the first stage.
+    pub fn device(&self) -> &CudaDevice {
+        self.stages()[0].backend.device()
+    }
+
+    /// How each stage boundary hands over the hidden state (`same stream`, `peer copy` or
+    /// `pinned host`), first boundary first.
+    pub fn handoffs(&self) -> Vec<&'static str> {
+        self.stages()
+            .iter()
+            .filter_map(|s| s.backend.handoff_in())
+            .collect()
+    }
+
+    /// Per planned device, in plan order: (CUDA ordinal it runs on, bytes of its arena).
+    pub fn arenas(&self) -> Vec<(usize, u64)> {
+        self.stages()
+            .iter()
+            .map(|s| (s.backend.device().ordinal(), s.backend.arena_bytes()))
+            .collect()
+    }
+
+    /// Per GPU in use: (ordinal, bytes of the planned arenas on it, bytes in use on it now).
+    pub fn device_memory(&self) -> Result<Vec<(usize, u64, u64)>, CudaError> {
+        let mut out: Vec<(usize, u64, u64)> = Vec::new();
+        for s in self.stages() {
+            let dev = s.backend.device();
+            match out.iter_mut().find(|o| o.0 == dev.ordinal()) {
+                Some(o) => o.1 += s.backend.arena_bytes(),
+                None => {
+                    let (free, total) = mem_info(dev)?;
+                    out.push((dev.ordinal(), s.backend.arena_bytes(), total - free));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether decode attention runs in one launch per layer on every stage.
+    pub fn fused_attention(&self) -> bool {
+        self.stages().iter().all(|s| s.backend.fused_attention())
+    }
+
+    /// Whether prefill passes of 16 tokens or more may take the tensor-core products.
+    pub fn grouped_prefill(&self) -> bool {
+        self.stages().iter().all(|s| s.backend.tensor_core_prefill())
+    }
+}
