@@ -339,15 +339,9 @@ pub fn standalone_cpu<'a>(
         slots: s.slots,
         gemm: false,
     };
-    let bufs = workset::buffers(BackendKind::Cpu, &d, d.n_layer, true, &pass);
-    let scratch = Scratch::owned(&bufs).map_err(backend_err)?;
-    let g = KvGeom::new(&d, s.kv, d.n_layer, s.ctx).map_err(backend_err)?;
-    let kv = (0..s.slots)
-        .map(|_| KvCache::owned(g))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(backend_err)?;
     let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
-    let mut backend = CpuStage::new(d, qwen3moe::ARCH, src, rope, scratch, kv, None, pass.tokens);
+    let mut backend = CpuStage::standalone(d, qwen3moe::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
+        .map_err(backend_err)?;
     let model = Qwen3Moe::bind(&mut backend, &d, hp, StageSpec::whole(hp.n_layer)).map_err(
         |e| match e {
             crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),

@@ -357,6 +357,70 @@ pub fn load_weights(
     Ok(stats)
 }
 
+/// A model held in memory (tests, references, op checks): an inventory built from its
+/// tensors and the hyperparameters given.
+pub struct MemModel {
+    inv: ModelInventory,
+    weights: crate::model::MemWeights,
+    path: PathBuf,
+}
+
+impl MemModel {
+    /// `weights` as a model of architecture `arch` with hyperparameters `hp`.
+    pub fn new(
+        arch: &str,
+        hp: strata_schemas::inventory::HParams,
+        weights: crate::model::MemWeights,
+    ) -> Result<Self, LoadError> {
+        let mut tensors = Vec::new();
+        for name in weights.names() {
+            let t = weights.get(name).ok_or_else(|| LoadError::Missing {
+                name: name.into(),
+                path: "memory".into(),
+            })?;
+            let (role, layer) = strata_schemas::arch::classify(name);
+            let info = strata_schemas::inventory::TensorInfo::new(
+                name,
+                t.dims.clone(),
+                t.ggml_type,
+                role,
+                layer,
+            )
+            .map_err(|e| LoadError::Model {
+                path: "memory".into(),
+                msg: e.to_string(),
+            })?;
+            tensors.push(info);
+        }
+        Ok(Self {
+            inv: ModelInventory {
+                arch: arch.into(),
+                name: "in-memory".into(),
+                hparams: hp,
+                tensors,
+                vision: None,
+            },
+            weights,
+            path: PathBuf::from("(memory)"),
+        })
+    }
+}
+
+impl HostModel for MemModel {
+    fn inventory(&self) -> &ModelInventory {
+        &self.inv
+    }
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn tensor_bytes(&self, name: &str) -> Option<&[u8]> {
+        self.weights.get(name).map(|t| &t.data[..])
+    }
+    fn host_bytes(&self) -> (u64, u64) {
+        (0, self.inv.tensors.iter().map(|t| t.bytes).sum())
+    }
+}
+
 /// A progress bar of `total` bytes labelled `what` on stderr, drawn only when asked for and
 /// stderr is a terminal.
 pub fn progress_bar(progress: bool, total: u64, what: &str) -> indicatif::ProgressBar {

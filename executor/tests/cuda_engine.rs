@@ -13,12 +13,8 @@
 mod common;
 
 use common::*;
-use strata_exec::backend::cuda::engine::{
-    CudaEngine, CudaEngineOptions, DecodeFuse, XS_GATE_UP, XS_OUT, XS_QKV,
-};
-
-/// Every product that can stage its input in shared memory.
-const XS_ALL: u8 = XS_QKV | XS_OUT | XS_GATE_UP;
+use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
+use strata_exec::backend::cuda::start::{preflight, start_cuda, CudaEngine};
 use strata_exec::engine::Engine;
 use strata_exec::load::{open_model, SafetensorsModel};
 use strata_exec::sampler::{sample_with, Draw, Sampler, SamplingParams};
@@ -40,14 +36,14 @@ fn gpu_present() -> bool {
 }
 
 fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine {
-    cuda_with(variant, ask, gguf, CudaEngineOptions::default())
+    cuda_with(variant, ask, gguf, CudaOptions::default())
 }
 
 fn cuda_with(
     variant: &str,
     ask: &Ask,
     gguf: Option<&std::path::Path>,
-    opts: CudaEngineOptions,
+    opts: CudaOptions,
 ) -> CudaEngine {
     let ask = Ask {
         gpu: true,
@@ -68,15 +64,15 @@ fn cuda_with(
             Box::new(SafetensorsModel::open(&data(variant)).unwrap()),
         ),
     };
-    CudaEngine::start(&p, host, opts).unwrap()
+    start_cuda(&p, host, opts).unwrap()
 }
 
 /// The CPU engine on `gguf`, planned from the file itself with `ask` on CPU devices (the
 /// reference the GPU runs of the same file are compared with).
-fn cpu_on_gguf(variant: &str, gguf: &std::path::Path, ask: &Ask) -> strata_exec::exec::PlanEngine {
+fn cpu_on_gguf(variant: &str, gguf: &std::path::Path, ask: &Ask) -> strata_exec::exec::CpuEngine {
     let inv = strata_plan::model::load_model(gguf).unwrap();
     let cp = plan_inventory(variant, &inv, gguf, ask);
-    strata_exec::exec::PlanEngine::start(
+    strata_exec::exec::start_cpu(
         &cp,
         open_model(gguf).unwrap(),
         strata_exec::exec::EngineOptions::default(),
@@ -293,7 +289,7 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
     random_folder(&folder, 6, 128, 8, 2, 64, 300, 7);
     let inv = strata_plan::model::load_model(&folder).unwrap();
     let prompt: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % 300).collect();
-    let start = |ask: &Ask, opts: CudaEngineOptions| {
+    let start = |ask: &Ask, opts: CudaOptions| {
         let p = plan_inventory(
             "six",
             &inv,
@@ -306,9 +302,9 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
         let n = p.devices.len();
         let arenas: Vec<u64> = p.devices.iter().map(|d| d.arena_bytes).collect();
         let host = Box::new(SafetensorsModel::open(&folder).unwrap());
-        (n, arenas, CudaEngine::start(&p, host, opts).unwrap())
+        (n, arenas, start_cuda(&p, host, opts).unwrap())
     };
-    let (_, _, mut one) = start(&Ask::default(), CudaEngineOptions::default());
+    let (_, _, mut one) = start(&Ask::default(), CudaOptions::default());
     let (l1, t1) = run(&mut one, 0, &prompt, 8);
     drop(one);
     for split in [vec![3], vec![2, 4]] {
@@ -323,31 +319,31 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
         // through pinned host memory with and without graphs.
         let map = Some(vec![0; n]);
         let variants = [
-            ("one stream", CudaEngineOptions::default(), "same stream"),
+            ("one stream", CudaOptions::default(), "same stream"),
             (
                 "device map, peer",
-                CudaEngineOptions {
+                CudaOptions {
                     device_map: map.clone(),
-                    ..CudaEngineOptions::default()
+                    ..CudaOptions::default()
                 },
                 "peer copy",
             ),
             (
                 "device map, host",
-                CudaEngineOptions {
+                CudaOptions {
                     device_map: map.clone(),
                     handoff: HandoffPolicy::Host,
-                    ..CudaEngineOptions::default()
+                    ..CudaOptions::default()
                 },
                 "pinned host",
             ),
             (
                 "device map, host, no graphs",
-                CudaEngineOptions {
+                CudaOptions {
                     device_map: map.clone(),
                     handoff: HandoffPolicy::Host,
                     graphs: false,
-                    ..CudaEngineOptions::default()
+                    ..CudaOptions::default()
                 },
                 "pinned host",
             ),
@@ -403,12 +399,12 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
         },
     );
     let start = |gemm: bool| {
-        CudaEngine::start(
+        start_cuda(
             &gp,
             open_model(&gguf).unwrap(),
-            CudaEngineOptions {
+            CudaOptions {
                 prefill_gemm: gemm,
-                ..CudaEngineOptions::default()
+                ..CudaOptions::default()
             },
         )
         .unwrap()
@@ -486,9 +482,9 @@ fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
             ..Ask::default()
         };
         let start = |gemm: bool| {
-            let opts = CudaEngineOptions {
+            let opts = CudaOptions {
                 prefill_gemm: gemm,
-                ..CudaEngineOptions::default()
+                ..CudaOptions::default()
             };
             cuda_with(name, &ask, Some(&gguf), opts)
         };
@@ -540,20 +536,18 @@ fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
     assert!(bad.is_empty(), "{}", bad.join("; "));
 }
 
-/// Runs without a GPU too: the engine's start-up checks that come before any device is
-/// opened (pipeline, KV type, kernel limits, scratch fit) accept the plans the GPU tests use,
-/// so those tests can only fail on the device itself; and plans made now give the engine
-/// prefill passes of the whole ubatch and every decode-attention split.
+/// Every plan the GPU tests run passes the engine's start-up checks that need no GPU (so
+/// those tests can only fail on the device itself), binds the planned working set by name
+/// with prefill passes of the whole ubatch; a plan whose scratch lacks a buffer, or whose
+/// device map is wrong, is refused with the buffer or flag named.
 #[test]
 fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
-    use strata_exec::backend::cuda::engine::{CudaEngineError, Preflight};
+    use strata_exec::backend::cuda::start::{CudaEngineError, Preflight};
     use strata_exec::load::HostModel;
-    use strata_schemas::plan::{Plan, RegionKind};
-    let preflight = |what: &str, p: &Plan, host: &dyn HostModel| -> Preflight {
-        CudaEngine::preflight(p, host, &CudaEngineOptions::default())
-            .unwrap_or_else(|e| panic!("{what}: refused before the device: {e}"))
-    };
-    let full_shape = |what: &str, p: &Plan, pf: &Preflight| {
+    use strata_schemas::plan::Plan;
+    let check = |what: &str, p: &Plan, host: &dyn HostModel| -> Preflight {
+        let pf = preflight(p, host, &CudaOptions::default())
+            .unwrap_or_else(|e| panic!("{what}: refused before the device: {e}"));
         let s = &p.serve;
         assert_eq!(
             pf.max_tok,
@@ -561,9 +555,11 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
             "{what}: prefill pass cut short"
         );
         assert_eq!(
-            pf.att_splits, pf.full_att_splits,
+            pf.att_splits,
+            strata_schemas::workset::att_splits(s.max_context as usize),
             "{what}: attention splits"
         );
+        pf
     };
     let dir = tempfile::tempdir().unwrap();
     let gguf = dir.path().join("tiny-q8_0.gguf");
@@ -603,13 +599,10 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
             )
         };
         let p = plan("base", &ask);
-        let pf = preflight(&what("folder"), &p, &folder);
-        full_shape(&what("folder"), &p, &pf);
+        check(&what("folder"), &p, &folder);
         let p = plan_inventory("base", &inv, &gguf, &ask);
-        let pf = preflight(&what("Q8_0 GGUF"), &p, q8.as_ref());
-        full_shape(&what("Q8_0 GGUF"), &p, &pf);
-        // 32-token passes of Q8_0 weights take the tensor-core path.
-        assert_eq!(pf.gemm, ask.ubatch >= 16, "{}", what("Q8_0 GGUF"));
+        let pf = check(&what("Q8_0 GGUF"), &p, q8.as_ref());
+        assert!(pf.gemm, "{}: the GPU plan sizes the tensor-core buffers", what("Q8_0 GGUF"));
     }
     // The serve check's plan (scripts/gpu_serve_check.sh: tiny-chat-moe, 256 cells, 2
     // slots) and a long-context one on the same model.
@@ -629,66 +622,41 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
     ] {
         let what = format!("tiny-chat-moe, batch {}, context {}", ask.batch, ask.ctx);
         let p = plan_inventory("tiny-chat-moe", &inv, &chat, &ask);
-        let pf = preflight(&what, &p, host.as_ref());
-        full_shape(&what, &p, &pf);
+        check(&what, &p, host.as_ref());
     }
-    // The Q4_K models of `q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine`
-    // take the tensor-core path too.
+    // The Q4_K models of `q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine`.
     let mut hp = small_moe(2, 8, 2, 8);
     hp.n_ff_exp = 256;
     let recipe = strata_schemas::arch::QuantRecipe::preset("Q4_K").unwrap();
     let g = random_gguf(dir.path(), "q4k", &hp, &recipe, 7);
-    let inv = strata_plan::model::load_model(&g).unwrap();
+    let inv_g = strata_plan::model::load_model(&g).unwrap();
     let ask = Ask {
         gpu: true,
         ctx: 128,
         ubatch: 32,
         ..Ask::default()
     };
-    let p = plan_inventory("q4k", &inv, &g, &ask);
-    let host = open_model(&g).unwrap();
-    let pf = preflight("Q4_K", &p, host.as_ref());
-    full_shape("Q4_K", &p, &pf);
-    assert!(
-        pf.gemm,
-        "the Q4_K model must take the tensor-core prefill path"
-    );
-    // A plan from before the planner sized the engine's working set has less scratch: the
-    // engine runs it with fewer attention splits instead of refusing it. The scratch below
-    // holds exactly what one split needs for a decode batch (the engine's refusal of an empty
-    // scratch names it).
+    let p = plan_inventory("q4k", &inv_g, &g, &ask);
+    let gh = open_model(&g).unwrap();
+    check("Q4_K", &p, gh.as_ref());
+    // A plan whose scratch lacks a buffer the engine binds is refused naming it.
     let mut old = plan_inventory("tiny-chat-moe", &inv, &chat, &chat_ask(2, 256, KvType::F16));
-    let set_scratch = |p: &mut Plan, bytes: u64| {
-        let r = p.devices[0]
-            .regions
-            .iter_mut()
-            .find(|r| r.kind == RegionKind::Scratch)
-            .unwrap();
-        r.bytes = bytes;
-    };
-    set_scratch(&mut old, 0);
-    let need_one_split =
-        match CudaEngine::preflight(&old, host.as_ref(), &CudaEngineOptions::default()) {
-            Err(CudaEngineError::Plan(m)) => m
-                .split("needs ")
-                .nth(1)
-                .and_then(|r| r.split(' ').next())
-                .and_then(|n| n.parse::<u64>().ok())
-                .unwrap_or_else(|| panic!("an empty scratch: the refusal names no size: {m}")),
-            Ok(_) => panic!("an empty scratch region was accepted"),
-            Err(e) => panic!("an empty scratch region: {e}"),
-        };
-    set_scratch(&mut old, need_one_split);
-    let pf = preflight("one-split scratch", &old, host.as_ref());
-    assert_eq!(pf.att_splits, 1);
-    assert_eq!(pf.full_att_splits, 16, "256 cells in 16-cell splits");
+    old.devices[0].scratch.retain(|b| b.name != "part_o");
+    match preflight(&old, host.as_ref(), &CudaOptions::default()) {
+        Ok(_) => panic!("a scratch without part_o was accepted"),
+        Err(e) => {
+            let m = e.to_string();
+            // The refusal comes when the stage binds its buffers, or here.
+            assert!(m.contains("`part_o`") && m.contains("re-plan"), "{m}");
+        }
+    }
     // A device map must name one GPU per planned device.
     let p = plan_inventory("tiny-chat-moe", &inv, &chat, &chat_ask(2, 256, KvType::F16));
-    let opts = CudaEngineOptions {
+    let opts = CudaOptions {
         device_map: Some(vec![0, 0]),
-        ..CudaEngineOptions::default()
+        ..CudaOptions::default()
     };
-    match CudaEngine::preflight(&p, host.as_ref(), &opts) {
+    match preflight(&p, host.as_ref(), &opts) {
         Err(CudaEngineError::Plan(m)) => assert!(
             m.contains("--device-map lists 2 GPU(s) for a plan of 1 device(s)")
                 && m.contains("--device-map 0"),
@@ -697,8 +665,6 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
         Ok(_) => panic!("a device map of 2 GPUs for a 1-device plan was accepted"),
         Err(e) => panic!("a bad device map: {e}"),
     }
-    // The refusal sized the smallest pass, a decode batch: prompts then run 2 tokens a pass.
-    assert_eq!(pf.max_tok, 2);
 }
 
 /// The Qwen3-30B head geometry (head dim 128, 4 query heads per KV head) on a small random
@@ -752,35 +718,38 @@ fn programmatic_dependent_launch_changes_no_logit() {
         (0..23).map(|i| (i * 37 + 11) % 512).collect(),
         (0..9).map(|i| (i * 91 + 3) % 512).collect(),
     ];
-    let go = |pdl: bool, graphs: bool, fuse: DecodeFuse| {
-        let opts = CudaEngineOptions {
+    let go = |pdl: bool, graphs: bool, fuse: KernelOptions| {
+        let opts = CudaOptions {
             pdl,
             graphs,
-            fuse,
-            ..CudaEngineOptions::default()
+            kernels: fuse,
+            ..CudaOptions::default()
         };
         let mut e = cuda_with("pdl", &ask, Some(&gguf), opts);
         two_slots(&mut e, &prompts, 12, 6)
     };
     // The fused attention sums in another order, so it is checked on its own below.
-    let plain = DecodeFuse {
-        topk: false,
-        attn: false,
-        attn_chunk: 32,
-        xs: 0,
+    let plain = KernelOptions {
+        fused_topk: false,
+        fused_attention: false,
+        stage_inputs: false,
+        ..KernelOptions::default()
     };
     let (base_l, base_t) = go(false, false, plain);
     // The top-k in the router's last block runs the same code as its own launch; the inputs
     // staged in shared memory are the same values in the same sums.
-    let topk = DecodeFuse {
-        topk: true,
+    let topk = KernelOptions {
+        fused_topk: true,
         ..plain
     };
-    let xs = DecodeFuse {
-        xs: XS_ALL,
+    let xs = KernelOptions {
+        stage_inputs: true,
         ..plain
     };
-    let both = DecodeFuse { xs: XS_ALL, ..topk };
+    let both = KernelOptions {
+        stage_inputs: true,
+        ..topk
+    };
     for (pdl, graphs, fuse) in [
         (true, true, plain),
         (true, false, plain),
@@ -834,26 +803,24 @@ fn fused_decode_attention_matches_the_three_launches() {
         (0..41).map(|i| (i * 53 + 7) % 512).collect(),
         (0..3).map(|i| (i * 17 + 5) % 512).collect(),
     ];
-    let go = |fuse: DecodeFuse| {
-        let opts = CudaEngineOptions {
-            fuse,
-            ..CudaEngineOptions::default()
+    let go = |fuse: KernelOptions| {
+        let opts = CudaOptions {
+            kernels: fuse,
+            ..CudaOptions::default()
         };
         let mut e = cuda_with("fattn", &ask, Some(&gguf), opts);
-        assert_eq!(e.fused_attention(), fuse.attn, "{fuse:?}");
+        assert_eq!(e.fused_attention(), fuse.fused_attention, "{fuse:?}");
         two_slots(&mut e, &prompts, 160, 40)
     };
-    let three = DecodeFuse {
-        topk: true,
-        attn: false,
-        attn_chunk: 32,
-        xs: XS_ALL,
+    let three = KernelOptions {
+        fused_attention: false,
+        ..KernelOptions::default()
     };
     let (base_l, base_t) = go(three);
     let v = hp.n_vocab as usize;
     for chunk in [16, 32, 96] {
-        let fused = DecodeFuse {
-            attn: true,
+        let fused = KernelOptions {
+            fused_attention: true,
             attn_chunk: chunk,
             ..three
         };
@@ -885,9 +852,9 @@ fn host_and_device_pairs(
         ..Ask::default()
     };
     for graphs in [true, false] {
-        let opts = CudaEngineOptions {
+        let opts = CudaOptions {
             graphs,
-            ..CudaEngineOptions::default()
+            ..CudaOptions::default()
         };
         let mut host = cuda_with(tag, &ask, Some(&gguf), opts.clone());
         let mut dev = cuda_with(tag, &ask, Some(&gguf), opts);

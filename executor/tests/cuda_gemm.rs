@@ -189,7 +189,7 @@ fn dense_gemm_q8_0_q4_k_and_bf16_odd_shapes_match_cpu() {
                         None => d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap(),
                         Some(t) => {
                             d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap();
-                            d.gemm_converted(t, wv, ty, rows, cols, sv, n_tok, yv)
+                            d.gemm_converted(t, wv, ty, rows, cols, sv, n_tok, yv, false)
                                 .unwrap()
                         }
                     }
@@ -202,6 +202,19 @@ fn dense_gemm_q8_0_q4_k_and_bf16_odd_shapes_match_cpu() {
                         "{what}: wrote past y"
                     );
                 }
+                // Added into y (the output projection's residual): y0 + W x, where y0 is
+                // what y held, with each element written once (one K part).
+                let y0 = rand_vec(&mut rng, ny, 1.0);
+                d.htod(&y0, yv).unwrap();
+                let tile = d.gemm_default_tile(ty, rows, n_tok);
+                d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap();
+                d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv, true)
+                    .unwrap();
+                let got: Vec<f32> = get(d, yall, ny + 64);
+                let added: Vec<f32> = got[..ny].iter().zip(&y0).map(|(g, a)| g - a).collect();
+                let what = format!("gemm {ty} rows={rows} cols={cols} n_tok={n_tok} added into y");
+                worst = worst.max(check(&what, ty, &added, &want));
+                assert!(got[ny..].iter().all(|v| *v == GUARD), "{what}: wrote past y");
             }
         }
         eprintln!(
@@ -678,7 +691,7 @@ fn timings_at_qwen3_30b_shapes() {
             );
             for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
                 let t = time_ms(d, reps, || {
-                    d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv)
+                    d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv, false)
                         .unwrap()
                 });
                 line += &format!(
@@ -700,7 +713,7 @@ fn timings_at_qwen3_30b_shapes() {
             }
             for tile in [GemmTile::M64, GemmTile::M128W] {
                 let t = time_ms(d, reps, || {
-                    d.gemm_converted_kparts(tile, 2, wv, ty, rows, cols, sv, n_tok, yv)
+                    d.gemm_converted_kparts(tile, 2, wv, ty, rows, cols, sv, n_tok, yv, false)
                         .unwrap()
                 });
                 line += &format!(
@@ -846,8 +859,8 @@ fn timings_at_qwen3_30b_shapes() {
         }
         eprintln!("{line}");
     }
-    // The whole expert FFN of one layer with the default launchers: sort, gate and up
-    // (gather), SwiGLU, down (direct).
+    // The whole expert FFN of one layer as the engine runs it: sort, the fused gate + up
+    // (SwiGLU, gather), down (direct).
     for ty in [GgmlType::Q8_0, GgmlType::Q4K] {
         let c3 = Carve::new(&a);
         c3.off.set(c.off.get());
@@ -856,31 +869,13 @@ fn timings_at_qwen3_30b_shapes() {
         let wdn = put(d, &c3, &fast_w(&mut rng, ty, ne, hid, ff));
         let xv = put(d, &c3, &rand_vec(&mut rng, n_tok * hid, 1.0));
         let sv = c3.take(gemm_scratch_bytes(n_assign, hid.max(ff)));
-        let (gv, uv2, hv) = (
-            c3.take(4 * (n_assign * ff) as u64),
-            c3.take(4 * (n_assign * ff) as u64),
-            c3.take(4 * (n_assign * ff) as u64),
-        );
+        let hv = c3.take(4 * (n_assign * ff) as u64);
         let ov = c3.take(4 * (n_assign * hid) as u64);
         let t = time_ms(d, reps, || {
             d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
             let s1 = sv.sub(0, gemm_scratch_bytes(n_tok, hid)).unwrap();
-            d.moe_gemm(
+            d.moe_gemm_glu(
                 wg,
-                ty,
-                ne,
-                ff,
-                hid,
-                xv,
-                MoeInput::Gather,
-                n_tok,
-                k,
-                sorted,
-                gv,
-                s1,
-            )
-            .unwrap();
-            d.moe_gemm(
                 wu,
                 ty,
                 ne,
@@ -891,11 +886,10 @@ fn timings_at_qwen3_30b_shapes() {
                 n_tok,
                 k,
                 sorted,
-                uv2,
+                hv,
                 s1,
             )
             .unwrap();
-            d.swiglu(gv, uv2, hv, n_assign * ff).unwrap();
             let s2 = sv.sub(0, gemm_scratch_bytes(n_assign, ff)).unwrap();
             d.moe_gemm(
                 wdn,
@@ -915,7 +909,7 @@ fn timings_at_qwen3_30b_shapes() {
         });
         let flop = 2.0 * 3.0 * (n_assign * ff * hid) as f64;
         eprintln!(
-        "TIME MoE FFN layer (sort + gate + up + swiglu + down, {MOE_DEFAULT_TILE:?}, {ty}) n_tok={n_tok}: {:.1} us = {:.1} TFLOP/s; x48 layers = {:.2} ms per {n_tok} tokens",
+        "TIME MoE FFN layer (sort + fused gate/up + down, {MOE_DEFAULT_TILE:?}, {ty}) n_tok={n_tok}: {:.1} us = {:.1} TFLOP/s; x48 layers = {:.2} ms per {n_tok} tokens",
         t * 1e3,
         flop / t / 1e9,
         48.0 * t

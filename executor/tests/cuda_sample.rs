@@ -13,7 +13,8 @@
 
 mod cuda_common;
 use cuda_common::{get, put, rand_vec, Carve};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use strata_exec::backend::cuda::launch::decode::{sample_rows, PickScratch};
+use strata_exec::backend::cuda::launch::Launcher;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::OnceLock;
 use strata_exec::backend::cuda::{CudaDevice, DeviceView};
@@ -68,26 +69,13 @@ fn queue(
     dv: DeviceView<'_>,
     s: &[DeviceView<'_>; 4],
 ) {
-    let f = d.function("sample_rows").unwrap();
-    let mut b = d.stream().launch_builder(f);
-    let (xp, dp, ci) = (x.ptr(), dv.ptr(), cols as i32);
-    let (pv, pi, cn, op) = (s[0].ptr(), s[1].ptr(), s[2].ptr(), s[3].ptr());
-    b.arg(&xp)
-        .arg(&ci)
-        .arg(&dp)
-        .arg(&pv)
-        .arg(&pi)
-        .arg(&cn)
-        .arg(&op);
-    let cfg = LaunchConfig {
-        grid_dim: (nb, rows as u32, 1),
-        block_dim: (1024, 1, 1),
-        shared_mem_bytes: 0,
+    let p = PickScratch {
+        part_v: s[0],
+        part_i: s[1],
+        counters: s[2],
+        out: s[3],
     };
-    // SAFETY: the arguments follow sample_rows's parameter list (x: rows x cols f32, draws:
-    // rows 32-byte draws, part_v/part_i: rows x nb, counters: rows, out: at least rows i32),
-    // all in a live test arena (`scratch` sizes them so).
-    unsafe { b.launch(cfg) }.unwrap();
+    sample_rows(&Launcher::new(d), x, cols, rows, nb, dv, p).unwrap();
 }
 
 /// `sample_rows` over `rows` rows of `cols` logits (`x`), one draw each, `nb` blocks a row;

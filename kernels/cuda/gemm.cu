@@ -138,9 +138,9 @@ struct GmStage {
 
 // One CTA tile: rows [row0, row0 + BM) of the matrix at `W` times the GM_BN X rows named by
 // xrow[] (n_valid of them), written to Y rows yrow[] (row length ldy), or added to them when
-// `acc` (one K part only: each element then has one writer, so the sum is deterministic). X16 holds 16-bit rows
-// of `cols`. Threads: BM * WN (warps BM/32 along the rows x WN along the tokens, each warp
-// 32 rows x 64/WN tokens).
+// `add_y` (one K part only: each element then has one writer, so the sum is deterministic).
+// X16 holds 16-bit rows of `cols`. Threads: BM * WN (warps BM/32 along the rows x WN along
+// the tokens, each warp 32 rows x 64/WN tokens).
 //
 // K order inside one mma: the 16 logical k of a m16n8k16 step map to physical columns so that
 // every thread's A pair (k 2t, 2t+1) and (k 2t+8, 2t+9) and B pair are 4 consecutive
@@ -156,7 +156,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                                         int rows, int cols, int row0,
                                         const u16* __restrict__ X16, const int* xrow,
                                         const int* yrow, int n_valid, float* __restrict__ Y,
-                                        int ldy, u8* smem, int kpart, int kparts, int acc) {
+                                        int ldy, u8* smem, int kpart, int kparts, int add_y) {
     constexpr bool Q8 = WT == GM_Q8, Q4K = WT == GM_Q4K;
     typedef GmStage<WT, BM, GLU> St;
     constexpr int NT = BM * WN;         // threads: BM/32 warps along the rows x WN
@@ -338,7 +338,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                 if (GLU) o = o / (1.0f + expf(-o)) * acc[St::NW - 1][mi][ni][v];
                 if (r < rows && n < n_valid) {
                     if (kparts > 1) atomicAdd(&Y[(long)yrow[n] * ldy + r], o);
-                    else if (acc) Y[(long)yrow[n] * ldy + r] += o;
+                    else if (add_y) Y[(long)yrow[n] * ldy + r] += o;
                     else Y[(long)yrow[n] * ldy + r] = o;
                 }
             }

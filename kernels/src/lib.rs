@@ -36,16 +36,6 @@ const RAW: &[Raw] = &[
         entry_points: &["rmsnorm_f32", "qk_norm_rope_f32"],
     },
     Raw {
-        name: "elementwise",
-        body: include_str!("../cuda/elementwise.cu"),
-        entry_points: &["swiglu_f32", "get_rows", "argmax_f32"],
-    },
-    Raw {
-        name: "matvec",
-        body: include_str!("../cuda/matvec.cu"),
-        entry_points: &["mv_q8_0", "mv_q4_k", "mv_plain"],
-    },
-    Raw {
         name: "router",
         body: include_str!("../cuda/router.cu"),
         entry_points: &["router_softmax_topk"],
@@ -244,7 +234,7 @@ mod tests {
                 k.name
             );
         }
-        assert_eq!(module_of("mv_q4_k").map(|k| k.name), Some("matvec"));
+        assert_eq!(module_of("dq_mv1").map(|k| k.name), Some("decode"));
         assert!(module_of("nope").is_none());
     }
 

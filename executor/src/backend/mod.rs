@@ -192,6 +192,12 @@ pub trait Stage: Ops {
     }
     /// Wait for everything queued.
     fn sync(&mut self) -> Result<(), Self::Error>;
+    /// Copy `data` into working buffer `b` from its first element (op checks and debugging;
+    /// integer buffers take their values' bits).
+    fn write_buf(&mut self, b: WorkBuf, data: &[f32]) -> Result<(), Self::Error>;
+    /// Copy the first `out.len()` elements of working buffer `b` out, after every queued op is
+    /// done.
+    fn read_buf(&mut self, b: WorkBuf, out: &mut [f32]) -> Result<(), Self::Error>;
     /// Expert cache counters (hits, misses) since start-up.
     fn expert_counters(&self) -> (u64, u64) {
         (0, 0)

@@ -128,6 +128,28 @@ impl<'a> CpuStage<'a> {
         }
     }
 
+    /// A stage with working buffers, KV (`slots` of `ctx` cells of `kv`) and logits of its
+    /// own for passes of `pass` (no plan): the same working-set rule the planner uses.
+    pub fn standalone(
+        d: Dims,
+        arch: &'static str,
+        src: &'a (dyn WeightSource + Sync),
+        rope: Rope,
+        slots: usize,
+        ctx: usize,
+        kv: GgmlType,
+        pass: &strata_schemas::workset::Pass,
+    ) -> Result<Self, CpuError> {
+        use strata_schemas::workset::{buffers, BackendKind};
+        let bufs = buffers(BackendKind::Cpu, &d, d.n_layer, true, pass);
+        let scratch = Scratch::owned(&bufs)?;
+        let g = kv::KvGeom::new(&d, kv, d.n_layer, ctx)?;
+        let caches = (0..slots)
+            .map(|_| KvCache::owned(g))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::new(d, arch, src, rope, scratch, caches, None, pass.tokens))
+    }
+
     /// The model dimensions.
     pub fn dims(&self) -> &Dims {
         &self.d
@@ -569,6 +591,18 @@ impl Stage for CpuStage<'_> {
     }
 
     fn sync(&mut self) -> Result<(), CpuError> {
+        Ok(())
+    }
+
+    fn write_buf(&mut self, b: WorkBuf, data: &[f32]) -> Result<(), CpuError> {
+        let [x]: [&mut [f32]; 1] = self.scratch.words([(b, data.len())])?;
+        x[..data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn read_buf(&mut self, b: WorkBuf, out: &mut [f32]) -> Result<(), CpuError> {
+        let [x]: [&mut [f32]; 1] = self.scratch.words([(b, out.len())])?;
+        out.copy_from_slice(&x[..out.len()]);
         Ok(())
     }
 

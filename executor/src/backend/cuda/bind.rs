@@ -73,6 +73,22 @@ impl Binder {
         }
     }
 
+    /// A binder for tensors placed at `placed` (name -> arena offset), no expert cache.
+    pub(crate) fn of_placed(
+        host: Arc<dyn HostModel>,
+        placed: HashMap<String, u64>,
+        bufs: &HashMap<WorkBuf, Span>,
+    ) -> Self {
+        Self {
+            host,
+            placed,
+            slot_of: HashMap::new(),
+            cache: None,
+            tables: bufs.get(&WorkBuf::Tables).copied().unwrap_or_default(),
+            norms: bufs.get(&WorkBuf::Norms).copied().unwrap_or_default(),
+        }
+    }
+
     fn take(span: &mut Span, bytes: u64, what: &str) -> Result<u64, CudaError> {
         let b = bytes.div_ceil(16) * 16;
         if b > span.bytes {

@@ -472,4 +472,14 @@ impl Stage for CudaStage {
     fn sync(&mut self) -> Result<(), CudaError> {
         self.dev.synchronize()
     }
+
+    fn write_buf(&mut self, b: WorkBuf, data: &[f32]) -> Result<(), CudaError> {
+        let v = self.buf_at(b, 0, 4 * data.len() as u64)?;
+        self.dev.htod(data, v)
+    }
+
+    fn read_buf(&mut self, b: WorkBuf, out: &mut [f32]) -> Result<(), CudaError> {
+        let v = self.buf_at(b, 0, 4 * out.len() as u64)?;
+        self.dev.dtoh(v, out)
+    }
 }

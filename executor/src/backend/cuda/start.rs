@@ -146,10 +146,34 @@ pub fn preflight(
                         },
                     )
                 })
-                .collect())
+                .collect::<HashMap<WorkBuf, Span>>())
         })
         .collect::<Result<Vec<_>, String>>()
         .map_err(CudaEngineError::Plan)?;
+    // Every buffer the GPU backend binds is planned, at least as large as the working set of
+    // the planned pass needs.
+    for (dp, layout) in plan.devices.iter().zip(&layouts) {
+        let w = dp.work_pass;
+        let pass = workset::Pass {
+            tokens: w.tokens as usize,
+            logit_rows: w.logit_rows as usize,
+            att_splits: w.att_splits as usize,
+            slots: w.slots as usize,
+            gemm: w.gemm,
+        };
+        let n_layer = (dp.layer_end - dp.layer_first) as usize;
+        for (b, need) in workset::buffers(BackendKind::Gpu, &d, n_layer, true, &pass) {
+            let have = layout.get(&b).map_or(0, |s: &Span| s.bytes);
+            if have < need {
+                return Err(plan_err(format!(
+                    "device {}: the plan's `{}` buffer holds {have} bytes but passes of {} tokens need {need}: re-plan with this build's strata-plan",
+                    dp.index,
+                    b.name(),
+                    w.tokens
+                )));
+            }
+        }
+    }
     let first = plan
         .devices
         .first()
@@ -380,6 +404,104 @@ pub fn start_cuda(
     };
     Pipeline::new(info, stages, shape, vec![Box::new(host)])
         .map_err(|e| CudaEngineError::Plan(e.to_string()))
+}
+
+/// The shape of a stage made without a plan.
+#[derive(Debug, Clone, Copy)]
+pub struct StandaloneStage {
+    pub slots: usize,
+    /// Cells per slot.
+    pub ctx: usize,
+    pub kv: KvType,
+    pub pass: workset::Pass,
+    pub yarn: Option<Yarn>,
+}
+
+/// One stage on `dev` holding every tensor of `host` and the working buffers, KV and logits
+/// for passes of `s.pass`, laid out here in one arena by the same working-set rule the planner
+/// uses (no plan): for op checks against the CPU backend and plan-less runs. Its weights are
+/// still to be bound (`Bind`).
+pub fn standalone_stage(
+    dev: Arc<CudaDevice>,
+    host: Arc<dyn HostModel>,
+    s: StandaloneStage,
+    opts: &CudaOptions,
+) -> Result<CudaStage, CudaEngineError> {
+    let d = Dims::of(&host.inventory().hparams);
+    let al = |v: u64| v.div_ceil(256) * 256;
+    let mut at = 0u64;
+    let mut placed = HashMap::new();
+    for t in &host.inventory().tensors {
+        placed.insert(t.name.clone(), at);
+        at += al(t.bytes);
+    }
+    let mut layout = HashMap::new();
+    for (b, bytes) in workset::buffers(BackendKind::Gpu, &d, d.n_layer, false, &s.pass) {
+        layout.insert(b, Span { off: at, bytes });
+        at += al(bytes);
+    }
+    let kv_gg = s.kv.ggml();
+    let row_bytes = crate::quant::row_bytes(kv_gg, d.k_out())
+        .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
+    let slot_bytes = 2 * s.ctx as u64 * row_bytes * d.n_layer as u64;
+    let kv = KvGeo {
+        region: Span {
+            off: at,
+            bytes: slot_bytes * s.slots as u64,
+        },
+        slot_bytes,
+        row_bytes,
+        cells: s.ctx as u64,
+        ty: kty(kv_gg).unwrap_or(1),
+    };
+    at += al(kv.region.bytes);
+    let arena = dev.alloc_arena("standalone stage", at.max(256))?;
+    let mut tmp = Vec::new();
+    for t in &host.inventory().tensors {
+        let data = host
+            .tensor_bytes(&t.name)
+            .ok_or_else(|| plan_err(format!("`{}` has no bytes", t.name)))?;
+        let cols = t.dims.first().copied().unwrap_or(1) as usize;
+        let rows = t.dims.get(1).copied().unwrap_or(1) as usize;
+        let mats = t.dims.iter().skip(2).product::<u64>().max(1) as usize;
+        tmp.resize(data.len(), 0);
+        super::layout::to_device(t.ggml_type, data, mats, rows, cols, &mut tmp)
+            .map_err(|e| plan_err(e.to_string()))?;
+        dev.htod(&tmp[..], arena.view(placed[&t.name], data.len() as u64)?)?;
+    }
+    let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
+    let pdl = opts.pdl && !opts.profile && dev.compute_capability().0 >= 9;
+    let flags = RunFlags {
+        graphs: opts.graphs && !opts.profile,
+        pdl,
+        gemm: opts.prefill_gemm && s.pass.gemm,
+        fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
+    };
+    let binder = Binder::of_placed(host.clone(), placed, &layout);
+    let st = CudaStage::new(
+        dev,
+        arena,
+        layout,
+        d,
+        opts.kernels,
+        flags,
+        rope.attn_factor(),
+        kv,
+        s.pass.tokens,
+        s.pass.att_splits,
+        s.slots,
+        opts.profile,
+        binder,
+    );
+    for b in [WorkBuf::Counters, WorkBuf::Argmax] {
+        let v = st.buf(b)?;
+        st.device().memset(v, 0)?;
+    }
+    let inv_freq = rope.inv_freq();
+    let v = st.buf_at(WorkBuf::InvFreq, 0, 4 * inv_freq.len() as u64)?;
+    st.device().htod(inv_freq, v)?;
+    st.device().synchronize()?;
+    Ok(st)
 }
 
 impl CudaEngine {
