@@ -340,8 +340,9 @@ pub fn standalone_cpu<'a>(
         gemm: false,
     };
     let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
-    let mut backend = CpuStage::standalone(d, qwen3moe::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
-        .map_err(backend_err)?;
+    let mut backend =
+        CpuStage::standalone(d, qwen3moe::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
+            .map_err(backend_err)?;
     let model = Qwen3Moe::bind(&mut backend, &d, hp, StageSpec::whole(hp.n_layer)).map_err(
         |e| match e {
             crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
@@ -464,7 +465,13 @@ mod tests {
 
     type Tiny<'a> = Pipeline<CpuStage<'a>, Qwen3Moe<CpuStage<'a>>>;
 
-    fn engine<'a>(hp: &HParams, w: &'a MemWeights, slots: usize, kv: GgmlType, pass: usize) -> Tiny<'a> {
+    fn engine<'a>(
+        hp: &HParams,
+        w: &'a MemWeights,
+        slots: usize,
+        kv: GgmlType,
+        pass: usize,
+    ) -> Tiny<'a> {
         standalone_cpu(
             hp,
             w,
@@ -501,7 +508,11 @@ mod tests {
         for (i, &t) in PROMPT[8..].iter().enumerate() {
             let got = b.decode(&[(0, t)]).unwrap().to_vec();
             let want = &full[(8 + i) * 97..(9 + i) * 97];
-            assert!(max_diff(&got, want) <= 1e-5, "step {i}: {}", max_diff(&got, want));
+            assert!(
+                max_diff(&got, want) <= 1e-5,
+                "step {i}: {}",
+                max_diff(&got, want)
+            );
         }
         assert_eq!(b.slot_len(0), PROMPT.len() as u64);
         // Logits vary with the input (a model that ignores it would pass the checks above).
@@ -570,7 +581,10 @@ mod tests {
         // Bound: Q8_0 weights move every logit by at most 2% of the largest |logit|, and the
         // argmax of every position agrees.
         let diff = max_diff(&lf, &lq);
-        assert!(diff <= 0.02 * scale, "Q8_0 weights: {diff} vs scale {scale}");
+        assert!(
+            diff <= 0.02 * scale,
+            "Q8_0 weights: {diff} vs scale {scale}"
+        );
         assert!(diff > 0.0, "the Q8_0 copy really is quantized");
         for p in 0..PROMPT.len() {
             assert_eq!(
@@ -613,13 +627,19 @@ mod tests {
         // f32 sums differs).
         let wd = dequantized_copy(&wq);
         let exact = max_diff(&run(&wd), &lq);
-        assert!(exact <= 1e-4 * scale, "Q4_K vs its dequantized copy: {exact}");
+        assert!(
+            exact <= 1e-4 * scale,
+            "Q4_K vs its dequantized copy: {exact}"
+        );
         // Against the original f32 weights (uniform ±0.2, so ~7% RMS error per weight over
         // six matmuls in series plus router flips): relative RMS logit error <= 30%.
         let num: f32 = lf.iter().zip(&lq).map(|(a, b)| (a - b) * (a - b)).sum();
         let den: f32 = lf.iter().map(|a| a * a).sum();
         let rel = (num / den).sqrt();
-        assert!(max_diff(&lf, &lq) > 0.0 && rel <= 0.30, "relative RMS {rel}");
+        assert!(
+            max_diff(&lf, &lq) > 0.0 && rel <= 0.30,
+            "relative RMS {rel}"
+        );
     }
 
     #[test]
@@ -655,7 +675,10 @@ mod tests {
         let mut m = engine(&hp, &w, 1, GgmlType::F32, 8);
         let req = |r: Result<Option<&[f32]>, crate::engine::EngineError>| match r {
             Err(crate::engine::EngineError::Request(m)) => m,
-            other => panic!("not a request error: {:?}", other.map(|o| o.map(|l| l.len()))),
+            other => panic!(
+                "not a request error: {:?}",
+                other.map(|o| o.map(|l| l.len()))
+            ),
         };
         assert!(req(m.prefill(0, &[97], false)).contains("token 97"));
         assert!(req(m.prefill(1, &[1], false)).contains("slot 1"));

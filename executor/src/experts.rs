@@ -7,7 +7,6 @@
 //! oldest use; seeds start in plan order, best first, so the coldest seed goes first);
 //! nothing is allocated after construction.
 
-
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::plan::ResidentExpert;
 

@@ -8,8 +8,8 @@
 //! the pipeline's, advanced only after a pass succeeded.
 
 use crate::backend::{Stage, StepKind, WorkBuf};
-use crate::engine::{check_greedy_args, check_sample_args, Engine, EngineError, EngineInfo};
 use crate::engine::EngineStats;
+use crate::engine::{check_greedy_args, check_sample_args, Engine, EngineError, EngineInfo};
 use crate::model::Forward;
 use crate::sampler::Draw;
 

@@ -120,9 +120,18 @@ fn rand_vec(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
 }
 
 /// Insert a random `rows x cols` matrix of `ty` (entries uniform in ±scale).
-fn put_mat(w: &mut MemWeights, rng: &mut StdRng, name: &str, ty: GgmlType, rows: usize, cols: usize, scale: f32) {
+fn put_mat(
+    w: &mut MemWeights,
+    rng: &mut StdRng,
+    name: &str,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    scale: f32,
+) {
     let v = rand_vec(rng, rows * cols, scale);
-    w.insert_f32(name, &[cols as u64, rows as u64], &v, ty).unwrap();
+    w.insert_f32(name, &[cols as u64, rows as u64], &v, ty)
+        .unwrap();
 }
 
 /// Insert a random f32 vector near 1 (a norm's weights).
@@ -164,7 +173,10 @@ fn compare(what: &str, got: &[f32], want: &[f32], tol: f64) -> f64 {
         assert!(e.is_finite(), "{what}: value {i} is {g} (want {w})");
         worst = worst.max(e);
     }
-    assert!(worst <= tol, "{what}: error {worst:.3e} of the RMS > {tol:e}");
+    assert!(
+        worst <= tol,
+        "{what}: error {worst:.3e} of the RMS > {tol:e}"
+    );
     worst
 }
 
@@ -173,7 +185,9 @@ fn inputs<B: Stage>(b: &mut B, kind: StepKind, tokens: &[u32], slots: &[u32], po
     b.upload_inputs(kind, tokens, slots, pos)
         .map_err(|e| e.to_string())
         .unwrap();
-    b.pass_start(slots.len()).map_err(|e| e.to_string()).unwrap();
+    b.pass_start(slots.len())
+        .map_err(|e| e.to_string())
+        .unwrap();
 }
 
 fn ok<T, E: std::fmt::Display>(r: Result<T, E>, what: &str) -> T {
@@ -214,7 +228,10 @@ fn rms_norm_rows_and_offsets() {
             tokens: 20,
         };
         let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::default());
-        let (vc, vg) = (ok(cpu.vector("n.weight", e), "cpu"), ok(gpu.vector("n.weight", e), "gpu"));
+        let (vc, vg) = (
+            ok(cpu.vector("n.weight", e), "cpu"),
+            ok(gpu.vector("n.weight", e), "gpu"),
+        );
         for (n, first) in [(1usize, 0usize), (3, 2), (17, 3)] {
             let x = rand_vec(&mut rng, (first + n) * e, 3.0);
             fill(&mut cpu, WorkBuf::X, &x, 0);
@@ -225,7 +242,12 @@ fn rms_norm_rows_and_offsets() {
             ok(gpu.rms_norm(WorkBuf::X, first, vg, WorkBuf::Xn, n), "gpu");
             let want = read(&mut cpu, WorkBuf::Xn, n * e);
             let got = read(&mut gpu, WorkBuf::Xn, n * e + TAIL);
-            worst = worst.max(compare(&format!("rms_norm e={e} n={n} first={first}"), &got, &want, 1e-5));
+            worst = worst.max(compare(
+                &format!("rms_norm e={e} n={n} first={first}"),
+                &got,
+                &want,
+                1e-5,
+            ));
         }
     }
     eprintln!("PASS rms_norm: worst {worst:.2e} of the RMS (tol 1e-5)");
@@ -251,7 +273,15 @@ fn products_every_type_one_and_many_tokens() {
         let mut w = MemWeights::new();
         put_mat(&mut w, &mut rng, "a.weight", ty, rows, cols, 0.3);
         for (i, r) in [cols, unit / 2 + 1, unit / 2 + 1].iter().enumerate() {
-            put_mat(&mut w, &mut rng, &format!("qkv{i}.weight"), ty, *r, cols, 0.3);
+            put_mat(
+                &mut w,
+                &mut rng,
+                &format!("qkv{i}.weight"),
+                ty,
+                *r,
+                cols,
+                0.3,
+            );
         }
         put_mat(&mut w, &mut rng, "o.weight", ty, cols, cols, 0.3);
         let s = Setup {
@@ -271,10 +301,20 @@ fn products_every_type_one_and_many_tokens() {
             );
             let qkv_rows = [cols, unit / 2 + 1, unit / 2 + 1];
             let mc: Vec<_> = (0..3)
-                .map(|i| ok(cpu.matrix(&format!("qkv{i}.weight"), qkv_rows[i], cols), "cpu"))
+                .map(|i| {
+                    ok(
+                        cpu.matrix(&format!("qkv{i}.weight"), qkv_rows[i], cols),
+                        "cpu",
+                    )
+                })
                 .collect();
             let mg: Vec<_> = (0..3)
-                .map(|i| ok(gpu.matrix(&format!("qkv{i}.weight"), qkv_rows[i], cols), "gpu"))
+                .map(|i| {
+                    ok(
+                        gpu.matrix(&format!("qkv{i}.weight"), qkv_rows[i], cols),
+                        "gpu",
+                    )
+                })
                 .collect();
             let (oc, og) = (
                 ok(cpu.matrix("o.weight", cols, cols), "cpu"),
@@ -289,7 +329,10 @@ fn products_every_type_one_and_many_tokens() {
             ] {
                 // f16/bf16 inputs on the tensor-core path: u = 2^-11 (f16) or 2^-8 (bf16) per
                 // input, over `cols` terms of random sign: a few u of the RMS.
-                let tc = kind == StepKind::Prefill && n >= 16 && ty != GgmlType::F32 && ty != GgmlType::F16;
+                let tc = kind == StepKind::Prefill
+                    && n >= 16
+                    && ty != GgmlType::F32
+                    && ty != GgmlType::F16;
                 let tol = match (tc, ty) {
                     (true, GgmlType::BF16) => 3e-2,
                     (true, _) => 4e-3,
@@ -327,10 +370,8 @@ fn products_every_type_one_and_many_tokens() {
                 // Added into the residual.
                 let y0 = rand_vec(&mut rng, n * cols, 1.0);
                 let att = rand_vec(&mut rng, n * cols, 1.0);
-                for b in [WorkBuf::Att] {
-                    fill(&mut cpu, b, &att, 0);
-                    fill(&mut gpu, b, &att, 0);
-                }
+                fill(&mut cpu, WorkBuf::Att, &att, 0);
+                fill(&mut gpu, WorkBuf::Att, &att, 0);
                 fill(&mut cpu, WorkBuf::X, &y0, 0);
                 fill(&mut gpu, WorkBuf::X, &y0, TAIL);
                 ok(cpu.project_add(oc, WorkBuf::Att, WorkBuf::X, n), "cpu");
@@ -400,7 +441,12 @@ fn attention_prefill_then_decode_every_kv_type() {
     let Some(dev) = gpu("attention") else { return };
     let mut rng = StdRng::seed_from_u64(4);
     // (query heads, KV heads, head dim, rotated dims)
-    let shapes = [(4u64, 2u64, 16u64, 16u64), (8, 2, 128, 128), (6, 2, 48, 48), (8, 4, 64, 32)];
+    let shapes = [
+        (4u64, 2u64, 16u64, 16u64),
+        (8, 2, 128, 128),
+        (6, 2, 48, 48),
+        (8, 4, 64, 32),
+    ];
     for (nh, nkv, hd, rot) in shapes {
         for kv in [KvType::F16, KvType::Q8_0] {
             if kv == KvType::Q8_0 && (nkv * hd) % 32 != 0 {
@@ -422,8 +468,14 @@ fn attention_prefill_then_decode_every_kv_type() {
             let d = Dims::of(&s.hp);
             for (vname, kernels) in variants() {
                 let (mut cpu, mut gpu) = backends(dev.clone(), &s, kernels);
-                let nc = (ok(cpu.vector("qn.weight", d.hd), "cpu"), ok(cpu.vector("kn.weight", d.hd), "cpu"));
-                let ng = (ok(gpu.vector("qn.weight", d.hd), "gpu"), ok(gpu.vector("kn.weight", d.hd), "gpu"));
+                let nc = (
+                    ok(cpu.vector("qn.weight", d.hd), "cpu"),
+                    ok(cpu.vector("kn.weight", d.hd), "cpu"),
+                );
+                let ng = (
+                    ok(gpu.vector("qn.weight", d.hd), "gpu"),
+                    ok(gpu.vector("kn.weight", d.hd), "gpu"),
+                );
                 let mut lens = [0u32; 2];
                 let steps: Vec<(StepKind, Vec<u32>)> = vec![
                     (StepKind::Prefill, vec![0; 37]),
@@ -445,12 +497,21 @@ fn attention_prefill_then_decode_every_kv_type() {
                         .collect();
                     inputs(&mut cpu, *kind, &[], slots, &pos);
                     inputs(&mut gpu, *kind, &[], slots, &pos);
-                    for (b, width) in [(WorkBuf::Q, d.q_out()), (WorkBuf::K, d.k_out()), (WorkBuf::V, d.v_out())] {
+                    for (b, width) in [
+                        (WorkBuf::Q, d.q_out()),
+                        (WorkBuf::K, d.k_out()),
+                        (WorkBuf::V, d.v_out()),
+                    ] {
                         let v = rand_vec(&mut rng, n * width, 1.5);
                         fill(&mut cpu, b, &v, 0);
                         fill(&mut gpu, b, &v, 0);
                     }
-                    fill(&mut gpu, WorkBuf::Att, &vec![f32::NAN; n * d.att_out()], TAIL);
+                    fill(
+                        &mut gpu,
+                        WorkBuf::Att,
+                        &vec![f32::NAN; n * d.att_out()],
+                        TAIL,
+                    );
                     fn a<V>(qn: V, kn: V) -> Attention<V> {
                         Attention {
                             kv_layer: 0,
@@ -466,10 +527,18 @@ fn attention_prefill_then_decode_every_kv_type() {
                     ok(gpu.attention(&a(ng.0, ng.1), n), "gpu");
                     let want = read(&mut cpu, WorkBuf::Att, n * d.att_out());
                     let got = read(&mut gpu, WorkBuf::Att, n * d.att_out() + TAIL);
-                    let tol: f64 = if *kind == StepKind::Prefill { 2e-3 } else { 1e-4 };
+                    let tol: f64 = if *kind == StepKind::Prefill {
+                        2e-3
+                    } else {
+                        1e-4
+                    };
                     // q8_0 KV: the device's last-bit differences in K and V (from the f16
                     // products of prefill) can move a stored value by one q8_0 step.
-                    let tol = if kv == KvType::Q8_0 { tol.max(1e-2) } else { tol };
+                    let tol = if kv == KvType::Q8_0 {
+                        tol.max(1e-2)
+                    } else {
+                        tol
+                    };
                     compare(
                         &format!("attention {nh}/{nkv}x{hd} rot {rot} {kv:?} step {si} {kind:?} n={n} {vname}"),
                         &got,
@@ -498,7 +567,15 @@ fn router_norm_logits_and_top_k() {
             let mut h = hp(e as u64, 4, 2, 64, ne, k, 64);
             h.norm_topk_prob = norm_topk;
             let mut w = MemWeights::new();
-            put_mat(&mut w, &mut rng, "r.weight", GgmlType::F32, ne as usize, e, 0.5);
+            put_mat(
+                &mut w,
+                &mut rng,
+                "r.weight",
+                GgmlType::F32,
+                ne as usize,
+                e,
+                0.5,
+            );
             put_norm(&mut w, &mut rng, "fn.weight", e);
             let s = Setup {
                 hp: h,
@@ -527,8 +604,15 @@ fn router_norm_logits_and_top_k() {
                     wts: WorkBuf::Wts,
                 };
                 let k = k as usize;
-                for (kind, n) in [(StepKind::Decode, 1usize), (StepKind::Decode, 4), (StepKind::Prefill, 7), (StepKind::Prefill, 33)] {
-                    let what = format!("route {ne} experts top-{k} norm {norm_topk} {kind:?} n={n} {vname}");
+                for (kind, n) in [
+                    (StepKind::Decode, 1usize),
+                    (StepKind::Decode, 4),
+                    (StepKind::Prefill, 7),
+                    (StepKind::Prefill, 33),
+                ] {
+                    let what = format!(
+                        "route {ne} experts top-{k} norm {norm_topk} {kind:?} n={n} {vname}"
+                    );
                     let slots: Vec<u32> = (0..n as u32).map(|i| i % 4).collect();
                     let pos = vec![0u32; n];
                     inputs(&mut cpu, kind, &[], &slots, &pos);
@@ -541,10 +625,21 @@ fn router_norm_logits_and_top_k() {
                     ok(cpu.route(&rc, n), "cpu");
                     ok(gpu.route(&rg, n), "gpu");
                     let want = read(&mut cpu, WorkBuf::Xn, n * e);
-                    compare(&format!("{what}: xn"), &read(&mut gpu, WorkBuf::Xn, n * e + TAIL), &want, 1e-5);
+                    compare(
+                        &format!("{what}: xn"),
+                        &read(&mut gpu, WorkBuf::Xn, n * e + TAIL),
+                        &want,
+                        1e-5,
+                    );
                     let logits = read(&mut cpu, WorkBuf::Router, n * ne as usize);
-                    let ic: Vec<u32> = read(&mut cpu, WorkBuf::Ids, n * k).iter().map(|v| v.to_bits()).collect();
-                    let ig: Vec<u32> = read(&mut gpu, WorkBuf::Ids, n * k).iter().map(|v| v.to_bits()).collect();
+                    let ic: Vec<u32> = read(&mut cpu, WorkBuf::Ids, n * k)
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    let ig: Vec<u32> = read(&mut gpu, WorkBuf::Ids, n * k)
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
                     let wc = read(&mut cpu, WorkBuf::Wts, n * k);
                     let wg = read(&mut gpu, WorkBuf::Wts, n * k + TAIL);
                     for t in 0..n {
@@ -552,7 +647,10 @@ fn router_norm_logits_and_top_k() {
                         for j in 0..k {
                             let (a, b) = (ic[t * k + j], ig[t * k + j]);
                             if a != b {
-                                let (pa, pb) = (row[a as usize], row.get(b as usize).copied().unwrap_or(f32::NAN));
+                                let (pa, pb) = (
+                                    row[a as usize],
+                                    row.get(b as usize).copied().unwrap_or(f32::NAN),
+                                );
                                 assert!(
                                     (pa - pb).abs() <= 1e-6 * pa.abs().max(1e-6),
                                     "{what}: token {t} choice {j}: expert {b} on the GPU, {a} on the CPU (p {pb} vs {pa})"
@@ -586,13 +684,22 @@ fn experts_every_type_decode_and_grouped_prefill() {
         let mut w = MemWeights::new();
         let stack = |w: &mut MemWeights, rng: &mut StdRng, name: &str, rows: usize, cols: usize| {
             let v = rand_vec(rng, rows * cols * ne, 0.3);
-            w.insert_f32(name, &[cols as u64, rows as u64, ne as u64], &v, ty).unwrap();
+            w.insert_f32(name, &[cols as u64, rows as u64, ne as u64], &v, ty)
+                .unwrap();
         };
         stack(&mut w, &mut rng, "blk.0.ffn_gate_exps.weight", f, e);
         stack(&mut w, &mut rng, "blk.0.ffn_up_exps.weight", f, e);
         stack(&mut w, &mut rng, "blk.0.ffn_down_exps.weight", e, f);
         let s = Setup {
-            hp: hp(e as u64, 4, 2, (e / 4) as u64, ne as u64, k as u64, f as u64),
+            hp: hp(
+                e as u64,
+                4,
+                2,
+                (e / 4) as u64,
+                ne as u64,
+                k as u64,
+                f as u64,
+            ),
             weights: w,
             slots: 2,
             ctx: 64,
@@ -603,7 +710,12 @@ fn experts_every_type_decode_and_grouped_prefill() {
             let (mut cpu, mut gpu) = backends(dev.clone(), &s, kernels);
             let xc = ok(cpu.experts_of(0), "cpu");
             let xg = ok(gpu.experts_of(0), "gpu");
-            for (kind, n) in [(StepKind::Decode, 1usize), (StepKind::Decode, 2), (StepKind::Prefill, 9), (StepKind::Prefill, 37)] {
+            for (kind, n) in [
+                (StepKind::Decode, 1usize),
+                (StepKind::Decode, 2),
+                (StepKind::Prefill, 9),
+                (StepKind::Prefill, 37),
+            ] {
                 let grouped = kind == StepKind::Prefill && n >= 16 && ty != GgmlType::F16;
                 let tol = match (grouped, ty) {
                     (true, GgmlType::BF16) => 3e-2,
@@ -633,15 +745,45 @@ fn experts_every_type_decode_and_grouped_prefill() {
                 }
                 let xn = rand_vec(&mut rng, n * e, 1.0);
                 let y0 = rand_vec(&mut rng, n * e, 1.0);
-                for (b, v) in [(WorkBuf::Ids, &ids), (WorkBuf::Wts, &wts), (WorkBuf::Xn, &xn)] {
+                for (b, v) in [
+                    (WorkBuf::Ids, &ids),
+                    (WorkBuf::Wts, &wts),
+                    (WorkBuf::Xn, &xn),
+                ] {
                     fill(&mut cpu, b, v, 0);
                     fill(&mut gpu, b, v, 0);
                 }
                 fill(&mut cpu, WorkBuf::X, &y0, 0);
                 fill(&mut gpu, WorkBuf::X, &y0, TAIL);
-                ok(cpu.experts(0, &xc, WorkBuf::Xn, WorkBuf::Ids, WorkBuf::Wts, WorkBuf::X, n), "cpu");
-                ok(gpu.experts(0, &xg, WorkBuf::Xn, WorkBuf::Ids, WorkBuf::Wts, WorkBuf::X, n), "gpu");
-                let want: Vec<f32> = read(&mut cpu, WorkBuf::X, n * e).iter().zip(&y0).map(|(a, b)| a - b).collect();
+                ok(
+                    cpu.experts(
+                        0,
+                        &xc,
+                        WorkBuf::Xn,
+                        WorkBuf::Ids,
+                        WorkBuf::Wts,
+                        WorkBuf::X,
+                        n,
+                    ),
+                    "cpu",
+                );
+                ok(
+                    gpu.experts(
+                        0,
+                        &xg,
+                        WorkBuf::Xn,
+                        WorkBuf::Ids,
+                        WorkBuf::Wts,
+                        WorkBuf::X,
+                        n,
+                    ),
+                    "gpu",
+                );
+                let want: Vec<f32> = read(&mut cpu, WorkBuf::X, n * e)
+                    .iter()
+                    .zip(&y0)
+                    .map(|(a, b)| a - b)
+                    .collect();
                 let mut got = read(&mut gpu, WorkBuf::X, n * e + TAIL);
                 for (g, b) in got.iter_mut().zip(&y0) {
                     *g -= b;

@@ -602,7 +602,11 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
         check(&what("folder"), &p, &folder);
         let p = plan_inventory("base", &inv, &gguf, &ask);
         let pf = check(&what("Q8_0 GGUF"), &p, q8.as_ref());
-        assert!(pf.gemm, "{}: the GPU plan sizes the tensor-core buffers", what("Q8_0 GGUF"));
+        assert!(
+            pf.gemm,
+            "{}: the GPU plan sizes the tensor-core buffers",
+            what("Q8_0 GGUF")
+        );
     }
     // The serve check's plan (scripts/gpu_serve_check.sh: tiny-chat-moe, 256 cells, 2
     // slots) and a long-context one on the same model.

@@ -214,7 +214,10 @@ fn dense_gemm_q8_0_q4_k_and_bf16_odd_shapes_match_cpu() {
                 let added: Vec<f32> = got[..ny].iter().zip(&y0).map(|(g, a)| g - a).collect();
                 let what = format!("gemm {ty} rows={rows} cols={cols} n_tok={n_tok} added into y");
                 worst = worst.max(check(&what, ty, &added, &want));
-                assert!(got[ny..].iter().all(|v| *v == GUARD), "{what}: wrote past y");
+                assert!(
+                    got[ny..].iter().all(|v| *v == GUARD),
+                    "{what}: wrote past y"
+                );
             }
         }
         eprintln!(

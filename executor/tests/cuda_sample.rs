@@ -13,10 +13,10 @@
 
 mod cuda_common;
 use cuda_common::{get, put, rand_vec, Carve};
-use strata_exec::backend::cuda::launch::decode::{sample_rows, PickScratch};
-use strata_exec::backend::cuda::launch::Launcher;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::OnceLock;
+use strata_exec::backend::cuda::launch::decode::{sample_rows, PickScratch};
+use strata_exec::backend::cuda::launch::Launcher;
 use strata_exec::backend::cuda::{CudaDevice, DeviceView};
 use strata_exec::sampler::{argmax, gumbel, order_key, sample_with, Draw};
 

@@ -93,17 +93,9 @@ pub trait Ops {
         n: usize,
     ) -> Result<(), Self::Error>;
     /// See [`Attention`].
-    fn attention(
-        &mut self,
-        a: &Attention<Self::Vector>,
-        n: usize,
-    ) -> Result<(), Self::Error>;
+    fn attention(&mut self, a: &Attention<Self::Vector>, n: usize) -> Result<(), Self::Error>;
     /// See [`Route`].
-    fn route(
-        &mut self,
-        r: &Route<Self::Mat, Self::Vector>,
-        n: usize,
-    ) -> Result<(), Self::Error>;
+    fn route(&mut self, r: &Route<Self::Mat, Self::Vector>, n: usize) -> Result<(), Self::Error>;
     /// `y[i] += sum_j wts[i][j] * down_e(silu(gate_e xn[i]) * up_e xn[i])` over token i's
     /// chosen experts `e = ids[i][j]` of `layer` (the model's layer index).
     #[allow(clippy::too_many_arguments)]

@@ -184,7 +184,10 @@ fn device_map(plan: &Plan, args: &PlanArgs) -> Option<Vec<usize>> {
 
 /// The CUDA start-up options `args` ask for (exits 1 on a bad `--kernel-options`).
 #[cfg(feature = "cuda")]
-pub fn cuda_options(plan: &Plan, args: &PlanArgs) -> strata_exec::backend::cuda::options::CudaOptions {
+pub fn cuda_options(
+    plan: &Plan,
+    args: &PlanArgs,
+) -> strata_exec::backend::cuda::options::CudaOptions {
     use strata_exec::backend::cuda::handoff::HandoffPolicy;
     use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
     CudaOptions {

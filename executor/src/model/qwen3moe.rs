@@ -102,8 +102,15 @@ pub fn check_dims(hp: &HParams) -> Result<Dims, ModelError> {
 }
 
 enum Ffn<B: Ops> {
-    Moe { router: B::Mat, experts: B::Experts },
-    Dense { gate: B::Mat, up: B::Mat, down: B::Mat },
+    Moe {
+        router: B::Mat,
+        experts: B::Experts,
+    },
+    Dense {
+        gate: B::Mat,
+        up: B::Mat,
+        down: B::Mat,
+    },
 }
 
 struct Layer<B: Ops> {

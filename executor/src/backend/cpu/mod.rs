@@ -130,6 +130,7 @@ impl<'a> CpuStage<'a> {
 
     /// A stage with working buffers, KV (`slots` of `ctx` cells of `kv`) and logits of its
     /// own for passes of `pass` (no plan): the same working-set rule the planner uses.
+    #[allow(clippy::too_many_arguments)]
     pub fn standalone(
         d: Dims,
         arch: &'static str,
@@ -147,7 +148,16 @@ impl<'a> CpuStage<'a> {
         let caches = (0..slots)
             .map(|_| KvCache::owned(g))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self::new(d, arch, src, rope, scratch, caches, None, pass.tokens))
+        Ok(Self::new(
+            d,
+            arch,
+            src,
+            rope,
+            scratch,
+            caches,
+            None,
+            pass.tokens,
+        ))
     }
 
     /// The model dimensions.
@@ -173,7 +183,12 @@ impl<'a> CpuStage<'a> {
 
     fn stack(&self, name: &str, cols: usize, rows: usize) -> Result<Stack<'a>, CpuError> {
         let n = self.d.n_expert;
-        let v = check_view(self.src, self.arch, name, &[cols as u64, rows as u64, n as u64])?;
+        let v = check_view(
+            self.src,
+            self.arch,
+            name,
+            &[cols as u64, rows as u64, n as u64],
+        )?;
         let rb = quant::row_bytes(v.ggml_type, cols).map_err(|source| ModelError::Tensor {
             name: name.into(),
             source,

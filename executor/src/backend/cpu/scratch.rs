@@ -59,10 +59,7 @@ fn index(b: WorkBuf) -> usize {
 
 impl<'a> Scratch<'a> {
     /// Bind `bufs` (name, offset, bytes) inside `region`.
-    pub fn bind(
-        region: &'a mut [u8],
-        bufs: &[(WorkBuf, u64, u64)],
-    ) -> Result<Self, ScratchError> {
+    pub fn bind(region: &'a mut [u8], bufs: &[(WorkBuf, u64, u64)]) -> Result<Self, ScratchError> {
         let size = region.len() as u64;
         if region.as_ptr() as usize % 4 != 0 {
             return Err(ScratchError::Misaligned("the scratch region".into()));
@@ -239,8 +236,8 @@ mod tests {
             Err(ScratchError::Missing("q"))
         ));
         let mut region = vec![0u8; 128];
-        let e = Scratch::bind(&mut region, &[(WorkBuf::X, 0, 64), (WorkBuf::Q, 32, 64)])
-            .unwrap_err();
+        let e =
+            Scratch::bind(&mut region, &[(WorkBuf::X, 0, 64), (WorkBuf::Q, 32, 64)]).unwrap_err();
         assert!(matches!(e, ScratchError::Overlap { .. }), "{e}");
         let e = Scratch::bind(&mut region, &[(WorkBuf::X, 100, 64)]).unwrap_err();
         assert!(matches!(e, ScratchError::Outside { .. }), "{e}");

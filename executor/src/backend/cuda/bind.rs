@@ -312,7 +312,8 @@ pub(crate) fn upload_weights(
                 ))
             })
     };
-    let bytes_of = |name: &str| -> Result<(GgmlType, (usize, usize, usize), &[u8]), CudaError> {
+    type Tensor<'b> = (GgmlType, (usize, usize, usize), &'b [u8]);
+    let bytes_of = |name: &str| -> Result<Tensor<'_>, CudaError> {
         let info = inv
             .tensor(name)
             .ok_or_else(|| plan_err(format!("`{name}` is not in the model inventory")))?;

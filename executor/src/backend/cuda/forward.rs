@@ -181,7 +181,9 @@ impl CudaStage {
         l.timed("moe_sort", || self.dev.moe_sort(idv, n, k, ne, sorted))?;
         let gu_span = s.gu_stride * (ne as u64 - 1) + mat_bytes(ty, f, e)?;
         let xv = self.rows(xn, n, e)?;
-        l.timed("gemm_convert_x", || self.dev.gemm_convert_x(xv, n, e, ty, xh))?;
+        l.timed("gemm_convert_x", || {
+            self.dev.gemm_convert_x(xv, n, e, ty, xh)
+        })?;
         let h = self.rows(WorkBuf::H, n * k, f)?;
         let (wg, wu) = (self.view(s.gate, gu_span)?, self.view(s.up, gu_span)?);
         l.timed("moe_gemm_glu", || {
@@ -203,8 +205,13 @@ impl CudaStage {
             )
         })?;
         let dn_span = s.down_stride * (ne as u64 - 1) + mat_bytes(ty, e, f)?;
-        l.timed("gemm_convert_x", || self.dev.gemm_convert_x(h, n * k, f, ty, xh))?;
-        let (wd, yd) = (self.view(s.down, dn_span)?, self.rows(WorkBuf::Yd, n * k, e)?);
+        l.timed("gemm_convert_x", || {
+            self.dev.gemm_convert_x(h, n * k, f, ty, xh)
+        })?;
+        let (wd, yd) = (
+            self.view(s.down, dn_span)?,
+            self.rows(WorkBuf::Yd, n * k, e)?,
+        );
         l.timed("moe_gemm_down", || {
             self.dev.moe_gemm_converted_strided(
                 MOE_DEFAULT_TILE,
@@ -362,14 +369,50 @@ impl Ops for CudaStage {
             let m = 4 * self.max_tok as u64;
             let counters = self.buf_at(WorkBuf::Counters, m, 4 * (n * d.n_head_kv) as u64)?;
             let chunk = self.opts.attn_chunk;
-            return attention::attn_fused(&l, h, q, k, v, kv, self.splits()?, chunk, counters, out, n);
+            return attention::attn_fused(
+                &l,
+                h,
+                q,
+                k,
+                v,
+                kv,
+                self.splits()?,
+                chunk,
+                counters,
+                out,
+                n,
+            );
         }
         // QK-norm + RoPE and the KV store: one launch, or three where q8_0 KV blocks would
         // straddle heads (head dims not a multiple of 32).
         if Some(kv.ty) == kty(GgmlType::Q8_0) && d.hd % 32 != 0 {
             let (pos, inv) = (kv.pos, h.inv_freq);
-            decode::qk_norm_rope(&l, q, h.q_norm, d.eps, pos, inv, h.attn_factor, d.n_head, d.hd, d.n_rot, n)?;
-            decode::qk_norm_rope(&l, k, h.k_norm, d.eps, pos, inv, h.attn_factor, d.n_head_kv, d.hd, d.n_rot, n)?;
+            decode::qk_norm_rope(
+                &l,
+                q,
+                h.q_norm,
+                d.eps,
+                pos,
+                inv,
+                h.attn_factor,
+                d.n_head,
+                d.hd,
+                d.n_rot,
+                n,
+            )?;
+            decode::qk_norm_rope(
+                &l,
+                k,
+                h.k_norm,
+                d.eps,
+                pos,
+                inv,
+                h.attn_factor,
+                d.n_head_kv,
+                d.hd,
+                d.n_rot,
+                n,
+            )?;
             attention::kv_store(&l, k, v, kv, d.k_out(), n)?;
         } else {
             attention::rope_store(&l, h, q, k, v, kv, n)?;
@@ -399,7 +442,9 @@ impl Ops for CudaStage {
         // KV lies in the stage's region (checked by `KvLayer`'s geometry at binding and the
         // pipeline's slot checks) and every position is below the planned context (checked
         // by the pipeline before the pass).
-        l.timed("attn_prefill", || unsafe { flash::attn_prefill(&self.dev, &pa) })
+        l.timed("attn_prefill", || unsafe {
+            flash::attn_prefill(&self.dev, &pa)
+        })
     }
 
     fn route(&mut self, r: &Route<CMat, CVec>, n: usize) -> Result<(), CudaError> {

@@ -347,7 +347,13 @@ impl CudaDevice {
         )))?;
         let (wp, xp, yp, acc) = (w.ptr(), xh.ptr(), y.ptr(), acc as i32);
         let mut b = self.stream.launch_builder(f);
-        b.arg(&wp).arg(&xp).arg(&yp).arg(&ri).arg(&ci).arg(&ni).arg(&acc);
+        b.arg(&wp)
+            .arg(&xp)
+            .arg(&yp)
+            .arg(&ri)
+            .arg(&ci)
+            .arg(&ni)
+            .arg(&acc);
         // (the K part is blockIdx.z; the grid below sets the count)
         if kparts > 1 {
             self.memset(y.sub(0, 4 * n_tok as u64 * rows as u64)?, 0)?;

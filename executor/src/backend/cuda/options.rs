@@ -127,8 +127,8 @@ mod tests {
 
     #[test]
     fn kernel_options_parse_and_refuse_with_the_list() {
-        let o = KernelOptions::parse(&["unfused-attention".into(), "attn-chunk=64".into()])
-            .unwrap();
+        let o =
+            KernelOptions::parse(&["unfused-attention".into(), "attn-chunk=64".into()]).unwrap();
         assert!(!o.fused_attention && o.attn_chunk == 64 && o.fused_topk && o.stage_inputs);
         assert_eq!(KernelOptions::parse(&[]).unwrap(), KernelOptions::default());
         let e = KernelOptions::parse(&["fast".into()]).unwrap_err();

@@ -192,7 +192,12 @@ impl CudaStage {
     }
 
     /// `len` bytes of buffer `b` from byte `at`.
-    pub(crate) fn buf_at(&self, b: WorkBuf, at: u64, len: u64) -> Result<DeviceView<'_>, CudaError> {
+    pub(crate) fn buf_at(
+        &self,
+        b: WorkBuf,
+        at: u64,
+        len: u64,
+    ) -> Result<DeviceView<'_>, CudaError> {
         self.buf(b)?.sub(at, len)
     }
 
@@ -347,7 +352,11 @@ impl Stage for CudaStage {
         // the copy from pageable host memory returns once the host bytes are staged, so
         // `host_in` may change afterwards.
         unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst, &self.host_in[..], self.dev.stream().cu_stream())
+            cudarc::driver::result::memcpy_htod_async(
+                dst,
+                &self.host_in[..],
+                self.dev.stream().cu_stream(),
+            )
         }
         .map_err(drv("cuMemcpyHtoDAsync(step inputs)"))
     }
@@ -399,7 +408,11 @@ impl Stage for CudaStage {
         // SAFETY: the logits buffer holds `rows x vocab` floats (a view of exactly that was
         // taken above); `out` is borrowed until the synchronize below.
         unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(&mut out[..n], src, self.dev.stream().cu_stream())
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut out[..n],
+                src,
+                self.dev.stream().cu_stream(),
+            )
         }
         .map_err(drv("cuMemcpyDtoHAsync(logits)"))?;
         self.dev.synchronize()
@@ -415,7 +428,14 @@ impl Stage for CudaStage {
         }
         let s = self.pick_scratch(rows)?;
         let logits = self.buf(WorkBuf::Logits)?;
-        decode::argmax_rows(&self.plain_launcher(), logits, self.d.vocab, rows, ARGMAX_BLOCKS as u32, s)?;
+        decode::argmax_rows(
+            &self.plain_launcher(),
+            logits,
+            self.d.vocab,
+            rows,
+            ARGMAX_BLOCKS as u32,
+            s,
+        )?;
         self.back_u32(s.out, out)
     }
 

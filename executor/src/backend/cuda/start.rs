@@ -180,7 +180,11 @@ pub fn preflight(
         .ok_or_else(|| plan_err("the plan has no devices"))?;
     let last = plan.devices.last().unwrap_or(first);
     let w = first.work_pass;
-    if plan.devices.iter().any(|dp| dp.work_pass.tokens != w.tokens) {
+    if plan
+        .devices
+        .iter()
+        .any(|dp| dp.work_pass.tokens != w.tokens)
+    {
         return Err(plan_err(
             "the plan's devices were sized for passes of different lengths: re-plan with this build's strata-plan",
         ));
@@ -238,8 +242,8 @@ fn bytes_per_gpu(
 /// Device memory (free, total) of `dev` now.
 pub(crate) fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
     dev.ctx_bind()?;
-    let (free, total) = cudarc::driver::result::mem_get_info()
-        .map_err(super::drv("cuMemGetInfo"))?;
+    let (free, total) =
+        cudarc::driver::result::mem_get_info().map_err(super::drv("cuMemGetInfo"))?;
     Ok((free as u64, total as u64))
 }
 
@@ -287,7 +291,9 @@ pub fn start_cuda(
         arenas.push(devs[dev_of(i)].alloc_arena(&format!("device {}", dp.index), dp.arena_bytes)?);
     }
     {
-        let arena_devs: Vec<&CudaDevice> = (0..arenas.len()).map(|i| devs[dev_of(i)].as_ref()).collect();
+        let arena_devs: Vec<&CudaDevice> = (0..arenas.len())
+            .map(|i| devs[dev_of(i)].as_ref())
+            .collect();
         upload_weights(plan, &arena_devs, &arenas, host.as_ref(), opts.progress)?;
     }
     let pdl = opts.pdl && !opts.profile && devs.iter().all(|d| d.compute_capability().0 >= 9);
@@ -550,6 +556,8 @@ impl CudaEngine {
 
     /// Whether prefill passes of 16 tokens or more may take the tensor-core products.
     pub fn grouped_prefill(&self) -> bool {
-        self.stages().iter().all(|s| s.backend.tensor_core_prefill())
+        self.stages()
+            .iter()
+            .all(|s| s.backend.tensor_core_prefill())
     }
 }

@@ -92,7 +92,8 @@ impl Heads<'_> {
                 ),
             ));
         }
-        self.inv_freq.expect(op, "inv_freq", f32s(self.n_rot / 2), 4)?;
+        self.inv_freq
+            .expect(op, "inv_freq", f32s(self.n_rot / 2), 4)?;
         self.q_norm.expect(op, "q_norm", f32s(self.hd), 4)?;
         self.k_norm.expect(op, "k_norm", f32s(self.hd), 4)?;
         Ok((
@@ -122,7 +123,12 @@ pub fn rope_store(
     k.expect(OP, "k", f32s(n * h.n_head_kv * h.hd), 4)?;
     v.expect(OP, "v", f32s(n * h.n_head_kv * h.hd), 4)?;
     let (qp, kp, vp) = (q.ptr(), k.ptr(), v.ptr());
-    let (qn, kn, pp, fp) = (h.q_norm.ptr(), h.k_norm.ptr(), kv.pos.ptr(), h.inv_freq.ptr());
+    let (qn, kn, pp, fp) = (
+        h.q_norm.ptr(),
+        h.k_norm.ptr(),
+        kv.pos.ptr(),
+        h.inv_freq.ptr(),
+    );
     let (kvp, sp) = (kv.kv.ptr(), kv.slot.ptr());
     let blocks = (h.n_head + 2 * h.n_head_kv) as u32;
     launch!(l, "dq_rope_store", cfg((blocks, int(OP, "n", n)? as u32, 1), 128, 0);
@@ -160,7 +166,13 @@ pub struct Splits<'a> {
 }
 
 impl Splits<'_> {
-    fn check(&self, op: &'static str, tokens: usize, n_head: usize, hd: usize) -> Result<(), CudaError> {
+    fn check(
+        &self,
+        op: &'static str,
+        tokens: usize,
+        n_head: usize,
+        hd: usize,
+    ) -> Result<(), CudaError> {
         if self.n == 0 || self.n > ATT_MAX_SPLIT {
             return Err(bad(op, format!("{} splits (1..={ATT_MAX_SPLIT})", self.n)));
         }
@@ -211,7 +223,12 @@ pub fn attn_fused(
     let scale = 1.0f32 / (h.hd as f32).sqrt();
     let chunk = min_chunk.clamp(1, 1 << 20) as i32;
     let (qp, kp, vp) = (q.ptr(), k.ptr(), v.ptr());
-    let (qn, kn, pp, fp) = (h.q_norm.ptr(), h.k_norm.ptr(), kv.pos.ptr(), h.inv_freq.ptr());
+    let (qn, kn, pp, fp) = (
+        h.q_norm.ptr(),
+        h.k_norm.ptr(),
+        kv.pos.ptr(),
+        h.inv_freq.ptr(),
+    );
     let (kvp, slp) = (kv.kv.ptr(), kv.slot.ptr());
     let (po, pm, cn, op) = (sp.part_o.ptr(), sp.part_ms.ptr(), counters.ptr(), out.ptr());
     let grid = (h.n_head_kv as u32, sp.n as u32, int(OP, "n", n)? as u32);

@@ -18,7 +18,8 @@ pub fn spin(l: &Launcher<'_>, ns: i64) -> Result<(), CudaError> {
     let mut b = l.dev.stream().launch_builder(f);
     b.arg(&ns);
     // SAFETY: dq_spin takes one integer and touches no memory.
-    unsafe { b.launch(cfg((1, 1, 1), 1, 0)) }.map_err(crate::backend::cuda::drv("launch dq_spin"))?;
+    unsafe { b.launch(cfg((1, 1, 1), 1, 0)) }
+        .map_err(crate::backend::cuda::drv("launch dq_spin"))?;
     Ok(())
 }
 
@@ -77,10 +78,17 @@ pub fn qk_norm_rope(
     pos.expect(OP, "pos", 4 * n as u64, 4)?;
     inv_freq.expect(OP, "inv_freq", f32s(n_rot / 2), 4)?;
     if n_rot % 2 != 0 || n_rot > hd {
-        return Err(bad(OP, format!("n_rot {n_rot} must be even and at most {hd}")));
+        return Err(bad(
+            OP,
+            format!("n_rot {n_rot} must be even and at most {hd}"),
+        ));
     }
     let (xp, wp, pp, fp) = (x.ptr(), w.ptr(), pos.ptr(), inv_freq.ptr());
-    let (nh, hdi, nr) = (int(OP, "heads", heads)?, int(OP, "hd", hd)?, int(OP, "n_rot", n_rot)?);
+    let (nh, hdi, nr) = (
+        int(OP, "heads", heads)?,
+        int(OP, "hd", hd)?,
+        int(OP, "n_rot", n_rot)?,
+    );
     let grid = (heads as u32, int(OP, "n", n)? as u32, 1);
     launch!(l, "qk_norm_rope_f32", cfg(grid, 128, 0); &xp, &wp, &eps, &pp, &fp, &attn_factor, &nh, &hdi, &nr)
 }
@@ -245,7 +253,10 @@ pub fn router_rows(
     if w.ty != GgmlType::F32 || w.cols % 4 != 0 {
         return Err(bad(
             OP,
-            format!("{} router of {} columns: F32 and a multiple of 4 only", w.ty, w.cols),
+            format!(
+                "{} router of {} columns: F32 and a multiple of 4 only",
+                w.ty, w.cols
+            ),
         ));
     }
     w.check(OP)?;
@@ -261,7 +272,13 @@ pub fn router_rows(
             t.counters.expect(OP, "counters", 4 * n as u64, 4)?;
             t.ids.expect(OP, "ids", 4 * (n * t.k) as u64, 4)?;
             t.wts.expect(OP, "wts", f32s(n * t.k), 4)?;
-            (t.counters.ptr(), t.k as i32, t.norm_topk as i32, t.ids.ptr(), t.wts.ptr())
+            (
+                t.counters.ptr(),
+                t.k as i32,
+                t.norm_topk as i32,
+                t.ids.ptr(),
+                t.wts.ptr(),
+            )
         }
         None => (0, 0, 0, 0, 0),
     };
@@ -396,7 +413,11 @@ pub fn moe_gate_up(
     let smem = xs_bytes(stage, 1, ex.ty, ex.e);
     let (f, e, k32, no_norm, eps) = (ex.f as i32, ex.e as i32, k as i32, 0u64, 0f32);
     let (tp, ip, xp, hp) = (ex.table.ptr(), ids.ptr(), xn.ptr(), h.ptr());
-    let grid = ((ex.f as u32).div_ceil(DQ_WARPS), int(OP, "n * k", n * k)? as u32, 1);
+    let grid = (
+        (ex.f as u32).div_ceil(DQ_WARPS),
+        int(OP, "n * k", n * k)? as u32,
+        1,
+    );
     launch!(l, "dq_moe_gate_up", cfg(grid, 32 * DQ_WARPS, smem);
         &tp, &ty, &f, &e, &ip, &k32, &xp, &no_norm, &eps, &hp)
 }
