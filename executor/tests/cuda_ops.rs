@@ -120,6 +120,7 @@ fn nvrtc_error_names_the_module_and_prints_the_log() {
         hash: strata_kernels::source_hash(&source),
         source,
         entry_points: &["broken"],
+        cuda_only: false,
     };
     let cc = match d.arch().trim_start_matches("sm_").parse::<i32>() {
         Ok(n) => (n / 10, n % 10),

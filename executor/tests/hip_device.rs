@@ -134,7 +134,10 @@ fn reductions_match_the_host_at_the_devices_wave_size() {
         dev.dtoh(ov, &mut out).unwrap();
         for (i, g) in bytes_f32(&out).iter().enumerate() {
             let want = (w[i] as f64 * x[i] as f64 * r) as f32;
-            assert!((g - want).abs() <= 1e-5 * want.abs().max(1.0), "{i}: {g} vs {want}, {threads} threads");
+            assert!(
+                (g - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "{i}: {g} vs {want}, {threads} threads"
+            );
         }
     }
 }
@@ -169,7 +172,10 @@ fn a_captured_graph_replays_its_kernels_and_copies() {
     dev.dtoh(v(3), &mut out).unwrap();
     for (i, got) in bytes_f32(&out).iter().enumerate() {
         let want = g[i] / (1.0 + (-g[i]).exp()) * u[i];
-        assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{i}: {got} vs {want}");
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "{i}: {got} vs {want}"
+        );
     }
 }
 

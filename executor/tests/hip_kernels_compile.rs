@@ -66,11 +66,15 @@ fn a_compile_error_carries_the_log_target_and_kernels() {
     }
     let compiler = compile::compiler_id().unwrap();
     let mut src = strata_kernels::by_name("norm").unwrap().clone();
-    src.source.push_str("\nST_KERNEL void broken() { undefined_thing(); }\n");
+    src.source
+        .push_str("\nST_KERNEL void broken() { undefined_thing(); }\n");
     let target = compile::GfxTarget::parse("gfx1201").unwrap();
     let e = compile::compile(&src, &target, 32, &compiler)
         .unwrap_err()
         .to_string();
     assert!(e.contains("undefined_thing"), "{e}");
-    assert!(e.contains("gfx1201") && e.contains("`norm`") && e.contains("rmsnorm_f32"), "{e}");
+    assert!(
+        e.contains("gfx1201") && e.contains("`norm`") && e.contains("rmsnorm_f32"),
+        "{e}"
+    );
 }

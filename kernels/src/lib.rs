@@ -251,7 +251,8 @@ mod tests {
         // The scanner itself: guarded, vendor-switch else, and unguarded uses.
         let t = "#ifdef ST_CUDA\nasm(\"x\");\n#else\nint a;\n#endif\n__ldcg(p);\n";
         assert_eq!(unguarded_cuda_only(t), vec![(6, "__ldcg(")]);
-        let v = "#if defined(__HIPCC__)\n__shfl_xor(v, 1);\n#else\n__shfl_xor_sync(m, v, 1);\n#endif\n";
+        let v =
+            "#if defined(__HIPCC__)\n__shfl_xor(v, 1);\n#else\n__shfl_xor_sync(m, v, 1);\n#endif\n";
         assert!(unguarded_cuda_only(v).is_empty());
         assert_eq!(
             unguarded_cuda_only("#if X\n#else\n__syncwarp(); // asm(\n#endif\n"),
@@ -271,7 +272,11 @@ mod tests {
             let last = body.lines().rev().find(|l| !l.trim().is_empty()).unwrap();
             assert!(last.starts_with("#endif"), "{}: {last}", k.name);
         }
-        let names: Vec<_> = all().iter().filter(|k| k.cuda_only).map(|k| k.name).collect();
+        let names: Vec<_> = all()
+            .iter()
+            .filter(|k| k.cuda_only)
+            .map(|k| k.name)
+            .collect();
         assert_eq!(names, ["gemm", "flash"]);
     }
 

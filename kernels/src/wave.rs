@@ -36,7 +36,11 @@ pub fn block_reduce<T: Copy>(
     identity: T,
     f: impl Fn(T, T) -> T + Copy,
 ) -> Option<Vec<T>> {
-    assert_eq!(vals.len() % wave, 0, "blockDim must be a multiple of the warp");
+    assert_eq!(
+        vals.len() % wave,
+        0,
+        "blockDim must be a multiple of the warp"
+    );
     let nw = vals.len() / wave;
     if nw > 32 {
         return None;
@@ -56,7 +60,12 @@ pub fn block_reduce<T: Copy>(
 /// The weight rows a launch of the one-row-per-warp kernels (`mv_*`, `dq_mv*`: row =
 /// `blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP`) computes, for `blocks` blocks of
 /// `threads` threads.
-pub fn rows_covered(blocks: usize, threads: usize, wave: usize, warps_per_block: usize) -> Vec<usize> {
+pub fn rows_covered(
+    blocks: usize,
+    threads: usize,
+    wave: usize,
+    warps_per_block: usize,
+) -> Vec<usize> {
     let mut rows: Vec<usize> = (0..blocks)
         .flat_map(|b| (0..threads).map(move |t| b * warps_per_block + t / wave))
         .collect();
@@ -76,7 +85,9 @@ mod tests {
         for wave in WAVES {
             let lanes: Vec<u64> = (0..wave as u64).map(|l| l * l + 1).collect();
             let total: u64 = lanes.iter().sum();
-            assert!(warp_reduce(&lanes, |a, b| a + b).iter().all(|&v| v == total));
+            assert!(warp_reduce(&lanes, |a, b| a + b)
+                .iter()
+                .all(|&v| v == total));
             let mx = warp_reduce(&lanes, |a: u64, b| a.max(b));
             assert!(mx.iter().all(|&v| v == *lanes.iter().max().unwrap()));
             // A butterfly sized for 32 lanes on a 64-wide wave only reduces half of it:
@@ -101,7 +112,10 @@ mod tests {
                 let vals: Vec<u64> = (0..threads as u64).map(|i| (i * 7919) % 1000).collect();
                 let total: u64 = vals.iter().sum();
                 let r = block_reduce(&vals, wave, 0, |a, b| a + b).unwrap();
-                assert!(r.iter().all(|&v| v == total), "wave {wave} threads {threads}");
+                assert!(
+                    r.iter().all(|&v| v == total),
+                    "wave {wave} threads {threads}"
+                );
                 // Arg-max with the lowest index on ties, the kernels' pick rule.
                 let pairs: Vec<(u64, usize)> = vals.iter().copied().zip(0..).collect();
                 let pick = |a: (u64, usize), b: (u64, usize)| {
@@ -152,7 +166,13 @@ mod tests {
         // No portable kernel sizes a butterfly or a lane test by a literal warp width (the
         // CUDA-only tensor-core modules are warp-32 PTX by nature).
         for k in crate::all().iter().filter(|k| !k.cuda_only) {
-            for bad in ["m = 16;", "o = 16;", "% 32 == 0) {", "threadIdx.x & 31", "lane < 32"] {
+            for bad in [
+                "m = 16;",
+                "o = 16;",
+                "% 32 == 0) {",
+                "threadIdx.x & 31",
+                "lane < 32",
+            ] {
                 assert!(
                     !k.source.contains(bad),
                     "module {} assumes a 32-wide warp (`{bad}`): use ST_WARP",

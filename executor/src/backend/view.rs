@@ -108,7 +108,10 @@ impl<'a, O> View<'a, O> {
         let detail = if self.len < len {
             format!("{what}: view of {} bytes where {len} are needed", self.len)
         } else if align == 0 || self.ptr % align != 0 {
-            format!("{what}: view at {:#x} is not {align}-byte aligned", self.ptr)
+            format!(
+                "{what}: view at {:#x} is not {align}-byte aligned",
+                self.ptr
+            )
         } else {
             return Ok(());
         };
@@ -139,7 +142,11 @@ mod tests {
         let owner = ();
         let v = View::whole(&owner, 0x1004, 64);
         assert!(v.expect_len("htod", 64).is_ok());
-        assert!(v.expect_len("htod", 63).unwrap_err().to_string().contains("63"));
+        assert!(v
+            .expect_len("htod", 63)
+            .unwrap_err()
+            .to_string()
+            .contains("63"));
         assert!(v.expect("op", "x", 64, 4).is_ok());
         let e = v.expect("op", "x", 64, 16).unwrap_err().to_string();
         assert!(e.contains("x:") && e.contains("16-byte"), "{e}");

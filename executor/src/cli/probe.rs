@@ -306,7 +306,9 @@ fn amd_devices(out: &mut String) -> Result<usize, NoCuda> {
     use strata_exec::backend::hip::probe;
     let count = probe::count().map_err(NoCuda::Absent)?;
     if count == 0 {
-        return Err(NoCuda::Absent("the HIP runtime reports 0 AMD devices".into()));
+        return Err(NoCuda::Absent(
+            "the HIP runtime reports 0 AMD devices".into(),
+        ));
     }
     eprintln!("probe: {count} AMD device(s)");
     for i in 0..count {

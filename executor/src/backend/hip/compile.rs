@@ -116,10 +116,8 @@ pub fn compiler_id() -> Result<String, HipError> {
             what: "hiprtcVersion".into(),
             code: r,
             name: "hiprtc".into(),
-            text: c_text(
-                // SAFETY: returns a static string for any code.
-                unsafe { (api.get_error_string)(r) },
-            ),
+            // SAFETY: returns a static NUL-terminated string for any code.
+            text: unsafe { c_text((api.get_error_string)(r)) },
         });
     }
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
@@ -141,7 +139,12 @@ pub fn mapped_version(maps: &str, stem: &str) -> Option<String> {
 }
 
 /// The cache file name of `src` for a target, wave size and compiler.
-pub fn cache_file_name(src: &KernelSource, target: &GfxTarget, wave: u32, compiler: &str) -> String {
+pub fn cache_file_name(
+    src: &KernelSource,
+    target: &GfxTarget,
+    wave: u32,
+    compiler: &str,
+) -> String {
     format!(
         "{}-{}-{}-w{wave}-{compiler}.co",
         src.name,
@@ -241,25 +244,26 @@ pub fn compile(
         )
     };
     if r != 0 {
-        // SAFETY: returns a static string for any code.
-        return Err(fail(format!("hiprtcCreateProgram: {}", c_text(unsafe {
-            (api.get_error_string)(r)
-        }))));
+        // SAFETY: returns a static NUL-terminated string for any code.
+        let what = unsafe { c_text((api.get_error_string)(r)) };
+        return Err(fail(format!("hiprtcCreateProgram: {what}")));
     }
     let out = (|| {
         // SAFETY: prog is live; ptrs holds opts.len() valid C strings that outlive the call.
         let r = unsafe { (api.compile_program)(prog, ptrs.len() as i32, ptrs.as_ptr()) };
         let log = program_log(api, prog);
         if r != 0 {
-            // SAFETY: as above.
-            let what = c_text(unsafe { (api.get_error_string)(r) });
+            // SAFETY: returns a static NUL-terminated string for any code.
+            let what = unsafe { c_text((api.get_error_string)(r)) };
             return Err(fail(format!("{what}\n{log}")));
         }
         let mut size = 0usize;
         // SAFETY: prog compiled; size is a valid out-pointer.
         let r = unsafe { (api.get_code_size)(prog, &mut size) };
         if r != 0 || size == 0 {
-            return Err(fail(format!("hiprtcGetCodeSize: code {r}, {size} bytes\n{log}")));
+            return Err(fail(format!(
+                "hiprtcGetCodeSize: code {r}, {size} bytes\n{log}"
+            )));
         }
         let mut code = vec![0u8; size];
         // SAFETY: code holds exactly the `size` bytes hiprtc asked for.
@@ -305,7 +309,10 @@ mod tests {
     #[test]
     fn targets_parse_with_features_and_generation() {
         let t = GfxTarget::parse("gfx1201").unwrap();
-        assert_eq!((t.major(), t.default_wave(), t.id()), (12, 32, "gfx1201".into()));
+        assert_eq!(
+            (t.major(), t.default_wave(), t.id()),
+            (12, 32, "gfx1201".into())
+        );
         let c = GfxTarget::parse("gfx90a:sramecc+:xnack-\n").unwrap();
         assert_eq!(c.processor, "gfx90a");
         assert_eq!(c.features, ["sramecc+", "xnack-"]);
@@ -314,7 +321,15 @@ mod tests {
         assert_eq!(c.file_part(), "gfx90a_sramecc+_xnack-");
         assert_eq!(GfxTarget::parse("gfx1100").unwrap().major(), 11);
         assert_eq!(GfxTarget::parse("gfx942").unwrap().major(), 9);
-        for bad in ["", "sm_90", "gfx", "gfx12", "gfx1201:xnack", "gfxzz01", "gfx1201:"] {
+        for bad in [
+            "",
+            "sm_90",
+            "gfx",
+            "gfx12",
+            "gfx1201:xnack",
+            "gfxzz01",
+            "gfx1201:",
+        ] {
             assert!(GfxTarget::parse(bad).is_none(), "{bad}");
         }
     }
@@ -350,15 +365,24 @@ mod tests {
         assert_ne!(a, cache_file_name(src, &t, 32, "hiprtc7.1"));
         let x = GfxTarget::parse("gfx1201:xnack+").unwrap();
         assert_ne!(a, cache_file_name(src, &x, 32, "hiprtc7.2"));
-        assert_ne!(a, cache_file_name(&strata_kernels::all()[1], &t, 32, "hiprtc7.2"));
+        assert_ne!(
+            a,
+            cache_file_name(&strata_kernels::all()[1], &t, 32, "hiprtc7.2")
+        );
     }
 
     #[test]
     fn the_library_version_is_read_from_the_process_maps() {
         let maps = "7f0-7f1 r--p 0 08:01 12 /usr/lib/x86_64-linux-gnu/libc.so.6\n\
                     7f2-7f3 r-xp 0 08:01 13 /usr/lib/x86_64-linux-gnu/libhiprtc.so.7.2.53211\n";
-        assert_eq!(mapped_version(maps, "libhiprtc.so."), Some("7.2.53211".into()));
-        assert_eq!(mapped_version("7f0-7f1 r--p 0 08:01 12 [heap]\n", "libhiprtc.so."), None);
+        assert_eq!(
+            mapped_version(maps, "libhiprtc.so."),
+            Some("7.2.53211".into())
+        );
+        assert_eq!(
+            mapped_version("7f0-7f1 r--p 0 08:01 12 [heap]\n", "libhiprtc.so."),
+            None
+        );
     }
 
     #[test]
@@ -375,7 +399,10 @@ mod tests {
         let gemm = strata_kernels::by_name("gemm").unwrap();
         let mut empty = b"\x7fELF".to_vec();
         empty.resize(100, 0);
-        assert!(code_object_is_complete(&empty, gemm), "CUDA-only: no kernels on HIP");
+        assert!(
+            code_object_is_complete(&empty, gemm),
+            "CUDA-only: no kernels on HIP"
+        );
     }
 
     #[test]

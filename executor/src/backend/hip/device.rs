@@ -124,10 +124,7 @@ impl DeviceInfo {
             warp_size: attr_of(attr::WARP_SIZE, "warpSize")?,
             compute_units: attr_of(attr::MULTIPROCESSOR_COUNT, "multiProcessorCount")?,
             max_threads_per_block: attr_of(attr::MAX_THREADS_PER_BLOCK, "maxThreadsPerBlock")?,
-            max_shared_per_block: attr_of(
-                attr::MAX_SHARED_MEMORY_PER_BLOCK,
-                "sharedMemPerBlock",
-            )?,
+            max_shared_per_block: attr_of(attr::MAX_SHARED_MEMORY_PER_BLOCK, "sharedMemPerBlock")?,
             pci_bus_id: ffi::buffer_text(&bus).to_ascii_lowercase(),
         })
     }
@@ -539,10 +536,11 @@ impl HipDevice {
         self.bind()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: p is a valid out-pointer; the allocation is owned by the returned arena.
+        let r = unsafe { (self.api.malloc)(&mut p, bytes) };
         check(
             self.api,
             format!("hipMalloc of {size} bytes for arena `{name}`"),
-            unsafe { (self.api.malloc)(&mut p, bytes) },
+            r,
         )?;
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         Ok(HipArena {
@@ -563,10 +561,7 @@ impl HipDevice {
         })?;
         // SAFETY: p holds at least len bytes just allocated.
         unsafe { std::ptr::write_bytes(p as *mut u8, 0, len) };
-        Ok(HipPinned {
-            ptr: p.cast(),
-            len,
-        })
+        Ok(HipPinned { ptr: p.cast(), len })
     }
 
     /// Queues a copy of `src` into `dst` (equal lengths) on `stream`.
@@ -679,9 +674,8 @@ impl HipDevice {
         self.bind()?;
         let mut raw: ffi::Module = std::ptr::null_mut();
         // SAFETY: code is a whole code object that outlives the call (HIP copies it).
-        check(self.api, format!("hipModuleLoadData(module `{what}`)"), unsafe {
-            (self.api.module_load_data)(&mut raw, code.as_ptr().cast())
-        })?;
+        let r = unsafe { (self.api.module_load_data)(&mut raw, code.as_ptr().cast()) };
+        check(self.api, format!("hipModuleLoadData(module `{what}`)"), r)?;
         Ok(HipModule { raw })
     }
 

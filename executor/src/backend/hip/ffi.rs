@@ -79,7 +79,11 @@ pub struct LoadFailure {
 
 impl std::fmt::Display for LoadFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "could not load {} (tried {:?})", self.lib, self.candidates)?;
+        write!(
+            f,
+            "could not load {} (tried {:?})",
+            self.lib, self.candidates
+        )?;
         for r in &self.reasons {
             write!(f, "; {r}")?;
         }
@@ -131,7 +135,8 @@ fn open_first(
                 reasons.push(format!("{name} lacks {sym} (too old a ROCm)"));
             }
             Err(e) => {
-                let msg = e.to_string();
+                // libloading's own text is "dlopen failed"; the loader's reason is its source.
+                let msg = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
                 if !is_not_found(&msg) {
                     reasons.push(msg);
                 }
@@ -273,11 +278,15 @@ pub fn rtc() -> Result<&'static RtcApi, LoadFailure> {
 }
 
 /// A C string from the runtime as an owned Rust string ("" for null).
-pub fn c_text(p: *const c_char) -> String {
+///
+/// # Safety
+/// `p` is null or points to a NUL-terminated string that stays valid during the call (HIP
+/// and hiprtc return static strings from their error-text functions).
+pub unsafe fn c_text(p: *const c_char) -> String {
     if p.is_null() {
         return String::new();
     }
-    // SAFETY: HIP and hiprtc return pointers to static NUL-terminated strings.
+    // SAFETY: the caller guarantees a valid NUL-terminated string.
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
@@ -337,6 +346,7 @@ mod tests {
     fn buffer_text_stops_at_nul() {
         assert_eq!(buffer_text(b"gfx1201:xnack-\0junk"), "gfx1201:xnack-");
         assert_eq!(buffer_text(b"abc"), "abc");
-        assert_eq!(c_text(std::ptr::null()), "");
+        // SAFETY: null is allowed.
+        assert_eq!(unsafe { c_text(std::ptr::null()) }, "");
     }
 }

@@ -15,8 +15,8 @@ pub mod ffi;
 pub mod probe;
 
 pub use device::{
-    arena_allocations, DeviceInfo, HipArena, HipDevice, HipEvent, HipGraph, HipModule,
-    HipPinned, HipStream, HipView,
+    arena_allocations, DeviceInfo, HipArena, HipDevice, HipEvent, HipGraph, HipModule, HipPinned,
+    HipStream, HipView,
 };
 
 use crate::backend::view::ViewError;
@@ -67,13 +67,18 @@ pub(crate) fn check(api: &ffi::HipApi, what: impl Into<String>, code: i32) -> Re
     if code == 0 {
         return Ok(());
     }
-    // SAFETY: both return pointers to static strings for any code.
-    let (name, text) = unsafe { ((api.get_error_name)(code), (api.get_error_string)(code)) };
+    // SAFETY: both return pointers to static NUL-terminated strings for any code.
+    let (name, text) = unsafe {
+        (
+            ffi::c_text((api.get_error_name)(code)),
+            ffi::c_text((api.get_error_string)(code)),
+        )
+    };
     Err(HipError::Call {
         what: what.into(),
         code,
-        name: ffi::c_text(name),
-        text: ffi::c_text(text),
+        name,
+        text,
     })
 }
 
@@ -90,7 +95,10 @@ mod tests {
         .to_string();
         assert!(e.contains("device 3") && e.contains("2 device(s)") && e.contains("--gpu"));
         let e = HipError::UnknownKernel("gemm_q8_0_m64".into()).to_string();
-        assert!(e.contains("gemm_q8_0_m64") && e.contains("CUDA-only"), "{e}");
+        assert!(
+            e.contains("gemm_q8_0_m64") && e.contains("CUDA-only"),
+            "{e}"
+        );
         let e = HipError::Compile {
             module: "norm",
             kernels: &["rmsnorm_f32"],
@@ -112,7 +120,10 @@ mod tests {
             Err(HipError::Library(f)) => {
                 let msg = f.to_string();
                 assert!(msg.contains("LD_LIBRARY_PATH"), "{msg}");
-                assert!(msg.contains("libamdhip64") || msg.contains("libhiprtc"), "{msg}");
+                assert!(
+                    msg.contains("libamdhip64") || msg.contains("libhiprtc"),
+                    "{msg}"
+                );
             }
             Err(e) => panic!("unexpected error {e}"),
         }

@@ -250,7 +250,10 @@ pub fn device_toml(m: &AmdMeasure) -> String {
             let _ = writeln!(o, "# pcie_gen/pcie_width: no link files in sysfs");
         }
     }
-    let _ = writeln!(o, "# devices whose memory this one reads directly (hipDeviceCanAccessPeer)");
+    let _ = writeln!(
+        o,
+        "# devices whose memory this one reads directly (hipDeviceCanAccessPeer)"
+    );
     let peers: Vec<String> = m.peers.iter().map(|p| p.to_string()).collect();
     let _ = writeln!(o, "peers = [{}]", peers.join(", "));
     let _ = writeln!(
@@ -309,11 +312,16 @@ mod tests {
     fn the_amd_entry_parses_as_a_probe_device() {
         let m = sample();
         assert_eq!(m.runtime_reserve(), 342 << 20);
+        // Two cards that reach each other, as on the seed's machine.
+        let mut m0 = sample();
+        m0.info.ordinal = 0;
+        m0.peers = vec![1];
         let text = format!(
-            "[host]\nram_bytes = {}\navailable_bytes = {}\n{}",
+            "[host]\nram_bytes = {}\navailable_bytes = {}\n{}{}",
             64u64 << 30,
             60u64 << 30,
-            device_toml(&m)
+            device_toml(&m),
+            device_toml(&m0)
         );
         let p = HardwareProbe::from_toml(&text, "test").unwrap();
         let d = &p.devices[0];
@@ -343,7 +351,10 @@ mod tests {
     fn no_rocm_is_a_reason_not_a_panic() {
         match count() {
             Ok(_) => {}
-            Err(why) => assert!(why.contains("libamdhip64") || why.contains("libhiprtc"), "{why}"),
+            Err(why) => assert!(
+                why.contains("libamdhip64") || why.contains("libhiprtc"),
+                "{why}"
+            ),
         }
     }
 }
