@@ -2,16 +2,27 @@
 // concatenates it; no #include is needed at run time, so NVRTC and hiprtc need no header path).
 // Invariant: vendor specifics (half conversion, warp shuffles, warp size) live only here.
 
-#if defined(__HIPCC__) || defined(__HIP_DEVICE_COMPILE__)
+#if defined(__HIPCC__) || defined(__HIP_DEVICE_COMPILE__) || defined(__HIPCC_RTC__)
 #define ST_HIP 1
-#define ST_WARP 64
-#define ST_SHFL_XOR(v, m) __shfl_xor((v), (m))
+// The wave size is the host's to say: RDNA (gfx10/11/12) runs wave32 by default and wave64
+// with -mwavefrontsize64, CDNA (gfx9) only wave64, and LLVM no longer tells the source which
+// one it compiles for. The host passes -DST_WARP=<the device's warpSize> (and
+// -mwavefrontsize64 where that is 64 on RDNA); st_wave_check() traps on a mismatch.
+#ifndef ST_WARP
+#error "HIP: compile with -DST_WARP=32 or -DST_WARP=64 (the device's warpSize)"
+#endif
+#if ST_WARP != 32 && ST_WARP != 64
+#error "HIP: ST_WARP must be 32 or 64"
+#endif
+#define ST_SHFL_XOR(v, m) __shfl_xor((v), (m), ST_WARP)
+#define ST_SHFL(v, l) __shfl((v), (l), ST_WARP)
 // A wavefront runs in lockstep; the barrier orders its shared-memory accesses.
 #define ST_SYNCWARP() __builtin_amdgcn_wave_barrier()
 #else
 #define ST_CUDA 1
 #define ST_WARP 32
 #define ST_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define ST_SHFL(v, l) __shfl_sync(0xffffffffu, (v), (l))
 #define ST_SYNCWARP() __syncwarp()
 #endif
 
@@ -21,6 +32,35 @@ typedef unsigned char u8;
 typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
+
+// A load that skips this SM's / CU's L1, for data another block of the same kernel (or the
+// kernel ahead, under PDL) wrote: CUDA's __ldcg; on HIP a relaxed agent-scope atomic load,
+// which the compiler issues as a load that bypasses the CU's vector L1.
+#ifdef ST_CUDA
+#define st_ldcg(p) __ldcg(p)
+#else
+template <typename T>
+__device__ __forceinline__ T st_ldcg(const T* p) {
+    return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+__device__ __forceinline__ float4 st_ldcg(const float4* p) {
+    const float* f = (const float*)p;
+    return make_float4(st_ldcg(f), st_ldcg(f + 1), st_ldcg(f + 2), st_ldcg(f + 3));
+}
+#endif
+
+// A device clock in nanoseconds, for profiling aids only: CUDA's %globaltimer; on HIP the
+// constant-rate wall clock, 100 MHz on every AMD GPU ROCm supports
+// (hipDeviceAttributeWallClockRate reports it in kHz), hence 10 ns a tick.
+__device__ __forceinline__ unsigned long long st_globaltimer_ns() {
+#ifdef ST_CUDA
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#else
+    return (unsigned long long)wall_clock64() * 10ull;
+#endif
+}
 
 // Programmatic dependent launch (sm_90 and later; a no-op elsewhere and when the host
 // launched the kernel without the attribute). The host may start a kernel before the one
@@ -92,13 +132,24 @@ __device__ __forceinline__ u16 st_ld_u16(const u8* p) {
     return *(const u16*)p;
 }
 
+// Traps when the source's wave size (ST_WARP) is not the one the code runs in: every warp
+// reduction assumes they agree. Folded away at compile time (the builtin is a constant of
+// the target), so it costs nothing when they do.
+__device__ __forceinline__ void st_wave_check() {
+#ifdef ST_HIP
+    if (__builtin_amdgcn_wavefrontsize() != ST_WARP) __builtin_trap();
+#endif
+}
+
 __device__ __forceinline__ float st_warp_sum(float v) {
+    st_wave_check();
 #pragma unroll
     for (int m = ST_WARP / 2; m > 0; m >>= 1) v += ST_SHFL_XOR(v, m);
     return v;
 }
 
 __device__ __forceinline__ float st_warp_max(float v) {
+    st_wave_check();
 #pragma unroll
     for (int m = ST_WARP / 2; m > 0; m >>= 1) v = fmaxf(v, ST_SHFL_XOR(v, m));
     return v;

@@ -563,7 +563,7 @@ ST_KERNEL void dq_moe_down_rows(const unsigned long long* eptr, int E, int F, co
     // of the first k warps prefetches its expert's row.
     if (threadIdx.x / ST_WARP < k) {
         const int j = threadIdx.x / ST_WARP;
-        const u8* D = (const u8*)eptr[(long)__ldcg(ids + (long)t * k + j) * 3 + 2];
+        const u8* D = (const u8*)eptr[(long)st_ldcg(ids + (long)t * k + j) * 3 + 2];
         dq_prefetch_row(D, ST_TY_Q8_0, E, F, row);
     }
     st_pdl_enter();
@@ -1244,13 +1244,13 @@ ST_KERNEL void dq_attn_fused(const float* q, const float* k, const float* v, con
     for (int g = warp; g < G; g += n_warps) {
         const long base = ((long)t * n_head + (long)kvh * G + g) * n_split;
         float m = ST_NEG_INF;
-        for (int s = lane; s < used; s += ST_WARP) m = fmaxf(m, __ldcg(part_ms + (base + s) * 2));
+        for (int s = lane; s < used; s += ST_WARP) m = fmaxf(m, st_ldcg(part_ms + (base + s) * 2));
         m = st_warp_max(m);
         float l = 0.0f;
         for (int s = lane; s < used; s += ST_WARP) {
-            const float e = expf(__ldcg(part_ms + (base + s) * 2) - m);
+            const float e = expf(st_ldcg(part_ms + (base + s) * 2) - m);
             w[g * DA_MAX_SPLIT + s] = e;
-            l += e * __ldcg(part_ms + (base + s) * 2 + 1);
+            l += e * st_ldcg(part_ms + (base + s) * 2 + 1);
         }
         l = st_warp_sum(l);
         if (lane == 0) ml[g][1] = l;
@@ -1268,7 +1268,7 @@ ST_KERNEL void dq_attn_fused(const float* q, const float* k, const float* v, con
             for (int s = 0; s < used; ++s) {
                 const float ws = w[pg * DA_MAX_SPLIT + s];
                 const float4* src = (const float4*)(part_o + (head * n_split + s) * hd + j * 8);
-                const float4 a = __ldcg(src), b = __ldcg(src + 1);
+                const float4 a = st_ldcg(src), b = st_ldcg(src + 1);
                 o[0] += ws * a.x; o[1] += ws * a.y; o[2] += ws * a.z; o[3] += ws * a.w;
                 o[4] += ws * b.x; o[5] += ws * b.y; o[6] += ws * b.z; o[7] += ws * b.w;
             }
@@ -1348,7 +1348,7 @@ ST_KERNEL void dq_argmax_rows(const float* x, int cols, float* part_v, int* part
     bv = ST_NEG_INF;
     bi = AM_NONE;
     for (int b = threadIdx.x; b < nb; b += blockDim.x)
-        am_take(bv, bi, __ldcg(part_v + (long)r * nb + b), __ldcg(part_i + (long)r * nb + b));
+        am_take(bv, bi, st_ldcg(part_v + (long)r * nb + b), st_ldcg(part_i + (long)r * nb + b));
     am_block(bv, bi, sv, si);
     if (threadIdx.x == 0) {
         out[r] = bi == AM_NONE ? 0 : bi;
@@ -1437,7 +1437,7 @@ ST_KERNEL void dq_attn_prefill(const float* q, const u8* kv, const int* slot, co
 #pragma unroll
             for (int i = 0; i < PER; ++i) acc[a][i] *= corr;
             for (int j = 0; j < kt; ++j) {
-                const float pj = __shfl_sync(0xffffffffu, p, j);
+                const float pj = ST_SHFL(p, j);
 #pragma unroll
                 for (int i = 0; i < PER; ++i) {
                     const int d = lane + i * ST_WARP;
@@ -1494,7 +1494,7 @@ __device__ void dq_topk_warp(const float* x, int n_expert, int k, int norm, int*
 #pragma unroll
     for (int i = 0; i < DQ_RT_PER; ++i) {
         const int e = lane + i * ST_WARP;
-        p[i] = e < n_expert ? __ldcg(x + e) : ST_NEG_INF;
+        p[i] = e < n_expert ? st_ldcg(x + e) : ST_NEG_INF;
         m = fmaxf(m, p[i]);
     }
     m = st_warp_max(m);
@@ -1540,11 +1540,9 @@ __device__ void dq_topk_warp(const float* x, int n_expert, int k, int norm, int*
 // kernel and its events before the GPU reaches them (the events then time the kernel alone,
 // not the host's launch latency). grid: 1; block: 1.
 ST_KERNEL void dq_spin(long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while ((long long)(t - t0) < ns);
+    const unsigned long long t0 = st_globaltimer_ns();
+    while ((long long)(st_globaltimer_ns() - t0) < ns) {
+    }
 }
 
 // Prefill router logits as a split-K F32 product (the router's F32 weights are too small for

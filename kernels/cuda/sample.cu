@@ -280,7 +280,7 @@ ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
     bv = ST_NEG_INF;
     bi = SP_NONE;
     for (int b = threadIdx.x; b < nb; b += blockDim.x)
-        sp_take(bv, bi, __ldcg(part_v + (long)r * nb + b), __ldcg(part_i + (long)r * nb + b));
+        sp_take(bv, bi, st_ldcg(part_v + (long)r * nb + b), st_ldcg(part_i + (long)r * nb + b));
     sp_best(bv, bi, sv, si);
     if (threadIdx.x == 0) {
         out[r] = bi == SP_NONE ? greedy_pick : bi;

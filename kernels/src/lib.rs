@@ -4,6 +4,8 @@
 //! `#include` is resolved at run time) and its `hash` covers exactly the text compiled, so an
 //! on-disk cache keyed by it can never serve a stale binary.
 
+pub mod wave;
+
 use sha2::{Digest, Sha256};
 use std::sync::OnceLock;
 
@@ -21,12 +23,18 @@ pub struct KernelSource {
     pub entry_points: &'static [&'static str],
     /// Hex SHA-256 of `source` (the cache key's source part).
     pub hash: String,
+    /// The module is tensor-core PTX (`mma.sync`, `cp.async`) with no HIP counterpart: its
+    /// whole body sits under `#ifdef ST_CUDA`, so hiprtc compiles it to no kernels, and a HIP
+    /// engine uses the portable kernels instead (the matrix-vector products for prefill,
+    /// `dq_attn_prefill` for prefill attention), as the CUDA engine does with its GEMM off.
+    pub cuda_only: bool,
 }
 
 struct Raw {
     name: &'static str,
     body: &'static str,
     entry_points: &'static [&'static str],
+    cuda_only: bool,
 }
 
 const RAW: &[Raw] = &[
@@ -34,11 +42,13 @@ const RAW: &[Raw] = &[
         name: "norm",
         body: include_str!("../cuda/norm.cu"),
         entry_points: &["rmsnorm_f32", "qk_norm_rope_f32"],
+        cuda_only: false,
     },
     Raw {
         name: "router",
         body: include_str!("../cuda/router.cu"),
         entry_points: &["router_softmax_topk"],
+        cuda_only: false,
     },
     Raw {
         name: "decode",
@@ -67,6 +77,7 @@ const RAW: &[Raw] = &[
             "dq_sgemm_split",
             "dq_split_sum",
         ],
+        cuda_only: false,
     },
     Raw {
         name: "gemm",
@@ -96,16 +107,19 @@ const RAW: &[Raw] = &[
             "gemm_cvt_x",
             "moe_sort",
         ],
+        cuda_only: true,
     },
     Raw {
         name: "sample",
         body: include_str!("../cuda/sample.cu"),
         entry_points: &["sample_rows"],
+        cuda_only: false,
     },
     Raw {
         name: "flash",
         body: include_str!("../cuda/flash.cu"),
         entry_points: &["fa_prefill"],
+        cuda_only: true,
     },
 ];
 
@@ -128,6 +142,7 @@ pub fn all() -> &'static [KernelSource] {
                     source,
                     entry_points: r.entry_points,
                     hash,
+                    cuda_only: r.cuda_only,
                 }
             })
             .collect()
@@ -153,9 +168,105 @@ pub fn pdl_aware(entry: &str) -> bool {
         && module_of(entry).is_some_and(|m| matches!(m.name, "norm" | "router" | "decode"))
 }
 
+/// CUDA-only constructs (inline PTX and CUDA intrinsics hiprtc lacks) that portable code
+/// must reach through `common.cuh`'s macros or keep under `#ifdef ST_CUDA`.
+pub const CUDA_ONLY_TOKENS: &[&str] = &[
+    "asm(",
+    "asm volatile",
+    "__shfl_sync",
+    "__shfl_xor_sync",
+    "__ldcg(",
+    "__syncwarp",
+    "__byte_perm",
+    "__nv_",
+    "%globaltimer",
+];
+
+/// Lines (1-based) of `text` that use a `CUDA_ONLY_TOKENS` entry outside a region only CUDA
+/// compiles: `#ifdef ST_CUDA` / `#if defined(ST_CUDA) ...`, or the `#else` of the vendor
+/// switch `#if defined(__HIPCC__) ...`. Comments are skipped.
+pub fn unguarded_cuda_only(text: &str) -> Vec<(usize, &'static str)> {
+    // Per open #if: whether its current branch is CUDA-only, and whether its #else would be.
+    let mut stack: Vec<(bool, bool)> = Vec::new();
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let t = line.trim_start();
+        if let Some(d) = t.strip_prefix('#') {
+            let d = d.trim_start();
+            if d.starts_with("ifdef ST_CUDA") || d.starts_with("if defined(ST_CUDA)") {
+                stack.push((true, false));
+            } else if d.starts_with("if defined(__HIPCC__)") || d.starts_with("ifdef ST_HIP") {
+                stack.push((false, true));
+            } else if d.starts_with("if") {
+                stack.push((false, false));
+            } else if d.starts_with("else") {
+                if let Some(top) = stack.last_mut() {
+                    *top = (top.1, top.0);
+                }
+            } else if d.starts_with("endif") {
+                stack.pop();
+            }
+            continue;
+        }
+        let code = t.split("//").next().unwrap_or("");
+        if stack.iter().any(|s| s.0) {
+            continue;
+        }
+        for tok in CUDA_ONLY_TOKENS {
+            if code.contains(tok) {
+                out.push((i + 1, *tok));
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_only_code_is_guarded_in_every_module() {
+        for k in all() {
+            let bad = unguarded_cuda_only(&k.source);
+            assert!(
+                bad.is_empty(),
+                "module `{}` uses CUDA-only code hiprtc cannot compile outside #ifdef ST_CUDA \
+                 (use common.cuh's st_/ST_ macros or guard it), at source lines {bad:?}",
+                k.name
+            );
+        }
+        // The scanner itself: guarded, vendor-switch else, and unguarded uses.
+        let t = "#ifdef ST_CUDA\nasm(\"x\");\n#else\nint a;\n#endif\n__ldcg(p);\n";
+        assert_eq!(unguarded_cuda_only(t), vec![(6, "__ldcg(")]);
+        let v =
+            "#if defined(__HIPCC__)\n__shfl_xor(v, 1);\n#else\n__shfl_xor_sync(m, v, 1);\n#endif\n";
+        assert!(unguarded_cuda_only(v).is_empty());
+        assert_eq!(
+            unguarded_cuda_only("#if X\n#else\n__syncwarp(); // asm(\n#endif\n"),
+            vec![(3, "__syncwarp")]
+        );
+    }
+
+    #[test]
+    fn cuda_only_modules_are_wholly_guarded() {
+        for k in all().iter().filter(|k| k.cuda_only) {
+            let body = &k.source[COMMON.len()..];
+            let first = body
+                .lines()
+                .find(|l| l.starts_with('#'))
+                .unwrap_or_default();
+            assert_eq!(first, "#ifdef ST_CUDA", "{}", k.name);
+            let last = body.lines().rev().find(|l| !l.trim().is_empty()).unwrap();
+            assert!(last.starts_with("#endif"), "{}: {last}", k.name);
+        }
+        let names: Vec<_> = all()
+            .iter()
+            .filter(|k| k.cuda_only)
+            .map(|k| k.name)
+            .collect();
+        assert_eq!(names, ["gemm", "flash"]);
+    }
 
     /// The text of kernel `e`'s body in `src`: from its declaration to the next kernel's.
     fn body<'a>(src: &'a str, e: &str) -> &'a str {

@@ -6,11 +6,18 @@
 //! Invariant: ops read and write only the named working buffers they are given (bound from
 //! the plan's scratch by [`WorkBuf`] name), the weights bound at start-up, and the stage's
 //! own KV; no op allocates or sizes memory, and every op checks its buffers against the rows
-//! it is asked for before it starts.
+//! it is asked for before it starts. `view`, `pcie` and `kernel_cache` are the vendor-neutral
+//! pieces the GPU backends share (bounds-checked device views, the PCIe link from sysfs, the
+//! on-disk cache of compiled kernels).
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "hip")]
+pub mod hip;
+pub mod kernel_cache;
+pub mod pcie;
+pub mod view;
 
 pub use strata_schemas::workset::WorkBuf;
 

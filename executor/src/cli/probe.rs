@@ -269,7 +269,7 @@ enum NoCuda {
     /// No library, no driver or no device: the CPU fallback applies.
     Absent(String),
     /// A device exists but measuring it failed: an error, not a fallback.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code))]
     Failed(String),
 }
 
@@ -300,7 +300,37 @@ fn cuda_devices(_out: &mut String) -> Result<usize, NoCuda> {
     ))
 }
 
-/// The whole probe text: host, then every CUDA device, else one CPU device.
+/// Measures every AMD device (a `--features hip` build; the code is in `backend::hip::probe`).
+#[cfg(feature = "hip")]
+fn amd_devices(out: &mut String) -> Result<usize, NoCuda> {
+    use strata_exec::backend::hip::probe;
+    let count = probe::count().map_err(NoCuda::Absent)?;
+    if count == 0 {
+        return Err(NoCuda::Absent(
+            "the HIP runtime reports 0 AMD devices".into(),
+        ));
+    }
+    eprintln!("probe: {count} AMD device(s)");
+    for i in 0..count {
+        let m = probe::measure_device(i, count, &mut |line| eprintln!("probe: {line}"))
+            .map_err(|e| NoCuda::Failed(format!("measuring AMD device {i}: {e}")))?;
+        for n in &m.notes {
+            eprintln!("probe: device {i}: note: {n}");
+        }
+        out.push_str(&probe::device_toml(&m));
+    }
+    Ok(count)
+}
+
+#[cfg(not(feature = "hip"))]
+fn amd_devices(_out: &mut String) -> Result<usize, NoCuda> {
+    Err(NoCuda::Absent(
+        "this strata-exec was built without the `hip` feature (no AMD devices probed)".into(),
+    ))
+}
+
+/// The whole probe text: host, then every CUDA device, else every AMD device, else one CPU
+/// device.
 fn probe_text() -> Result<String, String> {
     eprintln!("probe: reading /proc/meminfo and /proc/self/limits");
     let host = read_host()?;
@@ -324,13 +354,20 @@ fn probe_text() -> Result<String, String> {
     );
     write_host(&mut out, &host);
     let mut devices = String::new();
-    match cuda_devices(&mut devices) {
+    let found = cuda_devices(&mut devices).or_else(|e| match e {
+        NoCuda::Absent(why) => {
+            eprintln!("probe: {why}");
+            amd_devices(&mut devices)
+        }
+        failed => Err(failed),
+    });
+    match found {
         Ok(_) => out.push_str(&devices),
         Err(NoCuda::Failed(why)) => return Err(why),
         Err(NoCuda::Absent(why)) => {
             eprintln!("probe: {why}");
             eprintln!(
-                "probe: no CUDA device: probe holds the host only; add devices by hand or run on the GPU machine (a `cpu` device is written since the format needs one)"
+                "probe: no CUDA device: probe holds the host only (nor AMD); add devices by hand or run on the GPU machine (a `cpu` device is written since the format needs one)"
             );
             write_cpu_device(&mut out, &host);
         }

@@ -8,7 +8,7 @@
 
 use super::CudaError;
 use std::ffi::CString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use strata_kernels::KernelSource;
 
 /// `sm_XY` for compute capability (X, Y).
@@ -16,24 +16,7 @@ pub fn arch_name(cc: (i32, i32)) -> String {
     format!("sm_{}{}", cc.0, cc.1)
 }
 
-/// The cache folder, or None when caching is off or no home is known.
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("STRATA_KERNEL_CACHE") {
-        if d == "off" || d.is_empty() {
-            return None;
-        }
-        return Some(PathBuf::from(d));
-    }
-    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|x| !x.is_empty()) {
-        return Some(PathBuf::from(x).join("strata").join("kernels"));
-    }
-    std::env::var_os("HOME").filter(|h| !h.is_empty()).map(|h| {
-        PathBuf::from(h)
-            .join(".cache")
-            .join("strata")
-            .join("kernels")
-    })
-}
+pub use crate::backend::kernel_cache::cache_dir;
 
 /// NVRTC's (major, minor) version.
 pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {

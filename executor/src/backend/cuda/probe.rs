@@ -20,18 +20,7 @@ pub const D2D_BYTES: u64 = 1 << 30;
 /// Timed device-to-device copies (after one untimed warm-up copy).
 pub const D2D_REPEATS: u32 = 5;
 
-/// The PCIe link of one device as sysfs reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PcieLink {
-    /// Generation of `current_link_speed` (1 = 2.5 GT/s ... 6 = 64 GT/s).
-    pub gen: u32,
-    /// `current_link_width` in lanes.
-    pub width: u32,
-    /// Generation of `max_link_speed`, where sysfs has it.
-    pub max_gen: Option<u32>,
-    /// `max_link_width`, where sysfs has it.
-    pub max_width: Option<u32>,
-}
+pub use crate::backend::pcie::PcieLink;
 
 /// What was measured on one CUDA device.
 #[derive(Debug, Clone, PartialEq)]
@@ -519,38 +508,13 @@ fn gbps(bytes: u64, ms: f64) -> Result<f64, CudaError> {
     Ok(bytes as f64 / (ms * 1e-3) / 1e9)
 }
 
-/// PCIe generation of a sysfs link speed such as `32.0 GT/s PCIe` or `8 GT/s`.
-pub fn pcie_gen_of_speed(text: &str) -> Option<u32> {
-    let num: f64 = text.split_whitespace().next()?.parse().ok()?;
-    [
-        (2.5, 1),
-        (5.0, 2),
-        (8.0, 3),
-        (16.0, 4),
-        (32.0, 5),
-        (64.0, 6),
-        (128.0, 7),
-    ]
-    .iter()
-    .find(|(gt, _)| (num - gt).abs() < 0.01)
-    .map(|&(_, g)| g)
-}
+pub use crate::backend::pcie::gen_of_speed as pcie_gen_of_speed;
 
 /// Reads `current_link_speed`/`current_link_width` (and the `max_` pair where present) of
 /// `bus_id` under `root` (normally `/sys/bus/pci/devices`). None when the current pair is
 /// missing or unreadable (a width of 0 counts as missing).
 pub fn read_pcie_link(root: &Path, bus_id: &str) -> Option<PcieLink> {
-    let dir = root.join(bus_id);
-    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
-    let width = |t: Option<String>| t?.trim().parse::<u32>().ok().filter(|w| *w > 0);
-    let gen = pcie_gen_of_speed(&read("current_link_speed")?)?;
-    let w = width(read("current_link_width"))?;
-    Some(PcieLink {
-        gen,
-        width: w,
-        max_gen: read("max_link_speed").and_then(|t| pcie_gen_of_speed(&t)),
-        max_width: width(read("max_link_width")),
-    })
+    crate::backend::pcie::read_link(&root.join(bus_id))
 }
 
 #[cfg(test)]
