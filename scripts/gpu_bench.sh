@@ -3,14 +3,16 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|serve|bench|sample|split|patch|torch|decode|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|serve|bench|compare|sample|split|torch|decode|all] [OUTDIR]
+# (compare: the same bench with the baseline build of target/gpu/base (build_gpu.sh
+# --baseline REV), planned by its own strata-plan, interleaved with this build's, three
+# rounds each: the old-binary-vs-new figures.)
 # (sample: decode with tokens drawn (temperature, top-k, top-p) on the device and, with
-# STRATA_HOST_SAMPLE=1, on the host, beside greedy, in one call.)
+# --kernel-options host-pick, on the host, beside greedy, in one call.)
 # (decode: the decode launch options side by side -- the fused attention's split size, the
 # products' input staged in shared memory, the fused attention --
 # then, where Nsight Systems is installed, each kernel's time and the idle gap before it
 # inside the graph replays, by scripts/nsys_gaps.py.)
-# (patch: the tests and bench of target/gpu/patch, built by `build_gpu.sh PATCH`, after main's.)
 # (split: the same file planned over two H200s, run on this one GPU with a device object per
 # stage, hand-offs by peer copy and by pinned host memory, and on one shared stream.)
 # (serve needs the `openai` package; on the GPU machine carry it as wheels in .whl/ and put
@@ -25,7 +27,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
-    for t in $bin/cuda_ops-* $bin/cuda_decode_ops-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_sample-*; do
+    for t in $bin/backend_ops-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_sample-*; do
         [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error|TIME" | head -60
@@ -49,12 +51,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = sample ] || [ "$what" = all ]; then
     [ -f /tmp/q30.plan ] || { echo "sample: run bench first (it writes /tmp/q30.plan)"; exit 1; }
-    for run in "greedy" "--temperature 0.8 --top-k 40 --top-p 0.95" "--temperature 1.0" \
-        "STRATA_HOST_SAMPLE=1 --temperature 0.8 --top-k 40 --top-p 0.95" "STRATA_HOST_SAMPLE=1 --temperature 1.0"; do
-        echo "== strata-exec bench (decode: $run)"
-        env_part=$(echo "$run" | tr ' ' '\n' | grep = | tr '\n' ' ')
-        flags=$(echo "$run" | tr ' ' '\n' | grep -v = | grep -v greedy | tr '\n' ' ')
-        env $env_part $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q $flags 2>&1 |
+    for run in "" "--temperature 0.8 --top-k 40 --top-p 0.95" "--temperature 1.0" \
+        "--kernel-options host-pick --temperature 0.8 --top-k 40 --top-p 0.95" "--kernel-options host-pick --temperature 1.0"; do
+        echo "== strata-exec bench (decode: ${run:-greedy})"
+        $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q $run 2>&1 |
             grep -E "\| cuda \| tg" | tee -a "$out/sample.txt"
     done
 fi
@@ -74,21 +74,20 @@ if [ "$what" = split ] || [ "$what" = all ]; then
             tee -a "$out/split.txt"
     done
 fi
-if { [ "$what" = patch ] || [ "$what" = all ]; } && [ -d $bin/patch ]; then
-    echo "== patch $(cat $bin/patch/NAME): its CUDA tests and bench"
-    for t in $bin/patch/cuda_ops-* $bin/patch/cuda_decode_ops-* $bin/patch/cuda_engine-*; do
-        echo "== $t"
-        "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/patch-tests.log" | grep -E "^test |vs |result|panicked|error" | head -60
-    done
-    [ -f /tmp/q30.plan ] && $bin/patch/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 |
-        tee "$out/patch-bench.txt"
-    # The patched build's own options beside its defaults (a patch's toggles, named in
-    # PATCH_TOGGLES, e.g. "STRATA_XS=7 STRATA_HOST_GREEDY=1"; each is one run).
-    for run in ${PATCH_TOGGLES:-}; do
-        [ -f /tmp/q30.plan ] || break
-        echo "== patched strata-exec bench: $run"
-        env $run $bin/patch/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q 2>&1 |
-            grep -E "\| cuda" | tee -a "$out/patch-bench.txt"
+if { [ "$what" = compare ] || [ "$what" = all ]; } && [ -d $bin/base ]; then
+    m=/tmp/q30-q8_0.gguf
+    [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
+    [ -f /tmp/q30.plan ] || $bin/strata-plan --hardware plans/hardware/h200.toml --model $m \
+        --max-context 4096 --batch 1 -o /tmp/q30.plan >/dev/null
+    $bin/base/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 \
+        --batch 1 -o /tmp/q30-base.plan >/dev/null
+    echo "== baseline $(cat $bin/base/REV) vs this build, interleaved, 3 rounds"
+    for round in 1 2 3; do
+        for who in base new; do
+            if [ $who = base ]; then exe=$bin/base/strata-exec plan=/tmp/q30-base.plan; else exe=$bin/strata-exec plan=/tmp/q30.plan; fi
+            $exe bench $plan -p 512 -n 128 -r 3 -q 2>&1 | grep -E "\| cuda" | sed "s/^/$who round $round: /" |
+                tee -a "$out/compare.txt"
+        done
     done
 fi
 if [ "$what" = decode ] || [ "$what" = all ]; then
@@ -96,11 +95,9 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
     [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
     [ -f /tmp/q30.plan ] || $bin/strata-plan --hardware plans/hardware/h200.toml --model $m \
         --max-context 4096 --batch 1 -o /tmp/q30.plan >/dev/null
-    for run in "default" "STRATA_ATT_CHUNK=64" "STRATA_XS=0" "STRATA_FUSE_ATTN=0"; do
-        echo "== strata-exec bench: $run"
-        env_part=$(echo "$run" | tr ' ' '\n' | grep = | tr '\n' ' ')
-        flags=$(echo "$run" | tr ' ' '\n' | grep -- '^--' | tr '\n' ' ')
-        env $env_part $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q $flags 2>&1 |
+    for run in "" "attn-chunk=64" "no-staging" "unfused-attention" "unfused-topk"; do
+        echo "== strata-exec bench: ${run:-default}"
+        $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q ${run:+--kernel-options $run} 2>&1 |
             grep -E "tok/s|\| cuda|warning" | tee -a "$out/decode.txt"
     done
     nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
