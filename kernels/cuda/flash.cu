@@ -17,9 +17,8 @@
 
 #ifdef ST_CUDA
 
-#define FA_BQ 64     // query tokens per CTA (FA_WARPS warps x 16 rows)
-#define FA_BKV 64    // KV cells per shared tile
-#define FA_WARPS 4
+// FA_BQ query tokens per CTA (FA_WARPS warps x 16 rows), FA_BKV KV cells per shared tile:
+// from the generated prelude.
 
 // Two f32 -> one f16x2 register (lo in the low half), round to nearest even.
 __device__ __forceinline__ u32 fa_pack(float lo, float hi) {

@@ -14,9 +14,8 @@
 
 #ifdef ST_CUDA
 
-#define GM_BN 64       // tokens per CTA tile
-#define GM_BK 64       // columns per pipeline stage
-#define GM_STAGES 3    // cp.async pipeline depth
+// GM_BN tokens per CTA tile, GM_BK columns per pipeline stage, GM_STAGES-deep cp.async
+// pipeline: from the generated prelude.
 #define GM_Q8_WSTRIDE 80   // bytes per W row in shared memory (64 int8 + pad: no bank conflicts)
 #define GM_H_STRIDE 160    // bytes per row of 64 16-bit values (128 + pad)
 // Q4_K: bytes per W row in shared memory: the block's 16-byte header (d, dmin, scales), then

@@ -1,4 +1,5 @@
-// sample.cu: token sampling on the device (temperature, top-k, top-p), step for step the
+// sample.cu: token picks on the device — the greedy argmax of each row (dq_argmax_rows), and
+// sampling (temperature, top-k, top-p), step for step the
 // host's executor/src/sampler.rs `sample_into`: thresholds on the logits' order keys found by
 // radix selection (the top-k one by counts, the top-p one by fixed-point softmax mass), then
 // the Gumbel-max pick among the kept tokens with noise hashed from the draw's key and the id,
@@ -9,7 +10,6 @@
 // (temperature <= 0 or NaN) and rows without a finite logit give exactly `sampler::argmax`;
 // the per-row counters are zero again after every launch.
 
-#define SP_THREADS 1024
 #define SP_HISTS 8  // histograms in shared memory, one per four warps
 #define SP_BINS 256
 #define SP_NONE 0x7fffffff
@@ -134,7 +134,6 @@ __device__ __forceinline__ void sp_scan(const float* row, int lo, int hi, F f) {
 // with rounds of ballots and warp reductions, measured 2.5-3x slower on an H200 than these
 // plain atomics.)
 #define SP_PARTS 2
-#define SP_MAX_VOCAB (1 << 19)
 typedef u32 SpHist[SP_HISTS][SP_PARTS][SP_BINS];
 
 // h[.][bin] += w (a count, or a mass's parts when `by_mass`).
@@ -285,5 +284,82 @@ ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
     if (threadIdx.x == 0) {
         out[r] = bi == SP_NONE ? greedy_pick : bi;
         cnt_done[r] = 0;
+    }
+}
+
+// Greedy token choice on the device: out[r] = the index of the largest of x[r][0..cols)
+// (lowest index on ties; NaN and -inf never win; a row with neither a finite value nor +inf
+// gives 0, as sampler::argmax on the host). Block (b, r) reduces its slice of row r to a
+// (value, index) pair in part_v / part_i[r * gridDim.x + b]; the last of row r's blocks to
+// finish (counted in cnt[r], which it resets) reduces the row's pairs into out[r].
+// grid: (blocks per row, rows); block: AM_THREADS.
+#define AM_NONE 0x7fffffff
+__device__ __forceinline__ void am_take(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+// The block's best pair, in thread 0 (every thread calls it).
+__device__ __forceinline__ void am_block(float& bv, int& bi, float* sv, int* si) {
+    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+#pragma unroll
+    for (int o = ST_WARP / 2; o > 0; o >>= 1) {
+        const float ov = ST_SHFL_XOR(bv, o);
+        const int oi = ST_SHFL_XOR(bi, o);
+        am_take(bv, bi, ov, oi);
+    }
+    __syncthreads();  // sv / si free (a previous call's readers are done)
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x / ST_WARP;
+        bv = lane < nw ? sv[lane] : ST_NEG_INF;
+        bi = lane < nw ? si[lane] : AM_NONE;
+#pragma unroll
+        for (int o = ST_WARP / 2; o > 0; o >>= 1) {
+            const float ov = ST_SHFL_XOR(bv, o);
+            const int oi = ST_SHFL_XOR(bi, o);
+            am_take(bv, bi, ov, oi);
+        }
+    }
+}
+ST_KERNEL void dq_argmax_rows(const float* x, int cols, float* part_v, int* part_i,
+                              unsigned* cnt, int* out) {
+    st_pdl_enter();
+    __shared__ float sv[AM_THREADS / 32];
+    __shared__ int si[AM_THREADS / 32];
+    __shared__ int last;
+    const int r = blockIdx.y, nb = gridDim.x;
+    const long per = ((long)cols + nb - 1) / nb;
+    const long c0 = (long)blockIdx.x * per, c1 = min((long)cols, c0 + per);
+    const float* row = x + (long)r * cols;
+    float bv = ST_NEG_INF;
+    int bi = AM_NONE;
+    for (long c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        const float v = row[c];
+        if (v > ST_NEG_INF) am_take(bv, bi, v, (int)c);
+    }
+    am_block(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        part_v[(long)r * nb + blockIdx.x] = bv;
+        part_i[(long)r * nb + blockIdx.x] = bi;
+        __threadfence();  // the pair is visible before the count says so
+        last = atomicAdd(cnt + r, 1u) == (unsigned)(nb - 1);
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = ST_NEG_INF;
+    bi = AM_NONE;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x)
+        am_take(bv, bi, st_ldcg(part_v + (long)r * nb + b), st_ldcg(part_i + (long)r * nb + b));
+    am_block(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        out[r] = bi == AM_NONE ? 0 : bi;
+        cnt[r] = 0;
     }
 }

@@ -1,9 +1,12 @@
-//! strata-kernels: the GPU kernel sources (`cuda/*.cu`, one source for CUDA and HIP with the
-//! vendor specifics behind `common.cuh`'s macros), embedded for run-time compilation.
-//! Invariant: each `KernelSource` is self-contained (the common header is prepended, no
-//! `#include` is resolved at run time) and its `hash` covers exactly the text compiled, so an
-//! on-disk cache keyed by it can never serve a stale binary.
+//! strata-kernels: the GPU kernel sources (`cuda/*.cu`, one file per op family, one source for
+//! CUDA and HIP with the vendor specifics behind `common.cuh`'s macros), embedded for run-time
+//! compilation, with the constants they share with their launchers (`consts`).
+//! Invariant: each `KernelSource` is self-contained (the generated constants, the common
+//! header and the module's shared headers are prepended, no `#include` is resolved at run
+//! time) and its `hash` covers exactly the text compiled, so an on-disk cache keyed by it can
+//! never serve a stale binary.
 
+pub mod consts;
 pub mod wave;
 
 use sha2::{Digest, Sha256};
@@ -12,12 +15,17 @@ use std::sync::OnceLock;
 /// The vendor layer every source is compiled with, prepended to each module's text.
 pub const COMMON: &str = include_str!("../cuda/common.cuh");
 
+/// What the product kernels share (`matvec`, `moe`): weight layouts, row dot products, staged
+/// inputs.
+pub const PRODUCTS: &str = include_str!("../cuda/products.cuh");
+
 /// One compilation unit: a module name, its full source and the kernels it defines.
 #[derive(Debug, Clone)]
 pub struct KernelSource {
     /// Module name (the `.cu` file stem), used in cache file names and error messages.
     pub name: &'static str,
-    /// The full text handed to NVRTC / hiprtc: `COMMON` followed by the module body.
+    /// The full text handed to NVRTC / hiprtc: the generated constants, `COMMON`, the
+    /// module's shared headers, then its body.
     pub source: String,
     /// The `extern "C"` entry points the module defines.
     pub entry_points: &'static [&'static str],
@@ -32,55 +40,68 @@ pub struct KernelSource {
 
 struct Raw {
     name: &'static str,
+    /// Shared headers prepended after `COMMON`.
+    headers: &'static [&'static str],
     body: &'static str,
     entry_points: &'static [&'static str],
+    /// The entry points that wait for the kernel ahead before touching activations (see
+    /// [`pdl_aware`]).
+    pdl_aware: &'static [&'static str],
     cuda_only: bool,
 }
 
 const RAW: &[Raw] = &[
     Raw {
         name: "norm",
+        headers: &[],
         body: include_str!("../cuda/norm.cu"),
         entry_points: &["rmsnorm_f32", "qk_norm_rope_f32"],
+        pdl_aware: &["rmsnorm_f32", "qk_norm_rope_f32"],
         cuda_only: false,
     },
     Raw {
-        name: "router",
-        body: include_str!("../cuda/router.cu"),
-        entry_points: &["router_softmax_topk"],
+        name: "matvec",
+        headers: &[PRODUCTS],
+        body: include_str!("../cuda/matvec.cu"),
+        entry_points: MATVEC,
+        pdl_aware: MATVEC,
         cuda_only: false,
     },
     Raw {
-        name: "decode",
-        body: include_str!("../cuda/decode.cu"),
-        entry_points: &[
-            "dq_mv1",
-            "dq_mv8",
-            "dq_qkv1",
-            "dq_qkv8",
-            "dq_moe_gate_up",
-            "dq_moe_down",
-            "dq_get_rows",
-            "dq_kv_store",
-            "dq_rope_store",
-            "dq_attn_gqa",
-            "dq_attn_combine",
-            "dq_attn_fused",
-            "dq_argmax_rows",
-            "dq_ctx_from_pos",
-            "dq_attn_prefill",
-            "dq_moe_combine",
-            "dq_router_topk",
-            "dq_spin",
-            "dq_moe_down_rows",
-            "dq_router_rows",
-            "dq_sgemm_split",
-            "dq_split_sum",
-        ],
+        name: "moe",
+        headers: &[PRODUCTS],
+        body: include_str!("../cuda/moe.cu"),
+        entry_points: MOE,
+        pdl_aware: MOE,
+        cuda_only: false,
+    },
+    Raw {
+        name: "attention",
+        headers: &[],
+        body: include_str!("../cuda/attention.cu"),
+        entry_points: ATTENTION,
+        pdl_aware: ATTENTION,
+        cuda_only: false,
+    },
+    Raw {
+        name: "sample",
+        headers: &[],
+        body: include_str!("../cuda/sample.cu"),
+        entry_points: &["sample_rows", "dq_argmax_rows"],
+        pdl_aware: &["dq_argmax_rows"],
+        cuda_only: false,
+    },
+    Raw {
+        name: "profile",
+        headers: &[],
+        body: include_str!("../cuda/profile.cu"),
+        entry_points: &["dq_spin"],
+        pdl_aware: &[],
         cuda_only: false,
     },
     Raw {
         name: "gemm",
+        headers: &[],
         body: include_str!("../cuda/gemm.cu"),
         entry_points: &[
             "gemm_q8_0_m64",
@@ -107,20 +128,45 @@ const RAW: &[Raw] = &[
             "gemm_cvt_x",
             "moe_sort",
         ],
+        pdl_aware: &[],
         cuda_only: true,
-    },
-    Raw {
-        name: "sample",
-        body: include_str!("../cuda/sample.cu"),
-        entry_points: &["sample_rows"],
-        cuda_only: false,
     },
     Raw {
         name: "flash",
+        headers: &[],
         body: include_str!("../cuda/flash.cu"),
         entry_points: &["fa_prefill"],
+        pdl_aware: &[],
         cuda_only: true,
     },
+];
+
+const MATVEC: &[&str] = &[
+    "dq_mv1",
+    "dq_mv8",
+    "dq_qkv1",
+    "dq_qkv8",
+    "dq_get_rows",
+    "dq_sgemm_split",
+    "dq_split_sum",
+];
+const MOE: &[&str] = &[
+    "dq_moe_gate_up",
+    "dq_moe_down",
+    "dq_moe_down_rows",
+    "dq_router_rows",
+    "dq_moe_combine",
+    "dq_router_topk",
+    "router_softmax_topk",
+];
+const ATTENTION: &[&str] = &[
+    "dq_kv_store",
+    "dq_rope_store",
+    "dq_attn_gqa",
+    "dq_attn_combine",
+    "dq_attn_fused",
+    "dq_ctx_from_pos",
+    "dq_attn_prefill",
 ];
 
 /// Hex SHA-256 of a text.
@@ -135,7 +181,12 @@ pub fn all() -> &'static [KernelSource] {
     ALL.get_or_init(|| {
         RAW.iter()
             .map(|r| {
-                let source = format!("{COMMON}\n// ---- {}.cu ----\n{}", r.name, r.body);
+                let mut source = consts::prelude();
+                source.push_str(COMMON);
+                for h in r.headers {
+                    source.push_str(h);
+                }
+                source.push_str(&format!("\n// ---- {}.cu ----\n{}", r.name, r.body));
                 let hash = source_hash(&source);
                 KernelSource {
                     name: r.name,
@@ -160,12 +211,10 @@ pub fn module_of(entry: &str) -> Option<&'static KernelSource> {
 }
 
 /// Whether kernel `entry` may be launched with programmatic dependent launch: it calls
-/// `st_pdl_wait()` (common.cuh) on every path before touching anything but weights. That is
-/// every entry point of the `norm`, `router` and `decode` modules but the profiler's spin
-/// kernel (the test below checks each one's body).
+/// `st_pdl_wait()` (common.cuh) on every path before touching anything but weights (each
+/// module lists them; the test below checks each one's body).
 pub fn pdl_aware(entry: &str) -> bool {
-    entry != "dq_spin"
-        && module_of(entry).is_some_and(|m| matches!(m.name, "norm" | "router" | "decode"))
+    RAW.iter().any(|r| r.pdl_aware.contains(&entry))
 }
 
 /// CUDA-only constructs (inline PTX and CUDA intrinsics hiprtc lacks) that portable code
@@ -251,7 +300,7 @@ mod tests {
     #[test]
     fn cuda_only_modules_are_wholly_guarded() {
         for k in all().iter().filter(|k| k.cuda_only) {
-            let body = &k.source[COMMON.len()..];
+            let body = k.source.split(&format!("// ---- {}.cu ----", k.name)).nth(1).unwrap();
             let first = body
                 .lines()
                 .find(|l| l.starts_with('#'))
@@ -327,8 +376,8 @@ mod tests {
         let mut seen = Vec::new();
         for k in all() {
             assert!(
-                k.source.starts_with(COMMON),
-                "{} lacks the common header",
+                k.source.starts_with(&consts::prelude()) && k.source.contains(COMMON),
+                "{} lacks the generated constants or the common header",
                 k.name
             );
             for e in k.entry_points {
@@ -345,8 +394,27 @@ mod tests {
                 k.name
             );
         }
-        assert_eq!(module_of("dq_mv1").map(|k| k.name), Some("decode"));
+        assert_eq!(module_of("dq_mv1").map(|k| k.name), Some("matvec"));
         assert!(module_of("nope").is_none());
+    }
+
+    /// No kernel source defines a shared constant itself: each comes from `consts` only.
+    #[test]
+    fn shared_constants_are_defined_once_in_rust() {
+        let texts: Vec<&str> = RAW
+            .iter()
+            .map(|r| r.body)
+            .chain([COMMON, PRODUCTS])
+            .collect();
+        for (name, _) in consts::all() {
+            for t in &texts {
+                assert!(
+                    !t.contains(&format!("#define {name} ")),
+                    "{name} is defined in a kernel source; it comes from consts.rs"
+                );
+            }
+        }
+        assert!(consts::prelude().contains("#define GM_BN 64"));
     }
 
     #[test]

@@ -13,21 +13,23 @@ use super::{drv, CudaDevice, CudaError};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-/// Query tokens per `fa_prefill` CTA (flash.cu's FA_BQ).
-pub const FA_BQ: usize = 64;
-/// KV cells per shared tile (FA_BKV).
-pub const FA_BKV: usize = 64;
-/// Threads per `fa_prefill` CTA (FA_WARPS warps).
-pub const FA_THREADS: u32 = 128;
-/// Query tokens per `dq_attn_prefill` CTA (decode.cu's PF_Q).
-const PF_Q: usize = 16;
-/// Largest head size `dq_attn_prefill` takes (ATT_MAX_D).
-const PF_MAX_HD: usize = 256;
+use strata_kernels::consts as kc;
 
-/// KV row types, numbered as the kernels do (common.cuh's ST_TY_*).
-pub const KV_TY_F32: i32 = 0;
-pub const KV_TY_F16: i32 = 1;
-pub const KV_TY_Q8_0: i32 = 3;
+/// Query tokens per `fa_prefill` CTA.
+pub const FA_BQ: usize = kc::FA_BQ;
+/// KV cells per shared tile.
+pub const FA_BKV: usize = kc::FA_BKV;
+/// Threads per `fa_prefill` CTA (FA_WARPS warps).
+pub const FA_THREADS: u32 = kc::FA_WARPS * 32;
+/// Query tokens per `dq_attn_prefill` CTA.
+const PF_Q: usize = kc::PF_Q;
+/// Largest head size `dq_attn_prefill` takes.
+const PF_MAX_HD: usize = kc::ATT_MAX_D;
+
+/// KV row types, numbered as the kernels do.
+pub const KV_TY_F32: i32 = kc::ST_TY_F32;
+pub const KV_TY_F16: i32 = kc::ST_TY_F16;
+pub const KV_TY_Q8_0: i32 = kc::ST_TY_Q8_0;
 
 /// Whether `fa_prefill` handles these heads: head size 64 or 128 and GQA groups of whole
 /// heads. Otherwise use `dq_attn_prefill` (what [`attn_prefill`] does).

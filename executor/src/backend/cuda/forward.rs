@@ -503,10 +503,12 @@ impl Ops for CudaStage {
         n: usize,
     ) -> Result<(), CudaError> {
         let l = self.launcher();
-        if let (true, Some(s)) = (self.gemm_pass(n), e.stacks) {
+        let d = self.d;
+        let c = gemm_col_multiple(e.ty);
+        let grouped_ty = c != 0 && d.e % c == 0 && d.f % c == 0;
+        if let (true, true, Some(s)) = (self.gemm_pass(n), grouped_ty, e.stacks) {
             return self.experts_grouped(&l, s, e.ty, xn, ids, wts, y, n);
         }
-        let d = self.d;
         let table = ExpertTable {
             table: self.view(e.table_off, 24 * d.n_expert as u64)?,
             ty: e.ty,

@@ -16,13 +16,14 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use strata_schemas::ggml::GgmlType;
 
-/// Tokens (or expert assignments) per CTA tile, and so per MoE tile (gemm.cu's GM_BN; the
-/// planner sizes the MoE tile list with it).
-pub const GEMM_BN: usize = strata_schemas::workset::MOE_TILE_TOKENS;
-/// Columns per pipeline stage (GM_BK).
-pub const GEMM_BK: usize = 64;
-/// Pipeline depth (GM_STAGES).
-pub const GEMM_STAGES: usize = 3;
+/// Tokens (or expert assignments) per CTA tile, and so per MoE tile (the planner sizes the
+/// MoE tile list with it: the two definitions must agree).
+pub const GEMM_BN: usize = strata_kernels::consts::GM_BN;
+const _: () = assert!(GEMM_BN == strata_schemas::workset::MOE_TILE_TOKENS);
+/// Columns per pipeline stage.
+pub const GEMM_BK: usize = strata_kernels::consts::GM_BK;
+/// Pipeline depth.
+pub const GEMM_STAGES: usize = strata_kernels::consts::GM_STAGES;
 /// Most experts `moe_sort` handles (its shared memory holds three ints per expert).
 pub const MOE_MAX_EXPERT: usize = 4096;
 const SORT_THREADS: u32 = 1024;

@@ -14,23 +14,15 @@ use super::{CudaDevice, CudaError, DeviceView};
 use cudarc::driver::{CudaEvent, LaunchConfig};
 use strata_schemas::ggml::GgmlType;
 
-/// Tokens one matrix-vector launch handles per grid row (decode.cu's DQ_MAX_TOK).
-pub const DQ_MAX_TOK: usize = 8;
-/// Warps per block of the one-token products (decode.cu's DQ_WARPS).
-pub const DQ_WARPS: u32 = 4;
-/// The widest rows of the register path of the one-token products (decode.cu's DQ_XR_COLS).
-pub const DQ_XR_COLS: usize = 2048;
-/// Largest top-k of `dq_moe_down_rows` (decode.cu's DQ_DOWN_MAXK).
-pub const DQ_DOWN_MAXK: usize = 32;
-/// Largest head dimension of the attention kernels (common.cuh's ATT_MAX_D).
-pub const ATT_MAX_D: usize = 256;
-/// Largest number of query heads per KV head the decode attention serves (DA_MAXG).
-pub const ATT_MAX_GROUP: usize = 16;
-/// Most splits `dq_attn_combine` merges (DA_MAX_SPLIT).
-pub const ATT_MAX_SPLIT: usize = 128;
-/// Largest vocabulary `sample_rows` takes (sample.cu's SP_MAX_VOCAB: its histogram parts
-/// count in u32); larger ones sample on the host.
-pub const SAMPLE_MAX_VOCAB: usize = 1 << 19;
+pub use strata_kernels::consts::{
+    ATT_MAX_D, DA_MAXG as ATT_MAX_GROUP, DA_MAX_SPLIT as ATT_MAX_SPLIT, DQ_DOWN_MAXK, DQ_MAX_TOK,
+    DQ_WARPS, SP_MAX_VOCAB as SAMPLE_MAX_VOCAB,
+};
+use strata_kernels::consts as kc;
+
+/// The widest rows of the register path of the one-token products (`DQ_XR_PIECES` 16-column
+/// pieces per lane of a 32-wide warp).
+pub const DQ_XR_COLS: usize = kc::DQ_XR_PIECES * 32 * 16;
 
 /// Blocks per SM of the register path of the one-token products (about 100 registers a
 /// thread allow 4 blocks of 128 threads an SM).
@@ -39,14 +31,14 @@ const XR_BLOCKS_PER_SM: u32 = 4;
 /// capped grid measured slower for Q/K/V and the experts, 1-3 rows a warp, on the H200).
 const XR_MIN_ROWS: u32 = 8;
 
-/// Kernel type numbers (common.cuh's ST_TY_*).
+/// Kernel type numbers (`consts::ST_TY_*`).
 pub fn kty(ty: GgmlType) -> Option<i32> {
     Some(match ty {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::BF16 => 2,
-        GgmlType::Q8_0 => 3,
-        GgmlType::Q4K => 4,
+        GgmlType::F32 => kc::ST_TY_F32,
+        GgmlType::F16 => kc::ST_TY_F16,
+        GgmlType::BF16 => kc::ST_TY_BF16,
+        GgmlType::Q8_0 => kc::ST_TY_Q8_0,
+        GgmlType::Q4K => kc::ST_TY_Q4_K,
         _ => return None,
     })
 }

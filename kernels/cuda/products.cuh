@@ -1,0 +1,295 @@
+// products.cuh: what the product kernels share (matvec.cu, moe.cu): the weight layouts read in
+// place (Q8_0 "split": per matrix rows x cols int8 quants, then rows x cols/32 f16 scales;
+// Q4_K, F32, F16, BF16 as in GGUF), one row's dot product with 1..8 tokens' inputs (RMS
+// normalised on the fly when the kernel is given norm weights), the input staged in shared
+// memory or held in registers for one-token Q8_0 products.
+// Invariant: one warp per output row; rows past `rows` and tokens past `n_tok` are never read
+// or written; Q8_0 split rows are 16-byte aligned (the host checks the base pointers).
+
+// DQ_MAX_TOK, DQ_WARPS and DQ_XR_PIECES come from the generated prelude.
+
+__device__ __forceinline__ float dq_silu(float v) { return v / (1.0f + expf(-v)); }
+
+// Element i of row r of a matrix (rows x cols) in the device layout.
+__device__ __forceinline__ float dq_elem(const u8* W, int ty, long rows, long cols, long r, long i) {
+    if (ty == ST_TY_Q8_0) {
+        const i8 q = (i8)W[r * cols + i];
+        const u16 d = ((const u16*)(W + rows * cols))[r * (cols / QK8_0) + i / QK8_0];
+        return st_h2f(d) * (float)q;
+    }
+    long rb;
+    switch (ty) {
+        case ST_TY_F32: rb = cols * 4; break;
+        case ST_TY_Q4_K: rb = cols / QK_K * Q4_K_BYTES; break;
+        default: rb = cols * 2; break;
+    }
+    return st_row_elem(W + r * rb, ty, i);
+}
+
+// L2 prefetch of row r of a matrix in the device layout (the calling warp's lanes share it):
+// for Q8_0 its quants and its scales, else its bytes. Weights only, so allowed before
+// st_pdl_wait().
+__device__ __forceinline__ void dq_prefetch_row(const u8* W, int ty, long rows, long cols, long r) {
+    if (ty == ST_TY_Q8_0) {
+        st_prefetch_l2(W + r * cols, cols);
+        st_prefetch_l2(W + rows * cols + r * (cols / QK8_0) * 2, cols / QK8_0 * 2);
+        return;
+    }
+    long rb;
+    switch (ty) {
+        case ST_TY_F32: rb = cols * 4; break;
+        case ST_TY_Q4_K: rb = cols / QK_K * Q4_K_BYTES; break;
+        default: rb = cols * 2; break;
+    }
+    st_prefetch_l2(W + r * rb, rb);
+}
+
+// Per-token input scaling: x[t][i] * s[t] * nw[i] when nw is given (RMSNorm folded into the
+// product), else x[t][i].
+template <int NT>
+struct DqIn {
+    const float* x;
+    long stride;
+    const float* nw;  // null: no norm
+    float s[NT];
+    __device__ __forceinline__ float4 ld(int t, long i) const {
+        float4 v = *(const float4*)(x + t * stride + i);
+        if (nw) {
+            const float4 w = *(const float4*)(nw + i);
+            v.x *= s[t] * w.x; v.y *= s[t] * w.y; v.z *= s[t] * w.z; v.w *= s[t] * w.w;
+        }
+        return v;
+    }
+    __device__ __forceinline__ float ld1(int t, long i) const {
+        const float v = x[t * stride + i];
+        return nw ? v * s[t] * nw[i] : v;
+    }
+};
+
+// The input of a one-token Q8_0 product staged in shared memory ("xs"), when the host gives the
+// launch at least cols * 4 bytes of dynamic shared memory (dq_xs_bytes reads what it gave).
+// A lane of the Q8_0 loops reads the 16 floats of its 16-column piece, 64 bytes from its
+// neighbour's: from global memory each such float4 load touches 16 lines, which bound the
+// products by L1 throughput on the H200. In shared memory float4 m sits at dq_xs_slot(m), so
+// every 8 lanes of such a load hit the 8 distinct 16-byte bank groups: 4 wavefronts a load.
+// The values and the arithmetic are the same, so the outputs are bit for bit the same.
+__device__ __forceinline__ unsigned dq_xs_bytes() {
+    unsigned v = 0;
+#ifdef ST_CUDA
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+#endif
+    return v;
+}
+__device__ __forceinline__ int dq_xs_slot(int m) { return m ^ ((m >> 3) & 7); }
+// xs = x[0..cols) (cols % 4 == 0) by every thread of the block; ends with a barrier. Eight
+// loads per thread are in flight before their stores.
+__device__ __forceinline__ void dq_xs_fill(float4* xs, const float* x, int cols) {
+    const int n4 = cols / 4;
+    for (int m0 = threadIdx.x; m0 < n4; m0 += 8 * blockDim.x) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int m = m0 + u * blockDim.x;
+            if (m < n4) v[u] = *(const float4*)(x + 4 * m);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int m = m0 + u * blockDim.x;
+            if (m < n4) xs[dq_xs_slot(m)] = v[u];
+        }
+    }
+    __syncthreads();
+}
+
+// acc[t] += W_r . in(t) over the warp's lanes (not yet reduced across the warp). XS (one
+// token, no norm, Q8_0): the input is read from xs instead (dq_xs_fill); a separate
+// instantiation, so the plain loop's code is what it was without the staging.
+template <int NT, bool XS = false>
+__device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, long rows, long cols,
+                                           long r, const DqIn<NT>& in, int n_tok,
+                                           float (&acc)[NT], const float4* xs = nullptr) {
+    const int lane = threadIdx.x % ST_WARP;
+    if (ty == ST_TY_Q8_0) {
+        const u8* qs = W + r * cols;
+        const u16* ds = (const u16*)(W + rows * cols) + r * (cols / QK8_0);
+#pragma unroll 4
+        for (long i0 = lane * 16; i0 < cols; i0 += ST_WARP * 16) {
+            const int4 q = *(const int4*)(qs + i0);
+            const float d = st_h2f(ds[i0 / QK8_0]);
+            const int qw[4] = {q.x, q.y, q.z, q.w};
+            float w[16];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) st_i8x4_to_f32(qw[j], w + 4 * j);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < n_tok) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float4 xv = XS ? xs[dq_xs_slot((int)(i0 / 4) + j)]
+                                             : in.ld(t, i0 + 4 * j);
+                        s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
+                             w[4 * j + 3] * xv.w;
+                    }
+                    acc[t] += d * s;
+                }
+            }
+        }
+    } else if (ty == ST_TY_Q4_K) {
+        const long nb = cols / QK_K;
+        const u8* wr = W + r * nb * Q4_K_BYTES;
+        const int g = lane / 8, j = (lane % 8) * 4;
+        for (long b = 0; b < nb; ++b) {
+            const u8* blk = wr + b * Q4_K_BYTES;
+            const float d = st_h2f(st_ld_u16(blk)), dmin = st_h2f(st_ld_u16(blk + 2));
+            float sc0, m0, sc1, m1;
+            st_scale_min_k4(2 * g, blk + 4, &sc0, &m0);
+            st_scale_min_k4(2 * g + 1, blk + 4, &sc1, &m1);
+            const u32 qq = *(const u32*)(blk + 16 + 32 * g + j);
+            const float d1 = d * sc0, mm1 = dmin * m0, d2 = d * sc1, mm2 = dmin * m1;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < n_tok) {
+                    const long ia = b * QK_K + 64 * g + j;
+                    const float4 xa = in.ld(t, ia);
+                    const float4 xh = in.ld(t, ia + 32);
+                    const float qa = (float)(qq & 0xF) * xa.x + (float)((qq >> 8) & 0xF) * xa.y +
+                                     (float)((qq >> 16) & 0xF) * xa.z +
+                                     (float)((qq >> 24) & 0xF) * xa.w;
+                    const float qh = (float)((qq >> 4) & 0xF) * xh.x +
+                                     (float)((qq >> 12) & 0xF) * xh.y +
+                                     (float)((qq >> 20) & 0xF) * xh.z +
+                                     (float)((qq >> 28) & 0xF) * xh.w;
+                    const float sa = xa.x + xa.y + xa.z + xa.w;
+                    const float sh = xh.x + xh.y + xh.z + xh.w;
+                    acc[t] += d1 * qa - mm1 * sa + d2 * qh - mm2 * sh;
+                }
+            }
+        }
+    } else if (ty == ST_TY_F32 && cols % 4 == 0) {
+        const float* wr = (const float*)W + r * cols;
+#pragma unroll 4
+        for (long i0 = lane * 4; i0 < cols; i0 += ST_WARP * 4) {
+            const float4 w = *(const float4*)(wr + i0);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < n_tok) {
+                    const float4 xv = in.ld(t, i0);
+                    acc[t] += w.x * xv.x + w.y * xv.y + w.z * xv.z + w.w * xv.w;
+                }
+            }
+        }
+    } else if (ty != ST_TY_F32 && cols % 8 == 0) {
+        const u16* wr = (const u16*)W + r * cols;
+#pragma unroll 4
+        for (long i0 = lane * 8; i0 < cols; i0 += ST_WARP * 8) {
+            const uint4 raw = *(const uint4*)(wr + i0);
+            const u32 pk[4] = {raw.x, raw.y, raw.z, raw.w};
+            float w[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u16 lo = (u16)(pk[j] & 0xffff), hi = (u16)(pk[j] >> 16);
+                w[2 * j] = ty == ST_TY_F16 ? st_h2f(lo) : st_bf2f(lo);
+                w[2 * j + 1] = ty == ST_TY_F16 ? st_h2f(hi) : st_bf2f(hi);
+            }
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < n_tok) {
+                    const float4 a = in.ld(t, i0), b = in.ld(t, i0 + 4);
+                    acc[t] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x +
+                              w[5] * b.y + w[6] * b.z + w[7] * b.w;
+                }
+            }
+        }
+    } else {
+        const int esz = ty == ST_TY_F32 ? 4 : 2;
+        const u8* wr = W + r * cols * esz;
+        for (long i = lane; i < cols; i += ST_WARP) {
+            float w;
+            if (ty == ST_TY_F32) w = ((const float*)wr)[i];
+            else if (ty == ST_TY_F16) w = st_h2f(((const u16*)wr)[i]);
+            else w = st_bf2f(((const u16*)wr)[i]);
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+                if (t < n_tok) acc[t] += w * in.ld1(t, i);
+        }
+    }
+}
+
+// Q8_0 products of one token with the input held in registers: a lane of dq_row_dot's Q8_0
+// loop reads the same columns of x (its 16-column pieces, 512 apart) in every row, so a warp
+// that walks many rows keeps those pieces in registers and reads only weights per row (x's
+// float4 loads, each touching 16 cache lines, bound the one-row-per-warp kernels by L1
+// throughput). Used by dq_mv1 over the LM head, whose 151936 rows give every warp dozens
+// (measured on the H200: head 198 -> 169 us a token; the same path in dq_qkv1 and the MoE
+// gate/up, with 3 and 1 rows a warp, cost more than it saved: gate/up 16.5 -> 22.4 us).
+// Rows of at most DQ_XR_COLS columns; same arithmetic, in the same order, as dq_row_dot<1>.
+#define DQ_XR_COLS (DQ_XR_PIECES * ST_WARP * 16)
+
+template <int NT>
+__device__ __forceinline__ void dq_xr_load(const DqIn<NT>& in, long cols,
+                                           float (&xr)[DQ_XR_PIECES * 16]) {
+    const int lane = threadIdx.x % ST_WARP;
+#pragma unroll
+    for (int u = 0; u < DQ_XR_PIECES; ++u) {
+        const long i0 = lane * 16 + (long)u * ST_WARP * 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (i0 < cols) v = in.ld(0, i0 + 4 * j);
+            xr[u * 16 + 4 * j] = v.x;
+            xr[u * 16 + 4 * j + 1] = v.y;
+            xr[u * 16 + 4 * j + 2] = v.z;
+            xr[u * 16 + 4 * j + 3] = v.w;
+        }
+    }
+}
+
+// The lane's part of row r (of a rows x cols split Q8_0 matrix) . x, x in xr (dq_xr_load).
+__device__ __forceinline__ float dq_row_q8_xr(const u8* W, long rows, long cols, long r,
+                                              const float (&xr)[DQ_XR_PIECES * 16]) {
+    const int lane = threadIdx.x % ST_WARP;
+    const u8* qs = W + r * cols;
+    const u16* ds = (const u16*)(W + rows * cols) + r * (cols / QK8_0);
+    float acc = 0.0f;
+#pragma unroll
+    for (int u = 0; u < DQ_XR_PIECES; ++u) {
+        const long i0 = lane * 16 + (long)u * ST_WARP * 16;
+        if (i0 < cols) {
+            // Read-only loads (ld.global.nc), so the next row's can be issued ahead of this
+            // row's output store.
+            const int4 q = __ldg((const int4*)(qs + i0));
+            const float d = st_h2f(__ldg(ds + i0 / QK8_0));
+            const int qw[4] = {q.x, q.y, q.z, q.w};
+            float w[16];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) st_i8x4_to_f32(qw[j], w + 4 * j);
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                s += w[4 * j] * xr[u * 16 + 4 * j] + w[4 * j + 1] * xr[u * 16 + 4 * j + 1] +
+                     w[4 * j + 2] * xr[u * 16 + 4 * j + 2] + w[4 * j + 3] * xr[u * 16 + 4 * j + 3];
+            acc += d * s;
+        }
+    }
+    return acc;
+}
+
+// The block's per-token RMS factors 1/sqrt(mean(x^2) + eps) into in.s (nw non-null only).
+template <int NT>
+__device__ __forceinline__ void dq_norm_prologue(DqIn<NT>& in, long cols, int n_tok, float eps) {
+    __shared__ float red[32];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        in.s[t] = 1.0f;
+        if (in.nw && t < n_tok) {
+            float ss = 0.0f;
+            for (long i = threadIdx.x; i < cols; i += blockDim.x) {
+                const float v = in.x[t * in.stride + i];
+                ss += v * v;
+            }
+            ss = st_block_sum(ss, red);
+            in.s[t] = 1.0f / sqrtf(ss / (float)cols + eps);
+        }
+    }
+}
