@@ -1,10 +1,14 @@
 //! Hugging Face safetensors folders to GGUF in llama.cpp's tensor names and shapes: each GGUF
-//! tensor is assembled from its HF sources (one tensor, or one per expert for a stack),
-//! decoded, quantized to the target type and streamed out, with the folder's tokenizer as
+//! tensor is assembled from its HF sources ([`super::hf_sources`]: one tensor, one per expert
+//! for a stack, or row runs of one tensor for qwen3next's split `in_proj_qkvz`), decoded,
+//! transformed as llama.cpp's converter does (qwen3next norms `+1`, `A_log -> -exp`),
+//! quantized to the target type and streamed out, with the folder's tokenizer as
 //! `tokenizer.ggml.*` metadata.
-//! Invariant: every value of the source reaches the file (bit for bit at F32); a tensor the
-//! architecture needs but the folder lacks is an error naming it.
+//! Invariant: every value of the source reaches the file exactly once (bit for bit at F32 when
+//! the transform is a copy); a tensor the architecture needs but the folder lacks, or a folder
+//! tensor with no place in the GGUF, is an error naming it.
 
+use super::hf_sources::{self, Piece, Transform};
 use super::metadata::{arch_metadata, file_type, Vocab};
 use super::random::rows_per_chunk;
 use super::write::{GgufWriteError, GgufWriter, ProgressFn, WriteSummary};
@@ -14,56 +18,24 @@ use crate::ggml::GgmlType;
 use crate::inventory::TensorInfo;
 use crate::quant::{self};
 use crate::safetensors::{self, StDtype, StTensor};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
-/// Where a GGUF tensor's data comes from: HF tensors concatenated in order (one for a 1:1
-/// tensor, one per expert for a stack).
+/// An HF tensor and where its shard's data section starts.
+#[derive(Clone)]
 struct Source {
     shard: String,
     data_start: u64,
     t: StTensor,
 }
 
-/// The HF tensor names a qwen3moe GGUF tensor is made of.
-fn qwen3moe_sources(name: &str, n_expert: u64) -> Option<Vec<String>> {
-    let one = |s: &str| Some(vec![s.to_string()]);
-    match name {
-        "token_embd.weight" => return one("model.embed_tokens.weight"),
-        "output.weight" => return one("lm_head.weight"),
-        "output_norm.weight" => return one("model.norm.weight"),
-        _ => {}
-    }
-    let rest = name.strip_prefix("blk.")?;
-    let (l, tail) = rest.split_once('.')?;
-    let p = format!("model.layers.{l}");
-    let m = |s: &str| Some(vec![format!("{p}.{s}")]);
-    match tail {
-        "attn_norm.weight" => m("input_layernorm.weight"),
-        "ffn_norm.weight" => m("post_attention_layernorm.weight"),
-        "attn_q.weight" => m("self_attn.q_proj.weight"),
-        "attn_k.weight" => m("self_attn.k_proj.weight"),
-        "attn_v.weight" => m("self_attn.v_proj.weight"),
-        "attn_output.weight" => m("self_attn.o_proj.weight"),
-        "attn_q_norm.weight" => m("self_attn.q_norm.weight"),
-        "attn_k_norm.weight" => m("self_attn.k_norm.weight"),
-        "ffn_gate_inp.weight" => m("mlp.gate.weight"),
-        _ => {
-            let proj = match tail {
-                "ffn_gate_exps.weight" => "gate_proj",
-                "ffn_up_exps.weight" => "up_proj",
-                "ffn_down_exps.weight" => "down_proj",
-                _ => return None,
-            };
-            Some(
-                (0..n_expert)
-                    .map(|e| format!("{p}.mlp.experts.{e}.{proj}.weight"))
-                    .collect(),
-            )
-        }
-    }
+/// A resolved piece: rows of one HF tensor.
+struct Resolved {
+    src: Source,
+    row0: u64,
+    rows: u64,
 }
 
 /// Every HF tensor of the folder with its shard: `model.safetensors.index.json`'s shards, or
@@ -135,12 +107,14 @@ fn convert_recipe(ty: GgmlType) -> Option<QuantRecipe> {
     QuantRecipe::preset(name)
 }
 
-/// Convert a Hugging Face qwen3moe folder (F32/F16/BF16 safetensors, one file or sharded)
-/// to a GGUF in llama.cpp's layout: names mapped as llama.cpp's converter does, dims the
-/// PyTorch shape reversed with the same row-major bytes (no q/k permutation: Qwen uses NeoX
-/// RoPE), per-expert tensors stacked into `ffn_*_exps` `[in, out, n_expert]` in expert order,
-/// 1-D tensors and `ffn_gate_inp` kept F32, matrices stored as `ty` (F32, F16, BF16, Q8_0,
-/// Q4_K; a row Q4_K cannot hold — llama.cpp would fall back to Q5_0 — is stored F16). The
+/// Convert a Hugging Face qwen3moe or qwen3next folder (F32/F16/BF16 safetensors, one file
+/// or sharded) to a GGUF in llama.cpp's layout: names mapped as llama.cpp's converter does,
+/// dims the PyTorch shape reversed with the same row-major bytes (no q/k permutation: Qwen
+/// uses NeoX RoPE), per-expert tensors stacked into `ffn_*_exps` `[in, out, n_expert]` in
+/// expert order, qwen3next's values transformed and `in_proj_qkvz` regrouped (see
+/// [`super::hf_sources`]), the MTP block (`mtp.*`) written as block `n_layer`, 1-D tensors,
+/// `ssm_conv1d` and the routers kept F32, matrices stored as `ty` (F32, F16, BF16, Q8_0, Q4_K;
+/// a row the type cannot hold — llama.cpp would fall back to Q5_0 — is stored F16). The
 /// config's hyperparameters are written as metadata; a `tokenizer.json` next to it adds the
 /// vocabulary.
 pub fn convert_hf_folder(
@@ -153,12 +127,12 @@ pub fn convert_hf_folder(
     let dir_s = dir.display().to_string();
     let inv =
         safetensors::load_folder(dir).map_err(|source| GgufWriteError::Safetensors { source })?;
-    if inv.arch != "qwen3moe" {
+    let arch_name = inv.arch.clone();
+    if !["qwen3moe", "qwen3next"].contains(&arch_name.as_str()) {
         return Err(GgufWriteError::Convert {
             file: dir_s,
             problem: format!(
-                "architecture {} is not converted yet (only qwen3moe; qwen3next needs llama.cpp's value transforms: norms +1, A_log -> -exp, qkvz reordering)",
-                inv.arch
+                "architecture {arch_name} is not converted (qwen3moe and qwen3next are)"
             ),
         });
     }
@@ -168,7 +142,7 @@ pub fn convert_hf_folder(
         ty,
     })?;
     let hp = inv.hparams.clone();
-    let mut tensors = arch::expected_tensors("qwen3moe", &hp, &recipe).map_err(|source| {
+    let mut tensors = arch::expected_tensors(&arch_name, &hp, &recipe).map_err(|source| {
         GgufWriteError::Inventory {
             file: dir_s.clone(),
             source,
@@ -189,60 +163,35 @@ pub fn convert_hf_folder(
             })?;
         }
     }
-    let mut src = folder_tensors(dir)?;
+    let src = folder_tensors(dir)?;
     // Resolve every GGUF tensor to its sources before writing a byte.
-    let mut plan: Vec<Vec<Source>> = Vec::with_capacity(tensors.len());
+    let mut used = BTreeSet::new();
+    let mut plan: Vec<(Vec<Resolved>, Transform)> = Vec::with_capacity(tensors.len());
     for t in &tensors {
-        let names =
-            qwen3moe_sources(&t.name, hp.n_expert).ok_or_else(|| GgufWriteError::Convert {
+        let s = hf_sources::sources(&arch_name, &hp, &t.name, &t.dims).ok_or_else(|| {
+            GgufWriteError::Convert {
                 file: dir_s.clone(),
                 problem: format!("no Hugging Face source is known for tensor '{}'", t.name),
-            })?;
-        let per_src_rows: u64 = t.dims[1..].iter().product::<u64>() / names.len() as u64;
-        let mut v = Vec::with_capacity(names.len());
-        for n in names {
-            let s = src.remove(&n).ok_or_else(|| GgufWriteError::Convert {
-                file: dir_s.clone(),
-                problem: format!("tensor `{n}` (for '{}') is missing", t.name),
-            })?;
-            let want: Vec<u64> = if t.dims.len() == 1 {
-                vec![t.dims[0]]
-            } else {
-                vec![per_src_rows, t.dims[0]]
-            };
-            if s.t.shape != want {
-                return Err(GgufWriteError::Convert {
-                    file: dir.join(&s.shard).display().to_string(),
-                    problem: format!(
-                        "tensor `{n}` has shape {:?}, expected {want:?} for '{}' {:?}",
-                        s.t.shape, t.name, t.dims
-                    ),
-                });
             }
-            if !matches!(s.t.dtype, StDtype::F32 | StDtype::F16 | StDtype::BF16) {
-                return Err(GgufWriteError::Convert {
-                    file: dir.join(&s.shard).display().to_string(),
-                    problem: format!(
-                        "tensor `{n}` is {}; only F32, F16 and BF16 folders convert",
-                        s.t.dtype
-                    ),
-                });
-            }
-            v.push(s);
+        })?;
+        let mut v = Vec::with_capacity(s.pieces.len());
+        for p in s.pieces {
+            v.push(resolve(dir, &src, &p, t)?);
+            used.insert(p.hf);
         }
-        plan.push(v);
+        plan.push((v, s.transform));
     }
-    if let Some(extra) = src.keys().next() {
+    if let Some(extra) = src.keys().find(|k| !used.contains(*k)) {
         return Err(GgufWriteError::Convert {
             file: dir_s,
             problem: format!(
-                "tensor `{extra}` has no place in a qwen3moe GGUF; it would be dropped"
+                "tensor `{extra}` has no place in a {arch_name} GGUF; it would be dropped"
             ),
         });
     }
 
     let mut w = GgufWriter::new(out_path);
-    let meta = arch_metadata("qwen3moe", &inv.name, &hp).map_err(|p| GgufWriteError::Convert {
+    let meta = arch_metadata(&arch_name, &inv.name, &hp).map_err(|p| GgufWriteError::Convert {
         file: dir_s.clone(),
         problem: p,
     })?;
@@ -270,11 +219,11 @@ pub fn convert_hf_folder(
     let mut raw = Vec::new();
     let mut x = Vec::new();
     let mut q = Vec::new();
-    for (t, sources) in tensors.iter().zip(&plan) {
+    for (t, (pieces, transform)) in tensors.iter().zip(&plan) {
         let ne0 = t.dims[0];
-        let in_rb = |d: StDtype| ne0 * d.bits() / 8;
         let out_rb = t.ggml_type.bytes_for(ne0).unwrap_or(0) as usize;
-        for so in sources {
+        for r in pieces {
+            let so = &r.src;
             let path = dir.join(&so.shard);
             let path_s = path.display().to_string();
             if !files.contains_key(&so.shard) {
@@ -289,13 +238,12 @@ pub fn convert_hf_folder(
             let Some(f) = files.get_mut(&so.shard) else {
                 continue;
             };
-            let rows = so.t.elements() / ne0;
-            let rb = in_rb(so.t.dtype);
+            let rb = ne0 * so.t.dtype.bits() / 8;
             let per = rows_per_chunk(ne0);
-            let mut r = 0;
-            while r < rows {
-                let n = per.min(rows - r);
-                let at = so.data_start + so.t.begin + r * rb;
+            let mut done = 0;
+            while done < r.rows {
+                let n = per.min(r.rows - done);
+                let at = so.data_start + so.t.begin + (r.row0 + done) * rb;
                 raw.resize((n * rb) as usize, 0);
                 f.seek(SeekFrom::Start(at))
                     .and_then(|_| f.read_exact(&mut raw))
@@ -306,6 +254,7 @@ pub fn convert_hf_folder(
                         source,
                     })?;
                 decode(so.t.dtype, &raw, &mut x);
+                transform.apply(&mut x);
                 q.clear();
                 q.resize(out_rb * n as usize, 0);
                 for (xr, or) in x.chunks_exact(ne0 as usize).zip(q.chunks_exact_mut(out_rb)) {
@@ -318,11 +267,55 @@ pub fn convert_hf_folder(
                     })?;
                 }
                 s.data(&q)?;
-                r += n;
+                done += n;
             }
         }
     }
     s.finish()
+}
+
+/// Check piece `p` of GGUF tensor `t` against the folder's tensor: present, a float type, and
+/// holding exactly `p.hf_rows` rows of `t.dims[0]` (its last dim; size-1 dims aside).
+fn resolve(
+    dir: &Path,
+    src: &BTreeMap<String, Source>,
+    p: &Piece,
+    t: &TensorInfo,
+) -> Result<Resolved, GgufWriteError> {
+    let s = src.get(&p.hf).ok_or_else(|| GgufWriteError::Convert {
+        file: dir.display().to_string(),
+        problem: format!("tensor `{}` (for '{}') is missing", p.hf, t.name),
+    })?;
+    let ne0 = t.dims[0];
+    let last = s.t.shape.last().copied().unwrap_or(1);
+    if last != ne0 || s.t.elements() != p.hf_rows * ne0 {
+        let want = if p.hf_rows == 1 {
+            format!("[{ne0}]")
+        } else {
+            format!("[{}, {ne0}]", p.hf_rows)
+        };
+        return Err(GgufWriteError::Convert {
+            file: dir.join(&s.shard).display().to_string(),
+            problem: format!(
+                "tensor `{}` has shape {:?}, expected {want} for '{}' {:?}",
+                p.hf, s.t.shape, t.name, t.dims
+            ),
+        });
+    }
+    if !matches!(s.t.dtype, StDtype::F32 | StDtype::F16 | StDtype::BF16) {
+        return Err(GgufWriteError::Convert {
+            file: dir.join(&s.shard).display().to_string(),
+            problem: format!(
+                "tensor `{}` is {}; only F32, F16 and BF16 folders convert",
+                p.hf, s.t.dtype
+            ),
+        });
+    }
+    Ok(Resolved {
+        src: s.clone(),
+        row0: p.row0,
+        rows: p.rows,
+    })
 }
 
 /// Little-endian F32/F16/BF16 bytes to f32.
