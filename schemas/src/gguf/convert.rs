@@ -549,3 +549,332 @@ mod tests {
         assert!(e.to_string().contains("Q6_K"), "{e}");
     }
 }
+
+/// qwen3next conversion against a synthetic Hugging Face folder (transformers-5 style config,
+/// ratio-2 linear heads, an MTP block), checked value for value by an oracle written from
+/// llama.cpp's converter independently of [`hf_sources`].
+#[cfg(test)]
+mod next_tests {
+    use super::*;
+    use crate::gguf::model::load_gguf_model;
+    use crate::gguf::read_gguf;
+    use crate::gguf::testutil::{tensor_f32, tmp};
+    use serde_json::json;
+    use std::collections::BTreeMap;
+
+    // hidden 32, 3 blocks (linear, linear, full) + MTP, 2 heads of 8 over 1 KV head,
+    // linear 2 key heads / 4 value heads of 4, conv 3, 3 experts of 8, shared expert 6.
+    const H: u64 = 32;
+    const VOCAB: u64 = 40;
+    const NK: u64 = 2;
+    const NV: u64 = 4;
+    const DK: u64 = 4;
+    const NH: u64 = 2;
+    const HD: u64 = 8;
+    const NE: u64 = 3;
+    const FF: u64 = 8;
+    const SH: u64 = 6;
+    const CONV: u64 = 3;
+
+    fn config() -> serde_json::Value {
+        json!({
+            "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            "vocab_size": VOCAB, "hidden_size": H, "num_hidden_layers": 3,
+            "num_attention_heads": NH, "num_key_value_heads": 1, "head_dim": HD,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                                "partial_rotary_factor": 0.25},
+            "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+            "full_attention_interval": 3,
+            "linear_conv_kernel_dim": CONV, "linear_key_head_dim": DK,
+            "linear_value_head_dim": DK, "linear_num_key_heads": NK,
+            "linear_num_value_heads": NV, "num_experts": NE, "num_experts_per_tok": 2,
+            "moe_intermediate_size": FF, "shared_expert_intermediate_size": SH,
+            "norm_topk_prob": true, "tie_word_embeddings": false, "decoder_sparse_step": 1,
+            "mlp_only_layers": []
+        })
+    }
+
+    /// Every HF tensor (name, shape) of the folder.
+    fn hf_shapes() -> Vec<(String, Vec<u64>)> {
+        let mut v: Vec<(String, Vec<u64>)> = vec![
+            ("model.embed_tokens.weight".into(), vec![VOCAB, H]),
+            ("model.norm.weight".into(), vec![H]),
+            ("lm_head.weight".into(), vec![VOCAB, H]),
+            ("mtp.fc.weight".into(), vec![H, 2 * H]),
+            ("mtp.pre_fc_norm_embedding.weight".into(), vec![H]),
+            ("mtp.pre_fc_norm_hidden.weight".into(), vec![H]),
+            ("mtp.norm.weight".into(), vec![H]),
+        ];
+        let (kd, vd) = (NK * DK, NV * DK);
+        for (p, full) in [
+            ("model.layers.0", false),
+            ("model.layers.1", false),
+            ("model.layers.2", true),
+            ("mtp.layers.0", true),
+        ] {
+            let mut add = |s: &str, shape: Vec<u64>| v.push((format!("{p}.{s}"), shape));
+            add("input_layernorm.weight", vec![H]);
+            add("post_attention_layernorm.weight", vec![H]);
+            if full {
+                add("self_attn.q_proj.weight", vec![2 * NH * HD, H]);
+                add("self_attn.k_proj.weight", vec![HD, H]);
+                add("self_attn.v_proj.weight", vec![HD, H]);
+                add("self_attn.o_proj.weight", vec![H, NH * HD]);
+                add("self_attn.q_norm.weight", vec![HD]);
+                add("self_attn.k_norm.weight", vec![HD]);
+            } else {
+                add("linear_attn.in_proj_qkvz.weight", vec![2 * kd + 2 * vd, H]);
+                add("linear_attn.in_proj_ba.weight", vec![2 * NV, H]);
+                add("linear_attn.conv1d.weight", vec![2 * kd + vd, 1, CONV]);
+                add("linear_attn.dt_bias", vec![NV]);
+                add("linear_attn.A_log", vec![NV]);
+                add("linear_attn.norm.weight", vec![DK]);
+                add("linear_attn.out_proj.weight", vec![H, vd]);
+            }
+            add("mlp.gate.weight", vec![NE, H]);
+            for e in 0..NE {
+                add(&format!("mlp.experts.{e}.gate_proj.weight"), vec![FF, H]);
+                add(&format!("mlp.experts.{e}.up_proj.weight"), vec![FF, H]);
+                add(&format!("mlp.experts.{e}.down_proj.weight"), vec![H, FF]);
+            }
+            add("mlp.shared_expert.gate_proj.weight", vec![SH, H]);
+            add("mlp.shared_expert.up_proj.weight", vec![SH, H]);
+            add("mlp.shared_expert.down_proj.weight", vec![H, SH]);
+            add("mlp.shared_expert_gate.weight", vec![1, H]);
+        }
+        v
+    }
+
+    /// Distinct, deterministic values per tensor.
+    fn values(name: &str, n: u64) -> Vec<f32> {
+        let h = name
+            .bytes()
+            .fold(7u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(b)));
+        (0..n)
+            .map(|i| ((h.wrapping_add(i * 7919) % 2001) as f32 / 1000.0) - 1.0)
+            .collect()
+    }
+
+    /// A single-file F32 safetensors folder with `tensors` (name -> values, shape).
+    fn write_folder(dir: &Path, tensors: &[(String, Vec<u64>, Vec<f32>)]) {
+        let mut header = serde_json::Map::new();
+        let mut data = Vec::new();
+        for (name, shape, vals) in tensors {
+            let b = data.len();
+            data.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+            header.insert(
+                name.clone(),
+                json!({"dtype": "F32", "shape": shape, "data_offsets": [b, data.len()]}),
+            );
+        }
+        let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
+        while h.len() % 8 != 0 {
+            h.push(b' ');
+        }
+        let mut file = (h.len() as u64).to_le_bytes().to_vec();
+        file.extend(h);
+        file.extend(data);
+        std::fs::write(dir.join("model.safetensors"), file).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_vec(&config()).unwrap(),
+        )
+        .unwrap();
+    }
+
+    fn folder(dir: &Path) -> BTreeMap<String, Vec<f32>> {
+        let ts: Vec<(String, Vec<u64>, Vec<f32>)> = hf_shapes()
+            .into_iter()
+            .map(|(n, s)| {
+                let v = values(&n, s.iter().product());
+                (n, s, v)
+            })
+            .collect();
+        write_folder(dir, &ts);
+        ts.into_iter().map(|(n, _, v)| (n, v)).collect()
+    }
+
+    /// What llama.cpp's converter writes for each GGUF tensor, from the HF values.
+    fn oracle(hf: &BTreeMap<String, Vec<f32>>) -> BTreeMap<String, Vec<f32>> {
+        let get = |n: &str| hf.get(n).unwrap_or_else(|| panic!("{n}")).clone();
+        let plus1 = |n: &str| get(n).iter().map(|v| v + 1.0).collect::<Vec<f32>>();
+        let mut o = BTreeMap::new();
+        o.insert("token_embd.weight".to_string(), get("model.embed_tokens.weight"));
+        o.insert("output.weight".into(), get("lm_head.weight"));
+        o.insert("output_norm.weight".into(), plus1("model.norm.weight"));
+        let (kd, vd) = (NK * DK, NV * DK);
+        for (b, p, full) in [
+            (0, "model.layers.0", false),
+            (1, "model.layers.1", false),
+            (2, "model.layers.2", true),
+            (3, "mtp.layers.0", true),
+        ] {
+            let mut put = |s: &str, v: Vec<f32>| o.insert(format!("blk.{b}.{s}"), v);
+            let f = |s: &str| format!("{p}.{s}");
+            put("attn_norm.weight", plus1(&f("input_layernorm.weight")));
+            put(
+                "post_attention_norm.weight",
+                plus1(&f("post_attention_layernorm.weight")),
+            );
+            if full {
+                put("attn_q.weight", get(&f("self_attn.q_proj.weight")));
+                put("attn_k.weight", get(&f("self_attn.k_proj.weight")));
+                put("attn_v.weight", get(&f("self_attn.v_proj.weight")));
+                put("attn_output.weight", get(&f("self_attn.o_proj.weight")));
+                put("attn_q_norm.weight", plus1(&f("self_attn.q_norm.weight")));
+                put("attn_k_norm.weight", plus1(&f("self_attn.k_norm.weight")));
+            } else {
+                // in_proj_qkvz viewed as [nk, q dk | k dk | v r·dv | z r·dv] rows of H.
+                let w = get(&f("linear_attn.in_proj_qkvz.weight"));
+                let rv = (NV / NK) * DK;
+                let group = 2 * DK + 2 * rv;
+                let rows = |g: u64, off: u64, n: u64| -> Vec<f32> {
+                    let r0 = (g * group + off) as usize;
+                    w[r0 * H as usize..(r0 + n as usize) * H as usize].to_vec()
+                };
+                let mut qkv = Vec::new();
+                for (off, n) in [(0, DK), (DK, DK), (2 * DK, rv)] {
+                    for g in 0..NK {
+                        qkv.extend(rows(g, off, n));
+                    }
+                }
+                assert_eq!(qkv.len() as u64, (2 * kd + vd) * H);
+                let mut z = Vec::new();
+                for g in 0..NK {
+                    z.extend(rows(g, 2 * DK + rv, rv));
+                }
+                put("attn_qkv.weight", qkv);
+                put("attn_gate.weight", z);
+                put("ssm_ba.weight", get(&f("linear_attn.in_proj_ba.weight")));
+                put("ssm_conv1d.weight", get(&f("linear_attn.conv1d.weight")));
+                put("ssm_dt.bias", get(&f("linear_attn.dt_bias")));
+                put(
+                    "ssm_a",
+                    get(&f("linear_attn.A_log")).iter().map(|v| -v.exp()).collect(),
+                );
+                put("ssm_norm.weight", get(&f("linear_attn.norm.weight")));
+                put("ssm_out.weight", get(&f("linear_attn.out_proj.weight")));
+            }
+            put("ffn_gate_inp.weight", get(&f("mlp.gate.weight")));
+            for proj in ["gate", "up", "down"] {
+                let stack: Vec<f32> = (0..NE)
+                    .flat_map(|e| get(&f(&format!("mlp.experts.{e}.{proj}_proj.weight"))))
+                    .collect();
+                put(&format!("ffn_{proj}_exps.weight"), stack);
+                put(
+                    &format!("ffn_{proj}_shexp.weight"),
+                    get(&f(&format!("mlp.shared_expert.{proj}_proj.weight"))),
+                );
+            }
+            put(
+                "ffn_gate_inp_shexp.weight",
+                get(&f("mlp.shared_expert_gate.weight")),
+            );
+        }
+        o.insert("blk.3.nextn.eh_proj.weight".into(), get("mtp.fc.weight"));
+        o.insert(
+            "blk.3.nextn.enorm.weight".into(),
+            plus1("mtp.pre_fc_norm_embedding.weight"),
+        );
+        o.insert(
+            "blk.3.nextn.hnorm.weight".into(),
+            plus1("mtp.pre_fc_norm_hidden.weight"),
+        );
+        o.insert(
+            "blk.3.nextn.shared_head_norm.weight".into(),
+            plus1("mtp.norm.weight"),
+        );
+        o
+    }
+
+    #[test]
+    fn qwen3next_folder_converts_value_for_value() {
+        let d = tmp();
+        let hf = folder(d.path());
+        let out = d.path().join("next-f32.gguf");
+        convert_hf_folder(d.path(), &out, GgmlType::F32, None).unwrap();
+
+        // The tensor table is the architecture's, and the hyperparameters read back equal the
+        // folder's (partial_rotary_factor from rope_parameters, interval, ssm, MTP).
+        let from_folder = crate::safetensors::load_folder(d.path()).unwrap();
+        let (inv, g) = load_gguf_model(&out).unwrap();
+        assert_eq!(inv.hparams, from_folder.hparams);
+        assert_eq!(inv.hparams.rope_dim, Some(2));
+        assert_eq!(inv.hparams.nextn_predict_layers, 1);
+        assert_eq!(inv.hparams.full_attention_interval, Some(3));
+        let k = |s: &str| format!("qwen3next.{s}");
+        assert_eq!(g.get_u64(&k("block_count")).unwrap(), Some(4));
+        assert_eq!(g.get_u64(&k("full_attention_interval")).unwrap(), Some(3));
+        assert_eq!(g.get_u64(&k("ssm.conv_kernel")).unwrap(), Some(CONV));
+        assert_eq!(g.get_u64(&k("ssm.state_size")).unwrap(), Some(DK));
+        assert_eq!(g.get_u64(&k("ssm.group_count")).unwrap(), Some(NK));
+        assert_eq!(g.get_u64(&k("ssm.time_step_rank")).unwrap(), Some(NV));
+        assert_eq!(g.get_u64(&k("ssm.inner_size")).unwrap(), Some(NV * DK));
+        assert_eq!(g.get_u64(&k("rope.dimension_count")).unwrap(), Some(2));
+        assert_eq!(g.get_u64(&k("nextn_predict_layers")).unwrap(), Some(1));
+        assert_eq!(
+            g.get_u64(&k("expert_shared_feed_forward_length")).unwrap(),
+            Some(SH)
+        );
+
+        // Every value: the oracle names every GGUF tensor exactly once.
+        let want = oracle(&hf);
+        let f = read_gguf(&out).unwrap();
+        let names: Vec<&str> = f.tensors.iter().map(|t| t.name.as_str()).collect();
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, want.keys().map(String::as_str).collect::<Vec<_>>());
+        for (name, v) in &want {
+            assert_eq!(&tensor_f32(&out, name), v, "{name}");
+        }
+        assert_eq!(
+            f.tensor("blk.0.ssm_conv1d.weight").unwrap().dims,
+            vec![CONV, 2 * NK * DK + NV * DK]
+        );
+
+        // Q8_0: matrices quantized, the conv kernel, 1-D tensors and routers stay F32.
+        let q = d.path().join("next-q8.gguf");
+        convert_hf_folder(d.path(), &q, GgmlType::Q8_0, None).unwrap();
+        let fq = read_gguf(&q).unwrap();
+        let ty = |n: &str| fq.tensor(n).unwrap().ggml_type;
+        assert_eq!(ty("blk.0.attn_qkv.weight"), GgmlType::Q8_0);
+        assert_eq!(ty("blk.3.nextn.eh_proj.weight"), GgmlType::Q8_0);
+        for n in [
+            "blk.0.ssm_conv1d.weight",
+            "blk.0.ssm_a",
+            "blk.0.ssm_norm.weight",
+            "blk.1.ffn_gate_inp.weight",
+            "blk.2.ffn_gate_inp_shexp.weight",
+        ] {
+            assert_eq!(ty(n), GgmlType::F32, "{n}");
+        }
+    }
+
+    #[test]
+    fn missing_and_stray_tensors_are_named() {
+        let d = tmp();
+        let all: Vec<(String, Vec<u64>, Vec<f32>)> = hf_shapes()
+            .into_iter()
+            .map(|(n, s)| {
+                let v = values(&n, s.iter().product());
+                (n, s, v)
+            })
+            .collect();
+        let out = d.path().join("x.gguf");
+        // The folder reader finds a missing expert; conversion names a missing MTP norm.
+        let drop = "mtp.pre_fc_norm_hidden.weight";
+        let fewer: Vec<_> = all.iter().filter(|t| t.0 != drop).cloned().collect();
+        write_folder(d.path(), &fewer);
+        let e = convert_hf_folder(d.path(), &out, GgmlType::F32, None).unwrap_err();
+        assert!(e.to_string().contains(drop), "{e}");
+        // A misshapen source is named with the shape it should have.
+        let mut bad = all.clone();
+        if let Some(t) = bad.iter_mut().find(|t| t.0 == "model.layers.0.linear_attn.A_log") {
+            t.1 = vec![2, 2];
+        }
+        write_folder(d.path(), &bad);
+        let e = convert_hf_folder(d.path(), &out, GgmlType::F32, None).unwrap_err();
+        assert!(e.to_string().contains("A_log"), "{e}");
+    }
+}
