@@ -702,7 +702,10 @@ mod next_tests {
         let get = |n: &str| hf.get(n).unwrap_or_else(|| panic!("{n}")).clone();
         let plus1 = |n: &str| get(n).iter().map(|v| v + 1.0).collect::<Vec<f32>>();
         let mut o = BTreeMap::new();
-        o.insert("token_embd.weight".to_string(), get("model.embed_tokens.weight"));
+        o.insert(
+            "token_embd.weight".to_string(),
+            get("model.embed_tokens.weight"),
+        );
         o.insert("output.weight".into(), get("lm_head.weight"));
         o.insert("output_norm.weight".into(), plus1("model.norm.weight"));
         let ssm = hp.ssm.clone().unwrap();
@@ -760,7 +763,10 @@ mod next_tests {
                 put("ssm_dt.bias", get(&f("linear_attn.dt_bias")));
                 put(
                     "ssm_a",
-                    get(&f("linear_attn.A_log")).iter().map(|v| -v.exp()).collect(),
+                    get(&f("linear_attn.A_log"))
+                        .iter()
+                        .map(|v| -v.exp())
+                        .collect(),
                 );
                 put("ssm_norm.weight", get(&f("linear_attn.norm.weight")));
                 put("ssm_out.weight", get(&f("linear_attn.out_proj.weight")));
@@ -879,7 +885,10 @@ mod next_tests {
         assert!(e.to_string().contains(drop), "{e}");
         // A misshapen source is named with the shape it should have.
         let mut bad = all.clone();
-        if let Some(t) = bad.iter_mut().find(|t| t.0 == "model.layers.0.linear_attn.A_log") {
+        if let Some(t) = bad
+            .iter_mut()
+            .find(|t| t.0 == "model.layers.0.linear_attn.A_log")
+        {
             t.1 = vec![2, 2];
         }
         write_folder(d.path(), &bad);
@@ -895,7 +904,8 @@ mod next_tests {
         h.tensors
             .iter()
             .map(|t| {
-                let raw = &bytes[(h.data_start + t.begin) as usize..(h.data_start + t.end) as usize];
+                let raw =
+                    &bytes[(h.data_start + t.begin) as usize..(h.data_start + t.end) as usize];
                 let mut v = Vec::new();
                 decode(t.dtype, raw, &mut v);
                 (t.name.clone(), v)
@@ -918,7 +928,10 @@ mod next_tests {
                     .unwrap();
             let want: HParams = serde_json::from_value(r["hparams"].clone()).unwrap();
             let got = crate::safetensors::load_folder(&dir).unwrap().hparams;
-            assert_eq!(got, want, "{variant}: config.json reads as the script's hparams");
+            assert_eq!(
+                got, want,
+                "{variant}: config.json reads as the script's hparams"
+            );
             let out = d.path().join(format!("{variant}.gguf"));
             check_f32_conversion(&dir, &out, &read_values(&dir));
             n += 1;

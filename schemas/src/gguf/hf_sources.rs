@@ -82,7 +82,9 @@ pub fn sources(arch: &str, hp: &HParams, name: &str, dims: &[u64]) -> Option<Sou
         Transform::Copy
     };
     match name {
-        "token_embd.weight" => return whole(vec!["model.embed_tokens.weight".into()], Transform::Copy),
+        "token_embd.weight" => {
+            return whole(vec!["model.embed_tokens.weight".into()], Transform::Copy)
+        }
         "output.weight" => return whole(vec!["lm_head.weight".into()], Transform::Copy),
         "output_norm.weight" => return whole(vec!["model.norm.weight".into()], norm),
         _ => {}
@@ -207,8 +209,11 @@ mod tests {
         assert_eq!(at(16), (128, 128), "k of group 0");
         assert_eq!(at(32), (256, 256), "v of group 0");
         assert_eq!(at(47), (15 * 768 + 256, 256), "v of group 15");
-        assert!(s.pieces.iter().all(|p| p.hf_rows == 16 * 768
-            && p.hf == "model.layers.0.linear_attn.in_proj_qkvz.weight"));
+        assert!(s
+            .pieces
+            .iter()
+            .all(|p| p.hf_rows == 16 * 768
+                && p.hf == "model.layers.0.linear_attn.in_proj_qkvz.weight"));
         let z = sources("qwen3next", &hp, "blk.0.attn_gate.weight", &[2048, 4096]).unwrap();
         assert_eq!(z.pieces.len(), 16);
         assert_eq!((z.pieces[1].row0, z.pieces[1].rows), (768 + 512, 256));
@@ -219,7 +224,10 @@ mod tests {
         let hp = qwen3_next_80b_a3b();
         let get = |n: &str| sources("qwen3next", &hp, n, &[2048]).unwrap();
         assert_eq!(get("blk.0.attn_norm.weight").transform, Transform::PlusOne);
-        assert_eq!(get("blk.3.attn_q_norm.weight").transform, Transform::PlusOne);
+        assert_eq!(
+            get("blk.3.attn_q_norm.weight").transform,
+            Transform::PlusOne
+        );
         assert_eq!(get("output_norm.weight").transform, Transform::PlusOne);
         assert_eq!(get("blk.0.ssm_norm.weight").transform, Transform::Copy);
         assert_eq!(get("blk.0.ssm_a").transform, Transform::NegExp);

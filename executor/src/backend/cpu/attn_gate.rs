@@ -92,7 +92,9 @@ mod tests {
         // Qwen3-Next: head_dim 256, 64 rotated dims; here head_dim 16 with 4 rotated, 3 heads.
         let (hd, n_rot, theta) = (16usize, 4usize, 10_000.0f64);
         let rope = Rope::new(n_rot, theta, None);
-        let x: Vec<f32> = (0..3 * hd).map(|i| ((i * 7 % 11) as f32 - 5.0) / 3.0).collect();
+        let x: Vec<f32> = (0..3 * hd)
+            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 3.0)
+            .collect();
         for pos in [0u32, 1, 5, 1000] {
             let mut y = x.clone();
             rope.apply(&mut y, hd, pos).unwrap();

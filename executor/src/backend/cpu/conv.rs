@@ -140,7 +140,14 @@ mod tests {
 
     #[test]
     fn prefill_equals_steps_equals_naive() {
-        for (k, ch, n_tok) in [(4, 24, 9), (4, 7, 2), (3, 5, 1), (2, 3, 6), (1, 4, 3), (5, 8, 3)] {
+        for (k, ch, n_tok) in [
+            (4, 24, 9),
+            (4, 7, 2),
+            (3, 5, 1),
+            (2, 3, 6),
+            (1, 4, 3),
+            (5, 8, 3),
+        ] {
             let w = lcg(1 + k as u64, ch * k);
             let x = lcg(7 * ch as u64, n_tok * ch);
             let init = lcg(99, (k - 1) * ch);
@@ -173,6 +180,48 @@ mod tests {
             let mut seq = init.clone();
             seq.extend_from_slice(&x);
             assert_eq!(s_all[..], seq[seq.len() - (k - 1) * ch..]);
+        }
+    }
+
+    #[test]
+    fn any_split_of_the_sequence_gives_the_same_outputs_and_state() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let mut rng = StdRng::seed_from_u64(0xc0_417);
+        for trial in 0..50u64 {
+            let k = rng.random_range(1..=6usize);
+            let ch = rng.random_range(1..=20usize);
+            let n = rng.random_range(1..=24usize);
+            let w = lcg(trial * 3 + 1, ch * k);
+            let x = lcg(trial * 3 + 2, n * ch);
+            let init = lcg(trial * 3 + 3, (k - 1) * ch);
+            let want = naive(&x, n, ch, &w, k, &init);
+            let mut st = init.clone();
+            let mut out = vec![0f32; n * ch];
+            let mut t = 0;
+            while t < n {
+                let len = rng.random_range(1..=n - t);
+                conv1d_silu(
+                    &x[t * ch..(t + len) * ch],
+                    len,
+                    ch,
+                    &w,
+                    k,
+                    &mut st,
+                    &mut out[t * ch..(t + len) * ch],
+                )
+                .unwrap();
+                t += len;
+            }
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "trial {trial}: {a} vs {b}");
+            }
+            let mut seq = init.clone();
+            seq.extend_from_slice(&x);
+            assert_eq!(
+                st[..],
+                seq[seq.len() - (k - 1) * ch..],
+                "trial {trial}: state"
+            );
         }
     }
 

@@ -314,8 +314,7 @@ pub fn delta_rule_chunked(
     for h in 0..nv {
         let o = &scratch[h * per + per - n_tok * dv..(h + 1) * per];
         for t in 0..n_tok {
-            out[(t * nv + h) * dv..(t * nv + h + 1) * dv]
-                .copy_from_slice(&o[t * dv..(t + 1) * dv]);
+            out[(t * nv + h) * dv..(t * nv + h + 1) * dv].copy_from_slice(&o[t * dv..(t + 1) * dv]);
         }
     }
     Ok(())
@@ -528,9 +527,8 @@ mod tests {
                     }
                 }
                 for j in 0..dv {
-                    out[(t * nv + h) * dv + j] = (0..dk)
-                        .map(|i| st[i * dv + j] * q[i] as f64 * scale)
-                        .sum();
+                    out[(t * nv + h) * dv + j] =
+                        (0..dk).map(|i| st[i * dv + j] * q[i] as f64 * scale).sum();
                 }
             }
         }
@@ -594,13 +592,19 @@ mod tests {
         let mut s = [0f32];
         let mut out = [0f32; 2];
         delta_rule_recurrent(shape, &qkv, &g, &beta, 2, &mut s, &mut out).unwrap();
-        assert!((out[0] - 1.0).abs() < 1e-6 && (out[1] - 4.0).abs() < 1e-6, "{out:?}");
+        assert!(
+            (out[0] - 1.0).abs() < 1e-6 && (out[1] - 4.0).abs() < 1e-6,
+            "{out:?}"
+        );
         assert!((s[0] - 4.0).abs() < 1e-6);
         let mut s2 = [0f32];
         let mut o2 = [0f32; 2];
         let mut sc = vec![0f32; chunked_scratch_len(shape, 2, 64)];
         delta_rule_chunked(shape, &qkv, &g, &beta, 2, 64, &mut s2, &mut sc, &mut o2).unwrap();
-        assert!((o2[0] - 1.0).abs() < 1e-6 && (o2[1] - 4.0).abs() < 1e-6, "{o2:?}");
+        assert!(
+            (o2[0] - 1.0).abs() < 1e-6 && (o2[1] - 4.0).abs() < 1e-6,
+            "{o2:?}"
+        );
         assert!((s2[0] - 4.0).abs() < 1e-6);
     }
 
@@ -639,7 +643,10 @@ mod tests {
                 let mut or = vec![0f32; n * shape.value_dim()];
                 delta_rule_recurrent(shape, &c.qkv, &c.g, &c.beta, n, &mut sr, &mut or).unwrap();
                 for (a, b) in out.iter().zip(&or) {
-                    assert!((a - b).abs() <= 2e-4 * (1.0 + b.abs()), "{what}: {a} vs {b}");
+                    assert!(
+                        (a - b).abs() <= 2e-4 * (1.0 + b.abs()),
+                        "{what}: {a} vs {b}"
+                    );
                 }
             }
         }
@@ -685,6 +692,54 @@ mod tests {
     }
 
     #[test]
+    fn random_shapes_chunks_and_splits_agree_with_the_definition() {
+        // Property: however a sequence is cut into calls, and whichever form runs each call
+        // (any chunk length), outputs and final state are the definition's.
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let mut rng = StdRng::seed_from_u64(0x5eed_de17a);
+        for trial in 0..40u64 {
+            let nk = rng.random_range(1..=3usize);
+            let shape = DeltaShape {
+                n_k_heads: nk,
+                n_v_heads: nk * rng.random_range(1..=3usize),
+                head_k: rng.random_range(1..=9usize),
+                head_v: rng.random_range(1..=9usize),
+            };
+            let n = rng.random_range(1..=140usize);
+            let c = case(shape, n, 1000 + trial);
+            let (want_o, want_s) = naive(&c, n);
+            let (w, vd, nv) = (shape.qkv_dim(), shape.value_dim(), shape.n_v_heads);
+            let mut s = c.state.clone();
+            let mut out = vec![0f32; n * vd];
+            let mut t = 0;
+            let mut cuts = Vec::new();
+            while t < n {
+                let len = rng.random_range(1..=n - t);
+                let chunk = [1usize, 3, 16, 64][rng.random_range(0..4usize)];
+                let chunked = rng.random_bool(0.5);
+                cuts.push((len, chunked.then_some(chunk)));
+                let (qkv, g, beta) = (
+                    &c.qkv[t * w..(t + len) * w],
+                    &c.g[t * nv..(t + len) * nv],
+                    &c.beta[t * nv..(t + len) * nv],
+                );
+                let o = &mut out[t * vd..(t + len) * vd];
+                if chunked {
+                    let mut sc = vec![0f32; chunked_scratch_len(shape, len, chunk)];
+                    delta_rule_chunked(shape, qkv, g, beta, len, chunk, &mut s, &mut sc, o)
+                        .unwrap();
+                } else {
+                    delta_rule_recurrent(shape, qkv, g, beta, len, &mut s, o).unwrap();
+                }
+                t += len;
+            }
+            let what = format!("trial {trial} {shape:?} n {n} cuts {cuts:?}");
+            close(&format!("{what} out"), &out, &want_o, 3e-4);
+            close(&format!("{what} state"), &s, &want_s, 3e-4);
+        }
+    }
+
+    #[test]
     fn gates_and_l2norm_hand_values() {
         // 1 key head, 2 value heads: ba row = [b0, b1, a0, a1].
         let shape = DeltaShape {
@@ -720,8 +775,15 @@ mod tests {
         let mut x = [3.0f32, 4.0, 0.0, 0.0];
         l2norm_heads_inplace(&mut x, 2, 1e-6).unwrap();
         // 3 / sqrt(25 + 1e-6), 4 / sqrt(25 + 1e-6)
-        assert!((x[0] - 0.6).abs() < 1e-7 && (x[1] - 0.8).abs() < 1e-7, "{x:?}");
-        assert_eq!(&x[2..], &[0.0, 0.0], "a zero head stays zero (eps keeps it finite)");
+        assert!(
+            (x[0] - 0.6).abs() < 1e-7 && (x[1] - 0.8).abs() < 1e-7,
+            "{x:?}"
+        );
+        assert_eq!(
+            &x[2..],
+            &[0.0, 0.0],
+            "a zero head stays zero (eps keeps it finite)"
+        );
         assert!(l2norm_heads_inplace(&mut x, 3, 1e-6).is_err());
     }
 
@@ -761,8 +823,7 @@ mod tests {
             n_v_heads: 3,
             ..shape
         };
-        let e = delta_rule_recurrent(bad, &c.qkv, &c.g, &c.beta, n, &mut s, &mut out)
-            .unwrap_err();
+        let e = delta_rule_recurrent(bad, &c.qkv, &c.g, &c.beta, n, &mut s, &mut out).unwrap_err();
         assert!(e.to_string().contains("n_v_heads"), "{e}");
     }
 }

@@ -83,7 +83,10 @@ mod tests {
         let mut o = [0f32; 2];
         rmsnorm_zero_centred_rows(&[3.0, 4.0], &[0.0, 1.0], 0.0, 1, &mut o).unwrap();
         let r = 12.5f32.sqrt();
-        assert!((o[0] - 3.0 / r).abs() < 1e-6 && (o[1] - 8.0 / r).abs() < 1e-6, "{o:?}");
+        assert!(
+            (o[0] - 3.0 / r).abs() < 1e-6 && (o[1] - 8.0 / r).abs() < 1e-6,
+            "{o:?}"
+        );
         // Against the plain norm with the converter's stored 1 + w, over several rows.
         let x: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin()).collect();
         let w: Vec<f32> = (0..8).map(|i| 0.1 * (i as f32 - 3.5)).collect();

@@ -35,7 +35,11 @@ impl SharedExpert<'_> {
             return bad("ffn_gate_inp_shexp cols (n_embd)", e, self.gate_inp.cols);
         }
         if (self.up.cols, self.up.rows) != (e, f) {
-            return bad("ffn_up_shexp (the gate's shape)", e * f, self.up.cols * self.up.rows);
+            return bad(
+                "ffn_up_shexp (the gate's shape)",
+                e * f,
+                self.up.cols * self.up.rows,
+            );
         }
         if (self.down.cols, self.down.rows) != (f, e) {
             return bad(
@@ -66,7 +70,12 @@ impl SharedExpert<'_> {
         let (e, f) = self.check()?;
         need("shared expert", "x", n_tok * e, x.len())?;
         need("shared expert", "out", n_tok * e, out.len())?;
-        need("shared expert", "scratch", self.scratch_len(n_tok), scratch.len())?;
+        need(
+            "shared expert",
+            "scratch",
+            self.scratch_len(n_tok),
+            scratch.len(),
+        )?;
         let (hg, rest) = scratch.split_at_mut(n_tok * f);
         let (hu, rest) = rest.split_at_mut(n_tok * f);
         let (d, rest) = rest.split_at_mut(n_tok * e);
@@ -81,7 +90,10 @@ impl SharedExpert<'_> {
         matmul(&self.gate_inp, x, n_tok, s, tmp)?;
         for t in 0..n_tok {
             let w = 1.0 / (1.0 + (-s[t]).exp());
-            for (o, v) in out[t * e..(t + 1) * e].iter_mut().zip(&d[t * e..(t + 1) * e]) {
+            for (o, v) in out[t * e..(t + 1) * e]
+                .iter_mut()
+                .zip(&d[t * e..(t + 1) * e])
+            {
                 *o += w * v;
             }
         }
