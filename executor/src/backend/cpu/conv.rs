@@ -85,11 +85,12 @@ fn roll_state(x: &[f32], n_tok: usize, channels: usize, hist: usize, state: &mut
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn lcg(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed;
+    /// `n` deterministic values in [-1, 1) from `seed` (an LCG; the CPU op tests share it).
+    pub(in crate::backend::cpu) fn lcg(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {
                 s = s

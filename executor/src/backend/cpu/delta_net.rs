@@ -106,7 +106,6 @@ fn sigmoid(x: f32) -> f32 {
 /// `in_proj_ba` order: per key head, its `r = n_v_heads / n_k_heads` b values then its `r` a
 /// values): `beta = sigmoid(b)`, `g = ssm_a · softplus(a + dt_bias)` with `ssm_a =
 /// −exp(A_log)` as llama.cpp stores it.
-#[allow(clippy::too_many_arguments)]
 pub fn gates(
     shape: DeltaShape,
     ba: &[f32],
@@ -173,23 +172,33 @@ pub fn l2norm_qk_inplace(
     Ok(())
 }
 
-fn check_io(
-    op: &'static str,
-    shape: DeltaShape,
-    qkv: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    n_tok: usize,
-    state: &[f32],
-    out: &[f32],
-) -> Result<(), OpError> {
-    shape.check(op)?;
-    need(op, "qkv", n_tok * shape.qkv_dim(), qkv.len())?;
-    need(op, "g", n_tok * shape.n_v_heads, g.len())?;
-    need(op, "beta", n_tok * shape.n_v_heads, beta.len())?;
-    need(op, "state", shape.state_len(), state.len())?;
-    need(op, "out", n_tok * shape.value_dim(), out.len())?;
-    Ok(())
+/// One call's inputs: `n_tok` tokens of conv output (`qkv`, q and k l2-normalized) and their
+/// per-head gates.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaInputs<'a> {
+    pub qkv: &'a [f32],
+    pub g: &'a [f32],
+    pub beta: &'a [f32],
+    pub n_tok: usize,
+}
+
+impl DeltaInputs<'_> {
+    fn check(
+        &self,
+        op: &'static str,
+        shape: DeltaShape,
+        state: &[f32],
+        out: &[f32],
+    ) -> Result<(), OpError> {
+        shape.check(op)?;
+        let n = self.n_tok;
+        need(op, "qkv", n * shape.qkv_dim(), self.qkv.len())?;
+        need(op, "g", n * shape.n_v_heads, self.g.len())?;
+        need(op, "beta", n * shape.n_v_heads, self.beta.len())?;
+        need(op, "state", shape.state_len(), state.len())?;
+        need(op, "out", n * shape.value_dim(), out.len())?;
+        Ok(())
+    }
 }
 
 #[inline]
@@ -199,17 +208,19 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// The gated delta rule token by token (the decode step; any `n_tok`), parallel over value
 /// heads. `qkv` holds l2-normalized q and k (see [`l2norm_qk_inplace`]).
-#[allow(clippy::too_many_arguments)]
 pub fn delta_rule_recurrent(
     shape: DeltaShape,
-    qkv: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    n_tok: usize,
+    inp: DeltaInputs<'_>,
     state: &mut [f32],
     out: &mut [f32],
 ) -> Result<(), OpError> {
-    check_io("delta rule", shape, qkv, g, beta, n_tok, state, out)?;
+    inp.check("delta rule", shape, state, out)?;
+    let DeltaInputs {
+        qkv,
+        g,
+        beta,
+        n_tok,
+    } = inp;
     let (nv, dk, dv) = (shape.n_v_heads, shape.head_k, shape.head_v);
     let (w, scale) = (shape.qkv_dim(), 1.0 / (dk as f32).sqrt());
     for t in 0..n_tok {
@@ -262,19 +273,16 @@ fn per_head_scratch(shape: DeltaShape, n_tok: usize, chunk: usize) -> usize {
 /// tril₋₁((β k) kᵀ ⊙ e^{γᵢ−γⱼ}))⁻¹` by forward substitution, `u = T (β v)`,
 /// `w = T (β k ⊙ e^γ)`, then against the state carried in: `v' = u − w S`,
 /// `o = (q ⊙ e^γ) S + tril₀(q kᵀ ⊙ e^{γᵢ−γⱼ}) v'`, `S ← e^{γ_L} S + (k ⊙ e^{γ_L−γ})ᵀ v'`.
-#[allow(clippy::too_many_arguments)]
 pub fn delta_rule_chunked(
     shape: DeltaShape,
-    qkv: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    n_tok: usize,
+    inp: DeltaInputs<'_>,
     chunk: usize,
     state: &mut [f32],
     scratch: &mut [f32],
     out: &mut [f32],
 ) -> Result<(), OpError> {
-    check_io("delta rule chunked", shape, qkv, g, beta, n_tok, state, out)?;
+    inp.check("delta rule chunked", shape, state, out)?;
+    let n_tok = inp.n_tok;
     if chunk == 0 {
         return Err(OpError::Shape {
             op: "delta rule chunked",
@@ -296,13 +304,7 @@ pub fn delta_rule_chunked(
         .zip(scratch[..nv * per].par_chunks_mut(per))
         .enumerate()
         .for_each(|(h, (s, sc))| {
-            let io = HeadIo {
-                shape,
-                h,
-                qkv,
-                g,
-                beta,
-            };
+            let io = HeadIo { shape, h, inp };
             let mut t0 = 0;
             while t0 < n_tok {
                 let len = chunk.min(n_tok - t0);
@@ -324,21 +326,19 @@ pub fn delta_rule_chunked(
 struct HeadIo<'a> {
     shape: DeltaShape,
     h: usize,
-    qkv: &'a [f32],
-    g: &'a [f32],
-    beta: &'a [f32],
+    inp: DeltaInputs<'a>,
 }
 
 impl HeadIo<'_> {
     fn qkv(&self, t: usize) -> (&[f32], &[f32], &[f32]) {
         let w = self.shape.qkv_dim();
-        self.shape.qkv_of(&self.qkv[t * w..(t + 1) * w], self.h)
+        self.shape.qkv_of(&self.inp.qkv[t * w..(t + 1) * w], self.h)
     }
     fn g(&self, t: usize) -> f32 {
-        self.g[t * self.shape.n_v_heads + self.h]
+        self.inp.g[t * self.shape.n_v_heads + self.h]
     }
     fn beta(&self, t: usize) -> f32 {
-        self.beta[t * self.shape.n_v_heads + self.h]
+        self.inp.beta[t * self.shape.n_v_heads + self.h]
     }
 }
 
@@ -450,18 +450,16 @@ fn chunk_step(
 
 #[cfg(test)]
 mod tests {
+    use super::super::conv::tests::lcg;
     use super::*;
 
-    fn lcg(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+    fn di<'a>(qkv: &'a [f32], g: &'a [f32], beta: &'a [f32], n_tok: usize) -> DeltaInputs<'a> {
+        DeltaInputs {
+            qkv,
+            g,
+            beta,
+            n_tok,
+        }
     }
 
     /// Random normalized q/k, v, gates in a plausible range, and an initial state.
@@ -591,7 +589,7 @@ mod tests {
         let beta = [0.5f32, 1.0];
         let mut s = [0f32];
         let mut out = [0f32; 2];
-        delta_rule_recurrent(shape, &qkv, &g, &beta, 2, &mut s, &mut out).unwrap();
+        delta_rule_recurrent(shape, di(&qkv, &g, &beta, 2), &mut s, &mut out).unwrap();
         assert!(
             (out[0] - 1.0).abs() < 1e-6 && (out[1] - 4.0).abs() < 1e-6,
             "{out:?}"
@@ -600,7 +598,7 @@ mod tests {
         let mut s2 = [0f32];
         let mut o2 = [0f32; 2];
         let mut sc = vec![0f32; chunked_scratch_len(shape, 2, 64)];
-        delta_rule_chunked(shape, &qkv, &g, &beta, 2, 64, &mut s2, &mut sc, &mut o2).unwrap();
+        delta_rule_chunked(shape, di(&qkv, &g, &beta, 2), 64, &mut s2, &mut sc, &mut o2).unwrap();
         assert!(
             (o2[0] - 1.0).abs() < 1e-6 && (o2[1] - 4.0).abs() < 1e-6,
             "{o2:?}"
@@ -616,7 +614,7 @@ mod tests {
             let (want_o, want_s) = naive(&c, n);
             let mut s = c.state.clone();
             let mut out = vec![0f32; n * shape.value_dim()];
-            delta_rule_recurrent(shape, &c.qkv, &c.g, &c.beta, n, &mut s, &mut out).unwrap();
+            delta_rule_recurrent(shape, di(&c.qkv, &c.g, &c.beta, n), &mut s, &mut out).unwrap();
             close("recurrent out", &out, &want_o, 1e-4);
             close("recurrent state", &s, &want_s, 1e-4);
         }
@@ -632,7 +630,12 @@ mod tests {
                 let mut out = vec![0f32; n * shape.value_dim()];
                 let mut sc = vec![0f32; chunked_scratch_len(shape, n, chunk)];
                 delta_rule_chunked(
-                    shape, &c.qkv, &c.g, &c.beta, n, chunk, &mut s, &mut sc, &mut out,
+                    shape,
+                    di(&c.qkv, &c.g, &c.beta, n),
+                    chunk,
+                    &mut s,
+                    &mut sc,
+                    &mut out,
                 )
                 .unwrap();
                 let what = format!("shape {i} n {n} chunk {chunk}");
@@ -641,7 +644,8 @@ mod tests {
 
                 let mut sr = c.state.clone();
                 let mut or = vec![0f32; n * shape.value_dim()];
-                delta_rule_recurrent(shape, &c.qkv, &c.g, &c.beta, n, &mut sr, &mut or).unwrap();
+                delta_rule_recurrent(shape, di(&c.qkv, &c.g, &c.beta, n), &mut sr, &mut or)
+                    .unwrap();
                 for (a, b) in out.iter().zip(&or) {
                     assert!(
                         (a - b).abs() <= 2e-4 * (1.0 + b.abs()),
@@ -665,10 +669,7 @@ mod tests {
         let mut sc = vec![0f32; chunked_scratch_len(shape, 70, CHUNK)];
         delta_rule_chunked(
             shape,
-            &c.qkv[..70 * w],
-            &c.g[..70 * nv],
-            &c.beta[..70 * nv],
-            70,
+            di(&c.qkv[..70 * w], &c.g[..70 * nv], &c.beta[..70 * nv], 70),
             CHUNK,
             &mut s,
             &mut sc,
@@ -678,10 +679,12 @@ mod tests {
         for t in 70..n {
             delta_rule_recurrent(
                 shape,
-                &c.qkv[t * w..(t + 1) * w],
-                &c.g[t * nv..(t + 1) * nv],
-                &c.beta[t * nv..(t + 1) * nv],
-                1,
+                di(
+                    &c.qkv[t * w..(t + 1) * w],
+                    &c.g[t * nv..(t + 1) * nv],
+                    &c.beta[t * nv..(t + 1) * nv],
+                    1,
+                ),
                 &mut s,
                 &mut out[t * vd..(t + 1) * vd],
             )
@@ -726,10 +729,10 @@ mod tests {
                 let o = &mut out[t * vd..(t + len) * vd];
                 if chunked {
                     let mut sc = vec![0f32; chunked_scratch_len(shape, len, chunk)];
-                    delta_rule_chunked(shape, qkv, g, beta, len, chunk, &mut s, &mut sc, o)
+                    delta_rule_chunked(shape, di(qkv, g, beta, len), chunk, &mut s, &mut sc, o)
                         .unwrap();
                 } else {
-                    delta_rule_recurrent(shape, qkv, g, beta, len, &mut s, o).unwrap();
+                    delta_rule_recurrent(shape, di(qkv, g, beta, len), &mut s, o).unwrap();
                 }
                 t += len;
             }
@@ -807,15 +810,20 @@ mod tests {
         let c = case(shape, n, 1);
         let mut s = c.state.clone();
         let mut out = vec![0f32; n * shape.value_dim()];
-        let e = delta_rule_recurrent(shape, &c.qkv[1..], &c.g, &c.beta, n, &mut s, &mut out)
+        let e = delta_rule_recurrent(shape, di(&c.qkv[1..], &c.g, &c.beta, n), &mut s, &mut out)
             .unwrap_err();
         assert!(e.to_string().contains("qkv"), "{e}");
-        let e = delta_rule_recurrent(shape, &c.qkv, &c.g, &c.beta, n, &mut s[1..], &mut out)
+        let e = delta_rule_recurrent(shape, di(&c.qkv, &c.g, &c.beta, n), &mut s[1..], &mut out)
             .unwrap_err();
         assert!(e.to_string().contains("state"), "{e}");
         let mut sc = vec![0f32; chunked_scratch_len(shape, n, 64) - 1];
         let e = delta_rule_chunked(
-            shape, &c.qkv, &c.g, &c.beta, n, 64, &mut s, &mut sc, &mut out,
+            shape,
+            di(&c.qkv, &c.g, &c.beta, n),
+            64,
+            &mut s,
+            &mut sc,
+            &mut out,
         )
         .unwrap_err();
         assert!(e.to_string().contains("scratch"), "{e}");
@@ -823,7 +831,8 @@ mod tests {
             n_v_heads: 3,
             ..shape
         };
-        let e = delta_rule_recurrent(bad, &c.qkv, &c.g, &c.beta, n, &mut s, &mut out).unwrap_err();
+        let e =
+            delta_rule_recurrent(bad, di(&c.qkv, &c.g, &c.beta, n), &mut s, &mut out).unwrap_err();
         assert!(e.to_string().contains("n_v_heads"), "{e}");
     }
 }
