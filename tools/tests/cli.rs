@@ -118,3 +118,70 @@ fn bad_input_exits_1_with_a_message() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("--type q6_k"));
     assert!(!out.exists());
 }
+
+#[test]
+fn random_qwen3next_from_flags_reads_back_as_llama_cpp_lays_it_out() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("next.gguf");
+    let flags = [
+        "random",
+        "--arch",
+        "qwen3next",
+        "--preset",
+        "Q8_0",
+        "--layers",
+        "4",
+        "--embd",
+        "64",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "32",
+        "--experts",
+        "4",
+        "--experts-used",
+        "2",
+        "--ff-exp",
+        "32",
+        "--ff-shexp",
+        "32",
+        "--vocab",
+        "64",
+        "--ssm-state",
+        "16",
+        "--ssm-groups",
+        "2",
+        "--ssm-heads",
+        "4",
+        "--ssm-inner",
+        "64",
+        "--out",
+    ];
+    let o = bin().args(flags).arg(&out).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // The GGUF reader checks every tensor and shape against the qwen3next layout.
+    let (inv, f) = strata_schemas::gguf::model::load_gguf_model(&out).unwrap();
+    let hp = &inv.hparams;
+    assert_eq!((hp.n_layer, hp.nextn_predict_layers), (4, 1));
+    assert_eq!(hp.full_attention_interval, Some(4));
+    assert_eq!(hp.rope_dim, Some(8), "a quarter of the 32-dim head");
+    assert!(f.tensor("blk.0.attn_qkv.weight").is_some());
+    assert!(f.tensor("blk.3.attn_q.weight").is_some());
+    assert!(f.tensor("blk.4.nextn.eh_proj.weight").is_some());
+    assert_eq!(f.get_u64("qwen3next.block_count").unwrap(), Some(5));
+    // A value head dim other than the key head dim is refused (llama.cpp needs them equal).
+    let mut bad = flags.to_vec();
+    let i = bad.iter().position(|a| *a == "--ssm-inner").unwrap();
+    bad[i + 1] = "128";
+    let o = bin()
+        .args(&bad)
+        .arg(d.path().join("bad.gguf"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("ssm.inner_size"), "{err}");
+}

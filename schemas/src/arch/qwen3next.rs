@@ -82,6 +82,18 @@ pub(super) fn validate(hp: &HParams) -> Result<(), InventoryError> {
             ),
         ));
     }
+    if s.inner_size / s.time_step_rank != s.state_size {
+        return Err(bad(
+            "ssm.inner_size",
+            format!(
+                "value head dim {} (inner_size {} / time_step_rank {}) differs from the key head dim (state_size {}); llama.cpp's qwen3next needs them equal",
+                s.inner_size / s.time_step_rank,
+                s.inner_size,
+                s.time_step_rank,
+                s.state_size
+            ),
+        ));
+    }
     if hp.head_dim_k != hp.head_dim_v {
         return Err(bad(
             "head_dim_v",
@@ -325,6 +337,15 @@ mod tests {
             validate(&hp),
             Err(InventoryError::BadHParam { key, .. }) if key == "ssm.time_step_rank"
         ));
+        let mut hp = qwen3_next();
+        if let Some(s) = hp.ssm.as_mut() {
+            s.inner_size = 32 * 64;
+        }
+        let e = validate(&hp).unwrap_err();
+        assert!(
+            matches!(&e, InventoryError::BadHParam { key, .. } if key == "ssm.inner_size"),
+            "{e:?}"
+        );
         let mut hp = qwen3_next();
         hp.full_attention_interval = Some(0);
         assert!(matches!(

@@ -5,6 +5,7 @@
 //! [`read`]; its tensors lie inside their part's data section and never overlap.
 
 pub mod convert;
+pub mod hf_sources;
 pub mod metadata;
 pub mod mmproj;
 pub mod model;

@@ -463,18 +463,26 @@ impl Cfg<'_> {
     }
 
     fn rope_theta(&self) -> Result<Option<f64>, SafetensorsError> {
-        if let Some(t) = self.f64_opt("rope_theta")? {
+        self.rope_f64("rope_theta")
+    }
+
+    /// A RoPE setting at the top level (transformers 4) or, failing that, nested in
+    /// `rope_parameters` (transformers 5 moves `rope_theta` and `partial_rotary_factor` there).
+    fn rope_f64(&self, key: &str) -> Result<Option<f64>, SafetensorsError> {
+        if let Some(t) = self.f64_opt(key)? {
             return Ok(Some(t));
         }
-        // Newer transformers nest it: "rope_parameters": {"rope_theta": ...}.
         match self.m.get("rope_parameters") {
-            Some(Value::Object(p)) => match p.get("rope_theta") {
+            Some(Value::Object(p)) => match p.get(key) {
                 None | Some(Value::Null) => Ok(None),
                 Some(Value::Number(n)) => match n.as_f64() {
                     Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v)),
-                    _ => Err(self.err("rope_parameters.rope_theta", "must be a positive number")),
+                    _ => Err(self.err(
+                        &format!("rope_parameters.{key}"),
+                        "must be a positive number",
+                    )),
                 },
-                Some(_) => Err(self.err("rope_parameters.rope_theta", "must be a number")),
+                Some(_) => Err(self.err(&format!("rope_parameters.{key}"), "must be a number")),
             },
             _ => Ok(None),
         }
@@ -535,7 +543,7 @@ impl Cfg<'_> {
 
         let (full_attention_interval, ssm, rope_dim) = match arch {
             Arch::Qwen3Moe => {
-                let rope_dim = match self.f64_opt("partial_rotary_factor")? {
+                let rope_dim = match self.rope_f64("partial_rotary_factor")? {
                     Some(f) if f < 1.0 => Some((head_dim as f64 * f) as u64),
                     _ => None,
                 };
@@ -558,7 +566,7 @@ impl Cfg<'_> {
                     time_step_rank: nv,
                     inner_size: self.pos("linear_value_head_dim")? * nv,
                 };
-                let f = self.f64_opt("partial_rotary_factor")?.unwrap_or(0.25);
+                let f = self.rope_f64("partial_rotary_factor")?.unwrap_or(0.25);
                 if f > 1.0 {
                     return Err(self.err("partial_rotary_factor", "must be at most 1"));
                 }

@@ -41,7 +41,12 @@ enum Cmd {
     /// Weights are written as F32, F16, BF16, Q8_0 or Q4_K; presets needing other types
     /// (Q4_K_M's Q6_K, IQ3_S) fail unless --zero-unsupported.
     Random(RandomArgs),
-    /// Convert a Hugging Face qwen3moe folder (F32/F16/BF16 safetensors) to GGUF.
+    /// Convert a Hugging Face Qwen3-MoE or Qwen3-Next folder (F32/F16/BF16 safetensors) to
+    /// the GGUF llama.cpp's converter writes.
+    ///
+    /// Qwen3-Next: norms stored +1, A_log as ssm_a = -exp(A_log), in_proj_qkvz regrouped into
+    /// attn_qkv + attn_gate, the MTP block (mtp.*) as block n_layer with its nextn.* tensors
+    /// (docs/QWEN3NEXT.md). A folder tensor with no place in the GGUF is an error.
     Convert(ConvertArgs),
 }
 
@@ -132,7 +137,7 @@ struct RandomArgs {
 struct ConvertArgs {
     /// Hugging Face model folder (config.json + model.safetensors or an index and shards).
     dir: PathBuf,
-    /// Matrix type: f32, f16, bf16, q8_0, q4_k (norms and the router stay F32).
+    /// Matrix type: f32, f16, bf16, q8_0, q4_k (norms, routers and ssm_conv1d stay F32).
     #[arg(long = "type", default_value = "q8_0")]
     ty: String,
     /// Output file.
