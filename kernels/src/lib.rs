@@ -300,7 +300,11 @@ mod tests {
     #[test]
     fn cuda_only_modules_are_wholly_guarded() {
         for k in all().iter().filter(|k| k.cuda_only) {
-            let body = k.source.split(&format!("// ---- {}.cu ----", k.name)).nth(1).unwrap();
+            let body = k
+                .source
+                .split(&format!("// ---- {}.cu ----", k.name))
+                .nth(1)
+                .unwrap();
             let first = body
                 .lines()
                 .find(|l| l.starts_with('#'))

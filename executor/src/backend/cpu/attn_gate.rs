@@ -5,7 +5,7 @@
 //! Invariant: HF's `Qwen3NextAttention` split (`view(..., n_head, 2·head_dim)` then `chunk(2)`)
 //! and llama.cpp's views of the same tensor pick the same elements; shapes are checked first.
 
-use super::{need, OpError};
+use super::ops::{need, OpError};
 
 /// Split the `attn_q` output (`n_tok × n_head × 2·head_dim`: per head the query then the gate)
 /// into `q` and `gate` (each `n_tok × n_head × head_dim`).

@@ -12,7 +12,7 @@
 //! is state row `k - 1 + τ`: HF's `F.silu(conv1d(x, padding = k - 1)[..., :n_tok])` and its
 //! `torch_causal_conv1d_update`, and llama.cpp's `ggml_ssm_conv` over `concat(state, x)`.
 
-use super::{need, silu, OpError};
+use super::ops::{need, silu, OpError};
 use rayon::prelude::*;
 
 /// Run the conv over `n_tok` tokens of `channels` channels (`weight` is `channels × k`) and

@@ -18,7 +18,7 @@
 //! n_v_heads·head_v` (all q heads, all k heads, all v heads: llama.cpp's `attn_qkv` order);
 //! `g` and `beta` are `n_tok × n_v_heads`; `out` is `n_tok × n_v_heads × head_v`.
 
-use super::{need, OpError};
+use super::ops::{need, OpError};
 use rayon::prelude::*;
 
 /// Head counts and sizes of a gated delta net layer (llama.cpp's `ssm.*` keys).

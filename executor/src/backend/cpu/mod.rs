@@ -7,9 +7,14 @@
 //! cache; a token's result never depends on the other tokens of its pass; nothing is
 //! allocated per pass.
 
+pub mod attn_gate;
+pub mod conv;
+pub mod delta_net;
 pub mod kv;
+pub mod norms;
 pub mod ops;
 pub mod scratch;
+pub mod shared_expert;
 
 pub use ops::{AttnShape, Matrix, OpError, Rope, Yarn};
 

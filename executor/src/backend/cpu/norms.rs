@@ -1,11 +1,11 @@
 //! Qwen3-Next's two RMSNorm variants: the zero-centred one (HF stores `w`, multiplies by
-//! `1 + w`; llama.cpp's converter stores `w + 1` so the plain [`super::rmsnorm`] applies) and
+//! `1 + w`; llama.cpp's converter stores `w + 1` so the plain [`super::ops::rmsnorm`] applies) and
 //! the gated one on the delta net's output (`w · norm(x) · silu(z)` per value head, `w` stored
 //! as is by both).
 //! Invariant: the same math as HF's float32 `Qwen3NextRMSNorm` / `Qwen3NextRMSNormGated`
 //! (sum of squares in f64 like the other CPU norms); shapes are checked before any write.
 
-use super::{need, silu, OpError};
+use super::ops::{need, silu, OpError};
 
 /// `1/sqrt(mean(x²) + eps)` of one row.
 fn inv_rms(x: &[f32], eps: f32) -> f32 {
@@ -74,7 +74,7 @@ pub fn gated_rmsnorm_heads(
 
 #[cfg(test)]
 mod tests {
-    use super::super::rmsnorm_rows;
+    use super::super::ops::rmsnorm_rows;
     use super::*;
 
     #[test]

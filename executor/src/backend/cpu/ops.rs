@@ -4,12 +4,6 @@
 //! Invariant: every op checks its shapes before it starts, writes only its output slices and
 //! allocates nothing; a token's result never depends on the other tokens of its batch.
 
-pub mod attn_gate;
-pub mod conv;
-pub mod delta_net;
-pub mod norms;
-pub mod shared_expert;
-
 use crate::quant::{self, QuantError};
 use rayon::prelude::*;
 use strata_schemas::ggml::GgmlType;
@@ -34,7 +28,12 @@ pub enum OpError {
     },
 }
 
-fn need(op: &'static str, what: &'static str, expected: usize, got: usize) -> Result<(), OpError> {
+pub(crate) fn need(
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), OpError> {
     if got < expected {
         return Err(OpError::Shape {
             op,

@@ -5,7 +5,7 @@
 //! nothing (scratch from [`SharedExpert::scratch_len`]) and a token's result does not depend
 //! on the other tokens of its batch.
 
-use super::{matmul, need, silu, Matrix, OpError};
+use super::ops::{matmul, need, silu, Matrix, OpError};
 
 /// The shared expert's four weights (GGUF dims: `ffn_gate_inp_shexp [n_embd]` or
 /// `[n_embd, 1]`, `ffn_{gate,up}_shexp [n_embd, n_ff]`, `ffn_down_shexp [n_ff, n_embd]`).

@@ -14,11 +14,11 @@ use super::{CudaDevice, CudaError, DeviceView};
 use cudarc::driver::{CudaEvent, LaunchConfig};
 use strata_schemas::ggml::GgmlType;
 
+use strata_kernels::consts as kc;
 pub use strata_kernels::consts::{
     ATT_MAX_D, DA_MAXG as ATT_MAX_GROUP, DA_MAX_SPLIT as ATT_MAX_SPLIT, DQ_DOWN_MAXK, DQ_MAX_TOK,
     DQ_WARPS, SP_MAX_VOCAB as SAMPLE_MAX_VOCAB,
 };
-use strata_kernels::consts as kc;
 
 /// The widest rows of the register path of the one-token products (`DQ_XR_PIECES` 16-column
 /// pieces per lane of a 32-wide warp).
