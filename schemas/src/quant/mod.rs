@@ -703,6 +703,59 @@ mod tests {
         assert!(rel < 0.10, "relative RMS error {rel}");
     }
 
+    /// Relative RMS error of a quantize -> dequantize round trip of ~N(0, 1) data.
+    fn round_trip_error(ty: GgmlType, x: &[f32]) -> f64 {
+        let mut q = Vec::new();
+        quantize_row(ty, x, &mut q).unwrap();
+        assert_eq!(q.len(), row_bytes(ty, x.len()).unwrap());
+        let mut y = vec![0f32; x.len()];
+        dequantize_row(ty, &q, &mut y).unwrap();
+        let se: f64 = x.iter().zip(&y).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+        let sx: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
+        (se / sx).sqrt()
+    }
+
+    #[test]
+    fn every_quantizer_round_trips_within_its_type_tolerance() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let x = randn(&mut rng, 256 * 16, 1.0);
+        // Bounds: measured errors (x ~ sum of 4 uniforms) with about 25% headroom; the order
+        // follows bits per weight.
+        for (ty, bound) in [
+            (GgmlType::F32, 0.0),
+            (GgmlType::F16, 3e-4),
+            (GgmlType::BF16, 2.5e-3),
+            (GgmlType::Q8_0, 0.0065),
+            (GgmlType::Q6K, 0.021),
+            (GgmlType::Q5_0, 0.05),
+            (GgmlType::Q5_1, 0.045),
+            (GgmlType::Q5K, 0.044),
+            (GgmlType::Q4_0, 0.1),
+            (GgmlType::Q4_1, 0.093),
+            (GgmlType::Q4K, 0.086),
+            (GgmlType::Iq4Nl, 0.098),
+            (GgmlType::MXFP4, 0.14),
+        ] {
+            let e = round_trip_error(ty, &x);
+            eprintln!("{ty}: relative RMS error {e:.4}");
+            assert!(e <= bound, "{ty}: relative RMS error {e} > {bound}");
+        }
+        assert_eq!(QUANTIZABLE.len(), 13, "every quantizer is covered above");
+        // All-zero input gives all-zero values (finite scales, no NaN).
+        for &ty in QUANTIZABLE {
+            let z = vec![0f32; 256];
+            let mut q = Vec::new();
+            quantize_row(ty, &z, &mut q).unwrap();
+            let mut y = vec![1f32; 256];
+            dequantize_row(ty, &q, &mut y).unwrap();
+            assert!(y.iter().all(|v| *v == 0.0), "{ty}");
+        }
+        assert_eq!(
+            quantize_row(GgmlType::Iq3S, &x[..256], &mut Vec::new()),
+            Err(QuantError::NoQuantizer { ty: GgmlType::Iq3S })
+        );
+    }
+
     #[test]
     fn q4_k_requantize_is_stable() {
         let mut rng = StdRng::seed_from_u64(4);
