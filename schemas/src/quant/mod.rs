@@ -710,7 +710,11 @@ mod tests {
         assert_eq!(q.len(), row_bytes(ty, x.len()).unwrap());
         let mut y = vec![0f32; x.len()];
         dequantize_row(ty, &q, &mut y).unwrap();
-        let se: f64 = x.iter().zip(&y).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+        let se: f64 = x
+            .iter()
+            .zip(&y)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
         let sx: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
         (se / sx).sqrt()
     }
