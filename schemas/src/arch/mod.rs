@@ -19,7 +19,6 @@ pub use recipe::{
 };
 use recipe::{n_dims, RecipeCtx};
 
-use crate::ggml::GgmlType;
 use crate::inventory::{HParams, InventoryError, TensorInfo, TensorRole};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -388,6 +387,7 @@ pub fn check_tensors(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::ggml::GgmlType;
     use crate::inventory::ModelInventory;
     pub(crate) use crate::known::{qwen3_30b_a3b as qwen3_30b, qwen3_next_80b_a3b as qwen3_next};
 

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod metadata;
 pub mod mmproj;
 pub mod model;
+pub mod quantize;
 pub mod random;
 pub mod read;
 #[cfg(test)]

@@ -6,6 +6,9 @@
 //! decode to finite values when the f16 scales are finite: every index field is as wide as its
 //! table.
 
+// Loops index by element number on purpose: the index arithmetic is the bit layout.
+#![allow(clippy::needless_range_loop)]
+
 use super::tables::{
     IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
     KVALUES_IQ4NL, KVALUES_MXFP4,

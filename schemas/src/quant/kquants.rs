@@ -4,6 +4,9 @@
 //! Invariant: every function takes exactly one super-block; the decoders compute each value
 //! with the same f32 operations in the same order as gguf-py's `dequantize` (bit-identical).
 
+// Loops index by element number on purpose: the index arithmetic is the bit layout.
+#![allow(clippy::needless_range_loop)]
+
 use super::{rd_f16, wr_f16};
 
 /// Elements per K-quant super-block.

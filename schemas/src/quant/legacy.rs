@@ -4,6 +4,9 @@
 //! the decoders compute each value with the same f32 operations in the same order as gguf-py's
 //! `dequantize`, so results are bit-identical to it.
 
+// Loops index by element number on purpose: the index arithmetic is the bit layout.
+#![allow(clippy::needless_range_loop)]
+
 use super::{rd_f16, wr_f16};
 
 /// Elements per legacy block.
