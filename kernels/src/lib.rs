@@ -113,6 +113,15 @@ const RAW: &[Raw] = &[
         entry_points: &["sample_rows"],
     },
     Raw {
+        name: "dequant",
+        body: concat!(
+            include_str!("../cuda/quant_tables.cuh"),
+            include_str!("../cuda/quants.cuh"),
+            include_str!("../cuda/dequant.cu")
+        ),
+        entry_points: &["dequant_rows", "mv_any"],
+    },
+    Raw {
         name: "flash",
         body: include_str!("../cuda/flash.cu"),
         entry_points: &["fa_prefill"],

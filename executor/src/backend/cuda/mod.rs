@@ -14,6 +14,7 @@ pub mod handoff;
 pub mod layout;
 pub mod ops;
 pub mod probe;
+pub mod quants;
 
 pub use arena::{arena_allocations, DeviceArena, DeviceView};
 
