@@ -88,7 +88,11 @@ fn dequant_rows_is_bit_exact_for_every_type() {
                 let got: Vec<f32> = get(d, out, ids.len() * cols);
                 for (k, id) in ids.iter().enumerate() {
                     let want = &deq[*id as usize * cols..(*id as usize + 1) * cols];
-                    assert_eq!(&got[k * cols..(k + 1) * cols], want, "{ty}: gathered row {id}");
+                    assert_eq!(
+                        &got[k * cols..(k + 1) * cols],
+                        want,
+                        "{ty}: gathered row {id}"
+                    );
                 }
                 cases += 1;
             }
@@ -130,8 +134,11 @@ fn mv_any_matches_the_cpu_reference_for_every_type() {
                 for r in 0..rows {
                     let row = &deq[r * cols..(r + 1) * cols];
                     let exact: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-                    let scale: f64 =
-                        row.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                    let scale: f64 = row
+                        .iter()
+                        .zip(&x)
+                        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                        .sum();
                     let err = (got[r] as f64 - exact).abs();
                     worst = worst.max(err / scale.max(1e-30));
                     assert!(

@@ -232,10 +232,15 @@ pub(super) fn quantize_mxfp4(x: &[f32], out: &mut [u8]) {
         0
     };
     out[0] = e;
-    let d = e8m0_half(e);
+    nearest_nibbles(&KVALUES_MXFP4, e8m0_half(e), x, &mut out[1..17]);
+}
+
+/// Each of 32 values as the index of the nearest `d * table[k]` (the first on ties), packed
+/// as nibbles in Q4_0's order into 16 bytes.
+fn nearest_nibbles(table: &[i8; 16], d: f32, x: &[f32], out: &mut [u8]) {
     let q: [u8; 32] = std::array::from_fn(|j| {
         let mut best = (f32::INFINITY, 0u8);
-        for (k, v) in KVALUES_MXFP4.iter().enumerate() {
+        for (k, v) in table.iter().enumerate() {
             let err = (d * *v as f32 - x[j]).abs();
             if err < best.0 {
                 best = (err, k as u8);
@@ -244,7 +249,7 @@ pub(super) fn quantize_mxfp4(x: &[f32], out: &mut [u8]) {
         best.1
     });
     for j in 0..16 {
-        out[1 + j] = q[j] | (q[j + 16] << 4);
+        out[j] = q[j] | (q[j + 16] << 4);
     }
 }
 
@@ -258,19 +263,7 @@ pub(super) fn quantize_iq4_nl(x: &[f32], out: &mut [u8]) {
         }
     }
     let d = wr_f16(out, 0, max / KVALUES_IQ4NL[0] as f32);
-    let q: [u8; 32] = std::array::from_fn(|j| {
-        let mut best = (f32::INFINITY, 0u8);
-        for (k, v) in KVALUES_IQ4NL.iter().enumerate() {
-            let err = (d * *v as f32 - x[j]).abs();
-            if err < best.0 {
-                best = (err, k as u8);
-            }
-        }
-        best.1
-    });
-    for j in 0..16 {
-        out[2 + j] = q[j] | (q[j + 16] << 4);
-    }
+    nearest_nibbles(&KVALUES_IQ4NL, d, x, &mut out[2..18]);
 }
 
 #[cfg(test)]

@@ -105,16 +105,21 @@ pub(super) fn quantize_q4_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// ggml's reference Q4_1: d = (max - min) / 15, m = min, q = trunc((x - min) / d + 0.5).
-pub(super) fn quantize_q4_1(x: &[f32], out: &mut [u8]) {
+/// The Q4_1 / Q5_1 fit: d = (max - min) / nmax and m = min written as f16 at bytes 0 and 2,
+/// q = trunc((x - min) / d + 0.5) clamped to nmax.
+fn min_scaled(x: &[f32], nmax: i32, out: &mut [u8]) -> [u8; QK] {
     let min = x.iter().fold(f32::INFINITY, |m, v| m.min(*v));
     let max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-    let d = (max - min) / 15.0;
+    let d = (max - min) / nmax as f32;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     wr_f16(out, 0, d);
     wr_f16(out, 2, min);
-    let q: [u8; QK] =
-        std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i32).clamp(0, 15) as u8);
+    std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i32).clamp(0, nmax) as u8)
+}
+
+/// ggml's reference Q4_1: d = (max - min) / 15, m = min, q = trunc((x - min) / d + 0.5).
+pub(super) fn quantize_q4_1(x: &[f32], out: &mut [u8]) {
+    let q = min_scaled(x, 15, out);
     for j in 0..16 {
         out[4 + j] = q[j] | (q[j + 16] << 4);
     }
@@ -133,14 +138,7 @@ pub(super) fn quantize_q5_0(x: &[f32], out: &mut [u8]) {
 
 /// ggml's reference Q5_1: d = (max - min) / 31, m = min, q = trunc((x - min) / d + 0.5).
 pub(super) fn quantize_q5_1(x: &[f32], out: &mut [u8]) {
-    let min = x.iter().fold(f32::INFINITY, |m, v| m.min(*v));
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-    let d = (max - min) / 31.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    wr_f16(out, 0, d);
-    wr_f16(out, 2, min);
-    let q: [u8; QK] =
-        std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i32).clamp(0, 31) as u8);
+    let q = min_scaled(x, 31, out);
     let qh = pack_5(&q, &mut out[8..24]);
     out[4..8].copy_from_slice(&qh.to_le_bytes());
 }

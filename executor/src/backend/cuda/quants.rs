@@ -21,7 +21,9 @@ fn any_row_bytes(op: &'static str, ty: GgmlType, cols: usize) -> Result<usize, C
     if cols == 0 || cols % 32 != 0 {
         return Err(bad(
             op,
-            format!("cols = {cols}: the any-type kernels take rows of a positive multiple of 32 values"),
+            format!(
+                "cols = {cols}: the any-type kernels take rows of a positive multiple of 32 values"
+            ),
         ));
     }
     quant::row_bytes(ty, cols).map_err(|e| bad(op, e.to_string()))
@@ -68,7 +70,13 @@ impl CudaDevice {
         let f = self.function("dequant_rows")?;
         let (wp, op) = (w.ptr(), out.ptr());
         let mut b = self.stream.launch_builder(f);
-        b.arg(&wp).arg(&ti).arg(&rbi).arg(&ip).arg(&op).arg(&ci).arg(&ni);
+        b.arg(&wp)
+            .arg(&ti)
+            .arg(&rbi)
+            .arg(&ip)
+            .arg(&op)
+            .arg(&ci)
+            .arg(&ni);
         let cfg = LaunchConfig {
             grid_dim: (ni as u32, 1, 1),
             block_dim: (BLOCK, 1, 1),
@@ -114,7 +122,13 @@ impl CudaDevice {
         };
         let (wp, xp, yp) = (w.ptr(), x.ptr(), y.ptr());
         let mut b = self.stream.launch_builder(f);
-        b.arg(&wp).arg(&ti).arg(&rbi).arg(&xp).arg(&yp).arg(&ri).arg(&ci);
+        b.arg(&wp)
+            .arg(&ti)
+            .arg(&rbi)
+            .arg(&xp)
+            .arg(&yp)
+            .arg(&ri)
+            .arg(&ci);
         // SAFETY: w holds `rows` rows of rb bytes of ty, x holds cols floats, y rows floats;
         // the kernel skips warps past the last row.
         unsafe { b.launch(cfg) }.map_err(drv("launch mv_any"))?;
@@ -128,9 +142,18 @@ mod tests {
 
     #[test]
     fn shapes_the_kernels_cannot_take_are_refused() {
-        assert!(any_row_bytes("t", GgmlType::Q8_0, 48).is_err(), "not a multiple of 32");
-        assert!(any_row_bytes("t", GgmlType::Q4K, 32).is_err(), "partial K-quant block");
-        assert!(any_row_bytes("t", GgmlType::Tq1_0, 256).is_err(), "no decoder");
+        assert!(
+            any_row_bytes("t", GgmlType::Q8_0, 48).is_err(),
+            "not a multiple of 32"
+        );
+        assert!(
+            any_row_bytes("t", GgmlType::Q4K, 32).is_err(),
+            "partial K-quant block"
+        );
+        assert!(
+            any_row_bytes("t", GgmlType::Tq1_0, 256).is_err(),
+            "no decoder"
+        );
         assert!(any_row_bytes("t", GgmlType::F32, 0).is_err());
         assert_eq!(any_row_bytes("t", GgmlType::Iq3S, 512).unwrap(), 220);
         assert_eq!(any_row_bytes("t", GgmlType::MXFP4, 64).unwrap(), 34);
