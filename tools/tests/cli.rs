@@ -185,3 +185,82 @@ fn random_qwen3next_from_flags_reads_back_as_llama_cpp_lays_it_out() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("ssm.inner_size"), "{err}");
 }
+
+#[test]
+fn random_presets_write_real_blocks_and_quantize_requantizes() {
+    let d = tempfile::tempdir().unwrap();
+    let shape = [
+        "--layers",
+        "2",
+        "--embd",
+        "256",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "128",
+        "--experts",
+        "2",
+        "--experts-used",
+        "1",
+        "--ff-exp",
+        "256",
+        "--vocab",
+        "32",
+    ];
+    // IQ3_S: every matrix a type without a quantizer (random blocks), the head Q6_K.
+    let iq = d.path().join("iq3s.gguf");
+    let o = bin()
+        .args(["random", "--arch", "qwen3moe", "--preset", "IQ3_S"])
+        .args(shape)
+        .arg("--out")
+        .arg(&iq)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let f = read_gguf(&iq).unwrap();
+    let ty = |f: &strata_schemas::gguf::GgufFile, n: &str| f.tensor(n).unwrap().ggml_type;
+    use strata_schemas::ggml::GgmlType;
+    assert_eq!(ty(&f, "blk.0.ffn_up_exps.weight"), GgmlType::Iq3S);
+    assert_eq!(ty(&f, "output.weight"), GgmlType::Q6K);
+    // Requantize it to Q8_0: every matrix Q8_0, norms and router kept F32.
+    let q8 = d.path().join("q8.gguf");
+    let o = bin()
+        .args(["quantize"])
+        .arg(&iq)
+        .arg(&q8)
+        .args(["--type", "q8_0", "--threads", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("requantized") && err.contains("MB/s"), "{err}");
+    let g = read_gguf(&q8).unwrap();
+    assert_eq!(ty(&g, "blk.0.ffn_up_exps.weight"), GgmlType::Q8_0);
+    assert_eq!(ty(&g, "output.weight"), GgmlType::Q8_0);
+    assert_eq!(ty(&g, "blk.0.ffn_gate_inp.weight"), GgmlType::F32);
+    assert_eq!(ty(&g, "blk.0.attn_norm.weight"), GgmlType::F32);
+    assert_eq!(g.get_u64("general.file_type").unwrap(), Some(7));
+    // A type without a quantizer, and a missing target, are refused with exit 1 / 2.
+    let o = bin()
+        .args(["quantize"])
+        .arg(&q8)
+        .arg(d.path().join("x.gguf"))
+        .args(["--type", "IQ2_XXS"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--type IQ2_XXS") && err.contains("Q6_K"),
+        "{err}"
+    );
+    let o = bin()
+        .args(["quantize"])
+        .arg(&q8)
+        .arg(d.path().join("x.gguf"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "clap usage error");
+}

@@ -10,10 +10,16 @@
 
 mod qwen3moe;
 mod qwen3next;
+mod recipe;
 
-use crate::ggml::GgmlType;
+#[cfg(test)]
+use recipe::use_more_bits;
+pub use recipe::{
+    fallback, glob_match, BlockLimit, BumpTarget, FirstBlocks, QuantRecipe, TensorOverride, PRESETS,
+};
+use recipe::{n_dims, RecipeCtx};
+
 use crate::inventory::{HParams, InventoryError, TensorInfo, TensorRole};
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Architectures whose tensor layout Strata knows (llama.cpp `general.architecture` names).
@@ -74,228 +80,6 @@ fn is_expert_stack(tail: &str) -> bool {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Quant recipe
-// ---------------------------------------------------------------------------------------------
-
-/// One per-tensor-name override: the first pattern that matches wins (like llama-quantize's
-/// `--tensor-type`). Patterns are globs over the full tensor name where `*` matches any run of
-/// characters (`blk.*.ffn_down_exps.weight`, `*attn_v*`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TensorOverride {
-    pub pattern: String,
-    #[serde(rename = "type")]
-    pub ggml_type: GgmlType,
-}
-
-/// Per-role ggml types for synthesizing a quantized model, with llama.cpp-like rules.
-///
-/// Rules, in order, for each tensor:
-/// 1. Tensors llama.cpp never quantizes keep a float type: 1-D tensors (norms, `ssm_a`,
-///    `ssm_dt.bias`, `ffn_gate_inp_shexp`) and `ssm_conv1d` take `norms` (F32 in every preset:
-///    the converter writes them F32 and `llama-quantize` skips them); the router
-///    `ffn_gate_inp` takes `router` (F32 in every preset, likewise never quantized).
-/// 2. Otherwise the first matching `overrides` pattern decides.
-/// 3. Otherwise the role's field: `embedding`, `head`, `attention` (full-attention q/k/v/o),
-///    `ssm` (linear-attention projections `attn_qkv`, `attn_gate`, `ssm_ba`, `ssm_out`,
-///    legacy `ssm_in`), `expert_gate_up`, `expert_down`, `shared_expert`, and `default` for
-///    anything else (the MTP `nextn.eh_proj`). Then llama.cpp's `use_more_bits` bump: when
-///    `more_bits` is set and has more bits per weight, the "attn_v-like" tensors (`attn_v`,
-///    `attn_qkv`) and every `ffn_down*` tensor of blocks `i < n/8 || i >= 7n/8 ||
-///    (i - n/8) % 3 == 2` (n = all blocks, MTP included) take it (Q4_K_M: Q6_K).
-/// 4. Fallback when the type cannot hold a row (`ne0` not a multiple of its block), as
-///    llama.cpp's `tensor_type_fallback`: IQ1/IQ2/IQ3/IQ4_XS -> IQ4_NL, Q2_K/Q3_K/TQ -> Q4_0,
-///    Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; and F16 if that still does not fit (or for
-///    any other type that does not fit).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuantRecipe {
-    /// Preset name this recipe started from (for reports).
-    pub preset: String,
-    pub default: GgmlType,
-    pub embedding: GgmlType,
-    pub head: GgmlType,
-    pub attention: GgmlType,
-    pub expert_gate_up: GgmlType,
-    pub expert_down: GgmlType,
-    pub shared_expert: GgmlType,
-    pub ssm: GgmlType,
-    /// MoE router (`ffn_gate_inp`); F32 in every preset.
-    pub router: GgmlType,
-    /// 1-D tensors and `ssm_conv1d`; F32 in every preset.
-    pub norms: GgmlType,
-    /// llama.cpp's `use_more_bits` bump for attn_v-like and ffn_down tensors (Q4_K_M: Q6_K).
-    pub more_bits: Option<GgmlType>,
-    #[serde(default)]
-    pub overrides: Vec<TensorOverride>,
-}
-
-/// Preset names [`QuantRecipe::preset`] accepts.
-pub const PRESETS: &[&str] = &["Q4_K_M", "Q4_K", "Q8_0", "IQ3_S", "F16", "BF16", "F32"];
-
-impl QuantRecipe {
-    /// A recipe with every role at `t` (norms and router F32, no bump).
-    fn uniform(preset: &str, t: GgmlType) -> Self {
-        Self {
-            preset: preset.to_string(),
-            default: t,
-            embedding: t,
-            head: t,
-            attention: t,
-            expert_gate_up: t,
-            expert_down: t,
-            shared_expert: t,
-            ssm: t,
-            router: GgmlType::F32,
-            norms: GgmlType::F32,
-            more_bits: None,
-            overrides: Vec::new(),
-        }
-    }
-
-    /// A named preset approximating llama.cpp's mixes (case-insensitive):
-    ///
-    /// | preset  | what it chooses |
-    /// |---------|-----------------|
-    /// | Q4_K_M  | llama.cpp's Q4_K_M: Q4_K everywhere (embedding too), head Q6_K, and Q6_K for `attn_v`/`attn_qkv` and `ffn_down*` of the `use_more_bits` blocks |
-    /// | Q4_K    | "pure" Q4_K (`llama-quantize --pure`): every quantizable tensor Q4_K, head included |
-    /// | Q8_0    | llama.cpp's Q8_0: every quantizable tensor Q8_0, head included |
-    /// | IQ3_S   | DESIGN.md's worked mix, not llama.cpp's IQ3_S ftype: routed experts IQ3_S, every other matrix Q4_K (attention, linear attention, shared expert, embedding), head Q6_K |
-    /// | F16, BF16, F32 | every matrix in that type |
-    ///
-    /// Norms, 1-D tensors, `ssm_conv1d` and the router stay F32 in every preset.
-    pub fn preset(name: &str) -> Option<Self> {
-        use GgmlType::*;
-        let upper = name.to_ascii_uppercase();
-        let r = match upper.as_str() {
-            "Q4_K_M" => Self {
-                head: Q6K,
-                more_bits: Some(Q6K),
-                ..Self::uniform("Q4_K_M", Q4K)
-            },
-            "Q4_K" => Self::uniform("Q4_K", Q4K),
-            "Q8_0" => Self::uniform("Q8_0", Q8_0),
-            "IQ3_S" => Self {
-                head: Q6K,
-                expert_gate_up: Iq3S,
-                expert_down: Iq3S,
-                ..Self::uniform("IQ3_S", Q4K)
-            },
-            "F16" => Self::uniform("F16", F16),
-            "BF16" => Self::uniform("BF16", BF16),
-            "F32" => Self::uniform("F32", F32),
-            _ => return None,
-        };
-        Some(r)
-    }
-
-    /// The type the tensor `spec` gets (see the struct docs for the rules).
-    fn type_for(&self, spec: &Spec, n_blocks: u32) -> GgmlType {
-        let ne0 = spec.dims.first().copied().unwrap_or(1);
-        let t = self.choose(spec, n_blocks);
-        fallback(t, ne0)
-    }
-
-    fn choose(&self, spec: &Spec, n_blocks: u32) -> GgmlType {
-        if n_dims(&spec.dims) < 2 || spec.kind == Kind::ConvKernel {
-            return self.norms;
-        }
-        if spec.kind == Kind::Router {
-            return self.router;
-        }
-        if let Some(o) = self
-            .overrides
-            .iter()
-            .find(|o| glob_match(&o.pattern, &spec.name))
-        {
-            return o.ggml_type;
-        }
-        let base = match spec.kind {
-            Kind::Embedding => self.embedding,
-            Kind::Head => self.head,
-            Kind::Attention | Kind::AttentionV => self.attention,
-            Kind::Linear | Kind::LinearQkv => self.ssm,
-            Kind::ExpertGateUp => self.expert_gate_up,
-            Kind::ExpertDown => self.expert_down,
-            Kind::SharedGateUp | Kind::SharedDown => self.shared_expert,
-            Kind::Other => self.default,
-            // Handled above; kept for exhaustiveness.
-            Kind::Norm | Kind::ConvKernel | Kind::Router => self.norms,
-        };
-        let bumpable = matches!(
-            spec.kind,
-            Kind::AttentionV | Kind::LinearQkv | Kind::ExpertDown | Kind::SharedDown
-        );
-        match (self.more_bits, spec.layer) {
-            (Some(more), Some(layer))
-                if bumpable
-                    && use_more_bits(layer, n_blocks)
-                    && more.bits_per_weight() > base.bits_per_weight() =>
-            {
-                more
-            }
-            _ => base,
-        }
-    }
-}
-
-/// llama.cpp's `use_more_bits(i, n)`.
-fn use_more_bits(i: u32, n: u32) -> bool {
-    let (i, n) = (i64::from(i), i64::from(n));
-    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
-}
-
-/// ggml_n_dims: dims after dropping trailing 1s (at least 1).
-fn n_dims(dims: &[u64]) -> usize {
-    dims.iter().rposition(|d| *d != 1).map_or(1, |p| p + 1)
-}
-
-/// llama.cpp's `tensor_type_fallback`, plus F16 for any type that cannot hold the row.
-pub fn fallback(t: GgmlType, ne0: u64) -> GgmlType {
-    use GgmlType::*;
-    if ne0 % t.block_elems() == 0 {
-        return t;
-    }
-    let next = match t {
-        Iq1S | Iq1M | Iq2Xxs | Iq2Xs | Iq2S | Iq3Xxs | Iq3S | Iq4Xs => Iq4Nl,
-        Q2K | Q3K | Tq1_0 | Tq2_0 => Q4_0,
-        Q4K => Q5_0,
-        Q5K => Q5_1,
-        Q6K => Q8_0,
-        _ => F16,
-    };
-    if ne0 % next.block_elems() == 0 {
-        next
-    } else {
-        F16
-    }
-}
-
-/// Glob match where `*` matches any (possibly empty) run of characters.
-pub fn glob_match(pattern: &str, name: &str) -> bool {
-    let p = pattern.as_bytes();
-    let n = name.as_bytes();
-    let (mut pi, mut ni) = (0usize, 0usize);
-    let mut star: Option<(usize, usize)> = None;
-    while ni < n.len() {
-        if pi < p.len() && p[pi] == b'*' {
-            star = Some((pi, ni));
-            pi += 1;
-        } else if pi < p.len() && p[pi] == n[ni] {
-            pi += 1;
-            ni += 1;
-        } else if let Some((sp, sn)) = star {
-            pi = sp + 1;
-            ni = sn + 1;
-            star = Some((sp, sn + 1));
-        } else {
-            return false;
-        }
-    }
-    p[pi..].iter().all(|c| *c == b'*')
-}
-
-// ---------------------------------------------------------------------------------------------
 // Specs
 // ---------------------------------------------------------------------------------------------
 
@@ -306,8 +90,10 @@ pub(crate) enum Kind {
     Head,
     /// 1-D: norms, `ssm_a`, `ssm_dt.bias`, `ffn_gate_inp_shexp`.
     Norm,
-    /// Full-attention q/k/output.
+    /// Full-attention q/k.
     Attention,
+    /// Full-attention output projection (llama.cpp's attn_output category).
+    AttentionOutput,
     /// Full-attention v (llama.cpp's attn_v category).
     AttentionV,
     /// Linear-attention fused q/k/v (`attn_qkv`, attn_v-like for llama.cpp).
@@ -524,12 +310,15 @@ pub fn expected_tensors(
     hp: &HParams,
     recipe: &QuantRecipe,
 ) -> Result<Vec<TensorInfo>, InventoryError> {
-    let n_blocks = hp.n_blocks_total();
+    let ctx = RecipeCtx {
+        n_blocks: hp.n_blocks_total(),
+        gqa: hp.n_head.checked_div(hp.n_head_kv).unwrap_or(0),
+    };
     specs(arch, hp, None)?
         .into_iter()
         .filter(|s| !s.optional)
         .map(|s| {
-            let t = recipe.type_for(&s, n_blocks);
+            let t = recipe.type_for(&s, ctx);
             let (role, layer) = classify(&s.name);
             debug_assert_eq!(layer, s.layer);
             TensorInfo::new(s.name, s.dims, t, role, layer)
@@ -598,6 +387,7 @@ pub fn check_tensors(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::ggml::GgmlType;
     use crate::inventory::ModelInventory;
     pub(crate) use crate::known::{qwen3_30b_a3b as qwen3_30b, qwen3_next_80b_a3b as qwen3_next};
 
@@ -693,14 +483,19 @@ pub(crate) mod tests {
             .sum();
         assert_eq!(all, 49 * 692_060_160);
         assert!((33.85e9..33.95e9).contains(&(all as f64)), "{all}");
-        // Dense matrices Q4_K, head Q6_K, norms and router F32.
+        // llama.cpp's IQ3_S mix: attn_v-like tensors Q4_K (GQA 8 >= 4), every other matrix
+        // IQ3_S, head Q6_K, norms and router F32.
         assert_eq!(
             inv.tensor("blk.0.attn_qkv.weight").unwrap().ggml_type,
             GgmlType::Q4K
         );
         assert_eq!(
-            inv.tensor("blk.3.attn_q.weight").unwrap().ggml_type,
+            inv.tensor("blk.3.attn_v.weight").unwrap().ggml_type,
             GgmlType::Q4K
+        );
+        assert_eq!(
+            inv.tensor("blk.3.attn_q.weight").unwrap().ggml_type,
+            GgmlType::Iq3S
         );
         assert_eq!(
             inv.tensor("output.weight").unwrap().ggml_type,
@@ -708,7 +503,7 @@ pub(crate) mod tests {
         );
         assert_eq!(
             inv.tensor("token_embd.weight").unwrap().ggml_type,
-            GgmlType::Q4K
+            GgmlType::Iq3S
         );
         assert_eq!(
             inv.tensor("blk.0.ffn_gate_inp.weight").unwrap().ggml_type,
@@ -725,11 +520,11 @@ pub(crate) mod tests {
         );
         assert_eq!(
             inv.tensor("blk.0.ffn_down_shexp.weight").unwrap().ggml_type,
-            GgmlType::Q4K
+            GgmlType::Iq3S
         );
         assert_eq!(
             inv.tensor("blk.48.nextn.eh_proj.weight").unwrap().ggml_type,
-            GgmlType::Q4K
+            GgmlType::Iq3S
         );
         assert_eq!(
             inv.tensor("blk.48.nextn.enorm.weight").unwrap().role,

@@ -49,7 +49,7 @@ fn block(hp: &HParams, l: u32) -> Vec<Spec> {
         s("attn_q.weight", vec![e, q], Kind::Attention),
         s("attn_k.weight", vec![e, k], Kind::Attention),
         s("attn_v.weight", vec![e, v], Kind::AttentionV),
-        s("attn_output.weight", vec![q, e], Kind::Attention),
+        s("attn_output.weight", vec![q, e], Kind::AttentionOutput),
         s("attn_q_norm.weight", vec![hp.head_dim_k], Kind::Norm),
         s("attn_k_norm.weight", vec![hp.head_dim_k], Kind::Norm),
         s("ffn_norm.weight", vec![e], Kind::Norm),

@@ -153,7 +153,7 @@ fn block(hp: &HParams, l: u32, legacy_in: bool) -> Vec<Spec> {
                     vec![e, hp.n_head_kv * hp.head_dim_v],
                     Kind::AttentionV,
                 ),
-                s("attn_output.weight", vec![q, e], Kind::Attention),
+                s("attn_output.weight", vec![q, e], Kind::AttentionOutput),
                 s("attn_q_norm.weight", vec![hd], Kind::Norm),
                 s("attn_k_norm.weight", vec![hd], Kind::Norm),
             ]);

@@ -149,7 +149,7 @@ pub fn convert_hf_folder(
         }
     })?;
     for t in tensors.iter_mut() {
-        if !quant::is_supported(t.ggml_type) {
+        if !quant::can_quantize(t.ggml_type) {
             *t = TensorInfo::new(
                 t.name.clone(),
                 t.dims.clone(),

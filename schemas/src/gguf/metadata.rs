@@ -101,8 +101,13 @@ pub fn file_type(preset: &str, tensors: &[TensorInfo]) -> u32 {
         "F16" => return 1,
         "Q8_0" => return 7,
         "Q4_K" | "Q4_K_S" => return 14,
-        "Q4_K_M" => return 15,
+        "Q4_K_M" | "UD-Q4_K_XL" => return 15,
+        "Q4_0" => return 2,
+        "Q3_K_M" => return 12,
+        "Q5_K_M" => return 17,
         "IQ3_S" => return 26,
+        "IQ3_M" => return 27,
+        "IQ4_XS" => return 30,
         "BF16" => return 32,
         _ => {}
     }
@@ -134,6 +139,7 @@ pub fn file_type(preset: &str, tensors: &[TensorInfo]) -> u32 {
         Some(Iq4Xs) => 30,
         Some(Iq1M) => 31,
         Some(BF16) => 32,
+        Some(MXFP4) => 38,
         _ => 0,
     }
 }

@@ -9,6 +9,7 @@ pub mod hf_sources;
 pub mod metadata;
 pub mod mmproj;
 pub mod model;
+pub mod quantize;
 pub mod random;
 pub mod read;
 #[cfg(test)]

@@ -72,6 +72,16 @@ enum Dist {
     },
 }
 
+impl Dist {
+    /// Root mean square of the distribution (the scale random quantized blocks are drawn at).
+    fn rms(self) -> f32 {
+        match self {
+            Dist::Normal { mean, std } => (mean * mean + std * std).sqrt(),
+            Dist::Uniform { lo, hi } => ((lo * lo + lo * hi + hi * hi) / 3.0).sqrt(),
+        }
+    }
+}
+
 fn dist_for(name: &str) -> Dist {
     let base = name.strip_suffix(".weight").unwrap_or(name);
     if base.ends_with("ssm_a") {
@@ -159,8 +169,9 @@ pub struct RandomOptions {
     pub threads: usize,
     /// Tokenizer metadata to include.
     pub vocab: Option<Vocab>,
-    /// Write all-zero blocks (scale 0: valid and finite) for types the quantizers do not
-    /// produce (Q6_K, IQ3_S, fallback Q5_0...) instead of failing.
+    /// Write all-zero blocks (scale 0: valid and finite) for types the CPU reference cannot
+    /// decode at all (Q8_1, Q8_K, TQ1_0, TQ2_0, integer types) instead of failing. Every type
+    /// of every preset is written with real blocks without it.
     pub zero_fill_unsupported: bool,
     /// `general.alignment` to write (None: the default 32, key omitted).
     pub alignment: Option<u32>,
@@ -184,7 +195,8 @@ impl Default for RandomOptions {
 /// Write a random-weight `arch` model with `hp`, its tensors exactly
 /// [`arch::expected_tensors`]`(arch, hp, recipe)` in that order, values deterministic from
 /// `seed` (see [`random_values`]): matrices ~N(0, 0.02), norms ~1, `ssm_a` in [-16, -1),
-/// quantized with the reference Q8_0 / Q4_K quantizers (finite scales always).
+/// quantized with the reference quantizers where one exists (`quant::QUANTIZABLE`), else
+/// written as valid random blocks of the same scale (`quant::random`); scales always finite.
 pub fn write_random_model(
     path: &Path,
     arch: &str,
@@ -312,22 +324,28 @@ fn stream_random(
         let t = &planned[job.t];
         let ne0 = t.dims[0] as usize;
         let n = job.rows as usize * ne0;
-        x.resize(n, 0.0);
         let mut rng = SplitMix64::new(chunk_seed(seed, &t.name, job.chunk));
-        fill(dist_for(&t.name), &mut rng, x);
         let row_bytes = t.ggml_type.bytes_for(ne0 as u64).unwrap_or(0) as usize;
         out.clear();
         out.resize(row_bytes * job.rows as usize, 0);
-        if quant::is_supported(t.ggml_type) {
+        let quant_err = |source| GgufWriteError::Quant {
+            file: file.to_string(),
+            name: t.name.clone(),
+            source,
+        };
+        let dist = dist_for(&t.name);
+        if quant::can_quantize(t.ggml_type) {
+            x.resize(n, 0.0);
+            fill(dist, &mut rng, x);
             for (xr, or) in x.chunks_exact(ne0).zip(out.chunks_exact_mut(row_bytes)) {
-                quant::quantize_row_into(t.ggml_type, xr, or).map_err(|source| {
-                    GgufWriteError::Quant {
-                        file: file.to_string(),
-                        name: t.name.clone(),
-                        source,
-                    }
-                })?;
+                quant::quantize_row_into(t.ggml_type, xr, or).map_err(quant_err)?;
             }
+        } else if quant::is_supported(t.ggml_type) {
+            // No quantizer for this type (the i-quants, Q2_K, Q3_K): valid random blocks
+            // drawn in the quantized domain, at the tensor's intended scale.
+            let mut next = || rng.next_u64();
+            quant::random::random_row(t.ggml_type, dist.rms(), &mut next, out)
+                .map_err(quant_err)?;
         }
         Ok(())
     };
@@ -554,22 +572,77 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_types_fail_or_zero_fill() {
+    fn every_preset_writes_real_blocks_for_both_archs() {
+        let d = tmp();
+        for (arch, small) in [("qwen3moe", small_moe()), ("qwen3next", small_next())] {
+            // Rows of 256 so no 256-block type falls back; two layers so early-block rules
+            // and use_more_bits both pick something.
+            let mut hp = q4k_shapes(small);
+            hp.n_layer = 2 * hp.n_layer.max(1);
+            for preset in arch::PRESETS {
+                let recipe = QuantRecipe::preset(preset).unwrap();
+                let want = arch::expected_tensors(arch, &hp, &recipe).unwrap();
+                let path = d.path().join(format!("{arch}-{preset}.gguf"));
+                write_random_model(&path, arch, &hp, &recipe, 3, RandomOptions::default())
+                    .unwrap_or_else(|e| panic!("{arch} {preset}: {e}"));
+                let f = read_gguf(&path).unwrap();
+                assert_eq!(f.tensors.len(), want.len(), "{arch} {preset}");
+                let mut types = std::collections::BTreeSet::new();
+                for (g, e) in f.tensors.iter().zip(&want) {
+                    assert_eq!((&g.name, g.ggml_type), (&e.name, e.ggml_type), "{preset}");
+                    types.insert(g.ggml_type);
+                    let v = tensor_f32(&path, &g.name);
+                    assert!(v.iter().all(|x| x.is_finite()), "{preset} {}", g.name);
+                    let nonzero = v.iter().filter(|x| **x != 0.0).count();
+                    assert!(
+                        nonzero * 2 > v.len(),
+                        "{preset} {}: {nonzero} of {} values non-zero",
+                        g.name,
+                        v.len()
+                    );
+                    if g.dims.len() > 1
+                        && !g.name.contains("gate_inp")
+                        && !g.name.contains("conv1d")
+                    {
+                        // Matrices keep their intended scale (~N(0, 0.02)).
+                        let rms = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+                        assert!(
+                            (0.012..0.03).contains(&rms),
+                            "{preset} {}: rms {rms}",
+                            g.name
+                        );
+                    }
+                }
+                eprintln!("{arch} {preset}: {types:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn types_without_a_decoder_fail_or_zero_fill() {
         let d = tmp();
         let p = d.path().join("m.gguf");
         let hp = q4k_shapes(small_moe());
-        let r = QuantRecipe::preset("Q4_K_M").unwrap();
+        let mut r = QuantRecipe::preset("Q4_K_M").unwrap();
+        r.overrides.push(arch::TensorOverride {
+            pattern: "output.weight".into(),
+            ggml_type: GgmlType::Tq1_0,
+        });
         let e =
             write_random_model(&p, "qwen3moe", &hp, &r, 1, RandomOptions::default()).unwrap_err();
         assert!(
             matches!(
                 &e,
                 GgufWriteError::Unsupported {
-                    ty: GgmlType::Q6K,
+                    ty: GgmlType::Tq1_0,
                     ..
                 }
             ),
             "{e}"
+        );
+        assert!(
+            e.to_string().contains("IQ3_S"),
+            "the message lists what works: {e}"
         );
         assert!(!p.exists());
         let opts = RandomOptions {
@@ -579,11 +652,17 @@ mod tests {
         write_random_model(&p, "qwen3moe", &hp, &r, 1, opts).unwrap();
         let f = read_gguf(&p).unwrap();
         let head = f.tensor("output.weight").unwrap();
-        assert_eq!(head.ggml_type, GgmlType::Q6K);
+        assert_eq!(head.ggml_type, GgmlType::Tq1_0);
         let bytes = std::fs::read(&p).unwrap();
         let at = f.tensor_file_offset(head).unwrap() as usize;
         assert!(bytes[at..at + head.bytes as usize].iter().all(|b| *b == 0));
         assert_eq!(f.get_u64("general.file_type").unwrap(), Some(15));
+        // Q6_K (Q4_K_M's head) is written with real blocks now.
+        let q6 = f.tensor("blk.0.attn_v.weight").unwrap();
+        assert_eq!(q6.ggml_type, GgmlType::Q6K);
+        assert!(tensor_f32(&p, "blk.0.attn_v.weight")
+            .iter()
+            .any(|v| *v != 0.0));
     }
 
     #[test]

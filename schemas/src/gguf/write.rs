@@ -63,7 +63,7 @@ pub enum GgufWriteError {
         #[source]
         source: QuantError,
     },
-    #[error("{file}: tensor '{name}' has type {ty}, which this writer cannot quantize (it writes F32, F16, BF16, Q8_0 and Q4_K); use one of those presets, keep every quantized row a multiple of 256 for Q4_K (else llama.cpp's fallback picks Q5_0), or allow zero-filled blocks (--zero-unsupported)")]
+    #[error("{file}: tensor '{name}' has type {ty}, which the CPU reference cannot decode (it decodes {}); pick another type for it, or allow zero-filled blocks (--zero-unsupported)", crate::quant::SUPPORTED.iter().map(|t| t.name()).collect::<Vec<_>>().join(", "))]
     Unsupported {
         file: String,
         name: String,

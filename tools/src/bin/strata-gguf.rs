@@ -1,5 +1,6 @@
 //! `strata-gguf`: writes GGUF model files for tests and benchmarks — random weights at any
-//! shape in llama.cpp's layout (`random`), or a converted Hugging Face folder (`convert`).
+//! shape in llama.cpp's layout (`random`), a converted Hugging Face folder (`convert`), or a
+//! requantized copy of any GGUF Strata reads (`quantize`).
 //! Invariant: every tensor table comes from `strata_schemas::arch` (directly or through a
 //! descriptor), so what this writes is what the planner synthesizes; errors name the flag or
 //! file and exit 1 (clap usage errors exit 2).
@@ -14,6 +15,7 @@ use strata_schemas::descriptor::load_descriptor;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::gguf::convert::convert_hf_folder;
 use strata_schemas::gguf::metadata::file_type;
+use strata_schemas::gguf::quantize::{quantize_gguf, QuantTarget, QuantizeOptions};
 use strata_schemas::gguf::random::{write_random_model, write_random_tensors, RandomOptions};
 use strata_schemas::gguf::write::{ProgressFn, WriteSummary};
 use strata_schemas::inventory::HParams;
@@ -22,7 +24,7 @@ use strata_schemas::inventory::HParams;
 #[command(
     name = "strata-gguf",
     version,
-    about = "Write GGUF model files: random weights at any shape, or a converted Hugging Face folder"
+    about = "Write GGUF model files: random weights at any shape, a converted Hugging Face folder, or a requantized GGUF"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -38,8 +40,11 @@ enum Cmd {
     /// Hyperparameters start from the architecture's flagship model (qwen3moe: Qwen3-30B-A3B,
     /// qwen3next: Qwen3-Next-80B-A3B) and each flag overrides one; or take them, and the quant
     /// mix, from a model descriptor (--descriptor plans/models/qwen3-30b-a3b-q8_0.toml).
-    /// Weights are written as F32, F16, BF16, Q8_0 or Q4_K; presets needing other types
-    /// (Q4_K_M's Q6_K, IQ3_S) fail unless --zero-unsupported.
+    /// Every preset's per-tensor types are llama-quantize's for that mix. Types with a
+    /// quantizer here (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL,
+    /// MXFP4) are quantized from the random draws; the others (Q2_K, Q3_K, the i-quants) are
+    /// valid random blocks of the same scale. Every block is real: no preset needs
+    /// --zero-unsupported.
     Random(RandomArgs),
     /// Convert a Hugging Face Qwen3-MoE or Qwen3-Next folder (F32/F16/BF16 safetensors) to
     /// the GGUF llama.cpp's converter writes.
@@ -48,6 +53,15 @@ enum Cmd {
     /// attn_qkv + attn_gate, the MTP block (mtp.*) as block n_layer with its nextn.* tensors
     /// (docs/QWEN3NEXT.md). A folder tensor with no place in the GGUF is an error.
     Convert(ConvertArgs),
+    /// Requantize a GGUF: every matrix llama.cpp would quantize (2-D+ weights but norms, the
+    /// router and ssm_conv1d) to --type (like llama-quantize --pure) or a --preset's mix.
+    ///
+    /// Reads any GGUF Strata reads (any type the CPU reference decodes, split files too),
+    /// dequantizes each such tensor and quantizes it again; other tensors and tensors already
+    /// of their target type are copied unchanged. Metadata is kept; the output is written to
+    /// OUT.partial and renamed when complete. Example:
+    /// `strata-gguf quantize Qwen3-30B-A3B-IQ3_S.gguf q8.gguf --type Q8_0`
+    Quantize(QuantizeArgs),
 }
 
 #[derive(Args)]
@@ -55,8 +69,9 @@ struct RandomArgs {
     /// Architecture: qwen3moe or qwen3next (taken from the descriptor when one is given).
     #[arg(long)]
     arch: Option<String>,
-    /// Quant preset: Q4_K_M, Q4_K, Q8_0, IQ3_S, F16, BF16, F32 (default: the descriptor's
-    /// mix, else Q8_0).
+    /// Quant preset, llama-quantize's per-tensor mix: Q4_K_M, Q5_K_M, Q3_K_M, IQ3_M, IQ3_S,
+    /// IQ4_XS, Q4_0, Q8_0, Q4_K (pure), UD-Q4_K_XL (unsloth-style: dense work Q8_0, experts
+    /// Q4_K/Q5_K), BF16, F16, F32 (default: the descriptor's mix, else Q8_0).
     #[arg(long)]
     preset: Option<String>,
     /// Output file.
@@ -74,7 +89,8 @@ struct RandomArgs {
     /// general.name (default: from the descriptor or "random <arch>").
     #[arg(long)]
     name: Option<String>,
-    /// Write all-zero blocks for types the quantizers do not produce (Q6_K, IQ3_S, Q5_0...).
+    /// Write all-zero blocks for types the CPU reference cannot decode at all (TQ1_0, TQ2_0,
+    /// Q8_1..., reachable only through a descriptor's overrides) instead of failing.
     #[arg(long)]
     zero_unsupported: bool,
     /// Main blocks (block_count without MTP blocks).
@@ -143,6 +159,29 @@ struct ConvertArgs {
     /// Output file.
     #[arg(long)]
     out: PathBuf,
+}
+
+#[derive(Args)]
+struct QuantizeArgs {
+    /// Input GGUF (the first part of a split model).
+    input: PathBuf,
+    /// Output GGUF.
+    output: PathBuf,
+    /// Target type for every quantizable tensor: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+    /// Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4.
+    #[arg(
+        long = "type",
+        conflicts_with = "preset",
+        required_unless_present = "preset"
+    )]
+    ty: Option<String>,
+    /// Target mix instead of one type (presets whose types all have a quantizer: Q4_K_M,
+    /// Q5_K_M, Q4_0, Q8_0, Q4_K, UD-Q4_K_XL, BF16, F16, F32).
+    #[arg(long)]
+    preset: Option<String>,
+    /// Worker threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
 }
 
 use strata_schemas::known::{qwen3_30b_a3b, qwen3_next_80b_a3b};
@@ -318,11 +357,47 @@ fn run_convert(a: ConvertArgs) -> Result<WriteSummary, String> {
     convert_hf_folder(&a.dir, &a.out, ty, Some(progress(label))).map_err(|e| e.to_string())
 }
 
+fn run_quantize(a: QuantizeArgs) -> Result<WriteSummary, String> {
+    let target = match (&a.ty, &a.preset) {
+        (Some(t), _) => {
+            let ty = GgmlType::from_name(t)
+                .filter(|t| strata_schemas::quant::can_quantize(*t))
+                .ok_or_else(|| {
+                    let names: Vec<_> = strata_schemas::quant::QUANTIZABLE
+                        .iter()
+                        .map(|t| t.name())
+                        .collect();
+                    format!(
+                        "--type {t}: no quantizer here; use one of {}",
+                        names.join(", ")
+                    )
+                })?;
+            QuantTarget::Type(ty)
+        }
+        (None, Some(p)) => QuantTarget::Preset(recipe(p)?),
+        (None, None) => return Err("give --type T or --preset P".into()),
+    };
+    let opts = QuantizeOptions {
+        threads: a.threads,
+        progress: Some(progress(a.output.display().to_string())),
+    };
+    let rep = quantize_gguf(&a.input, &a.output, &target, opts).map_err(|e| e.to_string())?;
+    let types: Vec<String> = rep.types.iter().map(|(t, n)| format!("{n} {t}")).collect();
+    eprintln!(
+        "{} tensors requantized, {} copied; types: {}",
+        rep.requantized,
+        rep.copied,
+        types.join(", ")
+    );
+    Ok(rep.summary)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Random(a) => run_random(a),
         Cmd::Convert(a) => run_convert(a),
+        Cmd::Quantize(a) => run_quantize(a),
     };
     match res {
         Ok(s) => {

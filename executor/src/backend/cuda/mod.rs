@@ -18,6 +18,7 @@ pub mod launch;
 pub mod layout;
 pub mod options;
 pub mod probe;
+pub mod quants;
 pub mod stage;
 pub mod start;
 

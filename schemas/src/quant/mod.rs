@@ -1,26 +1,95 @@
-//! Row codecs for the weight and KV types the CPU reference reads (F32, F16, BF16, Q8_0, Q4_K):
-//! dequantize, dot product with on-the-fly dequantization, element-range access for KV rows,
-//! and the Q8_0 / Q4_K quantizers the GGUF writer uses.
+//! Row codecs for every ggml weight type of the GGUFs people download (F32, F16, BF16; Q4_0,
+//! Q4_1, Q5_0, Q5_1, Q8_0; Q2_K..Q6_K; IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+//! IQ4_NL, IQ4_XS; MXFP4): dequantize, dot product with on-the-fly dequantization, element
+//! range access for KV rows, and the quantizers the GGUF writers use. One file per family:
+//! `legacy` (32-element blocks), `kquants`, `iquants` (with the generated `tables`), `avx2`
+//! (the fast Q8_0 / Q4_K products), `random` (valid random blocks of any type).
 //! Invariant: every function checks that the byte row and the element count agree with the
 //! ggml block table before touching a byte; none allocates except `quantize_row`'s append.
+//! Dequantization equals gguf-py's `dequantize` bit for bit (tests/quant_fixtures.rs).
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod iquants;
+mod kquants;
+mod legacy;
+pub mod random;
+#[rustfmt::skip]
+mod tables;
 
 use crate::ggml::GgmlType;
 use half::{bf16, f16};
+
+pub use kquants::{get_scale_min_k4, QK_K};
 
 /// Elements per Q8_0 block.
 pub const QK8_0: usize = 32;
 /// Bytes per Q8_0 block: f16 scale + 32 signed bytes.
 pub const Q8_0_BYTES: usize = 34;
-/// Elements per K-quant super-block.
-pub const QK_K: usize = 256;
 /// Bytes per Q4_K block: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles.
 pub const Q4_K_BYTES: usize = 144;
+
+/// Every type this module decodes, in ggml id order (for tests, `--help` and errors).
+pub const SUPPORTED: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+    GgmlType::Iq2Xxs,
+    GgmlType::Iq2Xs,
+    GgmlType::Iq3Xxs,
+    GgmlType::Iq1S,
+    GgmlType::Iq4Nl,
+    GgmlType::Iq3S,
+    GgmlType::Iq2S,
+    GgmlType::Iq4Xs,
+    GgmlType::Iq1M,
+    GgmlType::BF16,
+    GgmlType::MXFP4,
+];
+
+/// Every type [`quantize_row`] writes from f32 values (ggml's reference quantizers, no
+/// importance matrix; IQ4_NL without llama.cpp's scale refinement).
+pub const QUANTIZABLE: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+    GgmlType::Iq4Nl,
+    GgmlType::MXFP4,
+];
+
+/// Names of the supported types, comma-separated (for messages).
+fn supported_names() -> String {
+    SUPPORTED
+        .iter()
+        .map(|t| t.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// A row that does not fit its type, or a type this module does not decode.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
-    #[error("ggml type {ty} is not supported by the CPU reference (supported: F32, F16, BF16, Q8_0, Q4_K); requantize the model")]
+    #[error("ggml type {ty} is not supported by the CPU reference (supported: {}); requantize the model with `strata-gguf quantize IN OUT --type Q8_0`", supported_names())]
     Unsupported { ty: GgmlType },
+    #[error("ggml type {ty} has no quantizer here (quantizable: {}); pick one of those", QUANTIZABLE.iter().map(|t| t.name()).collect::<Vec<_>>().join(", "))]
+    NoQuantizer { ty: GgmlType },
     #[error("a {ty} row of {n} elements is not a whole number of {block}-element blocks")]
     PartialBlock {
         ty: GgmlType,
@@ -45,11 +114,64 @@ pub enum QuantError {
 
 /// Whether this module can decode `ty`.
 pub fn is_supported(ty: GgmlType) -> bool {
-    matches!(
-        ty,
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4K
-    )
+    SUPPORTED.contains(&ty)
 }
+
+/// Whether [`quantize_row`] can write `ty`.
+pub fn can_quantize(ty: GgmlType) -> bool {
+    QUANTIZABLE.contains(&ty)
+}
+
+/// One block's decoder: `(elements, bytes, fn(block, out))`, for every quantized type.
+type BlockFn = fn(&[u8], &mut [f32]);
+
+fn block_decoder(ty: GgmlType) -> Option<(usize, usize, BlockFn)> {
+    use GgmlType::*;
+    let f: BlockFn = match ty {
+        Q4_0 => legacy::dequant_q4_0,
+        Q4_1 => legacy::dequant_q4_1,
+        Q5_0 => legacy::dequant_q5_0,
+        Q5_1 => legacy::dequant_q5_1,
+        Q8_0 => legacy::dequant_q8_0,
+        Q2K => kquants::dequant_q2_k,
+        Q3K => kquants::dequant_q3_k,
+        Q4K => kquants::dequant_q4_k,
+        Q5K => kquants::dequant_q5_k,
+        Q6K => kquants::dequant_q6_k,
+        Iq2Xxs => iquants::dequant_iq2_xxs,
+        Iq2Xs => iquants::dequant_iq2_xs,
+        Iq2S => iquants::dequant_iq2_s,
+        Iq3Xxs => iquants::dequant_iq3_xxs,
+        Iq3S => iquants::dequant_iq3_s,
+        Iq1S => iquants::dequant_iq1_s,
+        Iq1M => iquants::dequant_iq1_m,
+        Iq4Nl => iquants::dequant_iq4_nl,
+        Iq4Xs => iquants::dequant_iq4_xs,
+        MXFP4 => iquants::dequant_mxfp4,
+        _ => return None,
+    };
+    Some((ty.block_elems() as usize, ty.block_bytes() as usize, f))
+}
+
+/// One block's quantizer, for the quantized types of [`QUANTIZABLE`].
+fn block_quantizer(ty: GgmlType) -> Option<BlockFnMut> {
+    use GgmlType::*;
+    Some(match ty {
+        Q4_0 => legacy::quantize_q4_0,
+        Q4_1 => legacy::quantize_q4_1,
+        Q5_0 => legacy::quantize_q5_0,
+        Q5_1 => legacy::quantize_q5_1,
+        Q8_0 => legacy::quantize_q8_0,
+        Q4K => kquants::quantize_q4_k,
+        Q5K => kquants::quantize_q5_k,
+        Q6K => kquants::quantize_q6_k,
+        Iq4Nl => iquants::quantize_iq4_nl,
+        MXFP4 => iquants::quantize_mxfp4,
+        _ => return None,
+    })
+}
+
+type BlockFnMut = fn(&[f32], &mut [u8]);
 
 /// Bytes of a row of `n` elements of `ty`, refusing unsupported types and partial blocks.
 pub fn row_bytes(ty: GgmlType, n: usize) -> Result<usize, QuantError> {
@@ -81,6 +203,14 @@ fn rd_f16(b: &[u8], off: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32()
 }
 
+/// Writes `v` as f16 at `off` and returns the value stored (as f32).
+#[inline]
+fn wr_f16(b: &mut [u8], off: usize, v: f32) -> f32 {
+    let h = f16::from_f32(v);
+    b[off..off + 2].copy_from_slice(&h.to_bits().to_le_bytes());
+    h.to_f32()
+}
+
 #[inline]
 fn rd_bf16(b: &[u8], off: usize) -> f32 {
     bf16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32()
@@ -89,19 +219,6 @@ fn rd_bf16(b: &[u8], off: usize) -> f32 {
 #[inline]
 fn rd_f32(b: &[u8], off: usize) -> f32 {
     f32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
-}
-
-/// ggml's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` (0..8) of a Q4_K block.
-#[inline]
-pub fn get_scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    }
 }
 
 /// Dot product of two f32 slices of equal length with eight running sums (the one order
@@ -144,37 +261,12 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) -> Result<(), Q
                 *o = rd_bf16(row, 2 * i);
             }
         }
-        GgmlType::Q8_0 => {
-            for (blk, o) in row
-                .chunks_exact(Q8_0_BYTES)
-                .zip(out.chunks_exact_mut(QK8_0))
-            {
-                let d = rd_f16(blk, 0);
-                for (j, v) in o.iter_mut().enumerate() {
-                    *v = d * (blk[2 + j] as i8) as f32;
-                }
+        _ => {
+            let (be, bb, f) = block_decoder(ty).ok_or(QuantError::Unsupported { ty })?;
+            for (blk, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
+                f(blk, o);
             }
         }
-        GgmlType::Q4K => {
-            for (blk, o) in row.chunks_exact(Q4_K_BYTES).zip(out.chunks_exact_mut(QK_K)) {
-                let d = rd_f16(blk, 0);
-                let dmin = rd_f16(blk, 2);
-                let scales = &blk[4..16];
-                let qs = &blk[16..144];
-                for g in 0..4 {
-                    let (sc0, m0) = get_scale_min_k4(2 * g, scales);
-                    let (sc1, m1) = get_scale_min_k4(2 * g + 1, scales);
-                    let (d1, mm1) = (d * sc0 as f32, dmin * m0 as f32);
-                    let (d2, mm2) = (d * sc1 as f32, dmin * m1 as f32);
-                    let q = &qs[32 * g..32 * g + 32];
-                    for l in 0..32 {
-                        o[64 * g + l] = d1 * (q[l] & 0xF) as f32 - mm1;
-                        o[64 * g + 32 + l] = d2 * (q[l] >> 4) as f32 - mm2;
-                    }
-                }
-            }
-        }
-        _ => return Err(QuantError::Unsupported { ty }),
     }
     Ok(())
 }
@@ -284,135 +376,28 @@ fn dot_row_body(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
             }
             hsum8(&tot)
         }
-        _ => f32::NAN,
+        _ => dot_blocks(ty, row, x),
     }
 }
 
-/// AVX2 versions of the Q8_0 and Q4_K dot products: the same lanes, the same operations in
-/// the same order as [`dot_row_body`] (no fused multiply-add), so results are bit-identical
-/// to the portable build; other types use `dot_row_body` compiled for AVX2.
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::*;
-    use std::arch::x86_64::*;
-
-    // Every function here is an `unsafe fn` with `#[target_feature]` (callable on Rust 1.85);
-    // its one contract is that the CPU supports AVX2, which `super::dot_row` checks.
-
-    /// The horizontal sum of [`hsum8`]'s order.
-    #[target_feature(enable = "avx2")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let mut a = [0f32; 8];
-        // SAFETY: `a` holds exactly eight f32 (unaligned store); AVX2 per the contract.
-        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
-        hsum8(&a)
-    }
-
-    /// Eight i8 widened to f32.
-    #[target_feature(enable = "avx2")]
-    unsafe fn i8x8(q: &[u8; 8]) -> __m256 {
-        // SAFETY: reads exactly the 8 bytes of `q` (unaligned 64-bit load); AVX2 per the
-        // contract.
-        unsafe {
-            let b = _mm_loadl_epi64(q.as_ptr() as *const __m128i);
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))
-        }
-    }
-
-    /// Eight u8 widened to i32.
-    #[target_feature(enable = "avx2")]
-    unsafe fn u8x8(q: &[u8; 8]) -> __m256i {
-        // SAFETY: reads exactly the 8 bytes of `q`; AVX2 per the contract.
-        unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(q.as_ptr() as *const __m128i)) }
-    }
-
-    /// Eight f32 loaded.
-    #[target_feature(enable = "avx2")]
-    unsafe fn f32x8(x: &[f32; 8]) -> __m256 {
-        // SAFETY: reads exactly the 8 floats of `x` (unaligned load); AVX2 per the contract.
-        unsafe { _mm256_loadu_ps(x.as_ptr()) }
-    }
-
-    fn arr<T, const N: usize>(s: &[T]) -> &[T; N] {
-        // Callers slice exactly N elements; a wrong length is a bug in this module.
-        s.try_into().expect("slice of N elements")
-    }
-
-    /// [`super::dot_row`] for a row already checked to fit `ty` and `x`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-        // SAFETY: every call below needs AVX2 (this function's contract) and reads only
-        // fixed-size arrays sliced from `row` and `x`.
-        unsafe { dot_row_checked(ty, row, x) }
-    }
-
-    #[target_feature(enable = "avx2")]
-    unsafe fn dot_row_checked(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-        // SAFETY: AVX2 per the contract; loads and stores go through the helpers above.
-        unsafe {
-            match ty {
-                GgmlType::Q8_0 => {
-                    let mut tot = _mm256_setzero_ps();
-                    for (blk, xb) in row.chunks_exact(Q8_0_BYTES).zip(x.chunks_exact(QK8_0)) {
-                        let mut p = _mm256_setzero_ps();
-                        for j in 0..4 {
-                            let q = i8x8(arr(&blk[2 + 8 * j..10 + 8 * j]));
-                            p = _mm256_add_ps(
-                                p,
-                                _mm256_mul_ps(q, f32x8(arr(&xb[8 * j..8 * j + 8]))),
-                            );
-                        }
-                        let d = _mm256_set1_ps(rd_f16(blk, 0));
-                        tot = _mm256_add_ps(tot, _mm256_mul_ps(d, p));
-                    }
-                    hsum(tot)
-                }
-                GgmlType::Q4K => {
-                    let mut tot = _mm256_setzero_ps();
-                    let lo = _mm256_set1_epi32(0xF);
-                    for (blk, xb) in row.chunks_exact(Q4_K_BYTES).zip(x.chunks_exact(QK_K)) {
-                        let d = rd_f16(blk, 0);
-                        let dmin = rd_f16(blk, 2);
-                        let scales = &blk[4..16];
-                        for g in 0..4 {
-                            let (sc0, m0) = get_scale_min_k4(2 * g, scales);
-                            let (sc1, m1) = get_scale_min_k4(2 * g + 1, scales);
-                            let q = &blk[16 + 32 * g..48 + 32 * g];
-                            let xa = &xb[64 * g..64 * g + 32];
-                            let xh = &xb[64 * g + 32..64 * g + 64];
-                            let (mut qa, mut qh) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-                            let (mut sa, mut sh) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-                            for j in 0..4 {
-                                let b = u8x8(arr(&q[8 * j..8 * j + 8]));
-                                let ql = _mm256_cvtepi32_ps(_mm256_and_si256(b, lo));
-                                let qhi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b));
-                                let a = f32x8(arr(&xa[8 * j..8 * j + 8]));
-                                let h = f32x8(arr(&xh[8 * j..8 * j + 8]));
-                                qa = _mm256_add_ps(qa, _mm256_mul_ps(ql, a));
-                                qh = _mm256_add_ps(qh, _mm256_mul_ps(qhi, h));
-                                sa = _mm256_add_ps(sa, a);
-                                sh = _mm256_add_ps(sh, h);
-                            }
-                            let d1 = _mm256_set1_ps(d * sc0 as f32);
-                            let mm1 = _mm256_set1_ps(dmin * m0 as f32);
-                            let d2 = _mm256_set1_ps(d * sc1 as f32);
-                            let mm2 = _mm256_set1_ps(dmin * m1 as f32);
-                            let first =
-                                _mm256_sub_ps(_mm256_mul_ps(d1, qa), _mm256_mul_ps(mm1, sa));
-                            let second =
-                                _mm256_sub_ps(_mm256_mul_ps(d2, qh), _mm256_mul_ps(mm2, sh));
-                            tot = _mm256_add_ps(tot, _mm256_add_ps(first, second));
-                        }
-                    }
-                    hsum(tot)
-                }
-                _ => dot_row_body(ty, row, x),
+/// Dot product for the types without a dedicated kernel: each block is decoded into a stack
+/// buffer and multiplied in eight lanes (the lanes summed in [`hsum8`]'s order at the end).
+#[inline(always)]
+fn dot_blocks(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    let Some((be, bb, f)) = block_decoder(ty) else {
+        return f32::NAN;
+    };
+    let mut buf = [0f32; QK_K];
+    let mut tot = [0f32; 8];
+    for (blk, xb) in row.chunks_exact(bb).zip(x.chunks_exact(be)) {
+        f(blk, &mut buf[..be]);
+        for (w8, x8) in buf[..be].chunks_exact(8).zip(xb.chunks_exact(8)) {
+            for k in 0..8 {
+                tot[k] += w8[k] * x8[k];
             }
         }
     }
+    hsum8(&tot)
 }
 
 /// `sum_i W[i] * x[i]` for one weight row of `x.len()` elements, dequantizing on the fly
@@ -552,7 +537,7 @@ pub fn axpy_range(
     Ok(())
 }
 
-/// Quantize `x` and append the row to `out` (F32, F16, BF16, Q8_0, Q4_K).
+/// Quantize `x` and append the row to `out` (the types of [`QUANTIZABLE`]).
 pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) -> Result<(), QuantError> {
     let n = row_bytes(ty, x.len())?;
     let at = out.len();
@@ -579,202 +564,15 @@ pub fn quantize_row_into(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), 
                 o.copy_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes());
             }
         }
-        GgmlType::Q8_0 => {
-            for (xb, o) in x.chunks_exact(QK8_0).zip(out.chunks_exact_mut(Q8_0_BYTES)) {
-                quantize_block_q8_0(xb, o);
+        _ => {
+            let f = block_quantizer(ty).ok_or(QuantError::NoQuantizer { ty })?;
+            let (be, bb) = (ty.block_elems() as usize, ty.block_bytes() as usize);
+            for (xb, o) in x.chunks_exact(be).zip(out.chunks_exact_mut(bb)) {
+                f(xb, o);
             }
         }
-        GgmlType::Q4K => {
-            for (xb, o) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(Q4_K_BYTES)) {
-                quantize_block_q4_k(xb, o);
-            }
-        }
-        _ => return Err(QuantError::Unsupported { ty }),
     }
     Ok(())
-}
-
-/// ggml's reference Q8_0: d = max|x| / 127 stored as f16, q = round(x / d) (ties away from 0).
-fn quantize_block_q8_0(x: &[f32], out: &mut [u8]) {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    out[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
-    for (j, v) in x.iter().enumerate() {
-        out[2 + j] = round_away(v * id).clamp(-128, 127) as i8 as u8;
-    }
-}
-
-/// `roundf` (ties away from zero) without the libm call `f32::round` compiles to on baseline
-/// x86-64: truncate, then step by one when the exact remainder is at least a half. NaN -> 0.
-#[inline]
-fn round_away(v: f32) -> i32 {
-    let t = v as i32;
-    let f = v - t as f32;
-    if f >= 0.5 {
-        t.saturating_add(1)
-    } else if f <= -0.5 {
-        t.saturating_sub(1)
-    } else {
-        t
-    }
-}
-
-/// ggml's `nearest_int`: round half to even.
-#[inline]
-fn nearest_int(v: f32) -> i32 {
-    v.round_ties_even() as i32
-}
-
-/// ggml's `make_qkx2_quants`: fit `x ≈ scale * L - min` with `L` in 0..=nmax, weighted least
-/// squares over a small grid of trial scales. Returns (scale, min) with min >= 0.
-#[allow(clippy::too_many_arguments)]
-fn make_qkx2_quants(
-    nmax: i32,
-    x: &[f32],
-    weights: &[f32],
-    l_out: &mut [u8],
-    l_aux: &mut [u8],
-    rmin: f32,
-    rdelta: f32,
-    nstep: i32,
-) -> (f32, f32) {
-    let n = x.len();
-    let mut min = x[0];
-    let mut max = x[0];
-    let mut sum_w = weights[0];
-    let mut sum_x = sum_w * x[0];
-    for i in 1..n {
-        min = min.min(x[i]);
-        max = max.max(x[i]);
-        sum_w += weights[i];
-        sum_x += weights[i] * x[i];
-    }
-    if min > 0.0 {
-        min = 0.0;
-    }
-    if max == min {
-        l_out[..n].fill(0);
-        return (0.0, -min);
-    }
-    let mut iscale = nmax as f32 / (max - min);
-    let mut scale = 1.0 / iscale;
-    let mut best_error = 0f32;
-    for i in 0..n {
-        let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-        l_out[i] = l as u8;
-        let diff = scale * l as f32 + min - x[i];
-        best_error += weights[i] * diff * diff;
-    }
-    for is in 0..=nstep {
-        iscale = (rmin + rdelta * is as f32 + nmax as f32) / (max - min);
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
-        for i in 0..n {
-            let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-            l_aux[i] = l as u8;
-            let w = weights[i];
-            let lf = l as f32;
-            sum_l += w * lf;
-            sum_l2 += w * lf * lf;
-            sum_xl += w * lf * x[i];
-        }
-        let det = sum_w * sum_l2 - sum_l * sum_l;
-        if det > 0.0 {
-            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
-            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
-            if this_min > 0.0 {
-                this_min = 0.0;
-                this_scale = sum_xl / sum_l2;
-            }
-            let mut cur_error = 0f32;
-            for i in 0..n {
-                let diff = this_scale * l_aux[i] as f32 + this_min - x[i];
-                cur_error += weights[i] * diff * diff;
-            }
-            if cur_error < best_error {
-                l_out[..n].copy_from_slice(&l_aux[..n]);
-                best_error = cur_error;
-                scale = this_scale;
-                min = this_min;
-            }
-        }
-    }
-    (scale, -min)
-}
-
-/// ggml's reference Q4_K for one 256-element block.
-fn quantize_block_q4_k(x: &[f32], out: &mut [u8]) {
-    let mut l = [0u8; QK_K];
-    let mut l_aux = [0u8; 32];
-    let mut weights = [0f32; 32];
-    let mut scales = [0f32; 8];
-    let mut mins = [0f32; 8];
-    let mut max_scale = 0f32;
-    let mut max_min = 0f32;
-    for j in 0..8 {
-        let xs = &x[32 * j..32 * j + 32];
-        let sum_x2: f32 = xs.iter().map(|v| v * v).sum();
-        let av_x = (sum_x2 / 32.0).sqrt();
-        for (w, v) in weights.iter_mut().zip(xs) {
-            *w = av_x + v.abs();
-        }
-        let (s, m) = make_qkx2_quants(
-            15,
-            xs,
-            &weights,
-            &mut l[32 * j..32 * j + 32],
-            &mut l_aux,
-            -1.0,
-            0.1,
-            20,
-        );
-        scales[j] = s;
-        mins[j] = m;
-        max_scale = max_scale.max(s);
-        max_min = max_min.max(m);
-    }
-    let inv_scale = if max_scale > 0.0 {
-        63.0 / max_scale
-    } else {
-        0.0
-    };
-    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
-    let sc = &mut out[4..16];
-    sc.fill(0);
-    for j in 0..8 {
-        let ls = nearest_int(inv_scale * scales[j]).clamp(0, 63) as u8;
-        let lm = nearest_int(inv_min * mins[j]).clamp(0, 63) as u8;
-        if j < 4 {
-            sc[j] = ls;
-            sc[j + 4] = lm;
-        } else {
-            sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
-            sc[j - 4] |= (ls >> 4) << 6;
-            sc[j] |= (lm >> 4) << 6;
-        }
-    }
-    let d16 = f16::from_f32(max_scale / 63.0);
-    let dmin16 = f16::from_f32(max_min / 63.0);
-    out[0..2].copy_from_slice(&d16.to_bits().to_le_bytes());
-    out[2..4].copy_from_slice(&dmin16.to_bits().to_le_bytes());
-    let (d, dmin) = (d16.to_f32(), dmin16.to_f32());
-    for j in 0..8 {
-        let (s, m) = get_scale_min_k4(j, &out[4..16]);
-        let dj = d * s as f32;
-        if dj == 0.0 {
-            continue;
-        }
-        let dm = dmin * m as f32;
-        for ii in 0..32 {
-            l[32 * j + ii] = nearest_int((x[32 * j + ii] + dm) / dj).clamp(0, 15) as u8;
-        }
-    }
-    let qs = &mut out[16..144];
-    for g in 0..4 {
-        for k in 0..32 {
-            qs[32 * g + k] = l[64 * g + k] | (l[64 * g + 32 + k] << 4);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -833,30 +631,6 @@ mod tests {
         assert_eq!(back[0], -2.0);
         assert_eq!(back[31], 3.5);
         assert_eq!(back[1..31].iter().filter(|v| **v != 0.0).count(), 0);
-    }
-
-    #[test]
-    fn round_away_is_roundf() {
-        for v in [
-            0.0f32,
-            0.5,
-            -0.5,
-            1.5,
-            -1.5,
-            2.5,
-            0.49999997,
-            -0.49999997,
-            126.5,
-            -127.5,
-            3.7,
-            -3.7,
-            1e-8,
-            8388607.5,
-            f32::NAN,
-        ] {
-            assert_eq!(round_away(v), v.round() as i32, "{v}");
-        }
-        assert_eq!(round_away(f32::INFINITY), i32::MAX);
     }
 
     #[test]
@@ -927,6 +701,63 @@ mod tests {
         }
         let rel = (se / sx).sqrt();
         assert!(rel < 0.10, "relative RMS error {rel}");
+    }
+
+    /// Relative RMS error of a quantize -> dequantize round trip of ~N(0, 1) data.
+    fn round_trip_error(ty: GgmlType, x: &[f32]) -> f64 {
+        let mut q = Vec::new();
+        quantize_row(ty, x, &mut q).unwrap();
+        assert_eq!(q.len(), row_bytes(ty, x.len()).unwrap());
+        let mut y = vec![0f32; x.len()];
+        dequantize_row(ty, &q, &mut y).unwrap();
+        let se: f64 = x
+            .iter()
+            .zip(&y)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
+        let sx: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
+        (se / sx).sqrt()
+    }
+
+    #[test]
+    fn every_quantizer_round_trips_within_its_type_tolerance() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let x = randn(&mut rng, 256 * 16, 1.0);
+        // Bounds: measured errors (x ~ sum of 4 uniforms) with about 25% headroom; the order
+        // follows bits per weight.
+        for (ty, bound) in [
+            (GgmlType::F32, 0.0),
+            (GgmlType::F16, 3e-4),
+            (GgmlType::BF16, 2.5e-3),
+            (GgmlType::Q8_0, 0.0065),
+            (GgmlType::Q6K, 0.021),
+            (GgmlType::Q5_0, 0.05),
+            (GgmlType::Q5_1, 0.045),
+            (GgmlType::Q5K, 0.044),
+            (GgmlType::Q4_0, 0.1),
+            (GgmlType::Q4_1, 0.093),
+            (GgmlType::Q4K, 0.086),
+            (GgmlType::Iq4Nl, 0.098),
+            (GgmlType::MXFP4, 0.14),
+        ] {
+            let e = round_trip_error(ty, &x);
+            eprintln!("{ty}: relative RMS error {e:.4}");
+            assert!(e <= bound, "{ty}: relative RMS error {e} > {bound}");
+        }
+        assert_eq!(QUANTIZABLE.len(), 13, "every quantizer is covered above");
+        // All-zero input gives all-zero values (finite scales, no NaN).
+        for &ty in QUANTIZABLE {
+            let z = vec![0f32; 256];
+            let mut q = Vec::new();
+            quantize_row(ty, &z, &mut q).unwrap();
+            let mut y = vec![1f32; 256];
+            dequantize_row(ty, &q, &mut y).unwrap();
+            assert!(y.iter().all(|v| *v == 0.0), "{ty}");
+        }
+        assert_eq!(
+            quantize_row(GgmlType::Iq3S, &x[..256], &mut Vec::new()),
+            Err(QuantError::NoQuantizer { ty: GgmlType::Iq3S })
+        );
     }
 
     #[test]
@@ -1004,7 +835,7 @@ mod tests {
             })
         );
         assert!(matches!(
-            row_bytes(GgmlType::Iq3S, 256),
+            row_bytes(GgmlType::Tq1_0, 256),
             Err(QuantError::Unsupported { .. })
         ));
         let x = vec![1f32; 32];
