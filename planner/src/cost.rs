@@ -206,11 +206,7 @@ pub fn device_cost(
     } else {
         (GPU_ROWS_PER_READ, true, layers * GPU_PREFILL_LAUNCHES)
     };
-    let pass_latency = if cpu {
-        c.launch_s
-    } else {
-        c.product_latency_s
-    };
+    let pass_latency = if cpu { c.launch_s } else { c.product_latency_s };
     DeviceCost {
         step_s: step,
         dense_read_s: dense_bytes / c.product_bps,

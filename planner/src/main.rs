@@ -225,7 +225,10 @@ fn model_info(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> 
         Format::Json => {
             let mut j = info.to_json();
             j["runnable"] = report::runnable_json(&run);
-            println!("{}", serde_json::to_string_pretty(&j).expect("JSON value prints"));
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&j).expect("JSON value prints")
+            );
         }
         Format::Text => {
             print!("{}", info.to_text());

@@ -360,7 +360,10 @@ pub fn plan_text(plan: &Plan) -> String {
             ""
         }
     ));
-    for (label, d) in [("empty context", &p.decode_empty), ("full context", &p.decode_full)] {
+    for (label, d) in [
+        ("empty context", &p.decode_empty),
+        ("full context", &p.decode_full),
+    ] {
         o.push_str(&format!(
             "    decode, {} slot(s), {label} ({} cells): {:.1} tok/s per slot, {:.1} tok/s in all\n",
             d.batch, d.context, d.per_slot_tok_s, d.aggregate_tok_s

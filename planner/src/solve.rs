@@ -497,8 +497,7 @@ impl<'a> Solver<'a> {
             let used = (dem.fixed() + (cache - dem.min_slots) * dem.slot_bytes) as f64
                 / dem.usable().max(1) as f64;
             Some(
-                self.device_seconds(d, a, b, cache, slots, resident)
-                    + BALANCE_WEIGHT * used * used,
+                self.device_seconds(d, a, b, cache, slots, resident) + BALANCE_WEIGHT * used * used,
             )
         })
         .or_else(|| self.greedy_bounds(slots, resident).map(|b| (b, 0.0)))

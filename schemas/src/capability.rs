@@ -78,7 +78,7 @@ pub struct Capability {
     pub prefill_gemm_types: &'static [GgmlType],
 }
 
-use GgmlType::{Q4K, Q8_0, BF16, F16, F32};
+use GgmlType::{BF16, F16, F32, Q4K, Q8_0};
 
 /// Today's truth, mirrored from `strata-exec`'s start-up checks (`exec.rs::start` for the
 /// CPU engine, `backend/cuda/engine.rs::preflight` and its stage builder for CUDA).
@@ -238,7 +238,9 @@ impl Workload {
 /// Main layers of `inv` without routed experts.
 pub fn dense_ffn_layers(inv: &ModelInventory) -> u32 {
     let hp = &inv.hparams;
-    (0..hp.n_layer).filter(|l| !hp.layer_has_experts(*l)).count() as u32
+    (0..hp.n_layer)
+        .filter(|l| !hp.layer_has_experts(*l))
+        .count() as u32
 }
 
 /// The kernel-relevant dimensions of `inv`.
@@ -258,7 +260,10 @@ fn list<T: std::fmt::Display>(v: &[T]) -> String {
     if v.is_empty() {
         return "nothing".into();
     }
-    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Whether `cap` runs `w`: `Ok`, or every reason it does not, each naming what is missing.
@@ -298,10 +303,7 @@ pub fn check(cap: &Capability, w: &Workload) -> Result<(), Vec<String>> {
     }
     if let Some(kv) = &w.kv {
         if !cap.kv_types.contains(&kv.as_str()) {
-            why.push(format!(
-                "KV type `{kv}` (runs {})",
-                list(cap.kv_types)
-            ));
+            why.push(format!("KV type `{kv}` (runs {})", list(cap.kv_types)));
         }
     }
     for (index, vendor) in &w.devices {
@@ -463,8 +465,10 @@ mod tests {
     fn each_missing_capability_is_named() {
         let mut w = qwen3moe();
         w.arch = "qwen3next".into();
-        w.tensors.push(("blk.0.ffn_up_exps.weight".into(), GgmlType::Iq3S));
-        w.tensors.push(("blk.1.ffn_up_exps.weight".into(), GgmlType::Iq3S));
+        w.tensors
+            .push(("blk.0.ffn_up_exps.weight".into(), GgmlType::Iq3S));
+        w.tensors
+            .push(("blk.1.ffn_up_exps.weight".into(), GgmlType::Iq3S));
         w.kv = Some("f32".into());
         w.devices.push((1, "amd".into()));
         w.host_experts = (10, 128);
@@ -491,7 +495,13 @@ mod tests {
         }
         // The CPU backend takes host experts, KV spill, dense layers, f32 KV and any head dims.
         let cpu = check(capability(Backend::Cpu), &w).unwrap_err().join("\n");
-        for absent in ["experts_host", "kv_spill", "dense-FFN", "KV type", "head dims"] {
+        for absent in [
+            "experts_host",
+            "kv_spill",
+            "dense-FFN",
+            "KV type",
+            "head dims",
+        ] {
             assert!(!cpu.contains(absent), "`{absent}` in:\n{cpu}");
         }
     }

@@ -302,10 +302,7 @@ impl HardwareProbe {
             for (name, v) in d.cost.iter().flat_map(|c| c.entries()) {
                 if let Some(v) = v {
                     if !(v.is_finite() && v >= 0.0) {
-                        return Err(bad(
-                            k(&format!("cost.{name}")),
-                            "must be a number >= 0",
-                        ));
+                        return Err(bad(k(&format!("cost.{name}")), "must be a number >= 0"));
                     }
                 }
             }

@@ -65,7 +65,11 @@ impl Solver<'_> {
         let (cached, mass) = self.masses(&c, &slots);
         let step = self.step_seconds(&c, &slots, 1);
         let hit = if mass > 0.0 { cached / mass } else { 1.0 };
-        Some((hit, slots.iter().sum(), if step > 0.0 { 1.0 / step } else { 0.0 }))
+        Some((
+            hit,
+            slots.iter().sum(),
+            if step > 0.0 { 1.0 / step } else { 0.0 },
+        ))
     }
 
     /// Seconds of a decode step of `batch` slots at empty context for choice `c`.

@@ -100,15 +100,15 @@ impl Solver<'_> {
 
     /// Expected expert uses per token served from the caches of `slots`, and in total.
     pub(super) fn masses(&self, c: &Choice, slots: &[u64]) -> (f64, f64) {
-        ranges(&c.bounds, self.n_layer())
-            .iter()
-            .zip(slots)
-            .fold((0.0, 0.0), |(h, t), ((a, b), s)| {
+        ranges(&c.bounds, self.n_layer()).iter().zip(slots).fold(
+            (0.0, 0.0),
+            |(h, t), ((a, b), s)| {
                 (
                     h + self.oracle.cached_mass(*a, *b, *s),
                     t + self.oracle.total_mass(*a, *b),
                 )
-            })
+            },
+        )
     }
 
     /// Fewer slots or another VRAM window than asked.
@@ -306,7 +306,14 @@ impl Solver<'_> {
             let n_embd = self.req.inventory.hparams.n_embd;
             staging += 2 * self.sizing.step_tokens(c.slots) * n_embd * 4;
         }
-        push_chunks(chunks, "staging", dev.index, staging, chunk_max, ALIGN_PINNED);
+        push_chunks(
+            chunks,
+            "staging",
+            dev.index,
+            staging,
+            chunk_max,
+            ALIGN_PINNED,
+        );
 
         let share = self.share(i, a, b, slots, c.resident);
         let kv_layers = (a..b)
@@ -394,13 +401,19 @@ impl Solver<'_> {
         }
         let (host, host_degradations, disk_share) = self.host_verdict(&built, chunks);
         degradations.extend(host_degradations);
-        let disk = self.req.probe.host.disk_read_gbps.unwrap_or(DEFAULT_DISK_GBPS) * 1e9;
+        let disk = self
+            .req
+            .probe
+            .host
+            .disk_read_gbps
+            .unwrap_or(DEFAULT_DISK_GBPS)
+            * 1e9;
         for b in &mut built {
             b.plan.cost.expert_miss_s += disk_share * b.expert_bytes / disk;
         }
-        let (cached, mass) = built
-            .iter()
-            .fold((0.0, 0.0), |(h, t), b| (h + b.cached_mass, t + b.total_mass));
+        let (cached, mass) = built.iter().fold((0.0, 0.0), |(h, t), b| {
+            (h + b.cached_mass, t + b.total_mass)
+        });
         let hit_rate = if mass > 0.0 { cached / mass } else { 1.0 };
         degradations.extend(self.residency_vs_batch_one(c, hit_rate));
         let devices: Vec<DevicePlan> = built.into_iter().map(|b| b.plan).collect();
