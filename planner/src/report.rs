@@ -277,46 +277,7 @@ pub fn plan_text(plan: &Plan) -> String {
         }
     ));
     for d in &plan.devices {
-        let planned = d.planned_bytes();
-        o.push_str(&format!(
-            "\n  device {} {} ({}): layers [{}, {}){}{}{}{}{}\n",
-            d.index,
-            d.name,
-            gib(d.vram_bytes),
-            d.layer_first,
-            d.layer_end,
-            if d.holds_embedding { " +embedding" } else { "" },
-            if d.holds_head { " +head" } else { "" },
-            if d.holds_mtp { " +mtp" } else { "" },
-            if d.holds_vision { " +vision" } else { "" },
-            match d.handoff_in.as_str() {
-                "peer" => ", hidden state in by peer copy",
-                "host" => ", hidden state in through pinned host memory",
-                _ => "",
-            },
-        ));
-        for r in &d.regions {
-            if r.bytes > 0 {
-                o.push_str(&format!(
-                    "    {:<16} {:>12}\n",
-                    r.kind.as_str(),
-                    gib(r.bytes)
-                ));
-            }
-        }
-        o.push_str(&format!(
-            "    {:<16} {:>12}   ({} expert slots of {}; {} free after{})\n",
-            "planned",
-            gib(planned),
-            d.expert_cache_slots,
-            gib(d.expert_slot_bytes),
-            gib(d.vram_bytes.saturating_sub(planned)),
-            if d.free_bytes_probed || d.vendor == "cpu" {
-                ""
-            } else {
-                "; free memory assumed, see notes"
-            }
-        ));
+        o.push_str(&device_text(d));
     }
     let h = &plan.host;
     let host_experts = plan
@@ -351,6 +312,84 @@ pub fn plan_text(plan: &Plan) -> String {
     ));
     o.push_str("\n  runnable by this build's strata-exec:\n");
     o.push_str(&runnable_text(&run));
+    o.push_str(&predicted_text(plan));
+    if plan.degradations.is_empty() {
+        o.push_str("  degradations: none\n");
+    } else {
+        o.push_str("  degradations:\n");
+        for d in &plan.degradations {
+            o.push_str(&format!(
+                "    - {}: requested {}, planned {} — {}\n",
+                d.what, d.requested, d.planned, d.reason
+            ));
+        }
+    }
+    if !plan.suggestions.is_empty() {
+        o.push_str("  suggestions:\n");
+        for s in &plan.suggestions {
+            o.push_str(&format!("    - {s}\n"));
+        }
+    }
+    let notes = notes(plan);
+    if !notes.is_empty() {
+        o.push_str("  notes:\n");
+        for n in &notes {
+            o.push_str(&format!("    - {n}\n"));
+        }
+    }
+    o
+}
+
+/// One device's section of the text report.
+fn device_text(d: &strata_schemas::plan::DevicePlan) -> String {
+    let mut o = String::new();
+    let planned = d.planned_bytes();
+    o.push_str(&format!(
+        "\n  device {} {} ({}): layers [{}, {}){}{}{}{}{}\n",
+        d.index,
+        d.name,
+        gib(d.vram_bytes),
+        d.layer_first,
+        d.layer_end,
+        if d.holds_embedding { " +embedding" } else { "" },
+        if d.holds_head { " +head" } else { "" },
+        if d.holds_mtp { " +mtp" } else { "" },
+        if d.holds_vision { " +vision" } else { "" },
+        match d.handoff_in.as_str() {
+            "peer" => ", hidden state in by peer copy",
+            "host" => ", hidden state in through pinned host memory",
+            _ => "",
+        },
+    ));
+    for r in &d.regions {
+        if r.bytes > 0 {
+            o.push_str(&format!(
+                "    {:<16} {:>12}\n",
+                r.kind.as_str(),
+                gib(r.bytes)
+            ));
+        }
+    }
+    o.push_str(&format!(
+        "    {:<16} {:>12}   ({} expert slots of {}; {} free after{})\n",
+        "planned",
+        gib(planned),
+        d.expert_cache_slots,
+        gib(d.expert_slot_bytes),
+        gib(d.vram_bytes.saturating_sub(planned)),
+        if d.free_bytes_probed || d.vendor == "cpu" {
+            ""
+        } else {
+            "; free memory assumed, see notes"
+        }
+    ));
+    o
+}
+
+/// The predictions' section of the text report.
+fn predicted_text(plan: &Plan) -> String {
+    let mut o = String::new();
+    let s = &plan.serve;
     let p = &plan.predicted;
     o.push_str(&format!(
         "  predicted{}:\n",
@@ -376,30 +415,6 @@ pub fn plan_text(plan: &Plan) -> String {
         p.expert_hit_rate * 100.0,
         p.basis
     ));
-    if plan.degradations.is_empty() {
-        o.push_str("  degradations: none\n");
-    } else {
-        o.push_str("  degradations:\n");
-        for d in &plan.degradations {
-            o.push_str(&format!(
-                "    - {}: requested {}, planned {} — {}\n",
-                d.what, d.requested, d.planned, d.reason
-            ));
-        }
-    }
-    if !plan.suggestions.is_empty() {
-        o.push_str("  suggestions:\n");
-        for s in &plan.suggestions {
-            o.push_str(&format!("    - {s}\n"));
-        }
-    }
-    let notes = notes(plan);
-    if !notes.is_empty() {
-        o.push_str("  notes:\n");
-        for n in &notes {
-            o.push_str(&format!("    - {n}\n"));
-        }
-    }
     o
 }
 
