@@ -197,10 +197,10 @@ impl Solver<'_> {
                 ));
             }
         }
-        if degradations.iter().any(|d| d.what == "expert_residency") {
+        if let Some(d) = degradations.iter().find(|d| d.what == "expert_residency") {
             out.push(format!(
-                "every expert stays resident with fewer slots or a shorter context (--batch {} or a smaller --max-context); or add VRAM",
-                (want / 2).max(1)
+                "fewer slots (--batch) or a shorter --max-context leave more VRAM to the expert cache: --batch 1 keeps the {}",
+                d.requested.trim_end_matches(", as --batch 1 plans")
             ));
         }
         // VRAM left once every expert of a device is resident: room for a larger KV window.
