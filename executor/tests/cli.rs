@@ -335,11 +335,28 @@ fn bench_sampled_decode_names_its_draw_and_bad_settings_exit_1() {
         text.contains("| tg8 T0.8 top-k 5 top-p 0.9 |"),
         "no sampled tg row in:\n{text}"
     );
+    // The plan's prediction and the ratio beside each measured figure.
+    assert!(
+        text.contains("| plan predicts t/s | measured / predicted |"),
+        "{text}"
+    );
+    assert!(text.contains("predictions: guesses"), "{text}");
     let out = bench(&["--temperature", "1.5", "--format", "json"]);
     assert!(out.status.success());
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["decode_sampling"]["temperature"], 1.5);
     assert!(j["decode_tok_s"]["mean"].as_f64().unwrap() > 0.0);
+    let pred = &j["predicted"];
+    for k in ["prefill_tok_s", "decode_tok_s"] {
+        assert!(pred[k].as_f64().unwrap() > 0.0, "{k}: {pred}");
+    }
+    let r = pred["decode_measured_over_predicted"].as_f64().unwrap();
+    let (m, p) = (
+        j["decode_tok_s"]["mean"].as_f64().unwrap(),
+        pred["decode_tok_s"].as_f64().unwrap(),
+    );
+    assert!((r - m / p).abs() < 1e-9 * r.max(1.0), "{r} vs {m} / {p}");
+    assert_eq!(pred["guessed"], true);
     for bad in [["--top-p", "1.5"], ["--temperature=-0.5", "-q"]] {
         let out = exe()
             .args(["bench", "missing.plan"])

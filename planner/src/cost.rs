@@ -1,42 +1,311 @@
-//! The decode cost model: seconds per token on one device at batch 1.
-//! Invariant: time = bytes read from device memory / memory bandwidth + expected expert
-//! misses x expert bytes / host-to-device bandwidth; every term is in the report's basis.
+//! The cost model: one device's share of a decode step and a prefill pass as [`DeviceCost`]
+//! terms (seconds), from the model's bytes and weights in its layer range and the device's
+//! coefficients — the probe's `[device.cost]` keys, or the documented defaults below.
+//! Invariant: every term is a count of launches times a latency, bytes over a bandwidth, or
+//! flops over a throughput, with the coefficient it used named in [`Coefficients`]; a
+//! coefficient not in the probe is a default and makes the prediction a guess.
+//!
+//! Defaults (calibrated on the H200, BENCHMARKS.md "CUDA engine": per-kernel profile of the
+//! Qwen3-30B-A3B-shaped Q8_0 decode step and the pp512 prefill). A least-squares fit of the
+//! one-token products' isolated times against their bytes gives 7.2 µs plus bytes at
+//! 3.01 TB/s (63% of the 4.8 TB/s datasheet figure); RMSNorm, a launch that reads next to
+//! nothing, takes 2.8 µs; the fused decode attention 17.8 µs at about 600 cells; the prefill
+//! products about 108 TFLOP/s (22.5 flops per byte/s of datasheet bandwidth) and its flash
+//! attention 52.7 TFLOP/s (49% of that).
 
 use crate::facts::ModelFacts;
-use strata_schemas::probe::DeviceProbe;
+use strata_schemas::capability::{capability, Backend};
+use strata_schemas::ggml::GgmlType;
+use strata_schemas::inventory::{ModelInventory, TensorRole};
+use strata_schemas::plan::DeviceCost;
+use strata_schemas::probe::{DeviceProbe, Vendor};
 
-/// The context length predictions assume (short chat turns), capped by `--max-context`.
-pub const PREDICT_CONTEXT: u64 = 4096;
+/// Product launches a decode layer makes on the GPU engine: Q/K/V, output projection,
+/// router, expert gate/up, expert down. Plus one RMSNorm and one attention launch.
+const GPU_DECODE_PRODUCTS: f64 = 5.0;
+/// Launches of a decode step outside the layers: embedding rows, positions, output norm,
+/// argmax (the head is one more product).
+const GPU_STEP_LAUNCHES: f64 = 4.0;
+/// Rows of a step one GPU product launch serves per read of its weights (`dq_mv8`).
+const GPU_ROWS_PER_READ: u32 = 8;
+/// Launches of a prefill layer: norms, the Q/K/V/output GEMMs, flash attention, router and
+/// its top-k, the expert sort, the grouped gate/up and down products, the combine.
+const GPU_PREFILL_LAUNCHES: f64 = 10.0;
+/// f32 rows of `n_embd` a prefill token reads and writes per layer between launches, beyond
+/// two per expert it uses (the combine).
+const PREFILL_ACT_ROWS: f64 = 10.0;
+/// Ops (parallel sections) of a CPU decode layer: norms, projections, attention, router, and
+/// gate/up/down per expert used (add `3 x n_expert_used`).
+const CPU_LAYER_OPS: f64 = 8.0;
 
-/// What one device does per decoded token.
-pub struct DeviceWork {
+/// Coefficients of one device in SI units, and which of them were defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Coefficients {
+    pub launch_s: f64,
+    pub product_latency_s: f64,
+    pub product_bps: f64,
+    pub attention_latency_s: f64,
+    pub attention_bps: f64,
+    pub gemm_flops: f64,
+    pub prefill_attention_flops: f64,
+    pub step_s: f64,
+    pub host_expert_bps: f64,
+    /// Probe keys that took the default.
+    pub defaulted: Vec<&'static str>,
+}
+
+impl Coefficients {
+    /// The probe's `[device.cost]` values, defaults for the rest (see the module docs).
+    pub fn of(dev: &DeviceProbe) -> Self {
+        let bw = dev.mem_bandwidth();
+        let cpu = dev.vendor == Vendor::Cpu;
+        // (launch us, product latency us, product share of bandwidth, attention latency us,
+        //  attention share, flops per byte/s of bandwidth, step us)
+        let (launch, lat, prod, att_lat, att, fpb, step) = if cpu {
+            (5.0, 10.0, 0.5, 10.0, 0.5, 2.0, 20.0)
+        } else {
+            (2.8, 7.2, 0.627, 16.5, 0.4, 22.5, 25.0)
+        };
+        let c = dev.cost.clone().unwrap_or_default();
+        let mut defaulted = Vec::new();
+        let mut get = |key: &'static str, v: Option<f64>, default: f64| {
+            v.unwrap_or_else(|| {
+                defaulted.push(key);
+                default
+            })
+        };
+        let gemm_tflops = get("gemm_tflops", c.gemm_tflops, fpb * bw / 1e3);
+        let out = Self {
+            launch_s: get("launch_us", c.launch_us, launch) * 1e-6,
+            product_latency_s: get("product_latency_us", c.product_latency_us, lat) * 1e-6,
+            product_bps: get("product_gbps", c.product_gbps, prod * bw) * 1e9,
+            attention_latency_s: get("attention_latency_us", c.attention_latency_us, att_lat)
+                * 1e-6,
+            attention_bps: get("attention_gbps", c.attention_gbps, att * bw) * 1e9,
+            gemm_flops: gemm_tflops * 1e12,
+            prefill_attention_flops: get(
+                "prefill_attention_tflops",
+                c.prefill_attention_tflops,
+                if cpu { gemm_tflops } else { 0.49 * gemm_tflops },
+            ) * 1e12,
+            step_s: get("step_us", c.step_us, step) * 1e-6,
+            host_expert_bps: get("host_expert_gbps", c.host_expert_gbps, dev.h2d()) * 1e9,
+            defaulted: Vec::new(),
+        };
+        Self { defaulted, ..out }
+    }
+
+    /// Whether any coefficient is a default (the prediction is a guess).
+    pub fn guessed(&self) -> bool {
+        !self.defaulted.is_empty()
+    }
+}
+
+/// What one device of a plan holds and serves.
+pub struct DeviceShare {
+    /// Main layers `[a, b)`.
     pub a: u32,
     pub b: u32,
     pub holds_head: bool,
-    /// Expected expert uses per token served from the cache.
+    /// Expected expert uses per token served from the cache, and in total.
     pub cached_mass: f64,
-    /// Expected expert uses per token in total.
     pub total_mass: f64,
-    pub at_context: u64,
+    /// KV cells per slot in device memory.
+    pub kv_resident: u64,
+    /// How the hidden state arrives: "none", "peer" or "host".
+    pub handoff_in: &'static str,
+    /// Whether the device's backend prefills on tensor cores (see [`prefill_gemm`]).
+    pub prefill_gemm: bool,
 }
 
-/// Seconds per token on `dev` for `work`.
-pub fn device_token_seconds(facts: &ModelFacts, dev: &DeviceProbe, work: &DeviceWork) -> f64 {
-    let bw = dev.mem_bandwidth() * 1e9;
-    let h2d = dev.h2d() * 1e9;
-    let (a, b) = (work.a, work.b);
-    let n_exp_layers = facts.expert_layers(a, b);
-    let avg_expert = if n_exp_layers == 0 || facts.n_expert == 0 {
-        0.0
-    } else {
-        facts.experts_range(a, b) as f64 / (facts.n_expert * n_exp_layers) as f64
+/// Whether a GPU engine of `vendor` prefills `inv` on tensor-core products: its backend
+/// takes every projection and expert type in its GEMM list.
+pub fn prefill_gemm(inv: &ModelInventory, vendor: Vendor) -> bool {
+    let types = match vendor {
+        Vendor::Nvidia => capability(Backend::Cuda).prefill_gemm_types,
+        Vendor::Amd => capability(Backend::Cuda).prefill_gemm_types,
+        Vendor::Cpu => return false,
     };
-    let mut read = facts.dense_range(a, b) as f64 + work.total_mass * avg_expert;
-    if work.holds_head {
-        read += facts.head_bytes as f64;
+    let projection = |t: &strata_schemas::inventory::TensorInfo| {
+        t.layer.is_some()
+            && (t.role == TensorRole::ExpertStack || t.dims.len() >= 2)
+            && !t.name.contains("norm")
+            && !t.name.contains("gate_inp")
+    };
+    inv.tensors
+        .iter()
+        .filter(|t| projection(t))
+        .all(|t| types.contains(&t.ggml_type) || t.ggml_type == GgmlType::F32)
+}
+
+/// The cost terms of `dev` (whose coefficients are `c`) holding `share` of the model.
+pub fn device_cost(
+    facts: &ModelFacts,
+    dev: &DeviceProbe,
+    c: &Coefficients,
+    share: &DeviceShare,
+) -> DeviceCost {
+    let (a, b) = (share.a, share.b);
+    let layers = f64::from(b - a);
+    let k = facts.n_expert_used as f64;
+    let expert_layers = facts.expert_layers(a, b);
+    let avg = |v: &[u64]| -> f64 {
+        let (sum, n) = v[a as usize..b as usize]
+            .iter()
+            .filter(|x| **x > 0)
+            .fold((0u64, 0u64), |(s, n), x| (s + x, n + 1));
+        if n == 0 {
+            0.0
+        } else {
+            sum as f64 / n as f64
+        }
+    };
+    let expert_bytes = avg(&facts.expert);
+    let expert_params = avg(&facts.expert_params);
+    let dense_params: u64 = facts.dense_params[a as usize..b as usize].iter().sum();
+    let attn_layers = facts.attention[a as usize..b as usize]
+        .iter()
+        .filter(|x| **x)
+        .count() as f64;
+    let mut dense_bytes = facts.dense_range(a, b) as f64;
+    let mut step = c.step_s;
+    let head_compute_s = if share.holds_head {
+        dense_bytes += facts.head_bytes as f64;
+        2.0 * facts.head_params as f64 / c.gemm_flops
+    } else {
+        0.0
+    };
+    let cpu = dev.vendor == Vendor::Cpu;
+    if cpu {
+        step += layers * (CPU_LAYER_OPS + 3.0 * k) * c.launch_s;
+        if share.holds_head {
+            step += 2.0 * c.launch_s;
+        }
+    } else {
+        step += layers
+            * (c.launch_s + GPU_DECODE_PRODUCTS * c.product_latency_s + c.attention_latency_s);
+        if share.holds_head {
+            step += GPU_STEP_LAUNCHES * c.launch_s + c.product_latency_s;
+        }
     }
-    read += (work.at_context * facts.kv_cell_range(a, b)) as f64;
-    read += 2.0 * facts.linear_range(a, b) as f64;
-    let misses = (work.total_mass - work.cached_mass).max(0.0);
-    read / bw + misses * avg_expert / h2d
+    // The hidden state in: a peer copy or a trip through pinned host memory, one row a slot.
+    let row_bytes = facts.n_embd as f64 * 4.0;
+    let mut row_s = 2.0 * facts.linear_range(a, b) as f64 / c.product_bps;
+    match share.handoff_in {
+        "peer" => step += 2.0 * c.launch_s,
+        "host" => {
+            step += 4.0 * c.launch_s;
+            row_s += 2.0 * row_bytes / (dev.h2d() * 1e9);
+        }
+        _ => {}
+    }
+    let kv_cell = facts.kv_cell_range(a, b) as f64;
+    let flops_token = 2.0 * (dense_params as f64 + expert_layers as f64 * k * expert_params);
+    let (rows_per_read, per_use, pass_launches) = if cpu {
+        (u32::MAX, false, layers * (CPU_LAYER_OPS + 3.0 * k))
+    } else {
+        (GPU_ROWS_PER_READ, true, layers * GPU_PREFILL_LAUNCHES)
+    };
+    let pass_latency = if cpu { c.launch_s } else { c.product_latency_s };
+    DeviceCost {
+        step_s: step,
+        dense_read_s: dense_bytes / c.product_bps,
+        rows_per_read,
+        token_compute_s: flops_token / c.gemm_flops,
+        head_compute_s,
+        expert_layers: expert_layers as u32,
+        n_expert: facts.n_expert as u32,
+        n_expert_used: facts.n_expert_used as u32,
+        expert_read_s: expert_bytes / c.product_bps,
+        expert_read_per_use: per_use,
+        hit_rate: if share.total_mass > 0.0 {
+            (share.cached_mass / share.total_mass).min(1.0)
+        } else {
+            1.0
+        },
+        expert_miss_s: expert_bytes / c.host_expert_bps,
+        kv_cell_s: kv_cell / c.attention_bps,
+        kv_host_cell_s: kv_cell / (dev.h2d() * 1e9),
+        kv_resident: share.kv_resident,
+        row_s,
+        pass_s: pass_launches * pass_latency + c.step_s,
+        prefill_gemm: share.prefill_gemm && !cpu,
+        prefill_token_s: layers * (PREFILL_ACT_ROWS + 2.0 * k) * row_bytes / c.product_bps,
+        prefill_cell_s: attn_layers * facts.attn_cell_flops as f64 / c.prefill_attention_flops,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+    use strata_schemas::probe::CostProbe;
+
+    fn h200() -> DeviceProbe {
+        let mut p = probe(&[(141 * G, 4800.0)], 128 * G, 120 * G);
+        p.devices[0].h2d_gbps = Some(55.0);
+        p.devices.remove(0)
+    }
+
+    fn whole(facts: &ModelFacts, gemm: bool) -> DeviceShare {
+        DeviceShare {
+            a: 0,
+            b: facts.n_layer,
+            holds_head: true,
+            cached_mass: 1.0,
+            total_mass: 1.0,
+            kv_resident: 4096,
+            handoff_in: "none",
+            prefill_gemm: gemm,
+        }
+    }
+
+    #[test]
+    fn measured_keys_replace_defaults_and_clear_the_guess() {
+        let mut d = h200();
+        let c = Coefficients::of(&d);
+        assert!(c.guessed());
+        assert!((c.product_bps - 0.627 * 4800e9).abs() < 1.0);
+        d.cost = Some(CostProbe {
+            launch_us: Some(3.0),
+            product_latency_us: Some(7.0),
+            product_gbps: Some(3000.0),
+            attention_latency_us: Some(17.0),
+            attention_gbps: Some(2000.0),
+            gemm_tflops: Some(100.0),
+            prefill_attention_tflops: Some(50.0),
+            step_us: Some(20.0),
+            host_expert_gbps: Some(50.0),
+        });
+        let c = Coefficients::of(&d);
+        assert!(!c.guessed(), "{:?}", c.defaulted);
+        assert_eq!(c.product_bps, 3000e9);
+        assert_eq!(c.gemm_flops, 100e12);
+    }
+
+    /// BENCHMARKS.md: the Qwen3-30B-A3B-shaped Q8_0 model on one H200, everything resident:
+    /// tg128 261-266 tok/s after a 512-token prompt, pp512 15,106-15,277 tok/s.
+    #[test]
+    fn the_h200_q8_0_30b_predicts_within_15_percent_of_the_measured_figures() {
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let dev = h200();
+        let share = whole(&facts, prefill_gemm(&inv, Vendor::Nvidia));
+        let dc = device_cost(&facts, &dev, &Coefficients::of(&dev), &share);
+        assert!(dc.prefill_gemm);
+        // tg128 after pp512: contexts 512..640.
+        let steps: f64 = (512..640).map(|c| dc.decode_step_seconds(1, c)).sum();
+        let tg = 128.0 / steps;
+        let pp = 512.0 / dc.prefill_pass_seconds(512, 0);
+        eprintln!("predicted tg128 {tg:.1} tok/s (measured 262), pp512 {pp:.0} (measured 15,171)");
+        assert!((tg / 262.0 - 1.0).abs() < 0.15, "tg {tg}");
+        assert!((pp / 15_171.0 - 1.0).abs() < 0.15, "pp {pp}");
+        // Batch 16 is not the batch-1 figure: more per step, less per slot, more in total.
+        let one = dc.decode_step_seconds(1, 0);
+        let sixteen = dc.decode_step_seconds(16, 0);
+        assert!(sixteen > 1.5 * one, "{one} {sixteen}");
+        assert!(16.0 / sixteen > 2.0 / one);
+        // A full 40k context costs more than an empty one.
+        assert!(dc.decode_step_seconds(1, 40960) > 1.2 * one);
+    }
 }

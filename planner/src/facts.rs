@@ -31,6 +31,19 @@ pub struct ModelFacts {
     pub mtp_dense_bytes: u64,
     pub mtp_kv_cell: u64,
     pub has_mtp: bool,
+    /// Weights (elements) of main block l every token uses: everything but its experts.
+    pub dense_params: Vec<u64>,
+    /// Weights of one expert of main block l (gate + up + down).
+    pub expert_params: Vec<u64>,
+    /// Weights of the head (the embedding table when tied).
+    pub head_params: u64,
+    /// Main blocks that run full attention (they read KV).
+    pub attention: Vec<bool>,
+    /// Hidden width.
+    pub n_embd: u64,
+    /// Attention flops of one token against one cached cell in one full-attention block
+    /// (scores and the weighted sum over every query head).
+    pub attn_cell_flops: u64,
     prefix_dense: Vec<u64>,
     prefix_expert_total: Vec<u64>,
     prefix_kv_cell: Vec<u64>,
@@ -54,7 +67,25 @@ impl ModelFacts {
                 .map(|t| align(t.bytes))
                 .sum()
         };
+        let elems = |f: &dyn Fn(&strata_schemas::inventory::TensorInfo) -> bool| -> u64 {
+            inv.tensors
+                .iter()
+                .filter(|t| f(t))
+                .map(|t| t.elements())
+                .sum()
+        };
+        let mut dense_params = Vec::with_capacity(n as usize);
+        let mut expert_params = Vec::with_capacity(n as usize);
+        let mut attention = Vec::with_capacity(n as usize);
         for l in 0..n {
+            dense_params.push(elems(&|t| {
+                t.layer == Some(l) && t.role != TensorRole::ExpertStack
+            }));
+            expert_params.push(
+                elems(&|t| t.layer == Some(l) && t.role == TensorRole::ExpertStack)
+                    / hp.n_expert.max(1),
+            );
+            attention.push(hp.layer_kind(l) == LayerKind::FullAttention);
             dense.push(placed(&|t| {
                 t.layer == Some(l) && t.role != TensorRole::ExpertStack
             }));
@@ -87,7 +118,17 @@ impl ModelFacts {
             p
         };
         let expert_total: Vec<u64> = expert.iter().map(|e| e * hp.n_expert).collect();
+        let head_params = match elems(&|t| t.role == TensorRole::Head && t.layer.is_none()) {
+            0 => elems(&|t| t.role == TensorRole::Embedding && t.layer.is_none()),
+            h => h,
+        };
         Self {
+            dense_params,
+            expert_params,
+            head_params,
+            attention,
+            n_embd: hp.n_embd,
+            attn_cell_flops: 2 * hp.n_head * (hp.head_dim_k + hp.head_dim_v),
             n_layer: n,
             n_expert: hp.n_expert,
             n_expert_used: hp.n_expert_used,

@@ -1,12 +1,13 @@
 //! `strata-plan`: the command line over the planner library. Exit codes are the contract of
 //! DESIGN.md: 0 plan written (or report printed), 1 bad input, 2 infeasible, 3 `--strict` and
-//! degraded.
+//! degraded or not runnable by any backend of this build; `check` exits 4 on catalogue drift.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use strata_plan::report;
 use strata_plan::solve::{solve, Outcome, PlanRequest};
+use strata_schemas::capability::{runnable, runnable_model, runnable_workload, Workload};
 use strata_schemas::probe::HardwareProbe;
 use strata_schemas::serve::{
     ExpertCache, KvType, LayerSplit, RopeScaling, ServeSettings, ServeToml,
@@ -22,6 +23,8 @@ Examples:
       -o seed000.plan
   # Print the report of a plan file again, as JSON:
   strata-plan inspect seed000.plan --format json
+  # Regenerate and check the shipped catalogue (every GPU probe x model x preset):
+  strata-plan check plans/catalogue
 
 Reservation order: runtime reserve, --vram-reserve-mib, dense weights, embedding/head, MTP,
 vision, scratch, staging, the expert cache's minimum working set and one slot are required;
@@ -30,8 +33,14 @@ When the request does not fit, the plan first streams more KV from host memory (
 VRAM window per slot, not below 4096 cells), then plans fewer slots; each step is listed
 under degradations. MTP and vision are never dropped.
 
+The report says which backend of this build's strata-exec runs the plan (runnable: cpu,
+cuda, hip), and if none, exactly what is missing; its predicted speeds come from the probe's
+[device.cost] coefficients (`strata-exec probe` measures them) or documented defaults, and
+then say they are guesses.
+
 Exit codes: 0 plan written or report printed, 1 bad input, 2 infeasible (no plan written),
-3 --strict and the plan is degraded.";
+3 --strict and the plan is degraded or no backend of this build runs it (no plan written),
+4 `check`: the catalogue drifted or an entry became infeasible.";
 
 #[derive(Parser)]
 #[command(
@@ -65,6 +74,16 @@ enum Cmd {
         path: PathBuf,
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
+    },
+    /// Re-plan every entry of a plan catalogue (plans/catalogue: probe x model x serve preset,
+    /// listed in its catalogue.toml) and compare with the committed reports and plan hashes;
+    /// exit 4 naming each entry that drifted or became infeasible.
+    Check {
+        /// The catalogue folder (holds catalogue.toml).
+        dir: PathBuf,
+        /// Rewrite the committed reports and tables instead of failing on drift.
+        #[arg(long)]
+        update: bool,
     },
 }
 
@@ -167,6 +186,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Some(Cmd::Inspect { plan, format }) => inspect(&plan, format),
         Some(Cmd::ModelInfo { path, format }) => model_info(&path, format),
+        Some(Cmd::Check { dir, update }) => check(&dir, update),
         None => plan(&cli.plan),
     };
     match result {
@@ -200,14 +220,56 @@ fn inspect(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> {
 
 fn model_info(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> {
     let info = strata_plan::model::model_info(path).map_err(Fail::Bad)?;
+    // What running the model at all asks of each backend; a GGUF of an architecture the
+    // planner cannot read is judged on its architecture alone.
+    let run = match strata_plan::model::load_model(path) {
+        Ok(inv) => runnable_model(&inv),
+        Err(_) => runnable_workload(&Workload {
+            arch: info.arch.clone(),
+            ..Workload::default()
+        }),
+    };
     match format {
-        Format::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&info.to_json()).expect("JSON value prints")
-        ),
-        Format::Text => print!("{}", info.to_text()),
+        Format::Json => {
+            let mut j = info.to_json();
+            j["runnable"] = report::runnable_json(&run);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&j).expect("JSON value prints")
+            );
+        }
+        Format::Text => {
+            print!("{}", info.to_text());
+            println!("runnable by this build's strata-exec (the model alone; a plan adds its devices and features)");
+            print!("{}", report::runnable_text(&run));
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn check(dir: &std::path::Path, update: bool) -> Result<ExitCode, Fail> {
+    let t0 = std::time::Instant::now();
+    let r = strata_plan::catalogue::check(dir, update).map_err(Fail::Bad)?;
+    for p in &r.problems {
+        eprintln!("strata-plan check: {p}");
+    }
+    println!(
+        "strata-plan check: {} entries of {} in {:.1} s: {} problem(s){}",
+        r.entries,
+        dir.display(),
+        t0.elapsed().as_secs_f64(),
+        r.problems.len(),
+        if update {
+            format!(", {} file(s) written", r.written)
+        } else {
+            String::new()
+        }
+    );
+    Ok(if r.problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(4)
+    })
 }
 
 fn settings(a: &PlanArgs) -> Result<ServeSettings, Fail> {
@@ -329,7 +391,8 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
             Ok(ExitCode::from(2))
         }
         Outcome::Planned(plan) => {
-            let refuse = a.strict && !plan.degradations.is_empty();
+            let run = runnable(&plan);
+            let refuse = a.strict && (!plan.degradations.is_empty() || !run.any());
             if let (Some(out), false) = (&a.output, refuse) {
                 strata_schemas::planfile::write_plan(&plan, out)
                     .map_err(|e| Fail::Bad(format!("cannot write plan {}: {e}", out.display())))?;
@@ -348,14 +411,24 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
                 }
             }
             if refuse {
-                eprintln!(
-                    "strata-plan: --strict: the plan is degraded ({}); no plan written, exit 3",
-                    plan.degradations
-                        .iter()
-                        .map(|d| d.what.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
+                if !plan.degradations.is_empty() {
+                    eprintln!(
+                        "strata-plan: --strict: the plan is degraded ({}); no plan written, exit 3",
+                        plan.degradations
+                            .iter()
+                            .map(|d| d.what.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                }
+                if !run.any() {
+                    eprintln!("strata-plan: --strict: no backend of this build's strata-exec runs the plan; no plan written, exit 3");
+                    for (b, v) in &run.0 {
+                        if let Err(why) = v {
+                            eprintln!("  {}: {}", b.as_str(), why.join("; "));
+                        }
+                    }
+                }
                 return Ok(ExitCode::from(3));
             }
             Ok(ExitCode::SUCCESS)

@@ -1,11 +1,99 @@
 //! The feasibility report: human text and the JSON contract of DESIGN.md, built from a plan
 //! (so `inspect` prints the same report back) or from an infeasible outcome.
 //! Invariant: the JSON keys named in DESIGN.md are always present; text and JSON come from
-//! the same numbers.
+//! the same numbers; the header says FEASIBLE only over a plan with no degradation, and
+//! whether this build runs the plan comes from `capability::runnable`, the table the executor
+//! refuses by.
 
-use crate::solve::{gib, Infeasible};
+use crate::solve::Infeasible;
+use crate::units::bytes as gib;
 use serde_json::{json, Map, Value};
-use strata_schemas::plan::{Placement, Plan, RegionKind};
+use strata_schemas::capability::{runnable, Runnable};
+use strata_schemas::plan::{DecodePoint, DeviceCost, Placement, Plan, RegionKind};
+
+/// `{"cpu": true, "cuda": ["reason", ...], "hip": [...]}`.
+pub fn runnable_json(r: &Runnable) -> Value {
+    let mut m = Map::new();
+    for (b, v) in &r.0 {
+        m.insert(
+            b.as_str().into(),
+            match v {
+                Ok(()) => json!(true),
+                Err(why) => json!(why),
+            },
+        );
+    }
+    Value::Object(m)
+}
+
+/// The runnable section of a text report (one line per backend, a line per reason).
+pub fn runnable_text(r: &Runnable) -> String {
+    let mut o = String::new();
+    for (b, v) in &r.0 {
+        match v {
+            Ok(()) => o.push_str(&format!("    {:<5} yes\n", b.as_str())),
+            Err(why) => {
+                o.push_str(&format!("    {:<5} no: {}\n", b.as_str(), why[0]));
+                for w in &why[1..] {
+                    o.push_str(&format!("          {w}\n"));
+                }
+            }
+        }
+    }
+    o
+}
+
+/// Notes on the inputs' quality: measured or assumed free memory, guessed coefficients.
+pub fn notes(plan: &Plan) -> Vec<String> {
+    let mut out = Vec::new();
+    let assumed: Vec<String> = plan
+        .devices
+        .iter()
+        .filter(|d| !d.free_bytes_probed && d.vendor != "cpu")
+        .map(|d| d.index.to_string())
+        .collect();
+    if !assumed.is_empty() {
+        out.push(format!(
+            "device(s) {}: free memory is assumed (vram_bytes minus the runtime reserve) because the probe has no free_bytes; run `strata-exec probe -o probe.toml` on the machine for measured figures",
+            assumed.join(", ")
+        ));
+    }
+    if plan.predicted.guessed {
+        out.push("the predicted speeds are guesses: the probe has no measured [device.cost] coefficients (defaults calibrated on the H200); `strata-exec probe` measures them".into());
+    }
+    out
+}
+
+fn point_json(p: &DecodePoint) -> Value {
+    json!({
+        "batch": p.batch,
+        "context": p.context,
+        "per_slot_tok_s": p.per_slot_tok_s,
+        "aggregate_tok_s": p.aggregate_tok_s,
+    })
+}
+
+fn cost_json(c: &DeviceCost) -> Value {
+    json!({
+        "step_s": c.step_s,
+        "dense_read_s": c.dense_read_s,
+        "rows_per_read": c.rows_per_read,
+        "token_compute_s": c.token_compute_s,
+        "head_compute_s": c.head_compute_s,
+        "expert_layers": c.expert_layers,
+        "expert_read_s": c.expert_read_s,
+        "expert_read_per_use": c.expert_read_per_use,
+        "hit_rate": c.hit_rate,
+        "expert_miss_s": c.expert_miss_s,
+        "kv_cell_s": c.kv_cell_s,
+        "kv_host_cell_s": c.kv_host_cell_s,
+        "row_s": c.row_s,
+        "pass_s": c.pass_s,
+        "prefill_gemm": c.prefill_gemm,
+        "prefill_token_s": c.prefill_token_s,
+        "prefill_cell_s": c.prefill_cell_s,
+    })
+}
 
 /// The JSON report of a plan.
 pub fn plan_json(plan: &Plan) -> Value {
@@ -39,7 +127,8 @@ pub fn plan_json(plan: &Plan) -> Value {
                     "vision": d.holds_vision,
                 },
                 "kv_layers": d.kv_layers,
-                "predicted_token_seconds": d.predicted_token_seconds,
+                "free_bytes_probed": d.free_bytes_probed,
+                "cost": cost_json(&d.cost),
                 "handoff_in": d.handoff_in,
             })
         })
@@ -48,6 +137,8 @@ pub fn plan_json(plan: &Plan) -> Value {
     let s = &plan.serve;
     json!({
         "feasible": true,
+        "degraded": !plan.degradations.is_empty(),
+        "runnable": runnable_json(&runnable(plan)),
         "model": {
             "name": plan.model.name,
             "arch": plan.model.arch,
@@ -98,9 +189,14 @@ pub fn plan_json(plan: &Plan) -> Value {
         "predicted": {
             "decode_tok_s": plan.predicted.decode_tok_s,
             "expert_hit_rate": plan.predicted.expert_hit_rate,
-            "at_context": plan.predicted.at_context,
+            "decode_empty": point_json(&plan.predicted.decode_empty),
+            "decode_full": point_json(&plan.predicted.decode_full),
+            "prefill_tok_s": plan.predicted.prefill_tok_s,
+            "ubatch": s.ubatch,
+            "guessed": plan.predicted.guessed,
             "basis": plan.predicted.basis,
         },
+        "notes": notes(plan),
     })
 }
 
@@ -131,6 +227,7 @@ pub fn infeasible_json(inf: &Infeasible) -> Value {
         "degradations": [],
         "suggestions": inf.suggestions,
         "predicted": { "decode_tok_s": 0.0, "expert_hit_rate": 0.0 },
+        "notes": [],
     })
 }
 
@@ -138,11 +235,30 @@ pub fn infeasible_json(inf: &Infeasible) -> Value {
 pub fn plan_text(plan: &Plan) -> String {
     let mut o = String::new();
     let s = &plan.serve;
+    let run = runnable(plan);
+    let verdict = if plan.degradations.is_empty() {
+        "FEASIBLE".to_string()
+    } else {
+        format!(
+            "DEGRADED ({}: see degradations; --strict refuses it)",
+            plan.degradations
+                .iter()
+                .map(|d| d.what.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    let backends: Vec<&str> = run.backends().iter().map(|b| b.as_str()).collect();
     o.push_str(&format!(
-        "strata-plan: {} ({}, {}) — FEASIBLE\n",
+        "strata-plan: {} ({}, {}) — {verdict}; {}\n",
         plan.model.name,
         plan.model.arch,
-        gib(plan.model.total_bytes)
+        gib(plan.model.total_bytes),
+        if backends.is_empty() {
+            "NOT RUNNABLE by this build's strata-exec (see runnable)".to_string()
+        } else {
+            format!("runnable on {}", backends.join(", "))
+        }
     ));
     o.push_str(&format!(
         "  serve: {} slot(s) x {} cells ({} in VRAM per slot), kv {}, ubatch {}, mtp {}{}, vision {}, split {}\n",
@@ -161,41 +277,7 @@ pub fn plan_text(plan: &Plan) -> String {
         }
     ));
     for d in &plan.devices {
-        let planned = d.planned_bytes();
-        o.push_str(&format!(
-            "\n  device {} {} ({}): layers [{}, {}){}{}{}{}{}\n",
-            d.index,
-            d.name,
-            gib(d.vram_bytes),
-            d.layer_first,
-            d.layer_end,
-            if d.holds_embedding { " +embedding" } else { "" },
-            if d.holds_head { " +head" } else { "" },
-            if d.holds_mtp { " +mtp" } else { "" },
-            if d.holds_vision { " +vision" } else { "" },
-            match d.handoff_in.as_str() {
-                "peer" => ", hidden state in by peer copy",
-                "host" => ", hidden state in through pinned host memory",
-                _ => "",
-            },
-        ));
-        for r in &d.regions {
-            if r.bytes > 0 {
-                o.push_str(&format!(
-                    "    {:<16} {:>12}\n",
-                    r.kind.as_str(),
-                    gib(r.bytes)
-                ));
-            }
-        }
-        o.push_str(&format!(
-            "    {:<16} {:>12}   ({} expert slots of {:.2} MiB; {} free after)\n",
-            "planned",
-            gib(planned),
-            d.expert_cache_slots,
-            d.expert_slot_bytes as f64 / (1u64 << 20) as f64,
-            gib(d.vram_bytes.saturating_sub(planned)),
-        ));
+        o.push_str(&device_text(d));
     }
     let h = &plan.host;
     let host_experts = plan
@@ -220,18 +302,17 @@ pub fn plan_text(plan: &Plan) -> String {
         h.memlock_limit_bytes
             .map(|m| format!(", memlock {}", gib(m)))
             .unwrap_or_default(),
-        if h.experts_page_from_disk {
+        if plan.degradations.iter().any(|d| d.what == "host_ram") {
+            "does NOT fit: strata-exec will refuse to start (see degradations)"
+        } else if h.experts_page_from_disk {
             "does NOT fit: experts page from disk (see degradations)"
         } else {
             "fits"
         }
     ));
-    o.push_str(&format!(
-        "\n  predicted: {:.1} tok/s decode, expert hit rate {:.1}% ({})\n",
-        plan.predicted.decode_tok_s,
-        plan.predicted.expert_hit_rate * 100.0,
-        plan.predicted.basis
-    ));
+    o.push_str("\n  runnable by this build's strata-exec:\n");
+    o.push_str(&runnable_text(&run));
+    o.push_str(&predicted_text(plan));
     if plan.degradations.is_empty() {
         o.push_str("  degradations: none\n");
     } else {
@@ -249,6 +330,91 @@ pub fn plan_text(plan: &Plan) -> String {
             o.push_str(&format!("    - {s}\n"));
         }
     }
+    let notes = notes(plan);
+    if !notes.is_empty() {
+        o.push_str("  notes:\n");
+        for n in &notes {
+            o.push_str(&format!("    - {n}\n"));
+        }
+    }
+    o
+}
+
+/// One device's section of the text report.
+fn device_text(d: &strata_schemas::plan::DevicePlan) -> String {
+    let mut o = String::new();
+    let planned = d.planned_bytes();
+    o.push_str(&format!(
+        "\n  device {} {} ({}): layers [{}, {}){}{}{}{}{}\n",
+        d.index,
+        d.name,
+        gib(d.vram_bytes),
+        d.layer_first,
+        d.layer_end,
+        if d.holds_embedding { " +embedding" } else { "" },
+        if d.holds_head { " +head" } else { "" },
+        if d.holds_mtp { " +mtp" } else { "" },
+        if d.holds_vision { " +vision" } else { "" },
+        match d.handoff_in.as_str() {
+            "peer" => ", hidden state in by peer copy",
+            "host" => ", hidden state in through pinned host memory",
+            _ => "",
+        },
+    ));
+    for r in &d.regions {
+        if r.bytes > 0 {
+            o.push_str(&format!(
+                "    {:<16} {:>12}\n",
+                r.kind.as_str(),
+                gib(r.bytes)
+            ));
+        }
+    }
+    o.push_str(&format!(
+        "    {:<16} {:>12}   ({} expert slots of {}; {} free after{})\n",
+        "planned",
+        gib(planned),
+        d.expert_cache_slots,
+        gib(d.expert_slot_bytes),
+        gib(d.vram_bytes.saturating_sub(planned)),
+        if d.free_bytes_probed || d.vendor == "cpu" {
+            ""
+        } else {
+            "; free memory assumed, see notes"
+        }
+    ));
+    o
+}
+
+/// The predictions' section of the text report.
+fn predicted_text(plan: &Plan) -> String {
+    let mut o = String::new();
+    let s = &plan.serve;
+    let p = &plan.predicted;
+    o.push_str(&format!(
+        "  predicted{}:\n",
+        if p.guessed {
+            " (GUESSES: no measured [device.cost] coefficients)"
+        } else {
+            ""
+        }
+    ));
+    for (label, d) in [
+        ("empty context", &p.decode_empty),
+        ("full context", &p.decode_full),
+    ] {
+        o.push_str(&format!(
+            "    decode, {} slot(s), {label} ({} cells): {:.1} tok/s per slot, {:.1} tok/s in all\n",
+            d.batch, d.context, d.per_slot_tok_s, d.aggregate_tok_s
+        ));
+    }
+    o.push_str(&format!(
+        "    prefill in passes of {} tokens: {:.0} tok/s; expert hit rate {:.1}%\n    basis: {}\n",
+        s.ubatch.min(s.max_context as u32),
+        p.prefill_tok_s,
+        p.expert_hit_rate * 100.0,
+        p.basis
+    ));
     o
 }
 

@@ -3,19 +3,23 @@
 //! Invariant (DESIGN.md 2 and 3): required items first; then the requested slots and KV
 //! residency; the expert cache last. A request that does not fit degrades in one documented
 //! order — (1) stream more KV from host, (2) fewer slots — and every step is recorded;
-//! MTP and vision are required items and are never dropped.
+//! MTP and vision are required items and are never dropped. Assembling the chosen plan is
+//! `assemble`; degradations beyond the search and suggested flags are `advice`.
+
+mod advice;
+mod assemble;
 
 use crate::account::{align, Demand, Sizing, MIN_RESIDENT_CELLS};
-use crate::cost::{device_token_seconds, DeviceWork, PREDICT_CONTEXT};
+use crate::cost::{device_cost, prefill_gemm, Coefficients, DeviceShare};
 use crate::experts::ExpertOracle;
 use crate::facts::ModelFacts;
 use crate::split::{best_split, check_bounds, ranges, Bounds};
-use crate::verify::verify_device;
-use strata_schemas::inventory::{ModelInventory, TensorRole, VisionSpec};
+use crate::units::{bytes, round_cells};
+use strata_schemas::inventory::{ModelInventory, VisionSpec};
 use strata_schemas::plan::*;
-use strata_schemas::probe::{DeviceProbe, HardwareProbe, Vendor, GIB, MIB};
+use strata_schemas::probe::{DeviceProbe, HardwareProbe, HostProbe, Vendor, GIB, MIB};
 use strata_schemas::profile::ExpertProfile;
-use strata_schemas::serve::{ExpertCache, LayerSplit, ServeSettings};
+use strata_schemas::serve::{LayerSplit, ServeSettings};
 
 /// RAM the plan leaves to the OS and other processes beyond what it pins or maps.
 pub const HOST_HEADROOM: u64 = GIB;
@@ -23,6 +27,36 @@ pub const HOST_HEADROOM: u64 = GIB;
 const BALANCE_WEIGHT: f64 = 1e-6;
 /// Disk read speed assumed when the probe gives none.
 pub const DEFAULT_DISK_GBPS: f64 = 2.0;
+/// Context the split search compares decode speeds at (short chat turns), capped by
+/// `--max-context`.
+pub const SEARCH_CONTEXT: u64 = 4096;
+
+/// The pinned host memory a plan may use, and what limits it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinnedBudget {
+    pub bytes: u64,
+    /// True when the memlock limit (`ulimit -l`) is the smaller bound.
+    pub memlock_binds: bool,
+}
+
+/// The memlock rule: pinned host memory is at most MemAvailable minus [`HOST_HEADROOM`], and
+/// at most the memlock limit (`ulimit -l`) when the probe has one.
+/// Whether CUDA's pinned allocations (cuMemHostAlloc) count against the memlock limit at all
+/// is being measured with the beyond-VRAM work; until then this assumes they do, and the
+/// lead will adjust this one function once it is known.
+pub fn pinned_budget(host: &HostProbe) -> PinnedBudget {
+    let ram = host.available_bytes.saturating_sub(HOST_HEADROOM);
+    match host.memlock_limit_bytes {
+        Some(m) if m < ram => PinnedBudget {
+            bytes: m,
+            memlock_binds: true,
+        },
+        _ => PinnedBudget {
+            bytes: ram,
+            memlock_binds: false,
+        },
+    }
+}
 
 /// Everything the planner is asked.
 pub struct PlanRequest<'a> {
@@ -89,6 +123,13 @@ struct Solver<'a> {
     devices: Vec<&'a DeviceProbe>,
     ctx: u64,
     pinned_budget: u64,
+    /// Count upload staging for experts on every device before the split is known (the
+    /// second, conservative pass); the first pass counts it only once assembled, so a plan
+    /// whose experts are all resident needs no pinned memory for them.
+    expert_staging: bool,
+    /// Per device: its cost coefficients and whether it prefills on tensor cores.
+    coefficients: Vec<Coefficients>,
+    gemm: Vec<bool>,
 }
 
 /// Plan `req`.
@@ -190,34 +231,73 @@ pub fn solve(req: &PlanRequest) -> Result<Outcome, PlanError> {
         check_bounds(b, devices.len(), hp.n_layer).map_err(PlanError::BadInput)?;
     }
 
-    let host = &req.probe.host;
-    let mut pinned_budget = host.available_bytes.saturating_sub(HOST_HEADROOM);
-    if let Some(m) = host.memlock_limit_bytes {
-        pinned_budget = pinned_budget.min(m);
+    let facts = &facts;
+    let budget = pinned_budget(&req.probe.host);
+    let mut outcome = solve_with(req, facts, &devices, budget.bytes)?;
+    if budget.memlock_binds && advice::memlock_may_help(&outcome) {
+        let free = pinned_budget(&HostProbe {
+            memlock_limit_bytes: None,
+            ..req.probe.host.clone()
+        });
+        let unlimited = solve_with(req, facts, &devices, free.bytes)?;
+        advice::memlock(&mut outcome, &unlimited, budget.bytes);
     }
+    Ok(outcome)
+}
+
+/// The search with `pinned` bytes of pinned host memory: first counting expert staging only
+/// where the assembled plan needs it, then, if that plan pins too much, counting it on every
+/// device from the start.
+fn solve_with(
+    req: &PlanRequest,
+    facts: &ModelFacts,
+    devices: &[&DeviceProbe],
+    pinned: u64,
+) -> Result<Outcome, PlanError> {
+    let lean = solver(req, facts, devices, pinned, false).run()?;
+    match &lean {
+        Outcome::Planned(p) if p.host.pinned_bytes > pinned => {
+            solver(req, facts, devices, pinned, true).run()
+        }
+        _ => Ok(lean),
+    }
+}
+
+fn solver<'a>(
+    req: &'a PlanRequest<'a>,
+    facts: &'a ModelFacts,
+    devices: &[&'a DeviceProbe],
+    pinned_budget: u64,
+    expert_staging: bool,
+) -> Solver<'a> {
+    let s = req.settings;
     let sizing = Sizing::new(
-        inv,
-        &facts,
+        req.inventory,
+        facts,
         s.max_context,
         s.ubatch as u64,
         s.spec as u64,
-        mtp,
+        s.wants_mtp(),
         req.vision,
         s.vram_reserve_mib * MIB,
         devices.len(),
         s.expert_cache,
     );
-    let oracle = ExpertOracle::new(&facts, req.profile);
-    let solver = Solver {
+    Solver {
         req,
-        facts: &facts,
+        facts,
         sizing,
-        oracle,
-        devices,
+        oracle: ExpertOracle::new(facts, req.profile),
+        devices: devices.to_vec(),
         ctx: s.max_context,
         pinned_budget,
-    };
-    solver.run()
+        expert_staging,
+        coefficients: devices.iter().map(|d| Coefficients::of(d)).collect(),
+        gemm: devices
+            .iter()
+            .map(|d| prefill_gemm(req.inventory, d.vendor))
+            .collect(),
+    }
 }
 
 impl<'a> Solver<'a> {
@@ -237,15 +317,16 @@ impl<'a> Solver<'a> {
         spill + self.staging_estimate(slots)
     }
 
-    /// Pinned staging before the split is known: two expert slots per device (whether or not
-    /// its experts all end up resident) and the double-buffered hidden state of each device
-    /// whose hand-off in goes through host memory (as the plan allocates them; a peer copy
-    /// and the first device need none).
+    /// Pinned staging before the split is known: the double-buffered hidden state of each
+    /// device whose hand-off in goes through host memory (as the plan allocates them; a peer
+    /// copy and the first device need none), and in the conservative pass two expert slots
+    /// per device whether or not its experts all end up resident.
     fn staging_estimate(&self, slots: u64) -> u64 {
         let n = self.devices.len() as u64;
         let slot = align(self.facts.slot_bytes(0, self.n_layer()));
         let handoff = 2 * self.sizing.step_tokens(slots) * self.req.inventory.hparams.n_embd * 4;
-        n * 2 * slot + host_handoffs(&self.devices) * handoff
+        let experts = if self.expert_staging { n * 2 * slot } else { 0 };
+        experts + host_handoffs(&self.devices) * handoff
     }
 
     /// Smallest resident window whose spill fits the pinned budget.
@@ -314,7 +395,9 @@ impl<'a> Solver<'a> {
             && self.greedy_bounds(slots, resident).is_some()
     }
 
-    /// Largest resident window in `[lo, hi]` that fits VRAM at `slots` (None if `lo` doesn't).
+    /// Largest resident window in `[lo, hi]` that fits VRAM at `slots` (None if `lo` doesn't),
+    /// rounded down to a multiple of 256 cells where that stays in range, so the planned
+    /// window is a value a person would type.
     fn max_resident(&self, slots: u64, lo: u64, hi: u64) -> Option<u64> {
         if lo > hi || self.greedy_bounds(slots, lo).is_none() {
             return None;
@@ -328,7 +411,7 @@ impl<'a> Solver<'a> {
                 h = mid - 1;
             }
         }
-        Some(l)
+        Some(if l == hi { l } else { round_cells(l, lo) })
     }
 
     /// The resident window for `slots`: as asked if possible, else the most that fits, never
@@ -377,17 +460,31 @@ impl<'a> Solver<'a> {
         })
     }
 
-    fn device_seconds(&self, d: usize, a: u32, b: u32, cache_slots: u64) -> f64 {
-        let n = self.devices.len();
-        let work = DeviceWork {
+    /// What device `d` holding `[a, b)` with `cache_slots` expert slots does in a step.
+    fn share(&self, d: usize, a: u32, b: u32, cache_slots: u64, resident: u64) -> DeviceShare {
+        let prev = d.checked_sub(1).map(|p| self.devices[p]);
+        let dev = self.devices[d];
+        DeviceShare {
             a,
             b,
-            holds_head: d + 1 == n,
+            holds_head: d + 1 == self.devices.len(),
             cached_mass: self.oracle.cached_mass(a, b, cache_slots),
             total_mass: self.oracle.total_mass(a, b),
-            at_context: PREDICT_CONTEXT.min(self.ctx),
-        };
-        device_token_seconds(self.facts, self.devices[d], &work)
+            kv_resident: resident,
+            handoff_in: handoff_in(prev, dev),
+            prefill_gemm: self.gemm[d],
+        }
+    }
+
+    /// The cost terms of device `d` for `share`.
+    fn cost(&self, d: usize, share: &DeviceShare) -> DeviceCost {
+        device_cost(self.facts, self.devices[d], &self.coefficients[d], share)
+    }
+
+    /// Seconds device `d` spends on a decode step of `slots` slots at the search context.
+    fn device_seconds(&self, d: usize, a: u32, b: u32, cache: u64, slots: u64, res: u64) -> f64 {
+        let cost = self.cost(d, &self.share(d, a, b, cache, res));
+        cost.decode_step_seconds(slots as u32, SEARCH_CONTEXT.min(self.ctx))
     }
 
     fn fastest_split(&self, slots: u64, resident: u64) -> Option<Bounds> {
@@ -399,7 +496,9 @@ impl<'a> Solver<'a> {
             // separates splits the cost model cannot tell apart (e.g. every expert resident).
             let used = (dem.fixed() + (cache - dem.min_slots) * dem.slot_bytes) as f64
                 / dem.usable().max(1) as f64;
-            Some(self.device_seconds(d, a, b, cache) + BALANCE_WEIGHT * used * used)
+            Some(
+                self.device_seconds(d, a, b, cache, slots, resident) + BALANCE_WEIGHT * used * used,
+            )
         })
         .or_else(|| self.greedy_bounds(slots, resident).map(|b| (b, 0.0)))
         .map(|(b, _)| b)
@@ -449,9 +548,9 @@ impl<'a> Solver<'a> {
                     "device {} ({}) holding layers [{a}, {b}) needs {} for its required items but has {} usable: short by {}",
                     dev.index,
                     dev.name,
-                    gib(dem.fixed()),
-                    gib(dem.usable()),
-                    gib(short)
+                    bytes(dem.fixed()),
+                    bytes(dem.usable()),
+                    bytes(short)
                 ));
             }
             let mut regions = vec![
@@ -477,8 +576,8 @@ impl<'a> Solver<'a> {
         if host_min.is_none() {
             reasons.push(format!(
                 "host: pinned staging alone exceeds the pinned budget of {} (MemAvailable minus {} headroom, capped by memlock)",
-                gib(self.pinned_budget),
-                gib(HOST_HEADROOM)
+                bytes(self.pinned_budget),
+                bytes(HOST_HEADROOM)
             ));
         }
         let mut suggestions = Vec::new();
@@ -487,7 +586,7 @@ impl<'a> Solver<'a> {
             suggestions.push(format!(
                 "--vram-reserve-mib {} frees {} per device",
                 0,
-                gib(s.vram_reserve_mib * MIB)
+                bytes(s.vram_reserve_mib * MIB)
             ));
         }
         if s.vision.is_some() {
@@ -537,578 +636,6 @@ impl<'a> Solver<'a> {
         })
         .map(|(b, _)| b)
     }
-
-    fn assemble(&self, c: &Choice) -> Result<Plan, PlanError> {
-        let s = self.req.settings;
-        let inv = self.req.inventory;
-        let hp = &inv.hparams;
-        let n = self.n_layer();
-        let nd = self.devices.len();
-        let rs = ranges(&c.bounds, n);
-        let demands: Vec<Demand> = rs
-            .iter()
-            .enumerate()
-            .map(|(i, (a, b))| self.demand(i, *a, *b, c.slots, c.resident))
-            .collect();
-        for (i, d) in demands.iter().enumerate() {
-            if let Err(short) = d.remainder() {
-                return Err(PlanError::Internal(format!(
-                    "chosen split leaves device {} short by {short} bytes",
-                    self.devices[i].index
-                )));
-            }
-        }
-        // Expert cache per device from the remainder, then the global cap of `--expert-cache N`.
-        let mut slots: Vec<u64> = demands
-            .iter()
-            .map(|d| self.sizing.policy_slots(d).unwrap_or(d.min_slots))
-            .collect();
-        let mut degradations = Vec::new();
-        if let ExpertCache::Slots(cap) = s.expert_cache {
-            // The minimum working sets are required; the cap shares out what is above them,
-            // in pipeline order.
-            let possible: u64 = slots.iter().sum();
-            let minimum: u64 = demands.iter().map(|d| d.min_slots).sum();
-            let mut left = cap.saturating_sub(minimum);
-            for (i, d) in demands.iter().enumerate() {
-                let extra = (slots[i] - d.min_slots).min(left);
-                left -= extra;
-                slots[i] = d.min_slots + extra;
-            }
-            if cap < minimum {
-                degradations.push(Degradation {
-                    what: "expert_cache".into(),
-                    requested: format!("{cap} slots"),
-                    planned: format!("{minimum} slots"),
-                    reason: "each device holding experts needs its minimum working set (2 x experts per token) to run a layer".into(),
-                });
-            } else if possible < cap {
-                degradations.push(Degradation {
-                    what: "expert_cache".into(),
-                    requested: format!("{cap} slots"),
-                    planned: format!("{possible} slots"),
-                    reason: "every byte left after the required and requested items holds expert slots; no more fit (or the model has no more experts)".into(),
-                });
-            }
-        }
-
-        // Degradations of slots and residency.
-        let want_slots = s.batch as u64;
-        let want_res = s.kv_resident_cells();
-        if c.slots < want_slots {
-            degradations.push(Degradation {
-                what: "batch".into(),
-                requested: format!("{want_slots} slots"),
-                planned: format!("{} slots", c.slots),
-                reason: format!(
-                    "{} slots do not fit even with the KV window per slot at its floor of {} cells and the expert cache at its minimum working set",
-                    want_slots,
-                    want_res.min(MIN_RESIDENT_CELLS.min(self.ctx))
-                ),
-            });
-        }
-        if c.resident < want_res {
-            degradations.push(Degradation {
-                what: "kv_resident".into(),
-                requested: format!("{want_res} cells per slot in VRAM"),
-                planned: format!("{} cells per slot in VRAM", c.resident),
-                reason: format!(
-                    "VRAM after the required items and the expert cache's minimum cannot hold the asked window for {} slots; the other {} cells of each slot stream from pinned host memory",
-                    c.slots,
-                    self.ctx - c.resident
-                ),
-            });
-        } else if c.resident > want_res {
-            degradations.push(Degradation {
-                what: "kv_resident".into(),
-                requested: format!("{want_res} cells per slot in VRAM"),
-                planned: format!("{} cells per slot in VRAM", c.resident),
-                reason: format!(
-                    "host RAM cannot pin the spill of the asked window ({} budget); more of each slot's context stays in VRAM instead",
-                    gib(self.pinned_budget)
-                ),
-            });
-        }
-
-        // Devices.
-        let mut device_plans = Vec::with_capacity(nd);
-        let mut tensors: Vec<TensorPlacement> = Vec::with_capacity(inv.tensors.len());
-        let mut total_cached = 0.0;
-        let mut total_mass = 0.0;
-        let mut seconds = 0.0;
-        let mut experts_host: u64 = 0;
-        let mut pinned_chunks = Vec::new();
-        let chunk_max = s.pinned_chunk_mib * MIB;
-        for (i, ((a, b), dem)) in rs.iter().zip(&demands).enumerate() {
-            let (a, b) = (*a, *b);
-            let dev = self.devices[i];
-            let first = i == 0;
-            let last = i + 1 == nd;
-            // Arena regions, in reservation order, from offset 0.
-            let mut regions = Vec::new();
-            let mut off = 0u64;
-            let mut offset_of = std::collections::BTreeMap::new();
-            for (kind, bytes) in dem.regions.iter().copied().chain(std::iter::once((
-                RegionKind::ExpertCache,
-                slots[i] * dem.slot_bytes,
-            ))) {
-                offset_of.insert(kind, off);
-                regions.push(Region {
-                    kind,
-                    offset: off,
-                    bytes,
-                });
-                off += align(bytes);
-            }
-            let arena = off;
-            // Reserves at the top of device memory.
-            let top = dev.vram_bytes;
-            regions.push(Region {
-                kind: RegionKind::RuntimeReserve,
-                offset: top - dem.runtime_reserve,
-                bytes: dem.runtime_reserve,
-            });
-            regions.push(Region {
-                kind: RegionKind::UserReserve,
-                offset: top - dem.runtime_reserve - dem.user_reserve,
-                bytes: dem.user_reserve,
-            });
-            // Scratch buffers with their packed offsets (verified with the regions below).
-            let (_, scratch, work_pass) =
-                self.sizing
-                    .scratch(dev, u64::from(b - a), c.slots, c.resident, last);
-
-            // Tensor placements.
-            let mut cursor = std::collections::BTreeMap::<RegionKind, u64>::new();
-            let mut place = |kind: RegionKind, bytes: u64| -> u64 {
-                let base = offset_of[&kind];
-                let c = cursor.entry(kind).or_insert(0);
-                let at = base + *c;
-                *c += align(bytes);
-                at
-            };
-            for t in &inv.tensors {
-                let layer = t.layer;
-                let mine = match (t.role, layer) {
-                    (TensorRole::Embedding, _) => first,
-                    (TensorRole::Head | TensorRole::OutputNorm, _) => last,
-                    (_, Some(l)) if l >= n => last,
-                    (_, Some(l)) => l >= a && l < b,
-                    (_, None) => first,
-                };
-                if !mine {
-                    continue;
-                }
-                let placement = match (t.role, layer) {
-                    (_, Some(l)) if l >= n => {
-                        if self.sizing.mtp {
-                            Placement::Device {
-                                device: dev.index,
-                                offset: place(RegionKind::Mtp, t.bytes),
-                            }
-                        } else {
-                            Placement::Host
-                        }
-                    }
-                    (TensorRole::ExpertStack, _) => Placement::HostExperts { device: dev.index },
-                    (TensorRole::Embedding, _) => Placement::Device {
-                        device: dev.index,
-                        offset: place(RegionKind::Embedding, t.bytes),
-                    },
-                    (TensorRole::Head | TensorRole::OutputNorm, _) => Placement::Device {
-                        device: dev.index,
-                        offset: place(RegionKind::Head, t.bytes),
-                    },
-                    _ => Placement::Device {
-                        device: dev.index,
-                        offset: place(RegionKind::DenseWeights, t.bytes),
-                    },
-                };
-                tensors.push(TensorPlacement {
-                    name: t.name.clone(),
-                    bytes: t.bytes,
-                    placement,
-                });
-            }
-            // Everything placed must sit inside its region.
-            for (kind, used) in &cursor {
-                let region = regions
-                    .iter()
-                    .find(|r| r.kind == *kind)
-                    .expect("region exists");
-                if *used > align(region.bytes) {
-                    return Err(PlanError::Internal(format!(
-                        "device {}: tensors overflow region {} ({used} > {})",
-                        dev.index,
-                        kind.as_str(),
-                        region.bytes
-                    )));
-                }
-            }
-
-            // Resident experts.
-            // Slots in (layer, expert) order: a layer's resident experts then sit side by
-            // side, at one stride when they are all resident (the GPU's grouped products
-            // read them as one strided stack).
-            let mut chosen = self.oracle.select(a, b, slots[i]);
-            chosen.sort_unstable();
-            let resident_bytes: u64 = chosen
-                .iter()
-                .map(|(l, _)| self.facts.expert[*l as usize])
-                .sum();
-            experts_host += self.facts.experts_range(a, b) - resident_bytes;
-            let resident_experts: Vec<ResidentExpert> = chosen
-                .iter()
-                .enumerate()
-                .map(|(k, (l, e))| ResidentExpert {
-                    layer: *l,
-                    expert: *e,
-                    slot: k as u32,
-                })
-                .collect();
-            let cached = self.oracle.cached_mass(a, b, slots[i]);
-            total_cached += cached;
-            total_mass += self.oracle.total_mass(a, b);
-            let secs = self.device_seconds(i, a, b, slots[i]);
-            seconds += secs;
-
-            // Pinned host chunks for this device: KV spill and upload staging.
-            let cell = self.facts.kv_cell_range(a, b)
-                + if last && self.sizing.mtp {
-                    self.facts.mtp_kv_cell
-                } else {
-                    0
-                };
-            let spill = c.slots * (self.ctx - c.resident) * cell;
-            push_chunks(
-                &mut pinned_chunks,
-                "kv_spill",
-                dev.index,
-                spill,
-                chunk_max,
-                cell.max(1),
-            );
-            let mut staging = 0;
-            if slots[i] < dem.experts_here {
-                staging += 2 * dem.slot_bytes;
-            }
-            // The hidden state arriving through host memory (double-buffered); a peer copy
-            // and the first device need none.
-            let handoff = handoff_in(i.checked_sub(1).map(|j| self.devices[j]), dev);
-            if handoff == "host" {
-                staging += 2 * self.sizing.step_tokens(c.slots) * hp.n_embd * 4;
-            }
-            push_chunks(
-                &mut pinned_chunks,
-                "staging",
-                dev.index,
-                staging,
-                chunk_max,
-                ALIGN_PINNED,
-            );
-
-            let kv_layers: Vec<u32> = (a..b)
-                .filter(|l| self.facts.kv_cell[*l as usize] > 0)
-                .chain(if last && self.sizing.mtp {
-                    n..hp.n_blocks_total()
-                } else {
-                    n..n
-                })
-                .collect();
-            let linear_layers: Vec<u32> = (a..b)
-                .filter(|l| self.facts.linear_state[*l as usize] > 0)
-                .collect();
-            device_plans.push(DevicePlan {
-                index: dev.index,
-                name: dev.name.clone(),
-                vendor: dev.vendor.as_str().into(),
-                arch: dev.arch.clone(),
-                vram_bytes: dev.vram_bytes,
-                free_bytes: dev.vram_bytes - dem.runtime_reserve,
-                arena_bytes: arena,
-                layer_first: a,
-                layer_end: b,
-                holds_embedding: first,
-                holds_head: last,
-                holds_mtp: last && self.sizing.mtp,
-                holds_vision: first && self.sizing.vision.is_some(),
-                regions,
-                expert_slot_bytes: dem.slot_bytes,
-                expert_cache_slots: slots[i],
-                resident_experts,
-                scratch,
-                work_pass,
-                kv_layers,
-                linear_layers,
-                predicted_token_seconds: secs,
-                handoff_in: handoff.into(),
-            });
-            let planned = device_plans.last().expect("just pushed");
-            verify_device(planned)
-                .map_err(|e| PlanError::Internal(format!("device {}: {e}", dev.index)))?;
-        }
-        // Tensors not placed on any device (an MTP block nobody asked for).
-        for t in &inv.tensors {
-            if !tensors.iter().any(|p| p.name == t.name) {
-                tensors.push(TensorPlacement {
-                    name: t.name.clone(),
-                    bytes: t.bytes,
-                    placement: Placement::Host,
-                });
-            }
-        }
-
-        // Host verdict.
-        let host = &self.req.probe.host;
-        let pinned_bytes: u64 = pinned_chunks.iter().map(|c: &PinnedChunk| c.bytes).sum();
-        let kv_host_bytes: u64 = pinned_chunks
-            .iter()
-            .filter(|c| c.purpose == "kv_spill")
-            .map(|c| c.bytes)
-            .sum();
-        let ram_required = pinned_bytes + experts_host;
-        let ram_budget = host.available_bytes.saturating_sub(HOST_HEADROOM);
-        let paging = ram_required > ram_budget;
-        let disk = host.disk_read_gbps.unwrap_or(DEFAULT_DISK_GBPS);
-        let mut basis = format!(
-            "batch 1 at {} cells of context: bytes read per token over each device's memory bandwidth, plus expected expert misses x expert bytes over host-to-device bandwidth; MTP speculation not counted",
-            PREDICT_CONTEXT.min(self.ctx)
-        );
-        if paging {
-            let missing = ram_required - ram_budget;
-            let frac = (missing as f64 / experts_host.max(1) as f64).min(1.0);
-            let misses = (total_mass - total_cached).max(0.0);
-            let avg = self.facts.experts_range(0, n) as f64
-                / (self.facts.n_expert.max(1) * self.facts.expert_layers(0, n).max(1)) as f64;
-            let extra = misses * frac * avg / (disk * 1e9);
-            seconds += extra;
-            basis.push_str(&format!(
-                "; {:.0}% of missed experts read from disk at {disk} GB/s{}",
-                frac * 100.0,
-                if host.disk_read_gbps.is_none() {
-                    " (assumed: the probe gives no host.disk_read_gbps)"
-                } else {
-                    ""
-                }
-            ));
-            degradations.push(Degradation {
-                what: "experts_in_ram".into(),
-                requested: format!("{} of non-resident experts held in RAM", gib(experts_host)),
-                planned: format!("{} page from disk", gib(missing)),
-                reason: format!(
-                    "RAM needed {} (pinned {} + mapped experts {}) exceeds MemAvailable {} minus {} headroom; predicted cost {:.1} ms per token",
-                    gib(ram_required),
-                    gib(pinned_bytes),
-                    gib(experts_host),
-                    gib(host.available_bytes),
-                    gib(HOST_HEADROOM),
-                    extra * 1e3
-                ),
-            });
-        }
-        let hit_rate = if total_mass > 0.0 {
-            total_cached / total_mass
-        } else {
-            1.0
-        };
-        let decode = if seconds > 0.0 { 1.0 / seconds } else { 0.0 };
-
-        let suggestions = self.suggestions(c, &demands, &slots, &degradations);
-        let vision = self.sizing.vision.is_some();
-        let yarn = s.rope_scaling.as_ref().map(|r| PlanYarn {
-            factor: r.factor,
-            orig_ctx: r.orig_ctx.unwrap_or(hp.n_ctx_train),
-        });
-        Ok(Plan {
-            model: PlanModel {
-                arch: inv.arch.clone(),
-                name: inv.name.clone(),
-                fingerprint: inv.fingerprint(),
-                source: self.req.model_source.clone(),
-                n_layer: n,
-                n_expert: hp.n_expert,
-                n_expert_used: hp.n_expert_used,
-                total_bytes: inv.total_bytes(),
-            },
-            hardware_fingerprint: self.req.probe.fingerprint(),
-            serve: PlanServe {
-                max_context: self.ctx,
-                requested_batch: s.batch,
-                batch: c.slots as u32,
-                kv: s.kv,
-                requested_kv_resident: s.kv_resident_cells(),
-                kv_resident: c.resident,
-                ubatch: s.ubatch,
-                mtp: self.sizing.mtp,
-                spec: s.spec,
-                vision,
-                vram_reserve_bytes: s.vram_reserve_mib * MIB,
-                expert_cache: s.expert_cache,
-                layer_split: c.bounds.clone(),
-                layer_split_requested: s.layer_split.to_string(),
-                gpu: self.devices.iter().map(|d| d.index).collect(),
-                pinned_chunk_bytes: chunk_max,
-                yarn,
-                expert_profile: s.expert_profile.clone().unwrap_or_default(),
-            },
-            devices: device_plans,
-            tensors,
-            host: HostPlan {
-                ram_bytes: host.ram_bytes,
-                ram_available_bytes: host.available_bytes,
-                memlock_limit_bytes: host.memlock_limit_bytes,
-                pinned_chunk_max_bytes: pinned_chunks.iter().map(|c| c.bytes).max().unwrap_or(0),
-                pinned_chunks,
-                pinned_bytes,
-                kv_host_bytes,
-                experts_host_bytes: experts_host,
-                ram_required_bytes: ram_required,
-                experts_page_from_disk: paging,
-            },
-            degradations,
-            suggestions,
-            predicted: Predicted {
-                decode_tok_s: decode,
-                expert_hit_rate: hit_rate,
-                at_context: PREDICT_CONTEXT.min(self.ctx),
-                basis,
-            },
-        })
-    }
-
-    /// Concrete flag changes: the largest batch at this context, the largest context at this
-    /// batch, and the KV window that VRAM left over could hold.
-    fn suggestions(
-        &self,
-        c: &Choice,
-        demands: &[Demand],
-        slots: &[u64],
-        degradations: &[Degradation],
-    ) -> Vec<String> {
-        let s = self.req.settings;
-        let mut out = Vec::new();
-        let want = s.batch as u64;
-        let degraded = degradations
-            .iter()
-            .any(|d| d.what == "batch" || d.what == "kv_resident");
-        if degraded {
-            if c.slots < want {
-                out.push(format!(
-                    "largest batch at --max-context {}: --batch {} --kv-resident {}",
-                    self.ctx, c.slots, c.resident
-                ));
-            } else {
-                out.push(format!(
-                    "largest VRAM window for --batch {want} at --max-context {}: --kv-resident {}",
-                    self.ctx, c.resident
-                ));
-            }
-            // Largest context at the requested batch.
-            let (mut lo, mut hi) = (0u64, self.ctx);
-            let fits_ctx = |ctx: u64| -> bool {
-                let sub = Solver {
-                    req: self.req,
-                    facts: self.facts,
-                    sizing: Sizing::new(
-                        self.req.inventory,
-                        self.facts,
-                        ctx,
-                        self.sizing.ubatch,
-                        self.sizing.spec,
-                        self.sizing.mtp,
-                        self.sizing.vision,
-                        self.sizing.vram_reserve,
-                        self.sizing.n_devices,
-                        self.sizing.expert_cache,
-                    ),
-                    oracle: ExpertOracle::new(self.facts, self.req.profile),
-                    devices: self.devices.clone(),
-                    ctx,
-                    pinned_budget: self.pinned_budget,
-                };
-                let r = s.kv_resident_cells().min(ctx);
-                sub.fits(want, r)
-            };
-            while lo < hi {
-                let mid = lo + (hi - lo).div_ceil(2);
-                if fits_ctx(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            if lo > 0 {
-                out.push(format!(
-                    "largest context for --batch {want} with --kv-resident as asked: --max-context {lo}"
-                ));
-            }
-        }
-        // VRAM left once every expert of a device is resident: room for a larger KV window.
-        let all_resident = demands.iter().zip(slots).all(|(d, s)| *s >= d.experts_here);
-        if all_resident && c.resident < self.ctx {
-            let rs = ranges(&c.bounds, self.n_layer());
-            let keeps_all = |r: u64| {
-                rs.iter().enumerate().all(|(i, (a, b))| {
-                    let d = self.demand(i, *a, *b, c.slots, r);
-                    d.remainder()
-                        .is_ok_and(|rem| rem >= (d.experts_here - d.min_slots) * d.slot_bytes)
-                })
-            };
-            let (mut lo, mut hi) = (c.resident, self.ctx);
-            while lo < hi {
-                let mid = lo + (hi - lo).div_ceil(2);
-                if keeps_all(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            if lo > c.resident {
-                let moved = c.slots * (lo - c.resident) * self.facts.kv_cell_all(self.sizing.mtp);
-                out.push(format!(
-                    "every expert is resident and VRAM is left over: --kv-resident {lo} moves {} of KV from pinned host memory into VRAM",
-                    gib(moved)
-                ));
-            }
-        }
-        if !all_resident && s.expert_profile.is_none() {
-            out.push("--expert-profile FILE (routing counts from your workload) picks the resident experts by measured use instead of uniformly".into());
-        }
-        out
-    }
-}
-
-/// Pinned allocations are rounded to whole pages.
-const ALIGN_PINNED: u64 = 4096;
-
-/// Split `bytes` into chunks of at most `max`, each a whole number of `granule`s.
-fn push_chunks(
-    out: &mut Vec<PinnedChunk>,
-    purpose: &str,
-    device: u32,
-    bytes: u64,
-    max: u64,
-    granule: u64,
-) {
-    if bytes == 0 {
-        return;
-    }
-    let per = (max / granule).max(1) * granule;
-    let mut left = bytes;
-    while left > 0 {
-        let take = left.min(per);
-        out.push(PinnedChunk {
-            purpose: purpose.into(),
-            device,
-            bytes: take,
-        });
-        left -= take;
-    }
-}
-
-/// Bytes as GiB with two decimals.
-pub fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / GIB as f64)
 }
 
 /// How the hidden state reaches `dev` from `prev`, the device before it in the split: "none"

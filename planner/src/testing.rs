@@ -58,6 +58,7 @@ pub fn probe(devices: &[(u64, f64)], ram: u64, available: u64) -> HardwareProbe 
                 pcie_gen: None,
                 pcie_width: None,
                 peers: None,
+                cost: None,
             })
             .collect(),
     }

@@ -1,6 +1,8 @@
 //! Property tests of the planner: for random models, hardware and flags, every device's
 //! regions fit its memory without overlap, the verifier accepts the scratch packing, tensors
-//! sit inside their regions, and the plan file round-trips byte for byte.
+//! sit inside their regions, the plan file round-trips byte for byte, and the report does not
+//! lie (FEASIBLE only without degradations, runnable only as the capability table says,
+//! predictions that slow down with the context and speed up in total with the batch).
 
 use proptest::prelude::*;
 use strata_plan::solve::{solve, Outcome, PlanRequest};
@@ -210,6 +212,55 @@ fn check_plan(plan: &Plan) {
     let bytes = plan_to_bytes(plan).expect("serializes");
     let back = read_plan_bytes(&bytes).expect("reads back");
     assert_eq!(&back, plan, "plan round-trips");
+    check_report(plan);
+}
+
+/// The report's claims against the plan.
+fn check_report(plan: &Plan) {
+    use strata_schemas::capability::{runnable, Backend};
+    let text = strata_plan::report::plan_text(plan);
+    let header = text.lines().next().unwrap();
+    let fits = header.contains("FEASIBLE");
+    assert_eq!(fits, plan.degradations.is_empty(), "{header}");
+    if plan.host.experts_page_from_disk {
+        assert!(!fits, "FEASIBLE over experts paging from disk: {header}");
+        assert!(plan.degradations.iter().any(|d| d.what == "experts_in_ram"));
+    }
+    let run = runnable(plan);
+    // The table's hard facts, independent of how `check` words them.
+    let spill = plan.serve.kv_resident < plan.serve.max_context;
+    let host_experts = plan.host.experts_host_bytes > 0;
+    if run.of(Backend::Cuda).is_ok() {
+        assert!(plan.model.arch == "qwen3moe" && !spill && !host_experts);
+        assert!(plan.devices.iter().all(|d| d.vendor == "nvidia"));
+    }
+    if run.of(Backend::Cpu).is_ok() {
+        assert!(plan.model.arch == "qwen3moe");
+        assert!(plan.devices.iter().all(|d| d.vendor == "cpu"));
+    }
+    assert!(run.of(Backend::Hip).is_err());
+    assert_eq!(header.contains("NOT RUNNABLE"), !run.any(), "{header}");
+    let j = strata_plan::report::plan_json(plan);
+    for b in ["cpu", "cuda", "hip"] {
+        let v = &j["runnable"][b];
+        assert!(
+            v == true || v.as_array().is_some_and(|a| !a.is_empty()),
+            "{b}: {v}"
+        );
+    }
+    // Predictions: positive, slower at full context, more in total at the planned batch.
+    let p = &plan.predicted;
+    assert!(p.decode_tok_s > 0.0 && p.prefill_tok_s > 0.0, "{p:?}");
+    assert!(p.decode_full.per_slot_tok_s <= p.decode_empty.per_slot_tok_s);
+    let b = plan.serve.batch;
+    if b > 1 {
+        let one = 1.0 / plan.decode_step_seconds(1, 0);
+        assert!(
+            p.decode_empty.aggregate_tok_s >= one * 0.999,
+            "{p:?} vs {one}"
+        );
+        assert!(p.decode_empty.per_slot_tok_s <= one * 1.001);
+    }
 }
 
 /// Every device of a model a backend of this build runs binds exactly that backend's working
@@ -236,7 +287,12 @@ fn check_workset(plan: &Plan, inv: &ModelInventory) {
         };
         let n_layer = (d.layer_end - d.layer_first) as usize;
         let region = d.region_bytes(RegionKind::Scratch);
-        for (b, need) in buffers(be, &Dims::of(&inv.hparams), n_layer, false, &pass) {
+        let f32_norms = inv
+            .tensors
+            .iter()
+            .filter(|t| t.name.ends_with("norm.weight"))
+            .all(|t| t.ggml_type == strata_schemas::ggml::GgmlType::F32);
+        for (b, need) in buffers(be, &Dims::of(&inv.hparams), n_layer, f32_norms, &pass) {
             let got = d
                 .scratch
                 .iter()

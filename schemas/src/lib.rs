@@ -2,6 +2,7 @@
 //! the planner and the executor both read the world through these types.
 
 pub mod arch;
+pub mod capability;
 pub mod descriptor;
 pub mod dims;
 pub mod ggml;

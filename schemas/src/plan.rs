@@ -3,6 +3,7 @@
 //! memory (arena regions from 0 up, the two reserves at the top), every tensor a placement.
 //! Any change to this file changes the schema hash (see `planfile`), so old plans are refused.
 
+use crate::ggml::GgmlType;
 use crate::serve::{ExpertCache, KvType};
 use rkyv::{Archive, Deserialize, Serialize};
 
@@ -155,8 +156,11 @@ pub struct DevicePlan {
     pub kv_layers: Vec<u32>,
     /// Linear-attention layers whose state lives here.
     pub linear_layers: Vec<u32>,
-    /// Predicted seconds this device spends per decoded token at batch 1.
-    pub predicted_token_seconds: f64,
+    /// Whether `free_bytes` was measured (the probe's `free_bytes`) rather than assumed
+    /// (`vram_bytes` minus the runtime reserve, in a hand-written probe).
+    pub free_bytes_probed: bool,
+    /// This device's share of a forward step, as terms the prediction is evaluated from.
+    pub cost: DeviceCost,
     /// How the hidden state arrives from the previous device of a layer split: "none" (the
     /// first device), "peer" (a device-to-device copy: both GPUs of one vendor and the probe
     /// lists the previous one among this one's `peers`) or "host" (through this device's
@@ -195,6 +199,8 @@ pub enum Placement {
 pub struct TensorPlacement {
     pub name: String,
     pub bytes: u64,
+    /// The tensor's element type (what a backend must decode to run it).
+    pub ggml_type: GgmlType,
     pub placement: Placement,
 }
 
@@ -238,15 +244,159 @@ pub struct Degradation {
     pub reason: String,
 }
 
+/// Decode speed at one batch size and context length.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct DecodePoint {
+    /// Slots decoding together in each step.
+    pub batch: u32,
+    /// Cells of context every one of them holds.
+    pub context: u64,
+    /// Tokens per second one slot sees.
+    pub per_slot_tok_s: f64,
+    /// Tokens per second of all slots together (`batch x per_slot_tok_s`).
+    pub aggregate_tok_s: f64,
+}
+
+/// What the plan predicts for its configuration.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct Predicted {
+    /// Decode tok/s one slot sees with every planned slot decoding, at empty context (the
+    /// headline figure: `decode_empty.per_slot_tok_s`).
     pub decode_tok_s: f64,
     pub expert_hit_rate: f64,
-    /// Context length the decode prediction assumes.
-    pub at_context: u64,
+    /// The planned batch at empty context.
+    pub decode_empty: DecodePoint,
+    /// The planned batch with every slot's context full (`max_context` cells).
+    pub decode_full: DecodePoint,
+    /// Prefill tok/s of one slot's prompt in passes of the planned ubatch.
+    pub prefill_tok_s: f64,
+    /// True when some device's cost coefficients are the documented defaults (a hand-written
+    /// probe), not measured by `strata-exec probe`: the figures are guesses.
+    pub guessed: bool,
     /// How the prediction was made, for the report.
     pub basis: String,
+}
+
+/// One device's share of a forward step, in seconds, as the cost model (planner `cost.rs`)
+/// derived it from the probe's coefficients; [`Plan::decode_step_seconds`] and
+/// [`Plan::prefill_seconds`] evaluate them at any batch and context, so `strata-exec bench`
+/// can put the prediction beside what it measures.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[rkyv(derive(Debug))]
+pub struct DeviceCost {
+    /// Per decode step, whatever its batch: launch latencies, step overhead, hand-off in.
+    pub step_s: f64,
+    /// One read of the weights every token uses (dense layers here, the head if held).
+    pub dense_read_s: f64,
+    /// Rows one product launch serves per read of its weights (more rows read them again).
+    pub rows_per_read: u32,
+    /// Compute of one token through the layers here (2 flops per weight it uses).
+    pub token_compute_s: f64,
+    /// Compute of one row of logits (0 where the head is not).
+    pub head_compute_s: f64,
+    /// Layers here with routed experts, experts per layer, experts per token.
+    pub expert_layers: u32,
+    pub n_expert: u32,
+    pub n_expert_used: u32,
+    /// One routed expert (gate, up, down) read from device memory.
+    pub expert_read_s: f64,
+    /// Whether every (token, expert) use reads the expert again (the GPU decode kernels),
+    /// or each distinct expert is read once per step (the CPU engine).
+    pub expert_read_per_use: bool,
+    /// Share of expert uses served from this device's cache.
+    pub hit_rate: f64,
+    /// Extra time of one expert missed by the cache (host-to-device copy, disk share).
+    pub expert_miss_s: f64,
+    /// One cell of one slot's KV read in device memory, and streamed from host memory.
+    pub kv_cell_s: f64,
+    pub kv_host_cell_s: f64,
+    /// Cells per slot in device memory (cells beyond stream from host memory).
+    pub kv_resident: u64,
+    /// Per row of a step: linear-attention state read and written, hand-off bytes.
+    pub row_s: f64,
+    /// Per prefill pass, whatever its tokens: launch latencies.
+    pub pass_s: f64,
+    /// Prefill products on tensor cores (weights read once a pass); else the decode
+    /// products in `rows_per_read` chunks.
+    pub prefill_gemm: bool,
+    /// Per prefill token: activations read and written between launches.
+    pub prefill_token_s: f64,
+    /// Prefill attention per token per causal context cell.
+    pub prefill_cell_s: f64,
+}
+
+/// Expected distinct experts of one layer that `tokens` tokens route to, each picking
+/// `k` of `e` uniformly: `e (1 - (1 - k/e)^tokens)`, by repeated multiplication so every
+/// platform gets the same bits.
+pub fn distinct_experts(e: u32, k: u32, tokens: u64) -> f64 {
+    if e == 0 || k == 0 || tokens == 0 {
+        return 0.0;
+    }
+    let miss = 1.0 - f64::from(k.min(e)) / f64::from(e);
+    let mut p = 1.0f64;
+    for _ in 0..tokens.min(4096) {
+        p *= miss;
+    }
+    f64::from(e) * (1.0 - p)
+}
+
+impl DeviceCost {
+    /// Expert-product and expert-miss seconds for `tokens` rows: (reads, misses).
+    fn experts(&self, tokens: u64, per_use: bool) -> (f64, f64) {
+        if self.expert_layers == 0 {
+            return (0.0, 0.0);
+        }
+        let distinct = distinct_experts(self.n_expert, self.n_expert_used, tokens);
+        let reads = if per_use {
+            (tokens * u64::from(self.n_expert_used)) as f64
+        } else {
+            distinct
+        };
+        let layers = f64::from(self.expert_layers);
+        (
+            layers * reads * self.expert_read_s,
+            layers * distinct * (1.0 - self.hit_rate) * self.expert_miss_s,
+        )
+    }
+
+    /// Seconds of one decode step of `batch` slots, each holding `context` cells.
+    pub fn decode_step_seconds(&self, batch: u32, context: u64) -> f64 {
+        let b = u64::from(batch.max(1));
+        let reads = b.div_ceil(u64::from(self.rows_per_read.max(1))) as f64;
+        let (exp, miss) = self.experts(b, self.expert_read_per_use);
+        let memory = reads * self.dense_read_s + exp;
+        let compute = b as f64 * (self.token_compute_s + self.head_compute_s);
+        let in_vram = context.min(self.kv_resident) as f64;
+        let streamed = context.saturating_sub(self.kv_resident) as f64;
+        let kv = b as f64 * (in_vram * self.kv_cell_s + streamed * self.kv_host_cell_s);
+        self.step_s + memory.max(compute) + miss + kv + b as f64 * self.row_s
+    }
+
+    /// Seconds of one prefill pass of `tokens` tokens after `context` cells of the same slot.
+    pub fn prefill_pass_seconds(&self, tokens: u64, context: u64) -> f64 {
+        if tokens == 0 {
+            return 0.0;
+        }
+        let t = tokens as f64;
+        let (memory, miss) = if self.prefill_gemm {
+            let (exp, miss) = self.experts(tokens, false);
+            (self.dense_read_s + exp, miss)
+        } else {
+            let reads = tokens.div_ceil(u64::from(self.rows_per_read.max(1))) as f64;
+            let (exp, miss) = self.experts(tokens, self.expert_read_per_use);
+            (reads * self.dense_read_s + exp, miss)
+        };
+        let compute = t * self.token_compute_s + self.head_compute_s;
+        // Causal attention: token i of the pass reads context + i + 1 cells.
+        let cells = t * context as f64 + t * (t + 1.0) / 2.0;
+        self.pass_s
+            + memory.max(compute)
+            + miss
+            + cells * self.prefill_cell_s
+            + t * (self.prefill_token_s + self.row_s)
+    }
 }
 
 /// The model as the plan knows it.
@@ -263,6 +413,22 @@ pub struct PlanModel {
     pub n_expert: u64,
     pub n_expert_used: u64,
     pub total_bytes: u64,
+    /// Main layers whose FFN is dense (no routed experts).
+    pub dense_ffn_layers: u32,
+    /// The shapes kernels constrain (see `capability`).
+    pub shape: ModelShape,
+}
+
+/// Model dimensions a backend's kernels may constrain.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[rkyv(derive(Debug))]
+pub struct ModelShape {
+    pub n_embd: u64,
+    pub n_ff_exp: u64,
+    pub n_head: u64,
+    pub n_head_kv: u64,
+    pub head_dim_k: u64,
+    pub head_dim_v: u64,
 }
 
 /// Resolved serve settings (what was planned, not only what was asked).
@@ -320,5 +486,32 @@ pub struct Plan {
 impl Plan {
     pub fn device(&self, index: u32) -> Option<&DevicePlan> {
         self.devices.iter().find(|d| d.index == index)
+    }
+
+    /// Predicted seconds of one decode step of `batch` slots at `context` cells each: the
+    /// devices of the pipeline one after another.
+    pub fn decode_step_seconds(&self, batch: u32, context: u64) -> f64 {
+        self.devices
+            .iter()
+            .map(|d| d.cost.decode_step_seconds(batch, context))
+            .sum()
+    }
+
+    /// Predicted seconds to prefill `tokens` prompt tokens of one slot from empty, in passes
+    /// of `ubatch` tokens.
+    pub fn prefill_seconds(&self, tokens: u64, ubatch: u64) -> f64 {
+        let ub = ubatch.max(1);
+        let mut done = 0;
+        let mut s = 0.0;
+        while done < tokens {
+            let n = ub.min(tokens - done);
+            s += self
+                .devices
+                .iter()
+                .map(|d| d.cost.prefill_pass_seconds(n, done))
+                .sum::<f64>();
+            done += n;
+        }
+        s
     }
 }

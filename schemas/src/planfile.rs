@@ -521,6 +521,7 @@ pub fn write_plan(plan: &Plan, path: &Path) -> Result<(), PlanFileError> {
 /// A hand-built plan for tests (here and in other crates): two devices with regions, tensors
 /// on both placements, a degradation.
 pub mod testing {
+    use crate::ggml::GgmlType;
     use crate::plan::*;
 
     pub fn sample_plan() -> Plan {
@@ -584,7 +585,20 @@ pub mod testing {
             work_pass: WorkPass::default(),
             kv_layers: (first..end).step_by(4).collect(),
             linear_layers: (first..end).filter(|l| l % 4 != 0).collect(),
-            predicted_token_seconds: 0.0125,
+            free_bytes_probed: index == 0,
+            cost: DeviceCost {
+                step_s: 0.0002,
+                dense_read_s: 0.004,
+                rows_per_read: 8,
+                expert_layers: end - first,
+                n_expert: 512,
+                n_expert_used: 10,
+                expert_read_s: 1e-6,
+                expert_read_per_use: true,
+                hit_rate: 0.83,
+                kv_resident: 65536,
+                ..DeviceCost::default()
+            },
             handoff_in: if index == 0 { "none" } else { "peer" }.into(),
         };
         Plan {
@@ -597,6 +611,15 @@ pub mod testing {
                 n_expert: 512,
                 n_expert_used: 10,
                 total_bytes: 160 << 30,
+                dense_ffn_layers: 0,
+                shape: ModelShape {
+                    n_embd: 2048,
+                    n_ff_exp: 512,
+                    n_head: 16,
+                    n_head_kv: 2,
+                    head_dim_k: 256,
+                    head_dim_v: 256,
+                },
             },
             hardware_fingerprint: "fedcba9876543210fedcba9876543210".into(),
             serve: PlanServe {
@@ -627,6 +650,7 @@ pub mod testing {
                 TensorPlacement {
                     name: "token_embd.weight".into(),
                     bytes: 1 << 30,
+                    ggml_type: GgmlType::Q4K,
                     placement: Placement::Device {
                         device: 0,
                         offset: 0,
@@ -635,11 +659,13 @@ pub mod testing {
                 TensorPlacement {
                     name: "blk.30.ffn_gate_exps.weight".into(),
                     bytes: 2 << 30,
+                    ggml_type: GgmlType::Iq3S,
                     placement: Placement::HostExperts { device: 1 },
                 },
                 TensorPlacement {
                     name: "blk.48.nextn.eh_proj.weight".into(),
                     bytes: 64 << 20,
+                    ggml_type: GgmlType::Q8_0,
                     placement: Placement::Host,
                 },
             ],
@@ -669,7 +695,20 @@ pub mod testing {
             predicted: Predicted {
                 decode_tok_s: 41.5,
                 expert_hit_rate: 0.83,
-                at_context: 4096,
+                decode_empty: DecodePoint {
+                    batch: 2,
+                    context: 0,
+                    per_slot_tok_s: 41.5,
+                    aggregate_tok_s: 83.0,
+                },
+                decode_full: DecodePoint {
+                    batch: 2,
+                    context: 262144,
+                    per_slot_tok_s: 12.5,
+                    aggregate_tok_s: 25.0,
+                },
+                prefill_tok_s: 900.0,
+                guessed: true,
                 basis: "bandwidth model".into(),
             },
         }

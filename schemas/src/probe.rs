@@ -86,6 +86,69 @@ pub struct DeviceProbe {
     /// `strata-exec probe`); absent = unknown, planned as none (hand-offs through host memory).
     #[serde(default)]
     pub peers: Option<Vec<u32>>,
+    /// `[device.cost]`: the cost model's coefficients measured on this device; absent keys
+    /// take the planner's documented defaults and the report calls its figures guesses.
+    #[serde(default)]
+    pub cost: Option<CostProbe>,
+}
+
+/// `[device.cost]`: what this device's kernels achieve, measured by running the engine's own
+/// kernels (`strata-exec probe`). Every key is optional; an absent key takes the default in
+/// the planner's cost model (`planner/src/cost.rs`, README "Predictions"), derived from
+/// `mem_bandwidth_gbps` and calibrated on the H200, and the report says the figures are
+/// guesses. Times are microseconds, bandwidths GB/s (1e9 bytes), throughputs TFLOP/s.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostProbe {
+    /// A launch that reads next to nothing (RMSNorm, argmax) inside a captured decode step.
+    #[serde(default)]
+    pub launch_us: Option<f64>,
+    /// A one-token weight product's time beyond its bytes (its launch, ramp and tail).
+    #[serde(default)]
+    pub product_latency_us: Option<f64>,
+    /// Weight bytes per second one-token products (projections, experts, head) read.
+    #[serde(default)]
+    pub product_gbps: Option<f64>,
+    /// Decode attention's time beyond its KV bytes, per layer.
+    #[serde(default)]
+    pub attention_latency_us: Option<f64>,
+    /// KV bytes per second decode attention reads.
+    #[serde(default)]
+    pub attention_gbps: Option<f64>,
+    /// Prefill products (tensor cores on a GPU, the dot kernels on a CPU), TFLOP/s.
+    #[serde(default)]
+    pub gemm_tflops: Option<f64>,
+    /// Prefill attention, TFLOP/s.
+    #[serde(default)]
+    pub prefill_attention_tflops: Option<f64>,
+    /// Per decode step: graph launch, synchronisation and the tokens back to the host.
+    #[serde(default)]
+    pub step_us: Option<f64>,
+    /// Expert bytes per second into this device's expert cache from host memory.
+    #[serde(default)]
+    pub host_expert_gbps: Option<f64>,
+}
+
+impl CostProbe {
+    /// Every key with its value, in file order (for validation and the report).
+    pub fn entries(&self) -> [(&'static str, Option<f64>); 9] {
+        [
+            ("launch_us", self.launch_us),
+            ("product_latency_us", self.product_latency_us),
+            ("product_gbps", self.product_gbps),
+            ("attention_latency_us", self.attention_latency_us),
+            ("attention_gbps", self.attention_gbps),
+            ("gemm_tflops", self.gemm_tflops),
+            ("prefill_attention_tflops", self.prefill_attention_tflops),
+            ("step_us", self.step_us),
+            ("host_expert_gbps", self.host_expert_gbps),
+        ]
+    }
+
+    /// Whether every key is present (the prediction then rests on measurements only).
+    pub fn complete(&self) -> bool {
+        self.entries().iter().all(|(_, v)| v.is_some())
+    }
 }
 
 impl DeviceProbe {
@@ -236,6 +299,13 @@ impl HardwareProbe {
                     }
                 }
             }
+            for (name, v) in d.cost.iter().flat_map(|c| c.entries()) {
+                if let Some(v) = v {
+                    if !(v.is_finite() && v >= 0.0) {
+                        return Err(bad(k(&format!("cost.{name}")), "must be a number >= 0"));
+                    }
+                }
+            }
             if d.name.trim().is_empty() {
                 return Err(bad(k("name"), "is empty"));
             }
@@ -344,6 +414,26 @@ pcie_width = 16
                 .to_string();
             assert!(e.contains("device[0].peers"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn cost_keys_parse_and_are_checked() {
+        let text = format!("{OK}\n[device.cost]\nproduct_gbps = 3010.0\nlaunch_us = 2.8\n");
+        let p = HardwareProbe::from_toml(&text, "t.toml").unwrap();
+        let c = p.devices[0].cost.as_ref().unwrap();
+        assert_eq!(c.product_gbps, Some(3010.0));
+        assert_eq!(c.launch_us, Some(2.8));
+        assert!(!c.complete());
+        let typo = format!("{OK}\n[device.cost]\nproduct_gbs = 3010.0\n");
+        let e = HardwareProbe::from_toml(&typo, "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("product_gbs"), "{e}");
+        let neg = format!("{OK}\n[device.cost]\ngemm_tflops = -1.0\n");
+        let e = HardwareProbe::from_toml(&neg, "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("device[0].cost.gemm_tflops"), "{e}");
     }
 
     #[test]

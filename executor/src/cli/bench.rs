@@ -1,5 +1,7 @@
 //! `strata-exec bench PLAN`: prefill and decode tokens/s of a plan, like llama-bench (mean ±
 //! sd over repetitions after one warm-up), plus device memory used versus planned.
+//! Beside every figure it prints what the plan predicts for the same run (its cost model,
+//! evaluated at this prompt length, batch 1 and these contexts) and measured / predicted.
 //! Invariant: measures only; the engine is started exactly as `strata-exec PLAN` starts it,
 //! and every timed step includes bringing the logits back to the host.
 
@@ -39,6 +41,18 @@ pub struct BenchArgs {
     /// Output: text (a table) or json (one object).
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub format: String,
+}
+
+/// The plan's predicted tok/s for this run: (prefill of `p` tokens in `ubatch` passes, `n`
+/// greedy decode steps of one slot after them).
+fn predicted(plan: &strata_schemas::plan::Plan, p: usize, n: usize, ubatch: usize) -> (f64, f64) {
+    let p = p.max(1) as u64;
+    let pp = plan.prefill_seconds(p, ubatch as u64);
+    let tg: f64 = (0..n as u64)
+        .map(|i| plan.decode_step_seconds(1, p + i))
+        .sum();
+    let rate = |tokens: f64, s: f64| if s > 0.0 { tokens / s } else { 0.0 };
+    (rate(p as f64, pp), rate(n as f64, tg))
 }
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
@@ -203,6 +217,9 @@ pub fn main(args: BenchArgs) {
     let (pm, ps) = mean_sd(&pps);
     let (tm, ts) = mean_sd(&tgs);
     let name = engine.info().model_name.clone();
+    let (pred_pp, pred_tg) = predicted(&plan, args.prompt, args.n_gen, engine.info().ubatch);
+    let ratio = |m: f64, p: f64| if p > 0.0 { m / p } else { 0.0 };
+    let guessed = plan.predicted.guessed;
     let backend_s = match backend {
         Backend::Cuda => "cuda",
         _ => "cpu",
@@ -219,6 +236,14 @@ pub fn main(args: BenchArgs) {
             "decode_tok_s": {"mean": tm, "sd": ts, "all": tgs},
             "decode_sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
             "allocated_bytes": engine.allocated_bytes(),
+            "predicted": {
+                "prefill_tok_s": pred_pp,
+                "decode_tok_s": pred_tg,
+                "prefill_measured_over_predicted": ratio(pm, pred_pp),
+                "decode_measured_over_predicted": ratio(tm, pred_tg),
+                "guessed": guessed,
+                "basis": plan.predicted.basis,
+            },
         });
         if let Some(m) = &memory {
             j["device_memory"] = m
@@ -230,20 +255,25 @@ pub fn main(args: BenchArgs) {
         }
         println!("{j}");
     } else {
-        println!("| model | backend | test | t/s |");
-        println!("| --- | --- | --- | --- |");
+        println!("| model | backend | test | t/s | plan predicts t/s | measured / predicted |");
+        println!("| --- | --- | --- | --- | --- | --- |");
         if args.prompt > 0 {
             println!(
-                "| {name} | {backend_s} | pp{} | {pm:.2} ± {ps:.2} |",
-                args.prompt
+                "| {name} | {backend_s} | pp{} | {pm:.2} ± {ps:.2} | {pred_pp:.2} | {:.2} |",
+                args.prompt,
+                ratio(pm, pred_pp)
             );
         }
         if args.n_gen > 0 {
             println!(
-                "| {name} | {backend_s} | tg{}{} | {tm:.2} ± {ts:.2} |",
+                "| {name} | {backend_s} | tg{}{} | {tm:.2} ± {ts:.2} | {pred_tg:.2} | {:.2} |",
                 args.n_gen,
-                sampled_label(&sampling)
+                sampled_label(&sampling),
+                ratio(tm, pred_tg)
             );
+        }
+        if guessed {
+            println!("predictions: guesses (the plan's probe has no measured [device.cost] coefficients; `strata-exec probe` measures them)");
         }
         if let Some(m) = &memory {
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;

@@ -82,6 +82,7 @@ pub fn cpu_probe(n: usize) -> HardwareProbe {
                 pcie_gen: None,
                 pcie_width: None,
                 peers: None,
+                cost: None,
             })
             .collect(),
     }

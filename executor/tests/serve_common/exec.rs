@@ -40,6 +40,7 @@ fn cpu_probe() -> HardwareProbe {
             pcie_gen: None,
             pcie_width: None,
             peers: None,
+            cost: None,
         }],
     }
 }
