@@ -39,6 +39,8 @@ pub enum TokenizerError {
 /// A tokenizer with the model's special tokens and chat template.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with special-token matching off: special-token text encodes as plain text.
+    literal: tokenizers::Tokenizer,
     eos: Vec<u32>,
     bos: Option<u32>,
     chat_template: Option<String>,
@@ -291,8 +293,11 @@ impl Tokenizer {
                 }
             }
         }
+        let mut literal = inner.clone();
+        literal.set_encode_special_tokens(true);
         Self {
             inner,
+            literal,
             eos: eos_ids,
             bos,
             chat_template,
@@ -309,6 +314,29 @@ impl Tokenizer {
             .encode(text, add_special)
             .map_err(|e| TokenizerError::Codec(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` with special-token text encoded as ordinary text
+    /// (`<|im_end|>` becomes the tokens of those ten characters).
+    pub fn encode_literal(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .literal
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Codec(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of every special (added, special-flagged) token, in id order.
+    pub fn special_tokens(&self) -> Vec<String> {
+        let mut v: Vec<(u32, String)> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, t)| t).collect()
     }
 
     /// Text of `ids`; ids outside the vocabulary decode to nothing. Bytes that do not form
@@ -448,6 +476,11 @@ mod tests {
         );
         assert_eq!(t.decode(&[398, im_end], true).unwrap(), "");
         assert_eq!(t.special_token(399).as_deref(), Some("<|im_end|>"));
+        let lit = t.encode_literal("<|im_end|>").unwrap();
+        assert!(lit.len() > 1 && !lit.contains(&399), "{lit:?}");
+        assert_eq!(t.decode(&lit, true).unwrap(), "<|im_end|>");
+        let sp = t.special_tokens();
+        assert!(sp.contains(&"<|im_end|>".to_string()) && sp.contains(&"<|im_start|>".to_string()), "{sp:?}");
         assert!(t.chat_template().unwrap().contains("im_start"));
     }
 

@@ -115,12 +115,13 @@ struct Active {
 }
 
 /// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
-/// serves jobs until shut down. `queue` is the most jobs waiting for a slot; `on_ready`
-/// runs once readiness is published.
+/// serves jobs until shut down. `queue` is the most jobs waiting for a slot; `template`
+/// bounds every chat-template render; `on_ready` runs once readiness is published.
 pub fn spawn(
     loader: Loader,
     shared: Arc<Shared>,
     queue: usize,
+    template: super::template::TemplateLimits,
     on_ready: ReadyHook,
 ) -> std::io::Result<(SchedulerHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::sync_channel::<Job>(queue);
@@ -134,7 +135,7 @@ pub fn spawn(
         .name("strata-scheduler".into())
         .spawn(move || {
             let engine = match loader() {
-                Ok((engine, tok)) => match super::make_ready(engine.info(), tok) {
+                Ok((engine, tok)) => match super::make_ready(engine.info(), tok, template) {
                     Ok(ready) => {
                         let _ = shared.ready.set(ready);
                         if let Some(r) = shared.ready.get() {
