@@ -43,9 +43,11 @@ pub trait HostModel: Send + Sync {
 }
 
 fn mmap(path: &Path) -> Result<Mmap, LoadError> {
-    let f = std::fs::File::open(path).map_err(|e| LoadError::Model {
-        path: path.display().to_string(),
-        msg: e.to_string(),
+    let f = strata_schemas::files::open_regular(path, "model file").map_err(|e| {
+        LoadError::Model {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        }
     })?;
     // SAFETY: the file is mapped read-only; like every mmap-based loader we rely on it not
     // being truncated while we run (a changed model file is the user's error).

@@ -7,6 +7,7 @@
 //! this type hands out is inside the vocabulary.
 
 use std::path::{Path, PathBuf};
+use strata_schemas::files;
 use strata_schemas::gguf::{GgufArray, GgufFile, GgufValue};
 
 /// Qwen2's pre-tokenizer split (the regex of its `tokenizer.json`), also used by llama.cpp
@@ -19,11 +20,6 @@ const END_TOKENS: [&str; 4] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|e
 /// A tokenizer that cannot be built or used, naming the file or key and the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("cannot read `{path}`: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
     #[error(
         "`{path}` is not a valid tokenizer: {reason} (expected a Hugging Face tokenizer.json)"
     )]
@@ -32,6 +28,8 @@ pub enum TokenizerError {
     Config { path: String, reason: String },
     #[error("GGUF `{path}`: {reason}")]
     Gguf { path: String, reason: String },
+    #[error(transparent)]
+    File(#[from] strata_schemas::files::FileError),
     #[error("tokenizer: {0}")]
     Codec(String),
 }
@@ -106,10 +104,7 @@ impl Tokenizer {
             path.to_path_buf()
         };
         let shown = file.display().to_string();
-        let bytes = std::fs::read(&file).map_err(|source| TokenizerError::Io {
-            path: shown.clone(),
-            source,
-        })?;
+        let bytes = files::read_limited(&file, files::limit::TOKENIZER_JSON, "tokenizer")?;
         let inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Parse {
                 path: shown.clone(),
@@ -119,20 +114,20 @@ impl Tokenizer {
             .parent()
             .unwrap_or(Path::new("."))
             .join("tokenizer_config.json");
-        let cfg: Option<serde_json::Value> = match std::fs::read(&cfg_path) {
+        let cfg_bytes = files::read_limited(
+            &cfg_path,
+            files::limit::TOKENIZER_CONFIG,
+            "tokenizer config",
+        );
+        let cfg: Option<serde_json::Value> = match cfg_bytes {
             Ok(b) => Some(
                 serde_json::from_slice(&b).map_err(|e| TokenizerError::Config {
                     path: cfg_path.display().to_string(),
                     reason: e.to_string(),
                 })?,
             ),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(source) => {
-                return Err(TokenizerError::Io {
-                    path: cfg_path.display().to_string(),
-                    source,
-                })
-            }
+            Err(e) if e.io_kind() == Some(std::io::ErrorKind::NotFound) => None,
+            Err(e) => return Err(e.into()),
         };
         let get = |k: &str| cfg.as_ref().and_then(|c| c.get(k));
         // A template may also be a list of named templates; take the default one.

@@ -3,6 +3,7 @@
 
 pub mod arch;
 pub mod descriptor;
+pub mod files;
 pub mod ggml;
 pub mod gguf;
 pub mod graph;

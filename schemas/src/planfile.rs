@@ -60,6 +60,8 @@ pub enum PlanFileError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    File(#[from] crate::files::FileError),
     #[error("{origin}: not a strata plan file (starts with {found:02x?}, expected \"STRATAPL\"); pass the file strata-plan wrote")]
     BadMagic { origin: String, found: Vec<u8> },
     #[error("{origin}: truncated: {len} bytes, header says {expected}; re-run strata-plan")]
@@ -448,11 +450,19 @@ fn io_err(path: &Path, action: &'static str) -> impl FnOnce(std::io::Error) -> P
 /// Map a plan file and validate it completely; the result reads the plan zero-copy.
 pub fn open_plan(path: &Path) -> Result<MappedPlan, PlanFileError> {
     let origin = path.display().to_string();
-    let file = File::open(path).map_err(io_err(path, "open"))?;
+    let file = crate::files::open_regular(path, "plan file")?;
     let len = file.metadata().map_err(io_err(path, "stat"))?.len();
+    if len > crate::files::limit::PLAN {
+        return Err(crate::files::FileError::TooLarge {
+            path: origin,
+            what: "plan file".into(),
+            limit: crate::files::limit::PLAN,
+        }
+        .into());
+    }
     if len < HEADER_LEN as u64 {
         // Too short to map usefully (and empty files cannot be mapped): read and report.
-        let bytes = fs::read(path).map_err(io_err(path, "read"))?;
+        let bytes = crate::files::read_limited(path, HEADER_LEN as u64, "plan file")?;
         parse_header(&bytes, &origin)?;
         return Err(PlanFileError::Truncated {
             origin,
@@ -786,7 +796,20 @@ mod tests {
             assert!(e.to_string().contains(&path.display().to_string()));
         }
         let e = open_plan(&dir.path().join("missing")).unwrap_err();
-        assert!(matches!(e, PlanFileError::Io { action: "open", .. }));
+        assert!(matches!(e, PlanFileError::File(crate::files::FileError::Io { .. })));
+        assert!(e.to_string().contains("plan file"), "{e}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn endless_files_and_links_to_them_are_refused_without_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("zero.plan");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        for p in [Path::new("/dev/zero"), link.as_path()] {
+            let e = open_plan(p).unwrap_err().to_string();
+            assert!(e.contains("character device") && e.contains("plan file"), "{e}");
+        }
     }
 
     #[test]

@@ -46,7 +46,6 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
-use std::io::Read;
 use std::path::Path;
 
 /// Largest `config.json` we read.
@@ -188,24 +187,26 @@ fn read_json_capped(path: &Path, cap: u64) -> Result<Value, SafetensorsError> {
 }
 
 fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, SafetensorsError> {
-    let file = path.display().to_string();
-    let io = |source| SafetensorsError::Io {
-        file: file.clone(),
-        source,
+    let what = match path.file_name().and_then(|n| n.to_str()) {
+        Some(INDEX_NAME) => "safetensors index",
+        _ => "model config",
     };
-    let f = std::fs::File::open(path).map_err(io)?;
-    let size = f.metadata().map_err(io)?.len();
-    if size > cap {
-        return Err(SafetensorsError::BadConfig {
-            file: file.clone(),
+    crate::files::read_limited(path, cap, what).map_err(|e| match e {
+        crate::files::FileError::Io { source, .. } => SafetensorsError::Io {
+            file: path.display().to_string(),
+            source,
+        },
+        crate::files::FileError::TooLarge { limit, .. } => SafetensorsError::BadConfig {
+            file: path.display().to_string(),
             key: "(file)".into(),
-            reason: format!("{size} bytes is over the {cap}-byte cap for this file"),
-        });
-    }
-    let mut bytes = Vec::new();
-    // `take` keeps a file that grows after the size check bounded too.
-    f.take(cap).read_to_end(&mut bytes).map_err(io)?;
-    Ok(bytes)
+            reason: format!("the file is over the {limit}-byte cap for this file"),
+        },
+        other => SafetensorsError::BadConfig {
+            file: path.display().to_string(),
+            key: "(file)".into(),
+            reason: other.to_string(),
+        },
+    })
 }
 
 /// Every tensor of the folder, with its shard, in (shard order, header order).

@@ -14,7 +14,6 @@ use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use std::collections::HashSet;
 use std::fmt;
-use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
@@ -364,7 +363,10 @@ pub fn read_header(path: &Path) -> Result<SafetensorsHeader, SafetensorsError> {
         file: origin.clone(),
         source,
     };
-    let mut f = File::open(path).map_err(io)?;
+    let mut f = crate::files::open_regular(path, "safetensors file").map_err(|e| match e {
+        crate::files::FileError::Io { source, .. } => io(source),
+        other => io(std::io::Error::other(other.to_string())),
+    })?;
     let file_size = f.metadata().map_err(io)?.len();
     if file_size < 8 {
         return Err(SafetensorsError::TooShort {

@@ -1,0 +1,137 @@
+//! Endless and oversized input files (issue 23): every path `strata-plan` reads whole is
+//! refused fast, with exit 1 and a message naming the file, when it is a device, a FIFO, a
+//! link to one, or larger than its kind of file may be.
+#![cfg(unix)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Run strata-plan; fail if it takes more than 20 s (it would read forever before the fix).
+fn plan(args: &[&str]) -> (i32, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata-plan"))
+        .current_dir(root())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+            return (st.code().unwrap_or(-1), err);
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("strata-plan {args:?} still running after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn mkfifo(p: &Path) -> bool {
+    Command::new("mkfifo")
+        .arg(p)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+#[test]
+fn devices_fifos_links_and_huge_files_are_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |n: &str| dir.path().join(n).display().to_string();
+    std::os::unix::fs::symlink("/dev/zero", d("zero.gguf")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", d("zero.plan")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", d("zero.toml")).unwrap();
+    let fifo = mkfifo(Path::new(&d("fifo.toml")));
+    // A sparse 5 MiB probe: larger than a probe may be.
+    std::fs::File::create(d("huge.toml"))
+        .unwrap()
+        .set_len(5 << 20)
+        .unwrap();
+    let hw = "plans/hardware/cpu.toml";
+    let model = "tests/data/tiny-chat-moe";
+    let mut cases: Vec<(Vec<String>, String, &str)> = vec![
+        (
+            vec!["--hardware".into(), "/dev/zero".into(), "--model".into(), model.into()],
+            "/dev/zero".into(),
+            "character device",
+        ),
+        (
+            vec!["--hardware".into(), d("zero.toml"), "--model".into(), model.into()],
+            d("zero.toml"),
+            "character device",
+        ),
+        (
+            vec!["--hardware".into(), d("huge.toml"), "--model".into(), model.into()],
+            d("huge.toml"),
+            "larger than 4194304 bytes",
+        ),
+        (
+            vec!["--hardware".into(), hw.into(), "--model".into(), d("zero.gguf")],
+            d("zero.gguf"),
+            "character device",
+        ),
+        (
+            vec!["--hardware".into(), hw.into(), "--model".into(), d("zero.toml")],
+            d("zero.toml"),
+            "character device",
+        ),
+        (
+            vec![
+                "--hardware".into(),
+                hw.into(),
+                "--model".into(),
+                model.into(),
+                "--serve".into(),
+                "/dev/zero".into(),
+            ],
+            "/dev/zero".into(),
+            "character device",
+        ),
+        (
+            vec![
+                "--hardware".into(),
+                hw.into(),
+                "--model".into(),
+                model.into(),
+                "--gpu".into(),
+                "0".into(),
+                "--expert-profile".into(),
+                "/dev/zero".into(),
+            ],
+            "/dev/zero".into(),
+            "character device",
+        ),
+        (vec!["inspect".into(), "/dev/zero".into()], "/dev/zero".into(), "character device"),
+        (vec!["inspect".into(), d("zero.plan")], d("zero.plan"), "character device"),
+        (vec!["model-info".into(), d("zero.gguf")], d("zero.gguf"), "character device"),
+    ];
+    if fifo {
+        cases.push((
+            vec!["--hardware".into(), d("fifo.toml"), "--model".into(), model.into()],
+            d("fifo.toml"),
+            "FIFO",
+        ));
+        cases.push((
+            vec!["--hardware".into(), hw.into(), "--model".into(), d("fifo.toml")],
+            d("fifo.toml"),
+            "FIFO",
+        ));
+    } else {
+        eprintln!("mkfifo unavailable: the FIFO cases are not exercised");
+    }
+    for (args, file, why) in &cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, err) = plan(&args);
+        assert_eq!(code, 1, "{args:?}: {err}");
+        assert!(err.contains(file.as_str()) && err.contains(why), "{args:?}: {err}");
+    }
+}
