@@ -342,18 +342,44 @@ fn check_payload<'a>(
     Ok(archived)
 }
 
+/// An rkyv error with its whole trace, innermost first: "invalid UTF-8, while checking
+/// field `name` of struct `Device`, ...". `BoxedError` keeps the trace in release builds
+/// too (`rancor::Error` drops it there).
+fn archive_reason(e: &rancor::BoxedError) -> String {
+    let mut msg = String::new();
+    let mut traces = Vec::new();
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(rancor::BoxedError::inner(e));
+    while let Some(c) = cur {
+        let plain = c.to_string();
+        let full = format!("{c:#}");
+        match full.strip_prefix(&plain).and_then(|t| t.strip_prefix("trace: ")) {
+            Some(t) => traces.push(t.to_string()),
+            None => msg = plain,
+        }
+        cur = c.source();
+    }
+    if msg.is_empty() {
+        msg = e.to_string();
+    }
+    for t in traces.iter().rev() {
+        msg.push_str(", ");
+        msg.push_str(t);
+    }
+    msg
+}
+
 /// Validate (bytecheck) a `PAYLOAD_ALIGN`-aligned archive and return its root.
 fn access_archive<'a>(payload: &'a [u8], origin: &str) -> Result<&'a ArchivedPlan, PlanFileError> {
-    rkyv::access::<ArchivedPlan, rancor::Error>(payload).map_err(|e| PlanFileError::Archive {
+    rkyv::access::<ArchivedPlan, rancor::BoxedError>(payload).map_err(|e| PlanFileError::Archive {
         origin: origin.to_string(),
-        reason: e.to_string(),
+        reason: archive_reason(&e),
     })
 }
 
 fn deserialize(archived: &ArchivedPlan, origin: &str) -> Result<Plan, PlanFileError> {
-    rkyv::deserialize::<Plan, rancor::Error>(archived).map_err(|e| PlanFileError::Archive {
+    rkyv::deserialize::<Plan, rancor::BoxedError>(archived).map_err(|e| PlanFileError::Archive {
         origin: origin.to_string(),
-        reason: e.to_string(),
+        reason: archive_reason(&e),
     })
 }
 
@@ -699,6 +725,30 @@ mod tests {
     fn reseal(bytes: &mut [u8]) {
         let sha = Sha256::digest(&bytes[HDR..]);
         bytes[OFF_PAYLOAD_SHA..OFF_PAYLOAD_SHA + 32].copy_from_slice(&sha);
+    }
+
+    #[test]
+    fn corrupted_resealed_payloads_say_what_failed_validation() {
+        // Every single-byte corruption that rkyv refuses names what failed (in release
+        // builds too: the error type keeps its context without debug assertions).
+        let good = valid();
+        let mut refused = 0;
+        let mut named = 0;
+        for i in (HDR..good.len()).step_by(3) {
+            let mut b = good.clone();
+            b[i] ^= 0xa5;
+            reseal(&mut b);
+            if let Err(e @ PlanFileError::Archive { .. }) = read_plan_bytes(&b) {
+                let m = e.to_string();
+                assert!(!m.contains("without error information"), "{m}");
+                refused += 1;
+                if m.contains("while checking field") {
+                    named += 1;
+                }
+            }
+        }
+        assert!(refused > 0, "some corruption must reach the validator");
+        assert!(named * 2 > refused, "{named} of {refused} messages name the failing part");
     }
 
     #[test]
