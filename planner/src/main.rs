@@ -2,6 +2,7 @@
 //! DESIGN.md: 0 plan written (or report printed), 1 bad input, 2 infeasible, 3 `--strict` and
 //! degraded.
 
+use strata_schemas::text::for_terminal;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -172,7 +173,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(Fail::Bad(msg)) => {
-            eprintln!("strata-plan: error: {msg}");
+            eprintln!("strata-plan: error: {}", for_terminal(&msg));
             ExitCode::from(1)
         }
     }
@@ -185,7 +186,7 @@ fn inspect(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> {
             "{}",
             serde_json::to_string_pretty(&report::plan_json(&plan)).expect("JSON value prints")
         ),
-        Format::Text => print!("{}", report::plan_text(&plan)),
+        Format::Text => print!("{}", for_terminal(&report::plan_text(&plan))),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -197,7 +198,7 @@ fn model_info(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> 
             "{}",
             serde_json::to_string_pretty(&info.to_json()).expect("JSON value prints")
         ),
-        Format::Text => print!("{}", info.to_text()),
+        Format::Text => print!("{}", for_terminal(&info.to_text())),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -316,7 +317,7 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
                     serde_json::to_string_pretty(&report::infeasible_json(&inf))
                         .expect("JSON value prints")
                 ),
-                Format::Text => print!("{}", report::infeasible_text(&inf)),
+                Format::Text => print!("{}", for_terminal(&report::infeasible_text(&inf))),
             }
             Ok(ExitCode::from(2))
         }
@@ -333,20 +334,26 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
                         .expect("JSON value prints")
                 ),
                 Format::Text => {
-                    print!("{}", report::plan_text(&plan));
+                    print!("{}", for_terminal(&report::plan_text(&plan)));
                     if let (Some(out), false) = (&a.output, refuse) {
-                        println!("\n  plan written to {}", out.display());
+                        println!(
+                            "\n  plan written to {}",
+                            for_terminal(&out.display().to_string())
+                        );
                     }
                 }
             }
             if refuse {
                 eprintln!(
                     "strata-plan: --strict: the plan is degraded ({}); no plan written, exit 3",
-                    plan.degradations
-                        .iter()
-                        .map(|d| d.what.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    for_terminal(
+                        &plan
+                            .degradations
+                            .iter()
+                            .map(|d| d.what.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
                 );
                 return Ok(ExitCode::from(3));
             }

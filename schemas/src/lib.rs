@@ -17,4 +17,5 @@ pub mod profile;
 pub mod quant;
 pub mod safetensors;
 pub mod serve;
+pub mod text;
 pub mod workset;

@@ -15,7 +15,10 @@ use strata_schemas::plan::Plan;
 
 /// Print `strata-exec: MSG` and exit 1 (bad input or a mismatch).
 pub fn fail(msg: impl std::fmt::Display) -> ! {
-    eprintln!("strata-exec: {msg}");
+    eprintln!(
+        "strata-exec: {}",
+        strata_schemas::text::for_terminal(&msg.to_string())
+    );
     std::process::exit(1)
 }
 

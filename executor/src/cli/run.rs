@@ -145,7 +145,10 @@ pub fn main(cli: RunArgs) {
     let (out, rows, prefill_s, decode_s) = match run {
         Ok(v) => v,
         Err(e) => {
-            eprintln!("strata-exec: {e}");
+            eprintln!(
+                "strata-exec: {}",
+                strata_schemas::text::for_terminal(&e.to_string())
+            );
             std::process::exit(2)
         }
     };

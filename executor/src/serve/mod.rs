@@ -97,7 +97,7 @@ pub(crate) fn make_ready(
         if t.vocab_size() > info.n_vocab {
             eprintln!(
                 "strata-exec serve: warning: the tokenizer `{}` has {} tokens but the model {}; prompts using the extra ids are refused",
-                t.source(),
+                strata_schemas::text::name(t.source()),
                 t.vocab_size(),
                 info.n_vocab
             );
@@ -204,7 +204,10 @@ pub async fn serve_on(
         .unwrap_or_else(|_| format!("{}:{}", opts.host, opts.port));
     let name = opts.model_name.clone();
     let banner: scheduler::ReadyHook = Box::new(move |r: &Ready| {
-        eprintln!("{}", ready_line(&shown, name.as_deref(), r));
+        eprintln!(
+            "{}",
+            strata_schemas::text::for_terminal(&ready_line(&shown, name.as_deref(), r))
+        );
     });
     let (handle, thread) =
         scheduler::spawn(loader, shared.clone(), opts.queue, opts.template, banner)?;

@@ -144,14 +144,17 @@ pub fn spawn(
                         engine
                     }
                     Err(e) => {
-                        eprintln!("strata-exec serve: {e}");
+                        eprintln!("strata-exec serve: {}", strata_schemas::text::for_terminal(&e));
                         let _ = shared.load_error.set(e);
                         shared.load_failed.notify_one();
                         return;
                     }
                 },
                 Err(e) => {
-                    eprintln!("strata-exec serve: loading failed: {e}");
+                    eprintln!(
+                        "strata-exec serve: loading failed: {}",
+                        strata_schemas::text::for_terminal(&e)
+                    );
                     let _ = shared.load_error.set(e);
                     shared.load_failed.notify_one();
                     return;

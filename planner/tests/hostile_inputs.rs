@@ -1,6 +1,6 @@
-//! Endless and oversized input files (issue 23): every path `strata-plan` reads whole is
-//! refused fast, with exit 1 and a message naming the file, when it is a device, a FIFO, a
-//! link to one, or larger than its kind of file may be.
+//! Hostile inputs to `strata-plan` (issue 23): every path it reads whole is refused fast,
+//! with exit 1 and a message naming the file, when it is a device, a FIFO, a link to one,
+//! or larger than its kind of file may be; control bytes in names never reach the terminal.
 #![cfg(unix)]
 
 use std::path::{Path, PathBuf};
@@ -134,4 +134,28 @@ fn devices_fifos_links_and_huge_files_are_refused_naming_the_file() {
         assert_eq!(code, 1, "{args:?}: {err}");
         assert!(err.contains(file.as_str()) && err.contains(why), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn control_bytes_in_device_names_are_escaped_on_the_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = std::fs::read_to_string(root().join("plans/hardware/cpu.toml")).unwrap();
+    let evil = probe.replacen("name = \"", "name = \"\\u001b[2J\\u001b]0;owned\\u0007\\r", 1);
+    assert_ne!(evil, probe, "the probe has a device name to poison");
+    let p = dir.path().join("evil.toml");
+    std::fs::write(&p, evil).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strata-plan"))
+        .current_dir(root())
+        .args(["--hardware", p.to_str().unwrap(), "--model", "tests/data/tiny-chat-moe"])
+        .args(["--gpu", "0", "--max-context", "64"])
+        .output()
+        .unwrap();
+    let all = [out.stdout.as_slice(), out.stderr.as_slice()].concat();
+    assert!(
+        !all.iter().any(|&b| b == 0x1b || b == 0x07 || b == b'\r'),
+        "raw control bytes reached the terminal: {}",
+        String::from_utf8_lossy(&all)
+    );
+    let text = String::from_utf8_lossy(&all);
+    assert!(text.contains("\\x1b[2J"), "the name is shown escaped: {text}");
 }
