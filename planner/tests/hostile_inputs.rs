@@ -159,3 +159,90 @@ fn control_bytes_in_device_names_are_escaped_on_the_terminal() {
     let text = String::from_utf8_lossy(&all);
     assert!(text.contains("\\x1b[2J"), "the name is shown escaped: {text}");
 }
+
+/// A copy of the tiny chat model with its safetensors header and config.json edited.
+fn broken_model(
+    dir: &Path,
+    name: &str,
+    edit_header: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+    edit_config: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> String {
+    let src = root().join("tests/data/tiny-chat-moe");
+    let out = dir.join(name);
+    std::fs::create_dir_all(&out).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit_header(&mut header);
+    let mut json = serde_json::to_vec(&header).unwrap();
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let data = if header.keys().all(|k| k == "__metadata__") {
+        &[][..]
+    } else {
+        &bytes[8 + n..]
+    };
+    let mut file = (json.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&json);
+    file.extend_from_slice(data);
+    std::fs::write(out.join("model.safetensors"), file).unwrap();
+    let mut cfg: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    edit_config(&mut cfg);
+    std::fs::write(out.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    out.display().to_string()
+}
+
+type Map = serde_json::Map<String, serde_json::Value>;
+
+#[test]
+fn broken_safetensors_models_are_refused_at_plan_time_naming_the_tensor_or_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let keep = |_: &mut Map| {};
+    let drop_named = |part: &'static str| move |h: &mut Map| h.retain(|k, _| !k.contains(part));
+    let shape = |name: &'static str, f: fn(&[u64]) -> Vec<u64>| {
+        move |h: &mut Map| {
+            let t = h.get_mut(name).unwrap();
+            let s: Vec<u64> = serde_json::from_value(t["shape"].clone()).unwrap();
+            t["shape"] = serde_json::json!(f(&s));
+        }
+    };
+    let cases: Vec<(String, &str)> = vec![
+        (broken_model(dir.path(), "zero", |h| h.retain(|k, _| k == "__metadata__"), keep), "token_embd.weight"),
+        (broken_model(dir.path(), "no-q", drop_named("layers.0.self_attn.q_proj"), keep), "blk.0.attn_q.weight"),
+        (broken_model(dir.path(), "no-head", drop_named("lm_head"), keep), "output.weight"),
+        (
+            broken_model(dir.path(), "transposed", shape("model.embed_tokens.weight", |s| s.iter().rev().copied().collect()), keep),
+            "token_embd.weight",
+        ),
+        (
+            broken_model(dir.path(), "rank3", shape("model.layers.1.self_attn.o_proj.weight", |s| vec![s[0], s[1] / 2, 2]), keep),
+            "blk.1.attn_output.weight",
+        ),
+        (
+            broken_model(
+                dir.path(),
+                "i32",
+                |h| h.get_mut("model.layers.0.self_attn.k_proj.weight").unwrap()["dtype"] = "I32".into(),
+                keep,
+            ),
+            "I32",
+        ),
+        (broken_model(dir.path(), "layers", keep, |c| { c.insert("num_hidden_layers".into(), 9.into()); }), "blk.2."),
+        (broken_model(dir.path(), "vocab", keep, |c| { c.insert("vocab_size".into(), 500.into()); }), "token_embd.weight"),
+        (broken_model(dir.path(), "kvheads", keep, |c| { c.remove("num_key_value_heads"); }), "num_key_value_heads"),
+    ];
+    for (model, needle) in &cases {
+        let (code, err) = plan(&["--hardware", "plans/hardware/cpu.toml", "--model", model, "--gpu", "0"]);
+        assert_eq!(code, 1, "{model}: {err}");
+        assert!(err.contains(needle), "{model}: `{needle}` not in {err}");
+    }
+    // A tied head needs no lm_head.
+    let tied = broken_model(dir.path(), "tied", drop_named("lm_head"), |c| {
+        c.insert("tie_word_embeddings".into(), true.into());
+    });
+    let (code, err) = plan(&["--hardware", "plans/hardware/cpu.toml", "--model", &tied, "--gpu", "0"]);
+    assert_eq!(code, 0, "{err}");
+}

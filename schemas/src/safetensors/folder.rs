@@ -162,6 +162,16 @@ pub fn load_folder(dir: &Path) -> Result<ModelInventory, SafetensorsError> {
         0
     };
 
+    // The same layout check a GGUF gets (every required tensor, every shape against the
+    // hyperparameters, nothing extra): a folder the executor would refuse is refused here,
+    // at plan time, by the one function both use.
+    let layout = |source| SafetensorsError::Layout {
+        dir: dir_s.clone(),
+        source,
+    };
+    crate::arch::validate_hparams(arch.llama_name(), &hp).map_err(layout)?;
+    crate::arch::check_tensors(arch.llama_name(), &hp, &infos).map_err(layout)?;
+
     let name = dir
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())
@@ -485,7 +495,9 @@ impl Cfg<'_> {
         let n_layer = self.pos("num_hidden_layers")?;
         let n_embd = self.pos("hidden_size")?;
         let n_head = self.pos("num_attention_heads")?;
-        let n_head_kv = self.u64_opt("num_key_value_heads")?.unwrap_or(n_head);
+        // Required: the K/V projection shapes depend on it, and a silent default would plan
+        // a model the weights contradict.
+        let n_head_kv = self.pos("num_key_value_heads")?;
         if n_head_kv == 0 || n_head % n_head_kv != 0 {
             return Err(self.err(
                 "num_key_value_heads",
@@ -830,9 +842,15 @@ fn map_tensors(
             arch: arch.llama_name().into(),
             tensor: short(&t.name),
         };
+        // Model weights are floating point: integer (and F64) tensors are refused here, as
+        // the executor would refuse them at load.
         let ty = t
             .dtype
             .ggml_type()
+            .filter(|ty| {
+                use crate::ggml::GgmlType;
+                matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+            })
             .ok_or_else(|| SafetensorsError::UnsupportedDtype {
                 file: file_of(l),
                 tensor: short(&t.name),

@@ -283,11 +283,17 @@ pub enum SafetensorsError {
         shard: String,
         tensor: String,
     },
-    #[error("{file}: tensor `{tensor}` has dtype {dtype}, which has no ggml type; use a BF16/F16/F32 checkpoint or convert it to GGUF first")]
+    #[error("{file}: tensor `{tensor}` has dtype {dtype}, which is not a weight type Strata runs (F32, F16, BF16); use a BF16/F16/F32 checkpoint or convert it to GGUF first")]
     UnsupportedDtype {
         file: String,
         tensor: String,
         dtype: StDtype,
+    },
+    #[error("{dir}: {source} (GGUF names and dims, ne0 first; HF shapes are reversed): check config.json against the weights, or re-download the model")]
+    Layout {
+        dir: String,
+        #[source]
+        source: crate::inventory::InventoryError,
     },
     #[error(
         "{file}: tensor `{tensor}` is not part of architecture `{arch}` (no llama.cpp name for it)"
