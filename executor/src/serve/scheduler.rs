@@ -376,6 +376,11 @@ impl Sched {
                     return;
                 };
                 let tok = a.sampler.sample(logits);
+                if tok == crate::sampler::NON_FINITE {
+                    let msg = crate::sampler::non_finite_message("the last prompt position");
+                    self.finish(slot, Event::Error(msg));
+                    return;
+                }
                 let ttft = a.job.arrived.elapsed();
                 self.shared
                     .ttft_us_sum
@@ -459,6 +464,12 @@ impl Sched {
                 self.finish(
                     slot,
                     Event::Error("the engine returned too few logits rows".into()),
+                );
+            } else if tok == crate::sampler::NON_FINITE {
+                let at = format!("generated token {}", self.slots[slot].as_ref().map_or(0, |a| a.generated + 1));
+                self.finish(
+                    slot,
+                    Event::Error(crate::sampler::non_finite_message(&at)),
                 );
             } else {
                 self.after_sample(slot, tok);
