@@ -245,7 +245,12 @@ async fn templates_that_print_or_loop_without_end_get_400_quickly() {
         ("{{ 'x' * 100000000 }}", "more than 1048576 bytes"),
         (
             "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
-            "budget of 200000 instructions",
+            "budget of 2000000 instructions",
+        ),
+        // Few instructions, each copying a longer list: only the deadline stops it.
+        (
+            "{% set a = namespace(x=[]) %}{% for i in range(25000) %}{% set a.x = a.x + [i] %}{% endfor %}",
+            "took longer than 0.3 s",
         ),
     ] {
         let dir = tempfile::tempdir().unwrap();
@@ -253,8 +258,9 @@ async fn templates_that_print_or_loop_without_end_get_400_quickly() {
             cfg(),
             ServeOptions {
                 template: TemplateLimits {
-                    fuel: 200_000,
+                    fuel: 2_000_000,
                     max_output_bytes: 1 << 20,
+                    max_time: Duration::from_millis(300),
                 },
                 ..Default::default()
             },

@@ -77,6 +77,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, requires = "serve",
           value_parser = clap::value_parser!(u64).range(1024..=1 << 32))]
     pub template_max_bytes: u64,
+    /// Seconds one chat-template render may take (400 beyond; two renders at most run at
+    /// once, so a template that is slow on some input cannot take every core).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "serve")]
+    pub template_timeout: f64,
 }
 
 /// `secs` as a duration for `flag`, or an error naming the flag and the range.
@@ -102,6 +106,14 @@ pub fn main(args: RunArgs) -> ! {
             s.shutdown_grace
         ));
     }
+    let env_key = std::env::var("STRATA_API_KEY").ok();
+    let key = api_key(s.api_key.as_deref(), env_key.as_deref()).unwrap_or_else(|e| fail(e));
+    if key.is_none() && !is_loopback(&s.host) {
+        eprintln!(
+            "strata-exec serve: warning: listening on {} without an API key: anyone who can reach this address can use the model; set STRATA_API_KEY (or --api-key)",
+            s.host
+        );
+    }
     let (plan, model) = open_plan(&plan_path, &args.common);
     if !model.exists() {
         fail(format!(
@@ -119,14 +131,6 @@ pub fn main(args: RunArgs) -> ! {
                 t.display()
             ));
         }
-    }
-    let env_key = std::env::var("STRATA_API_KEY").ok();
-    let key = api_key(s.api_key.as_deref(), env_key.as_deref()).unwrap_or_else(|e| fail(e));
-    if key.is_none() && !is_loopback(&s.host) {
-        eprintln!(
-            "strata-exec serve: warning: listening on {} without an API key: anyone who can reach this address can use the model; set STRATA_API_KEY (or --api-key)",
-            s.host
-        );
     }
     let conn = ConnLimits {
         header_timeout: seconds("header-timeout", s.header_timeout, 3600.0),
@@ -154,6 +158,7 @@ pub fn main(args: RunArgs) -> ! {
         template: TemplateLimits {
             fuel: s.template_fuel,
             max_output_bytes: s.template_max_bytes as usize,
+            max_time: seconds("template-timeout", s.template_timeout, 3600.0),
         },
     };
     let tok_path = args.tokenizer.clone();

@@ -26,12 +26,17 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+/// Chat-template renders that may run at once: a render past its deadline keeps its
+/// thread until it ends, so at most this many can burn CPU for a hostile template.
+pub const RENDERS_AT_ONCE: usize = 2;
+
 /// Everything a handler needs.
 pub struct App {
     pub shared: Arc<Shared>,
     pub sched: SchedulerHandle,
     pub opts: Arc<ServeOptions>,
     next_id: AtomicU64,
+    renders: Arc<tokio::sync::Semaphore>,
 }
 
 type AppState = State<Arc<App>>;
@@ -55,6 +60,7 @@ pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOption
         sched,
         opts,
         next_id: AtomicU64::new(1),
+        renders: Arc::new(tokio::sync::Semaphore::new(RENDERS_AT_ONCE)),
     });
     Router::new()
         .route("/health", get(health))
@@ -790,6 +796,45 @@ async fn completions(State(app): AppState, req: Request) -> Result<Response, Api
     respond(&app, r, s, gen, false).await
 }
 
+/// Render and tokenize a chat on a blocking thread (a slow template never holds up the
+/// server's other connections), within the template's deadline and at most
+/// [`RENDERS_AT_ONCE`] at a time.
+async fn render_chat(app: &Arc<App>, messages: Vec<openai::ChatMessage>) -> Result<Vec<u32>, ApiError> {
+    let limit = app.opts.template.max_time;
+    let busy = || {
+        ApiError::new(
+            503,
+            "server_error",
+            Some("templates_busy"),
+            format!("the chat template is still busy with earlier requests ({RENDERS_AT_ONCE} at once, each up to {} s); retry later", limit.as_secs_f64()),
+        )
+        .with_retry_after(1)
+    };
+    let permit = match tokio::time::timeout(limit, app.renders.clone().acquire_owned()).await {
+        Ok(Ok(p)) => p,
+        _ => return Err(busy()),
+    };
+    let app2 = app.clone();
+    let job = tokio::task::spawn_blocking(move || {
+        // Held until the render really ends, even when the request gave up on it.
+        let _permit = permit;
+        let r = ready(&app2)?;
+        let (Some(t), Some(tpl)) = (&r.tokenizer, &r.template) else {
+            return Err(scheduler_gone());
+        };
+        let segs = tpl.render(&messages, true).map_err(ApiError::invalid)?;
+        encode_segments(t, &segs)
+    });
+    match tokio::time::timeout(limit, job).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(scheduler_gone()),
+        Err(_) => Err(ApiError::invalid(format!(
+            "the model's chat template took longer than {} s on these messages (raise --template-timeout if the template is trusted)",
+            limit.as_secs_f64()
+        ))),
+    }
+}
+
 /// The prompt ids of a rendered chat: markup with special tokens recognised, special-token
 /// text that came from messages as plain text.
 fn encode_segments(t: &Tokenizer, segs: &[Segment]) -> Result<Vec<u32>, ApiError> {
@@ -822,20 +867,7 @@ async fn chat_completions(State(app): AppState, req: Request) -> Result<Response
         Ok(req)
     })();
     let req = count_rejected(&app, parsed)?;
-    // The template and the tokenizer run on a blocking thread: a slow render (bounded by the
-    // template's fuel and output cap) never holds up the server's other connections.
-    let app2 = app.clone();
-    let messages = req.messages;
-    let encoded = tokio::task::spawn_blocking(move || {
-        let r = ready(&app2)?;
-        let (Some(t), Some(tpl)) = (&r.tokenizer, &r.template) else {
-            return Err(scheduler_gone());
-        };
-        let segs = tpl.render(&messages, true).map_err(ApiError::invalid)?;
-        encode_segments(t, &segs)
-    })
-    .await
-    .unwrap_or_else(|_| Err(scheduler_gone()));
+    let encoded = count_rejected(&app, render_chat(&app, req.messages).await);
     let prepared = (|| {
         let prompt = encoded?;
         let r = ready(&app)?;

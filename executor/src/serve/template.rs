@@ -2,8 +2,8 @@
 //! GGUF's `tokenizer.chat_template`) rendered with minijinja and Python-compatible string
 //! methods, so `message.content.strip()` and `raise_exception(...)` work as in transformers.
 //! Invariant: a template is compiled once at start-up; a render runs on a fuel budget and
-//! an output cap ([`TemplateLimits`]), so no template can make one request take unbounded
-//! time or output; special-token text inside messages comes back as `Segment::Literal`
+//! an output cap ([`TemplateLimits`]; the server adds a deadline and a cap on renders at
+//! once), so no template can make one request take unbounded time or output; special-token text inside messages comes back as `Segment::Literal`
 //! (never as template markup), so a user cannot write a role marker; a template error is a
 //! 400 for that request, never a crash.
 
@@ -19,6 +19,9 @@ pub struct TemplateLimits {
     pub fuel: u64,
     /// Bytes a render may produce.
     pub max_output_bytes: usize,
+    /// Wall-clock time a render may take (the fuel counts instructions, and one instruction
+    /// can copy a long list): the request gets 400 after it.
+    pub max_time: std::time::Duration,
 }
 
 impl Default for TemplateLimits {
@@ -26,6 +29,7 @@ impl Default for TemplateLimits {
         Self {
             fuel: 20_000_000,
             max_output_bytes: 8 << 20,
+            max_time: std::time::Duration::from_secs(10),
         }
     }
 }
@@ -485,6 +489,7 @@ mod tests {
         let limits = TemplateLimits {
             fuel: 1_000_000,
             max_output_bytes: 1 << 20,
+            ..TemplateLimits::default()
         };
         let t0 = std::time::Instant::now();
         // The template: one 100 MB string.
@@ -503,6 +508,7 @@ mod tests {
         let limits = TemplateLimits {
             fuel: 100_000,
             max_output_bytes: 8 << 20,
+            ..TemplateLimits::default()
         };
         let t = plain(
             "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
