@@ -256,6 +256,9 @@ class Campaign:
             ("vocab", None, lambda c: c.update(vocab_size=500), "token_embd"),
             ("kv-heads", None, lambda c: c.pop("num_key_value_heads"), "num_key_value_heads"),
         ]
+        # A norm written as [1, n]: llama.cpp accepts it, so planner and executor both must.
+        cases.append(("norm-1xn", reshape("model.layers.0.input_layernorm.weight",
+                                          lambda s: [1] + s), None, ""))
         # Random ones: a dropped tensor, a reshaped or retyped one, a changed config key.
         for i in range(self.n(40, 10)):
             k = self.rng.choice(names)

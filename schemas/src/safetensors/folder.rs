@@ -147,7 +147,7 @@ pub fn load_folder(dir: &Path) -> Result<ModelInventory, SafetensorsError> {
     let mut hp = cfg.hparams(arch)?;
     hp.nextn_predict_layers = nextn;
 
-    let infos = map_tensors(dir, arch, &hp, &tensors)?;
+    let mut infos = map_tensors(dir, arch, &hp, &tensors)?;
 
     // Dense FFN width only matters when some layer has a dense FFN.
     let has_dense_ffn = infos.iter().any(|t| {
@@ -171,6 +171,7 @@ pub fn load_folder(dir: &Path) -> Result<ModelInventory, SafetensorsError> {
     };
     crate::arch::validate_hparams(arch.llama_name(), &hp).map_err(layout)?;
     crate::arch::check_tensors(arch.llama_name(), &hp, &infos).map_err(layout)?;
+    crate::arch::canonical_dims(arch.llama_name(), &hp, &mut infos).map_err(layout)?;
 
     let name = dir
         .file_name()
