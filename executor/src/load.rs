@@ -43,12 +43,11 @@ pub trait HostModel: Send + Sync {
 }
 
 fn mmap(path: &Path) -> Result<Mmap, LoadError> {
-    let f = strata_schemas::files::open_regular(path, "model file").map_err(|e| {
-        LoadError::Model {
+    let f =
+        strata_schemas::files::open_regular(path, "model file").map_err(|e| LoadError::Model {
             path: path.display().to_string(),
             msg: e.to_string(),
-        }
-    })?;
+        })?;
     // SAFETY: the file is mapped read-only; like every mmap-based loader we rely on it not
     // being truncated while we run (a changed model file is the user's error).
     unsafe { Mmap::map(&f) }.map_err(|e| LoadError::Model {
@@ -293,7 +292,10 @@ fn count_non_finite(ty: GgmlType, bytes: &[u8]) -> Option<(u64, &'static str)> {
             .count(),
         // Blocks of an f16 scale and 32 int8 quants: only the scale can be non-finite.
         GgmlType::Q8_0 => {
-            return Some((bytes.chunks_exact(34).filter(|b| !f16(b)).count() as u64, "blocks"))
+            return Some((
+                bytes.chunks_exact(34).filter(|b| !f16(b)).count() as u64,
+                "blocks",
+            ))
         }
         // Blocks of f16 d, f16 dmin, 12 bytes of 6-bit scales and 128 bytes of quants.
         GgmlType::Q4K => {

@@ -314,9 +314,18 @@ mod tests {
     fn rows_with_nan_or_inf_give_the_non_finite_id() {
         let v = 4;
         let rows = [
-            0.0, 1.0, 2.0, f32::NEG_INFINITY, // sound: -inf is a banned token
-            0.0, f32::NAN, 2.0, 1.0, // NaN
-            f32::INFINITY, 0.0, 0.0, 0.0, // +inf
+            0.0,
+            1.0,
+            2.0,
+            f32::NEG_INFINITY, // sound: -inf is a banned token
+            0.0,
+            f32::NAN,
+            2.0,
+            1.0, // NaN
+            f32::INFINITY,
+            0.0,
+            0.0,
+            0.0, // +inf
         ];
         let mut out = [0u32; 3];
         argmax_rows(&rows, v, &mut out);

@@ -475,7 +475,10 @@ mod tests {
         assert!(lit.len() > 1 && !lit.contains(&399), "{lit:?}");
         assert_eq!(t.decode(&lit, true).unwrap(), "<|im_end|>");
         let sp = t.special_tokens();
-        assert!(sp.contains(&"<|im_end|>".to_string()) && sp.contains(&"<|im_start|>".to_string()), "{sp:?}");
+        assert!(
+            sp.contains(&"<|im_end|>".to_string()) && sp.contains(&"<|im_start|>".to_string()),
+            "{sp:?}"
+        );
         assert!(t.chat_template().unwrap().contains("im_start"));
     }
 

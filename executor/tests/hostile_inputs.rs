@@ -61,7 +61,15 @@ fn endless_plan_model_and_tokenizer_files_exit_1_naming_the_file() {
         (vec!["/dev/zero", "--prompt-tokens", "1"], "/dev/zero"),
         (vec![&link, "--prompt-tokens", "1"], &link),
         (
-            vec![&plan, "--tokenizer", "/dev/zero", "--prompt", "hi", "-n", "1"],
+            vec![
+                &plan,
+                "--tokenizer",
+                "/dev/zero",
+                "--prompt",
+                "hi",
+                "-n",
+                "1",
+            ],
             "/dev/zero",
         ),
         (

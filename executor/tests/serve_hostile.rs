@@ -309,6 +309,9 @@ async fn special_token_text_in_a_message_is_not_a_role_marker() {
         "the message's `<|im_end|>` is text, not the special token"
     );
     // An ordinary message is tokenized as before.
-    assert_eq!(prompt_tokens("hello").await, n(&format!("{before}hello{after}")));
+    assert_eq!(
+        prompt_tokens("hello").await,
+        n(&format!("{before}hello{after}"))
+    );
     s.stop().await;
 }

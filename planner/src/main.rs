@@ -2,7 +2,6 @@
 //! DESIGN.md: 0 plan written (or report printed), 1 bad input, 2 infeasible, 3 `--strict` and
 //! degraded.
 
-use strata_schemas::text::for_terminal;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -12,6 +11,7 @@ use strata_schemas::probe::HardwareProbe;
 use strata_schemas::serve::{
     ExpertCache, KvType, LayerSplit, RopeScaling, ServeSettings, ServeToml,
 };
+use strata_schemas::text::for_terminal;
 
 const AFTER_HELP: &str = "\
 Examples:

@@ -60,27 +60,52 @@ fn devices_fifos_links_and_huge_files_are_refused_naming_the_file() {
     let model = "tests/data/tiny-chat-moe";
     let mut cases: Vec<(Vec<String>, String, &str)> = vec![
         (
-            vec!["--hardware".into(), "/dev/zero".into(), "--model".into(), model.into()],
+            vec![
+                "--hardware".into(),
+                "/dev/zero".into(),
+                "--model".into(),
+                model.into(),
+            ],
             "/dev/zero".into(),
             "character device",
         ),
         (
-            vec!["--hardware".into(), d("zero.toml"), "--model".into(), model.into()],
+            vec![
+                "--hardware".into(),
+                d("zero.toml"),
+                "--model".into(),
+                model.into(),
+            ],
             d("zero.toml"),
             "character device",
         ),
         (
-            vec!["--hardware".into(), d("huge.toml"), "--model".into(), model.into()],
+            vec![
+                "--hardware".into(),
+                d("huge.toml"),
+                "--model".into(),
+                model.into(),
+            ],
             d("huge.toml"),
             "larger than 4194304 bytes",
         ),
         (
-            vec!["--hardware".into(), hw.into(), "--model".into(), d("zero.gguf")],
+            vec![
+                "--hardware".into(),
+                hw.into(),
+                "--model".into(),
+                d("zero.gguf"),
+            ],
             d("zero.gguf"),
             "character device",
         ),
         (
-            vec!["--hardware".into(), hw.into(), "--model".into(), d("zero.toml")],
+            vec![
+                "--hardware".into(),
+                hw.into(),
+                "--model".into(),
+                d("zero.toml"),
+            ],
             d("zero.toml"),
             "character device",
         ),
@@ -110,18 +135,40 @@ fn devices_fifos_links_and_huge_files_are_refused_naming_the_file() {
             "/dev/zero".into(),
             "character device",
         ),
-        (vec!["inspect".into(), "/dev/zero".into()], "/dev/zero".into(), "character device"),
-        (vec!["inspect".into(), d("zero.plan")], d("zero.plan"), "character device"),
-        (vec!["model-info".into(), d("zero.gguf")], d("zero.gguf"), "character device"),
+        (
+            vec!["inspect".into(), "/dev/zero".into()],
+            "/dev/zero".into(),
+            "character device",
+        ),
+        (
+            vec!["inspect".into(), d("zero.plan")],
+            d("zero.plan"),
+            "character device",
+        ),
+        (
+            vec!["model-info".into(), d("zero.gguf")],
+            d("zero.gguf"),
+            "character device",
+        ),
     ];
     if fifo {
         cases.push((
-            vec!["--hardware".into(), d("fifo.toml"), "--model".into(), model.into()],
+            vec![
+                "--hardware".into(),
+                d("fifo.toml"),
+                "--model".into(),
+                model.into(),
+            ],
             d("fifo.toml"),
             "FIFO",
         ));
         cases.push((
-            vec!["--hardware".into(), hw.into(), "--model".into(), d("fifo.toml")],
+            vec![
+                "--hardware".into(),
+                hw.into(),
+                "--model".into(),
+                d("fifo.toml"),
+            ],
             d("fifo.toml"),
             "FIFO",
         ));
@@ -132,7 +179,10 @@ fn devices_fifos_links_and_huge_files_are_refused_naming_the_file() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (code, err) = plan(&args);
         assert_eq!(code, 1, "{args:?}: {err}");
-        assert!(err.contains(file.as_str()) && err.contains(why), "{args:?}: {err}");
+        assert!(
+            err.contains(file.as_str()) && err.contains(why),
+            "{args:?}: {err}"
+        );
     }
 }
 
@@ -140,13 +190,22 @@ fn devices_fifos_links_and_huge_files_are_refused_naming_the_file() {
 fn control_bytes_in_device_names_are_escaped_on_the_terminal() {
     let dir = tempfile::tempdir().unwrap();
     let probe = std::fs::read_to_string(root().join("plans/hardware/cpu.toml")).unwrap();
-    let evil = probe.replacen("name = \"", "name = \"\\u001b[2J\\u001b]0;owned\\u0007\\r", 1);
+    let evil = probe.replacen(
+        "name = \"",
+        "name = \"\\u001b[2J\\u001b]0;owned\\u0007\\r",
+        1,
+    );
     assert_ne!(evil, probe, "the probe has a device name to poison");
     let p = dir.path().join("evil.toml");
     std::fs::write(&p, evil).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_strata-plan"))
         .current_dir(root())
-        .args(["--hardware", p.to_str().unwrap(), "--model", "tests/data/tiny-chat-moe"])
+        .args([
+            "--hardware",
+            p.to_str().unwrap(),
+            "--model",
+            "tests/data/tiny-chat-moe",
+        ])
         .args(["--gpu", "0", "--max-context", "64"])
         .output()
         .unwrap();
@@ -157,7 +216,10 @@ fn control_bytes_in_device_names_are_escaped_on_the_terminal() {
         String::from_utf8_lossy(&all)
     );
     let text = String::from_utf8_lossy(&all);
-    assert!(text.contains("\\x1b[2J"), "the name is shown escaped: {text}");
+    assert!(
+        text.contains("\\x1b[2J"),
+        "the name is shown escaped: {text}"
+    );
 }
 
 /// A copy of the tiny chat model with its safetensors header and config.json edited.
@@ -210,32 +272,90 @@ fn broken_safetensors_models_are_refused_at_plan_time_naming_the_tensor_or_key()
         }
     };
     let cases: Vec<(String, &str)> = vec![
-        (broken_model(dir.path(), "zero", |h| h.retain(|k, _| k == "__metadata__"), keep), "token_embd.weight"),
-        (broken_model(dir.path(), "no-q", drop_named("layers.0.self_attn.q_proj"), keep), "blk.0.attn_q.weight"),
-        (broken_model(dir.path(), "no-head", drop_named("lm_head"), keep), "output.weight"),
         (
-            broken_model(dir.path(), "transposed", shape("model.embed_tokens.weight", |s| s.iter().rev().copied().collect()), keep),
+            broken_model(
+                dir.path(),
+                "zero",
+                |h| h.retain(|k, _| k == "__metadata__"),
+                keep,
+            ),
             "token_embd.weight",
         ),
         (
-            broken_model(dir.path(), "rank3", shape("model.layers.1.self_attn.o_proj.weight", |s| vec![s[0], s[1] / 2, 2]), keep),
+            broken_model(
+                dir.path(),
+                "no-q",
+                drop_named("layers.0.self_attn.q_proj"),
+                keep,
+            ),
+            "blk.0.attn_q.weight",
+        ),
+        (
+            broken_model(dir.path(), "no-head", drop_named("lm_head"), keep),
+            "output.weight",
+        ),
+        (
+            broken_model(
+                dir.path(),
+                "transposed",
+                shape("model.embed_tokens.weight", |s| {
+                    s.iter().rev().copied().collect()
+                }),
+                keep,
+            ),
+            "token_embd.weight",
+        ),
+        (
+            broken_model(
+                dir.path(),
+                "rank3",
+                shape("model.layers.1.self_attn.o_proj.weight", |s| {
+                    vec![s[0], s[1] / 2, 2]
+                }),
+                keep,
+            ),
             "blk.1.attn_output.weight",
         ),
         (
             broken_model(
                 dir.path(),
                 "i32",
-                |h| h.get_mut("model.layers.0.self_attn.k_proj.weight").unwrap()["dtype"] = "I32".into(),
+                |h| {
+                    h.get_mut("model.layers.0.self_attn.k_proj.weight").unwrap()["dtype"] =
+                        "I32".into()
+                },
                 keep,
             ),
             "I32",
         ),
-        (broken_model(dir.path(), "layers", keep, |c| { c.insert("num_hidden_layers".into(), 9.into()); }), "blk.2."),
-        (broken_model(dir.path(), "vocab", keep, |c| { c.insert("vocab_size".into(), 500.into()); }), "token_embd.weight"),
-        (broken_model(dir.path(), "kvheads", keep, |c| { c.remove("num_key_value_heads"); }), "num_key_value_heads"),
+        (
+            broken_model(dir.path(), "layers", keep, |c| {
+                c.insert("num_hidden_layers".into(), 9.into());
+            }),
+            "blk.2.",
+        ),
+        (
+            broken_model(dir.path(), "vocab", keep, |c| {
+                c.insert("vocab_size".into(), 500.into());
+            }),
+            "token_embd.weight",
+        ),
+        (
+            broken_model(dir.path(), "kvheads", keep, |c| {
+                c.remove("num_key_value_heads");
+            }),
+            "num_key_value_heads",
+        ),
     ];
     for (model, needle) in &cases {
-        let (code, err) = plan(&["--hardware", "plans/hardware/cpu.toml", "--model", model, "--gpu", "0"]);
+        let (code, err) = plan(&[
+            "--hardware",
+            "plans/hardware/cpu.toml",
+            "--model",
+            model,
+            "--gpu",
+            "0",
+        ]);
         assert_eq!(code, 1, "{model}: {err}");
         assert!(err.contains(needle), "{model}: `{needle}` not in {err}");
     }
@@ -243,6 +363,13 @@ fn broken_safetensors_models_are_refused_at_plan_time_naming_the_tensor_or_key()
     let tied = broken_model(dir.path(), "tied", drop_named("lm_head"), |c| {
         c.insert("tie_word_embeddings".into(), true.into());
     });
-    let (code, err) = plan(&["--hardware", "plans/hardware/cpu.toml", "--model", &tied, "--gpu", "0"]);
+    let (code, err) = plan(&[
+        "--hardware",
+        "plans/hardware/cpu.toml",
+        "--model",
+        &tied,
+        "--gpu",
+        "0",
+    ]);
     assert_eq!(code, 0, "{err}");
 }

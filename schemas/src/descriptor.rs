@@ -233,7 +233,8 @@ pub fn from_toml_str(text: &str, origin: &str) -> Result<ModelInventory, Descrip
 /// Read and synthesize a descriptor file.
 pub fn load_descriptor(path: &Path) -> Result<ModelInventory, DescriptorError> {
     let file = path.display().to_string();
-    let text = crate::files::read_text_limited(path, crate::files::limit::TOML, "model descriptor")?;
+    let text =
+        crate::files::read_text_limited(path, crate::files::limit::TOML, "model descriptor")?;
     from_toml_str(&text, &file)
 }
 

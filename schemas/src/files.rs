@@ -169,9 +169,13 @@ mod tests {
         let p = dir.path().join("a.toml");
         std::fs::write(&p, b"12345").unwrap();
         assert_eq!(read_limited(&p, 5, "probe").unwrap(), b"12345");
-        let e = read_limited(&p, 4, "hardware probe").unwrap_err().to_string();
+        let e = read_limited(&p, 4, "hardware probe")
+            .unwrap_err()
+            .to_string();
         assert!(
-            e.contains("a.toml") && e.contains("larger than 4 bytes") && e.contains("hardware probe"),
+            e.contains("a.toml")
+                && e.contains("larger than 4 bytes")
+                && e.contains("hardware probe"),
             "{e}"
         );
         let e = read_limited(&dir.path().join("none"), 4, "plan file").unwrap_err();
@@ -190,11 +194,17 @@ mod tests {
         let e = read_limited(Path::new("/dev/zero"), 1 << 20, "hardware probe")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("/dev/zero") && e.contains("character device"), "{e}");
+        assert!(
+            e.contains("/dev/zero") && e.contains("character device"),
+            "{e}"
+        );
         let link = dir.path().join("zero.plan");
         std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
         let e = open_regular(&link, "plan file").unwrap_err().to_string();
-        assert!(e.contains("zero.plan") && e.contains("character device"), "{e}");
+        assert!(
+            e.contains("zero.plan") && e.contains("character device"),
+            "{e}"
+        );
         let fifo = dir.path().join("fifo");
         let ok = std::process::Command::new("mkfifo")
             .arg(&fifo)
@@ -203,12 +213,16 @@ mod tests {
             .unwrap_or(false);
         if ok {
             // Opening it would block forever; it is refused first.
-            let e = read_limited(&fifo, 10, "tokenizer").unwrap_err().to_string();
+            let e = read_limited(&fifo, 10, "tokenizer")
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("FIFO"), "{e}");
         } else {
             eprintln!("mkfifo unavailable: FIFO case not exercised");
         }
-        let e = read_limited(dir.path(), 10, "probe").unwrap_err().to_string();
+        let e = read_limited(dir.path(), 10, "probe")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("a folder"), "{e}");
         assert!(t0.elapsed().as_secs() < 5);
     }

@@ -352,7 +352,10 @@ fn archive_reason(e: &rancor::BoxedError) -> String {
     while let Some(c) = cur {
         let plain = c.to_string();
         let full = format!("{c:#}");
-        match full.strip_prefix(&plain).and_then(|t| t.strip_prefix("trace: ")) {
+        match full
+            .strip_prefix(&plain)
+            .and_then(|t| t.strip_prefix("trace: "))
+        {
             Some(t) => traces.push(t.to_string()),
             None => msg = plain,
         }
@@ -748,7 +751,10 @@ mod tests {
             }
         }
         assert!(refused > 0, "some corruption must reach the validator");
-        assert!(named * 2 > refused, "{named} of {refused} messages name the failing part");
+        assert!(
+            named * 2 > refused,
+            "{named} of {refused} messages name the failing part"
+        );
     }
 
     #[test]
@@ -846,7 +852,10 @@ mod tests {
             assert!(e.to_string().contains(&path.display().to_string()));
         }
         let e = open_plan(&dir.path().join("missing")).unwrap_err();
-        assert!(matches!(e, PlanFileError::File(crate::files::FileError::Io { .. })));
+        assert!(matches!(
+            e,
+            PlanFileError::File(crate::files::FileError::Io { .. })
+        ));
         assert!(e.to_string().contains("plan file"), "{e}");
     }
 
@@ -858,7 +867,10 @@ mod tests {
         std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
         for p in [Path::new("/dev/zero"), link.as_path()] {
             let e = open_plan(p).unwrap_err().to_string();
-            assert!(e.contains("character device") && e.contains("plan file"), "{e}");
+            assert!(
+                e.contains("character device") && e.contains("plan file"),
+                "{e}"
+            );
         }
     }
 

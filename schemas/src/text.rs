@@ -49,11 +49,7 @@ pub fn name(s: &str) -> Cow<'_, str> {
     if !s.contains(['\n', '\t']) {
         return for_terminal(s);
     }
-    Cow::Owned(
-        for_terminal(s)
-            .replace('\n', "\\n")
-            .replace('\t', "\\t"),
-    )
+    Cow::Owned(for_terminal(s).replace('\n', "\\n").replace('\t', "\\t"))
 }
 
 #[cfg(test)]
@@ -63,7 +59,10 @@ mod tests {
 
     #[test]
     fn control_bytes_are_escaped_and_plain_text_is_untouched() {
-        assert!(matches!(for_terminal("blk.0.attn_q.weight"), Cow::Borrowed(_)));
+        assert!(matches!(
+            for_terminal("blk.0.attn_q.weight"),
+            Cow::Borrowed(_)
+        ));
         assert_eq!(for_terminal("a\nb\tc"), "a\nb\tc");
         assert_eq!(for_terminal("\x1b[2Jgpu\r\x07"), "\\x1b[2Jgpu\\r\\x07");
         assert_eq!(for_terminal("x\u{202e}y\u{9b}z\0"), "x\\u{202e}y\\x9bz\\0");

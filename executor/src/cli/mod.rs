@@ -137,9 +137,7 @@ pub fn try_start_engine(
     if !broken.is_empty() {
         let msg = strata_exec::load::non_finite_summary(&broken);
         if !args.allow_non_finite_weights {
-            return Err(format!(
-                "{msg} (--allow-non-finite-weights runs it anyway)"
-            ));
+            return Err(format!("{msg} (--allow-non-finite-weights runs it anyway)"));
         }
         eprintln!(
             "strata-exec: warning: {}",

@@ -86,7 +86,9 @@ pub struct ServeArgs {
 /// `secs` as a duration for `flag`, or an error naming the flag and the range.
 fn seconds(flag: &str, secs: f64, max: f64) -> Duration {
     if !(secs.is_finite() && secs > 0.0 && secs <= max) {
-        fail(format!("--{flag} {secs}: give seconds above 0 and at most {max}"));
+        fail(format!(
+            "--{flag} {secs}: give seconds above 0 and at most {max}"
+        ));
     }
     Duration::from_secs_f64(secs)
 }
@@ -238,7 +240,14 @@ mod tests {
 
     #[test]
     fn loopback_hosts_are_recognised() {
-        for h in ["127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost", "LOCALHOST"] {
+        for h in [
+            "127.0.0.1",
+            "127.3.2.1",
+            "::1",
+            "[::1]",
+            "localhost",
+            "LOCALHOST",
+        ] {
             assert!(is_loopback(h), "{h}");
         }
         for h in ["0.0.0.0", "::", "192.168.1.5", "example.com"] {

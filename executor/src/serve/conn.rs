@@ -215,7 +215,10 @@ mod tests {
         let b: IpAddr = "127.0.0.2".parse().unwrap();
         let s1 = t.take(a, 2).unwrap();
         let s2 = t.take(a, 2).unwrap();
-        assert!(t.take(a, 2).is_none(), "a third from the same address is refused");
+        assert!(
+            t.take(a, 2).is_none(),
+            "a third from the same address is refused"
+        );
         let s3 = t.take(b, 2).unwrap();
         drop(s1);
         let s4 = t.take(a, 2).unwrap();
@@ -228,7 +231,10 @@ mod tests {
         let r = String::from_utf8(refusal("full")).unwrap();
         let (head, body) = r.split_once("\r\n\r\n").unwrap();
         assert!(head.starts_with("HTTP/1.1 503 "), "{head}");
-        assert!(head.contains(&format!("content-length: {}", body.len())), "{head}");
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["error"]["code"], "too_many_connections");
     }

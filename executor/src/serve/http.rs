@@ -8,9 +8,9 @@
 use super::metrics::{Ready, Shared};
 use super::openai::{self, ApiError, Finish, GenParams, Prompt, RespMeta, Usage};
 use super::scheduler::{Event, Job, SchedulerHandle, SubmitError};
+use super::template::Segment;
 use super::ServeOptions;
 use crate::tokenizer::Tokenizer;
-use super::template::Segment;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -799,7 +799,10 @@ async fn completions(State(app): AppState, req: Request) -> Result<Response, Api
 /// Render and tokenize a chat on a blocking thread (a slow template never holds up the
 /// server's other connections), within the template's deadline and at most
 /// [`RENDERS_AT_ONCE`] at a time.
-async fn render_chat(app: &Arc<App>, messages: Vec<openai::ChatMessage>) -> Result<Vec<u32>, ApiError> {
+async fn render_chat(
+    app: &Arc<App>,
+    messages: Vec<openai::ChatMessage>,
+) -> Result<Vec<u32>, ApiError> {
     let limit = app.opts.template.max_time;
     let busy = || {
         ApiError::new(

@@ -144,7 +144,10 @@ pub fn spawn(
                         engine
                     }
                     Err(e) => {
-                        eprintln!("strata-exec serve: {}", strata_schemas::text::for_terminal(&e));
+                        eprintln!(
+                            "strata-exec serve: {}",
+                            strata_schemas::text::for_terminal(&e)
+                        );
                         let _ = shared.load_error.set(e);
                         shared.load_failed.notify_one();
                         return;
@@ -466,11 +469,11 @@ impl Sched {
                     Event::Error("the engine returned too few logits rows".into()),
                 );
             } else if tok == crate::sampler::NON_FINITE {
-                let at = format!("generated token {}", self.slots[slot].as_ref().map_or(0, |a| a.generated + 1));
-                self.finish(
-                    slot,
-                    Event::Error(crate::sampler::non_finite_message(&at)),
+                let at = format!(
+                    "generated token {}",
+                    self.slots[slot].as_ref().map_or(0, |a| a.generated + 1)
                 );
+                self.finish(slot, Event::Error(crate::sampler::non_finite_message(&at)));
             } else {
                 self.after_sample(slot, tok);
             }

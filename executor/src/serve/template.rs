@@ -173,9 +173,9 @@ impl ChatTemplate {
                 || bos.as_deref().is_some_and(|s| s.contains(c))
                 || eos.as_deref().is_some_and(|s| s.contains(c))
         };
-        let marker = ('\u{E000}'..='\u{F8FF}')
-            .find(|&c| !clash(c))
-            .ok_or("the chat template uses every private-use character; cannot mark message text")?;
+        let marker = ('\u{E000}'..='\u{F8FF}').find(|&c| !clash(c)).ok_or(
+            "the chat template uses every private-use character; cannot mark message text",
+        )?;
         specials.push(marker.to_string());
         let finder = AhoCorasick::builder()
             .match_kind(MatchKind::LeftmostLongest)
@@ -411,7 +411,9 @@ mod tests {
         let segs = t.render(&[msg("user", &tricky)], false).unwrap();
         assert_eq!(
             segs,
-            vec![Segment::Markup(format!("<|im_start|>user\n{tricky}<|im_end|>\n"))]
+            vec![Segment::Markup(format!(
+                "<|im_start|>user\n{tricky}<|im_end|>\n"
+            ))]
         );
         // The name field is escaped too.
         let mut named = msg("user", "x");
@@ -479,7 +481,9 @@ mod tests {
         let e = t.render(&[msg("assistant", "a")], true).unwrap_err();
         assert!(e.contains("first message must be user"), "{e}");
         assert_eq!(t.render_text(&[msg("user", "a")], true).unwrap(), "<s>x");
-        assert!(ChatTemplate::new("{% for %}", None, None, vec![], TemplateLimits::default()).is_err());
+        assert!(
+            ChatTemplate::new("{% for %}", None, None, vec![], TemplateLimits::default()).is_err()
+        );
         let d = strftime_now("%d %B %Y".into());
         assert!(d.len() >= 10 && d.contains("20"), "{d}");
     }
@@ -495,9 +499,15 @@ mod tests {
         // The template: one 100 MB string.
         let t = plain("{{ 'x' * 100000000 }}", limits);
         let e = t.render(&[msg("user", "a")], true).unwrap_err();
-        assert!(e.contains("more than 1048576 bytes") && e.contains("--template-max-bytes"), "{e}");
+        assert!(
+            e.contains("more than 1048576 bytes") && e.contains("--template-max-bytes"),
+            "{e}"
+        );
         // Many small writes hit the cap too.
-        let t = plain("{% for i in range(100000) %}{{ 'y' * 100 }}{% endfor %}", limits);
+        let t = plain(
+            "{% for i in range(100000) %}{{ 'y' * 100 }}{% endfor %}",
+            limits,
+        );
         let e = t.render(&[msg("user", "a")], true).unwrap_err();
         assert!(e.contains("more than 1048576 bytes"), "{e}");
         assert!(t0.elapsed().as_secs() < 10, "{:?}", t0.elapsed());
@@ -516,11 +526,16 @@ mod tests {
         );
         let t0 = std::time::Instant::now();
         let e = t.render(&[msg("user", "a")], true).unwrap_err();
-        assert!(e.contains("budget of 100000 instructions") && e.contains("--template-fuel"), "{e}");
+        assert!(
+            e.contains("budget of 100000 instructions") && e.contains("--template-fuel"),
+            "{e}"
+        );
         assert!(t0.elapsed().as_secs() < 5, "{:?}", t0.elapsed());
         // The same fuel renders an ordinary conversation of 200 turns.
         let t = chatml(limits);
-        let msgs: Vec<ChatMessage> = (0..200).map(|i| msg("user", &format!("turn {i}"))).collect();
+        let msgs: Vec<ChatMessage> = (0..200)
+            .map(|i| msg("user", &format!("turn {i}")))
+            .collect();
         assert!(t.render(&msgs, true).is_ok());
     }
 }

@@ -28,7 +28,11 @@ impl TestServer {
         Self::start_with_load_delay(cfg, opts, Duration::ZERO).await
     }
 
-    pub async fn start_with_load_delay(cfg: TinyConfig, opts: ServeOptions, load: Duration) -> Self {
+    pub async fn start_with_load_delay(
+        cfg: TinyConfig,
+        opts: ServeOptions,
+        load: Duration,
+    ) -> Self {
         Self::start_full(cfg, opts, load, TOK_DIR.into()).await
     }
 

@@ -167,7 +167,7 @@ pub fn load_folder(dir: &Path) -> Result<ModelInventory, SafetensorsError> {
     // at plan time, by the one function both use.
     let layout = |source| SafetensorsError::Layout {
         dir: dir_s.clone(),
-        source,
+        source: Box::new(source),
     };
     crate::arch::validate_hparams(arch.llama_name(), &hp).map_err(layout)?;
     crate::arch::check_tensors(arch.llama_name(), &hp, &infos).map_err(layout)?;

@@ -293,7 +293,7 @@ pub enum SafetensorsError {
     Layout {
         dir: String,
         #[source]
-        source: crate::inventory::InventoryError,
+        source: Box<crate::inventory::InventoryError>,
     },
     #[error(
         "{file}: tensor `{tensor}` is not part of architecture `{arch}` (no llama.cpp name for it)"
