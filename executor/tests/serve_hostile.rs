@@ -315,3 +315,35 @@ async fn special_token_text_in_a_message_is_not_a_role_marker() {
     );
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_stream_outlives_the_header_timeout() {
+    // The header timeout bounds the wait for a request head, never a response in progress.
+    let s = TestServer::start(
+        TinyConfig {
+            step_delay: Duration::from_millis(100),
+            ..cfg()
+        },
+        opts(ConnLimits {
+            header_timeout: Duration::from_millis(500),
+            ..Default::default()
+        }),
+    )
+    .await;
+    let t0 = Instant::now();
+    let r = s
+        .post_json(
+            "/v1/completions",
+            &json!({"prompt": [1, 2, 3], "max_tokens": 20, "stream": true,
+                    "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        t0.elapsed() > Duration::from_millis(1500),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(r.sse_data().last().map(String::as_str), Some("[DONE]"));
+    s.stop().await;
+}

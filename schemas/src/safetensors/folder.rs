@@ -1574,7 +1574,9 @@ mod tests {
         assert_eq!(dims("blk.0.ssm_out.weight"), vec![32, HIDDEN]);
         assert_eq!(dims("blk.2.post_attention_norm.weight"), vec![HIDDEN]);
         assert_eq!(dims("blk.3.attn_q.weight"), vec![HIDDEN, 128]);
-        assert_eq!(dims("blk.1.ffn_gate_inp_shexp.weight"), vec![HIDDEN, 1]);
+        // HF [1, H] is read as [H, 1] and given llama.cpp's canonical [H] (trailing 1s
+        // dropped, as for a GGUF that stores it either way).
+        assert_eq!(dims("blk.1.ffn_gate_inp_shexp.weight"), vec![HIDDEN]);
         assert_eq!(dims("blk.1.ffn_down_shexp.weight"), vec![FF, HIDDEN]);
         assert_eq!(dims("blk.1.ffn_up_exps.weight"), vec![HIDDEN, FF, N_EXP]);
         // The MTP block is block n_layer: ordinary tensors there, nextn extras as MtpExtra.
