@@ -43,10 +43,11 @@ pub trait HostModel: Send + Sync {
 }
 
 fn mmap(path: &Path) -> Result<Mmap, LoadError> {
-    let f = std::fs::File::open(path).map_err(|e| LoadError::Model {
-        path: path.display().to_string(),
-        msg: e.to_string(),
-    })?;
+    let f =
+        strata_schemas::files::open_regular(path, "model file").map_err(|e| LoadError::Model {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
     // SAFETY: the file is mapped read-only; like every mmap-based loader we rely on it not
     // being truncated while we run (a changed model file is the user's error).
     unsafe { Mmap::map(&f) }.map_err(|e| LoadError::Model {
@@ -262,6 +263,87 @@ pub fn open_model(path: &Path) -> Result<Box<dyn HostModel>, LoadError> {
     } else {
         Ok(Box::new(GgufModel::open(path)?))
     }
+}
+
+/// A weight tensor holding NaN or infinite values (or, for a quantized tensor, blocks whose
+/// scale is).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NonFinite {
+    pub tensor: String,
+    /// Values (F32/F16/BF16) or blocks (Q8_0/Q4_K) that are not finite.
+    pub count: u64,
+    /// "values" or "blocks".
+    pub unit: &'static str,
+}
+
+/// Non-finite values in `bytes` of a tensor of type `ty`: (count, unit); `None` for types
+/// this check does not decode.
+fn count_non_finite(ty: GgmlType, bytes: &[u8]) -> Option<(u64, &'static str)> {
+    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).is_finite();
+    let n = match ty {
+        GgmlType::F32 => bytes
+            .chunks_exact(4)
+            .filter(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite())
+            .count(),
+        GgmlType::F16 => bytes.chunks_exact(2).filter(|b| !f16(b)).count(),
+        GgmlType::BF16 => bytes
+            .chunks_exact(2)
+            .filter(|b| !half::bf16::from_le_bytes([b[0], b[1]]).is_finite())
+            .count(),
+        // Blocks of an f16 scale and 32 int8 quants: only the scale can be non-finite.
+        GgmlType::Q8_0 => {
+            return Some((
+                bytes.chunks_exact(34).filter(|b| !f16(b)).count() as u64,
+                "blocks",
+            ))
+        }
+        // Blocks of f16 d, f16 dmin, 12 bytes of 6-bit scales and 128 bytes of quants.
+        GgmlType::Q4K => {
+            let bad = bytes
+                .chunks_exact(144)
+                .filter(|b| !f16(&b[0..2]) || !f16(&b[2..4]))
+                .count();
+            return Some((bad as u64, "blocks"));
+        }
+        _ => return None,
+    };
+    Some((n as u64, "values"))
+}
+
+/// Every weight tensor of `host` with NaN or infinite values, in inventory order; the
+/// tensors are scanned in parallel. Types other than F32, F16, BF16, Q8_0 and Q4_K are not
+/// decoded here (their scales are checked nowhere yet).
+pub fn non_finite_weights(host: &dyn HostModel) -> Vec<NonFinite> {
+    use rayon::prelude::*;
+    host.inventory()
+        .tensors
+        .par_iter()
+        .filter_map(|t| {
+            let bytes = host.tensor_bytes(&t.name)?;
+            let (count, unit) = count_non_finite(t.ggml_type, bytes)?;
+            (count > 0).then(|| NonFinite {
+                tensor: t.name.clone(),
+                count,
+                unit,
+            })
+        })
+        .collect()
+}
+
+/// One line naming the broken tensors (the first few, and how many more).
+pub fn non_finite_summary(found: &[NonFinite]) -> String {
+    let mut parts: Vec<String> = found
+        .iter()
+        .take(5)
+        .map(|n| format!("`{}` ({} {})", n.tensor, n.count, n.unit))
+        .collect();
+    if found.len() > 5 {
+        parts.push(format!("and {} more tensors", found.len() - 5));
+    }
+    format!(
+        "the model has NaN or infinite weights: {}; such a model generates garbage (a damaged download or a bad conversion): re-download or re-convert it",
+        parts.join(", ")
+    )
 }
 
 /// The model file is not the one the plan was made for.
@@ -482,5 +564,36 @@ impl WeightSource for ArenaWeights<'_> {
             dims,
             data,
         })
+    }
+}
+
+#[cfg(test)]
+mod nan_tests {
+    #[test]
+    fn non_finite_values_and_scales_are_counted() {
+        use super::count_non_finite;
+        use strata_schemas::ggml::GgmlType;
+        let f32s: Vec<u8> = [1.0f32, f32::NAN, f32::INFINITY, -2.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(GgmlType::F32, &f32s), Some((2, "values")));
+        let f16s: Vec<u8> = [half::f16::ONE, half::f16::NAN, half::f16::NEG_INFINITY]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(GgmlType::F16, &f16s), Some((2, "values")));
+        let bf: Vec<u8> = [half::bf16::ONE, half::bf16::NAN]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(GgmlType::BF16, &bf), Some((1, "values")));
+        let mut q8 = vec![0u8; 34 * 3];
+        q8[34..36].copy_from_slice(&half::f16::NAN.to_le_bytes());
+        assert_eq!(count_non_finite(GgmlType::Q8_0, &q8), Some((1, "blocks")));
+        let mut q4k = vec![0u8; 144 * 2];
+        q4k[144 + 2..144 + 4].copy_from_slice(&half::f16::INFINITY.to_le_bytes());
+        assert_eq!(count_non_finite(GgmlType::Q4K, &q4k), Some((1, "blocks")));
+        assert_eq!(count_non_finite(GgmlType::Q4_0, &q8), None);
     }
 }

@@ -83,6 +83,24 @@ impl Draw {
 /// (the largest weight, 1, is 2^32; the sum over 2^31 tokens still fits a u64).
 pub const MASS_ONE: f32 = 4_294_967_296.0;
 
+/// The token id the row-level pickers ([`argmax_rows`], [`sample_rows`], [`Sampler::sample`])
+/// return for a row holding NaN or +inf: the model's numerics broke, and no token may be
+/// drawn from it. Callers end the request with an error naming the problem. (Engines that
+/// pick on their device return the same id for such a row.)
+pub const NON_FINITE: u32 = u32::MAX - 1;
+
+/// Whether a row of logits may be sampled: no NaN and no +inf (-inf marks a banned token).
+pub fn row_is_sound(row: &[f32]) -> bool {
+    row.iter().all(|v| !v.is_nan() && *v != f32::INFINITY)
+}
+
+/// The error a request ends with when its logits were [`NON_FINITE`].
+pub fn non_finite_message(step: &str) -> String {
+    format!(
+        "the model produced NaN or infinite logits at {step}: its weights or numerics are broken (check the model file for NaN/Inf weights; strata-exec checks them at load unless --allow-non-finite-weights)"
+    )
+}
+
 /// A sampler with its own generator state and reusable candidate buffer.
 pub struct Sampler {
     params: SamplingParams,
@@ -206,7 +224,11 @@ pub fn sample_into(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> u32 
 /// shorter of the two gives).
 pub fn argmax_rows(logits: &[f32], n_vocab: usize, out: &mut [u32]) {
     for (o, row) in out.iter_mut().zip(logits.chunks_exact(n_vocab.max(1))) {
-        *o = argmax(row);
+        *o = if row_is_sound(row) {
+            argmax(row)
+        } else {
+            NON_FINITE
+        };
     }
 }
 
@@ -219,7 +241,11 @@ pub fn sample_rows(logits: &[f32], n_vocab: usize, draws: &[Draw], out: &mut [u3
         .zip(logits.chunks_exact(n_vocab.max(1)))
         .zip(draws)
     {
-        *o = sample_into(row, d, &mut cand);
+        *o = if row_is_sound(row) {
+            sample_into(row, d, &mut cand)
+        } else {
+            NON_FINITE
+        };
     }
 }
 
@@ -273,6 +299,9 @@ impl Sampler {
     /// Pick the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let d = self.next_draw();
+        if !row_is_sound(logits) {
+            return NON_FINITE;
+        }
         sample_into(logits, &d, &mut self.cand)
     }
 }
@@ -280,6 +309,40 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_with_nan_or_inf_give_the_non_finite_id() {
+        let v = 4;
+        let rows = [
+            0.0,
+            1.0,
+            2.0,
+            f32::NEG_INFINITY, // sound: -inf is a banned token
+            0.0,
+            f32::NAN,
+            2.0,
+            1.0, // NaN
+            f32::INFINITY,
+            0.0,
+            0.0,
+            0.0, // +inf
+        ];
+        let mut out = [0u32; 3];
+        argmax_rows(&rows, v, &mut out);
+        assert_eq!(out, [2, NON_FINITE, NON_FINITE]);
+        let d = Draw {
+            temperature: 0.8,
+            ..Draw::GREEDY
+        };
+        let mut out = [0u32; 3];
+        sample_rows(&rows, v, &[d, d, d], &mut out);
+        assert_ne!(out[0], NON_FINITE);
+        assert_eq!(out[1..], [NON_FINITE, NON_FINITE]);
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample(&[f32::NAN; 4]), NON_FINITE);
+        assert_eq!(s.sample(&[0.0, 3.0, 1.0, 0.0]), 1);
+        assert!(non_finite_message("step 3").contains("NaN"));
+    }
 
     #[test]
     fn greedy_is_argmax_with_lowest_id_on_ties() {
@@ -397,8 +460,12 @@ mod tests {
                 seed: 7 + k as u64,
             });
             let mut count = [0usize; 8];
+            let mut cand = Vec::new();
             for _ in 0..n {
-                count[s.sample(&logits) as usize] += 1;
+                // `sample_into` itself: the NaN here must never be drawn (`Sampler::sample`
+                // refuses a row holding one outright).
+                let d = s.next_draw();
+                count[sample_into(&logits, &d, &mut cand) as usize] += 1;
             }
             let zk: f64 = kept.iter().map(|&i| w[i]).sum();
             for (i, &c) in count.iter().enumerate() {

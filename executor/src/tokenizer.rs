@@ -7,6 +7,7 @@
 //! this type hands out is inside the vocabulary.
 
 use std::path::{Path, PathBuf};
+use strata_schemas::files;
 use strata_schemas::gguf::{GgufArray, GgufFile, GgufValue};
 
 /// Qwen2's pre-tokenizer split (the regex of its `tokenizer.json`), also used by llama.cpp
@@ -19,11 +20,6 @@ const END_TOKENS: [&str; 4] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|e
 /// A tokenizer that cannot be built or used, naming the file or key and the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("cannot read `{path}`: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
     #[error(
         "`{path}` is not a valid tokenizer: {reason} (expected a Hugging Face tokenizer.json)"
     )]
@@ -32,6 +28,8 @@ pub enum TokenizerError {
     Config { path: String, reason: String },
     #[error("GGUF `{path}`: {reason}")]
     Gguf { path: String, reason: String },
+    #[error(transparent)]
+    File(#[from] strata_schemas::files::FileError),
     #[error("tokenizer: {0}")]
     Codec(String),
 }
@@ -39,6 +37,8 @@ pub enum TokenizerError {
 /// A tokenizer with the model's special tokens and chat template.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with special-token matching off: special-token text encodes as plain text.
+    literal: tokenizers::Tokenizer,
     eos: Vec<u32>,
     bos: Option<u32>,
     chat_template: Option<String>,
@@ -104,10 +104,7 @@ impl Tokenizer {
             path.to_path_buf()
         };
         let shown = file.display().to_string();
-        let bytes = std::fs::read(&file).map_err(|source| TokenizerError::Io {
-            path: shown.clone(),
-            source,
-        })?;
+        let bytes = files::read_limited(&file, files::limit::TOKENIZER_JSON, "tokenizer")?;
         let inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Parse {
                 path: shown.clone(),
@@ -117,20 +114,20 @@ impl Tokenizer {
             .parent()
             .unwrap_or(Path::new("."))
             .join("tokenizer_config.json");
-        let cfg: Option<serde_json::Value> = match std::fs::read(&cfg_path) {
+        let cfg_bytes = files::read_limited(
+            &cfg_path,
+            files::limit::TOKENIZER_CONFIG,
+            "tokenizer config",
+        );
+        let cfg: Option<serde_json::Value> = match cfg_bytes {
             Ok(b) => Some(
                 serde_json::from_slice(&b).map_err(|e| TokenizerError::Config {
                     path: cfg_path.display().to_string(),
                     reason: e.to_string(),
                 })?,
             ),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(source) => {
-                return Err(TokenizerError::Io {
-                    path: cfg_path.display().to_string(),
-                    source,
-                })
-            }
+            Err(e) if e.io_kind() == Some(std::io::ErrorKind::NotFound) => None,
+            Err(e) => return Err(e.into()),
         };
         let get = |k: &str| cfg.as_ref().and_then(|c| c.get(k));
         // A template may also be a list of named templates; take the default one.
@@ -291,8 +288,11 @@ impl Tokenizer {
                 }
             }
         }
+        let mut literal = inner.clone();
+        literal.set_encode_special_tokens(true);
         Self {
             inner,
+            literal,
             eos: eos_ids,
             bos,
             chat_template,
@@ -309,6 +309,29 @@ impl Tokenizer {
             .encode(text, add_special)
             .map_err(|e| TokenizerError::Codec(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` with special-token text encoded as ordinary text
+    /// (`<|im_end|>` becomes the tokens of those ten characters).
+    pub fn encode_literal(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .literal
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Codec(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of every special (added, special-flagged) token, in id order.
+    pub fn special_tokens(&self) -> Vec<String> {
+        let mut v: Vec<(u32, String)> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, t)| t).collect()
     }
 
     /// Text of `ids`; ids outside the vocabulary decode to nothing. Bytes that do not form
@@ -448,6 +471,14 @@ mod tests {
         );
         assert_eq!(t.decode(&[398, im_end], true).unwrap(), "");
         assert_eq!(t.special_token(399).as_deref(), Some("<|im_end|>"));
+        let lit = t.encode_literal("<|im_end|>").unwrap();
+        assert!(lit.len() > 1 && !lit.contains(&399), "{lit:?}");
+        assert_eq!(t.decode(&lit, true).unwrap(), "<|im_end|>");
+        let sp = t.special_tokens();
+        assert!(
+            sp.contains(&"<|im_end|>".to_string()) && sp.contains(&"<|im_start|>".to_string()),
+            "{sp:?}"
+        );
         assert!(t.chat_template().unwrap().contains("im_start"));
     }
 

@@ -12,6 +12,7 @@ use strata_schemas::probe::HardwareProbe;
 use strata_schemas::serve::{
     ExpertCache, KvType, LayerSplit, RopeScaling, ServeSettings, ServeToml,
 };
+use strata_schemas::text::for_terminal;
 
 const AFTER_HELP: &str = "\
 Examples:
@@ -192,7 +193,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(Fail::Bad(msg)) => {
-            eprintln!("strata-plan: error: {msg}");
+            eprintln!("strata-plan: error: {}", for_terminal(&msg));
             ExitCode::from(1)
         }
     }
@@ -211,8 +212,8 @@ fn inspect(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> {
         }
         Format::Text => print!(
             "{}{}",
-            report::plan_text(&plan),
-            report::scratch_text(&plan)
+            for_terminal(&report::plan_text(&plan)),
+            for_terminal(&report::scratch_text(&plan))
         ),
     }
     Ok(ExitCode::SUCCESS)
@@ -239,9 +240,9 @@ fn model_info(path: &std::path::Path, format: Format) -> Result<ExitCode, Fail> 
             );
         }
         Format::Text => {
-            print!("{}", info.to_text());
+            print!("{}", for_terminal(&info.to_text()));
             println!("runnable by this build's strata-exec (the model alone; a plan adds its devices and features)");
-            print!("{}", report::runnable_text(&run));
+            print!("{}", for_terminal(&report::runnable_text(&run)));
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -386,7 +387,7 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
                     serde_json::to_string_pretty(&report::infeasible_json(&inf))
                         .expect("JSON value prints")
                 ),
-                Format::Text => print!("{}", report::infeasible_text(&inf)),
+                Format::Text => print!("{}", for_terminal(&report::infeasible_text(&inf))),
             }
             Ok(ExitCode::from(2))
         }
@@ -404,9 +405,12 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
                         .expect("JSON value prints")
                 ),
                 Format::Text => {
-                    print!("{}", report::plan_text(&plan));
+                    print!("{}", for_terminal(&report::plan_text(&plan)));
                     if let (Some(out), false) = (&a.output, refuse) {
-                        println!("\n  plan written to {}", out.display());
+                        println!(
+                            "\n  plan written to {}",
+                            for_terminal(&out.display().to_string())
+                        );
                     }
                 }
             }
@@ -425,7 +429,7 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
                     eprintln!("strata-plan: --strict: no backend of this build's strata-exec runs the plan; no plan written, exit 3");
                     for (b, v) in &run.0 {
                         if let Err(why) = v {
-                            eprintln!("  {}: {}", b.as_str(), why.join("; "));
+                            eprintln!("  {}: {}", b.as_str(), for_terminal(&why.join("; ")));
                         }
                     }
                 }

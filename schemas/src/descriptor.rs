@@ -31,12 +31,8 @@ use std::path::Path;
 /// Errors loading a descriptor; each names the file and, where there is one, the key.
 #[derive(Debug, thiserror::Error)]
 pub enum DescriptorError {
-    #[error("cannot read model descriptor {file}: {source}")]
-    Io {
-        file: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] crate::files::FileError),
     #[error("model descriptor {file}: {message}")]
     Parse { file: String, message: String },
     #[error("model descriptor {file}: key `{key}`: {reason}")]
@@ -237,10 +233,8 @@ pub fn from_toml_str(text: &str, origin: &str) -> Result<ModelInventory, Descrip
 /// Read and synthesize a descriptor file.
 pub fn load_descriptor(path: &Path) -> Result<ModelInventory, DescriptorError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| DescriptorError::Io {
-        file: file.clone(),
-        source,
-    })?;
+    let text =
+        crate::files::read_text_limited(path, crate::files::limit::TOML, "model descriptor")?;
     from_toml_str(&text, &file)
 }
 

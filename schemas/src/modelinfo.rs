@@ -280,7 +280,7 @@ impl ModelInfo {
         let mut s = String::new();
         let _ = writeln!(s, "model        {}", self.source);
         if let Some(n) = &self.name {
-            let _ = writeln!(s, "name         {n}");
+            let _ = writeln!(s, "name         {}", crate::text::name(n));
         }
         let plan = if self.plannable {
             "plannable"

@@ -60,6 +60,8 @@ pub enum PlanFileError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    File(#[from] crate::files::FileError),
     #[error("{origin}: not a strata plan file (starts with {found:02x?}, expected \"STRATAPL\"); pass the file strata-plan wrote")]
     BadMagic { origin: String, found: Vec<u8> },
     #[error("{origin}: truncated: {len} bytes, header says {expected}; re-run strata-plan")]
@@ -340,18 +342,47 @@ fn check_payload<'a>(
     Ok(archived)
 }
 
+/// An rkyv error with its whole trace, innermost first: "invalid UTF-8, while checking
+/// field `name` of struct `Device`, ...". `BoxedError` keeps the trace in release builds
+/// too (`rancor::Error` drops it there).
+fn archive_reason(e: &rancor::BoxedError) -> String {
+    let mut msg = String::new();
+    let mut traces = Vec::new();
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(rancor::BoxedError::inner(e));
+    while let Some(c) = cur {
+        let plain = c.to_string();
+        let full = format!("{c:#}");
+        match full
+            .strip_prefix(&plain)
+            .and_then(|t| t.strip_prefix("trace: "))
+        {
+            Some(t) => traces.push(t.to_string()),
+            None => msg = plain,
+        }
+        cur = c.source();
+    }
+    if msg.is_empty() {
+        msg = e.to_string();
+    }
+    for t in traces.iter().rev() {
+        msg.push_str(", ");
+        msg.push_str(t);
+    }
+    msg
+}
+
 /// Validate (bytecheck) a `PAYLOAD_ALIGN`-aligned archive and return its root.
 fn access_archive<'a>(payload: &'a [u8], origin: &str) -> Result<&'a ArchivedPlan, PlanFileError> {
-    rkyv::access::<ArchivedPlan, rancor::Error>(payload).map_err(|e| PlanFileError::Archive {
+    rkyv::access::<ArchivedPlan, rancor::BoxedError>(payload).map_err(|e| PlanFileError::Archive {
         origin: origin.to_string(),
-        reason: e.to_string(),
+        reason: archive_reason(&e),
     })
 }
 
 fn deserialize(archived: &ArchivedPlan, origin: &str) -> Result<Plan, PlanFileError> {
-    rkyv::deserialize::<Plan, rancor::Error>(archived).map_err(|e| PlanFileError::Archive {
+    rkyv::deserialize::<Plan, rancor::BoxedError>(archived).map_err(|e| PlanFileError::Archive {
         origin: origin.to_string(),
-        reason: e.to_string(),
+        reason: archive_reason(&e),
     })
 }
 
@@ -448,11 +479,19 @@ fn io_err(path: &Path, action: &'static str) -> impl FnOnce(std::io::Error) -> P
 /// Map a plan file and validate it completely; the result reads the plan zero-copy.
 pub fn open_plan(path: &Path) -> Result<MappedPlan, PlanFileError> {
     let origin = path.display().to_string();
-    let file = File::open(path).map_err(io_err(path, "open"))?;
+    let file = crate::files::open_regular(path, "plan file")?;
     let len = file.metadata().map_err(io_err(path, "stat"))?.len();
+    if len > crate::files::limit::PLAN {
+        return Err(crate::files::FileError::TooLarge {
+            path: origin,
+            what: "plan file".into(),
+            limit: crate::files::limit::PLAN,
+        }
+        .into());
+    }
     if len < HEADER_LEN as u64 {
         // Too short to map usefully (and empty files cannot be mapped): read and report.
-        let bytes = fs::read(path).map_err(io_err(path, "read"))?;
+        let bytes = crate::files::read_limited(path, HEADER_LEN as u64, "plan file")?;
         parse_header(&bytes, &origin)?;
         return Err(PlanFileError::Truncated {
             origin,
@@ -733,6 +772,33 @@ mod tests {
     }
 
     #[test]
+    fn corrupted_resealed_payloads_say_what_failed_validation() {
+        // Every single-byte corruption that rkyv refuses names what failed (in release
+        // builds too: the error type keeps its context without debug assertions).
+        let good = valid();
+        let mut refused = 0;
+        let mut named = 0;
+        for i in (HDR..good.len()).step_by(3) {
+            let mut b = good.clone();
+            b[i] ^= 0xa5;
+            reseal(&mut b);
+            if let Err(e @ PlanFileError::Archive { .. }) = read_plan_bytes(&b) {
+                let m = e.to_string();
+                assert!(!m.contains("without error information"), "{m}");
+                refused += 1;
+                if m.contains("while checking field") {
+                    named += 1;
+                }
+            }
+        }
+        assert!(refused > 0, "some corruption must reach the validator");
+        assert!(
+            named * 2 > refused,
+            "{named} of {refused} messages name the failing part"
+        );
+    }
+
+    #[test]
     fn round_trip_in_memory_and_on_disk() {
         let plan = sample_plan();
         let bytes = plan_to_bytes(&plan).unwrap();
@@ -827,7 +893,26 @@ mod tests {
             assert!(e.to_string().contains(&path.display().to_string()));
         }
         let e = open_plan(&dir.path().join("missing")).unwrap_err();
-        assert!(matches!(e, PlanFileError::Io { action: "open", .. }));
+        assert!(matches!(
+            e,
+            PlanFileError::File(crate::files::FileError::Io { .. })
+        ));
+        assert!(e.to_string().contains("plan file"), "{e}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn endless_files_and_links_to_them_are_refused_without_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("zero.plan");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        for p in [Path::new("/dev/zero"), link.as_path()] {
+            let e = open_plan(p).unwrap_err().to_string();
+            assert!(
+                e.contains("character device") && e.contains("plan file"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

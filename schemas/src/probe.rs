@@ -196,11 +196,8 @@ pub struct HardwareProbe {
 /// Errors reading a probe.
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
-    #[error("cannot read hardware probe {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] crate::files::FileError),
     #[error("hardware probe {path}: {message}")]
     Parse { path: String, message: String },
     #[error("hardware probe {path}: `{key}` {reason}")]
@@ -214,10 +211,8 @@ pub enum ProbeError {
 impl HardwareProbe {
     /// Read and validate a probe file.
     pub fn from_file(path: &Path) -> Result<Self, ProbeError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ProbeError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text =
+            crate::files::read_text_limited(path, crate::files::limit::TOML, "hardware probe")?;
         Self::from_toml(&text, &path.display().to_string())
     }
 

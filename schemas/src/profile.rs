@@ -17,12 +17,8 @@ pub const MAX_EXPERTS: u32 = 65536;
 /// What is wrong with a profile. `origin` is the file path as given.
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
-    #[error("expert profile {path}: cannot read: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] crate::files::FileError),
     #[error("expert profile {origin}: neither a text profile (first line `{TEXT_HEADER}`) nor a binary one (magic `STRXPRF1`)")]
     UnknownFormat { origin: String },
     #[error("expert profile {origin}, line {line}: {reason}")]
@@ -206,10 +202,7 @@ impl ExpertProfile {
 /// Read a profile file of either encoding (sniffed from its first bytes).
 pub fn read_profile(path: &Path) -> Result<ExpertProfile, ProfileError> {
     let origin = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| ProfileError::Io {
-        path: origin.clone(),
-        source,
-    })?;
+    let bytes = crate::files::read_limited(path, crate::files::limit::PROFILE, "expert profile")?;
     parse_profile_bytes(&bytes, &origin)
 }
 
@@ -486,7 +479,7 @@ mod tests {
         assert_eq!(read_profile(&tp).unwrap(), p);
         assert_eq!(read_profile(&bp).unwrap(), p);
         let e = read_profile(&dir.path().join("none")).unwrap_err();
-        assert!(matches!(e, ProfileError::Io { .. }));
+        assert!(matches!(e, ProfileError::File(_)));
         assert!(e.to_string().contains("none"));
     }
 

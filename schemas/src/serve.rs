@@ -240,8 +240,8 @@ impl ServeToml {
     /// Read a serve TOML file.
     pub fn from_file(path: &Path) -> Result<Self, ServeError> {
         let origin = format!("{}: ", path.display());
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| err(&origin, "--serve", format!("cannot read: {e}")))?;
+        let text = crate::files::read_text_limited(path, crate::files::limit::TOML, "serve file")
+            .map_err(|e| err(&origin, "--serve", e.to_string()))?;
         toml::from_str(&text)
             .map_err(|e| err(&origin, "toml", e.to_string().trim_end().to_string()))
     }

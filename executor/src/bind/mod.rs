@@ -27,13 +27,16 @@ pub enum BindError {
         planned: String,
         live: String,
     },
-    #[error("the plan needs {needed} bytes of host memory (arenas {arenas} + pinned chunks {pinned}) but MemAvailable is {available}: free {short} bytes or re-plan with a smaller probe")]
+    #[error("the plan needs {needed} bytes of host memory (arenas {arenas} + pinned chunks {pinned} + experts kept in RAM from the model file {mapped}) but MemAvailable is {available}, {short} bytes short{}: free memory, or re-plan with `strata-exec probe` on this machine", planned_note(*.planned_available, *.available))]
     Memory {
         needed: u64,
         arenas: u64,
         pinned: u64,
+        mapped: u64,
         available: u64,
         short: u64,
+        /// `available_bytes` of the probe the plan was made for.
+        planned_available: u64,
     },
     #[error("cannot read MemAvailable from /proc/meminfo: {0}")]
     MemInfo(String),
@@ -197,6 +200,15 @@ pub struct Binding {
     allocations: u64,
 }
 
+/// The part of the memory error that says when the plan was made for more memory.
+fn planned_note(planned: u64, live: u64) -> String {
+    if planned > live {
+        format!(" (the plan was made for a probe with {planned} bytes available)")
+    } else {
+        String::new()
+    }
+}
+
 /// `MemAvailable` of /proc/meminfo, in bytes.
 pub fn mem_available() -> Result<u64, BindError> {
     let text =
@@ -244,7 +256,9 @@ pub fn check_pipeline(plan: &Plan, n_layer: u32) -> Result<(), String> {
 }
 
 /// The start-up check of a CPU plan against this machine: every device is a `cpu` device of
-/// this arch, and `available` (MemAvailable) holds every arena and chunk.
+/// this arch, and `available` (MemAvailable) holds every arena and chunk plus the expert
+/// bytes the plan keeps in RAM from the mmapped model file (unless the plan already lets
+/// them page from disk).
 pub fn check_hardware(plan: &Plan, available: u64) -> Result<(), BindError> {
     for d in &plan.devices {
         if d.vendor != "cpu" {
@@ -263,14 +277,21 @@ pub fn check_hardware(plan: &Plan, available: u64) -> Result<(), BindError> {
         }
     }
     let (arenas, pinned) = planned_host_bytes(plan);
-    let needed = arenas + pinned;
+    let mapped = if plan.host.experts_page_from_disk {
+        0
+    } else {
+        plan.host.ram_required_bytes.saturating_sub(pinned)
+    };
+    let needed = arenas.saturating_add(pinned).saturating_add(mapped);
     if needed > available {
         return Err(BindError::Memory {
             needed,
             arenas,
             pinned,
+            mapped,
             available,
             short: needed - available,
+            planned_available: plan.host.ram_available_bytes,
         });
     }
     Ok(())
@@ -427,6 +448,41 @@ mod tests {
         assert_eq!(parse_mem_available(t), Some(2048 * 1024));
         assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
         assert!(mem_available().unwrap() > 0);
+    }
+
+    #[test]
+    fn a_plan_made_for_more_memory_is_refused_with_numbers() {
+        const GIB: u64 = 1 << 30;
+        let mut p = strata_schemas::planfile::testing::sample_plan();
+        for d in &mut p.devices {
+            d.vendor = "cpu".into();
+            d.arch = std::env::consts::ARCH.into();
+        }
+        let (arenas, pinned) = planned_host_bytes(&p);
+        // Planned on a probe with 8 GiB to spare, keeping 6 GiB of experts in RAM from the
+        // model file; run where only 4 GiB are to spare.
+        let planned = arenas + pinned + 8 * GIB;
+        p.host.ram_available_bytes = planned;
+        p.host.ram_required_bytes = pinned + 6 * GIB;
+        p.host.experts_page_from_disk = false;
+        let live = arenas + pinned + 4 * GIB;
+        let e = check_hardware(&p, live).unwrap_err();
+        assert!(
+            matches!(e, BindError::Memory { mapped, short, .. } if mapped == 6 * GIB && short == 2 * GIB),
+            "{e}"
+        );
+        let m = e.to_string();
+        assert!(
+            m.contains(&live.to_string())
+                && m.contains(&format!("a probe with {planned} bytes available"))
+                && m.contains("strata-exec probe"),
+            "{m}"
+        );
+        // Enough memory: fine.
+        assert!(check_hardware(&p, arenas + pinned + 6 * GIB).is_ok());
+        // A plan that lets its experts page from disk needs only arenas and chunks.
+        p.host.experts_page_from_disk = true;
+        assert!(check_hardware(&p, arenas + pinned).is_ok());
     }
 
     #[test]

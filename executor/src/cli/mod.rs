@@ -15,7 +15,10 @@ use strata_schemas::plan::Plan;
 
 /// Print `strata-exec: MSG` and exit 1 (bad input or a mismatch).
 pub fn fail(msg: impl std::fmt::Display) -> ! {
-    eprintln!("strata-exec: {msg}");
+    eprintln!(
+        "strata-exec: {}",
+        strata_schemas::text::for_terminal(&msg.to_string())
+    );
     std::process::exit(1)
 }
 
@@ -98,6 +101,10 @@ pub struct PlanArgs {
     /// No progress bar.
     #[arg(long, short = 'q')]
     pub quiet: bool,
+    /// Run a model whose weights hold NaN or infinite values (found by the load-time scan)
+    /// with a warning instead of refusing it.
+    #[arg(long)]
+    pub allow_non_finite_weights: bool,
 }
 
 /// Map and decode a plan file, and resolve the model path it runs.
@@ -141,6 +148,17 @@ pub fn try_start_engine(
     args: &PlanArgs,
 ) -> Result<Box<dyn Engine>, String> {
     let host = strata_exec::load::open_model(model).map_err(|e| e.to_string())?;
+    let broken = strata_exec::load::non_finite_weights(&*host);
+    if !broken.is_empty() {
+        let msg = strata_exec::load::non_finite_summary(&broken);
+        if !args.allow_non_finite_weights {
+            return Err(format!("{msg} (--allow-non-finite-weights runs it anyway)"));
+        }
+        eprintln!(
+            "strata-exec: warning: {}",
+            strata_schemas::text::for_terminal(&msg)
+        );
+    }
     match backend_for(plan, args) {
         Backend::Cuda => start_cuda(plan, host, args),
         _ => start_cpu(

@@ -7,7 +7,7 @@ use super::{fail, open_plan, start_engine, PlanArgs};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use strata_exec::engine::EngineError;
-use strata_exec::sampler::{Sampler, SamplingParams};
+use strata_exec::sampler::{non_finite_message, Sampler, SamplingParams, NON_FINITE};
 use strata_exec::tokenizer::Tokenizer;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -129,13 +129,20 @@ pub fn main(cli: RunArgs) {
         let prefill_s = tp.elapsed().as_secs_f64();
         let mut out = Vec::with_capacity(n);
         let td = Instant::now();
+        let broken = |at: String| EngineError::Request(non_finite_message(&at));
         if n > 0 {
             let mut next = sampler.sample(&last);
+            if next == NON_FINITE {
+                return Err(broken("the last prompt position".into()));
+            }
             out.push(next);
             let mut tok = [0u32];
             while out.len() < n && !eos.contains(&next) {
                 engine.decode_sample(&[(0, next)], &[sampler.next_draw()], &mut tok)?;
                 next = tok[0];
+                if next == NON_FINITE {
+                    return Err(broken(format!("generated token {}", out.len() + 1)));
+                }
                 out.push(next);
             }
         }
@@ -145,7 +152,10 @@ pub fn main(cli: RunArgs) {
     let (out, rows, prefill_s, decode_s) = match run {
         Ok(v) => v,
         Err(e) => {
-            eprintln!("strata-exec: {e}");
+            eprintln!(
+                "strata-exec: {}",
+                strata_schemas::text::for_terminal(&e.to_string())
+            );
             std::process::exit(2)
         }
     };

@@ -7,6 +7,8 @@
 use super::run::RunArgs;
 use super::{fail, open_plan, try_start_engine};
 use std::time::Duration;
+use strata_exec::serve::conn::ConnLimits;
+use strata_exec::serve::template::TemplateLimits;
 use strata_exec::serve::{serve_with_loader_blocking, ServeOptions};
 use strata_exec::tokenizer::Tokenizer;
 
@@ -47,6 +49,48 @@ pub struct ServeArgs {
     /// Seconds running requests may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "serve")]
     pub shutdown_grace: f64,
+    /// Seconds a client has to send a whole request head, counted from when its connection
+    /// opens or from its previous response: a slow sender and an idle keep-alive
+    /// connection are both closed after it.
+    #[arg(long, value_name = "SECS", default_value_t = 15.0, requires = "serve")]
+    pub header_timeout: f64,
+    /// Seconds a request body may take to arrive once its head is in (408 beyond, e.g. a
+    /// Content-Length larger than the body sent).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0, requires = "serve")]
+    pub body_timeout: f64,
+    /// Open connections at most; more get an immediate 503 and are closed. Keep it under
+    /// the open-file limit (`ulimit -n`).
+    #[arg(long, value_name = "N", default_value_t = 512, requires = "serve",
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_connections: u64,
+    /// Open connections from one client address at most (a reverse proxy on this machine
+    /// counts as one client: raise it there), so one client cannot hold them all.
+    #[arg(long, value_name = "N", default_value_t = 128, requires = "serve",
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_connections_per_client: u64,
+    /// Instructions one chat-template render may run (the model's template is a program;
+    /// a request whose render needs more gets 400).
+    #[arg(long, value_name = "N", default_value_t = 20_000_000, requires = "serve",
+          value_parser = clap::value_parser!(u64).range(1000..))]
+    pub template_fuel: u64,
+    /// Bytes one chat-template render may produce (400 beyond).
+    #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, requires = "serve",
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 32))]
+    pub template_max_bytes: u64,
+    /// Seconds one chat-template render may take (400 beyond; two renders at most run at
+    /// once, so a template that is slow on some input cannot take every core).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "serve")]
+    pub template_timeout: f64,
+}
+
+/// `secs` as a duration for `flag`, or an error naming the flag and the range.
+fn seconds(flag: &str, secs: f64, max: f64) -> Duration {
+    if !(secs.is_finite() && secs > 0.0 && secs <= max) {
+        fail(format!(
+            "--{flag} {secs}: give seconds above 0 and at most {max}"
+        ));
+    }
+    Duration::from_secs_f64(secs)
 }
 
 pub fn main(args: RunArgs) -> ! {
@@ -63,6 +107,14 @@ pub fn main(args: RunArgs) -> ! {
             "--shutdown-grace {}: give seconds from 0 to 3600",
             s.shutdown_grace
         ));
+    }
+    let env_key = std::env::var("STRATA_API_KEY").ok();
+    let key = api_key(s.api_key.as_deref(), env_key.as_deref()).unwrap_or_else(|e| fail(e));
+    if key.is_none() && !is_loopback(&s.host) {
+        eprintln!(
+            "strata-exec serve: warning: listening on {} without an API key: anyone who can reach this address can use the model; set STRATA_API_KEY (or --api-key)",
+            s.host
+        );
     }
     let (plan, model) = open_plan(&plan_path, &args.common);
     if !model.exists() {
@@ -82,17 +134,34 @@ pub fn main(args: RunArgs) -> ! {
             ));
         }
     }
+    let conn = ConnLimits {
+        header_timeout: seconds("header-timeout", s.header_timeout, 3600.0),
+        max_connections: s.max_connections as usize,
+        max_per_client: s.max_connections_per_client.min(s.max_connections) as usize,
+    };
+    if let Some(limit) = open_file_limit() {
+        if s.max_connections + 64 > limit {
+            eprintln!(
+                "strata-exec serve: warning: --max-connections {} is close to the open-file limit {limit} (`ulimit -n`); raise the limit or lower --max-connections",
+                s.max_connections
+            );
+        }
+    }
     let opts = ServeOptions {
         host: s.host.clone(),
         port: s.port,
-        api_key: api_key(
-            s.api_key.as_deref(),
-            std::env::var("STRATA_API_KEY").ok().as_deref(),
-        ),
+        api_key: key,
         queue: s.queue as usize,
         max_body_bytes: s.max_body as usize,
         shutdown_grace: Duration::from_secs_f64(s.shutdown_grace),
         model_name: s.model_name.clone(),
+        conn,
+        body_timeout: seconds("body-timeout", s.body_timeout, 3600.0),
+        template: TemplateLimits {
+            fuel: s.template_fuel,
+            max_output_bytes: s.template_max_bytes as usize,
+            max_time: seconds("template-timeout", s.template_timeout, 3600.0),
+        },
     };
     let tok_path = args.tokenizer.clone();
     let common = args.common.clone();
@@ -117,21 +186,79 @@ pub fn main(args: RunArgs) -> ! {
     }
 }
 
-/// The server's key: `--api-key`, else STRATA_API_KEY; an empty one means none.
-fn api_key(flag: Option<&str>, env: Option<&str>) -> Option<String> {
-    flag.or(env).filter(|k| !k.is_empty()).map(str::to_owned)
+/// The server's key: `--api-key`, else STRATA_API_KEY; neither means none. An empty (or
+/// blank) key is an error, not "authentication off".
+fn api_key(flag: Option<&str>, env: Option<&str>) -> Result<Option<String>, String> {
+    match (flag, env) {
+        (Some(k), _) if k.trim().is_empty() => Err(
+            "--api-key is empty: give a key, or leave the flag out to serve without authentication".into(),
+        ),
+        (Some(k), _) => Ok(Some(k.to_owned())),
+        (None, Some(k)) if k.trim().is_empty() => Err(
+            "STRATA_API_KEY is set but empty: give it a key, or unset it to serve without authentication".into(),
+        ),
+        (None, k) => Ok(k.map(str::to_owned)),
+    }
+}
+
+/// Whether `host` only answers this machine.
+fn is_loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The soft limit on open files, from /proc/self/limits (Linux).
+fn open_file_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    line["Max open files".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::api_key;
+    use super::{api_key, is_loopback, open_file_limit};
 
     #[test]
-    fn the_flag_wins_over_the_environment_and_empty_means_none() {
-        assert_eq!(api_key(Some("a"), Some("b")).as_deref(), Some("a"));
-        assert_eq!(api_key(None, Some("b")).as_deref(), Some("b"));
-        assert_eq!(api_key(None, None), None);
-        assert_eq!(api_key(Some(""), None), None);
-        assert_eq!(api_key(None, Some("")), None);
+    fn the_flag_wins_over_the_environment_and_empty_is_an_error() {
+        assert_eq!(api_key(Some("a"), Some("b")).unwrap().as_deref(), Some("a"));
+        assert_eq!(api_key(None, Some("b")).unwrap().as_deref(), Some("b"));
+        assert_eq!(api_key(None, None).unwrap(), None);
+        let e = api_key(Some(""), None).unwrap_err();
+        assert!(e.contains("--api-key is empty"), "{e}");
+        assert!(api_key(Some("  "), Some("b")).is_err());
+        let e = api_key(None, Some("")).unwrap_err();
+        assert!(e.contains("STRATA_API_KEY is set but empty"), "{e}");
+    }
+
+    #[test]
+    fn loopback_hosts_are_recognised() {
+        for h in [
+            "127.0.0.1",
+            "127.3.2.1",
+            "::1",
+            "[::1]",
+            "localhost",
+            "LOCALHOST",
+        ] {
+            assert!(is_loopback(h), "{h}");
+        }
+        for h in ["0.0.0.0", "::", "192.168.1.5", "example.com"] {
+            assert!(!is_loopback(h), "{h}");
+        }
+    }
+
+    #[test]
+    fn the_open_file_limit_is_read_on_linux() {
+        if cfg!(target_os = "linux") {
+            assert!(open_file_limit().is_some_and(|n| n > 0));
+        }
     }
 }

@@ -8,11 +8,11 @@
 use super::metrics::{Ready, Shared};
 use super::openai::{self, ApiError, Finish, GenParams, Prompt, RespMeta, Usage};
 use super::scheduler::{Event, Job, SchedulerHandle, SubmitError};
+use super::template::Segment;
 use super::ServeOptions;
 use crate::tokenizer::Tokenizer;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -26,12 +26,17 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+/// Chat-template renders that may run at once: a render past its deadline keeps its
+/// thread until it ends, so at most this many can burn CPU for a hostile template.
+pub const RENDERS_AT_ONCE: usize = 2;
+
 /// Everything a handler needs.
 pub struct App {
     pub shared: Arc<Shared>,
     pub sched: SchedulerHandle,
     pub opts: Arc<ServeOptions>,
     next_id: AtomicU64,
+    renders: Arc<tokio::sync::Semaphore>,
 }
 
 type AppState = State<Arc<App>>;
@@ -48,14 +53,14 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The routes, with the body limit and the API-key check.
+/// The routes, with the API-key check.
 pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOptions>) -> Router {
-    let limit = opts.max_body_bytes;
     let app = Arc::new(App {
         shared,
         sched,
         opts,
         next_id: AtomicU64::new(1),
+        renders: Arc::new(tokio::sync::Semaphore::new(RENDERS_AT_ONCE)),
     });
     Router::new()
         .route("/health", get(health))
@@ -69,7 +74,6 @@ pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOption
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), auth))
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
 }
 
@@ -149,22 +153,63 @@ fn model_name<'a>(app: &'a App, r: &'a Ready) -> &'a str {
     app.opts.model_name.as_deref().unwrap_or(&r.info.model_name)
 }
 
-fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|rej| {
-        let status = rej.status().as_u16();
-        let (code, msg) = if status == 413 {
-            (
-                "body_too_large",
-                "the request body is larger than this server accepts".to_string(),
-            )
-        } else {
-            (
-                "invalid_body",
-                format!("cannot read the request body: {}", rej.body_text()),
-            )
-        };
-        ApiError::new(status, "invalid_request_error", Some(code), msg)
-    })
+fn too_large(limit: usize, declared: Option<u64>) -> ApiError {
+    let what = match declared {
+        Some(n) => format!("the request declares a {n}-byte body"),
+        None => "the body sent went past that".to_string(),
+    };
+    ApiError::new(
+        413,
+        "invalid_request_error",
+        Some("body_too_large"),
+        format!("the request body is larger than this server accepts ({limit} bytes, --max-body): {what}"),
+    )
+}
+
+/// The request body, refused early (413) when its Content-Length is over `--max-body`, and
+/// 408 when it does not arrive within `--body-timeout`.
+async fn read_body(app: &App, req: Request) -> Result<Bytes, ApiError> {
+    let limit = app.opts.max_body_bytes;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large(limit, declared));
+    }
+    let timeout = app.opts.body_timeout;
+    match tokio::time::timeout(timeout, axum::body::to_bytes(req.into_body(), limit)).await {
+        Err(_) => Err(ApiError::new(
+            408,
+            "invalid_request_error",
+            Some("body_timeout"),
+            format!(
+                "the request body did not arrive within {} s (--body-timeout){}",
+                timeout.as_secs_f64(),
+                declared.map_or(String::new(), |n| format!(
+                    "; the request declared {n} bytes: send all of them"
+                ))
+            ),
+        )),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let inner = e.into_inner();
+            if inner
+                .downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
+                Err(too_large(limit, None))
+            } else {
+                Err(ApiError::new(
+                    400,
+                    "invalid_request_error",
+                    Some("invalid_body"),
+                    format!("cannot read the request body: {inner}"),
+                ))
+            }
+        }
+    }
 }
 
 async fn health(State(app): AppState) -> Response {
@@ -222,11 +267,8 @@ fn tokenizer_of(r: &Ready) -> Result<&Arc<Tokenizer>, ApiError> {
     })
 }
 
-async fn tokenize(
-    State(app): AppState,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let body = body_bytes(body)?;
+async fn tokenize(State(app): AppState, req: Request) -> Result<Response, ApiError> {
+    let body = read_body(&app, req).await?;
     let r = ready(&app)?;
     let m = openai::parse_object(&body)?;
     let text = match m.get("content") {
@@ -260,11 +302,8 @@ async fn tokenize(
     Ok(Json(json!({"tokens": ids})).into_response())
 }
 
-async fn detokenize(
-    State(app): AppState,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let body = body_bytes(body)?;
+async fn detokenize(State(app): AppState, req: Request) -> Result<Response, ApiError> {
+    let body = read_body(&app, req).await?;
     let r = ready(&app)?;
     let m = openai::parse_object(&body)?;
     let t = tokenizer_of(r)?;
@@ -729,13 +768,11 @@ fn count_rejected<T>(app: &App, r: Result<T, ApiError>) -> Result<T, ApiError> {
     r
 }
 
-async fn completions(
-    State(app): AppState,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+async fn completions(State(app): AppState, req: Request) -> Result<Response, ApiError> {
     app.shared.requests_total.fetch_add(1, Relaxed);
+    let body = read_body(&app, req).await;
     let prepared = (|| {
-        let body = body_bytes(body)?;
+        let body = body?;
         let r = ready(&app)?;
         let req = openai::parse_completion(&body)?;
         check_model(&app, r, &req.model)?;
@@ -759,27 +796,84 @@ async fn completions(
     respond(&app, r, s, gen, false).await
 }
 
-async fn chat_completions(
-    State(app): AppState,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+/// Render and tokenize a chat on a blocking thread (a slow template never holds up the
+/// server's other connections), within the template's deadline and at most
+/// [`RENDERS_AT_ONCE`] at a time.
+async fn render_chat(
+    app: &Arc<App>,
+    messages: Vec<openai::ChatMessage>,
+) -> Result<Vec<u32>, ApiError> {
+    let limit = app.opts.template.max_time;
+    let busy = || {
+        ApiError::new(
+            503,
+            "server_error",
+            Some("templates_busy"),
+            format!("the chat template is still busy with earlier requests ({RENDERS_AT_ONCE} at once, each up to {} s); retry later", limit.as_secs_f64()),
+        )
+        .with_retry_after(1)
+    };
+    let permit = match tokio::time::timeout(limit, app.renders.clone().acquire_owned()).await {
+        Ok(Ok(p)) => p,
+        _ => return Err(busy()),
+    };
+    let app2 = app.clone();
+    let job = tokio::task::spawn_blocking(move || {
+        // Held until the render really ends, even when the request gave up on it.
+        let _permit = permit;
+        let r = ready(&app2)?;
+        let (Some(t), Some(tpl)) = (&r.tokenizer, &r.template) else {
+            return Err(scheduler_gone());
+        };
+        let segs = tpl.render(&messages, true).map_err(ApiError::invalid)?;
+        encode_segments(t, &segs)
+    });
+    match tokio::time::timeout(limit, job).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(scheduler_gone()),
+        Err(_) => Err(ApiError::invalid(format!(
+            "the model's chat template took longer than {} s on these messages (raise --template-timeout if the template is trusted)",
+            limit.as_secs_f64()
+        ))),
+    }
+}
+
+/// The prompt ids of a rendered chat: markup with special tokens recognised, special-token
+/// text that came from messages as plain text.
+fn encode_segments(t: &Tokenizer, segs: &[Segment]) -> Result<Vec<u32>, ApiError> {
+    let mut ids = Vec::new();
+    for s in segs {
+        let part = match s {
+            Segment::Markup(text) => t.encode(text, false),
+            Segment::Literal(text) => t.encode_literal(text),
+        };
+        ids.extend(part.map_err(|e| ApiError::invalid(e.to_string()))?);
+    }
+    Ok(ids)
+}
+
+async fn chat_completions(State(app): AppState, req: Request) -> Result<Response, ApiError> {
     app.shared.requests_total.fetch_add(1, Relaxed);
-    let prepared = (|| {
-        let body = body_bytes(body)?;
+    let body = read_body(&app, req).await;
+    let parsed = (|| {
+        let body = body?;
         let r = ready(&app)?;
         let req = openai::parse_chat(&body)?;
         check_model(&app, r, &req.model)?;
-        let t = tokenizer_of(r)?;
-        let tpl = r.template.as_ref().ok_or_else(|| {
+        tokenizer_of(r)?;
+        r.template.as_ref().ok_or_else(|| {
             ApiError::param(
                 "no_chat_template",
                 "the model ships no chat template (tokenizer_config.json `chat_template` or GGUF `tokenizer.chat_template`); use /v1/completions",
             )
         })?;
-        let text = tpl.render(&req.messages, true).map_err(ApiError::invalid)?;
-        let prompt = t
-            .encode(&text, false)
-            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok(req)
+    })();
+    let req = count_rejected(&app, parsed)?;
+    let encoded = count_rejected(&app, render_chat(&app, req.messages).await);
+    let prepared = (|| {
+        let prompt = encoded?;
+        let r = ready(&app)?;
         let s = start(&app, r, prompt, &req.gen)?;
         Ok((r, s, req.gen))
     })();

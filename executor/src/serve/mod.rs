@@ -1,11 +1,12 @@
 //! `strata-exec PLAN --serve`: an OpenAI-compatible HTTP server over the planned slots.
-//! `http` holds the axum routes, `scheduler` the continuous-batching thread that owns the
-//! `Engine`, `openai` the request/response shapes, `template` the chat templates and
-//! `metrics` the shared counters.
+//! `conn` holds the accept loop (connection caps, header timeout), `http` the axum routes,
+//! `scheduler` the continuous-batching thread that owns the `Engine`, `openai` the
+//! request/response shapes, `template` the chat templates and `metrics` the shared counters.
 //! Invariant: the server binds before the model loads (`/health` says 503 until ready), never
 //! lets bad input take it down, and on SIGINT/SIGTERM stops accepting, ends running streams
 //! within `ServeOptions::shutdown_grace` and returns `Ok(())`.
 
+pub mod conn;
 pub mod http;
 pub mod metrics;
 pub mod openai;
@@ -37,6 +38,12 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// Name served on `/v1/models` and accepted as `model`; default the engine's.
     pub model_name: Option<String>,
+    /// Connection caps and the header-read timeout.
+    pub conn: conn::ConnLimits,
+    /// How long a request body may take to arrive (408 beyond).
+    pub body_timeout: Duration,
+    /// What one chat-template render may spend.
+    pub template: template::TemplateLimits,
 }
 
 impl Default for ServeOptions {
@@ -49,6 +56,9 @@ impl Default for ServeOptions {
             max_body_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
             model_name: None,
+            conn: conn::ConnLimits::default(),
+            body_timeout: Duration::from_secs(30),
+            template: template::TemplateLimits::default(),
         }
     }
 }
@@ -70,7 +80,11 @@ pub enum ServeError {
 }
 
 /// The tokenizer-derived part of readiness: chat template and end-of-sequence ids.
-pub(crate) fn make_ready(info: &EngineInfo, tok: Option<Tokenizer>) -> Result<Ready, String> {
+pub(crate) fn make_ready(
+    info: &EngineInfo,
+    tok: Option<Tokenizer>,
+    limits: template::TemplateLimits,
+) -> Result<Ready, String> {
     let mut eos: Vec<u32> = Vec::new();
     let mut template = None;
     if let Some(t) = &tok {
@@ -83,7 +97,7 @@ pub(crate) fn make_ready(info: &EngineInfo, tok: Option<Tokenizer>) -> Result<Re
         if t.vocab_size() > info.n_vocab {
             eprintln!(
                 "strata-exec serve: warning: the tokenizer `{}` has {} tokens but the model {}; prompts using the extra ids are refused",
-                t.source(),
+                strata_schemas::text::name(t.source()),
                 t.vocab_size(),
                 info.n_vocab
             );
@@ -97,7 +111,7 @@ pub(crate) fn make_ready(info: &EngineInfo, tok: Option<Tokenizer>) -> Result<Re
             let bos = t.bos_id().and_then(|i| t.token(i));
             let eos_tok = t.eos_ids().first().and_then(|&i| t.token(i));
             template = Some(
-                template::ChatTemplate::new(&src, bos, eos_tok)
+                template::ChatTemplate::new(&src, bos, eos_tok, t.special_tokens(), limits)
                     .map_err(|e| format!("tokenizer `{}`: {e}", t.source()))?,
             );
         }
@@ -190,10 +204,15 @@ pub async fn serve_on(
         .unwrap_or_else(|_| format!("{}:{}", opts.host, opts.port));
     let name = opts.model_name.clone();
     let banner: scheduler::ReadyHook = Box::new(move |r: &Ready| {
-        eprintln!("{}", ready_line(&shown, name.as_deref(), r));
+        eprintln!(
+            "{}",
+            strata_schemas::text::for_terminal(&ready_line(&shown, name.as_deref(), r))
+        );
     });
-    let (handle, thread) = scheduler::spawn(loader, shared.clone(), opts.queue, banner)?;
+    let (handle, thread) =
+        scheduler::spawn(loader, shared.clone(), opts.queue, opts.template, banner)?;
     let grace = opts.shutdown_grace;
+    let limits = opts.conn;
     let app = http::router(shared.clone(), handle.clone(), Arc::new(opts));
     let (stopped_tx, stopped_rx) = tokio::sync::watch::channel(false);
     let h2 = handle.clone();
@@ -207,7 +226,7 @@ pub async fn serve_on(
         h2.shutdown(grace);
         let _ = stopped_tx.send(true);
     };
-    let server = axum::serve(listener, app).with_graceful_shutdown(signal);
+    let server = conn::serve(listener, app, limits, signal);
     // Connections that outlive the grace period (a stuck client) do not hold the exit.
     let mut rx = stopped_rx;
     let hard_stop = async move {
@@ -219,7 +238,7 @@ pub async fn serve_on(
         tokio::time::sleep(grace + Duration::from_secs(2)).await;
     };
     tokio::select! {
-        r = server => r?,
+        _ = server => {},
         _ = hard_stop => eprintln!("strata-exec serve: connections still open after the grace period; closing"),
     }
     handle.shutdown(Duration::ZERO);
@@ -236,22 +255,27 @@ pub async fn serve_on(
     Ok(())
 }
 
+/// Run `fut` on a fresh multi-threaded tokio runtime; on return, work still running on the
+/// runtime's blocking threads (a chat template still rendering) is not waited for.
+fn block_on<T>(fut: impl Future<Output = Result<T, ServeError>>) -> Result<T, ServeError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(fut);
+    rt.shutdown_timeout(Duration::from_millis(200));
+    r
+}
+
 /// [`serve`] on a fresh multi-threaded tokio runtime, for callers that are not async.
 pub fn serve_blocking(
     engine: Box<dyn Engine>,
     tokenizer: Option<Tokenizer>,
     opts: ServeOptions,
 ) -> Result<(), ServeError> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(serve(engine, tokenizer, opts))
+    block_on(serve(engine, tokenizer, opts))
 }
 
 /// [`serve_with_loader`] on a fresh multi-threaded tokio runtime.
 pub fn serve_with_loader_blocking(loader: Loader, opts: ServeOptions) -> Result<(), ServeError> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(serve_with_loader(loader, opts))
+    block_on(serve_with_loader(loader, opts))
 }

@@ -115,12 +115,13 @@ struct Active {
 }
 
 /// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
-/// serves jobs until shut down. `queue` is the most jobs waiting for a slot; `on_ready`
-/// runs once readiness is published.
+/// serves jobs until shut down. `queue` is the most jobs waiting for a slot; `template`
+/// bounds every chat-template render; `on_ready` runs once readiness is published.
 pub fn spawn(
     loader: Loader,
     shared: Arc<Shared>,
     queue: usize,
+    template: super::template::TemplateLimits,
     on_ready: ReadyHook,
 ) -> std::io::Result<(SchedulerHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::sync_channel::<Job>(queue);
@@ -134,7 +135,7 @@ pub fn spawn(
         .name("strata-scheduler".into())
         .spawn(move || {
             let engine = match loader() {
-                Ok((engine, tok)) => match super::make_ready(engine.info(), tok) {
+                Ok((engine, tok)) => match super::make_ready(engine.info(), tok, template) {
                     Ok(ready) => {
                         let _ = shared.ready.set(ready);
                         if let Some(r) = shared.ready.get() {
@@ -143,14 +144,20 @@ pub fn spawn(
                         engine
                     }
                     Err(e) => {
-                        eprintln!("strata-exec serve: {e}");
+                        eprintln!(
+                            "strata-exec serve: {}",
+                            strata_schemas::text::for_terminal(&e)
+                        );
                         let _ = shared.load_error.set(e);
                         shared.load_failed.notify_one();
                         return;
                     }
                 },
                 Err(e) => {
-                    eprintln!("strata-exec serve: loading failed: {e}");
+                    eprintln!(
+                        "strata-exec serve: loading failed: {}",
+                        strata_schemas::text::for_terminal(&e)
+                    );
                     let _ = shared.load_error.set(e);
                     shared.load_failed.notify_one();
                     return;
@@ -372,6 +379,11 @@ impl Sched {
                     return;
                 };
                 let tok = a.sampler.sample(logits);
+                if tok == crate::sampler::NON_FINITE {
+                    let msg = crate::sampler::non_finite_message("the last prompt position");
+                    self.finish(slot, Event::Error(msg));
+                    return;
+                }
                 let ttft = a.job.arrived.elapsed();
                 self.shared
                     .ttft_us_sum
@@ -456,6 +468,12 @@ impl Sched {
                     slot,
                     Event::Error("the engine returned too few logits rows".into()),
                 );
+            } else if tok == crate::sampler::NON_FINITE {
+                let at = format!(
+                    "generated token {}",
+                    self.slots[slot].as_ref().map_or(0, |a| a.generated + 1)
+                );
+                self.finish(slot, Event::Error(crate::sampler::non_finite_message(&at)));
             } else {
                 self.after_sample(slot, tok);
             }

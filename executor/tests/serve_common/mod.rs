@@ -29,16 +29,34 @@ impl TestServer {
     }
 
     pub async fn start_with_load_delay(
+        cfg: TinyConfig,
+        opts: ServeOptions,
+        load: Duration,
+    ) -> Self {
+        Self::start_full(cfg, opts, load, TOK_DIR.into()).await
+    }
+
+    /// A server whose tokenizer (and chat template) come from `tok_dir`.
+    pub async fn start_with_tokenizer(
+        cfg: TinyConfig,
+        opts: ServeOptions,
+        tok_dir: std::path::PathBuf,
+    ) -> Self {
+        Self::start_full(cfg, opts, Duration::ZERO, tok_dir).await
+    }
+
+    async fn start_full(
         mut cfg: TinyConfig,
         opts: ServeOptions,
         load: Duration,
+        tok_dir: std::path::PathBuf,
     ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let loader = Box::new(move || {
             std::thread::sleep(load);
-            let tok = Tokenizer::from_file(TOK_DIR).map_err(|e| e.to_string())?;
+            let tok = Tokenizer::from_file(&tok_dir).map_err(|e| e.to_string())?;
             cfg.n_vocab = tok.vocab_size() as u64;
             let e = TinyEngine::new(&cfg).map_err(|e| e.to_string())?;
             Ok((

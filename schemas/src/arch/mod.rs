@@ -384,6 +384,30 @@ pub fn check_tensors(
     Ok(())
 }
 
+/// After [`check_tensors`] passed: give every tensor whose shape differs from its spec only
+/// by trailing 1s (`[2048, 1]` for `[2048]`, which llama.cpp accepts) the spec's dims, so
+/// every later reader (the executor's weight views) sees one canonical shape.
+pub fn canonical_dims(
+    arch: &str,
+    hp: &HParams,
+    tensors: &mut [TensorInfo],
+) -> Result<(), InventoryError> {
+    let present: BTreeSet<String> = tensors.iter().map(|t| t.name.clone()).collect();
+    let present: BTreeSet<&str> = present.iter().map(String::as_str).collect();
+    let specs: BTreeMap<String, Vec<u64>> = specs(arch, hp, Some(&present))?
+        .into_iter()
+        .map(|s| (s.name, s.dims))
+        .collect();
+    for t in tensors.iter_mut() {
+        if let Some(d) = specs.get(&t.name) {
+            if t.dims != *d && trimmed(&t.dims) == trimmed(d) {
+                t.dims = d.clone();
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -401,6 +425,21 @@ pub(crate) mod tests {
             tensors,
             vision: None,
         }
+    }
+
+    #[test]
+    fn trailing_ones_pass_the_check_and_become_the_canonical_shape() {
+        let mut inv = inventory("qwen3moe", qwen3_30b(), "Q8_0");
+        let i = inv
+            .tensors
+            .iter()
+            .position(|t| t.name == "blk.0.attn_norm.weight")
+            .unwrap();
+        let want = inv.tensors[i].dims.clone();
+        inv.tensors[i].dims.push(1);
+        check_tensors("qwen3moe", &inv.hparams, &inv.tensors).unwrap();
+        canonical_dims("qwen3moe", &inv.hparams, &mut inv.tensors).unwrap();
+        assert_eq!(inv.tensors[i].dims, want);
     }
 
     #[test]

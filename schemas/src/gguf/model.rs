@@ -188,6 +188,7 @@ pub fn inventory_from_gguf(g: &GgufFile) -> Result<ModelInventory, GgufModelErro
     let canonical: BTreeMap<String, usize> = if is_fully_checked(&arch) {
         arch::validate_hparams(&arch, &hp).map_err(layout)?;
         arch::check_tensors(&arch, &hp, &tensors).map_err(layout)?;
+        arch::canonical_dims(&arch, &hp, &mut tensors).map_err(layout)?;
         arch::expected_shapes(&arch, &hp)
             .map_err(layout)?
             .into_iter()

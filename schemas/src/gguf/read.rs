@@ -705,7 +705,10 @@ fn read_part(path: &Path, part: u32) -> Result<Parsed, GgufError> {
         field: field.into(),
         source,
     };
-    let f = std::fs::File::open(path).map_err(|e| io("open", e))?;
+    let f = crate::files::open_regular(path, "GGUF file").map_err(|e| match e {
+        crate::files::FileError::Io { source, .. } => io("open", source),
+        other => io("open", std::io::Error::other(other.to_string())),
+    })?;
     let len = f.metadata().map_err(|e| io("metadata", e))?.len();
     if len == 0 {
         // mmap of an empty file fails on some platforms; the parser reports the truncation.

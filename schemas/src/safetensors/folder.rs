@@ -46,7 +46,6 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
-use std::io::Read;
 use std::path::Path;
 
 /// Largest `config.json` we read.
@@ -148,7 +147,7 @@ pub fn load_folder(dir: &Path) -> Result<ModelInventory, SafetensorsError> {
     let mut hp = cfg.hparams(arch)?;
     hp.nextn_predict_layers = nextn;
 
-    let infos = map_tensors(dir, arch, &hp, &tensors)?;
+    let mut infos = map_tensors(dir, arch, &hp, &tensors)?;
 
     // Dense FFN width only matters when some layer has a dense FFN.
     let has_dense_ffn = infos.iter().any(|t| {
@@ -162,6 +161,17 @@ pub fn load_folder(dir: &Path) -> Result<ModelInventory, SafetensorsError> {
     } else {
         0
     };
+
+    // The same layout check a GGUF gets (every required tensor, every shape against the
+    // hyperparameters, nothing extra): a folder the executor would refuse is refused here,
+    // at plan time, by the one function both use.
+    let layout = |source| SafetensorsError::Layout {
+        dir: dir_s.clone(),
+        source: Box::new(source),
+    };
+    crate::arch::validate_hparams(arch.llama_name(), &hp).map_err(layout)?;
+    crate::arch::check_tensors(arch.llama_name(), &hp, &infos).map_err(layout)?;
+    crate::arch::canonical_dims(arch.llama_name(), &hp, &mut infos).map_err(layout)?;
 
     let name = dir
         .file_name()
@@ -188,24 +198,26 @@ fn read_json_capped(path: &Path, cap: u64) -> Result<Value, SafetensorsError> {
 }
 
 fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, SafetensorsError> {
-    let file = path.display().to_string();
-    let io = |source| SafetensorsError::Io {
-        file: file.clone(),
-        source,
+    let what = match path.file_name().and_then(|n| n.to_str()) {
+        Some(INDEX_NAME) => "safetensors index",
+        _ => "model config",
     };
-    let f = std::fs::File::open(path).map_err(io)?;
-    let size = f.metadata().map_err(io)?.len();
-    if size > cap {
-        return Err(SafetensorsError::BadConfig {
-            file: file.clone(),
+    crate::files::read_limited(path, cap, what).map_err(|e| match e {
+        crate::files::FileError::Io { source, .. } => SafetensorsError::Io {
+            file: path.display().to_string(),
+            source,
+        },
+        crate::files::FileError::TooLarge { limit, .. } => SafetensorsError::BadConfig {
+            file: path.display().to_string(),
             key: "(file)".into(),
-            reason: format!("{size} bytes is over the {cap}-byte cap for this file"),
-        });
-    }
-    let mut bytes = Vec::new();
-    // `take` keeps a file that grows after the size check bounded too.
-    f.take(cap).read_to_end(&mut bytes).map_err(io)?;
-    Ok(bytes)
+            reason: format!("the file is over the {limit}-byte cap for this file"),
+        },
+        other => SafetensorsError::BadConfig {
+            file: path.display().to_string(),
+            key: "(file)".into(),
+            reason: other.to_string(),
+        },
+    })
 }
 
 /// Every tensor of the folder, with its shard, in (shard order, header order).
@@ -492,7 +504,9 @@ impl Cfg<'_> {
         let n_layer = self.pos("num_hidden_layers")?;
         let n_embd = self.pos("hidden_size")?;
         let n_head = self.pos("num_attention_heads")?;
-        let n_head_kv = self.u64_opt("num_key_value_heads")?.unwrap_or(n_head);
+        // Required: the K/V projection shapes depend on it, and a silent default would plan
+        // a model the weights contradict.
+        let n_head_kv = self.pos("num_key_value_heads")?;
         if n_head_kv == 0 || n_head % n_head_kv != 0 {
             return Err(self.err(
                 "num_key_value_heads",
@@ -837,9 +851,15 @@ fn map_tensors(
             arch: arch.llama_name().into(),
             tensor: short(&t.name),
         };
+        // Model weights are floating point: integer (and F64) tensors are refused here, as
+        // the executor would refuse them at load.
         let ty = t
             .dtype
             .ggml_type()
+            .filter(|ty| {
+                use crate::ggml::GgmlType;
+                matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+            })
             .ok_or_else(|| SafetensorsError::UnsupportedDtype {
                 file: file_of(l),
                 tensor: short(&t.name),
@@ -1562,7 +1582,9 @@ mod tests {
         assert_eq!(dims("blk.0.ssm_out.weight"), vec![32, HIDDEN]);
         assert_eq!(dims("blk.2.post_attention_norm.weight"), vec![HIDDEN]);
         assert_eq!(dims("blk.3.attn_q.weight"), vec![HIDDEN, 128]);
-        assert_eq!(dims("blk.1.ffn_gate_inp_shexp.weight"), vec![HIDDEN, 1]);
+        // HF [1, H] is read as [H, 1] and given llama.cpp's canonical [H] (trailing 1s
+        // dropped, as for a GGUF that stores it either way).
+        assert_eq!(dims("blk.1.ffn_gate_inp_shexp.weight"), vec![HIDDEN]);
         assert_eq!(dims("blk.1.ffn_down_shexp.weight"), vec![FF, HIDDEN]);
         assert_eq!(dims("blk.1.ffn_up_exps.weight"), vec![HIDDEN, FF, N_EXP]);
         // The MTP block is block n_layer: ordinary tensors there, nextn extras as MtpExtra.

@@ -14,7 +14,6 @@ use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use std::collections::HashSet;
 use std::fmt;
-use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
@@ -284,11 +283,17 @@ pub enum SafetensorsError {
         shard: String,
         tensor: String,
     },
-    #[error("{file}: tensor `{tensor}` has dtype {dtype}, which has no ggml type; use a BF16/F16/F32 checkpoint or convert it to GGUF first")]
+    #[error("{file}: tensor `{tensor}` has dtype {dtype}, which is not a weight type Strata runs (F32, F16, BF16); use a BF16/F16/F32 checkpoint or convert it to GGUF first")]
     UnsupportedDtype {
         file: String,
         tensor: String,
         dtype: StDtype,
+    },
+    #[error("{dir}: {source} (GGUF names and dims, ne0 first; HF shapes are reversed): check config.json against the weights, or re-download the model")]
+    Layout {
+        dir: String,
+        #[source]
+        source: Box<crate::inventory::InventoryError>,
     },
     #[error(
         "{file}: tensor `{tensor}` is not part of architecture `{arch}` (no llama.cpp name for it)"
@@ -364,7 +369,10 @@ pub fn read_header(path: &Path) -> Result<SafetensorsHeader, SafetensorsError> {
         file: origin.clone(),
         source,
     };
-    let mut f = File::open(path).map_err(io)?;
+    let mut f = crate::files::open_regular(path, "safetensors file").map_err(|e| match e {
+        crate::files::FileError::Io { source, .. } => io(source),
+        other => io(std::io::Error::other(other.to_string())),
+    })?;
     let file_size = f.metadata().map_err(io)?.len();
     if file_size < 8 {
         return Err(SafetensorsError::TooShort {
