@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 use strata_exec::backend::cuda::launch::decode::{sample_rows, PickScratch};
 use strata_exec::backend::cuda::launch::Launcher;
 use strata_exec::backend::cuda::{CudaDevice, DeviceView};
-use strata_exec::sampler::{argmax, gumbel, order_key, sample_with, Draw};
+use strata_exec::sampler::{argmax, gumbel, order_key, row_is_sound, sample_with, Draw, NON_FINITE};
 
 static DEV: OnceLock<Result<CudaDevice, String>> = OnceLock::new();
 
@@ -149,7 +149,7 @@ fn sample_rows_match_the_host_sampler() {
         for r in 0..rows {
             let row = &mut x[r * cols..(r + 1) * cols];
             match r % 8 {
-                // NaN, -inf and +inf sprinkled (the finite ones are sampled).
+                // NaN, -inf and +inf sprinkled: no token may be drawn (NON_FINITE).
                 1 => {
                     for c in (0..cols).step_by(5) {
                         row[c] = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY][c % 3];
@@ -157,7 +157,7 @@ fn sample_rows_match_the_host_sampler() {
                 }
                 // Coarse values: many ties, also at the top-k and top-p thresholds.
                 2 => row.iter_mut().for_each(|v| *v = v.round()),
-                // Nothing finite: the argmax fallback.
+                // Nothing finite: NON_FINITE too.
                 3 if r % 16 == 3 => row.iter_mut().for_each(|v| *v = f32::NAN),
                 // One dominant token.
                 4 => row[rng.random_range(0..cols)] = 40.0,
@@ -183,7 +183,11 @@ fn sample_rows_match_the_host_sampler() {
         }
         for (r, dr) in draws.iter().enumerate() {
             let row = &x[r * cols..(r + 1) * cols];
-            let want = sample_with(row, dr);
+            let want = if row_is_sound(row) {
+                sample_with(row, dr)
+            } else {
+                NON_FINITE
+            };
             let g = got[r] as u32;
             rows_checked += 1;
             if g == want {

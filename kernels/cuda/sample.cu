@@ -8,11 +8,14 @@
 // multiply-adds in the scores, integer mass sums that no order can change), so host and
 // device differ only where an exp/log last-place difference moves a near-tie; greedy draws
 // (temperature <= 0 or NaN) and rows without a finite logit give exactly `sampler::argmax`;
-// the per-row counters are zero again after every launch.
+// a row holding NaN or +inf gives ST_NON_FINITE (sampler::NON_FINITE), as the host's
+// row-level pickers do; the per-row counters are zero again after every launch.
 
 #define SP_HISTS 8  // histograms in shared memory, one per four warps
 #define SP_BINS 256
 #define SP_NONE 0x7fffffff
+// sampler::NON_FINITE (u32::MAX - 1) as the int the pickers write.
+#define ST_NON_FINITE ((int)0xfffffffe)
 
 // sampler.rs's Draw (32 bytes).
 struct SampleDraw {
@@ -224,21 +227,25 @@ ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
     int bi = SP_NONE;
     u32 kmax = 0;
     unsigned long long cnt = 0;
+    u32 unsound = 0;  // NaN or +inf seen (past-the-end NaNs carry i >= vocab)
     sp_scan(row, 0, vocab, [&](float v, int i) {
         if (v > ST_NEG_INF) sp_take(bv, bi, v, i);
         if (sp_finite(v)) {
             kmax = max(kmax, sp_key(v));
             ++cnt;
+        } else if (i < vocab && !(v < 0.0f)) {
+            unsound = 1;
         }
     });
     sp_best(bv, bi, sv, si);
     kmax = sp_umax(kmax, red);
     cnt = sp_sum(cnt, red);
+    unsound = sp_umax(unsound, red);
     const int greedy_pick = bi == SP_NONE ? 0 : bi;
     const float t = d.temperature;
-    if (!(t > 0.0f) || cnt == 0) {
+    if (unsound || !(t > 0.0f) || cnt == 0) {
         // The same in every block of the row: block 0 answers, no counting.
-        if (threadIdx.x == 0 && blockIdx.x == 0) out[r] = greedy_pick;
+        if (threadIdx.x == 0 && blockIdx.x == 0) out[r] = unsound ? ST_NON_FINITE : greedy_pick;
         return;
     }
     const float mx = sp_from_key(kmax);
@@ -288,14 +295,16 @@ ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
 }
 
 // Greedy token choice on the device: out[r] = the index of the largest of x[r][0..cols)
-// (lowest index on ties; NaN and -inf never win; a row with neither a finite value nor +inf
-// gives 0, as sampler::argmax on the host). Block (b, r) reduces its slice of row r to a
+// (lowest index on ties; a row holding NaN or +inf gives ST_NON_FINITE, a row of -inf alone
+// gives 0, as sampler::argmax_rows on the host). Block (b, r) reduces its slice of row r to a
 // (value, index) pair in part_v / part_i[r * gridDim.x + b]; the last of row r's blocks to
 // finish (counted in cnt[r], which it resets) reduces the row's pairs into out[r].
 // grid: (blocks per row, rows); block: AM_THREADS.
 #define AM_NONE 0x7fffffff
+#define AM_BAD -1  // the pair of a slice holding NaN or +inf: wins every comparison
 __device__ __forceinline__ void am_take(float& bv, int& bi, float v, int i) {
-    if (v > bv || (v == bv && i < bi)) {
+    if (bi == AM_BAD) return;
+    if (i == AM_BAD || v > bv || (v == bv && i < bi)) {
         bv = v;
         bi = i;
     }
@@ -341,7 +350,11 @@ ST_KERNEL void dq_argmax_rows(const float* x, int cols, float* part_v, int* part
     int bi = AM_NONE;
     for (long c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
         const float v = row[c];
-        if (v > ST_NEG_INF) am_take(bv, bi, v, (int)c);
+        if (!(v < __int_as_float(0x7f800000)) && !(v == ST_NEG_INF)) {
+            am_take(bv, bi, v, AM_BAD);  // NaN or +inf
+        } else if (v > ST_NEG_INF) {
+            am_take(bv, bi, v, (int)c);
+        }
     }
     am_block(bv, bi, sv, si);
     if (threadIdx.x == 0) {
@@ -359,7 +372,7 @@ ST_KERNEL void dq_argmax_rows(const float* x, int cols, float* part_v, int* part
         am_take(bv, bi, st_ldcg(part_v + (long)r * nb + b), st_ldcg(part_i + (long)r * nb + b));
     am_block(bv, bi, sv, si);
     if (threadIdx.x == 0) {
-        out[r] = bi == AM_NONE ? 0 : bi;
+        out[r] = bi == AM_BAD ? ST_NON_FINITE : (bi == AM_NONE ? 0 : bi);
         cnt[r] = 0;
     }
 }
