@@ -718,9 +718,12 @@ fn experts_every_type_decode_and_grouped_prefill() {
                 (StepKind::Prefill, 37),
             ] {
                 let grouped = kind == StepKind::Prefill && n >= 16 && ty != GgmlType::F16;
+                // Grouped: two chained f16-input products (the SwiGLU output is rounded to
+                // f16 again before the down product), so twice the single product's bound;
+                // the worst of 256 x 37 outputs measured 5.0e-3 for Q4_K on the H200.
                 let tol = match (grouped, ty) {
                     (true, GgmlType::BF16) => 3e-2,
-                    (true, _) => 4e-3,
+                    (true, _) => 8e-3,
                     _ => 2e-5,
                 };
                 let what = format!("experts {ty} e={e} f={f} {kind:?} n={n} {vname}");
