@@ -922,7 +922,6 @@ mod next_tests {
     /// The transformers references (scripts/make_reference_next.py): the folder reads back as
     /// the hyperparameters the script recorded, and converts value for value.
     #[test]
-    #[ignore = "needs tests/data/tiny-qwen3next, made on the GPU machine by scripts/make_reference_next.py; un-ignore once committed"]
     fn converting_the_tiny_qwen3next_references_keeps_every_value() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
         let d = tmp();
