@@ -1,8 +1,9 @@
-//! The forward graph: per-architecture ops of one forward step and the transient (scratch)
-//! buffers each reads and writes, with lifetimes derived from the def-use graph.
-//! Invariant (DESIGN.md invariant 6): this is the single source of truth for scratch — the
-//! planner sizes and packs exactly these buffers and the executor binds offsets by these
-//! names; a buffer lives from the op that first writes it to the last op that reads it
+//! The forward graph: per-architecture ops of one forward step and the transient buffers each
+//! reads and writes, with lifetimes derived from the def-use graph. It sizes what no executor
+//! binds: the scratch estimate of a model that no backend of this build runs (the planner's
+//! fallback; `workset.rs` is what the executor binds, and the planner packs that wherever a
+//! backend runs the model) and the per-slot session bytes.
+//! Invariant: a buffer lives from the op that first writes it to the last op that reads it
 //! (widened over the whole layer stack when its value is carried from layer to layer).
 //!
 //! Shape of a step. Ops run in the order listed: `inp.upload`, `embed`, then one
