@@ -6,7 +6,7 @@
 use super::{fail, open_plan, start_engine, PlanArgs};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use strata_exec::engine::EngineError;
+use strata_exec::engine::{Engine, EngineError, EngineInfo};
 use strata_exec::sampler::{non_finite_message, Sampler, SamplingParams, NON_FINITE};
 use strata_exec::tokenizer::Tokenizer;
 
@@ -56,15 +56,55 @@ pub struct RunArgs {
     pub serve: super::serve::ServeArgs,
 }
 
+/// What one run produced: the generated ids, the prompt's logit rows (when asked for) and
+/// the prefill and decode times.
+struct Generated {
+    out: Vec<u32>,
+    rows: Vec<f32>,
+    prefill_s: f64,
+    decode_s: f64,
+}
+
 pub fn main(cli: RunArgs) {
     let plan_path = cli.plan.clone().unwrap_or_else(|| fail("give a plan file"));
     let (plan, model_path) = open_plan(&plan_path, &cli.common);
     let tokenizer = load_tokenizer(&cli, &model_path);
-    let prompt: Vec<u32> = match (&cli.prompt, &cli.prompt_tokens) {
+    let prompt = prompt_ids(&cli, tokenizer.as_ref(), &model_path);
+    let t0 = Instant::now();
+    let mut engine = start_engine(&plan, &model_path, &cli.common);
+    let load_s = t0.elapsed().as_secs_f64();
+    let info = engine.info().clone();
+    check_prompt(&cli, &prompt, &info);
+    let eos: &[u32] = match (&tokenizer, cli.ignore_eos) {
+        (Some(t), false) => t.eos_ids(),
+        _ => &[],
+    };
+    let g = match generate(&cli, engine.as_mut(), &prompt, eos) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!(
+                "strata-exec: {}",
+                strata_schemas::text::for_terminal(&e.to_string())
+            );
+            std::process::exit(2)
+        }
+    };
+    report(
+        &cli,
+        engine.as_ref(),
+        tokenizer.as_ref(),
+        &prompt,
+        eos,
+        &g,
+        load_s,
+    );
+}
+
+/// The prompt as token ids: `--prompt` through the tokenizer, or `--prompt-tokens`.
+fn prompt_ids(cli: &RunArgs, tokenizer: Option<&Tokenizer>, model: &Path) -> Vec<u32> {
+    match (&cli.prompt, &cli.prompt_tokens) {
         (Some(text), _) => {
-            let tok = tokenizer
-                .as_ref()
-                .unwrap_or_else(|| fail(no_tokenizer(&model_path)));
+            let tok = tokenizer.unwrap_or_else(|| fail(no_tokenizer(model)));
             let ids = tok
                 .encode(text, true)
                 .unwrap_or_else(|e| fail(format!("--prompt: {e}")));
@@ -75,11 +115,12 @@ pub fn main(cli: RunArgs) {
         }
         (None, Some(t)) if !t.is_empty() => t.clone(),
         _ => fail("give a prompt: --prompt TEXT or --prompt-tokens 1,17,42"),
-    };
-    let t0 = Instant::now();
-    let mut engine = start_engine(&plan, &model_path, &cli.common);
-    let load_s = t0.elapsed().as_secs_f64();
-    let info = engine.info().clone();
+    }
+}
+
+/// Exit 1 unless every prompt token is in the model's vocabulary and the prompt leaves room
+/// in the planned context.
+fn check_prompt(cli: &RunArgs, prompt: &[u32], info: &EngineInfo) {
     if let Some(bad) = prompt.iter().find(|t| **t as usize >= info.n_vocab) {
         fail(format!(
             "{}: token {bad} is outside the model's vocabulary of {}",
@@ -98,6 +139,17 @@ pub fn main(cli: RunArgs) {
             info.max_context
         ));
     }
+}
+
+/// Prefill the prompt in slot 0 (in `ubatch` chunks), then draw up to `-n` tokens, stopping
+/// after an end-of-sequence id in `eos`.
+fn generate(
+    cli: &RunArgs,
+    engine: &mut dyn Engine,
+    prompt: &[u32],
+    eos: &[u32],
+) -> Result<Generated, EngineError> {
+    let info = engine.info().clone();
     let n = cli.n.min((info.max_context - prompt.len() as u64) as usize);
     let params = SamplingParams {
         temperature: cli.temperature,
@@ -106,13 +158,9 @@ pub fn main(cli: RunArgs) {
         seed: cli.seed,
     };
     let want_rows = cli.logits && cli.format == "json";
-    let eos: &[u32] = match (&tokenizer, cli.ignore_eos) {
-        (Some(t), false) => t.eos_ids(),
-        _ => &[],
-    };
     // Run on a rayon worker so the parallel ops start without going through the pool's
     // injector queue (which allocates).
-    let run = rayon::scope(|_| -> Result<_, EngineError> {
+    rayon::scope(|_| {
         let mut sampler = Sampler::new(params);
         let mut rows: Vec<f32> = Vec::new();
         let mut last: Vec<f32> = vec![0.0; info.n_vocab];
@@ -147,27 +195,35 @@ pub fn main(cli: RunArgs) {
             }
         }
         let decode_s = td.elapsed().as_secs_f64();
-        Ok((out, rows, prefill_s, decode_s))
-    });
-    let (out, rows, prefill_s, decode_s) = match run {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!(
-                "strata-exec: {}",
-                strata_schemas::text::for_terminal(&e.to_string())
-            );
-            std::process::exit(2)
-        }
-    };
+        Ok(Generated {
+            out,
+            rows,
+            prefill_s,
+            decode_s,
+        })
+    })
+}
+
+/// Print the run: JSON (`--format json`) or the text on stdout and a summary on stderr.
+fn report(
+    cli: &RunArgs,
+    engine: &dyn Engine,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    eos: &[u32],
+    g: &Generated,
+    load_s: f64,
+) {
     let stats = engine.stats();
+    let out = &g.out;
     // Decode steps = generated tokens after the first (which comes from the prefill).
     let decode_steps = out.len().saturating_sub(1);
-    let prefill_tps = prompt.len() as f64 / prefill_s.max(1e-9);
-    let decode_tps = decode_steps as f64 / decode_s.max(1e-9);
+    let prefill_tps = prompt.len() as f64 / g.prefill_s.max(1e-9);
+    let decode_tps = decode_steps as f64 / g.decode_s.max(1e-9);
     let stopped_at_eos = out.last().is_some_and(|t| eos.contains(t));
     // The generated text without special tokens (the EOS that ended it is not shown).
-    let text: Option<String> = tokenizer.as_ref().map(|t| {
-        t.decode(&out, true)
+    let text: Option<String> = tokenizer.map(|t| {
+        t.decode(out, true)
             .unwrap_or_else(|e| fail(format!("decoding the generated tokens: {e}")))
     });
     if cli.format == "json" {
@@ -185,41 +241,40 @@ pub fn main(cli: RunArgs) {
             "allocations": engine.allocations(),
             "allocated_bytes": engine.allocated_bytes(),
         });
-        if want_rows {
-            let v = info.n_vocab;
+        if cli.logits {
+            let v = engine.info().n_vocab;
             j["prompt_logits"] =
-                serde_json::Value::Array(rows.chunks(v).map(|r| serde_json::json!(r)).collect());
+                serde_json::Value::Array(g.rows.chunks(v).map(|r| serde_json::json!(r)).collect());
         }
         println!("{j}");
-    } else {
-        let ids = out
-            .iter()
-            .map(|t| t.to_string())
-            .collect::<Vec<_>>()
-            .join(",");
-        match &text {
-            Some(t) => println!("{t}"),
-            None => println!("{ids}"),
-        }
-        if !cli.common.quiet {
-            if text.is_some() {
-                eprintln!("strata-exec: generated token ids {ids}");
-            }
-            if stopped_at_eos {
-                eprintln!(
-                    "strata-exec: stopped at an end-of-sequence token (--ignore-eos to go on)"
-                );
-            }
-            eprintln!(
-                "strata-exec: {} prompt tokens at {prefill_tps:.1} tok/s, {decode_steps} decode steps at {decode_tps:.1} tok/s; expert cache {} hits / {} misses; {} allocations ({} bytes); loaded in {load_s:.2} s",
-                prompt.len(),
-                stats.expert_hits,
-                stats.expert_misses,
-                engine.allocations(),
-                engine.allocated_bytes()
-            );
-        }
+        return;
     }
+    let ids = out
+        .iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    match &text {
+        Some(t) => println!("{t}"),
+        None => println!("{ids}"),
+    }
+    if cli.common.quiet {
+        return;
+    }
+    if text.is_some() {
+        eprintln!("strata-exec: generated token ids {ids}");
+    }
+    if stopped_at_eos {
+        eprintln!("strata-exec: stopped at an end-of-sequence token (--ignore-eos to go on)");
+    }
+    eprintln!(
+        "strata-exec: {} prompt tokens at {prefill_tps:.1} tok/s, {decode_steps} decode steps at {decode_tps:.1} tok/s; expert cache {} hits / {} misses; {} allocations ({} bytes); loaded in {load_s:.2} s",
+        prompt.len(),
+        stats.expert_hits,
+        stats.expert_misses,
+        engine.allocations(),
+        engine.allocated_bytes()
+    );
 }
 
 /// The tokenizer for this run: `--tokenizer PATH`, else the model's own (`None` when the
