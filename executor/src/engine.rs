@@ -129,4 +129,10 @@ pub trait Engine: Send {
     fn allocated_bytes(&self) -> u64 {
         0
     }
+    /// The router's picks since start-up as a routing profile of the model's main blocks
+    /// (`schemas/PROFILE.md`), for `strata-exec profile`; `None` when this engine does not
+    /// count them.
+    fn routing_profile(&self) -> Option<strata_schemas::profile::ExpertProfile> {
+        None
+    }
 }

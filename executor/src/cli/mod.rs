@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod probe;
+pub mod profile;
 pub mod run;
 pub mod serve;
 
