@@ -22,6 +22,8 @@ pub struct EngineInfo {
 pub struct EngineStats {
     pub expert_hits: u64,
     pub expert_misses: u64,
+    /// Bytes of expert weights copied host -> device for misses (PCIe traffic).
+    pub expert_bytes_streamed: u64,
     /// Context cells in use, per slot.
     pub kv_cells_in_use: Vec<u64>,
 }

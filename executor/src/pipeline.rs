@@ -348,15 +348,17 @@ where
     }
 
     fn stats(&self) -> EngineStats {
-        let (mut hits, mut misses) = (0, 0);
+        let (mut hits, mut misses, mut streamed) = (0, 0, 0);
         for st in &self.stages {
             let (h, m) = st.backend.expert_counters();
             hits += h;
             misses += m;
+            streamed += st.backend.expert_bytes_streamed();
         }
         EngineStats {
             expert_hits: hits,
             expert_misses: misses,
+            expert_bytes_streamed: streamed,
             kv_cells_in_use: self.lens.clone(),
         }
     }
