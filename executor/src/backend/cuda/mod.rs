@@ -10,6 +10,7 @@
 pub mod arena;
 pub mod bind;
 pub mod compile;
+pub mod expert_cache;
 pub mod flash;
 pub mod forward;
 pub mod gemm;
