@@ -17,6 +17,7 @@ pub mod gemm;
 pub mod handoff;
 pub mod launch;
 pub mod layout;
+pub mod memlock;
 pub mod options;
 pub mod probe;
 pub mod quants;
