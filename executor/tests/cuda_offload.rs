@@ -165,8 +165,13 @@ fn streamed_misses_equal_the_all_resident_run() {
                 let row: u64 = (0..prof.experts).map(|x| prof.count(l, x)).sum();
                 assert_eq!(row, fed * p.model.n_expert_used, "{ty} layer {l}");
             }
-            // A lookup per distinct expert of a group: never more than the picks.
-            assert!(s.expert_hits + s.expert_misses <= fed * p.model.n_expert_used * 2);
+            // A lookup per distinct expert of a group and layer: never more than the picks.
+            let picks = fed * p.model.n_expert_used * p.model.n_layer as u64;
+            assert!(s.expert_hits + s.expert_misses <= picks);
+            // Every miss copies one whole expert (gate, up, down), at most a slot.
+            let per = s.expert_bytes_streamed / s.expert_misses;
+            assert_eq!(per * s.expert_misses, s.expert_bytes_streamed);
+            assert!(per > 0 && per <= p.devices[0].expert_slot_bytes);
         }
     }
 }
