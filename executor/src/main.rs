@@ -1,5 +1,6 @@
 //! `strata-exec`: run a Strata plan (generate, `--serve`), `bench` it, `profile` its routing,
-//! or `probe` this machine. Each command lives in its own file under `cli/`; this file only dispatches.
+//! or `probe` this machine. Each command lives in its own file under `cli/`; this file only
+//! dispatches.
 //! Invariant: every check happens before the first arena is allocated; exit 0 on success, 1
 //! on any bad input or mismatch (with the numbers), 2 on an engine failure mid-run.
 
