@@ -2,7 +2,8 @@
 //! seeded from the plan, misses streamed from host memory into slots, prefill passes run in
 //! groups of tokens whose experts fit the slots. The logits equal an all-resident run of the
 //! same file (F32 and Q8_0 experts, the latter through the device layout conversion of a
-//! streamed miss), the counters see the misses, and the router's picks are counted.
+//! streamed miss), with LRU and with LFU over a pinned hot set, the counters see the misses,
+//! and the router's picks are counted.
 //! The plans are checked without a GPU; the runs need one: without it they print SKIP and
 //! return (on the GPU machine: `cargo test -p strata-exec --release --test cuda_offload --
 //! --test-threads=1 --nocapture`).
@@ -12,7 +13,7 @@
 mod common;
 
 use common::*;
-use strata_exec::backend::cuda::options::CudaOptions;
+use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
 use strata_exec::backend::cuda::start::start_cuda;
 use strata_exec::engine::Engine;
 use strata_exec::load::open_model;
@@ -205,4 +206,28 @@ fn replacement_keeps_the_tokens_over_a_long_decode() {
         "more misses than slots: slots were reused ({} misses)",
         s.expert_misses
     );
+    // LFU with the plan's hottest resident experts pinned (`--kernel-options expert-lfu`):
+    // other misses, the same tokens and logits.
+    let n_all = full.model.n_layer as u64 * full.model.n_expert;
+    let half = gpu_plan(&gguf, ExpertCache::Slots(n_all / 2));
+    let lfu = CudaOptions {
+        kernels: KernelOptions {
+            expert_lfu: true,
+            ..KernelOptions::default()
+        },
+        ..CudaOptions::default()
+    };
+    for (name, opts) in [("lru", CudaOptions::default()), ("lfu", lfu)] {
+        let mut c = start_cuda(&half, open_model(&gguf).unwrap(), opts).unwrap();
+        let (cl, ct) = run(&mut c, prompt, n);
+        assert_eq!(at, ct, "{name}");
+        assert!(max_abs(&al, &cl) <= 1e-5, "{name}");
+        let s = c.stats();
+        eprintln!(
+            "{name}, {} slots: {} hits, {} misses over {n} tokens",
+            tiers(&half).1,
+            s.expert_hits,
+            s.expert_misses
+        );
+    }
 }

@@ -2,7 +2,8 @@
 //! the planned `expert_cache` slots (inside the arena's planned region), seeded at start-up
 //! with the plan's `resident_experts` (from the routing profile, or the planner's default),
 //! refilled on a miss from the host copy of the expert stacks, with the replacement decisions
-//! of [`crate::experts::LruPolicy`] (the CPU engine's). The decode kernels read a per-layer
+//! of [`crate::experts::LruPolicy`] (the CPU engine's; LFU with the profile's hot set pinned
+//! under `--kernel-options expert-lfu`). The decode kernels read a per-layer
 //! table of expert pointers; a miss rewrites the layer's table entry to point at the slot it
 //! filled, so the products read the cache slots without a change to the kernels.
 //! Invariant: no slot ever holds bytes other than the expert the policy says it holds; the
@@ -87,6 +88,7 @@ impl CudaExpertCache {
         arena_base: u64,
         d: &Dims,
         max_tok: usize,
+        lfu: bool,
     ) -> Result<Option<Self>, CudaError> {
         let (n_layer, n_expert, k) = (d.n_layer, d.n_expert, d.k);
         // Layers whose stacks stay in host memory; when the plan's resident experts cover
@@ -127,7 +129,7 @@ impl CudaExpertCache {
                 dp.index, dp.expert_slot_bytes, region.bytes
             )));
         }
-        let policy = LruPolicy::new(
+        let mut policy = LruPolicy::new(
             dp.layer_first,
             dp.layer_end,
             n_expert as u32,
@@ -135,6 +137,12 @@ impl CudaExpertCache {
             &dp.resident_experts,
         )
         .map_err(|e| err(format!("device {}: {e}", dp.index)))?;
+        if lfu {
+            // A quarter of the slots (at least two tokens' picks) take the misses; the rest
+            // keep the profile's hottest experts for good.
+            let unpinned = (slots as usize / 4).max(2 * k).min(slots as usize);
+            policy.pin_hot(&dp.resident_experts, unpinned);
+        }
         Ok(Some(Self {
             host,
             policy,
@@ -207,29 +215,36 @@ pub(crate) fn placeholder(region: u64, per_gu: u64) -> [u64; 3] {
     [region, region + per_gu, region + 2 * per_gu]
 }
 
-/// How many of `ids`' tokens (rows of `k`) from the first fit `slots` distinct experts, at
-/// least one; `seen` (n_expert flags, all false on entry and on return) marks them meanwhile,
-/// `group` collects them in first-use order.
+/// How many of `ids`' tokens (rows of `k`) from the first fit: their distinct experts that
+/// `counts` (those not pinned in a slot) number at most `budget`; at least one token.
+/// `seen` (n_expert flags, all false on entry and on return) marks them meanwhile, `group`
+/// collects every distinct expert of those tokens in first-use order.
 pub(crate) fn group_len(
     ids: &[u32],
     k: usize,
-    slots: usize,
+    budget: usize,
+    counts: &dyn Fn(u32) -> bool,
     seen: &mut [bool],
     group: &mut Vec<u32>,
 ) -> usize {
     group.clear();
+    let mut used = 0;
     let mut t = 0;
     for row in ids.chunks(k) {
         let new = row
             .iter()
             .enumerate()
             .filter(|&(j, x)| {
-                (*x as usize) < seen.len() && !seen[*x as usize] && !row[..j].contains(x)
+                (*x as usize) < seen.len()
+                    && !seen[*x as usize]
+                    && !row[..j].contains(x)
+                    && counts(*x)
             })
             .count();
-        if t > 0 && group.len() + new > slots {
+        if t > 0 && used + new > budget {
             break;
         }
+        used += new;
         for &x in row {
             if (x as usize) < seen.len() && !seen[x as usize] {
                 seen[x as usize] = true;
@@ -289,19 +304,29 @@ impl CudaStage {
         self.dev.dtoh(idv, &mut c.ids[..n * k])?;
         c.tally.record(layer, &c.ids[..n * k]);
         let li = (layer - c.layer_first) as usize;
-        let slots = c.policy.n_slots();
+        let budget = c.policy.unpinned_slots();
         let stage_in = self.opts.stage_inputs && ty == GgmlType::Q8_0;
         let mut t0 = 0;
         while t0 < n {
             let mut group = std::mem::take(&mut c.group);
-            let g = group_len(&c.ids[t0 * k..n * k], k, slots, &mut c.in_group, &mut group);
-            if group.len() > slots {
-                let picked = group.len();
+            let policy = &c.policy;
+            let counts = |x: u32| !policy.is_pinned(layer, x);
+            let g = group_len(
+                &c.ids[t0 * k..n * k],
+                k,
+                budget,
+                &counts,
+                &mut c.in_group,
+                &mut group,
+            );
+            let need = group.iter().filter(|x| counts(**x)).count();
+            if need > budget {
                 c.group = group;
                 return Err(err(format!(
-                    "one token of layer {layer} picks {picked} distinct experts but the expert cache has {slots} slots: re-plan with a larger --expert-cache"
+                    "one token of layer {layer} needs {need} experts outside the pinned slots but the expert cache leaves {budget} slots for them: re-plan with a larger --expert-cache"
                 )));
             }
+            c.policy.begin_group();
             // Kernels queued before (an earlier group's products) may read the slots a miss
             // is about to refill.
             self.dev.synchronize()?;
@@ -411,18 +436,25 @@ mod tests {
     fn groups_take_whole_tokens_while_their_experts_fit() {
         let mut seen = vec![false; 8];
         let mut g = Vec::new();
+        let all = |_: u32| true;
         // k = 2; tokens pick {0,1}, {1,2}, {3,4}, {0,5}.
         let ids = [0, 1, 1, 2, 3, 4, 0, 5];
-        assert_eq!(group_len(&ids, 2, 3, &mut seen, &mut g), 2);
+        assert_eq!(group_len(&ids, 2, 3, &all, &mut seen, &mut g), 2);
         assert_eq!(g, vec![0, 1, 2]);
         assert!(seen.iter().all(|s| !s), "flags are cleared");
-        assert_eq!(group_len(&ids[4..], 2, 3, &mut seen, &mut g), 1);
+        assert_eq!(group_len(&ids[4..], 2, 3, &all, &mut seen, &mut g), 1);
         assert_eq!(g, vec![3, 4]);
         // Everything fits in 8 slots; a token never splits, even when it alone overflows.
-        assert_eq!(group_len(&ids, 2, 8, &mut seen, &mut g), 4);
-        assert_eq!(group_len(&ids, 2, 1, &mut seen, &mut g), 1);
+        assert_eq!(group_len(&ids, 2, 8, &all, &mut seen, &mut g), 4);
+        assert_eq!(group_len(&ids, 2, 1, &all, &mut seen, &mut g), 1);
         // A token picking one expert twice counts it once.
-        assert_eq!(group_len(&[6, 6, 7, 7], 2, 2, &mut seen, &mut g), 2);
+        assert_eq!(group_len(&[6, 6, 7, 7], 2, 2, &all, &mut seen, &mut g), 2);
         assert_eq!(g, vec![6, 7]);
+        // Pinned experts (0 and 1 here) take no budget: tokens {0,1}, {1,2}, {3,4} need 0, 1
+        // and 2 more unpinned slots.
+        let unpinned = |x: u32| x > 1;
+        assert_eq!(group_len(&ids, 2, 2, &unpinned, &mut seen, &mut g), 2);
+        assert_eq!(group_len(&ids, 2, 3, &unpinned, &mut seen, &mut g), 3);
+        assert_eq!(g, vec![0, 1, 2, 3, 4]);
     }
 }

@@ -328,8 +328,15 @@ pub fn start_cuda(
         // Experts served from host memory: the cache reads each MoE layer's picks back with a
         // host synchronisation, which a captured graph cannot hold, so those decode passes
         // run uncaptured.
-        let xcache =
-            CudaExpertCache::for_device(plan, dp, host.clone(), arena.all().ptr(), &d, pf.max_tok)?;
+        let xcache = CudaExpertCache::for_device(
+            plan,
+            dp,
+            host.clone(),
+            arena.all().ptr(),
+            &d,
+            pf.max_tok,
+            opts.kernels.expert_lfu,
+        )?;
         let flags = RunFlags {
             graphs: opts.graphs && !opts.profile && xcache.is_none(),
             pdl,
