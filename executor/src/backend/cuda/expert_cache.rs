@@ -7,18 +7,19 @@
 //! table of expert pointers; a miss rewrites the layer's table entry to point at the slot it
 //! filled, so the products read the cache slots without a change to the kernels.
 //! Invariant: no slot ever holds bytes other than the expert the policy says it holds; the
-//! slots used never exceed the plan's `expert_cache_slots`; a slot is refilled only after
-//! every kernel queued before has finished (the stream is synchronised first); the expert
-//! products of a group of tokens run only after all of its experts are in their slots and the
-//! layer's table says so. First version: the router's picks are read back to the host with a
-//! synchronisation once per MoE layer and pass, so decode passes of such a stage are not
-//! captured in CUDA graphs, and misses are copied on the compute stream from the (pageable)
-//! mmapped model file; a pass whose tokens pick more distinct experts than the cache holds
-//! runs in groups of tokens that fit.
+//! slots used never exceed the plan's `expert_cache_slots`; every copy into a slot or a table
+//! is queued on the compute stream, so it starts only after every kernel queued before it
+//! (which may read the slot) has finished, and the products of a group of tokens, queued
+//! after its copies, read all of its experts from their slots. First version: the router's
+//! picks are read back to the host with a synchronisation once per MoE layer and pass (the
+//! only one), so decode passes of such a stage are not captured in CUDA graphs; misses are
+//! copied on the compute stream (not yet on a copy stream overlapping the hits) from the
+//! pageable mmapped model file, which the driver stages before each call returns; a pass whose
+//! tokens pick more distinct experts than the cache holds runs in groups of tokens that fit.
 
 use super::launch::decode::{self, ExpertTable};
 use super::stage::CudaStage;
-use super::{layout, CudaError};
+use super::{drv, layout, CudaError, DeviceView};
 use crate::backend::WorkBuf;
 use crate::experts::{Lookup, LruPolicy};
 use crate::load::HostModel;
@@ -327,9 +328,8 @@ impl CudaStage {
                 )));
             }
             c.policy.begin_group();
-            // Kernels queued before (an earlier group's products) may read the slots a miss
-            // is about to refill.
-            self.dev.synchronize()?;
+            // No synchronisation: an earlier group's products, queued before this group's
+            // copies on the same stream, finish before the copies start.
             let mut dirty = false;
             for &x in &group {
                 if x as usize >= ne {
@@ -356,7 +356,7 @@ impl CudaStage {
                 .ok_or_else(|| err("layer not bound"))?;
             if dirty {
                 let tv = self.view(l.table_off, 8 * l.table.len() as u64)?;
-                self.dev.htod(&l.table, tv)?;
+                htod_queued(self, table_bytes(&l.table), tv)?;
             }
             let table = ExpertTable {
                 table: self.view(l.table_off, 24 * ne as u64)?,
@@ -377,6 +377,27 @@ impl CudaStage {
         }
         Ok(())
     }
+}
+
+/// The bytes of a table of device pointers.
+fn table_bytes(t: &[u64]) -> &[u8] {
+    // SAFETY: u64 has no padding and any byte is a valid u8; the slice covers exactly the
+    // table's bytes and borrows it.
+    unsafe { std::slice::from_raw_parts(t.as_ptr().cast::<u8>(), std::mem::size_of_val(t)) }
+}
+
+/// Queue a copy of `src` (pageable host memory) into `dst` on the stage's stream, without
+/// waiting: it runs after everything queued before it. The driver copies pageable memory to
+/// its own staging before returning, so `src` may change as soon as this returns.
+fn htod_queued(st: &CudaStage, src: &[u8], dst: DeviceView<'_>) -> Result<(), CudaError> {
+    dst.expect_len("expert cache copy", src.len() as u64)?;
+    st.dev.ctx_bind()?;
+    // SAFETY: `dst` is a checked view of exactly src.len() bytes inside the stage's live arena;
+    // `src` is pageable host memory, which cuMemcpyHtoDAsync stages before it returns.
+    unsafe {
+        cudarc::driver::result::memcpy_htod_async(dst.ptr(), src, st.dev.stream().cu_stream())
+    }
+    .map_err(drv("cuMemcpyHtoDAsync(expert cache)"))
 }
 
 /// Point the layer's table entry of expert `x` at `slot`; true when it changed.
@@ -419,9 +440,14 @@ fn fill(
         let src = stack
             .get(x as usize * per..(x as usize + 1) * per)
             .ok_or_else(|| err(format!("`{name}` holds no expert {x}")))?;
-        let dst = &mut c.tmp[..per];
-        layout::to_device(ty, src, 1, rows, cols, dst).map_err(|e| err(e.to_string()))?;
-        st.dev.htod(&c.tmp[..per], st.view(off, per as u64)?)?;
+        let dst = st.view(off, per as u64)?;
+        if layout::is_rearranged(ty) {
+            let tmp = &mut c.tmp[..per];
+            layout::to_device(ty, src, 1, rows, cols, tmp).map_err(|e| err(e.to_string()))?;
+            htod_queued(st, tmp, dst)?;
+        } else {
+            htod_queued(st, src, dst)?;
+        }
         c.counters.bytes_streamed += per as u64;
         off += per as u64;
     }
