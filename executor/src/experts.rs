@@ -139,6 +139,16 @@ impl LruPolicy {
             .is_some_and(|s| self.pinned[s as usize])
     }
 
+    /// Empty the slot of (layer, expert), if it has one (its bytes could not be filled).
+    pub fn forget(&mut self, layer: u32, expert: u32) {
+        if let (Some(i), Some(s)) = (self.index(layer, expert), self.slot_of(layer, expert)) {
+            self.slot_of[i] = NONE;
+            self.owner[s as usize] = None;
+            self.uses[s as usize] = 0;
+            self.pinned[s as usize] = false;
+        }
+    }
+
     /// Start a group of lookups whose experts must all stay in their slots together (one
     /// launch of the products reads them all): no lookup of the group evicts another's.
     pub fn begin_group(&mut self) {

@@ -52,6 +52,8 @@ struct CachedLayer {
     table_off: u64,
     /// The host mirror of that table.
     table: Vec<u64>,
+    /// The mirror changed since it was last uploaded.
+    stale: bool,
     /// gate, up, down: (type, rows, cols, bytes of one expert).
     mats: [(GgmlType, usize, usize, u64); 3],
 }
@@ -188,6 +190,7 @@ impl CudaExpertCache {
         *entry = Some(CachedLayer {
             table_off,
             table,
+            stale: false,
             mats: m,
         });
         Ok(())
@@ -330,7 +333,6 @@ impl CudaStage {
             c.policy.begin_group();
             // No synchronisation: an earlier group's products, queued before this group's
             // copies on the same stream, finish before the copies start.
-            let mut dirty = false;
             for &x in &group {
                 if x as usize >= ne {
                     c.group = group;
@@ -341,23 +343,30 @@ impl CudaStage {
                 match c.policy.lookup(layer, x).map_err(err)? {
                     Lookup::Hit { slot } => {
                         c.counters.hits += 1;
-                        dirty |= point(c, li, x, slot);
+                        point(c, li, x, slot);
                     }
                     Lookup::Miss { slot, .. } => {
-                        fill(self, c, li, layer, x, slot)?;
+                        if let Err(e) = fill(self, c, li, layer, x, slot) {
+                            // The slot's bytes are no expert now: empty it.
+                            c.policy.forget(layer, x);
+                            c.group = group;
+                            return Err(e);
+                        }
                         c.counters.misses_streamed += 1;
-                        dirty |= point(c, li, x, slot);
+                        point(c, li, x, slot);
                     }
                 }
             }
             c.group = group;
             let l = c.layers[li]
-                .as_ref()
+                .as_mut()
                 .ok_or_else(|| err("layer not bound"))?;
-            if dirty {
+            if l.stale {
                 let tv = self.view(l.table_off, 8 * l.table.len() as u64)?;
                 htod_queued(self, table_bytes(&l.table), tv)?;
+                l.stale = false;
             }
+            let l = &*l;
             let table = ExpertTable {
                 table: self.view(l.table_off, 24 * ne as u64)?,
                 ty,
@@ -400,20 +409,20 @@ fn htod_queued(st: &CudaStage, src: &[u8], dst: DeviceView<'_>) -> Result<(), Cu
     .map_err(drv("cuMemcpyHtoDAsync(expert cache)"))
 }
 
-/// Point the layer's table entry of expert `x` at `slot`; true when it changed.
-fn point(c: &mut CudaExpertCache, li: usize, x: u32, slot: u32) -> bool {
+/// Point the layer's table entry of expert `x` at `slot` (marking the table stale when that
+/// changes it).
+fn point(c: &mut CudaExpertCache, li: usize, x: u32, slot: u32) {
     let (base, region, sb) = (c.arena_base, c.region_off, c.slot_bytes);
     let Some(l) = c.layers[li].as_mut() else {
-        return false;
+        return;
     };
     let so = base + region + slot as u64 * sb;
     let want = [so, so + l.mats[0].3, so + l.mats[0].3 + l.mats[1].3];
     let at = 3 * x as usize;
-    if l.table[at..at + 3] == want {
-        return false;
+    if l.table[at..at + 3] != want {
+        l.table[at..at + 3].copy_from_slice(&want);
+        l.stale = true;
     }
-    l.table[at..at + 3].copy_from_slice(&want);
-    true
 }
 
 /// Copy expert `x` of `layer` from the host stacks into `slot` (device layout).
