@@ -14,7 +14,7 @@ mod common;
 
 use common::*;
 use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
-use strata_exec::backend::cuda::start::start_cuda;
+use strata_exec::backend::cuda::start::{preflight, start_cuda};
 use strata_exec::engine::Engine;
 use strata_exec::load::open_model;
 use strata_exec::sampler::argmax;
@@ -121,6 +121,11 @@ fn streamed_misses_equal_the_all_resident_run() {
                 dp.region_bytes(RegionKind::ExpertCache) >= slots * dp.expert_slot_bytes,
                 "{ty} {cache:?}: the region holds the slots"
             );
+            // Every start-up check that needs no GPU passes.
+            let host = open_model(&gguf).unwrap();
+            if let Err(e) = preflight(&p, host.as_ref(), &CudaOptions::default()) {
+                panic!("{ty} {cache:?}: preflight refuses the plan: {e}");
+            }
             offloaded.push((cache, p));
         }
         if !gpu {
