@@ -3,7 +3,8 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|serve|bench|compare|sample|split|torch|decode|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|all] [OUTDIR]
+# (memlock: strata-exec probe --memlock-test 64 under ulimit -l 8192.)
 # (compare: the same bench with the baseline build of target/gpu/base (build_gpu.sh
 # --baseline REV), planned by its own strata-plan, interleaved with this build's, three
 # rounds each: the old-binary-vs-new figures.)
@@ -27,11 +28,15 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
-    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_sample-*; do
+    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_sample-* $bin/cuda_offload-*; do
         [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error|TIME" | head -60
     done
+fi
+if [ "$what" = memlock ] || [ "$what" = all ]; then
+    echo "== does CUDA's pinned memory count against ulimit -l? (64 MiB pinned under 8 MiB)"
+    (ulimit -l 8192 && $bin/strata-exec probe --memlock-test 64) 2>&1 | tee "$out/memlock.txt"
 fi
 if [ "$what" = serve ] || [ "$what" = all ]; then
     echo "== the openai client against strata-exec --serve on the CUDA engine"

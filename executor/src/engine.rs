@@ -22,6 +22,8 @@ pub struct EngineInfo {
 pub struct EngineStats {
     pub expert_hits: u64,
     pub expert_misses: u64,
+    /// Bytes of expert weights copied host -> device for misses (PCIe traffic).
+    pub expert_bytes_streamed: u64,
     /// Context cells in use, per slot.
     pub kv_cells_in_use: Vec<u64>,
 }
@@ -128,5 +130,11 @@ pub trait Engine: Send {
     /// Bytes of every planned arena and chunk allocated.
     fn allocated_bytes(&self) -> u64 {
         0
+    }
+    /// The router's picks since start-up as a routing profile of the model's main blocks
+    /// (`schemas/PROFILE.md`), for `strata-exec profile`; `None` when this engine does not
+    /// count them.
+    fn routing_profile(&self) -> Option<strata_schemas::profile::ExpertProfile> {
+        None
     }
 }

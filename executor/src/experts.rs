@@ -1,11 +1,13 @@
 //! The expert cache: a device's planned `expert_cache` slots, seeded with the plan's
 //! `resident_experts`, refilled on a miss by copying the expert (gate | up | down) from the
 //! host copy of its stacks. The replacement policy ([`LruPolicy`]) is pure bookkeeping so the
-//! CUDA backend runs the same decisions with device copies.
+//! CUDA backend runs the same decisions with device copies: LRU by default, or LFU with the
+//! profile's hot set pinned ([`LruPolicy::pin_hot`]).
 //! Invariant: a slot holds at most one (layer, expert) and the map and the slot contents
 //! always agree; a miss evicts the least recently used slot (empty slots first, then the
-//! oldest use; seeds start in plan order, best first, so the coldest seed goes first);
-//! nothing is allocated after construction.
+//! oldest use; seeds start in plan order, best first, so the coldest seed goes first), or
+//! under LFU the least used unpinned slot; a pinned slot and a slot used in the current group
+//! ([`LruPolicy::begin_group`]) are never evicted; nothing is allocated after construction.
 
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::plan::ResidentExpert;
@@ -44,6 +46,15 @@ pub struct LruPolicy {
     slot_of: Vec<u32>,
     owner: Vec<Option<(u32, u32)>>,
     last_use: Vec<u64>,
+    /// Uses of the slot's expert since it was filled (LFU).
+    uses: Vec<u64>,
+    /// Slots never evicted (LFU's pinned hot set).
+    pinned: Vec<bool>,
+    /// The group each slot was last used in; 0 = no groups (the CPU cache computes each
+    /// expert as soon as it is fetched and needs no protection).
+    group_of: Vec<u64>,
+    group: u64,
+    lfu: bool,
     clock: u64,
     pub hits: u64,
     pub misses: u64,
@@ -66,6 +77,11 @@ impl LruPolicy {
             slot_of: vec![NONE; n_layers * n_expert as usize],
             owner: vec![None; n_slots as usize],
             last_use: vec![0; n_slots as usize],
+            uses: vec![0; n_slots as usize],
+            pinned: vec![false; n_slots as usize],
+            group_of: vec![0; n_slots as usize],
+            group: 0,
+            lfu: false,
             clock: resident.len() as u64 + 1,
             hits: 0,
             misses: 0,
@@ -99,6 +115,46 @@ impl LruPolicy {
         self.owner.len()
     }
 
+    /// Switch to LFU with the hot set pinned: the seeds, best first, are pinned while at
+    /// least `unpinned` slots stay free to take misses (the seeds are the plan's resident
+    /// experts, chosen from the routing profile).
+    pub fn pin_hot(&mut self, resident: &[ResidentExpert], unpinned: usize) {
+        self.lfu = true;
+        let budget = self.owner.len().saturating_sub(unpinned);
+        for r in resident.iter().take(budget) {
+            if let Some(s) = self.slot_of(r.layer, r.expert) {
+                self.pinned[s as usize] = true;
+            }
+        }
+    }
+
+    /// Slots that can take misses (not pinned).
+    pub fn unpinned_slots(&self) -> usize {
+        self.pinned.iter().filter(|p| !**p).count()
+    }
+
+    /// Whether (layer, expert) sits in a pinned slot.
+    pub fn is_pinned(&self, layer: u32, expert: u32) -> bool {
+        self.slot_of(layer, expert)
+            .is_some_and(|s| self.pinned[s as usize])
+    }
+
+    /// Empty the slot of (layer, expert), if it has one (its bytes could not be filled).
+    pub fn forget(&mut self, layer: u32, expert: u32) {
+        if let (Some(i), Some(s)) = (self.index(layer, expert), self.slot_of(layer, expert)) {
+            self.slot_of[i] = NONE;
+            self.owner[s as usize] = None;
+            self.uses[s as usize] = 0;
+            self.pinned[s as usize] = false;
+        }
+    }
+
+    /// Start a group of lookups whose experts must all stay in their slots together (one
+    /// launch of the products reads them all): no lookup of the group evicts another's.
+    pub fn begin_group(&mut self) {
+        self.group += 1;
+    }
+
     /// The slot holding (layer, expert), if any (no bookkeeping).
     pub fn slot_of(&self, layer: u32, expert: u32) -> Option<u32> {
         self.index(layer, expert)
@@ -121,12 +177,24 @@ impl LruPolicy {
         if s != NONE {
             self.hits += 1;
             self.last_use[s as usize] = self.clock;
+            self.uses[s as usize] += 1;
+            self.group_of[s as usize] = self.group;
             return Ok(Lookup::Hit { slot: s });
         }
-        self.misses += 1;
+        let (group, lfu) = (self.group, self.lfu);
         let victim = (0..self.owner.len())
-            .min_by_key(|&k| (self.owner[k].is_some(), self.last_use[k], k))
-            .unwrap_or(0);
+            .filter(|&k| !self.pinned[k] && (group == 0 || self.group_of[k] != group))
+            .min_by_key(|&k| {
+                let uses = if lfu { self.uses[k] } else { 0 };
+                (self.owner[k].is_some(), uses, self.last_use[k], k)
+            })
+            .ok_or_else(|| {
+                format!(
+                    "expert {expert} of layer {layer} misses but every one of the {} slots is pinned or holds an expert of the same group (re-plan with a larger --expert-cache, or pin fewer)",
+                    self.owner.len()
+                )
+            })?;
+        self.misses += 1;
         let evicted = self.owner[victim];
         if let Some((l, e)) = evicted {
             if let Some(j) = self.index(l, e) {
@@ -136,6 +204,8 @@ impl LruPolicy {
         self.owner[victim] = Some((layer, expert));
         self.slot_of[i] = victim as u32;
         self.last_use[victim] = self.clock;
+        self.uses[victim] = 1;
+        self.group_of[victim] = self.group;
         Ok(Lookup::Miss {
             slot: victim as u32,
             evicted,
@@ -313,6 +383,62 @@ mod tests {
         assert_eq!((p.hits, p.misses), (1, 3));
         assert!(p.lookup(4, 0).is_err(), "layer outside the range");
         assert!(LruPolicy::new(0, 1, 4, 1, &[re(0, 1, 0), re(0, 2, 0)]).is_err());
+    }
+
+    #[test]
+    fn lfu_keeps_the_pinned_hot_set_and_evicts_the_least_used() {
+        // 4 slots seeded with (0,0) best, (0,1), (0,2), (0,3); pin the two best, 2 unpinned.
+        let seeds = [re(0, 0, 0), re(0, 1, 1), re(0, 2, 2), re(0, 3, 3)];
+        let mut p = LruPolicy::new(0, 1, 8, 4, &seeds).unwrap();
+        p.pin_hot(&seeds, 2);
+        assert_eq!(p.unpinned_slots(), 2);
+        assert!(p.is_pinned(0, 1) && !p.is_pinned(0, 2));
+        // (0,2) used three times, (0,3) once more: a miss evicts (0,3), the less used.
+        for _ in 0..3 {
+            p.lookup(0, 2).unwrap();
+        }
+        p.lookup(0, 3).unwrap();
+        assert_eq!(
+            p.lookup(0, 4).unwrap(),
+            Lookup::Miss {
+                slot: 3,
+                evicted: Some((0, 3))
+            }
+        );
+        // (0,4) has one use, (0,2) three: the next miss takes (0,4)'s slot, never a pinned
+        // one even though the pinned experts were not used since.
+        assert_eq!(
+            p.lookup(0, 5).unwrap(),
+            Lookup::Miss {
+                slot: 3,
+                evicted: Some((0, 4))
+            }
+        );
+        assert_eq!(p.slot_of(0, 0), Some(0));
+        assert_eq!(p.slot_of(0, 1), Some(1));
+    }
+
+    #[test]
+    fn a_group_never_evicts_its_own_experts() {
+        // 2 slots, LRU: (0,0) in slot 0 is the oldest; a group that hits it and then misses
+        // must take slot 1, and a third expert in the same group finds no slot.
+        let mut p = LruPolicy::new(0, 1, 8, 2, &[re(0, 0, 0), re(0, 1, 1)]).unwrap();
+        p.begin_group();
+        assert_eq!(p.lookup(0, 0).unwrap(), Lookup::Hit { slot: 0 });
+        assert_eq!(
+            p.lookup(0, 5).unwrap(),
+            Lookup::Miss {
+                slot: 1,
+                evicted: Some((0, 1))
+            }
+        );
+        assert!(p.lookup(0, 6).is_err());
+        // The next group may evict either.
+        p.begin_group();
+        assert!(matches!(
+            p.lookup(0, 6).unwrap(),
+            Lookup::Miss { slot: 0, .. }
+        ));
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod experts;
 pub mod load;
 pub mod model;
 pub mod pipeline;
+pub mod routing;
 pub use strata_schemas::quant;
 pub mod sampler;
 pub mod serve;

@@ -1,5 +1,6 @@
-//! `strata-exec`: run a Strata plan (generate, `--serve`), `bench` it, or `probe` this
-//! machine. Each command lives in its own file under `cli/`; this file only dispatches.
+//! `strata-exec`: run a Strata plan (generate, `--serve`), `bench` it, `profile` its routing,
+//! or `probe` this machine. Each command lives in its own file under `cli/`; this file only
+//! dispatches.
 //! Invariant: every check happens before the first arena is allocated; exit 0 on success, 1
 //! on any bad input or mismatch (with the numbers), 2 on an engine failure mid-run.
 
@@ -29,6 +30,9 @@ enum Cmd {
     Bench(cli::bench::BenchArgs),
     /// Measure this machine and write a probe file for `strata-plan --hardware`.
     Probe(cli::probe::ProbeArgs),
+    /// Run a file of prompts and write the router's picks as a routing profile for
+    /// `strata-plan --expert-profile`.
+    Profile(cli::profile::ProfileArgs),
 }
 
 fn main() {
@@ -36,6 +40,7 @@ fn main() {
     match cli.cmd {
         Some(Cmd::Bench(a)) => cli::bench::main(a),
         Some(Cmd::Probe(a)) => cli::probe::main(a),
+        Some(Cmd::Profile(a)) => cli::profile::main(a),
         None if cli.run.serve.serve => cli::serve::main(cli.run),
         None => cli::run::main(cli.run),
     }

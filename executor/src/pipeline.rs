@@ -11,7 +11,9 @@ use crate::backend::{Stage, StepKind, WorkBuf};
 use crate::engine::EngineStats;
 use crate::engine::{check_greedy_args, check_sample_args, Engine, EngineError, EngineInfo};
 use crate::model::Forward;
+use crate::routing::RoutingTally;
 use crate::sampler::Draw;
+use strata_schemas::profile::ExpertProfile;
 
 /// One planned device: its backend and the part of the model bound on it.
 pub struct StageOf<B, M> {
@@ -346,15 +348,17 @@ where
     }
 
     fn stats(&self) -> EngineStats {
-        let (mut hits, mut misses) = (0, 0);
+        let (mut hits, mut misses, mut streamed) = (0, 0, 0);
         for st in &self.stages {
             let (h, m) = st.backend.expert_counters();
             hits += h;
             misses += m;
+            streamed += st.backend.expert_bytes_streamed();
         }
         EngineStats {
             expert_hits: hits,
             expert_misses: misses,
+            expert_bytes_streamed: streamed,
             kv_cells_in_use: self.lens.clone(),
         }
     }
@@ -370,5 +374,19 @@ where
 
     fn allocated_bytes(&self) -> u64 {
         self.allocated_bytes
+    }
+
+    fn routing_profile(&self) -> Option<ExpertProfile> {
+        let tallies: Vec<&RoutingTally> = self
+            .stages
+            .iter()
+            .filter_map(|st| st.backend.routing())
+            .collect();
+        let (layers, experts) = tallies.first()?.dims();
+        let mut p = ExpertProfile::uniform(layers as u32, experts as u32);
+        for t in tallies {
+            t.add_into(&mut p).ok()?;
+        }
+        Some(p)
     }
 }

@@ -309,6 +309,7 @@ async fn info_endpoints_and_chat_template() {
         "strata_tokens_per_second",
         "strata_expert_cache_hits_total",
         "strata_expert_cache_misses_total",
+        "strata_expert_bytes_streamed_total",
         "strata_kv_cells_in_use{slot=\"1\"}",
     ] {
         assert!(text.contains(fam), "{fam} missing");

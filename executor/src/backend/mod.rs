@@ -201,4 +201,14 @@ pub trait Stage: Ops {
     fn expert_counters(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// Bytes of expert weights copied from host memory into the device's cache for misses
+    /// since start-up.
+    fn expert_bytes_streamed(&self) -> u64 {
+        0
+    }
+    /// The router's picks counted since start-up (for `strata-exec profile`), where this
+    /// backend counts them.
+    fn routing(&self) -> Option<&crate::routing::RoutingTally> {
+        None
+    }
 }

@@ -8,7 +8,7 @@
 use super::{backend_for, fail, open_plan, Backend, PlanArgs};
 use std::path::PathBuf;
 use std::time::Instant;
-use strata_exec::engine::Engine;
+use strata_exec::engine::{Engine, EngineStats};
 use strata_exec::sampler::{Sampler, SamplingParams};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -41,6 +41,69 @@ pub struct BenchArgs {
     /// Output: text (a table) or json (one object).
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub format: String,
+}
+
+/// Expert-cache counters of the timed repetitions (warm-up excluded).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ExpertCounts {
+    reps: usize,
+    hits: u64,
+    misses_streamed: u64,
+    /// Misses computed on the CPU from host memory (the hybrid path; none in this build).
+    misses_cpu: u64,
+    bytes_streamed: u64,
+    predicted_hit_rate: f64,
+}
+
+impl ExpertCounts {
+    fn between(a: &EngineStats, b: &EngineStats, reps: usize, predicted_hit_rate: f64) -> Self {
+        Self {
+            reps,
+            hits: b.expert_hits.saturating_sub(a.expert_hits),
+            misses_streamed: b.expert_misses.saturating_sub(a.expert_misses),
+            misses_cpu: 0,
+            bytes_streamed: b
+                .expert_bytes_streamed
+                .saturating_sub(a.expert_bytes_streamed),
+            predicted_hit_rate,
+        }
+    }
+
+    /// Hits over lookups (None without lookups: every expert read in place).
+    fn hit_rate(&self) -> Option<f64> {
+        let all = self.hits + self.misses_streamed + self.misses_cpu;
+        (all > 0).then(|| self.hits as f64 / all as f64)
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "reps": self.reps,
+            "hits": self.hits,
+            "misses_streamed": self.misses_streamed,
+            "misses_cpu": self.misses_cpu,
+            "bytes_streamed": self.bytes_streamed,
+            "hit_rate": self.hit_rate(),
+            "predicted_hit_rate": self.predicted_hit_rate,
+        })
+    }
+
+    fn text(&self) -> String {
+        let per = |x: u64| x as f64 / self.reps.max(1) as f64;
+        match self.hit_rate() {
+            None => format!(
+                "experts: every expert read in place (no cache lookups); the plan predicts a hit rate of {:.3}",
+                self.predicted_hit_rate
+            ),
+            Some(r) => format!(
+                "experts per rep: {:.0} hits, {:.0} misses streamed ({:.1} MiB host -> device), {:.0} computed on the CPU; hit rate {r:.3}, the plan predicts {:.3}",
+                per(self.hits),
+                per(self.misses_streamed),
+                per(self.bytes_streamed) / (1u64 << 20) as f64,
+                per(self.misses_cpu),
+                self.predicted_hit_rate
+            ),
+        }
+    }
 }
 
 /// The plan's predicted tok/s for this run: (prefill of `p` tokens in `ubatch` passes, `n`
@@ -194,6 +257,7 @@ pub fn main(args: BenchArgs) {
         eprintln!("strata-exec: {e}");
         std::process::exit(2);
     }
+    let stats0 = engine.stats();
     let mut pps = Vec::new();
     let mut tgs = Vec::new();
     for r in 0..args.reps.max(1) {
@@ -214,6 +278,8 @@ pub fn main(args: BenchArgs) {
             }
         }
     }
+    let stats1 = engine.stats();
+    let xc = ExpertCounts::between(&stats0, &stats1, pps.len(), plan.predicted.expert_hit_rate);
     let (pm, ps) = mean_sd(&pps);
     let (tm, ts) = mean_sd(&tgs);
     let name = engine.info().model_name.clone();
@@ -245,6 +311,7 @@ pub fn main(args: BenchArgs) {
                 "basis": plan.predicted.basis,
             },
         });
+        j["experts"] = xc.json();
         if let Some(m) = &memory {
             j["device_memory"] = m
                 .iter()
@@ -272,6 +339,7 @@ pub fn main(args: BenchArgs) {
                 ratio(tm, pred_tg)
             );
         }
+        println!("{}", xc.text());
         if guessed {
             println!("predictions: guesses (the plan's probe has no measured [device.cost] coefficients; `strata-exec probe` measures them)");
         }
@@ -291,5 +359,41 @@ pub fn main(args: BenchArgs) {
                 engine.allocated_bytes() as f64 / (1u64 << 30) as f64
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_counts_are_the_timed_reps_difference() {
+        let a = EngineStats {
+            expert_hits: 10,
+            expert_misses: 4,
+            expert_bytes_streamed: 1 << 20,
+            kv_cells_in_use: vec![],
+        };
+        let b = EngineStats {
+            expert_hits: 40,
+            expert_misses: 14,
+            expert_bytes_streamed: 5 << 20,
+            kv_cells_in_use: vec![3],
+        };
+        let c = ExpertCounts::between(&a, &b, 2, 0.5);
+        assert_eq!(
+            (c.hits, c.misses_streamed, c.bytes_streamed),
+            (30, 10, 4 << 20)
+        );
+        assert_eq!(c.hit_rate(), Some(0.75));
+        let t = c.text();
+        assert!(
+            t.contains("15 hits") && t.contains("5 misses") && t.contains("2.0 MiB"),
+            "{t}"
+        );
+        assert_eq!(c.json()["hit_rate"], 0.75);
+        let none = ExpertCounts::between(&a, &a, 1, 0.9);
+        assert_eq!(none.hit_rate(), None);
+        assert!(none.text().contains("in place"));
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod probe;
+pub mod profile;
 pub mod run;
 pub mod serve;
 
@@ -91,7 +92,9 @@ pub struct PlanArgs {
     /// its own), unfused-attention (decode attention in three launches), attn-chunk=N (the
     /// fused attention's smallest split, cells; default 32), no-staging (one-token products
     /// read their input from global memory), host-pick (greedy and sampled tokens picked on
-    /// the host from the logits). Every variant gives the same tokens.
+    /// the host from the logits), expert-lfu (on plans with experts outside VRAM, the expert
+    /// cache replaces the least frequently used expert and keeps the profile's hottest
+    /// pinned, instead of LRU). Every variant gives the same tokens.
     #[arg(long, value_delimiter = ',', value_name = "OPT,OPT,...")]
     pub kernel_options: Vec<String>,
     /// Time every kernel launch with events (decode graphs and programmatic dependent launch

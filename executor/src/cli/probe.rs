@@ -12,6 +12,12 @@ pub struct ProbeArgs {
     /// Where to write the probe file (TOML); default: standard output.
     #[arg(short = 'o', long)]
     pub out: Option<PathBuf>,
+    /// Instead of the probe file: pin MIB of host memory with cuMemHostAlloc and with
+    /// cuMemHostRegister (anonymous memory, and a mapped file read-only) on GPU 0 and print
+    /// whether each counts against `ulimit -l`. Run it under a small limit, e.g.
+    /// `(ulimit -l 8192; strata-exec probe --memlock-test 64)`.
+    #[arg(long, value_name = "MIB")]
+    pub memlock_test: Option<u64>,
 }
 
 /// The host facts the probe holds.
@@ -390,6 +396,9 @@ fn write_out(text: &str, out: Option<&Path>) -> Result<(), String> {
 }
 
 pub fn main(args: ProbeArgs) {
+    if let Some(mib) = args.memlock_test {
+        return memlock_test(mib);
+    }
     let text = probe_text().unwrap_or_else(|e| super::fail(format!("probe: {e}")));
     // What we write must be what the planner accepts; a failure here is our bug.
     if let Err(e) = HardwareProbe::from_toml(&text, "the probe just measured") {
@@ -398,6 +407,25 @@ pub fn main(args: ProbeArgs) {
         ))
     }
     write_out(&text, args.out.as_deref()).unwrap_or_else(|e| super::fail(format!("probe: {e}")));
+}
+
+#[cfg(feature = "cuda")]
+fn memlock_test(mib: u64) {
+    use strata_exec::backend::cuda::memlock::probe_memlock;
+    if mib == 0 {
+        super::fail("--memlock-test: give the MiB to pin, e.g. 64 (more than `ulimit -l`)");
+    }
+    match probe_memlock(0, mib << 20) {
+        Ok(r) => print!("{}", r.text()),
+        Err(e) => super::fail(format!("--memlock-test: {e}")),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn memlock_test(_mib: u64) {
+    super::fail(
+        "--memlock-test pins memory through CUDA: rebuild strata-exec with the `cuda` feature",
+    );
 }
 
 #[cfg(test)]

@@ -57,6 +57,7 @@ pub struct Shared {
     pub ttft_count: AtomicU64,
     pub expert_hits: AtomicU64,
     pub expert_misses: AtomicU64,
+    pub expert_bytes_streamed: AtomicU64,
     pub slots: Mutex<Vec<SlotView>>,
     /// Notified once when loading failed, so the server stops instead of idling.
     pub load_failed: tokio::sync::Notify,
@@ -163,6 +164,12 @@ impl Shared {
             "counter",
             "Expert cache misses reported by the engine",
             g(&self.expert_misses),
+        );
+        m(
+            "expert_bytes_streamed_total",
+            "counter",
+            "Bytes of expert weights copied host to device for expert cache misses",
+            g(&self.expert_bytes_streamed),
         );
         let _ = writeln!(
             o,

@@ -486,6 +486,9 @@ impl Sched {
         self.shared
             .expert_misses
             .store(stats.expert_misses, Relaxed);
+        self.shared
+            .expert_bytes_streamed
+            .store(stats.expert_bytes_streamed, Relaxed);
         let Ok(mut views) = self.shared.slots.lock() else {
             return;
         };

@@ -22,6 +22,7 @@ use crate::backend::{Attention, Bind, Ops, Route, Stage, StepKind, WorkBuf};
 use crate::experts::{CpuExpertCache, ExpertBytes};
 use crate::model::{check_view, ModelError, WeightSource};
 use crate::quant::{self, QuantError};
+use crate::routing::RoutingTally;
 use kv::{KvCache, KvError};
 use scratch::{Scratch, ScratchError};
 use strata_schemas::dims::Dims;
@@ -92,6 +93,8 @@ pub struct CpuStage<'a> {
     scratch: Scratch<'a>,
     kv: Vec<KvCache<'a>>,
     cache: Option<CpuExpertCache<'a>>,
+    /// The router's picks of every pass so far.
+    tally: RoutingTally,
     /// The pass's inputs: token ids, slots and positions (capacity: the planned pass).
     tok: Vec<u32>,
     slot: Vec<u32>,
@@ -125,6 +128,7 @@ impl<'a> CpuStage<'a> {
             scratch,
             kv,
             cache,
+            tally: RoutingTally::new(d.n_layer, d.n_expert),
             tok: Vec::with_capacity(max_tok),
             slot: Vec::with_capacity(max_tok),
             pos: Vec::with_capacity(max_tok),
@@ -426,6 +430,7 @@ impl<'a> Ops for CpuStage<'a> {
             ],
             [(ids, n * k), (WorkBuf::ExTok, n)],
         )?;
+        self.tally.record(layer, &is[..n * k]);
         proj[..n * e].fill(0.0);
         for ex in 0..ne {
             let mut cnt = 0;
@@ -628,5 +633,9 @@ impl Stage for CpuStage<'_> {
 
     fn expert_counters(&self) -> (u64, u64) {
         self.cache.as_ref().map_or((0, 0), |c| c.counters())
+    }
+
+    fn routing(&self) -> Option<&RoutingTally> {
+        Some(&self.tally)
     }
 }

@@ -186,6 +186,7 @@ impl Bind for CudaStage {
     fn experts_of(&mut self, layer: u32) -> Result<CExperts, CudaError> {
         let (e, f, ne) = (self.d.e, self.d.f, self.d.n_expert);
         let base = self.arena.all().ptr();
+        let host_tier = self.xcache.is_some();
         let b = self.binder()?;
         let inv = b.host.inventory();
         let n = |p: &str| format!("blk.{layer}.ffn_{p}_exps.weight");
@@ -213,6 +214,10 @@ impl Bind for CudaStage {
         };
         // Offsets (in the arena) of every expert's gate, up and down matrices.
         let mut offs = vec![0u64; ne * 3];
+        // A stage with an expert cache serves every layer whose stacks stay in host memory
+        // through it (its slots are shared: a resident expert may be evicted by another
+        // layer's miss); an expert in no slot points at a placeholder until fetched.
+        let cached = host_tier && whole.is_none();
         for x in 0..ne {
             let at = match whole {
                 Some([g, u, d]) => [
@@ -220,6 +225,10 @@ impl Bind for CudaStage {
                     u + x as u64 * per_gu,
                     d + x as u64 * per_down,
                 ],
+                None if cached && !b.slot_of.contains_key(&(layer, x as u32)) => {
+                    let (region, _) = b.cache.unwrap_or_default();
+                    super::expert_cache::placeholder(region, per_gu)
+                }
                 None => {
                     let (Some(s), Some((region, slot_bytes))) =
                         (b.slot_of.get(&(layer, x as u32)), b.cache)
@@ -237,7 +246,7 @@ impl Bind for CudaStage {
         // The grouped prefill products read gate, up and down with one kernel type, every
         // expert at a fixed stride.
         let stacks = (|| {
-            if ne < 2 || ty != ty_up || ty != ty_down {
+            if cached || ne < 2 || ty != ty_up || ty != ty_down {
                 return None;
             }
             let gs = offs[3].checked_sub(offs[0])?;
@@ -258,6 +267,14 @@ impl Bind for CudaStage {
         let table: Vec<u64> = offs.iter().map(|o| base + o).collect();
         let table_off = Binder::take(&mut b.tables, (table.len() * 8) as u64, "tables")?;
         self.htod(table_off, &table)?;
+        if let (true, Some(c)) = (cached, self.xcache.as_mut()) {
+            c.register_layer(
+                layer,
+                table_off,
+                table,
+                [(ty, f, e), (ty_up, f, e), (ty_down, e, f)],
+            )?;
+        }
         Ok(CExperts {
             table_off,
             ty,

@@ -494,7 +494,7 @@ impl Ops for CudaStage {
 
     fn experts(
         &mut self,
-        _layer: u32,
+        layer: u32,
         e: &CExperts,
         xn: WorkBuf,
         ids: WorkBuf,
@@ -502,6 +502,9 @@ impl Ops for CudaStage {
         y: WorkBuf,
         n: usize,
     ) -> Result<(), CudaError> {
+        if self.xcache.as_ref().is_some_and(|c| c.serves(layer)) {
+            return self.experts_through_cache(layer, e.ty, xn, ids, wts, y, n);
+        }
         let l = self.launcher();
         let d = self.d;
         let c = gemm_col_multiple(e.ty);

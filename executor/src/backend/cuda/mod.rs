@@ -10,12 +10,14 @@
 pub mod arena;
 pub mod bind;
 pub mod compile;
+pub mod expert_cache;
 pub mod flash;
 pub mod forward;
 pub mod gemm;
 pub mod handoff;
 pub mod launch;
 pub mod layout;
+pub mod memlock;
 pub mod options;
 pub mod probe;
 pub mod quants;

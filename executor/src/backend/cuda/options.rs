@@ -27,6 +27,11 @@ pub struct KernelOptions {
     /// Greedy and sampled picks read the logits back and pick on the host (`host-pick`)
     /// instead of on the device. The same tokens either way.
     pub host_pick: bool,
+    /// On plans with experts outside VRAM: the expert cache replaces the least frequently
+    /// used expert and keeps the plan's hottest resident experts (the routing profile's) pinned
+    /// (`expert-lfu`), instead of replacing the least recently used. The same logits either
+    /// way; only which misses are copied differs.
+    pub expert_lfu: bool,
 }
 
 impl Default for KernelOptions {
@@ -37,13 +42,14 @@ impl Default for KernelOptions {
             attn_chunk: 32,
             stage_inputs: true,
             host_pick: false,
+            expert_lfu: false,
         }
     }
 }
 
 /// The values `--kernel-options` takes, for `--help` and errors.
 pub const KERNEL_OPTIONS_HELP: &str =
-    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick";
+    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu";
 
 impl KernelOptions {
     /// Parse a comma-separated `--kernel-options` list over the defaults.
@@ -55,6 +61,7 @@ impl KernelOptions {
                 "unfused-attention" => o.fused_attention = false,
                 "no-staging" => o.stage_inputs = false,
                 "host-pick" => o.host_pick = true,
+                "expert-lfu" => o.expert_lfu = true,
                 _ => match item.strip_prefix("attn-chunk=") {
                     Some(v) => {
                         o.attn_chunk = v
@@ -135,6 +142,11 @@ mod tests {
         assert!(e.contains("`fast`") && e.contains("host-pick"), "{e}");
         assert!(KernelOptions::parse(&["attn-chunk=0".into()]).is_err());
         let o = KernelOptions::parse(&["no-staging".into(), "host-pick".into()]).unwrap();
-        assert!(!o.stage_inputs && o.host_pick);
+        assert!(!o.stage_inputs && o.host_pick && !o.expert_lfu);
+        assert!(
+            KernelOptions::parse(&["expert-lfu".into()])
+                .unwrap()
+                .expert_lfu
+        );
     }
 }

@@ -93,6 +93,8 @@ pub struct CudaStage {
     /// While binding weights: the model's host view, the tensors placed here (name ->
     /// offset) and the next free bytes of the `tables` and `norms` buffers.
     pub(crate) binder: Option<super::bind::Binder>,
+    /// The expert cache, when the plan serves some of this stage's experts from host memory.
+    pub(crate) xcache: Option<super::expert_cache::CudaExpertCache>,
 }
 
 impl CudaStage {
@@ -131,6 +133,7 @@ impl CudaStage {
             prof: profile.then(Prof::default),
             prof_totals: ProfTotals::new(),
             link_in: None,
+            xcache: None,
             binder: Some(binder),
         }
     }
@@ -501,5 +504,19 @@ impl Stage for CudaStage {
     fn read_buf(&mut self, b: WorkBuf, out: &mut [f32]) -> Result<(), CudaError> {
         let v = self.buf_at(b, 0, 4 * out.len() as u64)?;
         self.dev.dtoh(v, out)
+    }
+
+    fn expert_counters(&self) -> (u64, u64) {
+        self.xcache.as_ref().map_or((0, 0), |c| c.hits_misses())
+    }
+
+    fn expert_bytes_streamed(&self) -> u64 {
+        self.xcache
+            .as_ref()
+            .map_or(0, |c| c.counters.bytes_streamed)
+    }
+
+    fn routing(&self) -> Option<&crate::routing::RoutingTally> {
+        self.xcache.as_ref().map(|c| c.tally())
     }
 }

@@ -8,6 +8,7 @@
 //! engine allocates no device memory.
 
 use super::bind::{upload_weights, Binder};
+use super::expert_cache::CudaExpertCache;
 use super::handoff::Link;
 use super::launch::{kty, ATT_MAX_D, ATT_MAX_GROUP};
 use super::options::CudaOptions;
@@ -324,8 +325,20 @@ pub fn start_cuda(
         };
         let layout = pf.layouts[i].clone();
         let has = |b: WorkBuf| layout.get(&b).is_some_and(|s| s.bytes > 0);
+        // Experts served from host memory: the cache reads each MoE layer's picks back with a
+        // host synchronisation, which a captured graph cannot hold, so those decode passes
+        // run uncaptured.
+        let xcache = CudaExpertCache::for_device(
+            plan,
+            dp,
+            host.clone(),
+            arena.all().ptr(),
+            &d,
+            pf.max_tok,
+            opts.kernels.expert_lfu,
+        )?;
         let flags = RunFlags {
-            graphs: opts.graphs && !opts.profile,
+            graphs: opts.graphs && !opts.profile && xcache.is_none(),
             pdl,
             gemm: opts.prefill_gemm && pf.gemm && has(WorkBuf::Xh) && has(WorkBuf::Yd),
             fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
@@ -346,6 +359,7 @@ pub fn start_cuda(
             opts.profile,
             binder,
         );
+        st.xcache = xcache;
         // The zero-between-launches counters start at zero; the RoPE table is uploaded.
         for b in [WorkBuf::Counters, WorkBuf::Argmax] {
             let v = st.buf(b)?;

@@ -1,0 +1,238 @@
+//! The CUDA engine on plans whose experts do not all fit VRAM: the planned expert-cache slots
+//! seeded from the plan, misses streamed from host memory into slots, prefill passes run in
+//! groups of tokens whose experts fit the slots. The logits equal an all-resident run of the
+//! same file (F32 and Q8_0 experts, the latter through the device layout conversion of a
+//! streamed miss), with LRU and with LFU over a pinned hot set, the counters see the misses,
+//! and the router's picks are counted.
+//! The plans are checked without a GPU; the runs need one: without it they print SKIP and
+//! return (on the GPU machine: `cargo test -p strata-exec --release --test cuda_offload --
+//! --test-threads=1 --nocapture`).
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::*;
+use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
+use strata_exec::backend::cuda::start::{preflight, start_cuda};
+use strata_exec::engine::Engine;
+use strata_exec::load::open_model;
+use strata_exec::sampler::argmax;
+use strata_schemas::ggml::GgmlType;
+use strata_schemas::plan::{Placement, Plan, RegionKind};
+use strata_schemas::serve::ExpertCache;
+
+fn gpu_present() -> bool {
+    if let Err(e) = strata_exec::backend::cuda::check_libraries() {
+        eprintln!("SKIP: {e}");
+        return false;
+    }
+    match strata_exec::backend::cuda::CudaDevice::open(0) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP: no CUDA device: {e}");
+            false
+        }
+    }
+}
+
+/// A GPU plan of `model` (a GGUF converted from the `base` reference) with `cache`.
+fn gpu_plan(model: &std::path::Path, cache: ExpertCache) -> Plan {
+    let inv = strata_plan::model::load_model(model).unwrap();
+    let ask = Ask {
+        gpu: true,
+        cache,
+        ..Ask::default()
+    };
+    plan_inventory("base", &inv, model, &ask)
+}
+
+/// (experts in no slot, slots) of a one-device plan: experts of the layers whose stacks stay
+/// in host memory that `resident_experts` leaves out.
+fn tiers(p: &Plan) -> (u64, u64) {
+    let dp = &p.devices[0];
+    let hosted_layers = p
+        .tensors
+        .iter()
+        .filter(|t| {
+            t.name.ends_with("ffn_gate_exps.weight")
+                && matches!(t.placement, Placement::HostExperts { .. })
+        })
+        .count() as u64;
+    let out = hosted_layers * p.model.n_expert - dp.resident_experts.len() as u64;
+    (out, dp.expert_cache_slots)
+}
+
+/// Prompt logits (every position, in `ubatch` passes) and `n` greedy tokens with the logits
+/// of each decode step.
+fn run(e: &mut dyn Engine, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>) {
+    e.reset_slot(0);
+    let ub = e.info().ubatch;
+    let v = e.info().n_vocab;
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(ub) {
+        logits.extend_from_slice(e.prefill_all(0, chunk).unwrap());
+    }
+    let mut next = argmax(&logits[logits.len() - v..]);
+    let mut out = vec![next];
+    while out.len() < n {
+        let l = e.decode(&[(0, next)]).unwrap();
+        logits.extend_from_slice(l);
+        next = argmax(l);
+        out.push(next);
+    }
+    (logits, out)
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// Streamed misses give the all-resident logits, for a cache of half the experts and for
+/// the minimum working set (where prefill passes split into groups of tokens).
+#[test]
+fn streamed_misses_equal_the_all_resident_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference("base");
+    let prompts = prompts(&r);
+    let gpu = gpu_present();
+    for ty in [GgmlType::F32, GgmlType::Q8_0] {
+        let gguf = dir.path().join(format!("tiny-{ty}.gguf"));
+        strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &gguf, ty, None).unwrap();
+        let full = gpu_plan(&gguf, ExpertCache::Auto);
+        assert_eq!(
+            tiers(&full).0,
+            0,
+            "{ty}: the reference plan keeps every expert in VRAM"
+        );
+        let n_all = full.model.n_layer as u64 * full.model.n_expert;
+        let mut offloaded = Vec::new();
+        for cache in [ExpertCache::Slots(n_all / 2), ExpertCache::Off] {
+            let p = gpu_plan(&gguf, cache);
+            let (out, slots) = tiers(&p);
+            assert!(
+                out > 0,
+                "{ty} {cache:?}: the plan keeps experts in host memory"
+            );
+            assert!(slots < n_all, "{ty} {cache:?}");
+            assert!(p.devices[0].resident_experts.len() as u64 <= slots);
+            let dp = &p.devices[0];
+            assert!(
+                dp.region_bytes(RegionKind::ExpertCache) >= slots * dp.expert_slot_bytes,
+                "{ty} {cache:?}: the region holds the slots"
+            );
+            // Every start-up check that needs no GPU passes.
+            let host = open_model(&gguf).unwrap();
+            if let Err(e) = preflight(&p, host.as_ref(), &CudaOptions::default()) {
+                panic!("{ty} {cache:?}: preflight refuses the plan: {e}");
+            }
+            offloaded.push((cache, p));
+        }
+        if !gpu {
+            continue;
+        }
+        let mut want =
+            start_cuda(&full, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+        let reference: Vec<_> = prompts.iter().map(|pr| run(&mut want, pr, 8)).collect();
+        assert_eq!(want.stats().expert_misses, 0);
+        for (cache, p) in &offloaded {
+            let mut g = start_cuda(p, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+            assert_eq!(
+                g.allocations(),
+                p.devices.len() as u64,
+                "one arena per planned device, nothing more for the cache"
+            );
+            let mut fed = 0u64;
+            for (pi, pr) in prompts.iter().enumerate() {
+                let (gl, gt) = run(&mut g, pr, 8);
+                let (wl, wt) = &reference[pi];
+                let d = max_abs(&gl, wl);
+                eprintln!(
+                    "{ty} {cache:?} prompt {pi}: max |offloaded - resident| = {d:e}{}",
+                    if gl == *wl { " (bit for bit)" } else { "" }
+                );
+                // The same kernels read the same expert bytes from another address: every
+                // token's products are computed alike, so the logits agree to rounding of
+                // the (unchanged) summation order; 1e-5 allows for none.
+                assert!(d <= 1e-5, "{ty} {cache:?} prompt {pi}: {d}");
+                assert_eq!(&gt, wt, "{ty} {cache:?} prompt {pi}: greedy tokens");
+                fed += pr.len() as u64 + 7;
+            }
+            let s = g.stats();
+            eprintln!(
+                "{ty} {cache:?}: {} hits, {} misses",
+                s.expert_hits, s.expert_misses
+            );
+            assert!(s.expert_misses > 0, "{ty} {cache:?}: misses were streamed");
+            let prof = g
+                .routing_profile()
+                .expect("the cache counts the router's picks");
+            for l in 0..prof.layers {
+                let row: u64 = (0..prof.experts).map(|x| prof.count(l, x)).sum();
+                assert_eq!(row, fed * p.model.n_expert_used, "{ty} layer {l}");
+            }
+            // A lookup per distinct expert of a group and layer: never more than the picks.
+            let picks = fed * p.model.n_expert_used * p.model.n_layer as u64;
+            assert!(s.expert_hits + s.expert_misses <= picks);
+            // Every miss copies one whole expert (gate, up, down), at most a slot.
+            let per = s.expert_bytes_streamed / s.expert_misses;
+            assert_eq!(per * s.expert_misses, s.expert_bytes_streamed);
+            assert!(per > 0 && per <= p.devices[0].expert_slot_bytes);
+        }
+    }
+}
+
+/// A slot is refilled while other layers' experts are evicted and fetched again: a long
+/// decode on the smallest cache keeps giving the resident run's tokens.
+#[test]
+fn replacement_keeps_the_tokens_over_a_long_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("tiny-f32.gguf");
+    strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &gguf, GgmlType::F32, None)
+        .unwrap();
+    let full = gpu_plan(&gguf, ExpertCache::Auto);
+    let small = gpu_plan(&gguf, ExpertCache::Off);
+    assert!(tiers(&small).0 > 0);
+    if !gpu_present() {
+        return;
+    }
+    let r = reference("base");
+    let prompt = &prompts(&r)[0];
+    let mut a = start_cuda(&full, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+    let mut b = start_cuda(&small, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+    let n = (full.serve.max_context as usize - prompt.len()).min(48);
+    let (al, at) = run(&mut a, prompt, n);
+    let (bl, bt) = run(&mut b, prompt, n);
+    assert_eq!(at, bt);
+    assert!(max_abs(&al, &bl) <= 1e-5);
+    let s = b.stats();
+    assert!(
+        s.expert_misses > tiers(&small).1,
+        "more misses than slots: slots were reused ({} misses)",
+        s.expert_misses
+    );
+    // LFU with the plan's hottest resident experts pinned (`--kernel-options expert-lfu`):
+    // other misses, the same tokens and logits.
+    let n_all = full.model.n_layer as u64 * full.model.n_expert;
+    let half = gpu_plan(&gguf, ExpertCache::Slots(n_all / 2));
+    let lfu = CudaOptions {
+        kernels: KernelOptions {
+            expert_lfu: true,
+            ..KernelOptions::default()
+        },
+        ..CudaOptions::default()
+    };
+    for (name, opts) in [("lru", CudaOptions::default()), ("lfu", lfu)] {
+        let mut c = start_cuda(&half, open_model(&gguf).unwrap(), opts).unwrap();
+        let (cl, ct) = run(&mut c, prompt, n);
+        assert_eq!(at, ct, "{name}");
+        assert!(max_abs(&al, &cl) <= 1e-5, "{name}");
+        let s = c.stats();
+        eprintln!(
+            "{name}, {} slots: {} hits, {} misses over {n} tokens",
+            tiers(&half).1,
+            s.expert_hits,
+            s.expert_misses
+        );
+    }
+}
