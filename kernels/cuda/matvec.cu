@@ -154,11 +154,21 @@ ST_KERNEL void dq_qkv8(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq,
 }
 
 // Embedding lookup: out[t] = row ids[t] of W (rows x cols, device layout), dequantized.
-// grid: n_tok.
+// Any-type codes decode 32 values a thread per step (cols a multiple of 32). grid: n_tok.
 ST_KERNEL void dq_get_rows(const u8* W, int ty, int rows, int cols, const int* ids, float* out) {
     st_pdl_enter();
     const long r = ids[blockIdx.x];
     float* o = out + (long)blockIdx.x * cols;
+    if (ty >= ST_TY_GGML) {
+        const u8* wr = W + r * dq_row_bytes(ty, cols);
+        float v[32];
+        for (int g = threadIdx.x; g < cols / 32; g += blockDim.x) {
+            qt_group32(ty - ST_TY_GGML, wr, g, v);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) o[32 * g + j] = v[j];
+        }
+        return;
+    }
     // Four elements' loads per thread before their stores (see dq_attn_gqa's query loads).
     for (int i0 = threadIdx.x; i0 < cols; i0 += 4 * blockDim.x) {
         float v[4];

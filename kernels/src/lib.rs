@@ -66,7 +66,7 @@ const RAW: &[Raw] = &[
     },
     Raw {
         name: "matvec",
-        headers: &[PRODUCTS],
+        headers: &[QUANT_TABLES, QUANTS, PRODUCTS],
         body: include_str!("../cuda/matvec.cu"),
         entry_points: MATVEC,
         pdl_aware: MATVEC,
@@ -74,7 +74,7 @@ const RAW: &[Raw] = &[
     },
     Raw {
         name: "moe",
-        headers: &[PRODUCTS],
+        headers: &[QUANT_TABLES, QUANTS, PRODUCTS],
         body: include_str!("../cuda/moe.cu"),
         entry_points: MOE,
         pdl_aware: MOE,

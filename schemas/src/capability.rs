@@ -78,7 +78,7 @@ pub struct Capability {
     pub prefill_gemm_types: &'static [GgmlType],
 }
 
-use GgmlType::{BF16, F16, F32, Q4K, Q8_0};
+use GgmlType::{BF16, Q4K, Q8_0};
 
 /// Today's truth, mirrored from `strata-exec`'s start-up checks (`exec.rs::start` for the
 /// CPU engine, `backend/cuda/engine.rs::preflight` and its stage builder for CUDA).
@@ -104,7 +104,9 @@ pub const TABLE: [Capability; 3] = [
         backend: Backend::Cuda,
         missing: None,
         archs: &["qwen3moe"],
-        weight_types: &[F32, F16, BF16, Q8_0, Q4K],
+        // Every type the reference decodes: F32/F16/BF16/Q8_0/Q4_K on dedicated kernels, the
+        // rest on quants.cuh's decoders (launch::kty).
+        weight_types: crate::quant::SUPPORTED,
         kv_types: &["f16", "q8_0"],
         vendors: &["nvidia"],
         host_experts: false,
@@ -467,9 +469,9 @@ mod tests {
         let mut w = qwen3moe();
         w.arch = "qwen3next".into();
         w.tensors
-            .push(("blk.0.ffn_up_exps.weight".into(), GgmlType::Iq3S));
+            .push(("blk.0.ffn_up_exps.weight".into(), GgmlType::Tq1_0));
         w.tensors
-            .push(("blk.1.ffn_up_exps.weight".into(), GgmlType::Iq3S));
+            .push(("blk.1.ffn_up_exps.weight".into(), GgmlType::Tq1_0));
         w.kv = Some("f32".into());
         w.devices.push((1, "amd".into()));
         w.host_experts = (10, 128);
@@ -482,7 +484,7 @@ mod tests {
         let all = why.join("\n");
         for needle in [
             "architecture `qwen3next`",
-            "IQ3_S of tensor `blk.0.ffn_up_exps.weight` and 1 more",
+            "TQ1_0 of tensor `blk.0.ffn_up_exps.weight` and 1 more",
             "KV type `f32`",
             "device 1 is vendor `amd`",
             "experts_host: 10 of 128",
