@@ -269,14 +269,7 @@ fn cases() -> Vec<Case> {
             (false, false),
             ("vendor", "experts_host"),
         ),
-        case(
-            "gpu q4_k_m",
-            &q4km,
-            &gpu,
-            &s,
-            (false, true),
-            ("vendor", ""),
-        ),
+        case("gpu q4_k_m", &q4km, &gpu, &s, (false, true), ("vendor", "")),
         case(
             "gpu qwen3next",
             &next,

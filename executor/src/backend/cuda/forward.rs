@@ -519,11 +519,8 @@ impl Ops for CudaStage {
         let l = self.launcher();
         let d = self.d;
         let c = gemm_col_multiple(e.ty);
-        let grouped_ty = c != 0
-            && d.e % c == 0
-            && d.f % c == 0
-            && e.ty_up == e.ty
-            && e.ty_down == e.ty;
+        let grouped_ty =
+            c != 0 && d.e % c == 0 && d.f % c == 0 && e.ty_up == e.ty && e.ty_down == e.ty;
         if let (true, true, Some(s)) = (self.gemm_pass(n), grouped_ty, e.stacks) {
             return self.experts_grouped(&l, s, e.ty, xn, ids, wts, y, n);
         }
