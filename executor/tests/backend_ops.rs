@@ -187,10 +187,11 @@ fn partner(ty: GgmlType) -> GgmlType {
     }
 }
 
-/// The weight types whose prefill products take the tensor-core kernels (the rest of a pass
-/// of 16 tokens or more takes the f32 few-token products).
+/// The weight types whose prefill products take the tensor-core kernels (f16 or bf16 inputs):
+/// every type but F32 and F16 (Q8_0, Q4_K and BF16 on their own kernels, the rest decoded to
+/// f16 as each stage is loaded, `gemm_any_*`).
 fn tensor_core(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::BF16)
+    !matches!(ty, GgmlType::F32 | GgmlType::F16)
 }
 
 /// Insert a random f32 vector near 1 (a norm's weights).
@@ -313,8 +314,8 @@ fn rms_norm_rows_and_offsets() {
 }
 
 /// One-token and few-token products (matrix-vector kernels, decode passes) and prefill
-/// passes of 16 tokens or more (tensor-core products for Q8_0, Q4_K and BF16: f16 or bf16
-/// inputs), for every weight type the CPU reference decodes (all of them read by the CUDA
+/// passes of 16 tokens or more (tensor-core products for every type but F32 and F16: f16 or
+/// bf16 inputs), for every weight type the CPU reference decodes (all of them read by the CUDA
 /// kernels); plus Q/K/V in one launch, Q/K/V of two types (a quantizer's mix: the V
 /// projection of the partner type), and the output projection added into the residual.
 #[test]

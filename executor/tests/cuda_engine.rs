@@ -543,9 +543,10 @@ fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
 /// IQ3_S experts with Q4_K V; ...) — routed to all 8 experts (no router choice can flip), a
 /// 53-token prompt in passes of 32 and 21 then 10 decode steps fed the CPU's tokens, compared
 /// row by row with the CPU engine on the same file. Tolerance (max |GPU - CPU| / max |CPU| per
-/// row): 2e-3 where every product computes in f32 (the matvec engine, and files with no type
-/// the tensor-core products read), 1e-2 where a prefill product rounds weights and inputs to
-/// f16 (Q4_K_M's Q4_K matrices), the bounds of the Q4_K and Q8_0 tests above.
+/// row): 2e-3 where every product computes in f32 (the matvec engine), 1e-2 where prefill
+/// products round weights and inputs to f16 (the default engine: tensor-core products for
+/// every quantized type, `gemm_any_*` decoding the types without a kernel of their own), the
+/// bounds of the Q4_K and Q8_0 tests above.
 #[test]
 fn quantizer_mixes_match_the_cpu_engine() {
     if !gpu_present() {
@@ -576,11 +577,12 @@ fn quantizer_mixes_match_the_cpu_engine() {
             inv.tensors.iter().any(|t| t.ggml_type == marker),
             "{preset}: no {marker} tensor in {types:?}"
         );
-        // Prefill products on tensor cores where a matrix's type has a tile kernel.
-        let rounds = inv.tensors.iter().any(|t| {
-            t.dims.len() >= 2
-                && matches!(t.ggml_type, GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::BF16)
-        });
+        // Prefill products on tensor cores where a matrix's type has a tile kernel (every
+        // type but F32 and F16: the mixes' quantized matrices all do).
+        let rounds = inv
+            .tensors
+            .iter()
+            .any(|t| t.dims.len() >= 2 && !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16));
         let ask = Ask {
             ctx: 128,
             ubatch: 32,

@@ -106,7 +106,7 @@ const RAW: &[Raw] = &[
     },
     Raw {
         name: "gemm",
-        headers: &[],
+        headers: &[QUANT_TABLES, QUANTS],
         body: include_str!("../cuda/gemm.cu"),
         entry_points: &[
             "gemm_q8_0_m64",
@@ -130,6 +130,13 @@ const RAW: &[Raw] = &[
             "moe_gemm_q4_k_m128",
             "moe_gemm_q4_k_m128w",
             "moe_gemm_glu_q4_k_m64",
+            "gemm_any_m64",
+            "gemm_any_m128",
+            "gemm_any_m128w",
+            "moe_gemm_any_m64",
+            "moe_gemm_any_m128",
+            "moe_gemm_any_m128w",
+            "moe_gemm_glu_any_m64",
             "gemm_cvt_x",
             "moe_sort",
         ],
