@@ -110,7 +110,9 @@ __device__ __forceinline__ void dq_xs_fill(float4* xs, const float* x, int cols)
 // acc[t] += W_r . in(t) over the warp's lanes (not yet reduced across the warp). XS (one
 // token, no norm, Q8_0): the input is read from xs instead (dq_xs_fill); a separate
 // instantiation, so the plain loop's code is what it was without the staging.
-template <int NT, bool XS = false>
+// ANY: the any-type codes' branch is compiled in (the *_any kernels only, so the fast kernels'
+// register budget stays what it was without it).
+template <int NT, bool XS = false, bool ANY = false>
 __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, long rows, long cols,
                                            long r, const DqIn<NT>& in, int n_tok,
                                            float (&acc)[NT], const float4* xs = nullptr) {
@@ -172,7 +174,7 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
                 }
             }
         }
-    } else if (ty >= ST_TY_GGML) {
+    } else if (ANY && ty >= ST_TY_GGML) {
         // Any other type (cols a multiple of 32, whole blocks): lane l decodes the 32-value
         // groups l, l + warp, ... of the row with quants.cuh's decoders (the values the CPU
         // reference decodes, bit for bit) and dots each with every token's input.

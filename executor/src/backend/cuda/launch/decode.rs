@@ -163,7 +163,12 @@ pub fn mv(
         None => (0, 0.0, 0),
     };
     let (add, n32) = (add as i32, int(OP, "n", n)?);
-    let name = if n == 1 { "dq_mv1" } else { "dq_mv8" };
+    let name = match (n == 1, super::any_type(w.ty)) {
+        (true, false) => "dq_mv1",
+        (false, false) => "dq_mv8",
+        (true, true) => "dq_mv1_any",
+        (false, true) => "dq_mv8_any",
+    };
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
     let blocks = if n == 1 {
         mv1_blocks(l, w.rows, w.cols, w.ty == GgmlType::Q8_0)
@@ -209,7 +214,12 @@ pub fn qkv(
     let rows = (mats[0].rows + mats[1].rows + mats[2].rows) as u32;
     let (n32, no_norm, eps) = (int(OP, "n", n)?, 0u64, 0f32);
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
-    let name = if n == 1 { "dq_qkv1" } else { "dq_qkv8" };
+    let name = match (n == 1, super::any_type(mats[0].ty)) {
+        (true, false) => "dq_qkv1",
+        (false, false) => "dq_qkv8",
+        (true, true) => "dq_qkv1_any",
+        (false, true) => "dq_qkv8_any",
+    };
     let smem = xs_bytes(stage, n, mats[0].ty, cols);
     let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
     let (rq, rk, rv, c) = (
@@ -449,7 +459,12 @@ pub fn moe_gate_up(
         int(OP, "n * k", n * k)? as u32,
         1,
     );
-    launch!(l, "dq_moe_gate_up", cfg(grid, 32 * DQ_WARPS, smem);
+    let name = if super::any_type(ex.ty) || super::any_type(ex.ty_up) {
+        "dq_moe_gate_up_any"
+    } else {
+        "dq_moe_gate_up"
+    };
+    launch!(l, name, cfg(grid, 32 * DQ_WARPS, smem);
         &tp, &ty, &ty_u, &f, &e, &ip, &k32, &xp, &no_norm, &eps, &hp)
 }
 
@@ -480,7 +495,12 @@ pub fn moe_down(
         return launch!(l, "dq_moe_down_rows", cfg((ex.e as u32, nt, 1), 128, 0);
             &tp, &e, &f, &ip, &wp, &k32, &hp, &yp);
     }
-    launch!(l, "dq_moe_down", cfg(((ex.e as u32).div_ceil(DQ_WARPS), nt, 1), 32 * DQ_WARPS, 0);
+    let name = if super::any_type(ex.ty_down) {
+        "dq_moe_down_any"
+    } else {
+        "dq_moe_down"
+    };
+    launch!(l, name, cfg(((ex.e as u32).div_ceil(DQ_WARPS), nt, 1), 32 * DQ_WARPS, 0);
         &tp, &ty, &e, &f, &ip, &wp, &k32, &hp, &yp)
 }
 
