@@ -110,6 +110,33 @@ __device__ __forceinline__ void dq_xs_fill(float4* xs, const float* x, int cols)
 // acc[t] += W_r . in(t) over the warp's lanes (not yet reduced across the warp). XS (one
 // token, no norm, Q8_0): the input is read from xs instead (dq_xs_fill); a separate
 // instantiation, so the plain loop's code is what it was without the staging.
+// The lane's part of one row . x for a row of a quantized type (GGUF id T, or gt at run time
+// when T < 0): lane l decodes the 32-value groups l, l + warp, ... and dots each with every
+// token's input.
+template <int NT, int T>
+__device__ __forceinline__ void dq_dot_qt(const u8* __restrict__ wr, long cols, int gt,
+                                          const DqIn<NT>& in, int n_tok, float (&acc)[NT]) {
+    const int lane = threadIdx.x % ST_WARP;
+    for (long g = lane; g < cols / 32; g += ST_WARP) {
+        float w[32];
+        if (T >= 0) qt_group32_fixed<(T < 0 ? QT_Q4_0 : T)>(wr, (int)g, w);
+        else qt_group32(gt, wr, (int)g, w);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < n_tok) {
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float4 xv = in.ld(t, 32 * g + 4 * j);
+                    s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
+                         w[4 * j + 3] * xv.w;
+                }
+                acc[t] += s;
+            }
+        }
+    }
+}
+
 // ANY: the any-type codes' branch is compiled in (the *_any kernels only, so the fast kernels'
 // register budget stays what it was without it).
 template <int NT, bool XS = false, bool ANY = false>
@@ -175,27 +202,16 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
             }
         }
     } else if (ANY && ty >= ST_TY_GGML) {
-        // Any other type (cols a multiple of 32, whole blocks): lane l decodes the 32-value
-        // groups l, l + warp, ... of the row with quants.cuh's decoders (the values the CPU
-        // reference decodes, bit for bit) and dots each with every token's input.
-        const int gt = ty - ST_TY_GGML;
+        // Any other type (cols a multiple of 32, whole blocks): quants.cuh's decoders (the
+        // values the CPU reference decodes, bit for bit), inlined for the types of llama.cpp's
+        // common mixes, out of line for the rest.
         const u8* wr = W + r * dq_row_bytes(ty, cols);
-        for (long g = lane; g < cols / 32; g += ST_WARP) {
-            float w[32];
-            qt_group32(gt, wr, (int)g, w);
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                if (t < n_tok) {
-                    float s = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const float4 xv = in.ld(t, 32 * g + 4 * j);
-                        s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
-                             w[4 * j + 3] * xv.w;
-                    }
-                    acc[t] += s;
-                }
-            }
+        switch (ty - ST_TY_GGML) {
+            case QT_Q6_K: dq_dot_qt<NT, QT_Q6_K>(wr, cols, 0, in, n_tok, acc); break;
+            case QT_Q5_K: dq_dot_qt<NT, QT_Q5_K>(wr, cols, 0, in, n_tok, acc); break;
+            case QT_IQ4_XS: dq_dot_qt<NT, QT_IQ4_XS>(wr, cols, 0, in, n_tok, acc); break;
+            case QT_IQ3_S: dq_dot_qt<NT, QT_IQ3_S>(wr, cols, 0, in, n_tok, acc); break;
+            default: dq_dot_qt<NT, -1>(wr, cols, ty - ST_TY_GGML, in, n_tok, acc); break;
         }
     } else if (ty == ST_TY_F32 && cols % 4 == 0) {
         const float* wr = (const float*)W + r * cols;
