@@ -19,7 +19,8 @@ use strata_exec::backend::cuda::start::{standalone_stage, StandaloneStage};
 use strata_exec::backend::cuda::CudaDevice;
 use strata_exec::backend::{Attention, Bind, Ops, Route, Stage, StepKind, WorkBuf};
 use strata_exec::load::MemModel;
-use strata_exec::model::MemWeights;
+use strata_exec::model::{MemWeights, OwnedTensor};
+use strata_exec::quant::{self, SUPPORTED};
 use strata_schemas::dims::Dims;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::inventory::HParams;
@@ -119,7 +120,42 @@ fn rand_vec(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Insert a random `rows x cols` matrix of `ty` (entries uniform in ±scale).
+/// Insert a random tensor of `ty` with GGUF dims `dims` (`dims[0]` the row width): entries
+/// uniform in ±scale through the reference quantizer where `ty` has one, else valid random
+/// blocks of the same RMS (`quant::random`), so every type's layout is exercised.
+fn put_tensor(
+    w: &mut MemWeights,
+    rng: &mut StdRng,
+    name: &str,
+    ty: GgmlType,
+    dims: &[u64],
+    scale: f32,
+) {
+    let n: u64 = dims.iter().product();
+    if quant::can_quantize(ty) {
+        let v = rand_vec(rng, n as usize, scale);
+        w.insert_f32(name, dims, &v, ty).unwrap();
+        return;
+    }
+    let cols = dims[0] as usize;
+    let rb = quant::row_bytes(ty, cols).unwrap();
+    let mut data = vec![0u8; rb * (n as usize / cols)];
+    for r in data.chunks_exact_mut(rb) {
+        let mut next = || rng.random::<u64>();
+        quant::random::random_row(ty, scale / 3f32.sqrt(), &mut next, r).unwrap();
+    }
+    w.insert(
+        name,
+        OwnedTensor {
+            ggml_type: ty,
+            dims: dims.to_vec(),
+            data,
+        },
+    );
+}
+
+/// Insert a random `rows x cols` matrix of `ty` (entries uniform in ±scale, see
+/// [`put_tensor`]).
 fn put_mat(
     w: &mut MemWeights,
     rng: &mut StdRng,
@@ -129,9 +165,33 @@ fn put_mat(
     cols: usize,
     scale: f32,
 ) {
-    let v = rand_vec(rng, rows * cols, scale);
-    w.insert_f32(name, &[cols as u64, rows as u64], &v, ty)
-        .unwrap();
+    put_tensor(w, rng, name, ty, &[cols as u64, rows as u64], scale);
+}
+
+/// Columns of one "unit" of a type's test shapes: a K-/I-quant block (256) or 64.
+fn unit_of(ty: GgmlType) -> usize {
+    if ty.block_elems() == 256 {
+        256
+    } else {
+        64
+    }
+}
+
+/// A second type for the same rows (a quantizer's mix: Q4_K_M's Q6_K beside Q4_K).
+fn partner(ty: GgmlType) -> GgmlType {
+    match (ty.block_elems() == 256, ty) {
+        (true, GgmlType::Q6K) => GgmlType::Q4K,
+        (true, _) => GgmlType::Q6K,
+        (false, GgmlType::Q8_0) => GgmlType::Q4_0,
+        (false, _) => GgmlType::Q8_0,
+    }
+}
+
+/// The weight types whose prefill products take the tensor-core kernels (f16 or bf16 inputs):
+/// every type but F32 and F16 (Q8_0, Q4_K and BF16 on their own kernels, the rest decoded to
+/// f16 as each stage is loaded, `gemm_any_*`).
+fn tensor_core(ty: GgmlType) -> bool {
+    !matches!(ty, GgmlType::F32 | GgmlType::F16)
 }
 
 /// Insert a random f32 vector near 1 (a norm's weights).
@@ -254,21 +314,16 @@ fn rms_norm_rows_and_offsets() {
 }
 
 /// One-token and few-token products (matrix-vector kernels, decode passes) and prefill
-/// passes of 16 tokens or more (tensor-core products for Q8_0, Q4_K and BF16: f16 or bf16
-/// inputs), for every weight type the CUDA kernels read; plus Q/K/V in one launch and the
-/// output projection added into the residual.
+/// passes of 16 tokens or more (tensor-core products for every type but F32 and F16: f16 or
+/// bf16 inputs), for every weight type the CPU reference decodes (all of them read by the CUDA
+/// kernels); plus Q/K/V in one launch, Q/K/V of two types (a quantizer's mix: the V
+/// projection of the partner type), and the output projection added into the residual.
 #[test]
 fn products_every_type_one_and_many_tokens() {
     let Some(dev) = gpu("project") else { return };
     let mut rng = StdRng::seed_from_u64(2);
-    let types = [
-        (GgmlType::F32, 64usize),
-        (GgmlType::F16, 64),
-        (GgmlType::BF16, 64),
-        (GgmlType::Q8_0, 64),
-        (GgmlType::Q4K, 256),
-    ];
-    for (ty, unit) in types {
+    for &ty in SUPPORTED {
+        let unit = unit_of(ty);
         let (rows, cols) = (3 * unit + 5, 2 * unit);
         let mut w = MemWeights::new();
         put_mat(&mut w, &mut rng, "a.weight", ty, rows, cols, 0.3);
@@ -283,6 +338,16 @@ fn products_every_type_one_and_many_tokens() {
                 0.3,
             );
         }
+        let vty = partner(ty);
+        put_mat(
+            &mut w,
+            &mut rng,
+            "vmix.weight",
+            vty,
+            unit / 2 + 1,
+            cols,
+            0.3,
+        );
         put_mat(&mut w, &mut rng, "o.weight", ty, cols, cols, 0.3);
         let s = Setup {
             // Eight query heads: the Q buffer holds the widest product (3 units + 5 rows).
@@ -320,6 +385,10 @@ fn products_every_type_one_and_many_tokens() {
                 ok(cpu.matrix("o.weight", cols, cols), "cpu"),
                 ok(gpu.matrix("o.weight", cols, cols), "gpu"),
             );
+            let (vc, vg) = (
+                ok(cpu.matrix("vmix.weight", unit / 2 + 1, cols), "cpu"),
+                ok(gpu.matrix("vmix.weight", unit / 2 + 1, cols), "gpu"),
+            );
             for (kind, n) in [
                 (StepKind::Decode, 1usize),
                 (StepKind::Decode, 2),
@@ -329,15 +398,13 @@ fn products_every_type_one_and_many_tokens() {
             ] {
                 // f16/bf16 inputs on the tensor-core path: u = 2^-11 (f16) or 2^-8 (bf16) per
                 // input, over `cols` terms of random sign: a few u of the RMS.
-                let tc = kind == StepKind::Prefill
-                    && n >= 16
-                    && ty != GgmlType::F32
-                    && ty != GgmlType::F16;
-                let tol = match (tc, ty) {
+                let tc_pass = kind == StepKind::Prefill && n >= 16;
+                let tol_of = |ty: GgmlType| match (tc_pass && tensor_core(ty), ty) {
                     (true, GgmlType::BF16) => 3e-2,
                     (true, _) => 4e-3,
                     _ => 2e-5,
                 };
+                let tol = tol_of(ty);
                 let what = |op: &str| format!("{op} {ty} {rows}x{cols} {kind:?} n={n} {vname}");
                 let slots: Vec<u32> = (0..n as u32).map(|i| i % 2).collect();
                 let pos: Vec<u32> = (0..n as u32).map(|i| i / 2).collect();
@@ -367,6 +434,21 @@ fn products_every_type_one_and_many_tokens() {
                     let got = read(&mut gpu, *o, n * qkv_rows[i] + TAIL);
                     compare(&what(&format!("project qkv[{i}]")), &got, &want, tol);
                 }
+                // Q/K/V of two types: V of the partner type (its own product).
+                for (i, o) in outs.iter().enumerate() {
+                    fill(&mut gpu, *o, &vec![f32::NAN; n * qkv_rows[i]], TAIL);
+                }
+                let (mut oc3, mut og3) = (oc3, og3);
+                oc3[2].0 = vc;
+                og3[2].0 = vg;
+                ok(cpu.project(WorkBuf::Xn, &oc3, n), "cpu");
+                ok(gpu.project(WorkBuf::Xn, &og3, n), "gpu");
+                for (i, o) in outs.iter().enumerate() {
+                    let want = read(&mut cpu, *o, n * qkv_rows[i]);
+                    let got = read(&mut gpu, *o, n * qkv_rows[i] + TAIL);
+                    let t = if i == 2 { tol_of(vty) } else { tol };
+                    compare(&what(&format!("project qkv[{i}] V {vty}")), &got, &want, t);
+                }
                 // Added into the residual.
                 let y0 = rand_vec(&mut rng, n * cols, 1.0);
                 let att = rand_vec(&mut rng, n * cols, 1.0);
@@ -388,7 +470,7 @@ fn products_every_type_one_and_many_tokens() {
                 compare(&what("project_add"), &got, &want, tol);
             }
         }
-        eprintln!("PASS products {ty} {rows}x{cols}: decode 1-2 tokens, prefill 5/16/41, qkv, added into x");
+        eprintln!("PASS products {ty} {rows}x{cols}: decode 1-2 tokens, prefill 5/16/41, qkv, qkv with V {vty}, added into x");
     }
 }
 
@@ -397,13 +479,8 @@ fn products_every_type_one_and_many_tokens() {
 fn embedding_rows_every_type() {
     let Some(dev) = gpu("embed") else { return };
     let mut rng = StdRng::seed_from_u64(3);
-    for (ty, e) in [
-        (GgmlType::F32, 64usize),
-        (GgmlType::F16, 96),
-        (GgmlType::BF16, 64),
-        (GgmlType::Q8_0, 96),
-        (GgmlType::Q4K, 256),
-    ] {
+    for &ty in SUPPORTED {
+        let e = if ty.block_elems() == 256 { 256 } else { 96 };
         let mut w = MemWeights::new();
         put_mat(&mut w, &mut rng, "token_embd.weight", ty, 1000, e, 1.0);
         let s = Setup {
@@ -426,10 +503,11 @@ fn embedding_rows_every_type() {
         ok(gpu.embed(tg, WorkBuf::X, 11), "gpu");
         let want = read(&mut cpu, WorkBuf::X, 11 * e);
         let got = read(&mut gpu, WorkBuf::X, 12 * e);
-        // The same dequantization formulas; only Q4_K's scale products may round apart.
+        // The same dequantization formulas (quants.cuh is bit-exact; only Q4_K's dedicated
+        // decoder's scale products may round apart).
         compare(&format!("embed {ty}"), &got[..11 * e + 1], &want, 1e-6);
     }
-    eprintln!("PASS embed: F32, F16, BF16, Q8_0, Q4_K rows within 1e-6 of the RMS");
+    eprintln!("PASS embed: rows of every type the CPU decodes within 1e-6 of the RMS");
 }
 
 /// Attention over each slot's KV: a 37-token prefill of slot 0 (tensor-core flash kernel for
@@ -675,22 +753,43 @@ fn router_norm_logits_and_top_k() {
 fn experts_every_type_decode_and_grouped_prefill() {
     let Some(dev) = gpu("experts") else { return };
     let mut rng = StdRng::seed_from_u64(6);
-    for (ty, e, f) in [
-        (GgmlType::Q8_0, 256usize, 96usize),
-        (GgmlType::Q4K, 256, 256),
-        (GgmlType::F16, 128, 64),
-        (GgmlType::BF16, 128, 64),
-    ] {
+    // Every type as gate, up and down; then each with its down of the partner type (a
+    // quantizer's mix, e.g. Q4_K_M's Q6_K down projections).
+    let mut cases: Vec<(GgmlType, GgmlType)> = SUPPORTED.iter().map(|&t| (t, t)).collect();
+    cases.extend(SUPPORTED.iter().map(|&t| (t, partner(t))));
+    for (ty, ty_down) in cases {
+        let (e, f) = match ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => (128usize, 64usize),
+            _ if ty.block_elems() == 256 => (256, 256),
+            _ => (256, 96),
+        };
         let (ne, k) = (8usize, 3usize);
         let mut w = MemWeights::new();
-        let stack = |w: &mut MemWeights, rng: &mut StdRng, name: &str, rows: usize, cols: usize| {
-            let v = rand_vec(rng, rows * cols * ne, 0.3);
-            w.insert_f32(name, &[cols as u64, rows as u64, ne as u64], &v, ty)
-                .unwrap();
+        let stack = |w: &mut MemWeights,
+                     rng: &mut StdRng,
+                     name: &str,
+                     ty: GgmlType,
+                     rows: usize,
+                     cols: usize| {
+            put_tensor(
+                w,
+                rng,
+                name,
+                ty,
+                &[cols as u64, rows as u64, ne as u64],
+                0.3,
+            );
         };
-        stack(&mut w, &mut rng, "blk.0.ffn_gate_exps.weight", f, e);
-        stack(&mut w, &mut rng, "blk.0.ffn_up_exps.weight", f, e);
-        stack(&mut w, &mut rng, "blk.0.ffn_down_exps.weight", e, f);
+        stack(&mut w, &mut rng, "blk.0.ffn_gate_exps.weight", ty, f, e);
+        stack(&mut w, &mut rng, "blk.0.ffn_up_exps.weight", ty, f, e);
+        stack(
+            &mut w,
+            &mut rng,
+            "blk.0.ffn_down_exps.weight",
+            ty_down,
+            e,
+            f,
+        );
         let s = Setup {
             hp: hp(
                 e as u64,
@@ -717,7 +816,8 @@ fn experts_every_type_decode_and_grouped_prefill() {
                 (StepKind::Prefill, 9),
                 (StepKind::Prefill, 37),
             ] {
-                let grouped = kind == StepKind::Prefill && n >= 16 && ty != GgmlType::F16;
+                let grouped =
+                    kind == StepKind::Prefill && n >= 16 && tensor_core(ty) && ty_down == ty;
                 // Grouped: two chained f16-input products (the SwiGLU output is rounded to
                 // f16 again before the down product), so twice the single product's bound;
                 // the worst of 256 x 37 outputs measured 5.0e-3 for Q4_K on the H200.
@@ -726,7 +826,8 @@ fn experts_every_type_decode_and_grouped_prefill() {
                     (true, _) => 8e-3,
                     _ => 2e-5,
                 };
-                let what = format!("experts {ty} e={e} f={f} {kind:?} n={n} {vname}");
+                let what =
+                    format!("experts {ty} (down {ty_down}) e={e} f={f} {kind:?} n={n} {vname}");
                 let slots: Vec<u32> = (0..n as u32).map(|i| i % 2).collect();
                 inputs(&mut cpu, kind, &[], &slots, &vec![0; n]);
                 inputs(&mut gpu, kind, &[], &slots, &vec![0; n]);
@@ -795,7 +896,7 @@ fn experts_every_type_decode_and_grouped_prefill() {
                 compare(&what, &got, &want, tol);
             }
         }
-        eprintln!("PASS experts {ty}: decode 1-2 tokens, prefill 9 and 37 (grouped)");
+        eprintln!("PASS experts {ty} (down {ty_down}): decode 1-2 tokens, prefill 9 and 37");
     }
 }
 

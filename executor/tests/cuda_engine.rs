@@ -2,7 +2,8 @@
 //! transformers and the CPU engine, logits within tolerance, for F32 safetensors and Q8_0 GGUF
 //! files, f16 and q8_0 KV, random Q8_0 models at the 30B head geometry and at odd sizes
 //! (ragged tiles and passes), random Q4_K models (all Q4_K, and Q4_K experts with Q8_0
-//! attention) on the tensor-core prefill, batched decode equal to one slot at a time, and layer splits over
+//! attention) on the tensor-core prefill, llama.cpp's quantizer mixes (Q4_K_M, Q5_K_M, IQ4_XS,
+//! IQ3_S: a type per tensor), batched decode equal to one slot at a time, and layer splits over
 //! 2 and 3 planned devices mapped onto one GPU equal to the unsplit plan (on one stream, and
 //! with a device object, stream and hand-off per stage as `--device-map 0,0,0` runs them).
 //! Needs a CUDA GPU: without one every test prints SKIP and returns (run them on the GPU
@@ -530,6 +531,104 @@ fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
         if !(p_tc < 1e-2 && d_tc < 1e-2) {
             bad.push(format!(
                 "{name}: tensor-core prefill {p_tc}, decode after it {d_tc} (bound 1e-2)"
+            ));
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("; "));
+}
+
+/// llama.cpp's quantizer mixes on the CUDA engine: random Qwen3-MoE files (hidden and expert
+/// width 256, so every K- and I-quant block fits) written with the Q4_K_M, Q5_K_M, IQ4_XS and
+/// IQ3_S presets — mixed types per tensor (Q4_K_M: Q4_K with Q6_K V, down and head; IQ3_S:
+/// IQ3_S experts with Q4_K V; ...) — routed to all 8 experts (no router choice can flip), a
+/// 53-token prompt in passes of 32 and 21 then 10 decode steps fed the CPU's tokens, compared
+/// row by row with the CPU engine on the same file. Tolerance (max |GPU - CPU| / max |CPU| per
+/// row): 2e-3 where every product computes in f32 (the matvec engine), 1e-2 where prefill
+/// products round weights and inputs to f16 (the default engine: tensor-core products for
+/// every quantized type, `gemm_any_*` decoding the types without a kernel of their own), the
+/// bounds of the Q4_K and Q8_0 tests above.
+#[test]
+fn quantizer_mixes_match_the_cpu_engine() {
+    if !gpu_present() {
+        return;
+    }
+    use strata_schemas::arch::QuantRecipe;
+    let mut hp = small_moe(2, 8, 2, 8);
+    hp.n_ff_exp = 256;
+    let dir = tempfile::tempdir().unwrap();
+    let mut bad = Vec::new();
+    for (preset, marker) in [
+        ("Q4_K_M", GgmlType::Q6K),
+        ("Q5_K_M", GgmlType::Q5K),
+        ("IQ4_XS", GgmlType::Iq4Xs),
+        ("IQ3_S", GgmlType::Iq3S),
+    ] {
+        let name = preset.to_ascii_lowercase();
+        let recipe = QuantRecipe::preset(preset).unwrap();
+        let gguf = random_gguf(dir.path(), &name, &hp, &recipe, 11);
+        let inv = strata_plan::model::load_model(&gguf).unwrap();
+        let types: std::collections::BTreeSet<String> = inv
+            .tensors
+            .iter()
+            .filter(|t| t.dims.len() >= 2)
+            .map(|t| t.ggml_type.to_string())
+            .collect();
+        assert!(
+            inv.tensors.iter().any(|t| t.ggml_type == marker),
+            "{preset}: no {marker} tensor in {types:?}"
+        );
+        // Prefill products on tensor cores where a matrix's type has a tile kernel (every
+        // type but F32 and F16: the mixes' quantized matrices all do).
+        let rounds = inv
+            .tensors
+            .iter()
+            .any(|t| t.dims.len() >= 2 && !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16));
+        let ask = Ask {
+            ctx: 128,
+            ubatch: 32,
+            ..Ask::default()
+        };
+        let start = |gemm: bool| {
+            let opts = CudaOptions {
+                prefill_gemm: gemm,
+                ..CudaOptions::default()
+            };
+            cuda_with(&name, &ask, Some(&gguf), opts)
+        };
+        let (mut tc, mut mv) = (start(true), start(false));
+        let mut c = cpu_on_gguf(&name, &gguf, &ask);
+        let v = tc.info().n_vocab;
+        let vocab = hp.n_vocab as u32;
+        let prompt: Vec<u32> = (0..53).map(|i| (i * 37 + 11) % vocab).collect();
+        let (mut lt, mut lm, mut lc) = (Vec::new(), Vec::new(), Vec::new());
+        for chunk in prompt.chunks(32) {
+            lt.extend_from_slice(tc.prefill_all(0, chunk).unwrap());
+            lm.extend_from_slice(mv.prefill_all(0, chunk).unwrap());
+            lc.extend_from_slice(c.prefill_all(0, chunk).unwrap());
+        }
+        let (p_tc, p_mv) = (rel_err(&lt, &lc, v), rel_err(&lm, &lc, v));
+        let (mut d_tc, mut d_mv) = (0f64, 0f64);
+        let mut tok = argmax(&lc[lc.len() - v..]);
+        for _ in 0..10 {
+            let gt = tc.decode(&[(0, tok)]).unwrap().to_vec();
+            let gm = mv.decode(&[(0, tok)]).unwrap().to_vec();
+            let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
+            d_tc = d_tc.max(rel_err(&gt, &cl, v));
+            d_mv = d_mv.max(rel_err(&gm, &cl, v));
+            tok = argmax(&cl);
+        }
+        eprintln!(
+            "{preset} ({types:?}): 53-token prefill vs CPU: default engine {p_tc:e}, matvec engine {p_mv:e}; 10 decode steps after it: {d_tc:e} / {d_mv:e}"
+        );
+        if !(p_mv < 2e-3 && d_mv < 2e-3) {
+            bad.push(format!(
+                "{preset}: matvec engine {p_mv} / {d_mv} (bound 2e-3)"
+            ));
+        }
+        let bound = if rounds { 1e-2 } else { 2e-3 };
+        if !(p_tc < bound && d_tc < bound) {
+            bad.push(format!(
+                "{preset}: default engine prefill {p_tc}, decode after it {d_tc} (bound {bound})"
             ));
         }
     }

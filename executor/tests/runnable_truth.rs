@@ -212,8 +212,15 @@ fn cases() -> Vec<Case> {
             (true, false),
             ("", "vendor"),
         ),
-        // The CPU reference decodes every type (Q6_K included); the CUDA kernels do not.
-        case("cpu q6_k", &q4km, &cpu, &s, (true, false), ("", "Q6_K")),
+        // Both engines read every type the CPU reference decodes (Q4_K_M's Q6_K included).
+        case(
+            "cpu q4_k_m",
+            &q4km,
+            &cpu,
+            &s,
+            (true, false),
+            ("", "vendor `cpu`"),
+        ),
         case(
             "cpu qwen3next",
             &next,
@@ -262,14 +269,7 @@ fn cases() -> Vec<Case> {
             (false, false),
             ("vendor", "experts_host"),
         ),
-        case(
-            "gpu q6_k",
-            &q4km,
-            &gpu,
-            &s,
-            (false, false),
-            ("vendor", "Q6_K"),
-        ),
+        case("gpu q4_k_m", &q4km, &gpu, &s, (false, true), ("vendor", "")),
         case(
             "gpu qwen3next",
             &next,

@@ -2,9 +2,10 @@
 // inline PTX, f32 accumulate): Y[t][r] = W_r . X[t] for W in the Q8_0 split device layout
 // (quants then f16 scales, see executor/src/backend/cuda/layout.rs), Q4_K in the GGUF layout
 // (144-byte blocks of 256 columns: f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins,
-// 128 bytes of nibbles; cols a multiple of 256) or BF16 row-major, X converted once to f16
-// (Q8_0 and Q4_K weights) or bf16 (BF16 weights) by gemm_cvt_x, Y f32; quantized weights are
-// dequantized to f16 in registers from the pipeline stage in shared memory. And the grouped
+// 128 bytes of nibbles; cols a multiple of 256), BF16 row-major, or any other ggml type in
+// the GGUF layout (GM_ANY: decoded to f16 by quants.cuh as each stage is loaded), X converted
+// once to f16 (quantized weights) or bf16 (BF16 weights) by gemm_cvt_x, Y f32; Q8_0 and Q4_K
+// weights are dequantized to f16 in registers from the pipeline stage in shared memory. And the grouped
 // MoE form: moe_sort (counting sort of the router's choices into per-expert tiles, all on the
 // device) then moe_gemm over the tile list, gathering X rows and scattering Y rows.
 // Invariant: rows past `rows`, tokens past a tile's count and columns past `cols` are never
@@ -24,10 +25,12 @@
 #define GM_Q4_WSTRIDE 48
 #define GM_Q4K_BLOCK 144   // bytes per Q4_K block of 256 columns
 
-// Weight types of the templates.
+// Weight types of the templates. GM_ANY: every other ggml type (its GGUF id `gt` passed at
+// run time), decoded 32 columns at a time by quants.cuh into f16 in shared memory.
 #define GM_BF16 0
 #define GM_Q8 1
 #define GM_Q4K 2
+#define GM_ANY 3
 
 __device__ __forceinline__ u32 gm_smem_addr(const void* p) {
     u32 a;
@@ -155,8 +158,9 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                                         int rows, int cols, int row0,
                                         const u16* __restrict__ X16, const int* xrow,
                                         const int* yrow, int n_valid, float* __restrict__ Y,
-                                        int ldy, u8* smem, int kpart, int kparts, int add_y) {
-    constexpr bool Q8 = WT == GM_Q8, Q4K = WT == GM_Q4K;
+                                        int ldy, u8* smem, int kpart, int kparts, int add_y,
+                                        int gt = 0) {
+    constexpr bool Q8 = WT == GM_Q8, Q4K = WT == GM_Q4K, ANY = WT == GM_ANY;
     typedef GmStage<WT, BM, GLU> St;
     constexpr int NT = BM * WN;         // threads: BM/32 warps along the rows x WN
     constexpr int NI = GM_BN / 8 / WN;  // n-fragments (8 tokens) per warp
@@ -216,6 +220,35 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                 const int off = part == 0 ? 0 : 16 + 32 * ch + 16 * (part - 1);
                 const u8* src = ok ? Wm + gr * rb + kb * GM_Q4K_BLOCK + off : Wm;
                 gm_cp16(st + row * GM_Q4_WSTRIDE + part * 16, src, ok ? 16 : 0);
+            }
+        } else if (ANY) {
+            // Each thread decodes 32-column groups of the stage's rows (quants.cuh: the CPU
+            // reference's values) and stores them as f16 in the 16-bit layout, with plain
+            // shared stores: the barrier at the top of the iteration that reads this slot
+            // orders them, as the cp.async wait does for the other types. Groups past `rows`
+            // or `cols` are zeros.
+            int be, bb;
+            qt_block(gt, &be, &bb);
+            const long rb = (long)(cols / be) * bb;
+            for (int c = tid; c < BM * 2; c += NT) {
+                const int row = c >> 1, part = c & 1;
+                const int gr = row0 + row, kk = k0 + part * 32;
+                uint4* dst = (uint4*)(st + row * GM_H_STRIDE + part * 64);
+                float v[32];
+                if (gr < rows && kk < cols) {
+                    qt_group32(gt, Wm + (long)gr * rb, kk / 32, v);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 32; ++j) v[j] = 0.0f;
+                }
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    u32 h[4];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        h[j] = (u32)st_f2h(v[8 * q + 2 * j]) | ((u32)st_f2h(v[8 * q + 2 * j + 1]) << 16);
+                    dst[q] = make_uint4(h[0], h[1], h[2], h[3]);
+                }
             }
         } else {
             for (int c = tid; c < BM * 8; c += NT) {
@@ -350,7 +383,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
 // parts keep the result deterministic (0 + a + b == 0 + b + a).
 template <int WT, int BM, int WN>
 __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, int rows,
-                                         int cols, int n_tok, int acc) {
+                                         int cols, int n_tok, int acc, int gt = 0) {
     extern __shared__ __align__(16) u8 gm_smem[];
     __shared__ int xrow[GM_BN];
     const int t0 = blockIdx.y * GM_BN;
@@ -358,7 +391,7 @@ __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, 
     if (threadIdx.x < GM_BN) xrow[threadIdx.x] = t0 + threadIdx.x;
     __syncthreads();
     gm_tile<WT, BM, WN, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y,
-                               rows, gm_smem, blockIdx.z, gridDim.z, acc);
+                               rows, gm_smem, blockIdx.z, gridDim.z, acc, gt);
 }
 
 // Grouped: grid (ceil(rows / BM), max_tiles), block 2 * BM. Tile y covers assignments
@@ -369,7 +402,7 @@ __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes
                                        const u16* X16, float* Y,
                                        int rows, int cols, const int* offsets, const int* perm,
                                        const int* tiles, const int* n_tiles, int k,
-                                       int gather) {
+                                       int gather, int gt = 0) {
     extern __shared__ __align__(16) u8 gm_smem[];
     __shared__ int xrow[GM_BN], yrow[GM_BN];
     const int tile = blockIdx.y;
@@ -383,7 +416,8 @@ __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes
     }
     __syncthreads();
     gm_tile<WT, BM, WN, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
-                         blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1, 0);
+                         blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1, 0,
+                         gt);
 }
 
 // Entry points. Dense: W, X16 (n_tok rows of cols 16-bit values), Y (n_tok x rows f32),
@@ -474,6 +508,33 @@ ST_KERNEL void moe_gemm_glu_q4_k_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
 }
 ST_KERNEL void moe_gemm_glu_bf16_m64(const u8* __restrict__ Wu, GM_MOE_ARGS) {
     gm_moe<GM_BF16, 64, 2, true>(W, Wu, GM_MOE_PASS);
+}
+
+// Any other ggml type (GGUF id `gt`, cols a multiple of 32, whole blocks per row): the same
+// products with the weights decoded to f16 in the loader (X16 f16).
+ST_KERNEL void gemm_any_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                            float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 64, 2>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void gemm_any_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 128, 2>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void gemm_any_m128w(const u8* __restrict__ W, const u16* __restrict__ X16,
+                              float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 128, 1>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void moe_gemm_any_m64(GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 64, 2, false>(W, W, GM_MOE_PASS, gt);
+}
+ST_KERNEL void moe_gemm_any_m128(GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 128, 2, false>(W, W, GM_MOE_PASS, gt);
+}
+ST_KERNEL void moe_gemm_any_m128w(GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 128, 1, false>(W, W, GM_MOE_PASS, gt);
+}
+ST_KERNEL void moe_gemm_glu_any_m64(const u8* __restrict__ Wu, GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 64, 2, true>(W, Wu, GM_MOE_PASS, gt);
 }
 
 // X f32 -> f16 (bf16 != 0: bf16), round to nearest even; n a multiple of 4, both 16-byte

@@ -13,7 +13,7 @@
 // xn_out (with nw; may be null): the blocks of grid column 0 also write the normalised
 // inputs there, for the kernels that follow (the router's launch hands xn to the experts).
 // grid: (ceil(rows / DQ_WARPS), ceil(n_tok / NT)); block: DQ_WARPS warps.
-template <int NT>
+template <int NT, bool ANY = false>
 __device__ __forceinline__ void dq_mv_body(const u8* W, int ty, int rows, int cols, const float* x,
                                            const float* nw, float eps, float* y, int n_tok,
                                            int add, float* xn_out) {
@@ -62,7 +62,7 @@ __device__ __forceinline__ void dq_mv_body(const u8* W, int ty, int rows, int co
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
     if (xs) dq_row_dot<NT, true>(W, ty, rows, cols, row, in, n_tok, acc, dq_mv_xs);
-    else dq_row_dot<NT>(W, ty, rows, cols, row, in, n_tok, acc);
+    else dq_row_dot<NT, false, ANY>(W, ty, rows, cols, row, in, n_tok, acc);
     const int lane = threadIdx.x % ST_WARP;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -86,11 +86,25 @@ ST_KERNEL void dq_mv8(const u8* W, int ty, int rows, int cols, const float* x, c
     dq_mv_body<DQ_MAX_TOK>(W, ty, rows, cols, x, nw, eps, y, n_tok, add, xn_out);
 }
 
+// The same products for every weight code, the any-type ones (ST_TY_GGML + GGUF id)
+// included: quants.cuh's decoders, 32 columns a lane at a time.
+ST_KERNEL void dq_mv1_any(const u8* W, int ty, int rows, int cols, const float* x,
+                          const float* nw, float eps, float* y, int n_tok, int add,
+                          float* xn_out) {
+    dq_mv_body<1, true>(W, ty, rows, cols, x, nw, eps, y, n_tok, add, xn_out);
+}
+
+ST_KERNEL void dq_mv8_any(const u8* W, int ty, int rows, int cols, const float* x,
+                          const float* nw, float eps, float* y, int n_tok, int add,
+                          float* xn_out) {
+    dq_mv_body<DQ_MAX_TOK, true>(W, ty, rows, cols, x, nw, eps, y, n_tok, add, xn_out);
+}
+
 // Q, K and V of n_tok tokens in one launch: rows [0, rq) from Wq into yq, [rq, rq+rk) from Wk
 // into yk, the rest from Wv into yv; x RMS-normalised by nw (if given). dq_qkv1 serves one
 // token (fewer registers, more resident warps), dq_qkv8 chunks of up to 8 on grid.y.
 // grid: (ceil((rq+rk+rv) / DQ_WARPS), ceil(n_tok / NT)).
-template <int NT>
+template <int NT, bool ANY = false>
 __device__ __forceinline__ void dq_qkv_body(const u8* Wq, const u8* Wk, const u8* Wv, int ty,
                                             int rq, int rk, int rv, int cols, const float* x,
                                             const float* nw, float eps, float* yq, float* yk,
@@ -130,7 +144,7 @@ __device__ __forceinline__ void dq_qkv_body(const u8* Wq, const u8* Wk, const u8
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
     if (xs) dq_row_dot<NT, true>(W, ty, rows, cols, row, in, n_tok, acc, dq_qkv_xs);
-    else dq_row_dot<NT>(W, ty, rows, cols, row, in, n_tok, acc);
+    else dq_row_dot<NT, false, ANY>(W, ty, rows, cols, row, in, n_tok, acc);
     const int lane = threadIdx.x % ST_WARP;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -153,12 +167,36 @@ ST_KERNEL void dq_qkv8(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq,
     dq_qkv_body<DQ_MAX_TOK>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
 }
 
+// Q, K and V of one any-type code (ST_TY_GGML + GGUF id).
+ST_KERNEL void dq_qkv1_any(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk,
+                           int rv, int cols, const float* x, const float* nw, float eps,
+                           float* yq, float* yk, float* yv, int n_tok) {
+    dq_qkv_body<1, true>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
+}
+
+ST_KERNEL void dq_qkv8_any(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk,
+                           int rv, int cols, const float* x, const float* nw, float eps,
+                           float* yq, float* yk, float* yv, int n_tok) {
+    dq_qkv_body<DQ_MAX_TOK, true>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv,
+                                  n_tok);
+}
+
 // Embedding lookup: out[t] = row ids[t] of W (rows x cols, device layout), dequantized.
-// grid: n_tok.
+// Any-type codes decode 32 values a thread per step (cols a multiple of 32). grid: n_tok.
 ST_KERNEL void dq_get_rows(const u8* W, int ty, int rows, int cols, const int* ids, float* out) {
     st_pdl_enter();
     const long r = ids[blockIdx.x];
     float* o = out + (long)blockIdx.x * cols;
+    if (ty >= ST_TY_GGML) {
+        const u8* wr = W + r * dq_row_bytes(ty, cols);
+        float v[32];
+        for (int g = threadIdx.x; g < cols / 32; g += blockDim.x) {
+            qt_group32(ty - ST_TY_GGML, wr, g, v);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) o[32 * g + j] = v[j];
+        }
+        return;
+    }
     // Four elements' loads per thread before their stores (see dq_attn_gqa's query loads).
     for (int i0 = threadIdx.x; i0 < cols; i0 += 4 * blockDim.x) {
         float v[4];

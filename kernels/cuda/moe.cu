@@ -48,11 +48,15 @@ __device__ __forceinline__ void dq_gate_up_q8(const u8* G, const u8* U, int F, i
 // MoE gate and up with SwiGLU: for assignment a = t*k + j (grid.y, a < n_tok*k), expert
 // e = ids[a], h[a][r] = silu(G_e,r . n(x[t])) * (U_e,r . n(x[t])). eptr[e*3 + 0/1/2] are the
 // device addresses of expert e's gate, up and down matrices (gate/up: F x E, down: E x F).
+// ty / ty_u: the gate's and the up matrices' weight codes (a quantizer's mix may differ).
 // Q8_0 reads the gate and up rows in one loop (their loads in flight together).
 // grid: (ceil(F / DQ_WARPS), n_tok * k).
-ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int E,
-                              const int* ids, int k, const float* x, const float* nw, float eps,
-                              float* h) {
+// (dq_moe_gate_up_any: the same for every weight code, the any-type ones included.)
+template <bool ANY>
+__device__ __forceinline__ void dq_moe_gate_up_body(const unsigned long long* eptr, int ty,
+                                                    int ty_u, int F, int E, const int* ids,
+                                                    int k, const float* x, const float* nw,
+                                                    float eps, float* h) {
     st_pdl_enter();  // the expert ids come from the kernel just ahead
     const int a = blockIdx.y;
     const int t = a / k;
@@ -67,28 +71,44 @@ ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int F, int
     const u8* G = (const u8*)eptr[(long)e * 3 + 0];
     const u8* U = (const u8*)eptr[(long)e * 3 + 1];
     extern __shared__ __align__(16) float4 dq_gu_xs[];
-    const bool xs = ty == ST_TY_Q8_0 && !nw && dq_xs_bytes() >= 4u * E;
+    const bool q8 = ty == ST_TY_Q8_0 && ty_u == ST_TY_Q8_0;
+    const bool xs = q8 && !nw && dq_xs_bytes() >= 4u * E;
     if (xs) dq_xs_fill(dq_gu_xs, in.x, E);
     const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     if (row >= F) return;
     const int lane = threadIdx.x % ST_WARP;
     float g[1] = {0.0f}, u[1] = {0.0f};
-    if (ty == ST_TY_Q8_0 && !nw) {
+    if (q8 && !nw) {
         if (xs) dq_gate_up_q8<true>(G, U, F, E, row, in.x, dq_gu_xs, g[0], u[0]);
         else dq_gate_up_q8<false>(G, U, F, E, row, in.x, nullptr, g[0], u[0]);
     } else {
-        dq_row_dot<1>(G, ty, F, E, row, in, 1, g);
-        dq_row_dot<1>(U, ty, F, E, row, in, 1, u);
+        dq_row_dot<1, false, ANY>(G, ty, F, E, row, in, 1, g);
+        dq_row_dot<1, false, ANY>(U, ty_u, F, E, row, in, 1, u);
     }
     const float gs = st_warp_sum(g[0]), us = st_warp_sum(u[0]);
     if (lane == 0) h[(long)a * F + row] = dq_silu(gs) * us;
 }
 
+ST_KERNEL void dq_moe_gate_up(const unsigned long long* eptr, int ty, int ty_u, int F, int E,
+                              const int* ids, int k, const float* x, const float* nw, float eps,
+                              float* h) {
+    dq_moe_gate_up_body<false>(eptr, ty, ty_u, F, E, ids, k, x, nw, eps, h);
+}
+
+ST_KERNEL void dq_moe_gate_up_any(const unsigned long long* eptr, int ty, int ty_u, int F,
+                                  int E, const int* ids, int k, const float* x,
+                                  const float* nw, float eps, float* h) {
+    dq_moe_gate_up_body<true>(eptr, ty, ty_u, F, E, ids, k, x, nw, eps, h);
+}
+
 // MoE down and weighted sum, added into the residual stream:
 // y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]), one warp per row, any weight
 // type (Q8_0 with k <= DQ_DOWN_MAXK takes dq_moe_down_rows). grid: (ceil(E / DQ_WARPS), n_tok).
-ST_KERNEL void dq_moe_down(const unsigned long long* eptr, int ty, int E, int F, const int* ids,
-                           const float* wts, int k, const float* h, float* y) {
+// (dq_moe_down_any: the same for every weight code, the any-type ones included.)
+template <bool ANY>
+__device__ __forceinline__ void dq_moe_down_body(const unsigned long long* eptr, int ty, int E,
+                                                 int F, const int* ids, const float* wts, int k,
+                                                 const float* h, float* y) {
     st_pdl_enter();
     const int t = blockIdx.y;
     const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
@@ -103,10 +123,21 @@ ST_KERNEL void dq_moe_down(const unsigned long long* eptr, int ty, int E, int F,
         in.nw = nullptr;
         in.s[0] = 1.0f;
         float acc[1] = {0.0f};
-        dq_row_dot<1>(D, ty, E, F, row, in, 1, acc);
+        dq_row_dot<1, false, ANY>(D, ty, E, F, row, in, 1, acc);
         tot += wts[a] * st_warp_sum(acc[0]);
     }
     if (threadIdx.x % ST_WARP == 0) y[(long)t * E + row] += tot;
+}
+
+ST_KERNEL void dq_moe_down(const unsigned long long* eptr, int ty, int E, int F, const int* ids,
+                           const float* wts, int k, const float* h, float* y) {
+    dq_moe_down_body<false>(eptr, ty, E, F, ids, wts, k, h, y);
+}
+
+ST_KERNEL void dq_moe_down_any(const unsigned long long* eptr, int ty, int E, int F,
+                               const int* ids, const float* wts, int k, const float* h,
+                               float* y) {
+    dq_moe_down_body<true>(eptr, ty, E, F, ids, wts, k, h, y);
 }
 
 // MoE down for Q8_0 experts with one block per output row, the k experts' 16-byte pieces

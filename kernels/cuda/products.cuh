@@ -1,6 +1,7 @@
 // products.cuh: what the product kernels share (matvec.cu, moe.cu): the weight layouts read in
 // place (Q8_0 "split": per matrix rows x cols int8 quants, then rows x cols/32 f16 scales;
-// Q4_K, F32, F16, BF16 as in GGUF), one row's dot product with 1..8 tokens' inputs (RMS
+// Q4_K, F32, F16, BF16 as in GGUF; every other ggml type, code ST_TY_GGML + its GGUF id, as
+// in GGUF through quants.cuh's decoders), one row's dot product with 1..8 tokens' inputs (RMS
 // normalised on the fly when the kernel is given norm weights), the input staged in shared
 // memory or held in registers for one-token Q8_0 products.
 // Invariant: one warp per output row; rows past `rows` and tokens past `n_tok` are never read
@@ -10,20 +11,30 @@
 
 __device__ __forceinline__ float dq_silu(float v) { return v / (1.0f + expf(-v)); }
 
-// Element i of row r of a matrix (rows x cols) in the device layout.
+// Bytes of one row of `cols` values of weight code ty in the GGUF layout (every code but
+// ST_TY_Q8_0, whose device rows are split): an any-type code's whole blocks (quants.cuh).
+__device__ __forceinline__ long dq_row_bytes(int ty, long cols) {
+    if (ty >= ST_TY_GGML) {
+        int be, bb;
+        qt_block(ty - ST_TY_GGML, &be, &bb);
+        return be ? cols / be * bb : 0;
+    }
+    switch (ty) {
+        case ST_TY_F32: return cols * 4;
+        case ST_TY_Q4_K: return cols / QK_K * Q4_K_BYTES;
+        default: return cols * 2;
+    }
+}
+
+// Element i of row r of a matrix (rows x cols) in the device layout, for the five codes with
+// element decoders (any-type codes decode 32 values at a time: qt_group32).
 __device__ __forceinline__ float dq_elem(const u8* W, int ty, long rows, long cols, long r, long i) {
     if (ty == ST_TY_Q8_0) {
         const i8 q = (i8)W[r * cols + i];
         const u16 d = ((const u16*)(W + rows * cols))[r * (cols / QK8_0) + i / QK8_0];
         return st_h2f(d) * (float)q;
     }
-    long rb;
-    switch (ty) {
-        case ST_TY_F32: rb = cols * 4; break;
-        case ST_TY_Q4_K: rb = cols / QK_K * Q4_K_BYTES; break;
-        default: rb = cols * 2; break;
-    }
-    return st_row_elem(W + r * rb, ty, i);
+    return st_row_elem(W + r * dq_row_bytes(ty, cols), ty, i);
 }
 
 // L2 prefetch of row r of a matrix in the device layout (the calling warp's lanes share it):
@@ -35,12 +46,7 @@ __device__ __forceinline__ void dq_prefetch_row(const u8* W, int ty, long rows, 
         st_prefetch_l2(W + rows * cols + r * (cols / QK8_0) * 2, cols / QK8_0 * 2);
         return;
     }
-    long rb;
-    switch (ty) {
-        case ST_TY_F32: rb = cols * 4; break;
-        case ST_TY_Q4_K: rb = cols / QK_K * Q4_K_BYTES; break;
-        default: rb = cols * 2; break;
-    }
+    const long rb = dq_row_bytes(ty, cols);
     st_prefetch_l2(W + r * rb, rb);
 }
 
@@ -104,7 +110,36 @@ __device__ __forceinline__ void dq_xs_fill(float4* xs, const float* x, int cols)
 // acc[t] += W_r . in(t) over the warp's lanes (not yet reduced across the warp). XS (one
 // token, no norm, Q8_0): the input is read from xs instead (dq_xs_fill); a separate
 // instantiation, so the plain loop's code is what it was without the staging.
-template <int NT, bool XS = false>
+// The lane's part of one row . x for a row of a quantized type (GGUF id T, or gt at run time
+// when T < 0): lane l decodes the 32-value groups l, l + warp, ... and dots each with every
+// token's input.
+template <int NT, int T>
+__device__ __forceinline__ void dq_dot_qt(const u8* __restrict__ wr, long cols, int gt,
+                                          const DqIn<NT>& in, int n_tok, float (&acc)[NT]) {
+    const int lane = threadIdx.x % ST_WARP;
+    for (long g = lane; g < cols / 32; g += ST_WARP) {
+        float w[32];
+        if (T >= 0) qt_group32_fixed<(T < 0 ? QT_Q4_0 : T)>(wr, (int)g, w);
+        else qt_group32(gt, wr, (int)g, w);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < n_tok) {
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float4 xv = in.ld(t, 32 * g + 4 * j);
+                    s += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z +
+                         w[4 * j + 3] * xv.w;
+                }
+                acc[t] += s;
+            }
+        }
+    }
+}
+
+// ANY: the any-type codes' branch is compiled in (the *_any kernels only, so the fast kernels'
+// register budget stays what it was without it).
+template <int NT, bool XS = false, bool ANY = false>
 __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, long rows, long cols,
                                            long r, const DqIn<NT>& in, int n_tok,
                                            float (&acc)[NT], const float4* xs = nullptr) {
@@ -165,6 +200,18 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
                     acc[t] += d1 * qa - mm1 * sa + d2 * qh - mm2 * sh;
                 }
             }
+        }
+    } else if (ANY && ty >= ST_TY_GGML) {
+        // Any other type (cols a multiple of 32, whole blocks): quants.cuh's decoders (the
+        // values the CPU reference decodes, bit for bit), inlined for the types of llama.cpp's
+        // common mixes, out of line for the rest.
+        const u8* wr = W + r * dq_row_bytes(ty, cols);
+        switch (ty - ST_TY_GGML) {
+            case QT_Q6_K: dq_dot_qt<NT, QT_Q6_K>(wr, cols, 0, in, n_tok, acc); break;
+            case QT_Q5_K: dq_dot_qt<NT, QT_Q5_K>(wr, cols, 0, in, n_tok, acc); break;
+            case QT_IQ4_XS: dq_dot_qt<NT, QT_IQ4_XS>(wr, cols, 0, in, n_tok, acc); break;
+            case QT_IQ3_S: dq_dot_qt<NT, QT_IQ3_S>(wr, cols, 0, in, n_tok, acc); break;
+            default: dq_dot_qt<NT, -1>(wr, cols, ty - ST_TY_GGML, in, n_tok, acc); break;
         }
     } else if (ty == ST_TY_F32 && cols % 4 == 0) {
         const float* wr = (const float*)W + r * cols;

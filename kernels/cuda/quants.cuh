@@ -114,8 +114,10 @@ __device__ __forceinline__ float qt_e8m0_half(int e) {
     return __uint_as_float(e < 2 ? (0x00200000u << e) : ((u32)(e - 1) << 23));
 }
 
-// Group `gi` (0..block/32) of 32 values of the quantized block `b` of type `ty`.
-__device__ __noinline__ void qt_group32_block(int ty, const u8* b, int gi, float* v) {
+// Group `gi` (0..block/32) of 32 values of the quantized block `b` of type `ty`: inlined
+// where `ty` is a compile-time constant (qt_group32_fixed), else through the out-of-line
+// qt_group32_block below (one copy of the switch per module).
+__device__ __forceinline__ void qt_group32_block_inl(int ty, const u8* b, int gi, float* v) {
     switch (ty) {
         case QT_Q4_0: {
             const float d = qt_f16(b);
@@ -276,6 +278,20 @@ __device__ __noinline__ void qt_group32_block(int ty, const u8* b, int gi, float
             for (int j = 0; j < 32; ++j) v[j] = __int_as_float(0x7fc00000);  // NaN: no decoder
             break;
     }
+}
+
+__device__ __noinline__ void qt_group32_block(int ty, const u8* b, int gi, float* v) {
+    qt_group32_block_inl(ty, b, gi, v);
+}
+
+// qt_group32 for a quantized type T known at compile time (the decoder inlined, v kept in
+// registers by the caller's unrolled loops).
+template <int T>
+__device__ __forceinline__ void qt_group32_fixed(const u8* row, int g, float* v) {
+    int be, bb;
+    qt_block(T, &be, &bb);
+    const int per = be / 32;
+    qt_group32_block_inl(T, row + (long)(g / per) * bb, g % per, v);
 }
 
 // Values 32g..32g+32 of a row of type `ty` starting at `row` (the row holds a whole number

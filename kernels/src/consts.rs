@@ -10,6 +10,9 @@ pub const ST_TY_F16: i32 = 1;
 pub const ST_TY_BF16: i32 = 2;
 pub const ST_TY_Q8_0: i32 = 3;
 pub const ST_TY_Q4_K: i32 = 4;
+/// Every other weight type: `ST_TY_GGML + its GGUF type id`, read through quants.cuh's
+/// 32-value decoders (the five codes above keep their dedicated fast paths).
+pub const ST_TY_GGML: i32 = 256;
 
 /// Tokens one few-token product launch handles per grid row (`dq_mv8`, `dq_qkv8`).
 pub const DQ_MAX_TOK: usize = 8;
@@ -53,6 +56,7 @@ pub fn all() -> Vec<(&'static str, String)> {
         ("ST_TY_BF16", ST_TY_BF16.to_string()),
         ("ST_TY_Q8_0", ST_TY_Q8_0.to_string()),
         ("ST_TY_Q4_K", ST_TY_Q4_K.to_string()),
+        ("ST_TY_GGML", ST_TY_GGML.to_string()),
         ("DQ_MAX_TOK", DQ_MAX_TOK.to_string()),
         ("DQ_WARPS", DQ_WARPS.to_string()),
         ("DQ_XR_PIECES", DQ_XR_PIECES.to_string()),

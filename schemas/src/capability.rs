@@ -78,7 +78,10 @@ pub struct Capability {
     pub prefill_gemm_types: &'static [GgmlType],
 }
 
-use GgmlType::{BF16, F16, F32, Q4K, Q8_0};
+use GgmlType::{
+    Iq1M, Iq1S, Iq2S, Iq2Xs, Iq2Xxs, Iq3S, Iq3Xxs, Iq4Nl, Iq4Xs, BF16, MXFP4, Q2K, Q3K, Q4K, Q4_0,
+    Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0,
+};
 
 /// Today's truth, mirrored from `strata-exec`'s start-up checks (`exec.rs::start` for the
 /// CPU engine, `backend/cuda/engine.rs::preflight` and its stage builder for CUDA).
@@ -104,7 +107,9 @@ pub const TABLE: [Capability; 3] = [
         backend: Backend::Cuda,
         missing: None,
         archs: &["qwen3moe"],
-        weight_types: &[F32, F16, BF16, Q8_0, Q4K],
+        // Every type the reference decodes: F32/F16/BF16/Q8_0/Q4_K on dedicated kernels, the
+        // rest on quants.cuh's decoders (launch::kty).
+        weight_types: crate::quant::SUPPORTED,
         kv_types: &["f16", "q8_0"],
         vendors: &["nvidia"],
         host_experts: false,
@@ -119,7 +124,12 @@ pub const TABLE: [Capability; 3] = [
             group_max: 16,
             width_multiple: 32,
         }),
-        prefill_gemm_types: &[Q8_0, Q4K, BF16],
+        // Every decoded type but F32 and F16: Q8_0, Q4_K and BF16 on their own tile kernels,
+        // the rest decoded to f16 as each pipeline stage loads (gemm.cu's GM_ANY).
+        prefill_gemm_types: &[
+            Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, Iq2Xxs, Iq2Xs, Iq3Xxs, Iq1S,
+            Iq4Nl, Iq3S, Iq2S, Iq4Xs, Iq1M, BF16, MXFP4,
+        ],
     },
     Capability {
         backend: Backend::Hip,
@@ -467,9 +477,9 @@ mod tests {
         let mut w = qwen3moe();
         w.arch = "qwen3next".into();
         w.tensors
-            .push(("blk.0.ffn_up_exps.weight".into(), GgmlType::Iq3S));
+            .push(("blk.0.ffn_up_exps.weight".into(), GgmlType::Tq1_0));
         w.tensors
-            .push(("blk.1.ffn_up_exps.weight".into(), GgmlType::Iq3S));
+            .push(("blk.1.ffn_up_exps.weight".into(), GgmlType::Tq1_0));
         w.kv = Some("f32".into());
         w.devices.push((1, "amd".into()));
         w.host_experts = (10, 128);
@@ -482,7 +492,7 @@ mod tests {
         let all = why.join("\n");
         for needle in [
             "architecture `qwen3next`",
-            "IQ3_S of tensor `blk.0.ffn_up_exps.weight` and 1 more",
+            "TQ1_0 of tensor `blk.0.ffn_up_exps.weight` and 1 more",
             "KV type `f32`",
             "device 1 is vendor `amd`",
             "experts_host: 10 of 128",
@@ -505,6 +515,22 @@ mod tests {
         ] {
             assert!(!cpu.contains(absent), "`{absent}` in:\n{cpu}");
         }
+    }
+
+    #[test]
+    fn cuda_prefill_gemm_takes_every_decoded_type_but_f32_and_f16() {
+        let c = capability(Backend::Cuda);
+        let want: Vec<GgmlType> = crate::quant::SUPPORTED
+            .iter()
+            .copied()
+            .filter(|t| !matches!(t, GgmlType::F32 | GgmlType::F16))
+            .collect();
+        let mut got = c.prefill_gemm_types.to_vec();
+        got.sort_by_key(|t| t.id());
+        let mut w = want.clone();
+        w.sort_by_key(|t| t.id());
+        assert_eq!(got, w);
+        assert!(got.iter().all(|t| c.weight_types.contains(t)));
     }
 
     #[test]

@@ -264,3 +264,69 @@ fn random_presets_write_real_blocks_and_quantize_requantizes() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "clap usage error");
 }
+
+/// `random --vocab-from DIR`: the folder's byte-level BPE as llama.cpp's tokenizer keys,
+/// padded to the vocabulary (what llama-bench needs to load the file); a folder without a
+/// tokenizer.json is refused with exit 1 naming the flag.
+#[test]
+fn random_vocab_from_writes_the_tokenizer_keys_padded_to_the_vocabulary() {
+    use strata_schemas::gguf::GgufArray;
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("tok.gguf");
+    let folder = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/tiny-chat-moe");
+    let shape = [
+        "--layers",
+        "1",
+        "--embd",
+        "64",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "32",
+        "--experts",
+        "4",
+        "--experts-used",
+        "2",
+        "--ff-exp",
+        "32",
+        "--vocab",
+        "600",
+    ];
+    let o = bin()
+        .args(["random", "--arch", "qwen3moe", "--preset", "Q8_0"])
+        .args(shape)
+        .args(["--vocab-from", folder, "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let f = read_gguf(&out).unwrap();
+    assert_eq!(f.get_str("tokenizer.ggml.model").unwrap(), Some("gpt2"));
+    let Some(GgufArray::Strings(tokens)) = f.get_array("tokenizer.ggml.tokens").unwrap() else {
+        panic!("no token list");
+    };
+    assert_eq!(tokens.len(), 600, "one token per embedding row");
+    assert!(tokens.iter().any(|t| t == "Ċ"), "the newline byte token");
+    assert_eq!(tokens[599], "[PAD599]");
+    let Some(GgufArray::Strings(merges)) = f.get_array("tokenizer.ggml.merges").unwrap() else {
+        panic!("no merges");
+    };
+    assert!(!merges.is_empty());
+    let o = bin()
+        .args(["random", "--arch", "qwen3moe", "--preset", "Q8_0"])
+        .args(shape)
+        .args(["--vocab-from"])
+        .arg(d.path())
+        .arg("--out")
+        .arg(d.path().join("none.gguf"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--vocab-from") && err.contains("tokenizer.json"),
+        "{err}"
+    );
+}

@@ -89,6 +89,11 @@ struct RandomArgs {
     /// general.name (default: from the descriptor or "random <arch>").
     #[arg(long)]
     name: Option<String>,
+    /// Tokenizer keys (`tokenizer.ggml.*`) from DIR/tokenizer.json, a Hugging Face byte-level
+    /// BPE folder (e.g. tests/data/tiny-chat-moe), padded to the vocabulary with unused
+    /// tokens: what llama.cpp's tools need to load the file (llama-bench, llama-cli).
+    #[arg(long, value_name = "DIR", conflicts_with = "descriptor")]
+    vocab_from: Option<PathBuf>,
     /// Write all-zero blocks for types the CPU reference cannot decode at all (TQ1_0, TQ2_0,
     /// Q8_1..., reachable only through a descriptor's overrides) instead of failing.
     #[arg(long)]
@@ -341,6 +346,18 @@ fn run_random(a: RandomArgs) -> Result<WriteSummary, String> {
     let hp = hparams_from_flags(&arch, &a)?;
     let r = recipe(a.preset.as_deref().unwrap_or("Q8_0"))?;
     opts.name = a.name.clone().unwrap_or_else(|| format!("random {arch}"));
+    if let Some(dir) = &a.vocab_from {
+        opts.vocab = Some(
+            strata_schemas::gguf::convert::vocab_from_folder(dir, hp.n_vocab)
+                .map_err(|e| format!("--vocab-from {}: {e}", dir.display()))?
+                .ok_or_else(|| {
+                    format!(
+                        "--vocab-from {}: no tokenizer.json there (give a Hugging Face model folder)",
+                        dir.display()
+                    )
+                })?,
+        );
+    }
     write_random_model(&a.out, &arch, &hp, &r, a.seed, opts).map_err(|e| e.to_string())
 }
 

@@ -137,7 +137,7 @@ impl Bind for CudaStage {
         let ty = info.ggml_type;
         if kty(ty).is_none() {
             return Err(plan_err(format!(
-                "`{name}` is {ty}, which the CUDA kernels do not read (F32, F16, BF16, Q8_0, Q4_K)"
+                "`{name}` is {ty}, which the CUDA kernels do not read (they read every type the CPU reference decodes): requantize with `strata-gguf quantize`"
             )));
         }
         if info.dims.len() != 2 || info.dims[0] != cols as u64 || info.dims[1] != rows as u64 {
@@ -202,6 +202,7 @@ impl Bind for CudaStage {
             )));
         }
         let per_gu = mat_bytes(ty, f, e)?;
+        let per_up = mat_bytes(ty_up, f, e)?;
         let per_down = mat_bytes(ty_down, e, f)?;
         let stacks = [n("gate"), n("up"), n("down")];
         let whole: Option<[u64; 3]> = match (
@@ -222,7 +223,7 @@ impl Bind for CudaStage {
             let at = match whole {
                 Some([g, u, d]) => [
                     g + x as u64 * per_gu,
-                    u + x as u64 * per_gu,
+                    u + x as u64 * per_up,
                     d + x as u64 * per_down,
                 ],
                 None if cached && !b.slot_of.contains_key(&(layer, x as u32)) => {
@@ -238,7 +239,7 @@ impl Bind for CudaStage {
                         )));
                     };
                     let so = region + *s as u64 * slot_bytes;
-                    [so, so + per_gu, so + 2 * per_gu]
+                    [so, so + per_gu, so + per_gu + per_up]
                 }
             };
             offs[3 * x..3 * x + 3].copy_from_slice(&at);
@@ -278,6 +279,8 @@ impl Bind for CudaStage {
         Ok(CExperts {
             table_off,
             ty,
+            ty_up,
+            ty_down,
             stacks,
         })
     }

@@ -49,13 +49,16 @@ pub struct Stacks {
     pub down_stride: u64,
 }
 
-/// A layer's routed experts on a stage: the table of every expert's matrix addresses, and the
+/// A layer's routed experts on a stage: the table of every expert's matrix addresses, the
+/// types of the gate, up and down matrices (a quantizer's mix may give each its own), and the
 /// experts as strided stacks when they sit at a fixed stride (a whole stack, or consecutive
-/// cache slots).
+/// cache slots) and share one type.
 #[derive(Debug, Clone, Copy)]
 pub struct CExperts {
     pub table_off: u64,
     pub ty: GgmlType,
+    pub ty_up: GgmlType,
+    pub ty_down: GgmlType,
     pub stacks: Option<Stacks>,
 }
 
@@ -315,9 +318,20 @@ impl Ops for CudaStage {
 
     fn project(&mut self, x: WorkBuf, outs: &[(CMat, WorkBuf)], n: usize) -> Result<(), CudaError> {
         let l = self.launcher();
-        if self.gemm_pass(n) && outs.iter().all(|(m, _)| Self::gemm_fits(m)) {
-            let label = if outs.len() == 3 { "gemm_qkv" } else { "gemm" };
-            return self.gemm_products(&l, label, x, outs, n, false);
+        if self.gemm_pass(n) {
+            // The tensor-core products for the types they read, the few-token products for
+            // the rest of a mix (e.g. Q4_K_M's Q6_K V projection).
+            let (fit, rest): (Vec<_>, Vec<_>) = outs.iter().partition(|(m, _)| Self::gemm_fits(m));
+            if !fit.is_empty() {
+                let label = if fit.len() == 3 { "gemm_qkv" } else { "gemm" };
+                self.gemm_products(&l, label, x, &fit, n, false)?;
+            }
+            let stage = self.opts.stage_inputs;
+            for (m, y) in rest {
+                let (xv, yv) = (self.rows(x, n, m.cols)?, self.rows(y, n, m.rows)?);
+                decode::mv(&l, "mv", self.mat(m)?, xv, None, yv, n, false, stage)?;
+            }
+            return Ok(());
         }
         let stage = self.opts.stage_inputs;
         if let [(q, yq), (k, yk), (v, yv)] = outs {
@@ -508,20 +522,23 @@ impl Ops for CudaStage {
         let l = self.launcher();
         let d = self.d;
         let c = gemm_col_multiple(e.ty);
-        let grouped_ty = c != 0 && d.e % c == 0 && d.f % c == 0;
+        let grouped_ty =
+            c != 0 && d.e % c == 0 && d.f % c == 0 && e.ty_up == e.ty && e.ty_down == e.ty;
         if let (true, true, Some(s)) = (self.gemm_pass(n), grouped_ty, e.stacks) {
             return self.experts_grouped(&l, s, e.ty, xn, ids, wts, y, n);
         }
         let table = ExpertTable {
             table: self.view(e.table_off, 24 * d.n_expert as u64)?,
             ty: e.ty,
+            ty_up: e.ty_up,
+            ty_down: e.ty_down,
             n_expert: d.n_expert,
             f: d.f,
             e: d.e,
         };
         let idv = self.buf_at(ids, 0, (4 * n * d.k) as u64)?;
         let (xv, h) = (self.rows(xn, n, d.e)?, self.rows(WorkBuf::H, n * d.k, d.f)?);
-        let stage = self.opts.stage_inputs && e.ty == GgmlType::Q8_0;
+        let stage = self.opts.stage_inputs && e.ty == GgmlType::Q8_0 && e.ty_up == e.ty;
         decode::moe_gate_up(&l, table, idv, d.k, xv, h, n, stage)?;
         let (wv, yv) = (self.rows(wts, n, d.k)?, self.rows(y, n, d.e)?);
         decode::moe_down(&l, table, idv, wv, d.k, h, yv, n)

@@ -1,6 +1,7 @@
 //! Prefill matrix-matrix launchers of the CUDA backend (kernels in `kernels/cuda/gemm.cu`):
 //! the dense tensor-core GEMM `y[t][r] = W_r · x[t]` for Q8_0 (split device layout, see
-//! `layout`), Q4_K (GGUF layout, columns a multiple of 256) and BF16 weights, and the grouped
+//! `layout`), Q4_K (GGUF layout, columns a multiple of 256), BF16 weights and every other type
+//! the CPU reference decodes except F32/F16 (`gemm_any_*`, GGUF layout), and the grouped
 //! MoE form: `moe_sort` (router choices to per-expert tiles, on the device) then `moe_gemm`
 //! over those tiles. Activations are f32 in and out; each product first rounds `x` into a
 //! caller-provided 16-bit scratch (f16 for Q8_0 and Q4_K weights, bf16 for BF16 weights).
@@ -10,7 +11,7 @@
 //! whole MoE sequence (sort, convert, products) can be captured in a CUDA graph: its grids
 //! depend only on `n_tok`, `k`, `n_expert` and the shapes.
 
-use super::launch::{bad, int};
+use super::launch::{any_type, bad, int};
 use super::{drv, CudaDevice, CudaError, DeviceView};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -91,27 +92,34 @@ fn matrix_bytes(
     cols: usize,
 ) -> Result<u64, CudaError> {
     let (r, c) = (rows as u64, cols as u64);
+    let m = gemm_col_multiple(ty);
     match ty {
         GgmlType::Q8_0 if cols % 32 == 0 && cols > 0 => Ok(r * c / 32 * 34),
         GgmlType::Q4K if cols % 256 == 0 && cols > 0 => Ok(r * c / 256 * 144),
         GgmlType::BF16 if cols % 8 == 0 && cols > 0 => Ok(r * c * 2),
-        GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::BF16 => Err(bad(
+        _ if m != 0 && cols % m == 0 && cols > 0 => crate::quant::row_bytes(ty, cols)
+            .map(|rb| rb as u64 * r)
+            .map_err(|e| bad(op, e.to_string())),
+        _ if m != 0 => Err(bad(
             op,
-            format!("{ty} weights of {rows} x {cols}: the columns must be a positive multiple of {} for {ty} (Q8_0 32, Q4_K 256, BF16 8); use the matvec kernels for this matrix", gemm_col_multiple(ty)),
+            format!("{ty} weights of {rows} x {cols}: the columns must be a positive multiple of {m} for {ty} (Q8_0 32, Q4_K 256, BF16 8, other types their block, at least 32); use the matvec kernels for this matrix"),
         )),
         other => Err(bad(
             op,
-            format!("no tensor-core kernel for {other} weights (Q8_0, Q4_K and BF16 only); use matvec"),
+            format!("no tensor-core kernel for {other} weights (every type the CPU reference decodes has one); use matvec"),
         )),
     }
 }
 
-/// The column multiple the tensor-core kernels need for weights of `ty` (0: no kernel).
+/// The column multiple the tensor-core kernels need for weights of `ty` (0: no kernel):
+/// Q8_0 32, Q4_K 256, BF16 8, and every other type the any-type decoders read its block
+/// width, at least 32 (`gemm_any_*`: 32 columns decoded at a time).
 pub fn gemm_col_multiple(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q8_0 => 32,
         GgmlType::Q4K => 256,
         GgmlType::BF16 => 8,
+        t if any_type(t) => (t.block_elems() as usize).max(32),
         _ => 0,
     }
 }
@@ -138,6 +146,17 @@ fn smem_bytes(ty: GgmlType, tile: GemmTile, n_weights: usize) -> usize {
 fn kernel_name(moe: bool, glu: bool, ty: GgmlType, tile: GemmTile) -> &'static str {
     use GemmTile::*;
     use GgmlType::{Q4K, Q8_0};
+    if any_type(ty) {
+        return match (moe, glu, tile) {
+            (true, true, _) => "moe_gemm_glu_any_m64",
+            (false, _, M64) => "gemm_any_m64",
+            (false, _, M128) => "gemm_any_m128",
+            (false, _, M128W) => "gemm_any_m128w",
+            (true, false, M64) => "moe_gemm_any_m64",
+            (true, false, M128) => "moe_gemm_any_m128",
+            (true, false, M128W) => "moe_gemm_any_m128w",
+        };
+    }
     match (moe, glu, ty, tile) {
         (true, true, Q8_0, _) => "moe_gemm_glu_q8_0_m64",
         (true, true, Q4K, _) => "moe_gemm_glu_q4_k_m64",
@@ -206,8 +225,8 @@ impl CudaDevice {
             return Ok(());
         }
         let bf16 = match ty {
-            GgmlType::Q8_0 | GgmlType::Q4K => 0i32,
-            GgmlType::BF16 => 1,
+            GgmlType::BF16 => 1i32,
+            t if gemm_supports(t) => 0,
             other => return Err(bad(OP, format!("no tensor-core kernel for {other}"))),
         };
         let f = self.function("gemm_cvt_x")?;
@@ -348,6 +367,7 @@ impl CudaDevice {
         )))?;
         let (wp, xp, yp, acc) = (w.ptr(), xh.ptr(), y.ptr(), acc as i32);
         let mut b = self.stream.launch_builder(f);
+        let gt = ty.id() as i32;
         b.arg(&wp)
             .arg(&xp)
             .arg(&yp)
@@ -355,6 +375,10 @@ impl CudaDevice {
             .arg(&ci)
             .arg(&ni)
             .arg(&acc);
+        if any_type(ty) {
+            // gemm_any_*: the weights' GGUF type id last.
+            b.arg(&gt);
+        }
         // (the K part is blockIdx.z; the grid below sets the count)
         if kparts > 1 {
             self.memset(y.sub(0, 4 * n_tok as u64 * rows as u64)?, 0)?;
@@ -650,6 +674,11 @@ impl CudaDevice {
         }
         b.arg(&wp).arg(&mbl).arg(&xp).arg(&yp).arg(&ri).arg(&ci);
         b.arg(&op).arg(&pp).arg(&tp).arg(&cp).arg(&ki).arg(&gather);
+        let gt = ty.id() as i32;
+        if any_type(ty) {
+            // moe_gemm_*any*: the weights' GGUF type id last.
+            b.arg(&gt);
+        }
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(tile.rows()) as u32, lay.max_tiles as u32, 1),
             block_dim: (tile.threads(), 1, 1),
@@ -674,7 +703,7 @@ mod tests {
     fn every_launched_kernel_is_a_gemm_entry_point() {
         let mut n = 0;
         for (moe, glu) in [(false, false), (true, false), (true, true)] {
-            for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
+            for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16, GgmlType::Q6K] {
                 for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
                     let name = kernel_name(moe, glu, ty, tile);
                     let m = strata_kernels::module_of(name);
@@ -683,7 +712,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(n, 27);
+        assert_eq!(n, 36);
     }
 
     #[test]
@@ -696,7 +725,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("3 x 384") && e.contains("256"), "{e}");
-        assert!(matrix_bytes("t", GgmlType::Q6K, 3, 256).is_err());
-        assert!(gemm_supports(GgmlType::Q4K) && !gemm_supports(GgmlType::Q6K));
+        // Every other decoded type through the any-type kernels, in whole blocks.
+        assert_eq!(matrix_bytes("t", GgmlType::Q6K, 3, 256).unwrap(), 3 * 210);
+        assert!(matrix_bytes("t", GgmlType::Iq3S, 3, 96).is_err());
+        assert_eq!(
+            matrix_bytes("t", GgmlType::Q4_0, 3, 96).unwrap(),
+            3 * 3 * 18
+        );
+        assert!(matrix_bytes("t", GgmlType::Tq1_0, 3, 256).is_err());
+        assert!(gemm_supports(GgmlType::Q4K) && gemm_supports(GgmlType::Q6K));
+        assert!(!gemm_supports(GgmlType::F32) && !gemm_supports(GgmlType::Tq1_0));
+        assert_eq!(gemm_col_multiple(GgmlType::Iq4Nl), 32);
     }
 }

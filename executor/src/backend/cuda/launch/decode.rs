@@ -163,7 +163,12 @@ pub fn mv(
         None => (0, 0.0, 0),
     };
     let (add, n32) = (add as i32, int(OP, "n", n)?);
-    let name = if n == 1 { "dq_mv1" } else { "dq_mv8" };
+    let name = match (n == 1, super::any_type(w.ty)) {
+        (true, false) => "dq_mv1",
+        (false, false) => "dq_mv8",
+        (true, true) => "dq_mv1_any",
+        (false, true) => "dq_mv8_any",
+    };
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
     let blocks = if n == 1 {
         mv1_blocks(l, w.rows, w.cols, w.ty == GgmlType::Q8_0)
@@ -209,7 +214,12 @@ pub fn qkv(
     let rows = (mats[0].rows + mats[1].rows + mats[2].rows) as u32;
     let (n32, no_norm, eps) = (int(OP, "n", n)?, 0u64, 0f32);
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
-    let name = if n == 1 { "dq_qkv1" } else { "dq_qkv8" };
+    let name = match (n == 1, super::any_type(mats[0].ty)) {
+        (true, false) => "dq_qkv1",
+        (false, false) => "dq_qkv8",
+        (true, true) => "dq_qkv1_any",
+        (false, true) => "dq_qkv8_any",
+    };
     let smem = xs_bytes(stage, n, mats[0].ty, cols);
     let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
     let (rq, rk, rv, c) = (
@@ -370,11 +380,15 @@ pub fn router_topk(
 pub const ROUTER_MAX_K: usize = 64;
 
 /// A layer's routed experts as the expert kernels read them: a table of `n_expert x (gate,
-/// up, down)` device addresses (`n_expert x 3` u64), the matrices of one type.
+/// up, down)` device addresses (`n_expert x 3` u64); every expert's gate matrices are of
+/// `ty`, its up matrices of `ty_up` and its down matrices of `ty_down` (a quantizer's mix,
+/// e.g. Q4_K_M's Q6_K down projections, gives the three their own types).
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertTable<'a> {
     pub table: DeviceView<'a>,
     pub ty: GgmlType,
+    pub ty_up: GgmlType,
+    pub ty_down: GgmlType,
     pub n_expert: usize,
     /// Expert width (gate/up rows, down columns) and hidden width.
     pub f: usize,
@@ -382,12 +396,35 @@ pub struct ExpertTable<'a> {
 }
 
 impl ExpertTable<'_> {
-    fn check(&self, op: &'static str) -> Result<i32, CudaError> {
+    /// Checks the table and shapes; returns the kernel codes of gate, up and down.
+    fn check(&self, op: &'static str) -> Result<[i32; 3], CudaError> {
         self.table
             .expect(op, "expert table", 24 * self.n_expert as u64, 8)?;
         int(op, "f", self.f)?;
         int(op, "e", self.e)?;
-        super::kty(self.ty).ok_or_else(|| bad(op, format!("{} experts", self.ty)))
+        let code = |ty: GgmlType, what: &str| {
+            let c = super::kty(ty).ok_or_else(|| {
+                bad(
+                    op,
+                    format!("{ty} expert {what} matrices: the CUDA kernels cannot read {ty}"),
+                )
+            })?;
+            if super::any_type(ty) && (self.f % 32 != 0 || self.e % 32 != 0) {
+                return Err(bad(
+                    op,
+                    format!(
+                        "{ty} experts of {} x {}: the any-type kernels read rows of a multiple of 32",
+                        self.f, self.e
+                    ),
+                ));
+            }
+            Ok(c)
+        };
+        Ok([
+            code(self.ty, "gate")?,
+            code(self.ty_up, "up")?,
+            code(self.ty_down, "down")?,
+        ])
     }
 }
 
@@ -406,11 +443,15 @@ pub fn moe_gate_up(
     stage: bool,
 ) -> Result<(), CudaError> {
     const OP: &str = "moe_gate_up";
-    let ty = ex.check(OP)?;
+    let [ty, ty_u, _] = ex.check(OP)?;
     ids.expect(OP, "ids", 4 * (n * k) as u64, 4)?;
     xn.expect(OP, "xn", f32s(n * ex.e), 16)?;
     h.expect(OP, "h", f32s(n * k * ex.f), 4)?;
-    let smem = xs_bytes(stage, 1, ex.ty, ex.e);
+    let smem = if ex.ty_up == ex.ty {
+        xs_bytes(stage, 1, ex.ty, ex.e)
+    } else {
+        0
+    };
     let (f, e, k32, no_norm, eps) = (ex.f as i32, ex.e as i32, k as i32, 0u64, 0f32);
     let (tp, ip, xp, hp) = (ex.table.ptr(), ids.ptr(), xn.ptr(), h.ptr());
     let grid = (
@@ -418,13 +459,18 @@ pub fn moe_gate_up(
         int(OP, "n * k", n * k)? as u32,
         1,
     );
-    launch!(l, "dq_moe_gate_up", cfg(grid, 32 * DQ_WARPS, smem);
-        &tp, &ty, &f, &e, &ip, &k32, &xp, &no_norm, &eps, &hp)
+    let name = if super::any_type(ex.ty) || super::any_type(ex.ty_up) {
+        "dq_moe_gate_up_any"
+    } else {
+        "dq_moe_gate_up"
+    };
+    launch!(l, name, cfg(grid, 32 * DQ_WARPS, smem);
+        &tp, &ty, &ty_u, &f, &e, &ip, &k32, &xp, &no_norm, &eps, &hp)
 }
 
 /// The MoE down products weighted and added into `y`: `y[t] += sum_j wts[t*k+j] D_e h[t*k+j]`
-/// — `dq_moe_down_rows` (a block per row) for Q8_0 experts and k up to 32, else `dq_moe_down`
-/// (a warp per row).
+/// — `dq_moe_down_rows` (a block per row) for Q8_0 down matrices and k up to 32, else
+/// `dq_moe_down` (a warp per row, any type).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_down(
     l: &Launcher<'_>,
@@ -437,7 +483,7 @@ pub fn moe_down(
     n: usize,
 ) -> Result<(), CudaError> {
     const OP: &str = "moe_down";
-    let ty = ex.check(OP)?;
+    let [_, _, ty] = ex.check(OP)?;
     ids.expect(OP, "ids", 4 * (n * k) as u64, 4)?;
     wts.expect(OP, "wts", f32s(n * k), 4)?;
     h.expect(OP, "h", f32s(n * k * ex.f), 16)?;
@@ -445,11 +491,16 @@ pub fn moe_down(
     let (e, f, k32) = (ex.e as i32, ex.f as i32, k as i32);
     let (tp, ip, wp, hp, yp) = (ex.table.ptr(), ids.ptr(), wts.ptr(), h.ptr(), y.ptr());
     let nt = int(OP, "n", n)? as u32;
-    if ex.ty == GgmlType::Q8_0 && k <= DQ_DOWN_MAXK {
+    if ex.ty_down == GgmlType::Q8_0 && k <= DQ_DOWN_MAXK {
         return launch!(l, "dq_moe_down_rows", cfg((ex.e as u32, nt, 1), 128, 0);
             &tp, &e, &f, &ip, &wp, &k32, &hp, &yp);
     }
-    launch!(l, "dq_moe_down", cfg(((ex.e as u32).div_ceil(DQ_WARPS), nt, 1), 32 * DQ_WARPS, 0);
+    let name = if super::any_type(ex.ty_down) {
+        "dq_moe_down_any"
+    } else {
+        "dq_moe_down"
+    };
+    launch!(l, name, cfg(((ex.e as u32).div_ceil(DQ_WARPS), nt, 1), 32 * DQ_WARPS, 0);
         &tp, &ty, &e, &f, &ip, &wp, &k32, &hp, &yp)
 }
 

@@ -31,7 +31,10 @@ const XR_BLOCKS_PER_SM: u32 = 4;
 /// capped grid measured slower for Q/K/V and the experts, 1-3 rows a warp, on the H200).
 const XR_MIN_ROWS: u32 = 8;
 
-/// Kernel type numbers (`consts::ST_TY_*`).
+/// Kernel type numbers (`consts::ST_TY_*`): the five types with dedicated paths, and every
+/// other type the CPU reference decodes as `ST_TY_GGML + its GGUF id` (quants.cuh has a
+/// decoder for each of them; the any-type path in products.cuh reads it). KV caches use only
+/// the first five.
 pub fn kty(ty: GgmlType) -> Option<i32> {
     Some(match ty {
         GgmlType::F32 => kc::ST_TY_F32,
@@ -39,8 +42,14 @@ pub fn kty(ty: GgmlType) -> Option<i32> {
         GgmlType::BF16 => kc::ST_TY_BF16,
         GgmlType::Q8_0 => kc::ST_TY_Q8_0,
         GgmlType::Q4K => kc::ST_TY_Q4_K,
+        t if crate::quant::is_supported(t) => kc::ST_TY_GGML + t.id() as i32,
         _ => return None,
     })
+}
+
+/// Whether the kernels read `ty` through the any-type decoders (rows of a multiple of 32).
+pub fn any_type(ty: GgmlType) -> bool {
+    kty(ty).is_some_and(|c| c >= kc::ST_TY_GGML)
 }
 
 /// `v` as a kernel's 32-bit index, or a shape error naming `what`.
@@ -62,7 +71,7 @@ pub(crate) fn f32s(n: usize) -> u64 {
 }
 
 /// A weight matrix on the device: `rows x cols` of `ty` (Q8_0 in the split layout of
-/// `layout`, every other type in the GGUF layout).
+/// `layout`, every other type in the GGUF layout), each matrix its own type.
 #[derive(Debug, Clone, Copy)]
 pub struct Mat<'a> {
     pub w: DeviceView<'a>,
@@ -78,11 +87,20 @@ impl Mat<'_> {
             bad(
                 op,
                 format!(
-                    "{} weights: the CUDA kernels read F32, F16, BF16, Q8_0 and Q4_K",
+                    "{} weights: the CUDA kernels read only the types the CPU reference decodes; requantize with `strata-gguf quantize IN OUT --type Q8_0`",
                     self.ty
                 ),
             )
         })?;
+        if any_type(self.ty) && self.cols % 32 != 0 {
+            return Err(bad(
+                op,
+                format!(
+                    "{} rows of {} columns: the any-type kernels read rows of a multiple of 32",
+                    self.ty, self.cols
+                ),
+            ));
+        }
         let rb = crate::quant::row_bytes(self.ty, self.cols)
             .map_err(|e| bad(op, format!("rows of {} {}: {e}", self.cols, self.ty)))?;
         self.w
