@@ -271,7 +271,7 @@ impl CudaStage {
     pub(crate) fn experts_through_cache(
         &mut self,
         layer: u32,
-        ty: GgmlType,
+        tys: [GgmlType; 3],
         xn: WorkBuf,
         ids: WorkBuf,
         wts: WorkBuf,
@@ -283,7 +283,7 @@ impl CudaStage {
             .xcache
             .take()
             .ok_or_else(|| err("this stage has no expert cache"))?;
-        let r = self.cache_pass(&mut c, layer, ty, (e, f, k, ne), [xn, ids, wts, y], n);
+        let r = self.cache_pass(&mut c, layer, tys, (e, f, k, ne), [xn, ids, wts, y], n);
         self.xcache = Some(c);
         r
     }
@@ -292,7 +292,7 @@ impl CudaStage {
         &mut self,
         c: &mut CudaExpertCache,
         layer: u32,
-        ty: GgmlType,
+        [ty, ty_up, ty_down]: [GgmlType; 3],
         (e, f, k, ne): (usize, usize, usize, usize),
         [xn, ids, wts, y]: [WorkBuf; 4],
         n: usize,
@@ -309,7 +309,7 @@ impl CudaStage {
         c.tally.record(layer, &c.ids[..n * k]);
         let li = (layer - c.layer_first) as usize;
         let budget = c.policy.unpinned_slots();
-        let stage_in = self.opts.stage_inputs && ty == GgmlType::Q8_0;
+        let stage_in = self.opts.stage_inputs && ty == GgmlType::Q8_0 && ty_up == ty;
         let mut t0 = 0;
         while t0 < n {
             let mut group = std::mem::take(&mut c.group);
@@ -370,6 +370,8 @@ impl CudaStage {
             let table = ExpertTable {
                 table: self.view(l.table_off, 24 * ne as u64)?,
                 ty,
+                ty_up,
+                ty_down,
                 n_expert: ne,
                 f,
                 e,

@@ -517,7 +517,15 @@ impl Ops for CudaStage {
         n: usize,
     ) -> Result<(), CudaError> {
         if self.xcache.as_ref().is_some_and(|c| c.serves(layer)) {
-            return self.experts_through_cache(layer, e.ty, xn, ids, wts, y, n);
+            return self.experts_through_cache(
+                layer,
+                [e.ty, e.ty_up, e.ty_down],
+                xn,
+                ids,
+                wts,
+                y,
+                n,
+            );
         }
         let l = self.launcher();
         let d = self.d;
