@@ -46,6 +46,7 @@ if [ "$what" = build ] || [ "$what" = all ]; then
         cmake -S "$src" -B "$build" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
             -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
             -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+            -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
             >"$work/cmake.log" 2>&1 || fail "cmake" "$work/cmake.log"
         cmake --build "$build" -j "$jobs" --target llama-bench llama-batched-bench llama-quantize \
             >"$work/make.log" 2>&1 || fail "llama.cpp build" "$work/make.log"

@@ -816,14 +816,18 @@ fn experts_every_type_decode_and_grouped_prefill() {
                 (StepKind::Prefill, 9),
                 (StepKind::Prefill, 37),
             ] {
+                // Grouped when gate/up and down each have tensor-core tiles (down may be of
+                // another type); where the shapes keep a type off them, the looser bound still
+                // holds the exact path.
                 let grouped =
-                    kind == StepKind::Prefill && n >= 16 && tensor_core(ty) && ty_down == ty;
+                    kind == StepKind::Prefill && n >= 16 && tensor_core(ty) && tensor_core(ty_down);
                 // Grouped: two chained f16-input products (the SwiGLU output is rounded to
                 // f16 again before the down product), so twice the single product's bound;
                 // the worst of 256 x 37 outputs measured 5.0e-3 for Q4_K on the H200.
-                let tol = match (grouped, ty) {
-                    (true, GgmlType::BF16) => 3e-2,
-                    (true, _) => 8e-3,
+                let bf16 = ty == GgmlType::BF16 || ty_down == GgmlType::BF16;
+                let tol = match (grouped, bf16) {
+                    (true, true) => 3e-2,
+                    (true, false) => 8e-3,
                     _ => 2e-5,
                 };
                 let what =

@@ -244,10 +244,10 @@ impl Bind for CudaStage {
             };
             offs[3 * x..3 * x + 3].copy_from_slice(&at);
         }
-        // The grouped prefill products read gate, up and down with one kernel type, every
-        // expert at a fixed stride.
+        // The grouped prefill products read gate and up with one kernel type (down may have
+        // its own), every expert at a fixed stride.
         let stacks = (|| {
-            if cached || ne < 2 || ty != ty_up || ty != ty_down {
+            if cached || ne < 2 || ty != ty_up {
                 return None;
             }
             let gs = offs[3].checked_sub(offs[0])?;

@@ -169,7 +169,7 @@ impl CudaStage {
         &self,
         l: &Launcher<'_>,
         s: Stacks,
-        ty: GgmlType,
+        [ty, ty_down]: [GgmlType; 2],
         xn: WorkBuf,
         ids: WorkBuf,
         wts: WorkBuf,
@@ -207,9 +207,9 @@ impl CudaStage {
                 h,
             )
         })?;
-        let dn_span = s.down_stride * (ne as u64 - 1) + mat_bytes(ty, e, f)?;
+        let dn_span = s.down_stride * (ne as u64 - 1) + mat_bytes(ty_down, e, f)?;
         l.timed("gemm_convert_x", || {
-            self.dev.gemm_convert_x(h, n * k, f, ty, xh)
+            self.dev.gemm_convert_x(h, n * k, f, ty_down, xh)
         })?;
         let (wd, yd) = (
             self.view(s.down, dn_span)?,
@@ -221,7 +221,7 @@ impl CudaStage {
                 wd,
                 None,
                 s.down_stride,
-                ty,
+                ty_down,
                 ne,
                 e,
                 f,
@@ -529,11 +529,15 @@ impl Ops for CudaStage {
         }
         let l = self.launcher();
         let d = self.d;
-        let c = gemm_col_multiple(e.ty);
-        let grouped_ty =
-            c != 0 && d.e % c == 0 && d.f % c == 0 && e.ty_up == e.ty && e.ty_down == e.ty;
+        // Grouped products need gate and up of one type (one GLU launch); down may be of
+        // another (Q4_K_M's Q6_K down layers), each read through its own type's tiles.
+        let fits = |ty: GgmlType| {
+            let c = gemm_col_multiple(ty);
+            c != 0 && d.e % c == 0 && d.f % c == 0
+        };
+        let grouped_ty = e.ty_up == e.ty && fits(e.ty) && fits(e.ty_down);
         if let (true, true, Some(s)) = (self.gemm_pass(n), grouped_ty, e.stacks) {
-            return self.experts_grouped(&l, s, e.ty, xn, ids, wts, y, n);
+            return self.experts_grouped(&l, s, [e.ty, e.ty_down], xn, ids, wts, y, n);
         }
         let table = ExpertTable {
             table: self.view(e.table_off, 24 * d.n_expert as u64)?,
