@@ -23,6 +23,8 @@ struct Cli {
     run: cli::run::RunArgs,
 }
 
+// Parsed once per process: the size of bench's flag lists does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Prefill and decode speed of a plan (mean +- sd over repetitions), and device memory

@@ -1,0 +1,111 @@
+//! `strata-exec bench`'s expert-cache counters: hits, misses streamed, misses computed on the
+//! CPU and bytes copied host to device over a combination's timed repetitions, beside the
+//! plan's predicted hit rate.
+//! Invariant: the counts are differences of the engine's cumulative stats taken around the
+//! timed repetitions only (warm-up excluded).
+
+use strata_exec::engine::EngineStats;
+
+/// Expert-cache counters of the timed repetitions (warm-up excluded).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct ExpertCounts {
+    reps: usize,
+    hits: u64,
+    misses_streamed: u64,
+    /// Misses computed on the CPU from host memory (the hybrid path; none in this build).
+    misses_cpu: u64,
+    bytes_streamed: u64,
+    predicted_hit_rate: f64,
+}
+
+impl ExpertCounts {
+    pub(super) fn between(
+        a: &EngineStats,
+        b: &EngineStats,
+        reps: usize,
+        predicted_hit_rate: f64,
+    ) -> Self {
+        Self {
+            reps,
+            hits: b.expert_hits.saturating_sub(a.expert_hits),
+            misses_streamed: b.expert_misses.saturating_sub(a.expert_misses),
+            misses_cpu: 0,
+            bytes_streamed: b
+                .expert_bytes_streamed
+                .saturating_sub(a.expert_bytes_streamed),
+            predicted_hit_rate,
+        }
+    }
+
+    /// Hits over lookups (None without lookups: every expert read in place).
+    fn hit_rate(&self) -> Option<f64> {
+        let all = self.hits + self.misses_streamed + self.misses_cpu;
+        (all > 0).then(|| self.hits as f64 / all as f64)
+    }
+
+    pub(super) fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "reps": self.reps,
+            "hits": self.hits,
+            "misses_streamed": self.misses_streamed,
+            "misses_cpu": self.misses_cpu,
+            "bytes_streamed": self.bytes_streamed,
+            "hit_rate": self.hit_rate(),
+            "predicted_hit_rate": self.predicted_hit_rate,
+        })
+    }
+
+    pub(super) fn text(&self) -> String {
+        let per = |x: u64| x as f64 / self.reps.max(1) as f64;
+        match self.hit_rate() {
+            None => format!(
+                "experts: every expert read in place (no cache lookups); the plan predicts a hit rate of {:.3}",
+                self.predicted_hit_rate
+            ),
+            Some(r) => format!(
+                "experts per rep: {:.0} hits, {:.0} misses streamed ({:.1} MiB host -> device), {:.0} computed on the CPU; hit rate {r:.3}, the plan predicts {:.3}",
+                per(self.hits),
+                per(self.misses_streamed),
+                per(self.bytes_streamed) / (1u64 << 20) as f64,
+                per(self.misses_cpu),
+                self.predicted_hit_rate
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_counts_are_the_timed_reps_difference() {
+        let a = EngineStats {
+            expert_hits: 10,
+            expert_misses: 4,
+            expert_bytes_streamed: 1 << 20,
+            kv_cells_in_use: vec![],
+        };
+        let b = EngineStats {
+            expert_hits: 40,
+            expert_misses: 14,
+            expert_bytes_streamed: 5 << 20,
+            kv_cells_in_use: vec![3],
+        };
+        let c = ExpertCounts::between(&a, &b, 2, 0.5);
+        assert_eq!(
+            (c.hits, c.misses_streamed, c.bytes_streamed),
+            (30, 10, 4 << 20)
+        );
+        assert_eq!(c.hit_rate(), Some(0.75));
+        let t = c.text();
+        assert!(
+            t.contains("15 hits") && t.contains("5 misses") && t.contains("2.0 MiB"),
+            "{t}"
+        );
+        assert_eq!(c.json()["hit_rate"], 0.75);
+        let none = ExpertCounts::between(&a, &a, 1, 0.9);
+        assert_eq!(none.hit_rate(), None);
+        assert!(none.text().contains("in place"));
+    }
+}

@@ -1,0 +1,342 @@
+//! `strata-exec bench PLAN`: prefill and decode tokens/s of a plan, like llama-bench (mean ±
+//! sd over repetitions after one warm-up) and llama-batched-bench (`-b`: parallel sequences
+//! decoding together; `-d`: a KV cache already holding DEPTH cells), one row per combination
+//! of the comma lists `-p`, `-n`, `-b`, `-d`, plus device memory used versus planned.
+//! Beside every figure it prints what the plan predicts for the same run (its cost model,
+//! evaluated at this prompt length, batch and these contexts) and measured / predicted.
+//! Invariant: measures only; the engine is started exactly as `strata-exec PLAN` starts it,
+//! and every combination is checked against the plan's slots and context before loading.
+
+mod experts;
+mod measure;
+mod report;
+
+use super::{backend_for, fail, open_plan, Backend, PlanArgs};
+use measure::{rep, Combo};
+use report::{gib, mean_sd, params_label, ratio, sampled_label, test_label};
+use std::path::PathBuf;
+use std::time::Instant;
+use strata_exec::engine::Engine;
+use strata_exec::sampler::SamplingParams;
+
+#[derive(clap::Args, Debug, Clone)]
+#[command(
+    after_help = "Examples:\n  strata-exec bench h200.plan -p 512 -n 128 -r 3\n  strata-exec bench h200.plan -p 512 -n 128 -b 1,2,4 -d 0,4096\nPrompt tokens are pseudo-random ids; decode feeds back the argmax token, or with\n--temperature a token drawn as `strata-exec run` and the server draw it (on the device\nwhere the engine can), e.g.\n  strata-exec bench h200.plan -p 512 -n 128 --temperature 0.8 --top-k 40 --top-p 0.95\nEvery combination of -p, -n, -b and -d is one pp row and one tg row (one JSON line)."
+)]
+pub struct BenchArgs {
+    /// The plan file written by strata-plan.
+    pub plan: PathBuf,
+    #[command(flatten)]
+    pub common: PlanArgs,
+    /// Prompt tokens prefilled per sequence (in the plan's ubatch chunks), comma list; 0 skips
+    /// the pp row.
+    #[arg(short = 'p', long, value_delimiter = ',', default_value = "512")]
+    pub prompt: Vec<usize>,
+    /// Tokens decoded per sequence after the prompt, comma list; 0 skips the tg row.
+    #[arg(short = 'n', long, value_delimiter = ',', default_value = "128")]
+    pub n_gen: Vec<usize>,
+    /// Parallel sequences, comma list: each prefills -p tokens in its own slot, then all
+    /// decode -n steps together; at most the plan's slots (strata-plan --batch).
+    #[arg(short = 'b', long, value_delimiter = ',', default_value = "1")]
+    pub batch: Vec<usize>,
+    /// Cells already in each sequence's KV cache before the timed prefill and decode (filled
+    /// untimed), comma list, like llama-bench -d.
+    #[arg(short = 'd', long, value_delimiter = ',', default_value = "0")]
+    pub depth: Vec<usize>,
+    /// Repetitions (each on fresh contexts).
+    #[arg(short = 'r', long, default_value_t = 3)]
+    pub reps: usize,
+    /// Decode draws its tokens with this temperature (0 = greedy, the default).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With --temperature: keep the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// With --temperature: keep the smallest set of likeliest tokens holding P of the mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Output: text (a table; with -q nothing else) or json (one object per combination,
+    /// one per line).
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub format: String,
+}
+
+/// The plan's predicted tok/s for `c`: (prefill of one sequence's prompt in `ubatch` passes,
+/// `n_gen` decode steps of `batch` slots after depth + prompt cells, all sequences together).
+fn predicted(plan: &strata_schemas::plan::Plan, c: &Combo, ubatch: usize) -> (f64, f64) {
+    let p = c.prompt.max(1) as u64;
+    let pp = plan.prefill_seconds(p, ubatch as u64);
+    let start = (c.depth as u64) + p;
+    let tg: f64 = (0..c.n_gen as u64)
+        .map(|i| plan.decode_step_seconds(c.batch as u32, start + i))
+        .sum();
+    let rate = |tokens: f64, s: f64| if s > 0.0 { tokens / s } else { 0.0 };
+    (rate(p as f64, pp), rate((c.n_gen * c.batch) as f64, tg))
+}
+
+/// Every combination of the lists, in llama-bench's order (prompt, then generation, then
+/// batch, then depth), after checking each fits the plan's slots and context.
+fn combos(args: &BenchArgs, slots: usize, ctx: usize) -> Result<Vec<Combo>, String> {
+    let mut out = Vec::new();
+    for &prompt in &args.prompt {
+        for &n_gen in &args.n_gen {
+            for &batch in &args.batch {
+                for &depth in &args.depth {
+                    let c = Combo {
+                        prompt,
+                        n_gen,
+                        batch,
+                        depth,
+                    };
+                    if batch == 0 || batch > slots {
+                        return Err(format!(
+                            "-b {batch}: the plan has {slots} slot(s): pass -b between 1 and {slots}, or re-plan with strata-plan --batch {}",
+                            batch.max(1)
+                        ));
+                    }
+                    if c.cells() > ctx {
+                        return Err(format!(
+                            "-d {depth} plus -p {prompt} plus -n {n_gen} need {} cells per sequence, more than the plan's context of {ctx}: lower them or re-plan with a larger --max-context",
+                            c.cells()
+                        ));
+                    }
+                    out.push(c);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub fn main(args: BenchArgs) {
+    if args.temperature.is_nan() || args.temperature < 0.0 || !(0.0..=1.0).contains(&args.top_p) {
+        fail(format!(
+            "--temperature {} / --top-p {}: the temperature must be >= 0 and top-p in [0, 1]",
+            args.temperature, args.top_p
+        ));
+    }
+    let quiet = args.common.quiet;
+    let say = |m: String| {
+        if !quiet {
+            eprintln!("{m}");
+        }
+    };
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: 0,
+    };
+    let (plan, model) = open_plan(&args.plan, &args.common);
+    let combos = combos(
+        &args,
+        plan.serve.batch as usize,
+        plan.serve.max_context as usize,
+    )
+    .unwrap_or_else(|e| fail(e));
+    let backend = backend_for(&plan, &args.common);
+    // (Only the CUDA engine takes the opened model here; the others open it themselves.)
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    let host = strata_exec::load::open_model(&model).unwrap_or_else(|e| fail(e));
+    let size_bytes: u64 = host.inventory().tensors.iter().map(|t| t.bytes).sum();
+    let params: u64 = host
+        .inventory()
+        .tensors
+        .iter()
+        .map(|t| t.dims.iter().product::<u64>())
+        .sum();
+    let model_file = model
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_else(|| model.display().to_string());
+    let t_load = Instant::now();
+    // Per GPU in use: (ordinal, planned arena bytes on it, bytes in use on it).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    let mut memory: Option<Vec<(usize, u64, u64)>> = None;
+    let mut engine: Box<dyn Engine> = match backend {
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => {
+            let e = super::start_cuda_engine(&plan, host, &args.common).unwrap_or_else(|e| fail(e));
+            say(format!(
+                "strata-exec bench: prefill in passes of up to {} tokens ({})",
+                e.pass_tokens(),
+                if e.grouped_prefill() {
+                    "tensor-core products"
+                } else {
+                    "matrix-vector kernels"
+                }
+            ));
+            let links = e.handoffs();
+            if !links.is_empty() {
+                say(format!(
+                    "strata-exec bench: {} stages, hand-offs: {}",
+                    links.len() + 1,
+                    links.join(", ")
+                ));
+            }
+            for (i, ((gpu, bytes), dp)) in e.arenas().iter().zip(&plan.devices).enumerate() {
+                say(format!(
+                    "strata-exec bench: planned device {i} (index {}) on GPU {gpu}: arena {bytes} bytes allocated, {} planned",
+                    dp.index, dp.arena_bytes
+                ));
+            }
+            memory = Some(e.device_memory().unwrap_or_else(|e| fail(e)));
+            Box::new(e)
+        }
+        _ => super::start_engine(&plan, &model, &args.common),
+    };
+    let load_s = t_load.elapsed().as_secs_f64();
+    say(format!(
+        "strata-exec bench: loaded in {load_s:.1} s; warming up"
+    ));
+    let name = engine.info().model_name.clone();
+    let ubatch = engine.info().ubatch;
+    let guessed = plan.predicted.guessed;
+    let backend_s = match backend {
+        Backend::Cuda => "cuda",
+        _ => "cpu",
+    };
+    let size_s = format!("{:.2} GiB", gib(size_bytes));
+    let params_s = params_label(params);
+    if args.format == "text" {
+        println!("{}", report::HEADER);
+    }
+    let mut warmed = std::collections::HashSet::new();
+    let mut expert_lines = Vec::new();
+    for c in &combos {
+        // Warm-up, once per batch size: compiles nothing new but fills caches and captures
+        // this batch's decode graph.
+        if warmed.insert(c.batch) {
+            let warm = Combo {
+                prompt: c.prompt.min(ubatch),
+                n_gen: 4.min(c.n_gen),
+                depth: 0,
+                ..*c
+            };
+            if let Err(e) = rep(engine.as_mut(), warm, 99, sampling) {
+                eprintln!("strata-exec: {e}");
+                std::process::exit(2);
+            }
+        }
+        let stats0 = engine.stats();
+        let mut pps = Vec::new();
+        let mut tgs = Vec::new();
+        let mut seqs = Vec::new();
+        for r in 0..args.reps.max(1) {
+            match rep(engine.as_mut(), *c, r as u64, sampling) {
+                Ok(s) => {
+                    say(format!(
+                        "  rep {}: {} {:.1} tok/s, {} {:.1} tok/s ({:.1} per sequence)",
+                        r + 1,
+                        test_label("pp", c.prompt, c, ""),
+                        s.pp,
+                        test_label("tg", c.n_gen, c, ""),
+                        s.tg,
+                        s.tg_seq
+                    ));
+                    pps.push(s.pp);
+                    tgs.push(s.tg);
+                    seqs.push(s.tg_seq);
+                }
+                Err(e) => {
+                    eprintln!("strata-exec: {e}");
+                    std::process::exit(2);
+                }
+            }
+        }
+        let xc = experts::ExpertCounts::between(
+            &stats0,
+            &engine.stats(),
+            pps.len(),
+            plan.predicted.expert_hit_rate,
+        );
+        expert_lines.push(format!(
+            "{}: {}",
+            test_label("tg", c.n_gen, c, ""),
+            xc.text()
+        ));
+        let (pm, ps) = mean_sd(&pps);
+        let (tm, ts) = mean_sd(&tgs);
+        let (sm, ss) = mean_sd(&seqs);
+        let (pred_pp, pred_tg) = predicted(&plan, c, ubatch);
+        if args.format == "json" {
+            let mut j = serde_json::json!({
+                "model": name,
+                "model_file": model_file,
+                "size_bytes": size_bytes,
+                "params": params,
+                "backend": backend_s,
+                "load_s": load_s,
+                "prompt_tokens": c.prompt,
+                "gen_tokens": c.n_gen,
+                "batch": c.batch,
+                "depth": c.depth,
+                "reps": pps.len(),
+                "prefill_tok_s": {"mean": pm, "sd": ps, "all": pps},
+                "decode_tok_s": {"mean": tm, "sd": ts, "all": tgs},
+                "decode_tok_s_per_seq": {"mean": sm, "sd": ss, "all": seqs},
+                "decode_sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
+                "allocated_bytes": engine.allocated_bytes(),
+                "predicted": {
+                    "prefill_tok_s": pred_pp,
+                    "decode_tok_s": pred_tg,
+                    "prefill_measured_over_predicted": ratio(pm, pred_pp),
+                    "decode_measured_over_predicted": ratio(tm, pred_tg),
+                    "guessed": guessed,
+                    "basis": plan.predicted.basis,
+                },
+            });
+            j["experts"] = xc.json();
+            if let Some(m) = &memory {
+                j["device_memory"] = m
+                    .iter()
+                    .map(|(gpu, planned, used)| {
+                        serde_json::json!({"gpu": gpu, "planned_arenas": planned, "used": used})
+                    })
+                    .collect();
+            }
+            println!("{j}");
+            continue;
+        }
+        let lead = format!("| {model_file} | {size_s} | {params_s} | {backend_s}");
+        if c.prompt > 0 {
+            // Sequences prefill one after another: per sequence is the aggregate rate.
+            println!(
+                "{lead} | {} | {pm:.2} ± {ps:.2} | {pm:.2} ± {ps:.2} | {pred_pp:.2} | {:.2} |",
+                test_label("pp", c.prompt, c, ""),
+                ratio(pm, pred_pp)
+            );
+        }
+        if c.n_gen > 0 {
+            println!(
+                "{lead} | {} | {tm:.2} ± {ts:.2} | {sm:.2} ± {ss:.2} | {pred_tg:.2} | {:.2} |",
+                test_label("tg", c.n_gen, c, &sampled_label(&sampling)),
+                ratio(tm, pred_tg)
+            );
+        }
+    }
+    if args.format == "json" || quiet {
+        return;
+    }
+    for l in &expert_lines {
+        println!("{l}");
+    }
+    if guessed {
+        println!("predictions: guesses (the plan's probe has no measured [device.cost] coefficients; `strata-exec probe` measures them)");
+    }
+    if let Some(m) = &memory {
+        for (gpu, planned, used) in m {
+            println!(
+                "device memory, GPU {gpu}: {:.2} GiB used of which {:.2} GiB are the planned arenas ({:.2} GiB runtime: context, modules, graphs)",
+                gib(*used),
+                gib(*planned),
+                gib(used.saturating_sub(*planned))
+            );
+        }
+    } else {
+        println!(
+            "host arenas: {:.2} GiB allocated as planned",
+            gib(engine.allocated_bytes())
+        );
+    }
+}
