@@ -1,3 +1,5 @@
+//! Tests of the plan file: round trips, header checks, corruption caught before any access.
+
 use super::testing::sample_plan;
 use super::*;
 use crate::plan::Degradation;

@@ -1,3 +1,5 @@
+//! Tests of GGUF header -> inventory: hyperparameters per architecture and the tensor checks.
+
 use super::testfile::*;
 use super::*;
 use crate::arch::{expected_tensors, QuantRecipe};

@@ -1,3 +1,6 @@
+//! Tests of the GGUF reader: valid files, split models, and every malformed-header refusal
+//! with its exact message.
+
 use super::super::testutil::{split_part, valid, B};
 use super::*;
 

@@ -1,3 +1,6 @@
+//! Tests of Hugging Face folder reading: configs, indexes and shards, tensor mapping and
+//! expert stacking, and every refusal with its exact message.
+
 use super::super::testutil::*;
 use super::*;
 use crate::ggml::GgmlType;
