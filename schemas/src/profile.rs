@@ -272,6 +272,8 @@ fn parse_binary(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileErro
     })
 }
 
+/// Parse the text form: header line, `layers = L` and `experts = E`, then one
+/// `LAYER: c0 c1 ...` line per layer; errors name the line.
 fn parse_text(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileError> {
     let err = |line: u64, reason: String| ProfileError::Text {
         origin: origin.to_string(),
@@ -382,26 +384,7 @@ fn parse_text(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileError>
         }
         seen[layer as usize] = n;
         let row = &mut counts[layer as usize * e as usize..(layer as usize + 1) * e as usize];
-        let mut got: u64 = 0;
-        for tok in rest.split_whitespace() {
-            if got < e as u64 {
-                row[got as usize] = tok.parse().map_err(|_| {
-                    err(
-                        n,
-                        format!(
-                            "layer {layer}, count {got}: `{tok}` is not an unsigned 64-bit integer"
-                        ),
-                    )
-                })?;
-            }
-            got += 1;
-        }
-        if got != e as u64 {
-            return Err(err(
-                n,
-                format!("layer {layer} has {got} counts, `experts = {e}` needs exactly {e}"),
-            ));
-        }
+        parse_counts(rest, row, layer, e, n, origin)?;
     }
     let (Some((l, _)), Some((e, _))) = (layers, experts) else {
         let missing = if layers.is_none() {
@@ -425,6 +408,43 @@ fn parse_text(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileError>
         experts: e,
         counts,
     })
+}
+
+/// Parse the counts of layer `layer` (line `n`): exactly `e` unsigned 64-bit integers into `row`.
+fn parse_counts(
+    rest: &str,
+    row: &mut [u64],
+    layer: u32,
+    e: u32,
+    n: u64,
+    origin: &str,
+) -> Result<(), ProfileError> {
+    let err = |line: u64, reason: String| ProfileError::Text {
+        origin: origin.to_string(),
+        line,
+        reason,
+    };
+    let mut got: u64 = 0;
+    for tok in rest.split_whitespace() {
+        if got < e as u64 {
+            row[got as usize] = tok.parse().map_err(|_| {
+                err(
+                    n,
+                    format!(
+                        "layer {layer}, count {got}: `{tok}` is not an unsigned 64-bit integer"
+                    ),
+                )
+            })?;
+        }
+        got += 1;
+    }
+    if got != e as u64 {
+        return Err(err(
+            n,
+            format!("layer {layer} has {got} counts, `experts = {e}` needs exactly {e}"),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use super::write::{GgufWriteError, GgufWriter, ProgressFn, WriteSummary};
 use super::GgufValue;
 use crate::arch::{self, QuantRecipe};
 use crate::ggml::GgmlType;
-use crate::inventory::TensorInfo;
+use crate::inventory::{HParams, TensorInfo};
 use crate::quant::{self};
 use crate::safetensors::{self, StDtype, StTensor};
 use std::collections::{BTreeMap, BTreeSet};
@@ -164,31 +164,7 @@ pub fn convert_hf_folder(
         }
     }
     let src = folder_tensors(dir)?;
-    // Resolve every GGUF tensor to its sources before writing a byte.
-    let mut used = BTreeSet::new();
-    let mut plan: Vec<(Vec<Resolved>, Transform)> = Vec::with_capacity(tensors.len());
-    for t in &tensors {
-        let s = hf_sources::sources(&arch_name, &hp, &t.name, &t.dims).ok_or_else(|| {
-            GgufWriteError::Convert {
-                file: dir_s.clone(),
-                problem: format!("no Hugging Face source is known for tensor '{}'", t.name),
-            }
-        })?;
-        let mut v = Vec::with_capacity(s.pieces.len());
-        for p in s.pieces {
-            v.push(resolve(dir, &src, &p, t)?);
-            used.insert(p.hf);
-        }
-        plan.push((v, s.transform));
-    }
-    if let Some(extra) = src.keys().find(|k| !used.contains(*k)) {
-        return Err(GgufWriteError::Convert {
-            file: dir_s,
-            problem: format!(
-                "tensor `{extra}` has no place in a {arch_name} GGUF; it would be dropped"
-            ),
-        });
-    }
+    let plan = resolve_all(dir, &arch_name, &hp, &tensors, &src)?;
 
     let mut w = GgufWriter::new(out_path);
     let meta = arch_metadata(&arch_name, &inv.name, &hp).map_err(|p| GgufWriteError::Convert {
@@ -272,6 +248,44 @@ pub fn convert_hf_folder(
         }
     }
     s.finish()
+}
+
+/// Resolve every GGUF tensor to its pieces in the folder before a byte is written: each needs
+/// a known source, and every folder tensor must be used. Returns each tensor's pieces and
+/// transform, in `tensors` order.
+fn resolve_all(
+    dir: &Path,
+    arch_name: &str,
+    hp: &HParams,
+    tensors: &[TensorInfo],
+    src: &BTreeMap<String, Source>,
+) -> Result<Vec<(Vec<Resolved>, Transform)>, GgufWriteError> {
+    let dir_s = dir.display().to_string();
+    let mut used = BTreeSet::new();
+    let mut plan: Vec<(Vec<Resolved>, Transform)> = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let s = hf_sources::sources(arch_name, hp, &t.name, &t.dims).ok_or_else(|| {
+            GgufWriteError::Convert {
+                file: dir_s.clone(),
+                problem: format!("no Hugging Face source is known for tensor '{}'", t.name),
+            }
+        })?;
+        let mut v = Vec::with_capacity(s.pieces.len());
+        for p in s.pieces {
+            v.push(resolve(dir, src, &p, t)?);
+            used.insert(p.hf);
+        }
+        plan.push((v, s.transform));
+    }
+    if let Some(extra) = src.keys().find(|k| !used.contains(*k)) {
+        return Err(GgufWriteError::Convert {
+            file: dir_s,
+            problem: format!(
+                "tensor `{extra}` has no place in a {arch_name} GGUF; it would be dropped"
+            ),
+        });
+    }
+    Ok(plan)
 }
 
 /// Check piece `p` of GGUF tensor `t` against the folder's tensor: present, a float type, and
