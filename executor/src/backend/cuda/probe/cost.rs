@@ -555,10 +555,10 @@ mod tests {
 
     #[test]
     fn line_fit_recovers_latency_and_bandwidth() {
-        // 7.2 µs plus bytes at 3000 GB/s (3e9 bytes per ms = 3e3 bytes per µs... per ns 3).
+        // 7.2 µs plus bytes at 3000 GB/s (3e6 bytes per µs).
         let pts: Vec<(f64, f64)> = [1e6, 4e6, 16e6, 64e6]
             .iter()
-            .map(|&b| (b, 7.2 + b / 3000.0 / 1e3))
+            .map(|&b| (b, 7.2 + b / 3e6))
             .collect();
         let (lat, g) = latency_and_gbps(&pts).unwrap();
         assert!((lat - 7.2).abs() < 1e-6, "{lat}");
@@ -585,7 +585,7 @@ mod tests {
             ..Default::default()
         };
         let text = format!(
-            "[host]\nram_bytes = 1\navailable_bytes = 1\n[[device]]\nindex = 0\nname = \"g\"\nvendor = \"nvidia\"\narch = \"sm_90\"\nvram_bytes = 1000\n{}",
+            "[host]\nram_bytes = 1\navailable_bytes = 1\n[[device]]\nindex = 0\nname = \"g\"\nvendor = \"nvidia\"\narch = \"sm_90\"\nvram_bytes = 85899345920\n{}",
             cost_toml(&m)
         );
         let p = strata_schemas::probe::HardwareProbe::from_toml(&text, "test").unwrap();
