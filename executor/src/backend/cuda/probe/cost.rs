@@ -83,7 +83,7 @@ pub fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
 /// a negative intercept (the line passes under the origin) is clamped to 0.
 pub fn latency_and_gbps(points: &[(f64, f64)]) -> Result<(f64, f64), String> {
     let (b, s) = fit_line(points).ok_or("fewer than two distinct sizes")?;
-    if !(s > 0.0) {
+    if s <= 0.0 {
         return Err(format!(
             "time does not grow with bytes (slope {s:e} µs/byte): {points:?}"
         ));
