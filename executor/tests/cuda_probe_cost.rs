@@ -1,11 +1,12 @@
-//! `strata-exec probe` on a CUDA machine writes every `[device.cost]` key, each measured with
-//! the engine's kernels, positive and within what the device can physically do, and the
-//! planner then predicts from measurements (no key defaulted).
+//! The probe's cost measurement on a CUDA machine (`probe::measure_device` and the
+//! `[device.cost]` text `strata-exec probe` writes): every key present, positive, within what
+//! the device can physically do, and read back by the planner's probe parser (no key left to
+//! a default).
 //! Invariant: without a CUDA device the test prints `SKIP (no CUDA device): ...` to stderr
 //! and checks nothing else; it never passes silently.
 #![cfg(feature = "cuda")]
 
-use std::process::Command;
+use strata_exec::backend::cuda::probe;
 use strata_schemas::probe::HardwareProbe;
 
 #[test]
@@ -23,21 +24,29 @@ fn probe_measures_every_cost_key() {
             return;
         }
     }
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("probe.toml");
-    let t = std::time::Instant::now();
-    let o = Command::new(env!("CARGO_BIN_EXE_strata-exec"))
-        .args(["probe", "-o"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-    eprintln!("{stderr}");
-    assert!(o.status.success(), "probe failed: {:?}\n{stderr}", o.status);
-    let text = std::fs::read_to_string(&out).unwrap();
+    // Through the library (not the CLI binary, whose build path is not on the GPU machine):
+    // the same measure_device and [device.cost] text `strata-exec probe` writes.
+    let n = strata_exec::backend::cuda::probe::device_count().unwrap();
+    let mut text = String::from("[host]\nram_bytes = 1\navailable_bytes = 1\n");
+    for i in 0..n {
+        let t = std::time::Instant::now();
+        let m = probe::measure_device(i, &mut |l| eprintln!("probe: {l}")).unwrap();
+        eprintln!("device {i} measured in {:.1}s", t.elapsed().as_secs_f64());
+        let cost = m
+            .cost
+            .as_ref()
+            .unwrap_or_else(|| panic!("no cost: {:?}", m.notes));
+        text.push_str(&format!(
+            "[[device]]\nindex = {i}\nname = \"g\"\nvendor = \"nvidia\"\narch = \"{}\"\nvram_bytes = {}\nmem_bandwidth_gbps = {:.1}\nh2d_gbps = {:.1}\n{}",
+            m.arch,
+            m.total_bytes,
+            m.d2d_gbps.expect("mem bandwidth measured"),
+            m.h2d_gbps.expect("h2d measured"),
+            probe::cost::cost_toml(cost)
+        ));
+    }
     eprintln!("{text}");
-    eprintln!("probe took {:.1}s", t.elapsed().as_secs_f64());
-    let probe = HardwareProbe::from_file(&out).unwrap();
+    let probe = HardwareProbe::from_toml(&text, "measured").unwrap();
     for d in &probe.devices {
         let c = d
             .cost
