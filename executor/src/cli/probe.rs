@@ -268,6 +268,10 @@ fn write_cuda_device(out: &mut String, m: &strata_exec::backend::cuda::probe::De
     for n in &m.notes {
         let _ = writeln!(out, "# note: {n}");
     }
+    // Last: `[device.cost]` is a sub-table of this device, so nothing of the device follows.
+    if let Some(c) = &m.cost {
+        out.push_str(&strata_exec::backend::cuda::probe::cost::cost_toml(c));
+    }
 }
 
 /// Why no CUDA device entries were written.

@@ -1,10 +1,12 @@
 //! CUDA measurements for `strata-exec probe`: per device its name, arch, total memory, free
 //! memory after each step of start-up (context, our kernel modules, a cuBLAS handle that has
 //! run a product, a captured CUDA graph), the PCIe link from sysfs, and timed host-to-device
-//! and device-to-device copies.
+//! and device-to-device copies; then the cost model's coefficients (`cost`).
 //! Invariant: every number in a `DeviceMeasure` was read from the driver, sysfs or a timed
 //! copy on this machine; what could not be measured is `None` with a note saying why, never a
 //! default. Every buffer made here is freed before the free-memory readings that follow it.
+
+pub mod cost;
 
 use super::{check_libraries, drv, no_panic, CudaDevice, CudaError};
 use cudarc::driver::sys::{CUdevice_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -55,6 +57,9 @@ pub struct DeviceMeasure {
     /// Ordinals of the other devices whose memory this one can read directly
     /// (`cuDeviceCanAccessPeer`).
     pub peers: Vec<u32>,
+    /// The `[device.cost]` coefficients timed with the engine's kernels (None: not enough
+    /// free memory to run them; the reason is in `notes`).
+    pub cost: Option<cost::CostMeasure>,
     /// Why something above is None, or anything odd seen while measuring.
     pub notes: Vec<String>,
 }
@@ -258,6 +263,26 @@ fn measure_inner(
     };
 
     drop((graph, blas));
+    let free_now = mem_free(&ctx)?;
+    let cost = if free_now > 2 * cost::COST_ARENA_BYTES + (512 << 20) {
+        progress(&format!(
+            "device {ordinal}: timing the engine's kernels for [device.cost]"
+        ));
+        let c = cost::measure_cost(&dev, h2d_gbps, &mut |l| {
+            progress(&format!("device {ordinal}: {l}"))
+        });
+        for n in &c.notes {
+            progress(&format!("device {ordinal}: note: {n}"));
+        }
+        Some(c)
+    } else {
+        notes.push(format!(
+            "[device.cost] not measured: {} free is too little for two {} buffers",
+            mib(free_now),
+            mib(cost::COST_ARENA_BYTES)
+        ));
+        None
+    };
     let peers = peers_of(ordinal)?;
     Ok(DeviceMeasure {
         ordinal: ordinal as u32,
@@ -275,6 +300,7 @@ fn measure_inner(
         open_seconds,
         modules_from_cache: dev.modules_from_cache,
         peers,
+        cost,
         notes,
     })
 }

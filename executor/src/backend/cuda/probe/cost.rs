@@ -1,0 +1,597 @@
+//! The cost model's `[device.cost]` coefficients measured on the live GPU with the engine's
+//! own launchers (`launch::decode::mv`/`spin`, `launch::attention::attn_decode`,
+//! `CudaDevice::gemm`, `flash::attn_prefill`) over synthetic buffers.
+//! Invariant: every value is a timing of those kernels on this device (or, for
+//! `host_expert_gbps`, the probe's pinned host-to-device copy); a measurement that fails is
+//! None with a note, never a default. Weight and KV buffers are cycled so that each timed
+//! pass reads more than the L2 cache holds; at most [`COST_ARENA_BYTES`] plus small buffers
+//! are allocated at once, and everything is freed on return.
+
+use crate::backend::cuda::flash::{attn_prefill, PrefillAttn, KV_TY_F16};
+use crate::backend::cuda::launch::attention::{attn_decode, Heads, KvLayer, Splits};
+use crate::backend::cuda::launch::decode::{mv, spin};
+use crate::backend::cuda::launch::{Launcher, Mat, ATT_MAX_SPLIT};
+use crate::backend::cuda::{drv, CudaDevice, CudaError};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use strata_schemas::ggml::GgmlType;
+
+/// The largest buffer one measurement allocates (weights or KV), so the probe stays well
+/// under 2 GiB.
+pub const COST_ARENA_BYTES: u64 = 512 << 20;
+/// Bytes each timed product or attention pass reads in all (several times the L2 cache).
+const PASS_BYTES: u64 = 384 << 20;
+/// Launches in the graph that times `launch_us`.
+const LAUNCHES: usize = 256;
+/// Columns of the probe's products (Qwen3-30B-A3B's `n_embd`).
+const COLS: usize = 2048;
+/// Rows of the products whose times are fitted: 0.55 MB to 71 MB of Q8_0 weights, from an
+/// expert's down projection to a large head slice.
+const PRODUCT_ROWS: [usize; 6] = [256, 1024, 2048, 4096, 8192, 32768];
+/// Decode attention heads as Qwen3-30B-A3B: 32 query heads over 4 KV heads of 128, F16 KV.
+const N_HEAD: usize = 32;
+const N_HEAD_KV: usize = 4;
+const HD: usize = 128;
+/// Context lengths whose decode attention times are fitted.
+const CONTEXTS: [u64; 5] = [512, 2048, 8192, 16384, 32768];
+/// The prefill GEMM's shape: Q8_0 `4096 x 2048` (Qwen3-30B's Q projection) over 512 tokens.
+const GEMM_ROWS: usize = 4096;
+const GEMM_TOK: usize = 512;
+/// Prefill attention tokens (one pass from position 0, as `pp512`).
+const PREFILL_TOK: usize = 512;
+/// Timed repetitions of the big prefill kernels and of the decode step.
+const REPS: usize = 20;
+const STEPS: usize = 200;
+
+/// The measured coefficients, in the probe's units; None = not measured (see `notes`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CostMeasure {
+    pub launch_us: Option<f64>,
+    pub product_latency_us: Option<f64>,
+    pub product_gbps: Option<f64>,
+    pub attention_latency_us: Option<f64>,
+    pub attention_gbps: Option<f64>,
+    pub gemm_tflops: Option<f64>,
+    pub prefill_attention_tflops: Option<f64>,
+    pub step_us: Option<f64>,
+    pub host_expert_gbps: Option<f64>,
+    /// How each value was measured, by key, for the probe file's `#` lines.
+    pub how: Vec<(&'static str, String)>,
+    /// Why a key is absent.
+    pub notes: Vec<String>,
+}
+
+/// A least-squares line `y = intercept + slope * x`; None with fewer than two distinct `x`
+/// or a non-finite result.
+pub fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    if sxx <= 0.0 {
+        return None;
+    }
+    let slope = sxy / sxx;
+    let intercept = my - slope * mx;
+    (slope.is_finite() && intercept.is_finite()).then_some((intercept, slope))
+}
+
+/// From (bytes, µs) points: (latency µs, GB/s). Errors when the fit is not a positive slope;
+/// a negative intercept (the line passes under the origin) is clamped to 0.
+pub fn latency_and_gbps(points: &[(f64, f64)]) -> Result<(f64, f64), String> {
+    let (b, s) = fit_line(points).ok_or("fewer than two distinct sizes")?;
+    if s <= 0.0 {
+        return Err(format!(
+            "time does not grow with bytes (slope {s:e} µs/byte): {points:?}"
+        ));
+    }
+    // s µs per byte = 1/s bytes per µs = 1e6/s bytes/s = 1e-3/s GB/s.
+    Ok((b.max(0.0), 1e-3 / s))
+}
+
+/// Measures every coefficient on `dev`; `h2d_gbps` is the probe's pinned copy rate.
+pub fn measure_cost(
+    dev: &CudaDevice,
+    h2d_gbps: Option<f64>,
+    progress: &mut dyn FnMut(&str),
+) -> CostMeasure {
+    let mut m = CostMeasure::default();
+    let t0 = std::time::Instant::now();
+    let fail = |m: &mut CostMeasure, keys: &str, e: String| {
+        m.notes.push(format!("{keys} not measured: {e}"));
+    };
+    match launch_us(dev) {
+        Ok(v) => {
+            progress(&format!(
+                "cost: launch {v:.2} µs ({LAUNCHES} dq_spin(0) in a graph)"
+            ));
+            m.launch_us = Some(v);
+            m.how.push((
+                "launch_us",
+                format!("{LAUNCHES} empty dq_spin launches in one captured graph, per launch"),
+            ));
+        }
+        Err(e) => fail(&mut m, "launch_us", e.to_string()),
+    }
+    match products(dev) {
+        Ok((lat, g)) => {
+            progress(&format!(
+                "cost: one-token Q8_0 products {lat:.1} µs + bytes at {g:.0} GB/s"
+            ));
+            m.product_latency_us = Some(lat);
+            m.product_gbps = Some(g);
+            m.how.push(("product_latency_us", format!(
+                "line fit of dq_mv1 time against weight bytes, Q8_0 {PRODUCT_ROWS:?} rows x {COLS}, in graphs cycling {} MiB of weights: intercept", PASS_BYTES >> 20)));
+            m.how
+                .push(("product_gbps", "the same fit: 1 / slope".into()));
+        }
+        Err(e) => fail(&mut m, "product_latency_us, product_gbps", e),
+    }
+    match attention(dev) {
+        Ok((lat, g)) => {
+            progress(&format!(
+                "cost: decode attention {lat:.1} µs + KV at {g:.0} GB/s"
+            ));
+            m.attention_latency_us = Some(lat);
+            m.attention_gbps = Some(g);
+            m.how.push(("attention_latency_us", format!(
+                "line fit of attn_decode (dq_attn_gqa + combine) time against K+V bytes, {N_HEAD}/{N_HEAD_KV} heads of {HD}, F16, {CONTEXTS:?} cells: intercept")));
+            m.how
+                .push(("attention_gbps", "the same fit: 1 / slope".into()));
+        }
+        Err(e) => fail(&mut m, "attention_latency_us, attention_gbps", e),
+    }
+    match gemm(dev) {
+        Ok(v) => {
+            progress(&format!("cost: prefill GEMM {v:.1} TFLOP/s"));
+            m.gemm_tflops = Some(v);
+            m.how.push(("gemm_tflops", format!(
+                "CudaDevice::gemm (input conversion + tensor-core product), Q8_0 {GEMM_ROWS} x {COLS} over {GEMM_TOK} tokens, {REPS} runs")));
+        }
+        Err(e) => fail(&mut m, "gemm_tflops", e.to_string()),
+    }
+    match prefill_attention(dev) {
+        Ok(v) => {
+            progress(&format!("cost: prefill attention {v:.1} TFLOP/s"));
+            m.prefill_attention_tflops = Some(v);
+            m.how.push(("prefill_attention_tflops", format!(
+                "attn_prefill (fa_prefill) of {PREFILL_TOK} tokens from position 0, {N_HEAD}/{N_HEAD_KV} heads of {HD}, F16 KV, causal flops, {REPS} runs")));
+        }
+        Err(e) => fail(&mut m, "prefill_attention_tflops", e.to_string()),
+    }
+    match step_us(dev, m.launch_us.unwrap_or(0.0)) {
+        Ok(v) => {
+            progress(&format!("cost: step overhead {v:.1} µs"));
+            m.step_us = Some(v);
+            m.how.push(("step_us", format!(
+                "host wall time of {STEPS} steps (launch a one-kernel graph, read 4 bytes back), less the kernel's launch_us")));
+        }
+        Err(e) => fail(&mut m, "step_us", e.to_string()),
+    }
+    match h2d_gbps {
+        Some(g) => {
+            m.host_expert_gbps = Some(g);
+            m.how.push((
+                "host_expert_gbps",
+                "the pinned host-to-device copy rate above (h2d_gbps)".into(),
+            ));
+        }
+        None => fail(
+            &mut m,
+            "host_expert_gbps",
+            "the host-to-device copy was not measured".into(),
+        ),
+    }
+    progress(&format!(
+        "cost: measured in {:.1}s",
+        t0.elapsed().as_secs_f64()
+    ));
+    m
+}
+
+/// Captures what `f` queues on the device's stream into a graph, runs it once untimed, then
+/// `reps` times between events; milliseconds per run.
+fn graph_ms(
+    dev: &CudaDevice,
+    reps: usize,
+    f: &mut dyn FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    let stream = dev.stream();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(drv("cuStreamBeginCapture"))?;
+    let queued = f();
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    queued?;
+    let graph = graph
+        .map_err(drv("cuStreamEndCapture / cuGraphInstantiate"))?
+        .ok_or_else(|| CudaError::Shape {
+            op: "cost probe",
+            detail: "the driver captured an empty graph".into(),
+        })?;
+    graph.upload().map_err(drv("cuGraphUpload"))?;
+    graph.launch().map_err(drv("cuGraphLaunch"))?;
+    dev.synchronize()?;
+    let start = dev.record_event()?;
+    for _ in 0..reps {
+        graph.launch().map_err(drv("cuGraphLaunch"))?;
+    }
+    let end = dev.record_event()?;
+    end.synchronize().map_err(drv("cuEventSynchronize"))?;
+    let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))? as f64;
+    positive(ms / reps as f64)
+}
+
+/// Queues `f` once untimed, then `reps` times between events; milliseconds per run.
+fn stream_ms(
+    dev: &CudaDevice,
+    reps: usize,
+    f: &mut dyn FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    f()?;
+    dev.synchronize()?;
+    let start = dev.record_event()?;
+    for _ in 0..reps {
+        f()?;
+    }
+    let end = dev.record_event()?;
+    end.synchronize().map_err(drv("cuEventSynchronize"))?;
+    let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))? as f64;
+    positive(ms / reps as f64)
+}
+
+fn positive(ms: f64) -> Result<f64, CudaError> {
+    if ms.is_finite() && ms > 0.0 {
+        Ok(ms)
+    } else {
+        Err(CudaError::Shape {
+            op: "cost probe",
+            detail: format!("events measured {ms} ms"),
+        })
+    }
+}
+
+/// One buffer of `bytes` filled with `byte` (0x11 keeps f16 scales and KV small and finite).
+fn filled(
+    dev: &CudaDevice,
+    name: &str,
+    bytes: u64,
+    byte: u8,
+) -> Result<crate::backend::cuda::DeviceArena, CudaError> {
+    let a = dev.alloc_arena(name, bytes)?;
+    dev.memset(a.all(), byte)?;
+    Ok(a)
+}
+
+fn launch_us(dev: &CudaDevice) -> Result<f64, CudaError> {
+    let l = Launcher::new(dev);
+    let ms = graph_ms(dev, 20, &mut || {
+        for _ in 0..LAUNCHES {
+            spin(&l, 0)?;
+        }
+        Ok(())
+    })?;
+    Ok(ms * 1e3 / LAUNCHES as f64)
+}
+
+fn decode_launcher(dev: &CudaDevice) -> Launcher<'_> {
+    Launcher {
+        dev,
+        pdl: true,
+        prof: None,
+    }
+}
+
+/// (latency µs, GB/s) of one-token Q8_0 products.
+fn products(dev: &CudaDevice) -> Result<(f64, f64), String> {
+    let e = |e: CudaError| e.to_string();
+    let w = filled(dev, "probe-cost-weights", COST_ARENA_BYTES, 0x11).map_err(e)?;
+    let x = filled(dev, "probe-cost-x", 4 * COLS as u64, 0).map_err(e)?;
+    let max_rows = PRODUCT_ROWS.iter().copied().max().unwrap_or(1);
+    let y = dev
+        .alloc_arena("probe-cost-y", 4 * max_rows as u64)
+        .map_err(e)?;
+    let l = decode_launcher(dev);
+    let row_bytes =
+        crate::quant::row_bytes(GgmlType::Q8_0, COLS).map_err(|e| e.to_string())? as u64;
+    let mut points = Vec::new();
+    for rows in PRODUCT_ROWS {
+        let bytes = row_bytes * rows as u64;
+        // Offsets 256-byte aligned, cycling through the arena.
+        let stride = bytes.div_ceil(256) * 256;
+        let fit = (COST_ARENA_BYTES / stride).max(1);
+        let n = PASS_BYTES.div_ceil(bytes).clamp(4, 2048);
+        let ms = graph_ms(dev, 5, &mut || {
+            for i in 0..n {
+                let mat = Mat {
+                    w: w.view((i % fit) * stride, bytes)?,
+                    ty: GgmlType::Q8_0,
+                    rows,
+                    cols: COLS,
+                };
+                let yv = y.view(0, 4 * rows as u64)?;
+                mv(&l, "probe-mv", mat, x.all(), None, yv, 1, false, true)?;
+            }
+            Ok(())
+        })
+        .map_err(e)?;
+        points.push((bytes as f64, ms * 1e3 / n as f64));
+    }
+    latency_and_gbps(&points)
+}
+
+/// (latency µs, GB/s) of split-KV decode attention of one token.
+fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
+    let e = |e: CudaError| e.to_string();
+    let row_bytes = (N_HEAD_KV * HD * 2) as u64;
+    let kv = filled(dev, "probe-cost-kv", COST_ARENA_BYTES, 0x11).map_err(e)?;
+    let small = filled(dev, "probe-cost-small", 4 * (N_HEAD * HD) as u64, 0).map_err(e)?;
+    let q = filled(dev, "probe-cost-q", 4 * (N_HEAD * HD) as u64, 0).map_err(e)?;
+    let out = dev
+        .alloc_arena("probe-cost-att-out", 4 * (N_HEAD * HD) as u64)
+        .map_err(e)?;
+    let splits = ATT_MAX_SPLIT.min(16);
+    let part_o = dev
+        .alloc_arena("probe-cost-part-o", 4 * (N_HEAD * splits * HD) as u64)
+        .map_err(e)?;
+    let part_ms = dev
+        .alloc_arena("probe-cost-part-ms", 4 * (N_HEAD * splits * 2) as u64)
+        .map_err(e)?;
+    let ints = dev.alloc_arena("probe-cost-ints", 256).map_err(e)?;
+    let l = decode_launcher(dev);
+    let heads = Heads {
+        n_head: N_HEAD,
+        n_head_kv: N_HEAD_KV,
+        hd: HD,
+        n_rot: HD,
+        eps: 1e-6,
+        attn_factor: 1.0,
+        inv_freq: small.view(0, 4 * (HD / 2) as u64).map_err(e)?,
+        q_norm: small.view(0, 4 * HD as u64).map_err(e)?,
+        k_norm: small.view(0, 4 * HD as u64).map_err(e)?,
+    };
+    let mut points = Vec::new();
+    for cells in CONTEXTS {
+        let layer = 2 * cells * row_bytes;
+        // One slot holds as many layers as fit; launches cycle through them.
+        let layers = (COST_ARENA_BYTES / layer).max(1);
+        let n = PASS_BYTES.div_ceil(layer).clamp(4, 1024);
+        // slot 0, position cells - 1, n_ctx cells.
+        dev.htod(
+            &[0i32, cells as i32 - 1, cells as i32],
+            ints.view(0, 12).map_err(e)?,
+        )
+        .map_err(e)?;
+        let ms = graph_ms(dev, 5, &mut || {
+            for i in 0..n {
+                let base = (i % layers) * layer;
+                let kvl = KvLayer {
+                    kv: kv.all(),
+                    slot_bytes: layers * layer,
+                    k_off: base,
+                    v_off: base + cells * row_bytes,
+                    row_bytes,
+                    cells,
+                    ty: KV_TY_F16,
+                    slot: ints.view(0, 4)?,
+                    pos: ints.view(4, 4)?,
+                };
+                let sp = Splits {
+                    n: splits,
+                    part_o: part_o.all(),
+                    part_ms: part_ms.all(),
+                };
+                attn_decode(&l, heads, q.all(), kvl, ints.view(8, 4)?, sp, out.all(), 1)?;
+            }
+            Ok(())
+        })
+        .map_err(e)?;
+        points.push((layer as f64, ms * 1e3 / n as f64));
+    }
+    latency_and_gbps(&points)
+}
+
+/// TFLOP/s of the prefill GEMM.
+fn gemm(dev: &CudaDevice) -> Result<f64, CudaError> {
+    let row_bytes =
+        crate::quant::row_bytes(GgmlType::Q8_0, COLS).map_err(|err| CudaError::Shape {
+            op: "cost probe",
+            detail: err.to_string(),
+        })? as u64;
+    let w = filled(dev, "probe-cost-gemm-w", row_bytes * GEMM_ROWS as u64, 0x11)?;
+    let x = filled(dev, "probe-cost-gemm-x", 4 * (GEMM_TOK * COLS) as u64, 0)?;
+    let y = dev.alloc_arena("probe-cost-gemm-y", 4 * (GEMM_TOK * GEMM_ROWS) as u64)?;
+    let scratch = dev.alloc_arena(
+        "probe-cost-gemm-scratch",
+        crate::backend::cuda::gemm::gemm_scratch_bytes(GEMM_TOK, COLS),
+    )?;
+    let ms = stream_ms(dev, REPS, &mut || {
+        dev.gemm(
+            w.all(),
+            GgmlType::Q8_0,
+            GEMM_ROWS,
+            COLS,
+            x.all(),
+            GEMM_TOK,
+            y.all(),
+            scratch.all(),
+        )
+    })?;
+    let flops = 2.0 * (GEMM_ROWS * COLS * GEMM_TOK) as f64;
+    Ok(flops / (ms * 1e-3) / 1e12)
+}
+
+/// TFLOP/s of prefill attention, counting `2 n_head (hd_k + hd_v)` flops per (token, visible
+/// cell) pair as the planner's `attn_cell_flops` does.
+fn prefill_attention(dev: &CudaDevice) -> Result<f64, CudaError> {
+    let row_bytes = (N_HEAD_KV * HD * 2) as u64;
+    let cells = PREFILL_TOK as u64;
+    let kv = filled(dev, "probe-cost-pf-kv", 2 * cells * row_bytes, 0x11)?;
+    let q = filled(
+        dev,
+        "probe-cost-pf-q",
+        4 * (PREFILL_TOK * N_HEAD * HD) as u64,
+        0,
+    )?;
+    let out = dev.alloc_arena("probe-cost-pf-out", 4 * (PREFILL_TOK * N_HEAD * HD) as u64)?;
+    let ints = dev.alloc_arena("probe-cost-pf-ints", 4 * (PREFILL_TOK as u64 + 1))?;
+    let mut host = vec![0i32];
+    host.extend(0..PREFILL_TOK as i32);
+    dev.htod(&host, ints.all())?;
+    let a = PrefillAttn {
+        q: q.all().ptr(),
+        kv: kv.all().ptr(),
+        slot: ints.all().ptr(),
+        pos: ints.view(4, 4 * PREFILL_TOK as u64)?.ptr(),
+        slot_bytes: 2 * cells * row_bytes,
+        k_off: 0,
+        v_off: cells * row_bytes,
+        row_bytes,
+        kv_ty: KV_TY_F16,
+        n_head: N_HEAD,
+        n_head_kv: N_HEAD_KV,
+        hd: HD,
+        scale: 1.0 / (HD as f32).sqrt(),
+        n_tok: PREFILL_TOK,
+        out: out.all().ptr(),
+    };
+    let ms = stream_ms(dev, REPS, &mut || {
+        // SAFETY: q and out hold n_tok x n_head x hd f32; slot is one i32 (0) and pos n_tok
+        // i32 0..n_tok, so every row read (cells 0..n_tok of slot 0's K and V) lies inside
+        // the kv arena of 2 x n_tok rows; all arenas outlive the synchronized timing.
+        unsafe { attn_prefill(dev, &a) }
+    })?;
+    let pairs = (PREFILL_TOK * (PREFILL_TOK + 1) / 2) as f64;
+    let flops = pairs * (2 * N_HEAD * 2 * HD) as f64;
+    Ok(flops / (ms * 1e-3) / 1e12)
+}
+
+/// µs a decode step costs beyond its kernels: launching its graph, waiting, the token back.
+fn step_us(dev: &CudaDevice, launch_us: f64) -> Result<f64, CudaError> {
+    let l = Launcher::new(dev);
+    let tok = filled(dev, "probe-cost-token", 256, 0)?;
+    let stream = dev.stream();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(drv("cuStreamBeginCapture"))?;
+    let queued = spin(&l, 0);
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    queued?;
+    let graph = graph
+        .map_err(drv("cuStreamEndCapture / cuGraphInstantiate"))?
+        .ok_or_else(|| CudaError::Shape {
+            op: "cost probe",
+            detail: "the driver captured an empty graph".into(),
+        })?;
+    graph.upload().map_err(drv("cuGraphUpload"))?;
+    let mut back = [0i32; 1];
+    let step = |back: &mut [i32]| -> Result<(), CudaError> {
+        graph.launch().map_err(drv("cuGraphLaunch"))?;
+        dev.dtoh(tok.view(0, 4)?, back)
+    };
+    for _ in 0..10 {
+        step(&mut back)?;
+    }
+    let t = std::time::Instant::now();
+    for _ in 0..STEPS {
+        step(&mut back)?;
+    }
+    let us = t.elapsed().as_secs_f64() * 1e6 / STEPS as f64;
+    Ok((us - launch_us).max(0.1))
+}
+
+/// Probe-file lines for `[device.cost]` (a `#` line saying how before each key), or nothing
+/// when no key was measured.
+pub fn cost_toml(m: &CostMeasure) -> String {
+    use std::fmt::Write as _;
+    let keys = [
+        ("launch_us", m.launch_us),
+        ("product_latency_us", m.product_latency_us),
+        ("product_gbps", m.product_gbps),
+        ("attention_latency_us", m.attention_latency_us),
+        ("attention_gbps", m.attention_gbps),
+        ("gemm_tflops", m.gemm_tflops),
+        ("prefill_attention_tflops", m.prefill_attention_tflops),
+        ("step_us", m.step_us),
+        ("host_expert_gbps", m.host_expert_gbps),
+    ];
+    let mut out = String::new();
+    if keys.iter().all(|(_, v)| v.is_none()) {
+        for n in &m.notes {
+            let _ = writeln!(out, "# [device.cost] {n}");
+        }
+        return out;
+    }
+    let _ = writeln!(out, "[device.cost]");
+    let _ = writeln!(
+        out,
+        "# the engine's own kernels timed on this device over synthetic buffers (strata-exec probe)"
+    );
+    for (key, v) in keys {
+        match v {
+            Some(v) => {
+                for (_, how) in m.how.iter().filter(|(k, _)| *k == key) {
+                    let _ = writeln!(out, "# {how}");
+                }
+                let _ = writeln!(out, "{key} = {v:.3}");
+            }
+            None => {
+                let _ = writeln!(out, "# {key} not measured: the planner uses its default");
+            }
+        }
+    }
+    for n in &m.notes {
+        let _ = writeln!(out, "# note: {n}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_fit_recovers_latency_and_bandwidth() {
+        // 7.2 µs plus bytes at 3000 GB/s (3e6 bytes per µs).
+        let pts: Vec<(f64, f64)> = [1e6, 4e6, 16e6, 64e6]
+            .iter()
+            .map(|&b| (b, 7.2 + b / 3e6))
+            .collect();
+        let (lat, g) = latency_and_gbps(&pts).unwrap();
+        assert!((lat - 7.2).abs() < 1e-6, "{lat}");
+        assert!((g - 3000.0).abs() < 1e-6, "{g}");
+    }
+
+    #[test]
+    fn line_fit_refuses_flat_or_single_points() {
+        assert_eq!(fit_line(&[(1.0, 2.0)]), None);
+        assert_eq!(fit_line(&[(1.0, 2.0), (1.0, 3.0)]), None);
+        assert!(latency_and_gbps(&[(1.0, 5.0), (2.0, 4.0)]).is_err());
+        // A line under the origin keeps its slope and clamps the latency to 0.
+        let (lat, g) = latency_and_gbps(&[(1e6, 0.0), (2e6, 1.0)]).unwrap();
+        assert_eq!(lat, 0.0);
+        assert!((g - 1000.0).abs() < 1e-9, "{g}");
+    }
+
+    #[test]
+    fn cost_toml_parses_as_a_device_table() {
+        let m = CostMeasure {
+            launch_us: Some(2.5),
+            product_gbps: Some(3000.0),
+            notes: vec!["attention not measured: x".into()],
+            ..Default::default()
+        };
+        let text = format!(
+            "[host]\nram_bytes = 1\navailable_bytes = 1\n[[device]]\nindex = 0\nname = \"g\"\nvendor = \"nvidia\"\narch = \"sm_90\"\nvram_bytes = 85899345920\n{}",
+            cost_toml(&m)
+        );
+        let p = strata_schemas::probe::HardwareProbe::from_toml(&text, "test").unwrap();
+        let c = p.devices[0].cost.clone().unwrap();
+        assert_eq!(c.launch_us, Some(2.5));
+        assert_eq!(c.product_gbps, Some(3000.0));
+        assert_eq!(c.gemm_tflops, None);
+    }
+}

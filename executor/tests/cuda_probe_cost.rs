@@ -1,0 +1,87 @@
+//! The probe's cost measurement on a CUDA machine (`probe::measure_device` and the
+//! `[device.cost]` text `strata-exec probe` writes): every key present, positive, within what
+//! the device can physically do, and read back by the planner's probe parser (no key left to
+//! a default).
+//! Invariant: without a CUDA device the test prints `SKIP (no CUDA device): ...` to stderr
+//! and checks nothing else; it never passes silently.
+#![cfg(feature = "cuda")]
+
+use strata_exec::backend::cuda::probe;
+use strata_schemas::probe::HardwareProbe;
+
+#[test]
+fn probe_measures_every_cost_key() {
+    match strata_exec::backend::cuda::probe::device_count() {
+        Ok(n) if n > 0 => {}
+        other => {
+            eprintln!(
+                "SKIP (no CUDA device): [device.cost] not checked ({})",
+                match other {
+                    Ok(_) => "the driver reports 0 devices".to_string(),
+                    Err(e) => e.to_string(),
+                }
+            );
+            return;
+        }
+    }
+    // Through the library (not the CLI binary, whose build path is not on the GPU machine):
+    // the same measure_device and [device.cost] text `strata-exec probe` writes.
+    let n = strata_exec::backend::cuda::probe::device_count().unwrap();
+    let mut text = String::from("[host]\nram_bytes = 1\navailable_bytes = 1\n");
+    for i in 0..n {
+        let t = std::time::Instant::now();
+        let m = probe::measure_device(i, &mut |l| eprintln!("probe: {l}")).unwrap();
+        eprintln!("device {i} measured in {:.1}s", t.elapsed().as_secs_f64());
+        let cost = m
+            .cost
+            .as_ref()
+            .unwrap_or_else(|| panic!("no cost: {:?}", m.notes));
+        text.push_str(&format!(
+            "[[device]]\nindex = {i}\nname = \"g\"\nvendor = \"nvidia\"\narch = \"{}\"\nvram_bytes = {}\nmem_bandwidth_gbps = {:.1}\nh2d_gbps = {:.1}\n{}",
+            m.arch,
+            m.total_bytes,
+            m.d2d_gbps.expect("mem bandwidth measured"),
+            m.h2d_gbps.expect("h2d measured"),
+            probe::cost::cost_toml(cost)
+        ));
+    }
+    eprintln!("{text}");
+    let probe = HardwareProbe::from_toml(&text, "measured").unwrap();
+    for d in &probe.devices {
+        let c = d
+            .cost
+            .as_ref()
+            .unwrap_or_else(|| panic!("device {}: no [device.cost]\n{text}", d.index));
+        for (key, v) in c.entries() {
+            let v = v.unwrap_or_else(|| panic!("device {}: {key} missing\n{text}", d.index));
+            assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+        }
+        let bw = d.mem_bandwidth_gbps.expect("mem_bandwidth_gbps measured");
+        let (p, a) = (c.product_gbps.unwrap(), c.attention_gbps.unwrap());
+        assert!(
+            p <= 1.1 * bw && p >= 0.05 * bw,
+            "product {p} GB/s vs copy {bw}"
+        );
+        assert!(
+            a <= 1.1 * bw && a >= 0.02 * bw,
+            "attention {a} GB/s vs copy {bw}"
+        );
+        let launch = c.launch_us.unwrap();
+        assert!((0.2..50.0).contains(&launch), "launch_us {launch}");
+        let pl = c.product_latency_us.unwrap();
+        assert!(pl < 200.0, "product_latency_us {pl}");
+        let al = c.attention_latency_us.unwrap();
+        assert!(al < 500.0, "attention_latency_us {al}");
+        let step = c.step_us.unwrap();
+        assert!(step < 2000.0, "step_us {step}");
+        // Dense tensor-core peaks stay under 5 PFLOP/s on any current GPU.
+        let (g, f) = (c.gemm_tflops.unwrap(), c.prefill_attention_tflops.unwrap());
+        assert!(g > 0.5 && g < 5000.0, "gemm_tflops {g}");
+        assert!(f > 0.1 && f < 5000.0, "prefill_attention_tflops {f}");
+        assert_eq!(
+            c.host_expert_gbps, d.h2d_gbps,
+            "host_expert_gbps is the h2d copy"
+        );
+        assert!(c.complete());
+    }
+}
