@@ -16,6 +16,7 @@ pub mod gemm;
 pub mod handoff;
 pub mod launch;
 pub mod layout;
+pub mod next;
 pub mod options;
 pub mod probe;
 pub mod quants;
