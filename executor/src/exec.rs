@@ -8,13 +8,13 @@
 //! its own device's arena and chunks.
 
 use crate::backend::cpu::kv::{KvCache, KvGeom};
+use crate::backend::cpu::linear_state::LinearState;
 use crate::backend::cpu::scratch::Scratch;
 use crate::backend::cpu::{CpuStage, Rope, Yarn};
 use crate::bind::{self, BindError, Binding};
 use crate::engine::{EngineError, EngineInfo};
 use crate::experts::{CpuExpertCache, HostStacks, LruPolicy};
 use crate::load::{self, ArenaWeights, HostModel, LoadError};
-use crate::backend::cpu::linear_state::LinearState;
 use crate::model::arch::{self, AnyModel};
 use crate::model::qwen3moe::{self, Qwen3Moe, StageSpec};
 use crate::model::qwen3next::{self, Qwen3Next};
@@ -291,10 +291,11 @@ pub fn start_cpu(
             embedding: dp.holds_embedding,
             head: dp.holds_head,
         };
-        let model = AnyModel::bind(&inv.arch, &mut backend, &d, &hp, spec).map_err(|e| match e {
-            crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
-            other => backend_err(other),
-        })?;
+        let model =
+            AnyModel::bind(&inv.arch, &mut backend, &d, &hp, spec).map_err(|e| match e {
+                crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
+                other => backend_err(other),
+            })?;
         stages.push(StageOf { backend, model });
     }
     let last = plan.devices.last().map(|dp| dp.work_pass);
@@ -400,9 +401,8 @@ pub fn standalone_next<'a>(
     };
     let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
     let (_, lin) = qwen3next::layer_counts(hp, 0, hp.n_layer);
-    let backend =
-        CpuStage::standalone(d, qwen3next::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
-            .map_err(backend_err)?;
+    let backend = CpuStage::standalone(d, qwen3next::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
+        .map_err(backend_err)?;
     let mut backend = backend.with_linear_state(LinearState::owned(&d, lin, s.slots));
     let model = Qwen3Next::bind(&mut backend, &d, hp, StageSpec::whole(hp.n_layer)).map_err(
         |e| match e {

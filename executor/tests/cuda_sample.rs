@@ -18,7 +18,9 @@ use std::sync::OnceLock;
 use strata_exec::backend::cuda::launch::decode::{sample_rows, PickScratch};
 use strata_exec::backend::cuda::launch::Launcher;
 use strata_exec::backend::cuda::{CudaDevice, DeviceView};
-use strata_exec::sampler::{argmax, gumbel, order_key, row_is_sound, sample_with, Draw, NON_FINITE};
+use strata_exec::sampler::{
+    argmax, gumbel, order_key, row_is_sound, sample_with, Draw, NON_FINITE,
+};
 
 static DEV: OnceLock<Result<CudaDevice, String>> = OnceLock::new();
 

@@ -110,7 +110,8 @@ fn a_random_qwen3next_gguf_runs_from_a_plan_and_decode_equals_recompute() {
 /// The transformers references (scripts/make_reference_next.py), when present.
 #[test]
 fn tiny_qwen3next_references_match_from_safetensors() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
+    let root =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
     let Ok(entries) = std::fs::read_dir(&root) else {
         eprintln!(
             "SKIP tiny_qwen3next_references_match_from_safetensors: {} is missing (run scripts/make_reference_next.py)",
@@ -153,7 +154,11 @@ fn tiny_qwen3next_references_match_from_safetensors() {
             assert_eq!(got.len(), ids.len() * v);
             // Tolerance: 1e-4 of the largest logit (f32 on both sides, different orders).
             let rel = max_rel(&got, &want);
-            assert!(rel < 1e-4, "{} prompt {i}: logits differ by {rel}", dir.display());
+            assert!(
+                rel < 1e-4,
+                "{} prompt {i}: logits differ by {rel}",
+                dir.display()
+            );
             // Greedy continuation with the cache and the linear state.
             let greedy: Vec<u32> = r["greedy_cached"][i]
                 .as_array()
@@ -169,7 +174,12 @@ fn tiny_qwen3next_references_match_from_safetensors() {
                 out.push(t);
                 row = e.decode(&[(0, t)]).unwrap().to_vec();
             }
-            assert_eq!(out, greedy, "{} prompt {i}: greedy continuation", dir.display());
+            assert_eq!(
+                out,
+                greedy,
+                "{} prompt {i}: greedy continuation",
+                dir.display()
+            );
         }
     }
 }

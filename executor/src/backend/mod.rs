@@ -195,8 +195,7 @@ pub trait Bind: Ops {
     fn vector(&mut self, name: &str, n: usize) -> Result<Self::Vector, Self::Error>;
     /// The tensor `name` (dims `[cols, rows]`) as `rows x cols` f32, row-major (small 2-D
     /// tensors an op reads whole, such as a conv's taps).
-    fn table(&mut self, name: &str, rows: usize, cols: usize)
-        -> Result<Self::Vector, Self::Error>;
+    fn table(&mut self, name: &str, rows: usize, cols: usize) -> Result<Self::Vector, Self::Error>;
     /// The routed experts of `layer` (the stacks `blk.L.ffn_{gate,up,down}_exps.weight`, of
     /// `n_expert` matrices: gate/up `f x e`, down `e x f`), wherever this device keeps them.
     fn experts_of(&mut self, layer: u32) -> Result<Self::Experts, Self::Error>;

@@ -334,7 +334,9 @@ pub(crate) mod tests {
             head_dim_v: 8,
             n_ff: 0,
             n_expert: 6,
-            n_expert_used: 2,
+            // Every expert used: the top-k choice is then continuous in its inputs, so the
+            // chunked and recurrent rules' different rounding cannot flip a routing choice.
+            n_expert_used: 6,
             n_ff_exp: 16,
             n_ff_shexp: 24,
             n_leading_dense: 0,
@@ -511,29 +513,5 @@ pub(crate) mod tests {
         hp.ssm = None;
         let e = check_dims(&hp).unwrap_err().to_string();
         assert!(e.contains("ssm"), "{e}");
-    }
-}
-#[cfg(test)]
-mod probe {
-    #[test]
-    fn probe_pass_sizes() {
-        use super::tests::*;
-        use crate::engine::Engine;
-        for interval in [1u32, 4, 1000] {
-        let mut hp = tiny_hp();
-        hp.full_attention_interval = Some(interval);
-        eprintln!("interval {interval}");
-        let w = tiny_weights(&hp, 11);
-        let p = prompt(20);
-        let mut one = engine(&hp, &w, 1, 64);
-        let want = one.prefill_all(0, &p).unwrap().to_vec();
-        for k in [1usize, 2, 3, 7, 19] {
-            let mut e = engine(&hp, &w, 1, k);
-            let got = e.prefill_all(0, &p).unwrap().to_vec();
-            let v = 61;
-            let firstbad = (0..20).find(|&i| max_rel(&got[i*v..(i+1)*v], &want[i*v..(i+1)*v]) > 1e-4);
-            eprintln!("pass {k}: first bad row {firstbad:?}");
-        }
-        }
     }
 }

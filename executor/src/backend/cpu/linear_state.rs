@@ -178,7 +178,11 @@ mod tests {
         for slot in 0..3 {
             for l in 0..2 {
                 let (c, r) = s.layer(slot, l).unwrap();
-                let want = if slot == 1 { 0.0 } else { (slot * 10 + l) as f32 };
+                let want = if slot == 1 {
+                    0.0
+                } else {
+                    (slot * 10 + l) as f32
+                };
                 assert!(c.iter().all(|&v| v == want));
                 let want_r = if slot == 1 { 0.0 } else { want + 0.5 };
                 assert!(r.iter().all(|&v| v == want_r));

@@ -22,11 +22,11 @@ pub use ops::{AttnShape, Matrix, OpError, Rope, Yarn};
 use crate::backend::{
     Attention, Bind, LinearAttention, Ops, Route, SharedFfn, Stage, StepKind, WorkBuf,
 };
-use linear_state::LinearState;
 use crate::experts::{CpuExpertCache, ExpertBytes};
 use crate::model::{check_view, ModelError, WeightSource};
 use crate::quant::{self, QuantError};
 use kv::{KvCache, KvError};
+use linear_state::LinearState;
 use scratch::{Scratch, ScratchError};
 use strata_schemas::dims::Dims;
 use strata_schemas::ggml::GgmlType;
@@ -588,15 +588,18 @@ impl<'a> Ops for CpuStage<'a> {
                 t1 += 1;
             }
             let len = t1 - t0;
-            if self.pos[t0] == 0 {
-                self.lin.clear(slot as usize);
-            }
             let (cs, rs) = self.lin.layer(slot as usize, a.lin_layer).ok_or_else(|| {
                 CpuError::Other(format!(
                     "slot {slot} has no state for linear layer {} on this stage",
                     a.lin_layer
                 ))
             })?;
+            if self.pos[t0] == 0 {
+                // A new sequence in this slot: this layer starts from zero state (the other
+                // layers clear theirs when their op sees the same token).
+                cs.fill(0.0);
+                rs.fill(0.0);
+            }
             let rows = &mut conv_out[t0 * c..t1 * c];
             conv::conv1d_silu(&qkv[t0 * c..t1 * c], len, c, conv_w, d.conv_k, cs, rows)?;
             delta_net::l2norm_qk_inplace(shape, rows, len, 1e-6)?;
