@@ -8,13 +8,16 @@
 //! its own device's arena and chunks.
 
 use crate::backend::cpu::kv::{KvCache, KvGeom};
+use crate::backend::cpu::linear_state::LinearState;
 use crate::backend::cpu::scratch::Scratch;
 use crate::backend::cpu::{CpuStage, Rope, Yarn};
 use crate::bind::{self, BindError, Binding};
 use crate::engine::{EngineError, EngineInfo};
 use crate::experts::{CpuExpertCache, HostStacks, LruPolicy};
 use crate::load::{self, ArenaWeights, HostModel, LoadError};
+use crate::model::arch::{self, AnyModel};
 use crate::model::qwen3moe::{self, Qwen3Moe, StageSpec};
+use crate::model::qwen3next::{self, Qwen3Next};
 use crate::model::{ModelError, WeightSource};
 use crate::pipeline::{Pipeline, PipelineShape, StageOf};
 use strata_schemas::dims::Dims;
@@ -50,7 +53,7 @@ pub struct EngineOptions {
 }
 
 /// A Qwen3-MoE model on the CPU backend.
-pub type CpuEngine = Pipeline<CpuStage<'static>, Qwen3Moe<CpuStage<'static>>>;
+pub type CpuEngine = Pipeline<CpuStage<'static>, AnyModel<CpuStage<'static>>>;
 
 fn backend_err(e: impl std::fmt::Display) -> StartError {
     StartError::Backend(e.to_string())
@@ -207,7 +210,7 @@ pub fn start_cpu(
     load::check_fingerprint(plan, host.as_ref())?;
     if !workset::runs(BackendKind::Cpu, &inv.arch, &inv.hparams) {
         return Err(StartError::Plan(format!(
-            "architecture `{}` has no CPU forward pass in this build (qwen3moe only)",
+            "architecture `{}` has no CPU forward pass in this build (qwen3moe, qwen3next)",
             inv.arch
         )));
     }
@@ -217,7 +220,7 @@ pub fn start_cpu(
     };
     bind::check_hardware(plan, available)?;
     let hp = inv.hparams.clone();
-    let d = qwen3moe::check_dims(&hp)?;
+    let (d, arch_name) = arch::check_dims(&inv.arch, &hp)?;
     bind::check_pipeline(plan, hp.n_layer).map_err(StartError::Plan)?;
     load::check_tensors(plan, host.as_ref())?;
     let layouts = plan
@@ -257,29 +260,42 @@ pub fn start_cpu(
         // stage touches it; the binding outlives the stage.
         let region: &'static mut [u8] = unsafe { view.slice_mut() };
         let scratch = Scratch::bind(region, layout).map_err(backend_err)?;
-        let g = KvGeom::new(&d, kv_ty, n_layer, s.max_context as usize).map_err(backend_err)?;
+        let (full, lin) = qwen3next::layer_counts(&hp, dp.layer_first, dp.layer_end);
+        debug_assert_eq!(full + lin, n_layer);
+        let g = KvGeom::new(&d, kv_ty, full, s.max_context as usize).map_err(backend_err)?;
         let kv = stage_kv(plan, &binding, dp, g)?;
+        let lin_state = if lin > 0 {
+            let view = binding.region_view(dp.index, RegionKind::LinearState)?;
+            // SAFETY: the linear_state region is disjoint from the arena's other regions and
+            // only this stage touches it; the binding outlives the stage.
+            let region: &'static mut [u8] = unsafe { view.slice_mut() };
+            LinearState::bind(region, &d, lin, s.batch as usize).map_err(backend_err)?
+        } else {
+            LinearState::owned(&d, 0, 0)
+        };
         let cache = stage_cache(host_ref, &binding, &hp, dp)?;
         let mut backend = CpuStage::new(
             d,
-            qwen3moe::ARCH,
+            arch_name,
             wref,
             rope.clone(),
             scratch,
             kv,
             cache,
             dp.work_pass.tokens as usize,
-        );
+        )
+        .with_linear_state(lin_state);
         let spec = StageSpec {
             layer_first: dp.layer_first,
             layer_end: dp.layer_end,
             embedding: dp.holds_embedding,
             head: dp.holds_head,
         };
-        let model = Qwen3Moe::bind(&mut backend, &d, &hp, spec).map_err(|e| match e {
-            crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
-            other => backend_err(other),
-        })?;
+        let model =
+            AnyModel::bind(&inv.arch, &mut backend, &d, &hp, spec).map_err(|e| match e {
+                crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
+                other => backend_err(other),
+            })?;
         stages.push(StageOf { backend, model });
     }
     let last = plan.devices.last().map(|dp| dp.work_pass);
@@ -344,6 +360,51 @@ pub fn standalone_cpu<'a>(
         CpuStage::standalone(d, qwen3moe::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
             .map_err(backend_err)?;
     let model = Qwen3Moe::bind(&mut backend, &d, hp, StageSpec::whole(hp.n_layer)).map_err(
+        |e| match e {
+            crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
+            other => backend_err(other),
+        },
+    )?;
+    let info = EngineInfo {
+        model_name: name.into(),
+        n_slots: s.slots,
+        max_context: s.ctx as u64,
+        ubatch: s.ubatch.max(1),
+        n_vocab: d.vocab,
+    };
+    let shape = PipelineShape {
+        max_tok: pass.tokens,
+        logit_rows,
+        allocations: 0,
+        allocated_bytes: 0,
+    };
+    Pipeline::new(info, vec![StageOf { backend, model }], shape, Vec::new())
+        .map_err(|e: EngineError| StartError::Plan(e.to_string()))
+}
+
+/// A Qwen3-Next model over `src` on the CPU with no plan, as [`standalone_cpu`]: one stage,
+/// its working buffers, KV (full-attention layers) and linear state (linear layers) owned here.
+pub fn standalone_next<'a>(
+    hp: &HParams,
+    src: &'a (dyn WeightSource + Sync),
+    name: &str,
+    s: Standalone,
+) -> Result<Pipeline<CpuStage<'a>, Qwen3Next<CpuStage<'a>>>, StartError> {
+    let d = qwen3next::check_dims(hp)?;
+    let logit_rows = s.slots.max(1);
+    let pass = workset::Pass {
+        tokens: s.max_tok.max(s.slots),
+        logit_rows,
+        att_splits: 1,
+        slots: s.slots,
+        gemm: false,
+    };
+    let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
+    let (_, lin) = qwen3next::layer_counts(hp, 0, hp.n_layer);
+    let backend = CpuStage::standalone(d, qwen3next::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
+        .map_err(backend_err)?;
+    let mut backend = backend.with_linear_state(LinearState::owned(&d, lin, s.slots));
+    let model = Qwen3Next::bind(&mut backend, &d, hp, StageSpec::whole(hp.n_layer)).map_err(
         |e| match e {
             crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
             other => backend_err(other),

@@ -40,6 +40,13 @@ pub struct Dims {
     pub rope_theta: f64,
     /// Trained context (YaRN's default original context).
     pub n_ctx_train: u64,
+    /// Linear attention (Gated DeltaNet, `ssm.*` keys; all 0 for models without it): key
+    /// heads, value heads, key and value head dims, conv width.
+    pub lin_k_heads: usize,
+    pub lin_v_heads: usize,
+    pub lin_hk: usize,
+    pub lin_hv: usize,
+    pub conv_k: usize,
 }
 
 impl Dims {
@@ -65,6 +72,36 @@ impl Dims {
             norm_topk: hp.norm_topk_prob,
             rope_theta: hp.rope_theta,
             n_ctx_train: hp.n_ctx_train,
+            lin_k_heads: hp.ssm.as_ref().map_or(0, |s| u(s.group_count)),
+            lin_v_heads: hp.ssm.as_ref().map_or(0, |s| u(s.time_step_rank)),
+            lin_hk: hp.ssm.as_ref().map_or(0, |s| u(s.state_size)),
+            lin_hv: hp.ssm.as_ref().map_or(0, |s| u(s.head_v_dim())),
+            conv_k: hp.ssm.as_ref().map_or(0, |s| u(s.conv_kernel)),
+        }
+    }
+
+    /// Whether the model has linear-attention (Gated DeltaNet) layers.
+    pub fn linear(&self) -> bool {
+        self.lin_v_heads > 0
+    }
+
+    /// Channels of the linear layers' conv: all q, k and v heads (0 without linear layers).
+    pub fn lin_qkv(&self) -> usize {
+        2 * self.lin_k_heads * self.lin_hk + self.lin_v()
+    }
+
+    /// Width of all linear value heads (the delta net's output).
+    pub fn lin_v(&self) -> usize {
+        self.lin_v_heads * self.lin_hv
+    }
+
+    /// Width of the full-attention query projection: `2 x q_out` where the query carries an
+    /// output gate (Qwen3-Next, which has linear layers), `q_out` otherwise.
+    pub fn q_proj(&self) -> usize {
+        if self.linear() {
+            2 * self.q_out()
+        } else {
+            self.q_out()
         }
     }
 

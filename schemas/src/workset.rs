@@ -120,7 +120,29 @@ work_bufs! {
     Tables = "tables",
     /// GPU: norm vectors converted to f32 (when the file stores them otherwise).
     Norms = "norms",
+    /// Gated full attention (Qwen3-Next): the `attn_q` output, per head the query then its
+    /// gate (f32, tokens x 2 x query width), and the gate split off it (tokens x query width).
+    Qg = "qg",
+    Gate = "gate",
+    /// Linear attention: the `attn_qkv`, `attn_gate` (z) and `ssm_ba` projections (f32,
+    /// tokens x conv channels / value width / 2 x value heads) and the gated delta net's
+    /// normed output (tokens x value width).
+    Qkv = "qkv",
+    Z = "z",
+    Ba = "ba",
+    Lin = "lin",
+    /// CPU: the conv's output, the per-head gates (beta then g, tokens x value heads each),
+    /// the delta rule's output before its norm, and the chunked rule's scratch.
+    ConvOut = "conv_out",
+    Gbeta = "gbeta",
+    DeltaOut = "delta_out",
+    DeltaScratch = "delta_scratch",
+    /// CPU: the shared expert's gate, up, down and partial rows and per-token gate scalars.
+    ShScratch = "sh_scratch",
 }
+
+/// Tokens per chunk of the chunked gated delta rule (HF's and llama.cpp's 64).
+pub const DELTA_CHUNK: usize = 64;
 
 /// What one pass of a stage carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,8 +164,9 @@ pub struct Pass {
 /// `backend`, so that its working set (rather than the forward graph's estimate) is planned.
 pub fn runs(backend: BackendKind, arch: &str, hp: &HParams) -> bool {
     let moe = arch == "qwen3moe" && hp.n_expert > 0;
+    let next = arch == "qwen3next" && hp.n_expert > 0 && hp.ssm.is_some();
     match backend {
-        BackendKind::Cpu => moe,
+        BackendKind::Cpu => moe || next,
         BackendKind::Gpu => moe && hp.n_leading_dense == 0,
     }
 }
@@ -237,15 +260,40 @@ pub fn buffers(
         (Ids, 4 * t * u(d.k)),
         (Wts, f * t * u(d.k)),
         (Logits, f * u(p.logit_rows) * u(d.vocab)),
+        (Qg, if d.linear() { f * t * u(d.q_proj()) } else { 0 }),
+        (Gate, if d.linear() { f * t * u(d.q_out()) } else { 0 }),
+        (Qkv, f * t * u(d.lin_qkv())),
+        (Z, f * t * u(d.lin_v())),
+        (Ba, f * t * 2 * u(d.lin_v_heads)),
+        (Lin, f * t * u(d.lin_v())),
     ];
     let mut out: Vec<(WorkBuf, u64)> = shared.to_vec();
     match backend {
         BackendKind::Cpu => {
-            let widest = [d.e, d.q_out(), d.k_out(), d.v_out(), d.n_expert, d.ff_max()]
-                .into_iter()
-                .max()
-                .unwrap_or(0);
+            let widest = [
+                d.e,
+                d.q_proj(),
+                d.k_out(),
+                d.v_out(),
+                d.n_expert,
+                d.ff_max(),
+                d.lin_qkv(),
+            ]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
             let ff = u(d.ff_max());
+            let (nv, c) = (u(d.lin_v_heads), u(DELTA_CHUNK));
+            // The chunked delta rule, per value head: gates, k·beta, T, new values,
+            // k_cumdecay (a chunk each) and the head's outputs.
+            let delta = nv * (c + c * u(d.lin_hk) + c * c + c * u(d.lin_hv) + c * u(d.lin_hk))
+                + nv * t * u(d.lin_hv);
+            let sh = u(d.n_ff_shexp);
+            let shared = if sh > 0 {
+                t * (2 * sh + u(d.e) + sh.max(u(d.e))) + t
+            } else {
+                0
+            };
             out.extend([
                 (Proj, f * t * u(d.e)),
                 (
@@ -258,6 +306,11 @@ pub fn buffers(
                 (ExG, f * t * ff),
                 (ExU, f * t * ff),
                 (ExD, f * t * u(d.e)),
+                (ConvOut, f * t * u(d.lin_qkv())),
+                (Gbeta, f * 2 * t * nv),
+                (DeltaOut, f * t * u(d.lin_v())),
+                (DeltaScratch, f * delta),
+                (ShScratch, f * shared),
             ]);
         }
         BackendKind::Gpu => {
@@ -337,6 +390,11 @@ mod tests {
             norm_topk: true,
             rope_theta: 1e6,
             n_ctx_train: 40_960,
+            lin_k_heads: 0,
+            lin_v_heads: 0,
+            lin_hk: 0,
+            lin_hv: 0,
+            conv_k: 0,
         }
     }
 

@@ -60,6 +60,40 @@ pub struct Route<M, V> {
     pub wts: WorkBuf,
 }
 
+/// The Gated DeltaNet core of one linear-attention layer (Qwen3-Next), after the `attn_qkv`,
+/// `attn_gate` and `ssm_ba` projections: causal depthwise conv1d + SiLU over `qkv` with the
+/// slot's rolling conv state, l2-normalised q and k heads, the gates `beta = sigmoid(b)`,
+/// `g = ssm_a * softplus(a + dt_bias)`, the gated delta rule over the slot's recurrent state,
+/// then `out = norm * RMSNorm(o) * silu(z)` per value head (see docs/QWEN3NEXT.md). The
+/// state of a slot is zeroed by its token at position 0 (a new sequence).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearAttention<V> {
+    /// The layer's index among the stage's linear-attention layers (its place in the stage's
+    /// linear state).
+    pub lin_layer: usize,
+    pub qkv: WorkBuf,
+    pub z: WorkBuf,
+    pub ba: WorkBuf,
+    /// `ssm_conv1d` as f32, conv channels x conv width.
+    pub conv: V,
+    pub dt_bias: V,
+    pub ssm_a: V,
+    /// The gated norm's weights (`ssm_norm`, one value head).
+    pub norm: V,
+    /// Output: `n x value width`.
+    pub out: WorkBuf,
+}
+
+/// A shared expert (Qwen3-Next): `y += sigmoid(gate_inp . xn) * down(silu(gate xn) * up xn)`.
+#[derive(Debug, Clone, Copy)]
+pub struct SharedFfn<M, V> {
+    /// `ffn_gate_inp_shexp`: one row of the hidden width.
+    pub gate_inp: V,
+    pub gate: M,
+    pub up: M,
+    pub down: M,
+}
+
 /// The operations of a forward pass on one planned device. Buffers hold rows of f32 (`n`
 /// rows of the width the op implies) unless said otherwise.
 pub trait Ops {
@@ -126,6 +160,31 @@ pub trait Ops {
         y: WorkBuf,
         n: usize,
     ) -> Result<(), Self::Error>;
+    /// Split a gated query projection `qg` (per head the query then its gate, each
+    /// `head_dim`) into `q` and `gate` (`n x n_head x head_dim` each).
+    fn split_query_gate(
+        &mut self,
+        qg: WorkBuf,
+        q: WorkBuf,
+        gate: WorkBuf,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// `x *= sigmoid(gate)` over `n` rows of the attention output's width.
+    fn sigmoid_gate(&mut self, x: WorkBuf, gate: WorkBuf, n: usize) -> Result<(), Self::Error>;
+    /// See [`LinearAttention`].
+    fn linear_attention(
+        &mut self,
+        a: &LinearAttention<Self::Vector>,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// See [`SharedFfn`].
+    fn shared_expert(
+        &mut self,
+        s: &SharedFfn<Self::Mat, Self::Vector>,
+        xn: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), Self::Error>;
 }
 
 /// How the weights a forward pass names are bound on a backend (at start-up only).
@@ -134,6 +193,9 @@ pub trait Bind: Ops {
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Self::Mat, Self::Error>;
     /// The tensor `name` (dims `[n]`) as f32.
     fn vector(&mut self, name: &str, n: usize) -> Result<Self::Vector, Self::Error>;
+    /// The tensor `name` (dims `[cols, rows]`) as `rows x cols` f32, row-major (small 2-D
+    /// tensors an op reads whole, such as a conv's taps).
+    fn table(&mut self, name: &str, rows: usize, cols: usize) -> Result<Self::Vector, Self::Error>;
     /// The routed experts of `layer` (the stacks `blk.L.ffn_{gate,up,down}_exps.weight`, of
     /// `n_expert` matrices: gate/up `f x e`, down `e x f`), wherever this device keeps them.
     fn experts_of(&mut self, layer: u32) -> Result<Self::Experts, Self::Error>;

@@ -4,7 +4,9 @@
 //! where the bytes live (mmap, arena, device) is the backend's business, and every tensor is
 //! checked (presence, dims, type, byte count) before the first pass.
 
+pub mod arch;
 pub mod qwen3moe;
+pub mod qwen3next;
 
 #[cfg(test)]
 mod hf_reference;

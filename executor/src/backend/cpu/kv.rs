@@ -361,6 +361,11 @@ mod tests {
             norm_topk: true,
             rope_theta: 1e4,
             n_ctx_train: 16,
+            lin_k_heads: 0,
+            lin_v_heads: 0,
+            lin_hk: 0,
+            lin_hv: 0,
+            conv_k: 0,
         }
     }
 

@@ -11,6 +11,7 @@ pub mod attn_gate;
 pub mod conv;
 pub mod delta_net;
 pub mod kv;
+pub mod linear_state;
 pub mod norms;
 pub mod ops;
 pub mod scratch;
@@ -18,12 +19,15 @@ pub mod shared_expert;
 
 pub use ops::{AttnShape, Matrix, OpError, Rope, Yarn};
 
-use crate::backend::{Attention, Bind, Ops, Route, Stage, StepKind, WorkBuf};
+use crate::backend::{
+    Attention, Bind, LinearAttention, Ops, Route, SharedFfn, Stage, StepKind, WorkBuf,
+};
 use crate::experts::{CpuExpertCache, ExpertBytes};
 use crate::model::{check_view, ModelError, WeightSource};
 use crate::quant::{self, QuantError};
 use crate::routing::RoutingTally;
 use kv::{KvCache, KvError};
+use linear_state::LinearState;
 use scratch::{Scratch, ScratchError};
 use strata_schemas::dims::Dims;
 use strata_schemas::ggml::GgmlType;
@@ -92,6 +96,8 @@ pub struct CpuStage<'a> {
     vectors: Vec<Vec<f32>>,
     scratch: Scratch<'a>,
     kv: Vec<KvCache<'a>>,
+    /// Each slot's linear-attention state (no layers for models without linear attention).
+    lin: LinearState<'a>,
     cache: Option<CpuExpertCache<'a>>,
     /// The router's picks of every pass so far.
     tally: RoutingTally,
@@ -127,6 +133,7 @@ impl<'a> CpuStage<'a> {
             vectors: Vec::new(),
             scratch,
             kv,
+            lin: LinearState::owned(&d, 0, 0),
             cache,
             tally: RoutingTally::new(d.n_layer, d.n_expert),
             tok: Vec::with_capacity(max_tok),
@@ -167,6 +174,12 @@ impl<'a> CpuStage<'a> {
             None,
             pass.tokens,
         ))
+    }
+
+    /// The stage with `lin` as its slots' linear-attention state.
+    pub fn with_linear_state(mut self, lin: LinearState<'a>) -> Self {
+        self.lin = lin;
+        self
     }
 
     /// The model dimensions.
@@ -509,6 +522,144 @@ impl<'a> Ops for CpuStage<'a> {
         add_into(&mut ys[..n * e], &proj[..n * e]);
         Ok(())
     }
+
+    fn split_query_gate(
+        &mut self,
+        qg: WorkBuf,
+        q: WorkBuf,
+        gate: WorkBuf,
+        n: usize,
+    ) -> Result<(), CpuError> {
+        let d = self.d;
+        let w = d.q_out();
+        let [a, qs, gs]: [&mut [f32]; 3] =
+            self.scratch
+                .words([(qg, n * 2 * w), (q, n * w), (gate, n * w)])?;
+        attn_gate::split_query_gate(&a[..n * 2 * w], n, d.n_head, d.hd, qs, gs)?;
+        Ok(())
+    }
+
+    fn sigmoid_gate(&mut self, x: WorkBuf, gate: WorkBuf, n: usize) -> Result<(), CpuError> {
+        let w = self.d.att_out();
+        let [xs, gs]: [&mut [f32]; 2] = self.scratch.words([(x, n * w), (gate, n * w)])?;
+        attn_gate::sigmoid_gate_inplace(&mut xs[..n * w], &gs[..n * w])?;
+        Ok(())
+    }
+
+    /// Tokens run in runs of consecutive tokens of one slot (a prefill pass is one run, a
+    /// decode pass one run per slot): the chunked rule for runs longer than one token, the
+    /// recurrent step otherwise.
+    fn linear_attention(
+        &mut self,
+        a: &LinearAttention<CpuVector>,
+        n: usize,
+    ) -> Result<(), CpuError> {
+        let d = self.d;
+        let shape = delta_net::DeltaShape {
+            n_k_heads: d.lin_k_heads,
+            n_v_heads: d.lin_v_heads,
+            head_k: d.lin_hk,
+            head_v: d.lin_hv,
+        };
+        let (c, vd, nv) = (d.lin_qkv(), d.lin_v(), d.lin_v_heads);
+        let chunk = strata_schemas::workset::DELTA_CHUNK;
+        let sc_len = delta_net::chunked_scratch_len(shape, n, chunk);
+        let [qkv, z, ba, out, conv_out, gb, dout, dsc]: [&mut [f32]; 8] = self.scratch.words([
+            (a.qkv, n * c),
+            (a.z, n * vd),
+            (a.ba, n * 2 * nv),
+            (a.out, n * vd),
+            (WorkBuf::ConvOut, n * c),
+            (WorkBuf::Gbeta, 2 * n * nv),
+            (WorkBuf::DeltaOut, n * vd),
+            (WorkBuf::DeltaScratch, if n > 1 { sc_len } else { 0 }),
+        ])?;
+        let (beta, g) = gb[..2 * n * nv].split_at_mut(n * nv);
+        delta_net::gates(
+            shape,
+            &ba[..n * 2 * nv],
+            n,
+            &self.vectors[a.dt_bias.0],
+            &self.vectors[a.ssm_a.0],
+            beta,
+            g,
+        )?;
+        let conv_w = &self.vectors[a.conv.0];
+        let mut t0 = 0;
+        while t0 < n {
+            let slot = self.slot[t0];
+            let mut t1 = t0 + 1;
+            while t1 < n && self.slot[t1] == slot {
+                t1 += 1;
+            }
+            let len = t1 - t0;
+            let (cs, rs) = self.lin.layer(slot as usize, a.lin_layer).ok_or_else(|| {
+                CpuError::Other(format!(
+                    "slot {slot} has no state for linear layer {} on this stage",
+                    a.lin_layer
+                ))
+            })?;
+            if self.pos[t0] == 0 {
+                // A new sequence in this slot: this layer starts from zero state (the other
+                // layers clear theirs when their op sees the same token).
+                cs.fill(0.0);
+                rs.fill(0.0);
+            }
+            let rows = &mut conv_out[t0 * c..t1 * c];
+            conv::conv1d_silu(&qkv[t0 * c..t1 * c], len, c, conv_w, d.conv_k, cs, rows)?;
+            delta_net::l2norm_qk_inplace(shape, rows, len, 1e-6)?;
+            let inp = delta_net::DeltaInputs {
+                qkv: rows,
+                g: &g[t0 * nv..t1 * nv],
+                beta: &beta[t0 * nv..t1 * nv],
+                n_tok: len,
+            };
+            let o = &mut dout[t0 * vd..t1 * vd];
+            if len > 1 {
+                delta_net::delta_rule_chunked(shape, inp, chunk, rs, dsc, o)?;
+            } else {
+                delta_net::delta_rule_recurrent(shape, inp, rs, o)?;
+            }
+            t0 = t1;
+        }
+        norms::gated_rmsnorm_heads(
+            &dout[..n * vd],
+            &z[..n * vd],
+            &self.vectors[a.norm.0],
+            d.eps,
+            &mut out[..n * vd],
+        )?;
+        Ok(())
+    }
+
+    fn shared_expert(
+        &mut self,
+        s: &SharedFfn<Matrix<'a>, CpuVector>,
+        xn: WorkBuf,
+        y: WorkBuf,
+        n: usize,
+    ) -> Result<(), CpuError> {
+        let e = self.d.e;
+        let gi = &self.vectors[s.gate_inp.0];
+        // The gate row as an F32 matrix of one row, read in place from the bound vector.
+        // SAFETY: f32 has no padding or invalid bit patterns as bytes; the byte slice covers
+        // exactly the vector's elements and lives as long as the borrow of `gi`.
+        let gi_bytes: &[u8] =
+            unsafe { std::slice::from_raw_parts(gi.as_ptr() as *const u8, 4 * gi.len()) };
+        let gate_inp = Matrix::new(GgmlType::F32, e, 1, gi_bytes)?;
+        let sh = shared_expert::SharedExpert {
+            gate_inp,
+            gate: s.gate,
+            up: s.up,
+            down: s.down,
+        };
+        let len = sh.scratch_len(n);
+        let [xs, ys, sc]: [&mut [f32]; 3] =
+            self.scratch
+                .words([(xn, n * e), (y, n * e), (WorkBuf::ShScratch, len)])?;
+        sh.add(&xs[..n * e], n, &mut sc[..len], &mut ys[..n * e])?;
+        Ok(())
+    }
 }
 
 impl<'a> Bind for CpuStage<'a> {
@@ -532,6 +683,23 @@ impl<'a> Bind for CpuStage<'a> {
                 source,
             }
         })?;
+        self.vectors.push(out);
+        Ok(CpuVector(self.vectors.len() - 1))
+    }
+
+    fn table(&mut self, name: &str, rows: usize, cols: usize) -> Result<CpuVector, CpuError> {
+        let v = check_view(self.src, self.arch, name, &[cols as u64, rows as u64])?;
+        let m = Matrix::new(v.ggml_type, cols, rows, v.data).map_err(|e| match e {
+            OpError::Quant(source) => CpuError::Model(ModelError::Tensor {
+                name: name.into(),
+                source,
+            }),
+            other => CpuError::Op(other),
+        })?;
+        let mut out = vec![0f32; rows * cols];
+        for (r, o) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+            m.dequantize_row(r, o)?;
+        }
         self.vectors.push(out);
         Ok(CpuVector(self.vectors.len() - 1))
     }

@@ -183,6 +183,10 @@ impl Bind for CudaStage {
         Ok(CVec { off, n })
     }
 
+    fn table(&mut self, _name: &str, _rows: usize, _cols: usize) -> Result<CVec, CudaError> {
+        Err(super::next::not_yet("table"))
+    }
+
     fn experts_of(&mut self, layer: u32) -> Result<CExperts, CudaError> {
         let (e, f, ne) = (self.d.e, self.d.f, self.d.n_expert);
         let base = self.arena.all().ptr();

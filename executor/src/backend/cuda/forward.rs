@@ -570,4 +570,36 @@ impl Ops for CudaStage {
             "dense FFN layers are not in the CUDA forward pass yet: run with --backend cpu",
         ))
     }
+
+    fn split_query_gate(
+        &mut self,
+        _qg: WorkBuf,
+        _q: WorkBuf,
+        _gate: WorkBuf,
+        _n: usize,
+    ) -> Result<(), CudaError> {
+        Err(super::next::not_yet("split_query_gate"))
+    }
+
+    fn sigmoid_gate(&mut self, _x: WorkBuf, _gate: WorkBuf, _n: usize) -> Result<(), CudaError> {
+        Err(super::next::not_yet("sigmoid_gate"))
+    }
+
+    fn linear_attention(
+        &mut self,
+        _a: &crate::backend::LinearAttention<CVec>,
+        _n: usize,
+    ) -> Result<(), CudaError> {
+        Err(super::next::not_yet("linear_attention"))
+    }
+
+    fn shared_expert(
+        &mut self,
+        _s: &crate::backend::SharedFfn<CMat, CVec>,
+        _xn: WorkBuf,
+        _y: WorkBuf,
+        _n: usize,
+    ) -> Result<(), CudaError> {
+        Err(super::next::not_yet("shared_expert"))
+    }
 }

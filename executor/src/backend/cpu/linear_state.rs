@@ -1,0 +1,203 @@
+//! Each slot's linear-attention state on one stage: per linear layer of the stage, the conv
+//! state (`(conv_k - 1) x conv channels` f32, token-major, row 0 the oldest input) then the
+//! recurrent state (`value heads x head_v x head_k` f32), slot after slot, exactly the bytes
+//! the plan's `linear_state` region holds for the stage (`slots x layers x
+//! HParams::linear_state_bytes_per_layer`).
+//! Invariant: a slot's state is what its sequence's tokens so far left there; nothing else
+//! writes it, and it is zeroed when the slot starts a new sequence (a token at position 0).
+
+use strata_schemas::dims::Dims;
+
+/// Floats of one layer's state of one slot: (conv, recurrent).
+pub fn layer_floats(d: &Dims) -> (usize, usize) {
+    (
+        d.conv_k.saturating_sub(1) * d.lin_qkv(),
+        d.lin_v_heads * d.lin_hv * d.lin_hk,
+    )
+}
+
+/// Why linear state could not be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum LinearStateError {
+    #[error("the linear_state region holds {got} bytes but {slots} slots x {layers} linear layers need {need}: re-plan with this strata-plan")]
+    Size {
+        got: u64,
+        need: u64,
+        slots: usize,
+        layers: usize,
+    },
+    #[error("the linear_state region is not 4-byte aligned")]
+    Align,
+}
+
+enum Store<'a> {
+    Owned(Vec<f32>),
+    Borrowed(&'a mut [f32]),
+}
+
+/// The linear state of every slot of a stage.
+pub struct LinearState<'a> {
+    store: Store<'a>,
+    conv: usize,
+    rec: usize,
+    layers: usize,
+    slots: usize,
+}
+
+impl<'a> LinearState<'a> {
+    fn per_slot(&self) -> usize {
+        self.layers * (self.conv + self.rec)
+    }
+
+    /// Zeroed state owned here (plan-less engines).
+    pub fn owned(d: &Dims, layers: usize, slots: usize) -> Self {
+        let (conv, rec) = layer_floats(d);
+        Self {
+            store: Store::Owned(vec![0.0; slots * layers * (conv + rec)]),
+            conv,
+            rec,
+            layers,
+            slots,
+        }
+    }
+
+    /// State in a planned region (its first bytes; the rest is alignment padding).
+    pub fn bind(
+        region: &'a mut [u8],
+        d: &Dims,
+        layers: usize,
+        slots: usize,
+    ) -> Result<Self, LinearStateError> {
+        let (conv, rec) = layer_floats(d);
+        let floats = slots * layers * (conv + rec);
+        let need = 4 * floats as u64;
+        if (region.len() as u64) < need {
+            return Err(LinearStateError::Size {
+                got: region.len() as u64,
+                need,
+                slots,
+                layers,
+            });
+        }
+        // SAFETY: any 4 initialized bytes are a valid f32; align_to_mut only yields a
+        // correctly aligned middle part, which is checked to be the whole prefix needed.
+        let (head, mid, _) = unsafe { region.align_to_mut::<f32>() };
+        if !head.is_empty() || mid.len() < floats {
+            return Err(LinearStateError::Align);
+        }
+        let mid = &mut mid[..floats];
+        mid.fill(0.0);
+        Ok(Self {
+            store: Store::Borrowed(mid),
+            conv,
+            rec,
+            layers,
+            slots,
+        })
+    }
+
+    fn all(&mut self) -> &mut [f32] {
+        match &mut self.store {
+            Store::Owned(v) => v,
+            Store::Borrowed(s) => s,
+        }
+    }
+
+    /// Slots held.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Zero every layer's state of `slot`.
+    pub fn clear(&mut self, slot: usize) {
+        let per = self.per_slot();
+        if slot < self.slots {
+            self.all()[slot * per..(slot + 1) * per].fill(0.0);
+        }
+    }
+
+    /// (conv state, recurrent state) of `layer` of `slot`, or `None` outside the stage.
+    pub fn layer(&mut self, slot: usize, layer: usize) -> Option<(&mut [f32], &mut [f32])> {
+        if slot >= self.slots || layer >= self.layers {
+            return None;
+        }
+        let (per, one) = (self.per_slot(), self.conv + self.rec);
+        let conv = self.conv;
+        let at = slot * per + layer * one;
+        let s = &mut self.all()[at..at + one];
+        Some(s.split_at_mut(conv))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn next_dims() -> Dims {
+        Dims {
+            n_layer: 2,
+            e: 8,
+            vocab: 8,
+            n_head: 2,
+            n_head_kv: 1,
+            hd: 8,
+            hd_v: 8,
+            n_rot: 4,
+            n_expert: 0,
+            k: 0,
+            f: 0,
+            n_ff: 0,
+            n_ff_shexp: 0,
+            eps: 1e-6,
+            norm_topk: true,
+            rope_theta: 1e4,
+            n_ctx_train: 16,
+            lin_k_heads: 2,
+            lin_v_heads: 4,
+            lin_hk: 8,
+            lin_hv: 8,
+            conv_k: 4,
+        }
+    }
+
+    #[test]
+    fn slots_and_layers_do_not_overlap_and_clear_is_per_slot() {
+        let d = next_dims();
+        let mut s = LinearState::owned(&d, 2, 3);
+        let (conv, rec) = layer_floats(&d);
+        assert_eq!(conv, 3 * (2 * 2 * 8 + 32));
+        assert_eq!(rec, 4 * 8 * 8);
+        for slot in 0..3 {
+            for l in 0..2 {
+                let (c, r) = s.layer(slot, l).unwrap();
+                c.fill((slot * 10 + l) as f32);
+                r.fill((slot * 10 + l) as f32 + 0.5);
+            }
+        }
+        s.clear(1);
+        for slot in 0..3 {
+            for l in 0..2 {
+                let (c, r) = s.layer(slot, l).unwrap();
+                let want = if slot == 1 {
+                    0.0
+                } else {
+                    (slot * 10 + l) as f32
+                };
+                assert!(c.iter().all(|&v| v == want));
+                let want_r = if slot == 1 { 0.0 } else { want + 0.5 };
+                assert!(r.iter().all(|&v| v == want_r));
+            }
+        }
+        assert!(s.layer(3, 0).is_none() && s.layer(0, 2).is_none());
+    }
+
+    #[test]
+    fn a_short_region_is_refused_with_the_sizes() {
+        let d = next_dims();
+        let mut buf = vec![0u32; 10];
+        // SAFETY: u32 storage viewed as bytes, same length in bytes.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, 40) };
+        let e = LinearState::bind(bytes, &d, 1, 1).err().unwrap();
+        assert!(e.to_string().contains("re-plan"), "{e}");
+    }
+}

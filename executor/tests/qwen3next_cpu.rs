@@ -1,0 +1,196 @@
+//! Qwen3-Next on the CPU engine from a plan: a random tiny qwen3next GGUF planned on one and on
+//! two CPU devices runs through `start_cpu`, decode with the linear state equals recomputing
+//! the whole sequence, a layer split equals one stage, and (when the lead has made them) the
+//! transformers references match from safetensors.
+
+mod common;
+
+use common::plan_folder;
+use strata_exec::engine::Engine;
+use strata_exec::exec::{start_cpu, EngineOptions};
+use strata_exec::load::{GgufModel, SafetensorsModel};
+use strata_schemas::arch::QuantRecipe;
+use strata_schemas::gguf::random::{write_random_model, RandomOptions};
+use strata_schemas::inventory::{HParams, SsmParams};
+use strata_schemas::plan::RegionKind;
+use strata_schemas::serve::ExpertCache;
+
+fn tiny_hp() -> HParams {
+    HParams {
+        n_layer: 4,
+        n_embd: 64,
+        n_vocab: 128,
+        n_ctx_train: 256,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim_k: 16,
+        head_dim_v: 16,
+        n_ff: 0,
+        n_expert: 8,
+        n_expert_used: 2,
+        n_ff_exp: 32,
+        n_ff_shexp: 32,
+        n_leading_dense: 0,
+        full_attention_interval: Some(2),
+        ssm: Some(SsmParams {
+            conv_kernel: 4,
+            state_size: 16,
+            group_count: 2,
+            time_step_rank: 4,
+            inner_size: 64,
+        }),
+        nextn_predict_layers: 0,
+        rope_theta: 10_000.0,
+        rope_dim: Some(4),
+        rms_eps: 1e-6,
+        norm_topk_prob: true,
+        tied_embeddings: false,
+    }
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    a.iter()
+        .zip(b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+}
+
+#[test]
+fn a_random_qwen3next_gguf_runs_from_a_plan_and_decode_equals_recompute() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("next.gguf");
+    let hp = tiny_hp();
+    let recipe = QuantRecipe::preset("F32").unwrap();
+    let opts = RandomOptions {
+        name: "tiny next".into(),
+        ..Default::default()
+    };
+    write_random_model(&path, "qwen3next", &hp, &recipe, 5, opts).unwrap();
+    let v = hp.n_vocab as usize;
+    // plan_folder plans ubatch 8: one prefill call takes at most 8 tokens.
+    let prompt: Vec<u32> = (0..8u32).map(|i| (i * 53 + 7) % 128).collect();
+
+    let one = plan_folder(&path, 1, None, ExpertCache::Off, None);
+    assert!(
+        one.devices[0].region_bytes(RegionKind::LinearState) > 0,
+        "the plan holds linear state"
+    );
+    let mut e = start_cpu(
+        &one,
+        Box::new(GgufModel::open(&path).unwrap()),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let all = e.prefill_all(0, &prompt).unwrap().to_vec();
+    assert!(all.iter().all(|x| x.is_finite()));
+    e.reset_slot(0);
+    let first = e.prefill(0, &prompt[..5], true).unwrap().unwrap().to_vec();
+    assert!(max_rel(&first, &all[4 * v..5 * v]) < 1e-4);
+    for (i, &t) in prompt[5..].iter().enumerate() {
+        let got = e.decode(&[(0, t)]).unwrap().to_vec();
+        let at = 5 + i;
+        let r = max_rel(&got, &all[at * v..(at + 1) * v]);
+        assert!(r < 1e-4, "decode at {at} differs by {r}");
+    }
+
+    // Two stages (linear and full layers on each) give the same logits.
+    let two = plan_folder(&path, 2, Some(vec![2]), ExpertCache::Off, None);
+    let mut e2 = start_cpu(
+        &two,
+        Box::new(GgufModel::open(&path).unwrap()),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(e2.stages().len(), 2);
+    let all2 = e2.prefill_all(1, &prompt).unwrap().to_vec();
+    let r = max_rel(&all2, &all);
+    assert!(r < 1e-5, "a layer split differs by {r}");
+}
+
+/// The transformers references (scripts/make_reference_next.py), when present.
+#[test]
+fn tiny_qwen3next_references_match_from_safetensors() {
+    let root =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
+    let Ok(entries) = std::fs::read_dir(&root) else {
+        eprintln!(
+            "SKIP tiny_qwen3next_references_match_from_safetensors: {} is missing (run scripts/make_reference_next.py)",
+            root.display()
+        );
+        return;
+    };
+    for ent in entries {
+        let dir = ent.unwrap().path();
+        if !dir.join("reference.json").exists() {
+            continue;
+        }
+        let r: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+        let plan = plan_folder(&dir, 1, None, ExpertCache::Off, None);
+        let mut e = start_cpu(
+            &plan,
+            Box::new(SafetensorsModel::open(&dir).unwrap()),
+            EngineOptions::default(),
+        )
+        .unwrap();
+        let v = e.info().n_vocab;
+        let prompts = r["prompts"].as_array().unwrap();
+        for (i, p) in prompts.iter().enumerate() {
+            let ids: Vec<u32> = p
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            let want: Vec<f32> = r["logits"][i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|row| row.as_array().unwrap().iter())
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect();
+            e.reset_slot(0);
+            let got = e.prefill_all(0, &ids).unwrap().to_vec();
+            assert_eq!(got.len(), ids.len() * v);
+            // Tolerance: 1e-4 of the largest logit (f32 on both sides, different orders).
+            let rel = max_rel(&got, &want);
+            assert!(
+                rel < 1e-4,
+                "{} prompt {i}: logits differ by {rel}",
+                dir.display()
+            );
+            // Greedy continuation with the cache and the linear state.
+            let greedy: Vec<u32> = r["greedy_cached"][i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            e.reset_slot(0);
+            let mut row = e.prefill(0, &ids, true).unwrap().unwrap().to_vec();
+            let mut out = Vec::new();
+            for _ in 0..greedy.len() {
+                let t = argmax(&row);
+                out.push(t);
+                row = e.decode(&[(0, t)]).unwrap().to_vec();
+            }
+            assert_eq!(
+                out,
+                greedy,
+                "{} prompt {i}: greedy continuation",
+                dir.display()
+            );
+        }
+    }
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
