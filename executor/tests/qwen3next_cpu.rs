@@ -5,11 +5,13 @@
 
 mod common;
 
-use common::plan_folder;
+use common::{plan_folder, plan_folder_ctx};
 use strata_exec::engine::Engine;
 use strata_exec::exec::{start_cpu, EngineOptions};
 use strata_exec::load::{GgufModel, SafetensorsModel};
 use strata_schemas::arch::QuantRecipe;
+use strata_schemas::ggml::GgmlType;
+use strata_schemas::gguf::convert::convert_hf_folder;
 use strata_schemas::gguf::random::{write_random_model, RandomOptions};
 use strata_schemas::inventory::{HParams, SsmParams};
 use strata_schemas::plan::RegionKind;
@@ -108,33 +110,45 @@ fn a_random_qwen3next_gguf_runs_from_a_plan_and_decode_equals_recompute() {
     assert!(r < 1e-5, "a layer split differs by {r}");
 }
 
-/// The transformers references (scripts/make_reference_next.py), when present.
+/// The transformers references (scripts/make_reference_next.py, committed in
+/// tests/data/tiny-qwen3next): each HF folder converted to GGUF (F32, as `strata-gguf convert`
+/// writes it) runs on the CPU engine with the logits of every prompt position within 3e-4 of
+/// the largest reference logit, and the greedy continuation (with the KV cache and the linear
+/// state) token for token. The HF folder itself is refused with the advice to convert it (its
+/// fused and offset tensors are not stored 1:1).
 #[test]
-fn tiny_qwen3next_references_match_from_safetensors() {
+fn tiny_qwen3next_references_match_after_conversion() {
     let root =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
-    let Ok(entries) = std::fs::read_dir(&root) else {
-        eprintln!(
-            "SKIP tiny_qwen3next_references_match_from_safetensors: {} is missing (run scripts/make_reference_next.py)",
-            root.display()
-        );
-        return;
-    };
-    for ent in entries {
-        let dir = ent.unwrap().path();
-        if !dir.join("reference.json").exists() {
-            continue;
-        }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut variants = 0;
+    for variant in ["base", "interval2", "odd"] {
+        let dir = root.join(variant);
         let r: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
-        let plan = plan_folder(&dir, 1, None, ExpertCache::Off, None);
+        let folder_plan = plan_folder(&dir, 1, None, ExpertCache::Off, None);
+        let refused = match SafetensorsModel::open(&dir) {
+            Err(e) => e.to_string(),
+            Ok(m) => start_cpu(&folder_plan, Box::new(m), EngineOptions::default())
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default(),
+        };
+        assert!(
+            refused.contains("convert the model to GGUF"),
+            "{variant}: the HF folder should be refused with the advice to convert, got {refused:?}"
+        );
+        let gguf = tmp.path().join(format!("{variant}.gguf"));
+        convert_hf_folder(&dir, &gguf, GgmlType::F32, None).unwrap();
+        let plan = plan_folder_ctx(&gguf, 1, None, ExpertCache::Off, None, 128);
         let mut e = start_cpu(
             &plan,
-            Box::new(SafetensorsModel::open(&dir).unwrap()),
+            Box::new(GgufModel::open(&gguf).unwrap()),
             EngineOptions::default(),
         )
         .unwrap();
         let v = e.info().n_vocab;
+        let ub = e.info().ubatch;
         let prompts = r["prompts"].as_array().unwrap();
         for (i, p) in prompts.iter().enumerate() {
             let ids: Vec<u32> = p
@@ -151,15 +165,15 @@ fn tiny_qwen3next_references_match_from_safetensors() {
                 .map(|x| x.as_f64().unwrap() as f32)
                 .collect();
             e.reset_slot(0);
-            let got = e.prefill_all(0, &ids).unwrap().to_vec();
+            let mut got = Vec::new();
+            for chunk in ids.chunks(ub) {
+                got.extend_from_slice(e.prefill_all(0, chunk).unwrap());
+            }
             assert_eq!(got.len(), ids.len() * v);
-            // Tolerance: 1e-4 of the largest logit (f32 on both sides, different orders).
+            // Tolerance: 3e-4 of the largest logit. Both sides are f32, but the chunked delta
+            // rule sums in another order than transformers' (measured: 1.1e-4 at worst).
             let rel = max_rel(&got, &want);
-            assert!(
-                rel < 1e-4,
-                "{} prompt {i}: logits differ by {rel}",
-                dir.display()
-            );
+            assert!(rel < 3e-4, "{variant} prompt {i}: logits differ by {rel}");
             // Greedy continuation with the cache and the linear state.
             let greedy: Vec<u32> = r["greedy_cached"][i]
                 .as_array()
@@ -167,22 +181,26 @@ fn tiny_qwen3next_references_match_from_safetensors() {
                 .iter()
                 .map(|x| x.as_u64().unwrap() as u32)
                 .collect();
-            e.reset_slot(0);
-            let mut row = e.prefill(0, &ids, true).unwrap().unwrap().to_vec();
+            let mut row = got[(ids.len() - 1) * v..].to_vec();
             let mut out = Vec::new();
             for _ in 0..greedy.len() {
                 let t = argmax(&row);
                 out.push(t);
+                if out.len() == greedy.len() {
+                    break;
+                }
                 row = e.decode(&[(0, t)]).unwrap().to_vec();
             }
-            assert_eq!(
-                out,
-                greedy,
-                "{} prompt {i}: greedy continuation",
-                dir.display()
+            assert_eq!(out, greedy, "{variant} prompt {i}: greedy continuation");
+            eprintln!(
+                "PASS {variant} prompt {i}: {} positions within {rel:.2e}, {} greedy tokens",
+                ids.len(),
+                out.len()
             );
         }
+        variants += 1;
     }
+    assert_eq!(variants, 3);
 }
 
 fn argmax(row: &[f32]) -> u32 {

@@ -309,7 +309,7 @@ pub fn random_folder(
     std::fs::write(dir.join("model.safetensors"), file).unwrap();
 }
 
-/// Plan a folder on `n` cpu devices with an explicit split.
+/// Plan a folder on `n` cpu devices with an explicit split (64 cells of context).
 pub fn plan_folder(
     dir: &Path,
     n: usize,
@@ -317,10 +317,23 @@ pub fn plan_folder(
     cache: ExpertCache,
     resident: Option<u64>,
 ) -> Plan {
+    plan_folder_ctx(dir, n, split, cache, resident, 64)
+}
+
+/// [`plan_folder`] with `ctx` cells of context per slot.
+#[allow(dead_code)]
+pub fn plan_folder_ctx(
+    dir: &Path,
+    n: usize,
+    split: Option<Vec<u32>>,
+    cache: ExpertCache,
+    resident: Option<u64>,
+    ctx: u64,
+) -> Plan {
     let inv = strata_plan::model::load_model(dir).unwrap();
     let probe = cpu_probe(n);
     let settings = ServeSettings {
-        max_context: 64,
+        max_context: ctx,
         batch: 2,
         kv_resident: resident,
         ubatch: 8,
