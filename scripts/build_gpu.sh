@@ -41,7 +41,7 @@ strip_into() {
 }
 
 cargo build --release -p strata-exec -p strata-plan -p strata-tools --bins
-paths=$(test_bins --test backend_ops --test cuda_engine --test cuda_gemm --test cuda_flash --test cuda_sample --test cuda_quants --test cuda_offload)
+paths=$(test_bins --test backend_ops --test cuda_engine --test cuda_gemm --test cuda_flash --test cuda_sample --test cuda_quants --test cuda_probe_cost --test cuda_offload)
 rm -rf target/gpu
 strip_into target/gpu target/release/strata-exec target/release/strata-plan \
     target/release/strata-gguf $paths
