@@ -130,7 +130,18 @@ pub fn measure_cost(
         }
         Err(e) => fail(&mut m, "product_latency_us, product_gbps", e),
     }
+    // A decode attention far slower per byte than the one-token products means the timed
+    // launches do not stand for the engine's (a split count or layout it never uses): the
+    // keys are left to the defaults rather than written wrong.
+    let plausible = |g: f64| m.product_gbps.is_none_or(|p| g >= 0.1 * p);
     match attention(dev) {
+        Ok((_, g)) if !plausible(g) => fail(
+            &mut m,
+            "attention_latency_us, attention_gbps",
+            format!(
+                "decode attention timed at {g:.0} GB/s, under a tenth of the products' rate: implausible for the engine's kernels, left to the defaults"
+            ),
+        ),
         Ok((lat, g)) => {
             progress(&format!(
                 "cost: decode attention {lat:.1} µs + KV at {g:.0} GB/s"
@@ -333,7 +344,8 @@ fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
     let out = dev
         .alloc_arena("probe-cost-att-out", 4 * (N_HEAD * HD) as u64)
         .map_err(e)?;
-    let splits = ATT_MAX_SPLIT.min(16);
+    // Part buffers for the most splits; each context takes the engine's own count.
+    let splits = ATT_MAX_SPLIT;
     let part_o = dev
         .alloc_arena("probe-cost-part-o", 4 * (N_HEAD * splits * HD) as u64)
         .map_err(e)?;
@@ -380,7 +392,7 @@ fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
                     pos: ints.view(4, 4)?,
                 };
                 let sp = Splits {
-                    n: splits,
+                    n: strata_schemas::workset::att_splits(cells as usize).min(splits),
                     part_o: part_o.all(),
                     part_ms: part_ms.all(),
                 };
