@@ -385,6 +385,20 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
             ),
         ));
     }
+    if let Some((t, _)) = gen
+        .proc
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= r.info.n_vocab)
+    {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "`logit_bias` names token id {t}, outside the model's vocabulary of {}",
+                r.info.n_vocab
+            ),
+        ));
+    }
     let p = prompt.len() as u64;
     if p >= ctx {
         return Err(ApiError::param(
@@ -414,6 +428,7 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
         prompt,
         max_tokens,
         sampling: gen.sampling,
+        proc: gen.proc.clone(),
         eos: r.eos.clone(),
         events: tx,
         arrived: Instant::now(),

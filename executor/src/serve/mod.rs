@@ -8,6 +8,7 @@
 
 pub mod conn;
 pub mod http;
+pub mod logit_proc;
 pub mod metrics;
 pub mod openai;
 pub mod scheduler;
