@@ -42,10 +42,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BYTES", default_value_t = 4 << 20, requires = "serve",
           value_parser = clap::value_parser!(u64).range(1024..=1 << 30))]
     pub max_body: u64,
-    /// Model id shown on /v1/models and accepted in requests' `model` field (requests that
-    /// name another model get 404); default: the plan's model name.
-    #[arg(long, value_name = "NAME", requires = "serve")]
-    pub model_name: Option<String>,
+    /// Model ids shown on /v1/models and accepted in requests' `model` field (requests that
+    /// name another model get 404); the first is the one answers carry. Several names make
+    /// aliases (`--served-model-name qwen3 gpt-4o`); default: the plan's model name.
+    #[arg(long, visible_alias = "served-model-name", value_name = "NAME", num_args = 1..,
+          requires = "serve")]
+    pub model_name: Vec<String>,
     /// Seconds running requests may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "serve")]
     pub shutdown_grace: f64,
@@ -154,7 +156,8 @@ pub fn main(args: RunArgs) -> ! {
         queue: s.queue as usize,
         max_body_bytes: s.max_body as usize,
         shutdown_grace: Duration::from_secs_f64(s.shutdown_grace),
-        model_name: s.model_name.clone(),
+        model_name: s.model_name.first().cloned(),
+        model_aliases: s.model_name.iter().skip(1).cloned().collect(),
         conn,
         body_timeout: seconds("body-timeout", s.body_timeout, 3600.0),
         template: TemplateLimits {

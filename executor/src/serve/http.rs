@@ -36,6 +36,11 @@ pub struct App {
     pub sched: SchedulerHandle,
     pub opts: Arc<ServeOptions>,
     next_id: AtomicU64,
+    /// Unique to this server process (start time and pid), so ids never repeat across
+    /// restarts.
+    id_prefix: String,
+    /// When the server started (`created` of `/v1/models`).
+    started: u64,
     renders: Arc<tokio::sync::Semaphore>,
 }
 
@@ -60,6 +65,8 @@ pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOption
         sched,
         opts,
         next_id: AtomicU64::new(1),
+        id_prefix: id_prefix(),
+        started: now_secs(),
         renders: Arc::new(tokio::sync::Semaphore::new(RENDERS_AT_ONCE)),
     });
     Router::new()
@@ -67,6 +74,7 @@ pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOption
         .route("/metrics", get(metrics))
         .route("/slots", get(slots))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model_by_id))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/tokenize", post(tokenize))
@@ -245,17 +253,35 @@ async fn slots(State(app): AppState) -> Response {
     Json(app.shared.slots()).into_response()
 }
 
+/// Every served name (the first is the primary one).
+fn served_names<'a>(app: &'a App, r: &'a Ready) -> impl Iterator<Item = &'a str> {
+    std::iter::once(model_name(app, r)).chain(app.opts.model_aliases.iter().map(String::as_str))
+}
+
+fn model_card(app: &App, r: &Ready, id: &str) -> Value {
+    json!({
+        "id": id, "object": "model", "created": app.started, "owned_by": "strata",
+        "meta": {"n_slots": r.info.n_slots, "max_context": r.info.max_context,
+                 "ubatch": r.info.ubatch, "n_vocab": r.info.n_vocab},
+    })
+}
+
 async fn models(State(app): AppState) -> Result<Response, ApiError> {
     let r = ready(&app)?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": model_name(&app, r), "object": "model", "created": 0, "owned_by": "strata",
-            "meta": {"n_slots": r.info.n_slots, "max_context": r.info.max_context,
-                     "ubatch": r.info.ubatch, "n_vocab": r.info.n_vocab},
-        }],
-    }))
-    .into_response())
+    let data: Vec<Value> = served_names(&app, r)
+        .map(|n| model_card(&app, r, n))
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})).into_response())
+}
+
+/// `/v1/models/{id}` (the SDK's `models.retrieve`): the card of a served name, else 404.
+async fn model_by_id(
+    State(app): AppState,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Response, ApiError> {
+    let r = ready(&app)?;
+    check_model(&app, r, &Some(id.clone()))?;
+    Ok(Json(model_card(&app, r, &id)).into_response())
 }
 
 fn tokenizer_of(r: &Ready) -> Result<&Arc<Tokenizer>, ApiError> {
@@ -342,7 +368,7 @@ async fn detokenize(State(app): AppState, req: Request) -> Result<Response, ApiE
 
 fn check_model(app: &App, r: &Ready, asked: &Option<String>) -> Result<(), ApiError> {
     match asked {
-        Some(m) if m != model_name(app, r) => Err(ApiError::new(
+        Some(m) if m != model_name(app, r) && !app.opts.model_aliases.contains(m) => Err(ApiError::new(
             404,
             "invalid_request_error",
             Some("model_not_found"),
@@ -725,6 +751,15 @@ impl StreamState {
     }
 }
 
+/// Hex of this process's start time in nanoseconds and its pid.
+fn id_prefix() -> String {
+    let ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    format!("{ns:x}{:x}", std::process::id())
+}
+
 fn now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -741,7 +776,12 @@ async fn respond(
     chat: bool,
 ) -> Result<Response, ApiError> {
     let meta = RespMeta {
-        id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, s.id),
+        id: format!(
+            "{}-{}-{}",
+            if chat { "chatcmpl" } else { "cmpl" },
+            app.id_prefix,
+            s.id
+        ),
         created: now_secs(),
         model: model_name(app, r).to_string(),
     };

@@ -39,6 +39,8 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// Name served on `/v1/models` and accepted as `model`; default the engine's.
     pub model_name: Option<String>,
+    /// More names accepted as `model` and listed on `/v1/models` (`--served-model-name A B`).
+    pub model_aliases: Vec<String>,
     /// Connection caps and the header-read timeout.
     pub conn: conn::ConnLimits,
     /// How long a request body may take to arrive (408 beyond).
@@ -57,6 +59,7 @@ impl Default for ServeOptions {
             max_body_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
             model_name: None,
+            model_aliases: Vec::new(),
             conn: conn::ConnLimits::default(),
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),
