@@ -368,15 +368,17 @@ async fn detokenize(State(app): AppState, req: Request) -> Result<Response, ApiE
 
 fn check_model(app: &App, r: &Ready, asked: &Option<String>) -> Result<(), ApiError> {
     match asked {
-        Some(m) if m != model_name(app, r) && !app.opts.model_aliases.contains(m) => Err(ApiError::new(
-            404,
-            "invalid_request_error",
-            Some("model_not_found"),
-            format!(
-                "the model `{m}` does not exist here; this server serves `{}`",
-                model_name(app, r)
-            ),
-        )),
+        Some(m) if m != model_name(app, r) && !app.opts.model_aliases.contains(m) => {
+            Err(ApiError::new(
+                404,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!(
+                    "the model `{m}` does not exist here; this server serves `{}`",
+                    model_name(app, r)
+                ),
+            ))
+        }
         _ => Ok(()),
     }
 }
