@@ -1,6 +1,7 @@
 //! Served names over the in-process test engine: several names (`--served-model-name A B`)
 //! are all listed and accepted as `model`, `/v1/models/{id}` answers each (404 for others),
-//! `created` is the real start time, and response ids are unique to the server process.
+//! `created` is the real start time, response ids are unique to the server process, and
+//! `--allowed-origins` CORS answers preflights (without the key) for listed origins only.
 #[path = "serve_common/mod.rs"]
 mod common;
 
@@ -62,4 +63,64 @@ async fn aliases_are_listed_retrievable_and_accepted() {
     let b = s2.post_json("/v1/completions", &body).await.json()["id"].clone();
     assert_ne!(a, b, "ids repeat across restarts");
     s2.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_answers_preflight_for_allowed_origins_only() {
+    let opts = ServeOptions {
+        api_key: Some("k".into()),
+        allowed_origins: vec!["http://app.example".into()],
+        ..Default::default()
+    };
+    let s = TestServer::start(TinyConfig::default(), opts).await;
+    let ok = preflight(s.addr, "http://app.example").await.unwrap();
+    assert!(ok.status < 300, "preflight needs no key: {}", ok.status);
+    assert_eq!(
+        ok.header("access-control-allow-origin"),
+        Some("http://app.example")
+    );
+    let allowed = ok
+        .header("access-control-allow-headers")
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    assert!(allowed.contains("authorization"), "{allowed}");
+    let other = preflight(s.addr, "http://evil.example").await.unwrap();
+    assert_eq!(other.header("access-control-allow-origin"), None);
+    // A real request from the allowed origin carries the header too.
+    let r = request(
+        s.addr,
+        "GET",
+        "/v1/models",
+        &[
+            ("Origin", "http://app.example"),
+            ("Authorization", "Bearer k"),
+        ],
+        b"",
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://app.example")
+    );
+    s.stop().await;
+}
+
+async fn preflight(addr: std::net::SocketAddr, origin: &str) -> std::io::Result<Resp> {
+    request(
+        addr,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &[
+            ("Origin", origin),
+            ("Access-Control-Request-Method", "POST"),
+            (
+                "Access-Control-Request-Headers",
+                "authorization,content-type",
+            ),
+        ],
+        b"",
+    )
+    .await
 }

@@ -44,9 +44,10 @@ pub struct ServeArgs {
     pub max_body: u64,
     /// Model ids shown on /v1/models and accepted in requests' `model` field (requests that
     /// name another model get 404); the first is the one answers carry. Several names make
-    /// aliases (`--served-model-name qwen3 gpt-4o`); default: the plan's model name.
-    #[arg(long, visible_alias = "served-model-name", value_name = "NAME", num_args = 1..,
-          requires = "serve")]
+    /// aliases (`--served-model-name qwen3,gpt-4o` or the flag repeated); default: the
+    /// plan's model name.
+    #[arg(long, visible_alias = "served-model-name", value_name = "NAME",
+          action = clap::ArgAction::Append, value_delimiter = ',', requires = "serve")]
     pub model_name: Vec<String>,
     /// Seconds running requests may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "serve")]
@@ -60,6 +61,13 @@ pub struct ServeArgs {
     /// Content-Length larger than the body sent).
     #[arg(long, value_name = "SECS", default_value_t = 30.0, requires = "serve")]
     pub body_timeout: f64,
+    /// Browser origins allowed to call the API (CORS, with preflight `OPTIONS`), e.g.
+    /// `--allowed-origins http://localhost:3000,https://app.example` (or the flag repeated);
+    /// `*` allows any. Default: none (no CORS headers, so browsers on other origins are
+    /// refused).
+    #[arg(long, value_name = "ORIGIN", action = clap::ArgAction::Append, value_delimiter = ',',
+          requires = "serve")]
+    pub allowed_origins: Vec<String>,
     /// Open connections at most; more get an immediate 503 and are closed. Keep it under
     /// the open-file limit (`ulimit -n`).
     #[arg(long, value_name = "N", default_value_t = 512, requires = "serve",
@@ -149,6 +157,13 @@ pub fn main(args: RunArgs) -> ! {
             );
         }
     }
+    for o in &s.allowed_origins {
+        if o != "*" && axum::http::HeaderValue::from_str(o).is_err() {
+            fail(format!(
+                "--allowed-origins {o:?}: give origins like http://localhost:3000, or * for any"
+            ));
+        }
+    }
     let opts = ServeOptions {
         host: s.host.clone(),
         port: s.port,
@@ -160,6 +175,7 @@ pub fn main(args: RunArgs) -> ! {
         model_aliases: s.model_name.iter().skip(1).cloned().collect(),
         conn,
         body_timeout: seconds("body-timeout", s.body_timeout, 3600.0),
+        allowed_origins: s.allowed_origins.clone(),
         template: TemplateLimits {
             fuel: s.template_fuel,
             max_output_bytes: s.template_max_bytes as usize,

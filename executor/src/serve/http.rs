@@ -69,6 +69,7 @@ pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOption
         started: now_secs(),
         renders: Arc::new(tokio::sync::Semaphore::new(RENDERS_AT_ONCE)),
     });
+    let cors = cors_layer(&app.opts.allowed_origins);
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -82,7 +83,41 @@ pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOption
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), auth))
+        // Outside the key check: a browser's preflight carries no Authorization header.
+        .layer(
+            tower_http::cors::CorsLayer::new()
+                .allow_origin(cors.0)
+                .allow_methods(cors.1)
+                .allow_headers(cors.2),
+        )
         .with_state(app)
+}
+
+/// The CORS policy of `--allowed-origins`: none (no origin matches) when empty, any for `*`,
+/// else the listed origins (the ones that are not valid header values are dropped; the CLI
+/// checks them first).
+fn cors_layer(
+    origins: &[String],
+) -> (
+    tower_http::cors::AllowOrigin,
+    tower_http::cors::AllowMethods,
+    tower_http::cors::AllowHeaders,
+) {
+    use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, Any};
+    let methods = AllowMethods::list([
+        axum::http::Method::GET,
+        axum::http::Method::POST,
+        axum::http::Method::OPTIONS,
+    ]);
+    let headers = AllowHeaders::list([header::AUTHORIZATION, header::CONTENT_TYPE]);
+    if origins.iter().any(|o| o == "*") {
+        return (AllowOrigin::from(Any), methods, AllowHeaders::from(Any));
+    }
+    let list: Vec<HeaderValue> = origins
+        .iter()
+        .filter_map(|o| HeaderValue::from_str(o).ok())
+        .collect();
+    (AllowOrigin::list(list), methods, headers)
 }
 
 async fn not_found(req: Request) -> ApiError {

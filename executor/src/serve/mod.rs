@@ -41,6 +41,8 @@ pub struct ServeOptions {
     pub model_name: Option<String>,
     /// More names accepted as `model` and listed on `/v1/models` (`--served-model-name A B`).
     pub model_aliases: Vec<String>,
+    /// Origins allowed by CORS (`*` = any); empty = no CORS headers.
+    pub allowed_origins: Vec<String>,
     /// Connection caps and the header-read timeout.
     pub conn: conn::ConnLimits,
     /// How long a request body may take to arrive (408 beyond).
@@ -60,6 +62,7 @@ impl Default for ServeOptions {
             shutdown_grace: Duration::from_secs(10),
             model_name: None,
             model_aliases: Vec::new(),
+            allowed_origins: Vec::new(),
             conn: conn::ConnLimits::default(),
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),
