@@ -264,6 +264,9 @@ fn bad_serve_flags_exit_1_before_binding() {
     let (code, err) = run(&["--serve", "--allowed-origins", "http://a\nb"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("--allowed-origins"), "{err}");
+    let (code, err) = run(&["--serve", "--default-temperature", "5"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--default-temperature"), "{err}");
     let (code, err) = run(&["--serve", "--shutdown-grace", "-4"]);
     assert_ne!(code, Some(0), "{err}");
     let (code, err) = run(&["--port", "9000"]);

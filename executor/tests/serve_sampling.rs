@@ -1,7 +1,8 @@
 //! Host-side sampling features over the in-process test engine: `logit_bias`, presence,
 //! frequency and repetition penalties and `min_p` give exactly the tokens of a reference
 //! loop over the same engine (prefill, processing, the shared draw), greedy and seeded; the
-//! features change the output; bad values are 400s naming the field.
+//! features change the output; bad values are 400s naming the field; the server's defaults
+//! (generation_config.json, flags) fill the fields a request leaves out.
 #[path = "serve_common/mod.rs"]
 mod common;
 
@@ -9,6 +10,7 @@ use common::*;
 use serde_json::{json, Value};
 use strata_exec::engine::Engine;
 use strata_exec::sampler::{sample_with, Sampler, SamplingParams};
+use strata_exec::serve::defaults::SamplingDefaults;
 use strata_exec::serve::logit_proc::{apply, History, LogitProc};
 use strata_exec::serve::test_engine::{TinyConfig, TinyEngine};
 use strata_exec::serve::ServeOptions;
@@ -162,5 +164,38 @@ async fn bad_sampling_values_name_the_field() {
         let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
         assert!(msg.contains(field), "{body}: {msg}");
     }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_defaults_fill_the_fields_a_request_leaves_out() {
+    let tok = Tokenizer::from_file(std::path::Path::new(TOK_DIR)).unwrap();
+    let cfg = TinyConfig {
+        n_vocab: tok.vocab_size() as u64,
+        n_slots: 1,
+        ..Default::default()
+    };
+    let eos: Vec<u32> = tok.eos_ids().to_vec();
+    let opts = ServeOptions {
+        sampling_defaults: SamplingDefaults {
+            temperature: 0.0,
+            repetition_penalty: 1.8,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let s = TestServer::start(cfg.clone(), opts).await;
+    let proc = LogitProc {
+        repetition_penalty: 1.8,
+        ..Default::default()
+    };
+    let want = reference(&cfg, &proc, SamplingParams::default(), &eos);
+    assert_eq!(complete(&s, json!({})).await, detok(&s, &want).await);
+    // A request's own value wins over the default.
+    let plain = reference(&cfg, &LogitProc::default(), SamplingParams::default(), &eos);
+    assert_eq!(
+        complete(&s, json!({"repetition_penalty": 1})).await,
+        detok(&s, &plain).await
+    );
     s.stop().await;
 }

@@ -866,7 +866,7 @@ async fn completions(State(app): AppState, req: Request) -> Result<Response, Api
     let prepared = (|| {
         let body = body?;
         let r = ready(&app)?;
-        let req = openai::parse_completion(&body)?;
+        let req = openai::parse_completion_with(&body, &app.opts.sampling_defaults)?;
         check_model(&app, r, &req.model)?;
         let prompt = match req.prompt {
             Prompt::Tokens(t) => t,
@@ -950,7 +950,7 @@ async fn chat_completions(State(app): AppState, req: Request) -> Result<Response
     let parsed = (|| {
         let body = body?;
         let r = ready(&app)?;
-        let req = openai::parse_chat(&body)?;
+        let req = openai::parse_chat_with(&body, &app.opts.sampling_defaults)?;
         check_model(&app, r, &req.model)?;
         tokenizer_of(r)?;
         r.template.as_ref().ok_or_else(|| {

@@ -7,6 +7,7 @@
 //! within `ServeOptions::shutdown_grace` and returns `Ok(())`.
 
 pub mod conn;
+pub mod defaults;
 pub mod http;
 pub mod logit_proc;
 pub mod metrics;
@@ -41,6 +42,8 @@ pub struct ServeOptions {
     pub model_name: Option<String>,
     /// More names accepted as `model` and listed on `/v1/models` (`--served-model-name A B`).
     pub model_aliases: Vec<String>,
+    /// Sampling values for fields a request leaves out.
+    pub sampling_defaults: defaults::SamplingDefaults,
     /// Origins allowed by CORS (`*` = any); empty = no CORS headers.
     pub allowed_origins: Vec<String>,
     /// Connection caps and the header-read timeout.
@@ -63,6 +66,7 @@ impl Default for ServeOptions {
             model_name: None,
             model_aliases: Vec::new(),
             allowed_origins: Vec::new(),
+            sampling_defaults: defaults::SamplingDefaults::default(),
             conn: conn::ConnLimits::default(),
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),

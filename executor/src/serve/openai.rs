@@ -4,6 +4,7 @@
 //! (every number in range, every type right) or an `ApiError` with a 4xx status whose
 //! message names the field; nothing here panics on any input.
 
+use super::defaults::SamplingDefaults;
 use crate::sampler::SamplingParams;
 use serde_json::{json, Map, Value};
 
@@ -236,19 +237,21 @@ impl Obj<'_> {
     }
 }
 
-fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
+fn gen_params(o: &Obj, d: &SamplingDefaults) -> Result<GenParams, ApiError> {
     let max_a = o.int_in("max_tokens", 1, i64::MAX)?;
     let max_b = o.int_in("max_completion_tokens", 1, i64::MAX)?;
     let max_tokens = max_b.or(max_a).map(|x| x as u64);
-    let temperature = o.f64_in("temperature", 0.0, 2.0)?.unwrap_or(1.0);
-    let top_p = o.f64_in("top_p", 0.0, 1.0)?.unwrap_or(1.0);
+    let temperature = o.f64_in("temperature", 0.0, 2.0)?.unwrap_or(d.temperature);
+    let top_p = o.f64_in("top_p", 0.0, 1.0)?.unwrap_or(d.top_p);
     if top_p <= 0.0 && o.get("top_p").is_some() {
         return Err(ApiError::param(
             "invalid_value",
             "`top_p` must be greater than 0 and at most 1",
         ));
     }
-    let top_k = o.int_in("top_k", 0, 1 << 31)?.unwrap_or(0) as usize;
+    let top_k = o
+        .int_in("top_k", 0, 1 << 31)?
+        .map_or(d.top_k, |k| k as usize);
     let seed = match o.int_in("seed", i64::MIN, i64::MAX)? {
         Some(s) => s as u64,
         None => {
@@ -309,7 +312,7 @@ fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
         Some(Value::Object(m)) => Obj(m).bool("include_usage")?.unwrap_or(false),
         Some(v) => return Err(wrong("stream_options", "an object", v)),
     };
-    let proc = logit_proc(o)?;
+    let proc = logit_proc(o, d)?;
     o.unsupported_unless("logprobs", |v| v == &Value::Bool(false))?;
     o.unsupported_unless("top_logprobs", |v| v.as_f64() == Some(0.0))?;
     o.unsupported_unless("typical_p", |v| v.as_f64() == Some(1.0))?;
@@ -337,8 +340,12 @@ fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
 
 /// `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty` (alias
 /// `repeat_penalty`) and `logit_bias` (token id strings to -100..100).
-fn logit_proc(o: &Obj) -> Result<super::logit_proc::LogitProc, ApiError> {
-    let mut p = super::logit_proc::LogitProc::default();
+fn logit_proc(o: &Obj, d: &SamplingDefaults) -> Result<super::logit_proc::LogitProc, ApiError> {
+    let mut p = super::logit_proc::LogitProc {
+        min_p: d.min_p as f32,
+        repetition_penalty: d.repetition_penalty as f32,
+        ..Default::default()
+    };
     if let Some(x) = o.f64_in("min_p", 0.0, 1.0)? {
         p.min_p = x as f32;
     }
@@ -413,6 +420,14 @@ fn token_ids(key: &str, a: &[Value]) -> Result<Vec<u32>, ApiError> {
 
 /// Parse and check a `/v1/completions` body.
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
+    parse_completion_with(body, &SamplingDefaults::default())
+}
+
+/// [`parse_completion`] with the server's defaults for the sampling fields left out.
+pub fn parse_completion_with(
+    body: &[u8],
+    d: &SamplingDefaults,
+) -> Result<CompletionRequest, ApiError> {
     let m = parse_object(body)?;
     let o = Obj(&m);
     let model = o.string("model")?.map(str::to_string);
@@ -447,7 +462,7 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
     Ok(CompletionRequest {
         model,
         prompt,
-        gen: gen_params(&o)?,
+        gen: gen_params(&o, d)?,
     })
 }
 
@@ -455,6 +470,11 @@ const ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
 
 /// Parse and check a `/v1/chat/completions` body.
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    parse_chat_with(body, &SamplingDefaults::default())
+}
+
+/// [`parse_chat`] with the server's defaults for the sampling fields left out.
+pub fn parse_chat_with(body: &[u8], d: &SamplingDefaults) -> Result<ChatRequest, ApiError> {
     let m = parse_object(body)?;
     let o = Obj(&m);
     let model = o.string("model")?.map(str::to_string);
@@ -560,7 +580,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     Ok(ChatRequest {
         model,
         messages,
-        gen: gen_params(&o)?,
+        gen: gen_params(&o, d)?,
     })
 }
 
