@@ -147,6 +147,53 @@ def models_list(client, addr):
 
 
 @check
+def models_retrieve_answers_the_served_name(client, addr):
+    m = client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.created > 1_600_000_000, m
+    try:
+        client.models.retrieve("no-such-model")
+        raise AssertionError("an unknown model id was retrieved")
+    except openai.NotFoundError:
+        pass
+
+
+@check
+def logit_bias_forces_a_token_and_penalties_are_deterministic(client, addr):
+    code, out = raw(addr, "/tokenize", json.dumps({"content": " the"}).encode())
+    assert code == 200, (code, out)
+    tok = json.loads(out)["tokens"][-1]
+    n = 5
+    text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=n, temperature=0,
+                                     logit_bias={str(tok): 100}).choices[0].text
+    code, out = raw(addr, "/detokenize", json.dumps({"tokens": [tok] * n}).encode())
+    assert code == 200, (code, out)
+    assert text == json.loads(out)["content"], (text, out)
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.8, seed=7,
+              presence_penalty=1.0, frequency_penalty=0.5,
+              extra_body={"min_p": 0.05, "repetition_penalty": 1.2})
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b, (a, b)
+    msgs = [{"role": "user", "content": "Hi"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
+                                       frequency_penalty=1.0)
+    assert isinstance(c.choices[0].message.content, str)
+
+
+@check
+def unimplemented_output_changing_field_is_400_naming_it(client, addr):
+    try:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                  extra_body={"typical_p": 0.5})
+        raise AssertionError("typical_p was silently accepted")
+    except openai.BadRequestError as e:
+        assert "typical_p" in str(e), e
+    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0,
+                                   extra_body={"some_unknown_field": 1})
+    assert ok.choices, ok
+
+
+@check
 def completion_non_streaming_and_streaming_agree(client, addr):
     kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
     full = client.completions.create(**kw)

@@ -193,15 +193,47 @@ fn without_a_tokenizer_token_ids_are_served_and_chat_is_a_clear_400() {
     );
     let r = futures_block(s.post_json("/v1/completions", &json!({"prompt": "hello"})));
     assert_eq!(r.status, 400);
-    // --tokenizer gives it one back.
+    // --tokenizer gives it one back; served names from a comma list, CORS for one origin.
     drop(s);
-    let s = ExecServer::start(&plan, &["--tokenizer", TOK_DIR]);
+    let s = ExecServer::start(
+        &plan,
+        &[
+            "--tokenizer",
+            TOK_DIR,
+            "--served-model-name",
+            "qwen3,gpt-4o",
+            "--allowed-origins",
+            "http://app.example",
+        ],
+    );
+    let ids: Vec<String> = futures_block(s.get("/v1/models")).unwrap().json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, ["qwen3", "gpt-4o"]);
+    let r = futures_block(request(
+        s.addr,
+        "GET",
+        "/v1/models/gpt-4o",
+        &[("Origin", "http://app.example")],
+        b"",
+    ))
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://app.example")
+    );
     assert!(s.ready_line.contains("chat template"), "{}", s.ready_line);
     let r = futures_block(s.post_json(
         "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        &json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "presence_penalty": 1.0, "logit_bias": {"5": -100}}),
     ));
     assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["model"], "qwen3");
     assert_eq!(s.stop_with("-INT", Duration::from_secs(15)), 0);
 }
 
@@ -229,6 +261,12 @@ fn bad_serve_flags_exit_1_before_binding() {
     let (code, err) = run(&["--serve", "--prompt-tokens", "1,2"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("--prompt-tokens"), "{err}");
+    let (code, err) = run(&["--serve", "--allowed-origins", "http://a\nb"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--allowed-origins"), "{err}");
+    let (code, err) = run(&["--serve", "--default-temperature", "5"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--default-temperature"), "{err}");
     let (code, err) = run(&["--serve", "--shutdown-grace", "-4"]);
     assert_ne!(code, Some(0), "{err}");
     let (code, err) = run(&["--port", "9000"]);

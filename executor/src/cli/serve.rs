@@ -8,6 +8,7 @@ use super::run::RunArgs;
 use super::{fail, open_plan, try_start_engine};
 use std::time::Duration;
 use strata_exec::serve::conn::ConnLimits;
+use strata_exec::serve::defaults::SamplingDefaults;
 use strata_exec::serve::template::TemplateLimits;
 use strata_exec::serve::{serve_with_loader_blocking, ServeOptions};
 use strata_exec::tokenizer::Tokenizer;
@@ -42,10 +43,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BYTES", default_value_t = 4 << 20, requires = "serve",
           value_parser = clap::value_parser!(u64).range(1024..=1 << 30))]
     pub max_body: u64,
-    /// Model id shown on /v1/models and accepted in requests' `model` field (requests that
-    /// name another model get 404); default: the plan's model name.
-    #[arg(long, value_name = "NAME", requires = "serve")]
-    pub model_name: Option<String>,
+    /// Model ids shown on /v1/models and accepted in requests' `model` field (requests that
+    /// name another model get 404); the first is the one answers carry. Several names make
+    /// aliases (`--served-model-name qwen3,gpt-4o` or the flag repeated); default: the
+    /// plan's model name.
+    #[arg(long, visible_alias = "served-model-name", value_name = "NAME",
+          action = clap::ArgAction::Append, value_delimiter = ',', requires = "serve")]
+    pub model_name: Vec<String>,
     /// Seconds running requests may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "serve")]
     pub shutdown_grace: f64,
@@ -58,6 +62,29 @@ pub struct ServeArgs {
     /// Content-Length larger than the body sent).
     #[arg(long, value_name = "SECS", default_value_t = 30.0, requires = "serve")]
     pub body_timeout: f64,
+    /// Browser origins allowed to call the API (CORS, with preflight `OPTIONS`), e.g.
+    /// `--allowed-origins http://localhost:3000,https://app.example` (or the flag repeated);
+    /// `*` allows any. Default: none (no CORS headers, so browsers on other origins are
+    /// refused).
+    #[arg(long, value_name = "ORIGIN", action = clap::ArgAction::Append, value_delimiter = ',',
+          requires = "serve")]
+    pub allowed_origins: Vec<String>,
+    /// `temperature` for requests that leave it out (over the model folder's
+    /// generation_config.json, over OpenAI's 1). (`--temperature` is one-off generation's.)
+    #[arg(long, value_name = "T", requires = "serve")]
+    pub default_temperature: Option<f64>,
+    /// `top_p` for requests that leave it out (as --default-temperature).
+    #[arg(long, value_name = "P", requires = "serve")]
+    pub default_top_p: Option<f64>,
+    /// `top_k` for requests that leave it out (as --default-temperature; 0 = no cut).
+    #[arg(long, value_name = "K", requires = "serve")]
+    pub default_top_k: Option<u32>,
+    /// Default `min_p` (as --default-temperature; 0 = off).
+    #[arg(long, value_name = "P", requires = "serve")]
+    pub min_p: Option<f64>,
+    /// Default `repetition_penalty` (as --default-temperature; 1 = off).
+    #[arg(long, value_name = "R", requires = "serve")]
+    pub repeat_penalty: Option<f64>,
     /// Open connections at most; more get an immediate 503 and are closed. Keep it under
     /// the open-file limit (`ulimit -n`).
     #[arg(long, value_name = "N", default_value_t = 512, requires = "serve",
@@ -84,6 +111,34 @@ pub struct ServeArgs {
 }
 
 /// `secs` as a duration for `flag`, or an error naming the flag and the range.
+/// OpenAI's defaults, then the model folder's generation_config.json, then the flags
+/// (each checked against the range a request may give).
+fn sampling_defaults(s: &ServeArgs, model: &std::path::Path) -> SamplingDefaults {
+    let mut d = SamplingDefaults::default().for_model(model);
+    let check = |flag: &str, x: f64, lo: f64, hi: f64| -> f64 {
+        if !(x.is_finite() && (lo..=hi).contains(&x)) {
+            fail(format!("--{flag} {x}: give a value from {lo} to {hi}"));
+        }
+        x
+    };
+    if let Some(x) = s.default_temperature {
+        d.temperature = check("default-temperature", x, 0.0, 2.0);
+    }
+    if let Some(x) = s.default_top_p {
+        d.top_p = check("default-top-p", x, 1e-9, 1.0);
+    }
+    if let Some(k) = s.default_top_k {
+        d.top_k = k as usize;
+    }
+    if let Some(x) = s.min_p {
+        d.min_p = check("min-p", x, 0.0, 1.0);
+    }
+    if let Some(x) = s.repeat_penalty {
+        d.repetition_penalty = check("repeat-penalty", x, 1e-9, 10.0);
+    }
+    d
+}
+
 fn seconds(flag: &str, secs: f64, max: f64) -> Duration {
     if !(secs.is_finite() && secs > 0.0 && secs <= max) {
         fail(format!(
@@ -147,6 +202,13 @@ pub fn main(args: RunArgs) -> ! {
             );
         }
     }
+    for o in &s.allowed_origins {
+        if o != "*" && axum::http::HeaderValue::from_str(o).is_err() {
+            fail(format!(
+                "--allowed-origins {o:?}: give origins like http://localhost:3000, or * for any"
+            ));
+        }
+    }
     let opts = ServeOptions {
         host: s.host.clone(),
         port: s.port,
@@ -154,9 +216,12 @@ pub fn main(args: RunArgs) -> ! {
         queue: s.queue as usize,
         max_body_bytes: s.max_body as usize,
         shutdown_grace: Duration::from_secs_f64(s.shutdown_grace),
-        model_name: s.model_name.clone(),
+        model_name: s.model_name.first().cloned(),
+        model_aliases: s.model_name.iter().skip(1).cloned().collect(),
         conn,
         body_timeout: seconds("body-timeout", s.body_timeout, 3600.0),
+        allowed_origins: s.allowed_origins.clone(),
+        sampling_defaults: sampling_defaults(s, &model),
         template: TemplateLimits {
             fuel: s.template_fuel,
             max_output_bytes: s.template_max_bytes as usize,

@@ -36,6 +36,11 @@ pub struct App {
     pub sched: SchedulerHandle,
     pub opts: Arc<ServeOptions>,
     next_id: AtomicU64,
+    /// Unique to this server process (start time and pid), so ids never repeat across
+    /// restarts.
+    id_prefix: String,
+    /// When the server started (`created` of `/v1/models`).
+    started: u64,
     renders: Arc<tokio::sync::Semaphore>,
 }
 
@@ -60,13 +65,17 @@ pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOption
         sched,
         opts,
         next_id: AtomicU64::new(1),
+        id_prefix: id_prefix(),
+        started: now_secs(),
         renders: Arc::new(tokio::sync::Semaphore::new(RENDERS_AT_ONCE)),
     });
+    let cors = cors_layer(&app.opts.allowed_origins);
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/slots", get(slots))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model_by_id))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/tokenize", post(tokenize))
@@ -74,7 +83,41 @@ pub fn router(shared: Arc<Shared>, sched: SchedulerHandle, opts: Arc<ServeOption
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), auth))
+        // Outside the key check: a browser's preflight carries no Authorization header.
+        .layer(
+            tower_http::cors::CorsLayer::new()
+                .allow_origin(cors.0)
+                .allow_methods(cors.1)
+                .allow_headers(cors.2),
+        )
         .with_state(app)
+}
+
+/// The CORS policy of `--allowed-origins`: none (no origin matches) when empty, any for `*`,
+/// else the listed origins (the ones that are not valid header values are dropped; the CLI
+/// checks them first).
+fn cors_layer(
+    origins: &[String],
+) -> (
+    tower_http::cors::AllowOrigin,
+    tower_http::cors::AllowMethods,
+    tower_http::cors::AllowHeaders,
+) {
+    use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, Any};
+    let methods = AllowMethods::list([
+        axum::http::Method::GET,
+        axum::http::Method::POST,
+        axum::http::Method::OPTIONS,
+    ]);
+    let headers = AllowHeaders::list([header::AUTHORIZATION, header::CONTENT_TYPE]);
+    if origins.iter().any(|o| o == "*") {
+        return (AllowOrigin::from(Any), methods, AllowHeaders::from(Any));
+    }
+    let list: Vec<HeaderValue> = origins
+        .iter()
+        .filter_map(|o| HeaderValue::from_str(o).ok())
+        .collect();
+    (AllowOrigin::list(list), methods, headers)
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -245,17 +288,35 @@ async fn slots(State(app): AppState) -> Response {
     Json(app.shared.slots()).into_response()
 }
 
+/// Every served name (the first is the primary one).
+fn served_names<'a>(app: &'a App, r: &'a Ready) -> impl Iterator<Item = &'a str> {
+    std::iter::once(model_name(app, r)).chain(app.opts.model_aliases.iter().map(String::as_str))
+}
+
+fn model_card(app: &App, r: &Ready, id: &str) -> Value {
+    json!({
+        "id": id, "object": "model", "created": app.started, "owned_by": "strata",
+        "meta": {"n_slots": r.info.n_slots, "max_context": r.info.max_context,
+                 "ubatch": r.info.ubatch, "n_vocab": r.info.n_vocab},
+    })
+}
+
 async fn models(State(app): AppState) -> Result<Response, ApiError> {
     let r = ready(&app)?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": model_name(&app, r), "object": "model", "created": 0, "owned_by": "strata",
-            "meta": {"n_slots": r.info.n_slots, "max_context": r.info.max_context,
-                     "ubatch": r.info.ubatch, "n_vocab": r.info.n_vocab},
-        }],
-    }))
-    .into_response())
+    let data: Vec<Value> = served_names(&app, r)
+        .map(|n| model_card(&app, r, n))
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})).into_response())
+}
+
+/// `/v1/models/{id}` (the SDK's `models.retrieve`): the card of a served name, else 404.
+async fn model_by_id(
+    State(app): AppState,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Response, ApiError> {
+    let r = ready(&app)?;
+    check_model(&app, r, &Some(id.clone()))?;
+    Ok(Json(model_card(&app, r, &id)).into_response())
 }
 
 fn tokenizer_of(r: &Ready) -> Result<&Arc<Tokenizer>, ApiError> {
@@ -342,15 +403,17 @@ async fn detokenize(State(app): AppState, req: Request) -> Result<Response, ApiE
 
 fn check_model(app: &App, r: &Ready, asked: &Option<String>) -> Result<(), ApiError> {
     match asked {
-        Some(m) if m != model_name(app, r) => Err(ApiError::new(
-            404,
-            "invalid_request_error",
-            Some("model_not_found"),
-            format!(
-                "the model `{m}` does not exist here; this server serves `{}`",
-                model_name(app, r)
-            ),
-        )),
+        Some(m) if m != model_name(app, r) && !app.opts.model_aliases.contains(m) => {
+            Err(ApiError::new(
+                404,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!(
+                    "the model `{m}` does not exist here; this server serves `{}`",
+                    model_name(app, r)
+                ),
+            ))
+        }
         _ => Ok(()),
     }
 }
@@ -385,6 +448,20 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
             ),
         ));
     }
+    if let Some((t, _)) = gen
+        .proc
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= r.info.n_vocab)
+    {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "`logit_bias` names token id {t}, outside the model's vocabulary of {}",
+                r.info.n_vocab
+            ),
+        ));
+    }
     let p = prompt.len() as u64;
     if p >= ctx {
         return Err(ApiError::param(
@@ -414,6 +491,7 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
         prompt,
         max_tokens,
         sampling: gen.sampling,
+        proc: gen.proc.clone(),
         eos: r.eos.clone(),
         events: tx,
         arrived: Instant::now(),
@@ -710,6 +788,15 @@ impl StreamState {
     }
 }
 
+/// Hex of this process's start time in nanoseconds and its pid.
+fn id_prefix() -> String {
+    let ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    format!("{ns:x}{:x}", std::process::id())
+}
+
 fn now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -726,7 +813,12 @@ async fn respond(
     chat: bool,
 ) -> Result<Response, ApiError> {
     let meta = RespMeta {
-        id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, s.id),
+        id: format!(
+            "{}-{}-{}",
+            if chat { "chatcmpl" } else { "cmpl" },
+            app.id_prefix,
+            s.id
+        ),
         created: now_secs(),
         model: model_name(app, r).to_string(),
     };
@@ -774,7 +866,7 @@ async fn completions(State(app): AppState, req: Request) -> Result<Response, Api
     let prepared = (|| {
         let body = body?;
         let r = ready(&app)?;
-        let req = openai::parse_completion(&body)?;
+        let req = openai::parse_completion_with(&body, &app.opts.sampling_defaults)?;
         check_model(&app, r, &req.model)?;
         let prompt = match req.prompt {
             Prompt::Tokens(t) => t,
@@ -858,7 +950,7 @@ async fn chat_completions(State(app): AppState, req: Request) -> Result<Response
     let parsed = (|| {
         let body = body?;
         let r = ready(&app)?;
-        let req = openai::parse_chat(&body)?;
+        let req = openai::parse_chat_with(&body, &app.opts.sampling_defaults)?;
         check_model(&app, r, &req.model)?;
         tokenizer_of(r)?;
         r.template.as_ref().ok_or_else(|| {

@@ -7,7 +7,9 @@
 //! within `ServeOptions::shutdown_grace` and returns `Ok(())`.
 
 pub mod conn;
+pub mod defaults;
 pub mod http;
+pub mod logit_proc;
 pub mod metrics;
 pub mod openai;
 pub mod scheduler;
@@ -38,6 +40,12 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// Name served on `/v1/models` and accepted as `model`; default the engine's.
     pub model_name: Option<String>,
+    /// More names accepted as `model` and listed on `/v1/models` (`--served-model-name A B`).
+    pub model_aliases: Vec<String>,
+    /// Sampling values for fields a request leaves out.
+    pub sampling_defaults: defaults::SamplingDefaults,
+    /// Origins allowed by CORS (`*` = any); empty = no CORS headers.
+    pub allowed_origins: Vec<String>,
     /// Connection caps and the header-read timeout.
     pub conn: conn::ConnLimits,
     /// How long a request body may take to arrive (408 beyond).
@@ -56,6 +64,9 @@ impl Default for ServeOptions {
             max_body_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
             model_name: None,
+            model_aliases: Vec::new(),
+            allowed_origins: Vec::new(),
+            sampling_defaults: defaults::SamplingDefaults::default(),
             conn: conn::ConnLimits::default(),
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),

@@ -4,6 +4,7 @@
 //! (every number in range, every type right) or an `ApiError` with a 4xx status whose
 //! message names the field; nothing here panics on any input.
 
+use super::defaults::SamplingDefaults;
 use crate::sampler::SamplingParams;
 use serde_json::{json, Map, Value};
 
@@ -73,6 +74,8 @@ pub struct GenParams {
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
+    /// `min_p`, penalties and `logit_bias` (applied on the host).
+    pub proc: super::logit_proc::LogitProc,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -101,6 +104,8 @@ pub struct ChatRequest {
 /// Longest stop string accepted, in bytes, and the most stop strings.
 pub const MAX_STOP_BYTES: usize = 256;
 pub const MAX_STOPS: usize = 16;
+/// Most `logit_bias` entries accepted.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 fn type_name(v: &Value) -> &'static str {
     match v {
@@ -232,19 +237,21 @@ impl Obj<'_> {
     }
 }
 
-fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
+fn gen_params(o: &Obj, d: &SamplingDefaults) -> Result<GenParams, ApiError> {
     let max_a = o.int_in("max_tokens", 1, i64::MAX)?;
     let max_b = o.int_in("max_completion_tokens", 1, i64::MAX)?;
     let max_tokens = max_b.or(max_a).map(|x| x as u64);
-    let temperature = o.f64_in("temperature", 0.0, 2.0)?.unwrap_or(1.0);
-    let top_p = o.f64_in("top_p", 0.0, 1.0)?.unwrap_or(1.0);
+    let temperature = o.f64_in("temperature", 0.0, 2.0)?.unwrap_or(d.temperature);
+    let top_p = o.f64_in("top_p", 0.0, 1.0)?.unwrap_or(d.top_p);
     if top_p <= 0.0 && o.get("top_p").is_some() {
         return Err(ApiError::param(
             "invalid_value",
             "`top_p` must be greater than 0 and at most 1",
         ));
     }
-    let top_k = o.int_in("top_k", 0, 1 << 31)?.unwrap_or(0) as usize;
+    let top_k = o
+        .int_in("top_k", 0, 1 << 31)?
+        .map_or(d.top_k, |k| k as usize);
     let seed = match o.int_in("seed", i64::MIN, i64::MAX)? {
         Some(s) => s as u64,
         None => {
@@ -305,15 +312,10 @@ fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
         Some(Value::Object(m)) => Obj(m).bool("include_usage")?.unwrap_or(false),
         Some(v) => return Err(wrong("stream_options", "an object", v)),
     };
-    for key in ["frequency_penalty", "presence_penalty"] {
-        o.f64_in(key, -2.0, 2.0)?;
-        o.unsupported_unless(key, |v| v.as_f64() == Some(0.0))?;
-    }
+    let proc = logit_proc(o, d)?;
     o.unsupported_unless("logprobs", |v| v == &Value::Bool(false))?;
     o.unsupported_unless("top_logprobs", |v| v.as_f64() == Some(0.0))?;
-    o.unsupported_unless("logit_bias", |v| {
-        v.as_object().is_some_and(|m| m.is_empty())
-    })?;
+    o.unsupported_unless("typical_p", |v| v.as_f64() == Some(1.0))?;
     o.unsupported_unless("tools", |v| v.as_array().is_some_and(|a| a.is_empty()))?;
     o.unsupported_unless("response_format", |v| {
         v.get("type").and_then(Value::as_str) == Some("text")
@@ -332,7 +334,72 @@ fn gen_params(o: &Obj) -> Result<GenParams, ApiError> {
         stop,
         stream,
         include_usage,
+        proc,
     })
+}
+
+/// `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty` (alias
+/// `repeat_penalty`) and `logit_bias` (token id strings to -100..100).
+fn logit_proc(o: &Obj, d: &SamplingDefaults) -> Result<super::logit_proc::LogitProc, ApiError> {
+    let mut p = super::logit_proc::LogitProc {
+        min_p: d.min_p as f32,
+        repetition_penalty: d.repetition_penalty as f32,
+        ..Default::default()
+    };
+    if let Some(x) = o.f64_in("min_p", 0.0, 1.0)? {
+        p.min_p = x as f32;
+    }
+    if let Some(x) = o.f64_in("presence_penalty", -2.0, 2.0)? {
+        p.presence_penalty = x as f32;
+    }
+    if let Some(x) = o.f64_in("frequency_penalty", -2.0, 2.0)? {
+        p.frequency_penalty = x as f32;
+    }
+    let rep = o.f64_in("repetition_penalty", 0.0, 10.0)?;
+    let rep = rep.or(o.f64_in("repeat_penalty", 0.0, 10.0)?);
+    if let Some(x) = rep {
+        if x <= 0.0 {
+            return Err(ApiError::param(
+                "invalid_value",
+                "`repetition_penalty` must be greater than 0 (1 = off)",
+            ));
+        }
+        p.repetition_penalty = x as f32;
+    }
+    match o.get("logit_bias") {
+        None => {}
+        Some(Value::Object(m)) => {
+            if m.len() > MAX_LOGIT_BIAS {
+                return Err(ApiError::param(
+                    "invalid_value",
+                    format!(
+                        "`logit_bias` holds {} entries; at most {MAX_LOGIT_BIAS} are accepted",
+                        m.len()
+                    ),
+                ));
+            }
+            for (k, v) in m {
+                let id: u32 = k.parse().map_err(|_| {
+                    ApiError::param(
+                        "invalid_value",
+                        format!("`logit_bias` key `{k}` must be a token id (a decimal integer)"),
+                    )
+                })?;
+                let b = v
+                    .as_f64()
+                    .ok_or_else(|| wrong(&format!("logit_bias.{k}"), "a number", v))?;
+                if !(-100.0..=100.0).contains(&b) {
+                    return Err(ApiError::param(
+                        "invalid_value",
+                        format!("`logit_bias.{k}` must be between -100 and 100, got {b}"),
+                    ));
+                }
+                p.logit_bias.push((id, b as f32));
+            }
+        }
+        Some(v) => return Err(wrong("logit_bias", "an object of token id to bias", v)),
+    }
+    Ok(p)
 }
 
 fn token_ids(key: &str, a: &[Value]) -> Result<Vec<u32>, ApiError> {
@@ -353,6 +420,14 @@ fn token_ids(key: &str, a: &[Value]) -> Result<Vec<u32>, ApiError> {
 
 /// Parse and check a `/v1/completions` body.
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
+    parse_completion_with(body, &SamplingDefaults::default())
+}
+
+/// [`parse_completion`] with the server's defaults for the sampling fields left out.
+pub fn parse_completion_with(
+    body: &[u8],
+    d: &SamplingDefaults,
+) -> Result<CompletionRequest, ApiError> {
     let m = parse_object(body)?;
     let o = Obj(&m);
     let model = o.string("model")?.map(str::to_string);
@@ -387,7 +462,7 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
     Ok(CompletionRequest {
         model,
         prompt,
-        gen: gen_params(&o)?,
+        gen: gen_params(&o, d)?,
     })
 }
 
@@ -395,6 +470,11 @@ const ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
 
 /// Parse and check a `/v1/chat/completions` body.
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    parse_chat_with(body, &SamplingDefaults::default())
+}
+
+/// [`parse_chat`] with the server's defaults for the sampling fields left out.
+pub fn parse_chat_with(body: &[u8], d: &SamplingDefaults) -> Result<ChatRequest, ApiError> {
     let m = parse_object(body)?;
     let o = Obj(&m);
     let model = o.string("model")?.map(str::to_string);
@@ -500,7 +580,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     Ok(ChatRequest {
         model,
         messages,
-        gen: gen_params(&o)?,
+        gen: gen_params(&o, d)?,
     })
 }
 

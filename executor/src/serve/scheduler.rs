@@ -7,6 +7,7 @@
 //! request is fed past `prompt + max_tokens <= max_context`, which the HTTP side checks
 //! before queueing; the queue is bounded and never blocks the HTTP side.
 
+use super::logit_proc::{self, History, LogitProc};
 use super::metrics::{Ready, Shared, SlotView};
 use crate::engine::{Engine, EngineError};
 use crate::sampler::{Draw, Sampler, SamplingParams};
@@ -35,6 +36,9 @@ pub struct Job {
     /// At least 1; `prompt.len() + max_tokens <= max_context`.
     pub max_tokens: u64,
     pub sampling: SamplingParams,
+    /// Host-side logit processing; a non-neutral one makes this request's rows picked on
+    /// the host from [`Engine::decode`]'s logits.
+    pub proc: LogitProc,
     pub eos: Arc<[u32]>,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
@@ -112,6 +116,7 @@ struct Active {
     generated: u64,
     last: u32,
     sampler: Sampler,
+    history: History,
 }
 
 /// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
@@ -192,6 +197,9 @@ struct Sched {
     draws: Vec<Draw>,
     ubatch: usize,
     max_context: u64,
+    /// One row of logits, for host-side processing.
+    row: Vec<f32>,
+    cand: Vec<(u32, u32)>,
 }
 
 impl Sched {
@@ -225,6 +233,8 @@ impl Sched {
             draws: Vec::with_capacity(n),
             ubatch: info.ubatch.max(1),
             max_context: info.max_context,
+            row: Vec::with_capacity(info.n_vocab),
+            cand: Vec::new(),
         }
     }
 
@@ -268,7 +278,9 @@ impl Sched {
         self.engine.reset_slot(slot);
         self.shared.running.fetch_add(1, Relaxed);
         let sampler = Sampler::new(job.sampling);
+        let history = History::new(&job.prompt, &job.proc);
         self.slots[slot] = Some(Active {
+            history,
             job,
             phase: Phase::Prefill,
             fed: 0,
@@ -378,7 +390,12 @@ impl Sched {
                     );
                     return;
                 };
-                let tok = a.sampler.sample(logits);
+                let tok = if a.job.proc.is_neutral() {
+                    a.sampler.sample(logits)
+                } else {
+                    let d = a.sampler.next_draw();
+                    pick_host(a, logits, &d, &mut self.row, &mut self.cand)
+                };
                 if tok == crate::sampler::NON_FINITE {
                     let msg = crate::sampler::non_finite_message("the last prompt position");
                     self.finish(slot, Event::Error(msg));
@@ -402,6 +419,7 @@ impl Sched {
             return;
         };
         a.generated += 1;
+        a.history.push(tok);
         self.shared.generated_tokens.fetch_add(1, Relaxed);
         if a.job.eos.contains(&tok) {
             self.finish(slot, Event::Done { eos: true });
@@ -440,9 +458,33 @@ impl Sched {
         }
         self.sampled.clear();
         self.sampled.resize(self.batch.len(), u32::MAX);
-        let res = self
-            .engine
-            .decode_sample(&self.batch, &self.draws, &mut self.sampled);
+        let host = self.batch_slot.iter().any(|&s| {
+            self.slots[s]
+                .as_ref()
+                .is_some_and(|a| !a.job.proc.is_neutral())
+        });
+        let res = if host {
+            // Some row needs host-side processing: bring every row back and pick here.
+            let v = self.engine.info().n_vocab;
+            match self.engine.decode(&self.batch) {
+                Err(e) => Err(e),
+                Ok(logits) => {
+                    for (k, row) in logits.chunks_exact(v.max(1)).enumerate() {
+                        let Some(&slot) = self.batch_slot.get(k) else {
+                            break;
+                        };
+                        if let Some(a) = self.slots[slot].as_ref() {
+                            self.sampled[k] =
+                                pick_host(a, row, &self.draws[k], &mut self.row, &mut self.cand);
+                        }
+                    }
+                    Ok(())
+                }
+            }
+        } else {
+            self.engine
+                .decode_sample(&self.batch, &self.draws, &mut self.sampled)
+        };
         if let Err(e) = res {
             let msg = engine_msg(&e);
             for k in 0..self.batch_slot.len() {
@@ -531,6 +573,25 @@ impl Sched {
         }
         self.publish();
     }
+}
+
+/// Pick `a`'s next token from its raw logits `logits` on the host: the row is checked,
+/// copied into `row`, processed by the request's [`LogitProc`], then drawn with `d` by the
+/// same algorithm the engines use.
+fn pick_host(
+    a: &Active,
+    logits: &[f32],
+    d: &Draw,
+    row: &mut Vec<f32>,
+    cand: &mut Vec<(u32, u32)>,
+) -> u32 {
+    if !crate::sampler::row_is_sound(logits) {
+        return crate::sampler::NON_FINITE;
+    }
+    row.clear();
+    row.extend_from_slice(logits);
+    logit_proc::apply(&a.job.proc, &a.history, d.temperature, row);
+    crate::sampler::sample_into(row, d, cand)
 }
 
 fn engine_msg(e: &EngineError) -> String {
