@@ -41,9 +41,10 @@ pub struct PinnedBudget {
 
 /// The memlock rule: pinned host memory is at most MemAvailable minus [`HOST_HEADROOM`], and
 /// at most the memlock limit (`ulimit -l`) when the probe has one.
-/// Whether CUDA's pinned allocations (cuMemHostAlloc) count against the memlock limit at all
-/// is being measured with the beyond-VRAM work; until then this assumes they do, and the
-/// lead will adjust this one function once it is known.
+/// Measured on the GPU machine (`strata-exec probe --memlock-test`, BENCHMARKS.md): there
+/// cuMemHostAlloc and cuMemHostRegister pinned 64 MiB under an 8 MiB `ulimit -l` and VmLck did
+/// not move; that machine runs a gVisor kernel, so until a bare-metal Linux box is measured
+/// the same way this keeps the conservative rule (pinned memory counts against the limit).
 pub fn pinned_budget(host: &HostProbe) -> PinnedBudget {
     let ram = host.available_bytes.saturating_sub(HOST_HEADROOM);
     match host.memlock_limit_bytes {
