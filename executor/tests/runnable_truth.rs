@@ -226,8 +226,8 @@ fn cases() -> Vec<Case> {
             &next,
             &cpu,
             &s,
-            (false, false),
-            ("qwen3next", "qwen3next"),
+            (true, false),
+            ("", "vendor `cpu`"),
         ),
         case(
             "cpu wide group",
@@ -276,7 +276,7 @@ fn cases() -> Vec<Case> {
             &gpu,
             &s,
             (false, false),
-            ("qwen3next", "qwen3next"),
+            ("vendor", "qwen3next"),
         ),
         case(
             "gpu wide group",

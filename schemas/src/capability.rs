@@ -89,7 +89,8 @@ pub const TABLE: [Capability; 3] = [
     Capability {
         backend: Backend::Cpu,
         missing: None,
-        archs: &["qwen3moe"],
+        // qwen3next: the gated DeltaNet hybrid (model/qwen3next.rs), without its MTP block.
+        archs: &["qwen3moe", "qwen3next"],
         // Every type the reference decodes (quant::SUPPORTED).
         weight_types: crate::quant::SUPPORTED,
         kv_types: &["f16", "q8_0", "f32"],
