@@ -347,39 +347,7 @@ pub fn standalone_cpu<'a>(
     s: Standalone,
 ) -> Result<Pipeline<CpuStage<'a>, Qwen3Moe<CpuStage<'a>>>, StartError> {
     let d = qwen3moe::check_dims(hp)?;
-    let logit_rows = s.slots.max(1);
-    let pass = workset::Pass {
-        tokens: s.max_tok.max(s.slots),
-        logit_rows,
-        att_splits: 1,
-        slots: s.slots,
-        gemm: false,
-    };
-    let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
-    let mut backend =
-        CpuStage::standalone(d, qwen3moe::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
-            .map_err(backend_err)?;
-    let model = Qwen3Moe::bind(&mut backend, &d, hp, StageSpec::whole(hp.n_layer)).map_err(
-        |e| match e {
-            crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
-            other => backend_err(other),
-        },
-    )?;
-    let info = EngineInfo {
-        model_name: name.into(),
-        n_slots: s.slots,
-        max_context: s.ctx as u64,
-        ubatch: s.ubatch.max(1),
-        n_vocab: d.vocab,
-    };
-    let shape = PipelineShape {
-        max_tok: pass.tokens,
-        logit_rows,
-        allocations: 0,
-        allocated_bytes: 0,
-    };
-    Pipeline::new(info, vec![StageOf { backend, model }], shape, Vec::new())
-        .map_err(|e: EngineError| StartError::Plan(e.to_string()))
+    standalone(hp, &d, qwen3moe::ARCH, src, name, s, Ok, Qwen3Moe::bind)
 }
 
 /// A Qwen3-Next model over `src` on the CPU with no plan, as [`standalone_cpu`]: one stage,
@@ -391,6 +359,42 @@ pub fn standalone_next<'a>(
     s: Standalone,
 ) -> Result<Pipeline<CpuStage<'a>, Qwen3Next<CpuStage<'a>>>, StartError> {
     let d = qwen3next::check_dims(hp)?;
+    let (_, lin) = qwen3next::layer_counts(hp, 0, hp.n_layer);
+    let slots = s.slots;
+    let with_state = |b: CpuStage<'a>| Ok(b.with_linear_state(LinearState::owned(&d, lin, slots)));
+    standalone(
+        hp,
+        &d,
+        qwen3next::ARCH,
+        src,
+        name,
+        s,
+        with_state,
+        Qwen3Next::bind,
+    )
+}
+
+/// The plan-less one-stage CPU pipeline of architecture `arch`: the backend sized for `s`,
+/// adjusted by `prepare` (state an architecture adds), the model bound on it by `bind`.
+#[allow(clippy::too_many_arguments)]
+fn standalone<'a, M>(
+    hp: &HParams,
+    d: &Dims,
+    arch: &'static str,
+    src: &'a (dyn WeightSource + Sync),
+    name: &str,
+    s: Standalone,
+    prepare: impl FnOnce(CpuStage<'a>) -> Result<CpuStage<'a>, StartError>,
+    bind: impl FnOnce(
+        &mut CpuStage<'a>,
+        &Dims,
+        &HParams,
+        StageSpec,
+    ) -> Result<M, crate::backend::cpu::CpuError>,
+) -> Result<Pipeline<CpuStage<'a>, M>, StartError>
+where
+    M: crate::model::Forward<CpuStage<'a>>,
+{
     let logit_rows = s.slots.max(1);
     let pass = workset::Pass {
         tokens: s.max_tok.max(s.slots),
@@ -400,16 +404,13 @@ pub fn standalone_next<'a>(
         gemm: false,
     };
     let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
-    let (_, lin) = qwen3next::layer_counts(hp, 0, hp.n_layer);
-    let backend = CpuStage::standalone(d, qwen3next::ARCH, src, rope, s.slots, s.ctx, s.kv, &pass)
+    let backend = CpuStage::standalone(*d, arch, src, rope, s.slots, s.ctx, s.kv, &pass)
         .map_err(backend_err)?;
-    let mut backend = backend.with_linear_state(LinearState::owned(&d, lin, s.slots));
-    let model = Qwen3Next::bind(&mut backend, &d, hp, StageSpec::whole(hp.n_layer)).map_err(
-        |e| match e {
-            crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
-            other => backend_err(other),
-        },
-    )?;
+    let mut backend = prepare(backend)?;
+    let model = bind(&mut backend, d, hp, StageSpec::whole(hp.n_layer)).map_err(|e| match e {
+        crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
+        other => backend_err(other),
+    })?;
     let info = EngineInfo {
         model_name: name.into(),
         n_slots: s.slots,

@@ -91,7 +91,10 @@ fn the_readme_plan_says_no_backend_runs_it_and_strict_refuses_it() {
     assert_eq!(j["feasible"], true);
     for (b, needles) in [
         ("cpu", &["vendor `amd`", "MTP", "vision"][..]),
-        ("cuda", &["architecture `qwen3next`", "vendor `amd`", "MTP", "vision"][..]),
+        (
+            "cuda",
+            &["architecture `qwen3next`", "vendor `amd`", "MTP", "vision"][..],
+        ),
     ] {
         let r = reasons(&j, b).join("\n");
         for needle in needles {

@@ -55,6 +55,34 @@ pub trait Forward<B: Ops> {
     fn holds_head(&self) -> bool;
 }
 
+/// The ends of a stage every architecture shares: the token embedding (first stage) and the
+/// output norm and LM head (last stage; the embedding again when the model ties them and has
+/// no `output.weight`).
+#[allow(clippy::type_complexity)]
+pub fn bind_ends<B: crate::backend::Bind>(
+    b: &mut B,
+    d: &strata_schemas::dims::Dims,
+    hp: &strata_schemas::inventory::HParams,
+    embedding: bool,
+    head: bool,
+) -> Result<(Option<B::Mat>, Option<B::Vector>, Option<B::Mat>), B::Error> {
+    let embd = if embedding {
+        Some(b.matrix("token_embd.weight", d.vocab, d.e)?)
+    } else {
+        None
+    };
+    if !head {
+        return Ok((embd, None, None));
+    }
+    let norm = b.vector("output_norm.weight", d.e)?;
+    let name = if b.has("output.weight") || !hp.tied_embeddings {
+        "output.weight"
+    } else {
+        "token_embd.weight"
+    };
+    Ok((embd, Some(norm), Some(b.matrix(name, d.vocab, d.e)?)))
+}
+
 /// `name` from `src`, checked: present, the given dims, a supported type, its exact bytes.
 pub fn check_view<'a, S: WeightSource + ?Sized>(
     src: &'a S,

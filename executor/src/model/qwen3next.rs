@@ -138,22 +138,7 @@ pub fn layer_counts(hp: &HParams, first: u32, end: u32) -> (usize, usize) {
 impl<B: Bind> Qwen3Next<B> {
     /// Bind every tensor of `stage` on `b` (the dims checked by [`check_dims`]).
     pub fn bind(b: &mut B, d: &Dims, hp: &HParams, stage: StageSpec) -> Result<Self, B::Error> {
-        let embd = if stage.embedding {
-            Some(b.matrix("token_embd.weight", d.vocab, d.e)?)
-        } else {
-            None
-        };
-        let (out_norm, head) = if stage.head {
-            let norm = b.vector("output_norm.weight", d.e)?;
-            let name = if b.has("output.weight") || !hp.tied_embeddings {
-                "output.weight"
-            } else {
-                "token_embd.weight"
-            };
-            (Some(norm), Some(b.matrix(name, d.vocab, d.e)?))
-        } else {
-            (None, None)
-        };
+        let (embd, out_norm, head) = super::bind_ends(b, d, hp, stage.embedding, stage.head)?;
         let (mut kv_layer, mut lin_layer) = (0, 0);
         let mut layers = Vec::with_capacity((stage.layer_end - stage.layer_first) as usize);
         for l in stage.layer_first..stage.layer_end {
