@@ -17,6 +17,11 @@ use strata_exec::serve::ServeOptions;
 use strata_exec::tokenizer::Tokenizer;
 
 const PROMPT: [u32; 6] = [10, 20, 30, 40, 50, 60];
+
+/// The tests that drive a reference engine by hand beside a server take this lock: run at the
+/// same time in one process (two servers and two hand-driven engines sharing rayon's pool on a
+/// 2-core machine) they stopped making progress, while each alone finishes in under a second.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const MAX: usize = 16;
 
 /// The tokens the server must produce: the engine driven by hand.
@@ -61,6 +66,7 @@ async fn complete(s: &TestServer, extra: Value) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn penalties_bias_and_min_p_match_a_reference_loop() {
+    let _serial = SERIAL.lock().await;
     let tok = Tokenizer::from_file(std::path::Path::new(TOK_DIR)).unwrap();
     let cfg = TinyConfig {
         n_vocab: tok.vocab_size() as u64,
@@ -169,6 +175,7 @@ async fn bad_sampling_values_name_the_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_defaults_fill_the_fields_a_request_leaves_out() {
+    let _serial = SERIAL.lock().await;
     let tok = Tokenizer::from_file(std::path::Path::new(TOK_DIR)).unwrap();
     let cfg = TinyConfig {
         n_vocab: tok.vocab_size() as u64,
