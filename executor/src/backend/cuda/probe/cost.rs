@@ -13,6 +13,7 @@ use crate::backend::cuda::launch::decode::{mv, spin};
 use crate::backend::cuda::launch::{Launcher, Mat, ATT_MAX_SPLIT};
 use crate::backend::cuda::{drv, CudaDevice, CudaError};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaGraph;
 use strata_schemas::ggml::GgmlType;
 
 /// The largest buffer one measurement allocates (weights or KV), so the probe stays well
@@ -203,13 +204,11 @@ pub fn measure_cost(
     m
 }
 
-/// Captures what `f` queues on the device's stream into a graph, runs it once untimed, then
-/// `reps` times between events; milliseconds per run.
-fn graph_ms(
+/// The graph of what `f` queues on the device's stream, instantiated and uploaded.
+fn capture(
     dev: &CudaDevice,
-    reps: usize,
     f: &mut dyn FnMut() -> Result<(), CudaError>,
-) -> Result<f64, CudaError> {
+) -> Result<CudaGraph, CudaError> {
     let stream = dev.stream();
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -224,6 +223,17 @@ fn graph_ms(
             detail: "the driver captured an empty graph".into(),
         })?;
     graph.upload().map_err(drv("cuGraphUpload"))?;
+    Ok(graph)
+}
+
+/// Captures what `f` queues on the device's stream into a graph, runs it once untimed, then
+/// `reps` times between events; milliseconds per run.
+fn graph_ms(
+    dev: &CudaDevice,
+    reps: usize,
+    f: &mut dyn FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    let graph = capture(dev, f)?;
     graph.launch().map_err(drv("cuGraphLaunch"))?;
     dev.synchronize()?;
     let start = dev.record_event()?;
@@ -485,20 +495,7 @@ fn prefill_attention(dev: &CudaDevice) -> Result<f64, CudaError> {
 fn step_us(dev: &CudaDevice, launch_us: f64) -> Result<f64, CudaError> {
     let l = Launcher::new(dev);
     let tok = filled(dev, "probe-cost-token", 256, 0)?;
-    let stream = dev.stream();
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(drv("cuStreamBeginCapture"))?;
-    let queued = spin(&l, 0);
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-    queued?;
-    let graph = graph
-        .map_err(drv("cuStreamEndCapture / cuGraphInstantiate"))?
-        .ok_or_else(|| CudaError::Shape {
-            op: "cost probe",
-            detail: "the driver captured an empty graph".into(),
-        })?;
-    graph.upload().map_err(drv("cuGraphUpload"))?;
+    let graph = capture(dev, &mut || spin(&l, 0))?;
     let mut back = [0i32; 1];
     let step = |back: &mut [i32]| -> Result<(), CudaError> {
         graph.launch().map_err(drv("cuGraphLaunch"))?;
