@@ -58,29 +58,71 @@ pub trait Forward<B: Ops> {
 /// The ends of a stage every architecture shares: the token embedding (first stage) and the
 /// output norm and LM head (last stage; the embedding again when the model ties them and has
 /// no `output.weight`).
-#[allow(clippy::type_complexity)]
-pub fn bind_ends<B: crate::backend::Bind>(
-    b: &mut B,
-    d: &strata_schemas::dims::Dims,
-    hp: &strata_schemas::inventory::HParams,
-    embedding: bool,
-    head: bool,
-) -> Result<(Option<B::Mat>, Option<B::Vector>, Option<B::Mat>), B::Error> {
-    let embd = if embedding {
-        Some(b.matrix("token_embd.weight", d.vocab, d.e)?)
-    } else {
-        None
-    };
-    if !head {
-        return Ok((embd, None, None));
+pub struct Ends<B: Ops> {
+    embd: Option<B::Mat>,
+    out_norm: Option<B::Vector>,
+    head: Option<B::Mat>,
+}
+
+impl<B: crate::backend::Bind> Ends<B> {
+    /// Bind the embedding when `embedding`, the output norm and head when `head`.
+    pub fn bind(
+        b: &mut B,
+        d: &strata_schemas::dims::Dims,
+        hp: &strata_schemas::inventory::HParams,
+        embedding: bool,
+        head: bool,
+    ) -> Result<Self, B::Error> {
+        let embd = if embedding {
+            Some(b.matrix("token_embd.weight", d.vocab, d.e)?)
+        } else {
+            None
+        };
+        if !head {
+            return Ok(Self {
+                embd,
+                out_norm: None,
+                head: None,
+            });
+        }
+        let norm = b.vector("output_norm.weight", d.e)?;
+        let name = if b.has("output.weight") || !hp.tied_embeddings {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
+        Ok(Self {
+            embd,
+            out_norm: Some(norm),
+            head: Some(b.matrix(name, d.vocab, d.e)?),
+        })
     }
-    let norm = b.vector("output_norm.weight", d.e)?;
-    let name = if b.has("output.weight") || !hp.tied_embeddings {
-        "output.weight"
-    } else {
-        "token_embd.weight"
-    };
-    Ok((embd, Some(norm), Some(b.matrix(name, d.vocab, d.e)?)))
+}
+
+impl<B: Ops> Ends<B> {
+    /// `X = embedding[tokens]` on the first stage; nothing elsewhere.
+    pub fn embed(&self, b: &mut B, n: usize) -> Result<(), B::Error> {
+        match self.embd {
+            Some(e) => b.embed(e, crate::backend::WorkBuf::X, n),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Forward::head`]: the output norm of `X[first..first + rows]` and the LM head into
+    /// the logits (nothing on a stage without the head; the pipeline checks
+    /// [`Ends::holds_head`] of its last stage at start-up).
+    pub fn head(&self, b: &mut B, first: usize, rows: usize) -> Result<(), B::Error> {
+        use crate::backend::WorkBuf;
+        let (Some(norm), Some(head)) = (self.out_norm, self.head) else {
+            return Ok(());
+        };
+        b.rms_norm(WorkBuf::X, first, norm, WorkBuf::Xn, rows)?;
+        b.project(WorkBuf::Xn, &[(head, WorkBuf::Logits)], rows)
+    }
+
+    pub fn holds_head(&self) -> bool {
+        self.head.is_some()
+    }
 }
 
 /// `name` from `src`, checked: present, the given dims, a supported type, its exact bytes.

@@ -129,16 +129,14 @@ struct Layer<B: Ops> {
 
 /// One stage of a Qwen3-MoE model bound on a backend.
 pub struct Qwen3Moe<B: Ops> {
-    embd: Option<B::Mat>,
+    ends: super::Ends<B>,
     layers: Vec<Layer<B>>,
-    out_norm: Option<B::Vector>,
-    head: Option<B::Mat>,
 }
 
 impl<B: Bind> Qwen3Moe<B> {
     /// Bind every tensor of `stage` on `b` (the dims checked by [`check_dims`]).
     pub fn bind(b: &mut B, d: &Dims, hp: &HParams, stage: StageSpec) -> Result<Self, B::Error> {
-        let (embd, out_norm, head) = super::bind_ends(b, d, hp, stage.embedding, stage.head)?;
+        let ends = super::Ends::bind(b, d, hp, stage.embedding, stage.head)?;
         let mut layers = Vec::with_capacity((stage.layer_end - stage.layer_first) as usize);
         for l in stage.layer_first..stage.layer_end {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
@@ -167,12 +165,7 @@ impl<B: Bind> Qwen3Moe<B> {
                 ffn,
             });
         }
-        Ok(Self {
-            embd,
-            layers,
-            out_norm,
-            head,
-        })
+        Ok(Self { ends, layers })
     }
 }
 
@@ -180,9 +173,7 @@ impl<B: Ops> Forward<B> for Qwen3Moe<B> {
     fn forward(&self, b: &mut B, n: usize) -> Result<(), B::Error> {
         use WorkBuf::*;
         b.pass_start(n)?;
-        if let Some(e) = self.embd {
-            b.embed(e, X, n)?;
-        }
+        self.ends.embed(b, n)?;
         for (kv_layer, l) in self.layers.iter().enumerate() {
             b.rms_norm(X, 0, l.attn_norm, Xn, n)?;
             b.project(Xn, &[(l.q, Q), (l.k, K), (l.v, V)], n)?;
@@ -224,15 +215,10 @@ impl<B: Ops> Forward<B> for Qwen3Moe<B> {
     }
 
     fn head(&self, b: &mut B, first: usize, rows: usize) -> Result<(), B::Error> {
-        let (Some(norm), Some(head)) = (self.out_norm, self.head) else {
-            // The pipeline checks `holds_head` of its last stage at start-up.
-            return Ok(());
-        };
-        b.rms_norm(WorkBuf::X, first, norm, WorkBuf::Xn, rows)?;
-        b.project(WorkBuf::Xn, &[(head, WorkBuf::Logits)], rows)
+        self.ends.head(b, first, rows)
     }
 
     fn holds_head(&self) -> bool {
-        self.head.is_some()
+        self.ends.holds_head()
     }
 }

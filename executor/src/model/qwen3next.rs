@@ -121,10 +121,8 @@ struct Layer<B: Ops> {
 
 /// One stage of a Qwen3-Next model bound on a backend.
 pub struct Qwen3Next<B: Ops> {
-    embd: Option<B::Mat>,
+    ends: super::Ends<B>,
     layers: Vec<Layer<B>>,
-    out_norm: Option<B::Vector>,
-    head: Option<B::Mat>,
 }
 
 /// The full-attention and linear-attention layer counts of `[first, end)`.
@@ -138,7 +136,7 @@ pub fn layer_counts(hp: &HParams, first: u32, end: u32) -> (usize, usize) {
 impl<B: Bind> Qwen3Next<B> {
     /// Bind every tensor of `stage` on `b` (the dims checked by [`check_dims`]).
     pub fn bind(b: &mut B, d: &Dims, hp: &HParams, stage: StageSpec) -> Result<Self, B::Error> {
-        let (embd, out_norm, head) = super::bind_ends(b, d, hp, stage.embedding, stage.head)?;
+        let ends = super::Ends::bind(b, d, hp, stage.embedding, stage.head)?;
         let (mut kv_layer, mut lin_layer) = (0, 0);
         let mut layers = Vec::with_capacity((stage.layer_end - stage.layer_first) as usize);
         for l in stage.layer_first..stage.layer_end {
@@ -189,12 +187,7 @@ impl<B: Bind> Qwen3Next<B> {
                 },
             });
         }
-        Ok(Self {
-            embd,
-            layers,
-            out_norm,
-            head,
-        })
+        Ok(Self { ends, layers })
     }
 }
 
@@ -202,9 +195,7 @@ impl<B: Ops> Forward<B> for Qwen3Next<B> {
     fn forward(&self, b: &mut B, n: usize) -> Result<(), B::Error> {
         use WorkBuf::*;
         b.pass_start(n)?;
-        if let Some(e) = self.embd {
-            b.embed(e, X, n)?;
-        }
+        self.ends.embed(b, n)?;
         for l in &self.layers {
             b.rms_norm(X, 0, l.attn_norm, Xn, n)?;
             match &l.mixer {
@@ -284,15 +275,11 @@ impl<B: Ops> Forward<B> for Qwen3Next<B> {
     }
 
     fn head(&self, b: &mut B, first: usize, rows: usize) -> Result<(), B::Error> {
-        let (Some(norm), Some(head)) = (self.out_norm, self.head) else {
-            return Ok(());
-        };
-        b.rms_norm(WorkBuf::X, first, norm, WorkBuf::Xn, rows)?;
-        b.project(WorkBuf::Xn, &[(head, WorkBuf::Logits)], rows)
+        self.ends.head(b, first, rows)
     }
 
     fn holds_head(&self) -> bool {
-        self.head.is_some()
+        self.ends.holds_head()
     }
 }
 
