@@ -142,6 +142,22 @@ fn profile_counts_the_picks_and_replans_the_cache_round_trip() {
     assert!(coldest_in > hottest_out || prof.counts.iter().any(|c| *c != prof.counts[0]));
 }
 
+/// `strata-exec profile PLAN --prompts FILE` on the tiny folder: exits 1; its stderr.
+fn refused(plan: &std::path::Path, prompts: &std::path::Path) -> String {
+    let out = exe()
+        .arg("profile")
+        .arg(plan)
+        .arg("--model")
+        .arg(data("base"))
+        .arg("--prompts")
+        .arg(prompts)
+        .arg("-q")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn profile_refuses_bad_prompt_lines_with_the_line() {
     let p = plan("base", &Ask::default());
@@ -151,35 +167,13 @@ fn profile_refuses_bad_prompt_lines_with_the_line() {
     let prompts_path = dir.path().join("prompts.txt");
     // Line 2 holds a token beyond the vocabulary of 256.
     std::fs::write(&prompts_path, "1,2,3\n5,9999\n").unwrap();
-    let out = exe()
-        .arg("profile")
-        .arg(&plan_path)
-        .arg("--model")
-        .arg(data("base"))
-        .arg("--prompts")
-        .arg(&prompts_path)
-        .arg("-q")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&plan_path, &prompts_path);
     assert!(
         err.contains("prompts.txt:2") && err.contains("9999"),
         "{err}"
     );
     // A text line without a tokenizer (the tiny folder has none).
     std::fs::write(&prompts_path, "hello there\n").unwrap();
-    let out = exe()
-        .arg("profile")
-        .arg(&plan_path)
-        .arg("--model")
-        .arg(data("base"))
-        .arg("--prompts")
-        .arg(&prompts_path)
-        .arg("-q")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&plan_path, &prompts_path);
     assert!(err.contains("--tokenizer"), "{err}");
 }
