@@ -108,6 +108,27 @@ fn combos(args: &BenchArgs, slots: usize, ctx: usize) -> Result<Vec<Combo>, Stri
     Ok(out)
 }
 
+/// Per GPU in use: (ordinal, planned arena bytes on it, bytes in use on it).
+type DeviceMemory = Vec<(usize, u64, u64)>;
+
+/// What every row of a run repeats: the model, its size and where it ran.
+struct Lead {
+    name: String,
+    model_file: String,
+    size_bytes: u64,
+    params: u64,
+    backend_s: &'static str,
+    load_s: f64,
+}
+
+/// The rates of every repetition of one combination.
+#[derive(Default)]
+struct Rates {
+    pps: Vec<f64>,
+    tgs: Vec<f64>,
+    seqs: Vec<f64>,
+}
+
 pub fn main(args: BenchArgs) {
     if args.temperature.is_nan() || args.temperature < 0.0 || !(0.0..=1.0).contains(&args.top_p) {
         fail(format!(
@@ -136,7 +157,6 @@ pub fn main(args: BenchArgs) {
     .unwrap_or_else(|e| fail(e));
     let backend = backend_for(&plan, &args.common);
     // (Only the CUDA engine takes the opened model here; the others open it themselves.)
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     let host = strata_exec::load::open_model(&model).unwrap_or_else(|e| fail(e));
     let size_bytes: u64 = host.inventory().tensors.iter().map(|t| t.bytes).sum();
     let params: u64 = host
@@ -150,54 +170,23 @@ pub fn main(args: BenchArgs) {
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_else(|| model.display().to_string());
     let t_load = Instant::now();
-    // Per GPU in use: (ordinal, planned arena bytes on it, bytes in use on it).
-    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-    let mut memory: Option<Vec<(usize, u64, u64)>> = None;
-    let mut engine: Box<dyn Engine> = match backend {
-        #[cfg(feature = "cuda")]
-        Backend::Cuda => {
-            let e = super::start_cuda_engine(&plan, host, &args.common).unwrap_or_else(|e| fail(e));
-            say(format!(
-                "strata-exec bench: prefill in passes of up to {} tokens ({})",
-                e.pass_tokens(),
-                if e.grouped_prefill() {
-                    "tensor-core products"
-                } else {
-                    "matrix-vector kernels"
-                }
-            ));
-            let links = e.handoffs();
-            if !links.is_empty() {
-                say(format!(
-                    "strata-exec bench: {} stages, hand-offs: {}",
-                    links.len() + 1,
-                    links.join(", ")
-                ));
-            }
-            for (i, ((gpu, bytes), dp)) in e.arenas().iter().zip(&plan.devices).enumerate() {
-                say(format!(
-                    "strata-exec bench: planned device {i} (index {}) on GPU {gpu}: arena {bytes} bytes allocated, {} planned",
-                    dp.index, dp.arena_bytes
-                ));
-            }
-            memory = Some(e.device_memory().unwrap_or_else(|e| fail(e)));
-            Box::new(e)
-        }
-        _ => super::start_engine(&plan, &model, &args.common),
-    };
+    let (mut engine, memory) = start(backend, &plan, host, &model, &args.common, &say);
     let load_s = t_load.elapsed().as_secs_f64();
     say(format!(
         "strata-exec bench: loaded in {load_s:.1} s; warming up"
     ));
-    let name = engine.info().model_name.clone();
-    let ubatch = engine.info().ubatch;
-    let guessed = plan.predicted.guessed;
-    let backend_s = match backend {
-        Backend::Cuda => "cuda",
-        _ => "cpu",
+    let lead = Lead {
+        name: engine.info().model_name.clone(),
+        model_file,
+        size_bytes,
+        params,
+        backend_s: match backend {
+            Backend::Cuda => "cuda",
+            _ => "cpu",
+        },
+        load_s,
     };
-    let size_s = format!("{:.2} GiB", gib(size_bytes));
-    let params_s = params_label(params);
+    let ubatch = engine.info().ubatch;
     if args.format == "text" {
         println!("{}", report::HEADER);
     }
@@ -207,47 +196,14 @@ pub fn main(args: BenchArgs) {
         // Warm-up, once per batch size: compiles nothing new but fills caches and captures
         // this batch's decode graph.
         if warmed.insert(c.batch) {
-            let warm = Combo {
-                prompt: c.prompt.min(ubatch),
-                n_gen: 4.min(c.n_gen),
-                depth: 0,
-                ..*c
-            };
-            if let Err(e) = rep(engine.as_mut(), warm, 99, sampling) {
-                eprintln!("strata-exec: {e}");
-                std::process::exit(2);
-            }
+            warm_up(engine.as_mut(), c, ubatch, sampling);
         }
         let stats0 = engine.stats();
-        let mut pps = Vec::new();
-        let mut tgs = Vec::new();
-        let mut seqs = Vec::new();
-        for r in 0..args.reps.max(1) {
-            match rep(engine.as_mut(), *c, r as u64, sampling) {
-                Ok(s) => {
-                    say(format!(
-                        "  rep {}: {} {:.1} tok/s, {} {:.1} tok/s ({:.1} per sequence)",
-                        r + 1,
-                        test_label("pp", c.prompt, c, ""),
-                        s.pp,
-                        test_label("tg", c.n_gen, c, ""),
-                        s.tg,
-                        s.tg_seq
-                    ));
-                    pps.push(s.pp);
-                    tgs.push(s.tg);
-                    seqs.push(s.tg_seq);
-                }
-                Err(e) => {
-                    eprintln!("strata-exec: {e}");
-                    std::process::exit(2);
-                }
-            }
-        }
+        let rates = repetitions(engine.as_mut(), c, args.reps, sampling, &say);
         let xc = experts::ExpertCounts::between(
             &stats0,
             &engine.stats(),
-            pps.len(),
+            rates.pps.len(),
             plan.predicted.expert_hit_rate,
         );
         expert_lines.push(format!(
@@ -255,37 +211,9 @@ pub fn main(args: BenchArgs) {
             test_label("tg", c.n_gen, c, ""),
             xc.text()
         ));
-        let (pm, ps) = mean_sd(&pps);
-        let (tm, ts) = mean_sd(&tgs);
-        let (sm, ss) = mean_sd(&seqs);
-        let (pred_pp, pred_tg) = predicted(&plan, c, ubatch);
+        let pred = predicted(&plan, c, ubatch);
         if args.format == "json" {
-            let mut j = serde_json::json!({
-                "model": name,
-                "model_file": model_file,
-                "size_bytes": size_bytes,
-                "params": params,
-                "backend": backend_s,
-                "load_s": load_s,
-                "prompt_tokens": c.prompt,
-                "gen_tokens": c.n_gen,
-                "batch": c.batch,
-                "depth": c.depth,
-                "reps": pps.len(),
-                "prefill_tok_s": {"mean": pm, "sd": ps, "all": pps},
-                "decode_tok_s": {"mean": tm, "sd": ts, "all": tgs},
-                "decode_tok_s_per_seq": {"mean": sm, "sd": ss, "all": seqs},
-                "decode_sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
-                "allocated_bytes": engine.allocated_bytes(),
-                "predicted": {
-                    "prefill_tok_s": pred_pp,
-                    "decode_tok_s": pred_tg,
-                    "prefill_measured_over_predicted": ratio(pm, pred_pp),
-                    "decode_measured_over_predicted": ratio(tm, pred_tg),
-                    "guessed": guessed,
-                    "basis": plan.predicted.basis,
-                },
-            });
+            let mut j = json_row(&args, &plan, &lead, c, &rates, pred, engine.as_ref());
             j["experts"] = xc.json();
             if let Some(m) = &memory {
                 j["device_memory"] = m
@@ -298,33 +226,213 @@ pub fn main(args: BenchArgs) {
             println!("{j}");
             continue;
         }
-        let lead = format!("| {model_file} | {size_s} | {params_s} | {backend_s}");
-        if c.prompt > 0 {
-            // Sequences prefill one after another: per sequence is the aggregate rate.
-            println!(
-                "{lead} | {} | {pm:.2} ± {ps:.2} | {pm:.2} ± {ps:.2} | {pred_pp:.2} | {:.2} |",
-                test_label("pp", c.prompt, c, ""),
-                ratio(pm, pred_pp)
-            );
-        }
-        if c.n_gen > 0 {
-            println!(
-                "{lead} | {} | {tm:.2} ± {ts:.2} | {sm:.2} ± {ss:.2} | {pred_tg:.2} | {:.2} |",
-                test_label("tg", c.n_gen, c, &sampled_label(&sampling)),
-                ratio(tm, pred_tg)
-            );
-        }
+        print_text_rows(&lead, c, &rates, pred, &sampling);
     }
     if args.format == "json" || quiet {
         return;
     }
-    for l in &expert_lines {
+    print_summary(
+        &expert_lines,
+        plan.predicted.guessed,
+        memory.as_deref(),
+        engine.as_ref(),
+    );
+}
+
+/// Starts the engine for `backend` as `strata-exec PLAN` does; with the CUDA engine also
+/// its device memory (the others' is not read).
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn start(
+    backend: Backend,
+    plan: &strata_schemas::plan::Plan,
+    host: Box<dyn strata_exec::load::HostModel>,
+    model: &std::path::Path,
+    common: &PlanArgs,
+    say: &dyn Fn(String),
+) -> (Box<dyn Engine>, Option<DeviceMemory>) {
+    match backend {
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => start_cuda(plan, host, common, say),
+        _ => (super::start_engine(plan, model, common), None),
+    }
+}
+
+/// The CUDA engine, after saying how it prefills, its stages and its arenas.
+#[cfg(feature = "cuda")]
+fn start_cuda(
+    plan: &strata_schemas::plan::Plan,
+    host: Box<dyn strata_exec::load::HostModel>,
+    common: &PlanArgs,
+    say: &dyn Fn(String),
+) -> (Box<dyn Engine>, Option<DeviceMemory>) {
+    let e = super::start_cuda_engine(plan, host, common).unwrap_or_else(|e| fail(e));
+    say(format!(
+        "strata-exec bench: prefill in passes of up to {} tokens ({})",
+        e.pass_tokens(),
+        if e.grouped_prefill() {
+            "tensor-core products"
+        } else {
+            "matrix-vector kernels"
+        }
+    ));
+    let links = e.handoffs();
+    if !links.is_empty() {
+        say(format!(
+            "strata-exec bench: {} stages, hand-offs: {}",
+            links.len() + 1,
+            links.join(", ")
+        ));
+    }
+    for (i, ((gpu, bytes), dp)) in e.arenas().iter().zip(&plan.devices).enumerate() {
+        say(format!(
+            "strata-exec bench: planned device {i} (index {}) on GPU {gpu}: arena {bytes} bytes allocated, {} planned",
+            dp.index, dp.arena_bytes
+        ));
+    }
+    let memory = Some(e.device_memory().unwrap_or_else(|e| fail(e)));
+    (Box::new(e), memory)
+}
+
+/// One untimed repetition of `c` (short prompt, a few decode steps, no depth); exits 2 on
+/// an engine error.
+fn warm_up(engine: &mut dyn Engine, c: &Combo, ubatch: usize, sampling: SamplingParams) {
+    let warm = Combo {
+        prompt: c.prompt.min(ubatch),
+        n_gen: 4.min(c.n_gen),
+        depth: 0,
+        ..*c
+    };
+    if let Err(e) = rep(engine, warm, 99, sampling) {
+        eprintln!("strata-exec: {e}");
+        std::process::exit(2);
+    }
+}
+
+/// The timed repetitions of `c` (at least one), each said as it ends; exits 2 on an engine
+/// error.
+fn repetitions(
+    engine: &mut dyn Engine,
+    c: &Combo,
+    reps: usize,
+    sampling: SamplingParams,
+    say: &dyn Fn(String),
+) -> Rates {
+    let mut rates = Rates::default();
+    for r in 0..reps.max(1) {
+        match rep(engine, *c, r as u64, sampling) {
+            Ok(s) => {
+                say(format!(
+                    "  rep {}: {} {:.1} tok/s, {} {:.1} tok/s ({:.1} per sequence)",
+                    r + 1,
+                    test_label("pp", c.prompt, c, ""),
+                    s.pp,
+                    test_label("tg", c.n_gen, c, ""),
+                    s.tg,
+                    s.tg_seq
+                ));
+                rates.pps.push(s.pp);
+                rates.tgs.push(s.tg);
+                rates.seqs.push(s.tg_seq);
+            }
+            Err(e) => {
+                eprintln!("strata-exec: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    rates
+}
+
+/// One combination's JSON object, less its expert counts and device memory.
+fn json_row(
+    args: &BenchArgs,
+    plan: &strata_schemas::plan::Plan,
+    lead: &Lead,
+    c: &Combo,
+    rates: &Rates,
+    (pred_pp, pred_tg): (f64, f64),
+    engine: &dyn Engine,
+) -> serde_json::Value {
+    let (pm, ps) = mean_sd(&rates.pps);
+    let (tm, ts) = mean_sd(&rates.tgs);
+    let (sm, ss) = mean_sd(&rates.seqs);
+    serde_json::json!({
+        "model": lead.name,
+        "model_file": lead.model_file,
+        "size_bytes": lead.size_bytes,
+        "params": lead.params,
+        "backend": lead.backend_s,
+        "load_s": lead.load_s,
+        "prompt_tokens": c.prompt,
+        "gen_tokens": c.n_gen,
+        "batch": c.batch,
+        "depth": c.depth,
+        "reps": rates.pps.len(),
+        "prefill_tok_s": {"mean": pm, "sd": ps, "all": rates.pps},
+        "decode_tok_s": {"mean": tm, "sd": ts, "all": rates.tgs},
+        "decode_tok_s_per_seq": {"mean": sm, "sd": ss, "all": rates.seqs},
+        "decode_sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
+        "allocated_bytes": engine.allocated_bytes(),
+        "predicted": {
+            "prefill_tok_s": pred_pp,
+            "decode_tok_s": pred_tg,
+            "prefill_measured_over_predicted": ratio(pm, pred_pp),
+            "decode_measured_over_predicted": ratio(tm, pred_tg),
+            "guessed": plan.predicted.guessed,
+            "basis": plan.predicted.basis,
+        },
+    })
+}
+
+/// One combination's table rows: pp (with a prompt) and tg (with decode steps).
+fn print_text_rows(
+    lead: &Lead,
+    c: &Combo,
+    rates: &Rates,
+    (pred_pp, pred_tg): (f64, f64),
+    sampling: &SamplingParams,
+) {
+    let (pm, ps) = mean_sd(&rates.pps);
+    let (tm, ts) = mean_sd(&rates.tgs);
+    let (sm, ss) = mean_sd(&rates.seqs);
+    let size_s = format!("{:.2} GiB", gib(lead.size_bytes));
+    let params_s = params_label(lead.params);
+    let lead = format!(
+        "| {} | {size_s} | {params_s} | {}",
+        lead.model_file, lead.backend_s
+    );
+    if c.prompt > 0 {
+        // Sequences prefill one after another: per sequence is the aggregate rate.
+        println!(
+            "{lead} | {} | {pm:.2} ± {ps:.2} | {pm:.2} ± {ps:.2} | {pred_pp:.2} | {:.2} |",
+            test_label("pp", c.prompt, c, ""),
+            ratio(pm, pred_pp)
+        );
+    }
+    if c.n_gen > 0 {
+        println!(
+            "{lead} | {} | {tm:.2} ± {ts:.2} | {sm:.2} ± {ss:.2} | {pred_tg:.2} | {:.2} |",
+            test_label("tg", c.n_gen, c, &sampled_label(sampling)),
+            ratio(tm, pred_tg)
+        );
+    }
+}
+
+/// The lines under the table: expert counts per combination, whether the predictions are
+/// guesses, and the memory in use.
+fn print_summary(
+    expert_lines: &[String],
+    guessed: bool,
+    memory: Option<&[(usize, u64, u64)]>,
+    engine: &dyn Engine,
+) {
+    for l in expert_lines {
         println!("{l}");
     }
     if guessed {
         println!("predictions: guesses (the plan's probe has no measured [device.cost] coefficients; `strata-exec probe` measures them)");
     }
-    if let Some(m) = &memory {
+    if let Some(m) = memory {
         for (gpu, planned, used) in m {
             println!(
                 "device memory, GPU {gpu}: {:.2} GiB used of which {:.2} GiB are the planned arenas ({:.2} GiB runtime: context, modules, graphs)",
