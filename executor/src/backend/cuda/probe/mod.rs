@@ -135,25 +135,7 @@ fn measure_inner(
         mib(total_bytes),
         mib(free_after_context)
     ));
-    let attr = |a: CUdevice_attribute, what: &str| -> Result<i32, CudaError> {
-        ctx.attribute(a)
-            .map_err(drv(format!("cuDeviceGetAttribute({what})")))
-    };
-    let pci_bus_id = format!(
-        "{:04x}:{:02x}:{:02x}.0",
-        attr(
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
-            "PCI domain"
-        )?,
-        attr(
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
-            "PCI bus"
-        )?,
-        attr(
-            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID,
-            "PCI device"
-        )?
-    );
+    let pci_bus_id = pci_bus_id(&ctx)?;
 
     // Our kernel modules: CudaDevice::open retains the same primary context and loads them.
     let t = std::time::Instant::now();
@@ -168,9 +150,78 @@ fn measure_inner(
     ));
 
     let blas = blas_step(&dev);
-    let free_after_blas = match &blas {
+    let free_after_blas = free_after_blas(&blas, &ctx, ordinal, progress, &mut notes)?;
+
+    let graph = graph_step(&dev)?;
+    let free_after_graph = mem_free(&ctx)?;
+    progress(&format!(
+        "device {ordinal}: a captured CUDA graph ran, {} free",
+        mib(free_after_graph)
+    ));
+
+    let h2d_gbps = h2d_measured(&dev, ordinal, progress, &mut notes);
+    // Read the link right after the copies: idle GPUs train their link down to save power.
+    let pcie = pcie_measured(&pci_bus_id, ordinal, progress, &mut notes);
+    let d2d_gbps = d2d_measured(&dev, &ctx, ordinal, progress, &mut notes)?;
+
+    drop((graph, blas));
+    let cost = cost_measured(&dev, &ctx, h2d_gbps, ordinal, progress, &mut notes)?;
+    let peers = peers_of(ordinal)?;
+    Ok(DeviceMeasure {
+        ordinal: ordinal as u32,
+        name,
+        arch,
+        total_bytes,
+        free_after_context,
+        free_after_modules,
+        free_after_blas,
+        free_after_graph: Some(free_after_graph),
+        pci_bus_id,
+        pcie,
+        h2d_gbps,
+        d2d_gbps,
+        open_seconds,
+        modules_from_cache: dev.modules_from_cache,
+        peers,
+        cost,
+        notes,
+    })
+}
+
+/// The device's PCI address as sysfs names it, e.g. `0000:18:00.0`.
+fn pci_bus_id(ctx: &CudaContext) -> Result<String, CudaError> {
+    let attr = |a: CUdevice_attribute, what: &str| -> Result<i32, CudaError> {
+        ctx.attribute(a)
+            .map_err(drv(format!("cuDeviceGetAttribute({what})")))
+    };
+    Ok(format!(
+        "{:04x}:{:02x}:{:02x}.0",
+        attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
+            "PCI domain"
+        )?,
+        attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
+            "PCI bus"
+        )?,
+        attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID,
+            "PCI device"
+        )?
+    ))
+}
+
+/// Free memory once the cuBLAS step ran; None (and a note) when it failed.
+fn free_after_blas(
+    blas: &Result<cudarc::cublas::CudaBlas, CudaError>,
+    ctx: &CudaContext,
+    ordinal: usize,
+    progress: &mut dyn FnMut(&str),
+    notes: &mut Vec<String>,
+) -> Result<Option<u64>, CudaError> {
+    Ok(match blas {
         Ok(_) => {
-            let f = mem_free(&ctx)?;
+            let f = mem_free(ctx)?;
             progress(&format!(
                 "device {ordinal}: cuBLAS handle ran one SGEMM, {} free",
                 mib(f)
@@ -182,16 +233,17 @@ fn measure_inner(
             progress(&format!("device {ordinal}: cuBLAS not measured: {e}"));
             None
         }
-    };
+    })
+}
 
-    let graph = graph_step(&dev)?;
-    let free_after_graph = mem_free(&ctx)?;
-    progress(&format!(
-        "device {ordinal}: a captured CUDA graph ran, {} free",
-        mib(free_after_graph)
-    ));
-
-    let h2d_gbps = match h2d_step(&dev) {
+/// Host-to-device GB/s; None (and a note) when the copies failed.
+fn h2d_measured(
+    dev: &CudaDevice,
+    ordinal: usize,
+    progress: &mut dyn FnMut(&str),
+    notes: &mut Vec<String>,
+) -> Option<f64> {
+    match h2d_step(dev) {
         Ok(g) => {
             progress(&format!(
                 "device {ordinal}: host-to-device {g:.1} GB/s ({H2D_REPEATS} x {} pinned)",
@@ -206,9 +258,18 @@ fn measure_inner(
             ));
             None
         }
-    };
-    // Read the link right after the copies: idle GPUs train their link down to save power.
-    let pcie = read_pcie_link(Path::new("/sys/bus/pci/devices"), &pci_bus_id);
+    }
+}
+
+/// The PCIe link of `pci_bus_id` from sysfs, with a note when it runs below its maximum or
+/// has no link files.
+fn pcie_measured(
+    pci_bus_id: &str,
+    ordinal: usize,
+    progress: &mut dyn FnMut(&str),
+    notes: &mut Vec<String>,
+) -> Option<PcieLink> {
+    let pcie = read_pcie_link(Path::new("/sys/bus/pci/devices"), pci_bus_id);
     match pcie {
         Some(l) => {
             progress(&format!(
@@ -237,10 +298,21 @@ fn measure_inner(
             ));
         }
     }
+    pcie
+}
 
-    let free_now = mem_free(&ctx)?;
-    let d2d_gbps = if free_now > 2 * D2D_BYTES + (512 << 20) {
-        match d2d_step(&dev) {
+/// Device-to-device GB/s when two copy buffers fit in free memory; None (and a note)
+/// otherwise or when the copies failed.
+fn d2d_measured(
+    dev: &CudaDevice,
+    ctx: &CudaContext,
+    ordinal: usize,
+    progress: &mut dyn FnMut(&str),
+    notes: &mut Vec<String>,
+) -> Result<Option<f64>, CudaError> {
+    let free_now = mem_free(ctx)?;
+    Ok(if free_now > 2 * D2D_BYTES + (512 << 20) {
+        match d2d_step(dev) {
             Ok(g) => {
                 progress(&format!(
                     "device {ordinal}: device-to-device copy {g:.0} GB/s (read + write, {D2D_REPEATS} x {})",
@@ -260,15 +332,25 @@ fn measure_inner(
             mib(D2D_BYTES)
         ));
         None
-    };
+    })
+}
 
-    drop((graph, blas));
-    let free_now = mem_free(&ctx)?;
-    let cost = if free_now > 2 * cost::COST_ARENA_BYTES + (512 << 20) {
+/// The `[device.cost]` coefficients when two cost arenas fit in free memory; None (and a
+/// note) otherwise.
+fn cost_measured(
+    dev: &CudaDevice,
+    ctx: &CudaContext,
+    h2d_gbps: Option<f64>,
+    ordinal: usize,
+    progress: &mut dyn FnMut(&str),
+    notes: &mut Vec<String>,
+) -> Result<Option<cost::CostMeasure>, CudaError> {
+    let free_now = mem_free(ctx)?;
+    Ok(if free_now > 2 * cost::COST_ARENA_BYTES + (512 << 20) {
         progress(&format!(
             "device {ordinal}: timing the engine's kernels for [device.cost]"
         ));
-        let c = cost::measure_cost(&dev, h2d_gbps, &mut |l| {
+        let c = cost::measure_cost(dev, h2d_gbps, &mut |l| {
             progress(&format!("device {ordinal}: {l}"))
         });
         for n in &c.notes {
@@ -282,26 +364,6 @@ fn measure_inner(
             mib(cost::COST_ARENA_BYTES)
         ));
         None
-    };
-    let peers = peers_of(ordinal)?;
-    Ok(DeviceMeasure {
-        ordinal: ordinal as u32,
-        name,
-        arch,
-        total_bytes,
-        free_after_context,
-        free_after_modules,
-        free_after_blas,
-        free_after_graph: Some(free_after_graph),
-        pci_bus_id,
-        pcie,
-        h2d_gbps,
-        d2d_gbps,
-        open_seconds,
-        modules_from_cache: dev.modules_from_cache,
-        peers,
-        cost,
-        notes,
     })
 }
 
