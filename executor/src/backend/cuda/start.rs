@@ -13,7 +13,7 @@ use super::handoff::Link;
 use super::launch::{kty, ATT_MAX_D, ATT_MAX_GROUP};
 use super::options::CudaOptions;
 use super::stage::{CudaStage, KvGeo, RunFlags, Span};
-use super::{CudaDevice, CudaError};
+use super::{CudaDevice, CudaError, DeviceArena};
 use crate::backend::cpu::{Rope, Yarn};
 use crate::backend::WorkBuf;
 use crate::engine::EngineInfo;
@@ -24,7 +24,7 @@ use crate::pipeline::{Pipeline, PipelineShape, StageOf};
 use std::collections::HashMap;
 use std::sync::Arc;
 use strata_schemas::dims::Dims;
-use strata_schemas::plan::{Plan, RegionKind};
+use strata_schemas::plan::{DevicePlan, Plan, RegionKind};
 use strata_schemas::serve::KvType;
 use strata_schemas::workset::{self, BackendKind};
 
@@ -261,30 +261,10 @@ pub fn start_cuda(
     let (n_slots, ctx) = (s.batch as usize, s.max_context as usize);
     let d = pf.d;
 
-    // The GPUs: one device object for every stage, or one per stage (`--device-map`), and
-    // whether each GPU's free memory holds the arenas planned onto it.
-    let devs: Vec<Arc<CudaDevice>> = match &opts.device_map {
-        None => vec![Arc::new(CudaDevice::open(opts.gpu)?)],
-        Some(map) => map
-            .iter()
-            .map(|&o| CudaDevice::open(o).map(Arc::new))
-            .collect::<Result<_, _>>()?,
-    };
+    let devs = open_gpus(plan, &opts)?;
     let mapped = opts.device_map.is_some();
     let dev_of = |i: usize| if mapped { i } else { 0 };
     let planned: u64 = plan.devices.iter().map(|dp| dp.arena_bytes).sum();
-    let wanted = (0..plan.devices.len()).map(|j| (dev_of(j), plan.devices[j].arena_bytes));
-    for (di, here) in bytes_per_gpu(&devs, wanted) {
-        let dev = &devs[di];
-        let (free, total) = mem_info(dev)?;
-        if here > free {
-            return Err(plan_err(format!(
-                "the plan's arenas need {here} bytes on GPU {} ({}) but {free} of {total} are free: re-plan with a probe of this machine (strata-exec probe), free the GPU, or map fewer planned devices onto it (--device-map)",
-                dev.ordinal(),
-                dev.name()
-            )));
-        }
-    }
 
     // Every allocation, then the weights.
     let mut arenas = Vec::with_capacity(plan.devices.len());
@@ -297,112 +277,23 @@ pub fn start_cuda(
             .collect();
         upload_weights(plan, &arena_devs, &arenas, host.as_ref(), opts.progress)?;
     }
-    let pdl = opts.pdl && !opts.profile && devs.iter().all(|d| d.compute_capability().0 >= 9);
-    let mut stages = Vec::with_capacity(plan.devices.len());
+    let start = Start {
+        plan,
+        opts: &opts,
+        pf: &pf,
+        host: &host,
+        mapped,
+        pdl: opts.pdl && !opts.profile && devs.iter().all(|d| d.compute_capability().0 >= 9),
+        n_slots,
+        ctx,
+    };
+    let mut stages: Vec<StageOf<CudaStage, Qwen3Moe<CudaStage>>> =
+        Vec::with_capacity(plan.devices.len());
     for ((i, dp), arena) in plan.devices.iter().enumerate().zip(arenas) {
-        let n_layer = (dp.layer_end - dp.layer_first) as u64;
-        let kvr = dp
-            .region(RegionKind::KvCache)
-            .ok_or_else(|| plan_err(format!("device {} has no kv_cache region", dp.index)))?;
-        let slot_bytes = 2 * ctx as u64 * pf.kv_row_bytes * n_layer;
-        if kvr.bytes < slot_bytes * n_slots as u64 {
-            return Err(plan_err(format!(
-                "device {}: kv_cache holds {} bytes but {n_slots} slots x {n_layer} layers x {ctx} cells need {}",
-                dp.index,
-                kvr.bytes,
-                slot_bytes * n_slots as u64
-            )));
-        }
-        let kv = KvGeo {
-            region: Span {
-                off: kvr.offset,
-                bytes: kvr.bytes,
-            },
-            slot_bytes,
-            row_bytes: pf.kv_row_bytes,
-            cells: ctx as u64,
-            ty: pf.kv_ty,
-        };
-        let layout = pf.layouts[i].clone();
-        let has = |b: WorkBuf| layout.get(&b).is_some_and(|s| s.bytes > 0);
-        // Experts served from host memory: the cache reads each MoE layer's picks back with a
-        // host synchronisation, which a captured graph cannot hold, so those decode passes
-        // run uncaptured.
-        let xcache = CudaExpertCache::for_device(
-            plan,
-            dp,
-            host.clone(),
-            arena.all().ptr(),
-            &d,
-            pf.max_tok,
-            opts.kernels.expert_lfu,
-        )?;
-        let flags = RunFlags {
-            graphs: opts.graphs && !opts.profile && xcache.is_none(),
-            pdl,
-            gemm: opts.prefill_gemm && pf.gemm && has(WorkBuf::Xh) && has(WorkBuf::Yd),
-            fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
-        };
-        let binder = Binder::new(plan, dp, host.clone(), &layout);
-        let mut st = CudaStage::new(
-            devs[dev_of(i)].clone(),
-            arena,
-            layout,
-            d,
-            opts.kernels,
-            flags,
-            pf.rope.attn_factor(),
-            kv,
-            pf.max_tok,
-            pf.att_splits,
-            n_slots,
-            opts.profile,
-            binder,
-        );
-        st.xcache = xcache;
-        // The zero-between-launches counters start at zero; the RoPE table is uploaded.
-        for b in [WorkBuf::Counters, WorkBuf::Argmax] {
-            let v = st.buf(b)?;
-            st.device().memset(v, 0)?;
-        }
-        let inv_freq = pf.rope.inv_freq();
-        let v = st.buf_at(WorkBuf::InvFreq, 0, 4 * inv_freq.len() as u64)?;
-        st.device().htod(inv_freq, v)?;
-        let spec = StageSpec {
-            layer_first: dp.layer_first,
-            layer_end: dp.layer_end,
-            embedding: dp.holds_embedding,
-            head: dp.holds_head,
-        };
-        let model = Qwen3Moe::bind(&mut st, &d, &host.inventory().hparams, spec)?;
-        st.finish_binding();
+        let kv = start.kv_geo(dp)?;
+        let (mut st, model) = start.bind_stage(i, dp, devs[dev_of(i)].clone(), arena, kv)?;
         if i > 0 {
-            let handoff_bytes = (pf.max_tok * d.e * 4) as u64;
-            let prev: &StageOf<CudaStage, _> = &stages[i - 1];
-            let link = Link::choose(
-                opts.handoff,
-                prev.backend.device(),
-                st.device(),
-                !mapped,
-                &dp.handoff_in,
-                handoff_bytes,
-            )?;
-            if matches!(link, Link::Host(_)) {
-                let staged: u64 = plan
-                    .host
-                    .pinned_chunks
-                    .iter()
-                    .filter(|c| c.purpose == "staging" && c.device == dp.index)
-                    .map(|c| c.bytes)
-                    .sum();
-                if staged < handoff_bytes {
-                    return Err(plan_err(format!(
-                        "device {}: the plan's pinned staging holds {staged} bytes but a hand-off of {} tokens x {} floats through host memory needs {handoff_bytes}: re-plan with this strata-plan, or use --handoff peer",
-                        dp.index, pf.max_tok, d.e
-                    )));
-                }
-            }
-            st.link_in = Some(link);
+            st.link_in = Some(start.link_in(dp, &stages[i - 1].backend, &st)?);
         }
         stages.push(StageOf { backend: st, model });
     }
@@ -424,6 +315,183 @@ pub fn start_cuda(
     };
     Pipeline::new(info, stages, shape, vec![Box::new(host)])
         .map_err(|e| CudaEngineError::Plan(e.to_string()))
+}
+
+/// The GPUs: one device object for every stage, or one per stage (`--device-map`), once
+/// each GPU's free memory is seen to hold the arenas planned onto it.
+fn open_gpus(plan: &Plan, opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, CudaEngineError> {
+    let devs: Vec<Arc<CudaDevice>> = match &opts.device_map {
+        None => vec![Arc::new(CudaDevice::open(opts.gpu)?)],
+        Some(map) => map
+            .iter()
+            .map(|&o| CudaDevice::open(o).map(Arc::new))
+            .collect::<Result<_, _>>()?,
+    };
+    let mapped = opts.device_map.is_some();
+    let dev_of = |i: usize| if mapped { i } else { 0 };
+    let wanted = (0..plan.devices.len()).map(|j| (dev_of(j), plan.devices[j].arena_bytes));
+    for (di, here) in bytes_per_gpu(&devs, wanted) {
+        let dev = &devs[di];
+        let (free, total) = mem_info(dev)?;
+        if here > free {
+            return Err(plan_err(format!(
+                "the plan's arenas need {here} bytes on GPU {} ({}) but {free} of {total} are free: re-plan with a probe of this machine (strata-exec probe), free the GPU, or map fewer planned devices onto it (--device-map)",
+                dev.ordinal(),
+                dev.name()
+            )));
+        }
+    }
+    Ok(devs)
+}
+
+/// What binding every stage of one start shares.
+struct Start<'a> {
+    plan: &'a Plan,
+    opts: &'a CudaOptions,
+    pf: &'a Preflight,
+    host: &'a Arc<dyn HostModel>,
+    /// One device object per stage (`--device-map`) rather than one shared.
+    mapped: bool,
+    /// Programmatic dependent launch: asked for, not profiling, and every GPU sm_90 or later.
+    pdl: bool,
+    n_slots: usize,
+    ctx: usize,
+}
+
+impl Start<'_> {
+    /// The KV geometry of planned device `dp`, once its `kv_cache` region is seen to hold
+    /// every slot's cells of its layers.
+    fn kv_geo(&self, dp: &DevicePlan) -> Result<KvGeo, CudaEngineError> {
+        let (pf, ctx, n_slots) = (self.pf, self.ctx, self.n_slots);
+        let n_layer = (dp.layer_end - dp.layer_first) as u64;
+        let kvr = dp
+            .region(RegionKind::KvCache)
+            .ok_or_else(|| plan_err(format!("device {} has no kv_cache region", dp.index)))?;
+        let slot_bytes = 2 * ctx as u64 * pf.kv_row_bytes * n_layer;
+        if kvr.bytes < slot_bytes * n_slots as u64 {
+            return Err(plan_err(format!(
+                "device {}: kv_cache holds {} bytes but {n_slots} slots x {n_layer} layers x {ctx} cells need {}",
+                dp.index,
+                kvr.bytes,
+                slot_bytes * n_slots as u64
+            )));
+        }
+        Ok(KvGeo {
+            region: Span {
+                off: kvr.offset,
+                bytes: kvr.bytes,
+            },
+            slot_bytes,
+            row_bytes: pf.kv_row_bytes,
+            cells: ctx as u64,
+            ty: pf.kv_ty,
+        })
+    }
+
+    /// Stage `i` (planned device `dp`) on `dev` in `arena`: its expert cache, run flags,
+    /// zeroed counters and RoPE table, and the model's layers bound on it.
+    fn bind_stage(
+        &self,
+        i: usize,
+        dp: &DevicePlan,
+        dev: Arc<CudaDevice>,
+        arena: DeviceArena,
+        kv: KvGeo,
+    ) -> Result<(CudaStage, Qwen3Moe<CudaStage>), CudaEngineError> {
+        let (plan, opts, pf, host) = (self.plan, self.opts, self.pf, self.host);
+        let d = pf.d;
+        let layout = pf.layouts[i].clone();
+        let has = |b: WorkBuf| layout.get(&b).is_some_and(|s| s.bytes > 0);
+        // Experts served from host memory: the cache reads each MoE layer's picks back with a
+        // host synchronisation, which a captured graph cannot hold, so those decode passes
+        // run uncaptured.
+        let xcache = CudaExpertCache::for_device(
+            plan,
+            dp,
+            host.clone(),
+            arena.all().ptr(),
+            &d,
+            pf.max_tok,
+            opts.kernels.expert_lfu,
+        )?;
+        let flags = RunFlags {
+            graphs: opts.graphs && !opts.profile && xcache.is_none(),
+            pdl: self.pdl,
+            gemm: opts.prefill_gemm && pf.gemm && has(WorkBuf::Xh) && has(WorkBuf::Yd),
+            fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
+        };
+        let binder = Binder::new(plan, dp, host.clone(), &layout);
+        let mut st = CudaStage::new(
+            dev,
+            arena,
+            layout,
+            d,
+            opts.kernels,
+            flags,
+            pf.rope.attn_factor(),
+            kv,
+            pf.max_tok,
+            pf.att_splits,
+            self.n_slots,
+            opts.profile,
+            binder,
+        );
+        st.xcache = xcache;
+        // The zero-between-launches counters start at zero; the RoPE table is uploaded.
+        for b in [WorkBuf::Counters, WorkBuf::Argmax] {
+            let v = st.buf(b)?;
+            st.device().memset(v, 0)?;
+        }
+        let inv_freq = pf.rope.inv_freq();
+        let v = st.buf_at(WorkBuf::InvFreq, 0, 4 * inv_freq.len() as u64)?;
+        st.device().htod(inv_freq, v)?;
+        let spec = StageSpec {
+            layer_first: dp.layer_first,
+            layer_end: dp.layer_end,
+            embedding: dp.holds_embedding,
+            head: dp.holds_head,
+        };
+        let model = Qwen3Moe::bind(&mut st, &d, &host.inventory().hparams, spec)?;
+        st.finish_binding();
+        Ok((st, model))
+    }
+
+    /// The hand-off from stage `prev` into `st` (planned device `dp`); through host memory
+    /// only when the plan's pinned staging for `dp` holds one pass's hidden states.
+    fn link_in(
+        &self,
+        dp: &DevicePlan,
+        prev: &CudaStage,
+        st: &CudaStage,
+    ) -> Result<Link, CudaEngineError> {
+        let (pf, d) = (self.pf, self.pf.d);
+        let handoff_bytes = (pf.max_tok * d.e * 4) as u64;
+        let link = Link::choose(
+            self.opts.handoff,
+            prev.device(),
+            st.device(),
+            !self.mapped,
+            &dp.handoff_in,
+            handoff_bytes,
+        )?;
+        if matches!(link, Link::Host(_)) {
+            let staged: u64 = self
+                .plan
+                .host
+                .pinned_chunks
+                .iter()
+                .filter(|c| c.purpose == "staging" && c.device == dp.index)
+                .map(|c| c.bytes)
+                .sum();
+            if staged < handoff_bytes {
+                return Err(plan_err(format!(
+                    "device {}: the plan's pinned staging holds {staged} bytes but a hand-off of {} tokens x {} floats through host memory needs {handoff_bytes}: re-plan with this strata-plan, or use --handoff peer",
+                    dp.index, pf.max_tok, d.e
+                )));
+            }
+        }
+        Ok(link)
+    }
 }
 
 /// The shape of a stage made without a plan.
