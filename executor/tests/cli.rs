@@ -4,7 +4,9 @@
 mod common;
 
 use common::*;
+use std::path::Path;
 use std::process::Command;
+use strata_exec::tokenizer::Tokenizer;
 
 fn exe() -> Command {
     Command::new(env!("CARGO_BIN_EXE_strata-exec"))
@@ -137,6 +139,16 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
     let plan_s = plan_path.to_str().unwrap();
     let text = "Hello world, this is a test.";
 
+    no_tokenizer_exits_1_but_prompt_tokens_run(plan_s, &model, text);
+    let (tok, want_prompt, gen) = tokenizer_path_equals_the_ids(plan_s, &chat, text);
+    folder_tokenizer_json_and_text_output(plan_s, &chat, &model, text, &tok, &gen);
+    gguf_vocabulary_gives_the_same_tokens(dir.path(), &model, text, &tok, &want_prompt, &gen);
+    eos_stops_generation(plan_s, &model, text, &tok, &gen);
+    gguf_without_vocabulary_exits_1(dir.path(), &plan_path);
+}
+
+/// No tokenizer yet: exit 1 with the folder and the way out; --prompt-tokens still runs.
+fn no_tokenizer_exits_1_but_prompt_tokens_run(plan_s: &str, model: &Path, text: &str) {
     // No tokenizer yet: exit 1 with the folder and the way out.
     let out = exe()
         .args([plan_s, "--prompt", text, "-q"])
@@ -163,9 +175,17 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
     ]);
     assert!(j["text"].is_null());
     assert_eq!(ids(&j["generated_token_ids"]).len(), 3);
+}
 
+/// `--tokenizer PATH`: the prompt's tokens, and the same generation as those ids given
+/// directly. Returns the tokenizer, the prompt's ids and the 12 generated ids.
+fn tokenizer_path_equals_the_ids(
+    plan_s: &str,
+    chat: &Path,
+    text: &str,
+) -> (Tokenizer, Vec<u32>, Vec<u32>) {
     // --tokenizer PATH.
-    let tok = strata_exec::tokenizer::Tokenizer::from_file(&chat).unwrap();
+    let tok = strata_exec::tokenizer::Tokenizer::from_file(chat).unwrap();
     let want_prompt = tok.encode(text, true).unwrap();
     assert!(want_prompt.len() > 3);
     let j = json_run(&[
@@ -199,6 +219,18 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
     ]);
     assert_eq!(ids(&j2["generated_token_ids"]), gen);
 
+    (tok, want_prompt, gen)
+}
+
+/// The folder's own tokenizer.json (copied in from `chat`), and the text output.
+fn folder_tokenizer_json_and_text_output(
+    plan_s: &str,
+    chat: &Path,
+    model: &Path,
+    text: &str,
+    tok: &Tokenizer,
+    gen: &[u32],
+) {
     // The folder's own tokenizer.json, and the text output.
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(chat.join(f), model.join(f)).unwrap();
@@ -222,19 +254,29 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
     assert!(out.status.success());
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim_end_matches('\n'),
-        tok.decode(&gen, true).unwrap()
+        tok.decode(gen, true).unwrap()
     );
+}
 
+/// A GGUF converted from `model` in `dir`, with the vocabulary embedded: same tokens.
+fn gguf_vocabulary_gives_the_same_tokens(
+    dir: &Path,
+    model: &Path,
+    text: &str,
+    tok: &Tokenizer,
+    want_prompt: &[u32],
+    gen: &[u32],
+) {
     // A GGUF with the vocabulary embedded by the converter: same tokens.
-    let gguf = dir.path().join("m.gguf");
+    let gguf = dir.join("m.gguf");
     strata_schemas::gguf::convert::convert_hf_folder(
-        &model,
+        model,
         &gguf,
         strata_schemas::ggml::GgmlType::F32,
         None,
     )
     .unwrap();
-    let gplan = dir.path().join("g.plan");
+    let gplan = dir.join("g.plan");
     // plan_folder reads the GGUF through the planner's --model path.
     let pg = plan_folder(
         &gguf,
@@ -261,8 +303,11 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
         gen,
         "GGUF tokenizer + weights"
     );
-    assert_eq!(j["text"], tok.decode(&gen, true).unwrap());
+    assert_eq!(j["text"], tok.decode(gen, true).unwrap());
+}
 
+/// EOS: make the k-th generated token the configured EOS; generation stops right there.
+fn eos_stops_generation(plan_s: &str, model: &Path, text: &str, tok: &Tokenizer, gen: &[u32]) {
     // EOS: make the k-th generated token the configured EOS; generation stops right there.
     let k = (1..gen.len())
         .find(|&k| !gen[..k].contains(&gen[k]))
@@ -279,9 +324,12 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
     ]);
     assert_eq!(ids(&j["generated_token_ids"]), gen[..=stop].to_vec());
     assert_eq!(j["stop"], "eos");
+}
 
+/// A GGUF without a vocabulary: exit 1 naming it.
+fn gguf_without_vocabulary_exits_1(dir: &Path, plan_path: &Path) {
     // A GGUF without a vocabulary.
-    let bare = dir.path().join("bare.gguf");
+    let bare = dir.join("bare.gguf");
     strata_schemas::gguf::convert::convert_hf_folder(
         &data("base"),
         &bare,
@@ -290,7 +338,7 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
     )
     .unwrap();
     let out = exe()
-        .arg(&plan_path)
+        .arg(plan_path)
         .arg("--model")
         .arg(&bare)
         .args(["--prompt", "hi"])
@@ -304,9 +352,6 @@ fn text_prompts_through_folder_gguf_and_override_tokenizers() {
     );
 }
 
-/// `bench --temperature`: decode draws its tokens (here on the CPU engine, through
-/// `Engine::decode_sample`'s host default) and the tg row and the JSON name the draw; bad
-/// sampling settings exit 1 naming the flags before any plan is read.
 #[test]
 fn bench_sampled_decode_names_its_draw_and_bad_settings_exit_1() {
     let p = plan("base", &Ask::default());
