@@ -29,19 +29,9 @@ fn assert_error(r: &Resp, status: u16, needle: &str) {
     assert!(msg.contains(needle), "`{needle}` not in `{msg}`");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_input_gets_4xx_json_and_the_next_request_is_served() {
-    let s = TestServer::start(
-        cfg(),
-        ServeOptions {
-            max_body_bytes: 64 * 1024,
-            ..Default::default()
-        },
-    )
-    .await;
-    let good =
-        json!({"model": "strata-tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0});
-    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+/// Bad requests of every kind: (path, body, the status wanted, a word its message names).
+fn bad_requests() -> Vec<(&'static str, Vec<u8>, u16, &'static str)> {
+    vec![
         (
             "/v1/completions",
             b"{not json".to_vec(),
@@ -148,8 +138,22 @@ async fn bad_input_gets_4xx_json_and_the_next_request_is_served() {
             "tokens[0]",
         ),
         ("/v1/completions", vec![b' '; 100 * 1024], 413, "larger"),
-    ];
-    for (path, body, status, needle) in cases {
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_4xx_json_and_the_next_request_is_served() {
+    let s = TestServer::start(
+        cfg(),
+        ServeOptions {
+            max_body_bytes: 64 * 1024,
+            ..Default::default()
+        },
+    )
+    .await;
+    let good =
+        json!({"model": "strata-tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0});
+    for (path, body, status, needle) in bad_requests() {
         let r = s.post(path, &body).await;
         assert_error(&r, status, needle);
         let ok = s.post_json("/v1/completions", &good).await;
