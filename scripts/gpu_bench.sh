@@ -3,7 +3,10 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|all] [OUTDIR]
+# (predict: probe this machine, plan the Q8_0 file with the probe at batch 1, 4 and 16 and for
+# 24 and 12 GiB cards (the probe with its VRAM cut), bench each plan at its batch: the plan's
+# predictions beside the measurements, as JSON lines in OUTDIR/predict.jsonl.)
 # (memlock: strata-exec probe --memlock-test 64 under ulimit -l 8192.)
 # (compare: the same bench with the baseline build of target/gpu/base (build_gpu.sh
 # --baseline REV), planned by its own strata-plan, interleaved with this build's, three
@@ -119,6 +122,26 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
     else
         echo "nsys not installed; no in-graph timeline"
     fi
+fi
+if [ "$what" = predict ] || [ "$what" = all ]; then
+    m=/tmp/q30-q8_0.gguf
+    [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
+    $bin/strata-exec probe -o /tmp/h200-live.toml 2>&1 | tail -3
+    cp /tmp/h200-live.toml "$out/"
+    for gib in 24 12; do
+        b=$((gib * 1024 * 1024 * 1024))
+        sed -e "s/^vram_bytes = .*/vram_bytes = $b/" -e "s/^free_bytes = .*/free_bytes = $b/" \
+            /tmp/h200-live.toml >/tmp/h200-live-${gib}g.toml
+    done
+    for run in "h200-live 1" "h200-live 4" "h200-live 16" "h200-live-24g 1" "h200-live-12g 1"; do
+        set -- $run
+        plan=/tmp/pred-$1-b$2.plan
+        $bin/strata-plan --hardware /tmp/$1.toml --model $m --max-context 4096 --batch $2 -o $plan |
+            grep -iE "predict|expert|decode|prefill|degrad" | head -12 | tee -a "$out/predict-plans.txt"
+        echo "== strata-exec bench $1 batch $2"
+        $bin/strata-exec bench $plan -p 512 -n 128 -b $2 -r 2 -q --format json 2>&1 |
+            tee -a "$out/predict.jsonl" | cut -c1-400
+    done
 fi
 if [ "$what" = torch ] || [ "$what" = all ]; then
     echo "== PyTorch baseline"

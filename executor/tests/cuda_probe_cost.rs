@@ -78,10 +78,28 @@ fn probe_measures_every_cost_key() {
         let (g, f) = (c.gemm_tflops.unwrap(), c.prefill_attention_tflops.unwrap());
         assert!(g > 0.5 && g < 5000.0, "gemm_tflops {g}");
         assert!(f > 0.1 && f < 5000.0, "prefill_attention_tflops {f}");
-        assert_eq!(
-            c.host_expert_gbps, d.h2d_gbps,
-            "host_expert_gbps is the h2d copy"
+        // Misses copy one expert matrix at a time from pageable memory: never faster than
+        // the pinned bulk copy (with rounding of the two figures).
+        let (h, pinned) = (c.host_expert_gbps.unwrap(), d.h2d_gbps.unwrap());
+        assert!(
+            h <= 1.1 * pinned + 0.1,
+            "host_expert_gbps {h} vs pinned {pinned}"
         );
+        // The decode expert products read within the copy rate; the grouped products stay
+        // under the tensor-core peak bound used above.
+        let xg = c.expert_gbps.unwrap();
+        assert!(
+            xg <= 1.1 * bw && xg >= 0.05 * bw,
+            "expert {xg} GB/s vs copy {bw}"
+        );
+        assert!(c.expert_latency_us.unwrap() < 500.0);
+        let xp = c.expert_pass_gbps.unwrap();
+        assert!(
+            xp <= 1.1 * bw && xp >= 0.02 * bw,
+            "expert pass {xp} GB/s vs copy {bw}"
+        );
+        let xt = c.expert_gemm_tflops.unwrap();
+        assert!(xt > 0.5 && xt < 5000.0, "expert_gemm_tflops {xt}");
         assert!(c.complete());
     }
 }

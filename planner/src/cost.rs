@@ -20,9 +20,9 @@ use strata_schemas::inventory::{ModelInventory, TensorRole};
 use strata_schemas::plan::DeviceCost;
 use strata_schemas::probe::{DeviceProbe, Vendor};
 
-/// Product launches a decode layer makes on the GPU engine: Q/K/V, output projection,
-/// router, expert gate/up, expert down. Plus one RMSNorm and one attention launch.
-const GPU_DECODE_PRODUCTS: f64 = 5.0;
+/// Dense product launches a decode layer makes on the GPU engine: Q/K/V, output projection,
+/// router. Plus the expert pair (gate-up, down), one RMSNorm and one attention launch.
+const GPU_DENSE_PRODUCTS: f64 = 3.0;
 /// Launches of a decode step outside the layers: embedding rows, positions, output norm,
 /// argmax (the head is one more product).
 const GPU_STEP_LAUNCHES: f64 = 4.0;
@@ -50,6 +50,12 @@ pub struct Coefficients {
     pub prefill_attention_flops: f64,
     pub step_s: f64,
     pub host_expert_bps: f64,
+    /// A decode layer's expert pair beyond its bytes; expert bytes per second of its uses
+    /// at a few tokens and over a many-token group; the grouped prefill products.
+    pub expert_latency_s: f64,
+    pub expert_bps: f64,
+    pub expert_pass_bps: f64,
+    pub expert_gemm_flops: f64,
     /// Probe keys that took the default.
     pub defaulted: Vec<&'static str>,
 }
@@ -75,10 +81,12 @@ impl Coefficients {
             })
         };
         let gemm_tflops = get("gemm_tflops", c.gemm_tflops, fpb * bw / 1e3);
-        let out = Self {
+        let product_latency_us = get("product_latency_us", c.product_latency_us, lat);
+        let product_gbps = get("product_gbps", c.product_gbps, prod * bw);
+        let mut out = Self {
             launch_s: get("launch_us", c.launch_us, launch) * 1e-6,
-            product_latency_s: get("product_latency_us", c.product_latency_us, lat) * 1e-6,
-            product_bps: get("product_gbps", c.product_gbps, prod * bw) * 1e9,
+            product_latency_s: product_latency_us * 1e-6,
+            product_bps: product_gbps * 1e9,
             attention_latency_s: get("attention_latency_us", c.attention_latency_us, att_lat)
                 * 1e-6,
             attention_bps: get("attention_gbps", c.attention_gbps, att * bw) * 1e9,
@@ -90,8 +98,23 @@ impl Coefficients {
             ) * 1e12,
             step_s: get("step_us", c.step_us, step) * 1e-6,
             host_expert_bps: get("host_expert_gbps", c.host_expert_gbps, dev.h2d()) * 1e9,
+            // The CPU engine's experts are its products (the same matmul): their figures.
+            expert_latency_s: 2.0 * product_latency_us * 1e-6,
+            expert_bps: product_gbps * 1e9,
+            expert_pass_bps: product_gbps * 1e9,
+            expert_gemm_flops: gemm_tflops * 1e12,
             defaulted: Vec::new(),
         };
+        if !cpu {
+            // Expert defaults (H200, BENCHMARKS.md "Predictions"): the decode pair 17 µs
+            // plus bytes at 45% of the datasheet bandwidth, a 256-token group at 25%; the
+            // grouped prefill products at the dense default (fitted on whole pp512 passes).
+            out.expert_latency_s = get("expert_latency_us", c.expert_latency_us, 17.0) * 1e-6;
+            out.expert_bps = get("expert_gbps", c.expert_gbps, 0.45 * bw) * 1e9;
+            out.expert_pass_bps = get("expert_pass_gbps", c.expert_pass_gbps, 0.25 * bw) * 1e9;
+            out.expert_gemm_flops =
+                get("expert_gemm_tflops", c.expert_gemm_tflops, gemm_tflops) * 1e12;
+        }
         Self { defaulted, ..out }
     }
 
@@ -183,7 +206,8 @@ pub fn device_cost(
         }
     } else {
         step += layers
-            * (c.launch_s + GPU_DECODE_PRODUCTS * c.product_latency_s + c.attention_latency_s);
+            * (c.launch_s + GPU_DENSE_PRODUCTS * c.product_latency_s + c.attention_latency_s)
+            + expert_layers as f64 * c.expert_latency_s;
         if share.holds_head {
             step += GPU_STEP_LAUNCHES * c.launch_s + c.product_latency_s;
         }
@@ -200,7 +224,9 @@ pub fn device_cost(
         _ => {}
     }
     let kv_cell = facts.kv_cell_range(a, b) as f64;
-    let flops_token = 2.0 * (dense_params as f64 + expert_layers as f64 * k * expert_params);
+    // Dense products at the GEMM's rate, routed experts at the grouped products' rate.
+    let token_compute_s = 2.0 * dense_params as f64 / c.gemm_flops
+        + 2.0 * expert_layers as f64 * k * expert_params / c.expert_gemm_flops;
     let (rows_per_read, per_use, pass_launches) = if cpu {
         (u32::MAX, false, layers * (CPU_LAYER_OPS + 3.0 * k))
     } else {
@@ -211,12 +237,13 @@ pub fn device_cost(
         step_s: step,
         dense_read_s: dense_bytes / c.product_bps,
         rows_per_read,
-        token_compute_s: flops_token / c.gemm_flops,
+        token_compute_s,
         head_compute_s,
         expert_layers: expert_layers as u32,
         n_expert: facts.n_expert as u32,
         n_expert_used: facts.n_expert_used as u32,
-        expert_read_s: expert_bytes / c.product_bps,
+        expert_read_s: expert_bytes / c.expert_bps,
+        expert_pass_read_s: expert_bytes / c.expert_pass_bps,
         expert_read_per_use: per_use,
         hit_rate: if share.total_mass > 0.0 {
             (share.cached_mass / share.total_mass).min(1.0)
@@ -230,6 +257,9 @@ pub fn device_cost(
         row_s,
         pass_s: pass_launches * pass_latency + c.step_s,
         prefill_gemm: share.prefill_gemm && !cpu,
+        // The CUDA engine runs a stage's experts through its expert cache (the decode
+        // products on groups of the pass's tokens) whenever some stay in host memory.
+        prefill_experts_per_use: !cpu && share.cached_mass < share.total_mass,
         prefill_token_s: layers * (PREFILL_ACT_ROWS + 2.0 * k) * row_bytes / c.product_bps,
         prefill_cell_s: attn_layers * facts.attn_cell_flops as f64 / c.prefill_attention_flops,
     }
@@ -276,6 +306,10 @@ mod tests {
             prefill_attention_tflops: Some(50.0),
             step_us: Some(20.0),
             host_expert_gbps: Some(50.0),
+            expert_latency_us: Some(17.0),
+            expert_gbps: Some(2000.0),
+            expert_pass_gbps: Some(1000.0),
+            expert_gemm_tflops: Some(60.0),
         });
         let c = Coefficients::of(&d);
         assert!(!c.guessed(), "{:?}", c.defaulted);

@@ -82,6 +82,7 @@ fn cost_json(c: &DeviceCost) -> Value {
         "head_compute_s": c.head_compute_s,
         "expert_layers": c.expert_layers,
         "expert_read_s": c.expert_read_s,
+        "expert_pass_read_s": c.expert_pass_read_s,
         "expert_read_per_use": c.expert_read_per_use,
         "hit_rate": c.hit_rate,
         "expert_miss_s": c.expert_miss_s,
@@ -90,6 +91,7 @@ fn cost_json(c: &DeviceCost) -> Value {
         "row_s": c.row_s,
         "pass_s": c.pass_s,
         "prefill_gemm": c.prefill_gemm,
+        "prefill_experts_per_use": c.prefill_experts_per_use,
         "prefill_token_s": c.prefill_token_s,
         "prefill_cell_s": c.prefill_cell_s,
     })

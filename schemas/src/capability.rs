@@ -113,7 +113,7 @@ pub const TABLE: [Capability; 3] = [
         weight_types: crate::quant::SUPPORTED,
         kv_types: &["f16", "q8_0"],
         vendors: &["nvidia"],
-        host_experts: false,
+        host_experts: true,
         kv_spill: false,
         mtp: false,
         vision: false,

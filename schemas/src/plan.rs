@@ -302,6 +302,9 @@ pub struct DeviceCost {
     pub n_expert_used: u32,
     /// One routed expert (gate, up, down) read from device memory.
     pub expert_read_s: f64,
+    /// One routed expert read by the decode products over a many-token group (a prefill
+    /// pass through an expert cache).
+    pub expert_pass_read_s: f64,
     /// Whether every (token, expert) use reads the expert again (the GPU decode kernels),
     /// or each distinct expert is read once per step (the CPU engine).
     pub expert_read_per_use: bool,
@@ -321,6 +324,9 @@ pub struct DeviceCost {
     /// Prefill products on tensor cores (weights read once a pass); else the decode
     /// products in `rows_per_read` chunks.
     pub prefill_gemm: bool,
+    /// Prefill experts on the decode products, every use reading its expert at
+    /// `expert_pass_read_s` (a GPU stage serving experts through its cache).
+    pub prefill_experts_per_use: bool,
     /// Per prefill token: activations read and written between launches.
     pub prefill_token_s: f64,
     /// Prefill attention per token per causal context cell.
@@ -380,7 +386,17 @@ impl DeviceCost {
             return 0.0;
         }
         let t = tokens as f64;
-        let (memory, miss) = if self.prefill_gemm {
+        let (memory, miss) = if self.prefill_experts_per_use {
+            let (_, miss) = self.experts(tokens, false);
+            let uses = (tokens * u64::from(self.n_expert_used)) as f64;
+            let exp = f64::from(self.expert_layers) * uses * self.expert_pass_read_s;
+            let dense = if self.prefill_gemm {
+                1.0
+            } else {
+                tokens.div_ceil(u64::from(self.rows_per_read.max(1))) as f64
+            };
+            (dense * self.dense_read_s + exp, miss)
+        } else if self.prefill_gemm {
             let (exp, miss) = self.experts(tokens, false);
             (self.dense_read_s + exp, miss)
         } else {

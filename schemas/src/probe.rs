@@ -124,14 +124,30 @@ pub struct CostProbe {
     /// Per decode step: graph launch, synchronisation and the tokens back to the host.
     #[serde(default)]
     pub step_us: Option<f64>,
-    /// Expert bytes per second into this device's expert cache from host memory.
+    /// Expert bytes per second into this device's expert cache from host memory, copied
+    /// the way the engine copies a miss.
     #[serde(default)]
     pub host_expert_gbps: Option<f64>,
+    /// A decode step's expert products (gate-up and down launches of a layer) beyond their
+    /// bytes.
+    #[serde(default)]
+    pub expert_latency_us: Option<f64>,
+    /// Expert bytes per second the decode expert products read, counting every (token,
+    /// expert) use.
+    #[serde(default)]
+    pub expert_gbps: Option<f64>,
+    /// The same products over a many-token group (a prefill pass through an expert cache),
+    /// expert bytes of the uses per second.
+    #[serde(default)]
+    pub expert_pass_gbps: Option<f64>,
+    /// Prefill's grouped expert products (tensor cores on a GPU), TFLOP/s.
+    #[serde(default)]
+    pub expert_gemm_tflops: Option<f64>,
 }
 
 impl CostProbe {
     /// Every key with its value, in file order (for validation and the report).
-    pub fn entries(&self) -> [(&'static str, Option<f64>); 9] {
+    pub fn entries(&self) -> [(&'static str, Option<f64>); 13] {
         [
             ("launch_us", self.launch_us),
             ("product_latency_us", self.product_latency_us),
@@ -142,6 +158,10 @@ impl CostProbe {
             ("prefill_attention_tflops", self.prefill_attention_tflops),
             ("step_us", self.step_us),
             ("host_expert_gbps", self.host_expert_gbps),
+            ("expert_latency_us", self.expert_latency_us),
+            ("expert_gbps", self.expert_gbps),
+            ("expert_pass_gbps", self.expert_pass_gbps),
+            ("expert_gemm_tflops", self.expert_gemm_tflops),
         ]
     }
 

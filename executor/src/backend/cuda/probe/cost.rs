@@ -1,8 +1,8 @@
 //! The cost model's `[device.cost]` coefficients measured on the live GPU with the engine's
 //! own launchers (`launch::decode::mv`/`spin`, `launch::attention::attn_decode`,
 //! `CudaDevice::gemm`, `flash::attn_prefill`) over synthetic buffers.
-//! Invariant: every value is a timing of those kernels on this device (or, for
-//! `host_expert_gbps`, the probe's pinned host-to-device copy); a measurement that fails is
+//! Invariant: every value is a timing of those kernels on this device (the expert keys by
+//! `probe/experts.rs`, with the engine's expert launchers and miss copy); a measurement that fails is
 //! None with a note, never a default. Weight and KV buffers are cycled so that each timed
 //! pass reads more than the L2 cache holds; at most [`COST_ARENA_BYTES`] plus small buffers
 //! are allocated at once, and everything is freed on return.
@@ -55,6 +55,10 @@ pub struct CostMeasure {
     pub prefill_attention_tflops: Option<f64>,
     pub step_us: Option<f64>,
     pub host_expert_gbps: Option<f64>,
+    pub expert_latency_us: Option<f64>,
+    pub expert_gbps: Option<f64>,
+    pub expert_pass_gbps: Option<f64>,
+    pub expert_gemm_tflops: Option<f64>,
     /// How each value was measured, by key, for the probe file's `#` lines.
     pub how: Vec<(&'static str, String)>,
     /// Why a key is absent.
@@ -93,12 +97,8 @@ pub fn latency_and_gbps(points: &[(f64, f64)]) -> Result<(f64, f64), String> {
     Ok((b.max(0.0), 1e-3 / s))
 }
 
-/// Measures every coefficient on `dev`; `h2d_gbps` is the probe's pinned copy rate.
-pub fn measure_cost(
-    dev: &CudaDevice,
-    h2d_gbps: Option<f64>,
-    progress: &mut dyn FnMut(&str),
-) -> CostMeasure {
+/// Measures every coefficient on `dev`.
+pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMeasure {
     let mut m = CostMeasure::default();
     let t0 = std::time::Instant::now();
     let fail = |m: &mut CostMeasure, keys: &str, e: String| {
@@ -183,19 +183,48 @@ pub fn measure_cost(
         }
         Err(e) => fail(&mut m, "step_us", e.to_string()),
     }
-    match h2d_gbps {
-        Some(g) => {
+    match super::experts::miss_copies(dev) {
+        Ok(g) => {
+            progress(&format!("cost: expert misses copied at {g:.1} GB/s"));
             m.host_expert_gbps = Some(g);
-            m.how.push((
-                "host_expert_gbps",
-                "the pinned host-to-device copy rate above (h2d_gbps)".into(),
-            ));
+            m.how.push(("host_expert_gbps", format!(
+                "one {}x{} Q8_0 expert matrix a copy from pageable host memory, as the expert cache fills a slot from the mapped model file", super::experts::F, super::experts::E)));
         }
-        None => fail(
+        Err(e) => fail(&mut m, "host_expert_gbps", e.to_string()),
+    }
+    match super::experts::decode_experts(dev) {
+        Ok((lat, g, pass)) => {
+            progress(&format!(
+                "cost: decode experts {lat:.1} µs + bytes at {g:.0} GB/s; {pass:.0} GB/s over {} tokens",
+                super::experts::PASS_TOKENS
+            ));
+            m.expert_latency_us = Some(lat);
+            m.expert_gbps = Some(g);
+            m.expert_pass_gbps = Some(pass);
+            m.how.push(("expert_latency_us", format!(
+                "line fit of moe_gate_up + moe_down time against the expert bytes their uses read, {} Q8_0 experts of {}x{} top-{}, {:?} tokens: intercept",
+                super::experts::N_EXPERT, super::experts::F, super::experts::E, super::experts::K, super::experts::DECODE_TOKENS)));
+            m.how
+                .push(("expert_gbps", "the same fit: 1 / slope".into()));
+            m.how.push(("expert_pass_gbps", format!(
+                "the same products over {} tokens (a prefill group through the expert cache): bytes of the uses over the time",
+                super::experts::PASS_TOKENS)));
+        }
+        Err(e) => fail(
             &mut m,
-            "host_expert_gbps",
-            "the host-to-device copy was not measured".into(),
+            "expert_latency_us, expert_gbps, expert_pass_gbps",
+            e,
         ),
+    }
+    match super::experts::prefill_experts(dev, REPS) {
+        Ok(v) => {
+            progress(&format!("cost: prefill grouped experts {v:.1} TFLOP/s"));
+            m.expert_gemm_tflops = Some(v);
+            m.how.push(("expert_gemm_tflops", format!(
+                "moe_sort + input conversions + grouped gate-up (SwiGLU) and down products over {} tokens, top-{} of {} Q8_0 experts, {REPS} runs",
+                super::experts::PREFILL_TOKENS, super::experts::K, super::experts::N_EXPERT)));
+        }
+        Err(e) => fail(&mut m, "expert_gemm_tflops", e.to_string()),
     }
     progress(&format!(
         "cost: measured in {:.1}s",
@@ -228,7 +257,7 @@ fn capture(
 
 /// Captures what `f` queues on the device's stream into a graph, runs it once untimed, then
 /// `reps` times between events; milliseconds per run.
-fn graph_ms(
+pub(super) fn graph_ms(
     dev: &CudaDevice,
     reps: usize,
     f: &mut dyn FnMut() -> Result<(), CudaError>,
@@ -247,7 +276,7 @@ fn graph_ms(
 }
 
 /// Queues `f` once untimed, then `reps` times between events; milliseconds per run.
-fn stream_ms(
+pub(super) fn stream_ms(
     dev: &CudaDevice,
     reps: usize,
     f: &mut dyn FnMut() -> Result<(), CudaError>,
@@ -276,7 +305,7 @@ fn positive(ms: f64) -> Result<f64, CudaError> {
 }
 
 /// One buffer of `bytes` filled with `byte` (0x11 keeps f16 scales and KV small and finite).
-fn filled(
+pub(super) fn filled(
     dev: &CudaDevice,
     name: &str,
     bytes: u64,
@@ -526,6 +555,10 @@ pub fn cost_toml(m: &CostMeasure) -> String {
         ("prefill_attention_tflops", m.prefill_attention_tflops),
         ("step_us", m.step_us),
         ("host_expert_gbps", m.host_expert_gbps),
+        ("expert_latency_us", m.expert_latency_us),
+        ("expert_gbps", m.expert_gbps),
+        ("expert_pass_gbps", m.expert_pass_gbps),
+        ("expert_gemm_tflops", m.expert_gemm_tflops),
     ];
     let mut out = String::new();
     if keys.iter().all(|(_, v)| v.is_none()) {

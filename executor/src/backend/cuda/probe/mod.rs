@@ -7,6 +7,7 @@
 //! default. Every buffer made here is freed before the free-memory readings that follow it.
 
 pub mod cost;
+pub mod experts;
 
 use super::{check_libraries, drv, no_panic, CudaDevice, CudaError};
 use cudarc::driver::sys::{CUdevice_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -165,7 +166,7 @@ fn measure_inner(
     let d2d_gbps = d2d_measured(&dev, &ctx, ordinal, progress, &mut notes)?;
 
     drop((graph, blas));
-    let cost = cost_measured(&dev, &ctx, h2d_gbps, ordinal, progress, &mut notes)?;
+    let cost = cost_measured(&dev, &ctx, ordinal, progress, &mut notes)?;
     let peers = peers_of(ordinal)?;
     Ok(DeviceMeasure {
         ordinal: ordinal as u32,
@@ -340,7 +341,6 @@ fn d2d_measured(
 fn cost_measured(
     dev: &CudaDevice,
     ctx: &CudaContext,
-    h2d_gbps: Option<f64>,
     ordinal: usize,
     progress: &mut dyn FnMut(&str),
     notes: &mut Vec<String>,
@@ -350,9 +350,7 @@ fn cost_measured(
         progress(&format!(
             "device {ordinal}: timing the engine's kernels for [device.cost]"
         ));
-        let c = cost::measure_cost(dev, h2d_gbps, &mut |l| {
-            progress(&format!("device {ordinal}: {l}"))
-        });
+        let c = cost::measure_cost(dev, &mut |l| progress(&format!("device {ordinal}: {l}")));
         for n in &c.notes {
             progress(&format!("device {ordinal}: note: {n}"));
         }
