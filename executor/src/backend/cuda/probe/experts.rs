@@ -264,7 +264,7 @@ pub fn miss_copies(dev: &CudaDevice) -> Result<f64, CudaError> {
     }
     dev.synchronize()?;
     let s = t.elapsed().as_secs_f64();
-    if !(s > 0.0) {
+    if s <= 0.0 || !s.is_finite() {
         return Err(shape(format!("{ROUNDS} rounds of copies took {s} s")));
     }
     Ok((ROUNDS * n * chunk) as f64 / s / 1e9)
@@ -286,7 +286,7 @@ mod tests {
                 assert!(row.iter().all(|&x| (0..N_EXPERT as i32).contains(&x)));
             }
         }
-        let mut seen = vec![false; N_EXPERT];
+        let mut seen = [false; N_EXPERT];
         for p in 0..N_EXPERT / K {
             for j in 0..K {
                 seen[pick(p, 0, j) as usize] = true;
