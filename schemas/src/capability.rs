@@ -107,7 +107,9 @@ pub const TABLE: [Capability; 3] = [
     Capability {
         backend: Backend::Cuda,
         missing: None,
-        archs: &["qwen3moe"],
+        // qwen3next: its linear-attention, gated-attention and shared-expert ops on
+        // kernels/cuda/linear.cu (without its MTP block).
+        archs: &["qwen3moe", "qwen3next"],
         // Every type the reference decodes: F32/F16/BF16/Q8_0/Q4_K on dedicated kernels, the
         // rest on quants.cuh's decoders (launch::kty).
         weight_types: crate::quant::SUPPORTED,

@@ -49,6 +49,49 @@ impl KvGeo {
     }
 }
 
+/// The linear-attention state region of a stage (Qwen3-Next): per slot, per linear layer of
+/// the stage, the conv state then the recurrent state (f32), the layout of the CPU backend's
+/// `LinearState` and exactly the bytes the plan's `linear_state` region holds for it.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct LinGeo {
+    pub region: Span,
+    /// Linear layers on the stage.
+    pub layers: usize,
+    /// Floats of one layer's conv and recurrent state of one slot.
+    pub conv: usize,
+    pub rec: usize,
+}
+
+impl LinGeo {
+    /// The geometry of `layers` linear layers of `d` for `slots` slots at `region`; an error
+    /// naming the sizes when the region is short.
+    pub fn new(d: &Dims, layers: usize, slots: usize, region: Span) -> Result<Self, CudaError> {
+        let (conv, rec) = crate::backend::cpu::linear_state::layer_floats(d);
+        let g = Self {
+            region,
+            layers,
+            conv,
+            rec,
+        };
+        let need = 4 * (slots * g.slot_floats()) as u64;
+        if region.bytes < need || region.off % 16 != 0 {
+            return Err(CudaError::Shape {
+                op: "bind",
+                detail: format!(
+                    "the linear_state region holds {} bytes at offset {} but {slots} slots x {layers} linear layers need {need} (16-byte aligned): re-plan with this build's strata-plan",
+                    region.bytes, region.off
+                ),
+            });
+        }
+        Ok(g)
+    }
+
+    /// Floats of one slot's state (every linear layer of the stage).
+    pub fn slot_floats(&self) -> usize {
+        self.layers * (self.conv + self.rec)
+    }
+}
+
 /// A captured decode pass.
 pub(crate) struct Graph(CudaGraph);
 
@@ -79,6 +122,8 @@ pub struct CudaStage {
     pub(crate) flags: RunFlags,
     pub(crate) attn_factor: f32,
     pub(crate) kv: KvGeo,
+    /// Each slot's linear-attention state (no layers for models without linear attention).
+    pub(crate) lin: LinGeo,
     pub(crate) max_tok: usize,
     pub(crate) att_splits: usize,
     pub(crate) slots: usize,
@@ -124,6 +169,7 @@ impl CudaStage {
             flags,
             attn_factor,
             kv,
+            lin: LinGeo::default(),
             max_tok,
             att_splits,
             slots,
@@ -136,6 +182,16 @@ impl CudaStage {
             xcache: None,
             binder: Some(binder),
         }
+    }
+
+    /// Bind the slots' linear-attention state to `lin` and zero it.
+    pub(crate) fn set_linear_state(&mut self, lin: LinGeo) -> Result<(), CudaError> {
+        if lin.layers > 0 {
+            let v = self.view(lin.region.off, 4 * (self.slots * lin.slot_floats()) as u64)?;
+            self.dev.memset(v, 0)?;
+        }
+        self.lin = lin;
+        Ok(())
     }
 
     /// The device this stage runs on.
