@@ -231,11 +231,12 @@ fn check_report(plan: &Plan) {
     let spill = plan.serve.kv_resident < plan.serve.max_context;
     let host_experts = plan.host.experts_host_bytes > 0;
     if run.of(Backend::Cuda).is_ok() {
-        assert!(plan.model.arch == "qwen3moe" && !spill && !host_experts);
+        let arch = plan.model.arch.as_str();
+        assert!(matches!(arch, "qwen3moe" | "qwen3next") && !spill && !host_experts);
         assert!(plan.devices.iter().all(|d| d.vendor == "nvidia"));
     }
     if run.of(Backend::Cpu).is_ok() {
-        assert!(plan.model.arch == "qwen3moe");
+        assert!(matches!(plan.model.arch.as_str(), "qwen3moe" | "qwen3next"));
         assert!(plan.devices.iter().all(|d| d.vendor == "cpu"));
     }
     assert!(run.of(Backend::Hip).is_err());

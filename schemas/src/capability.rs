@@ -478,7 +478,8 @@ mod tests {
     #[test]
     fn each_missing_capability_is_named() {
         let mut w = qwen3moe();
-        w.arch = "qwen3next".into();
+        // An architecture neither backend has a forward pass for.
+        w.arch = "gpt-oss".into();
         w.tensors
             .push(("blk.0.ffn_up_exps.weight".into(), GgmlType::Tq1_0));
         w.tensors
@@ -494,7 +495,7 @@ mod tests {
         let why = check(capability(Backend::Cuda), &w).unwrap_err();
         let all = why.join("\n");
         for needle in [
-            "architecture `qwen3next`",
+            "architecture `gpt-oss`",
             "TQ1_0 of tensor `blk.0.ffn_up_exps.weight` and 1 more",
             "KV type `f32`",
             "device 1 is vendor `amd`",

@@ -363,7 +363,14 @@ pub fn buffers(
                 (Tables, table_bytes(d) * n_layer as u64),
                 (Norms, if f32_norms { 0 } else { norm_bytes(d, n_layer) }),
                 (ConvOut, f * t * u(d.lin_qkv())),
-                (ShScratch, f * t * (2 * u(d.n_ff_shexp) + u(d.e))),
+                (
+                    ShScratch,
+                    if d.n_ff_shexp > 0 {
+                        f * t * (2 * u(d.n_ff_shexp) + u(d.e))
+                    } else {
+                        0
+                    },
+                ),
             ]);
         }
     }

@@ -212,8 +212,8 @@ impl Bind for CudaStage {
                 return Ok(CVec { off, n });
             }
         }
-        let rb = crate::quant::row_bytes(ty, cols)
-            .map_err(|e| plan_err(format!("`{name}`: {e}")))?;
+        let rb =
+            crate::quant::row_bytes(ty, cols).map_err(|e| plan_err(format!("`{name}`: {e}")))?;
         if data.len() < rb * rows {
             return Err(plan_err(format!(
                 "`{name}` holds {} bytes, {rows} rows of {cols} {ty} need {}",
