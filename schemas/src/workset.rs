@@ -356,7 +356,13 @@ pub fn buffers(
                 (Draws, dec * DRAW_BYTES),
                 (
                     Xh,
-                    g(2 * (t * u(d.e.max(d.att_out()))).max(t * u(d.k) * u(d.f))),
+                    // The widest product input: the hidden row, the attention output, the
+                    // experts' hidden rows, and (Qwen3-Next) the delta net's output and the
+                    // shared expert's hidden row.
+                    g(
+                        2 * (t * u(d.e.max(d.att_out()).max(d.lin_v()).max(d.n_ff_shexp)))
+                            .max(t * u(d.k) * u(d.f)),
+                    ),
                 ),
                 (Yd, g(f * t * u(d.k) * u(d.e))),
                 (Sorted, g(MoeScratch::new(p.tokens, d.k, d.n_expert).bytes)),
