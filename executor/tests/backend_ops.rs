@@ -957,7 +957,6 @@ fn picks_on_the_device_equal_the_host() {
 
 /// A one-layer Qwen3-Next (its one layer linear attention: interval 2) with these linear
 /// heads, conv width and shared-expert width, over `hp`'s other dims.
-#[allow(clippy::too_many_arguments)]
 fn next_hp(
     e: u64,
     n_head: u64,
