@@ -327,14 +327,16 @@ pub fn start_cuda(
     for ((i, dp), arena) in plan.devices.iter().enumerate().zip(arenas) {
         let hp = &host.inventory().hparams;
         let (full, lin) = qwen3next::layer_counts(hp, dp.layer_first, dp.layer_end);
-        let n_layer = full as u64;
+        // KV is kept for the full-attention layers only (all of them but Qwen3-Next's
+        // linear-attention layers).
+        let kv_layers = full as u64;
         let kvr = dp
             .region(RegionKind::KvCache)
             .ok_or_else(|| plan_err(format!("device {} has no kv_cache region", dp.index)))?;
-        let slot_bytes = 2 * ctx as u64 * pf.kv_row_bytes * n_layer;
+        let slot_bytes = 2 * ctx as u64 * pf.kv_row_bytes * kv_layers;
         if kvr.bytes < slot_bytes * n_slots as u64 {
             return Err(plan_err(format!(
-                "device {}: kv_cache holds {} bytes but {n_slots} slots x {n_layer} layers x {ctx} cells need {}",
+                "device {}: kv_cache holds {} bytes but {n_slots} slots x {kv_layers} full-attention layers x {ctx} cells need {}",
                 dp.index,
                 kvr.bytes,
                 slot_bytes * n_slots as u64
