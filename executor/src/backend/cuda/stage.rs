@@ -576,3 +576,78 @@ impl Stage for CudaStage {
         self.xcache.as_ref().map(|c| c.tally())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_schemas::inventory::{HParams, SsmParams};
+
+    fn next_dims() -> Dims {
+        let hp = HParams {
+            n_layer: 4,
+            n_embd: 64,
+            n_vocab: 128,
+            n_ctx_train: 256,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim_k: 16,
+            head_dim_v: 16,
+            n_ff: 0,
+            n_expert: 4,
+            n_expert_used: 2,
+            n_ff_exp: 32,
+            n_ff_shexp: 32,
+            n_leading_dense: 0,
+            full_attention_interval: Some(2),
+            ssm: Some(SsmParams {
+                conv_kernel: 4,
+                state_size: 16,
+                group_count: 2,
+                time_step_rank: 4,
+                inner_size: 64,
+            }),
+            nextn_predict_layers: 0,
+            rope_theta: 1e4,
+            rope_dim: Some(4),
+            rms_eps: 1e-6,
+            norm_topk_prob: true,
+            tied_embeddings: false,
+        };
+        Dims::of(&hp)
+    }
+
+    #[test]
+    fn linear_state_geometry_is_the_planned_bytes_and_a_short_region_is_refused() {
+        let d = next_dims();
+        // Per layer: conv 3 x (2 x 2 x 16 + 64) floats, recurrent 4 x 16 x 16 floats; the
+        // planner's `linear_state_bytes_per_layer` counts the same bytes.
+        let per_layer = 4 * (3 * 128 + 4 * 16 * 16) as u64;
+        let need = 3 * 2 * per_layer;
+        let g = LinGeo::new(
+            &d,
+            2,
+            3,
+            Span {
+                off: 256,
+                bytes: need,
+            },
+        )
+        .unwrap();
+        assert_eq!((g.conv, g.rec), (3 * 128, 4 * 16 * 16));
+        assert_eq!(4 * g.slot_floats() as u64, 2 * per_layer);
+        let short = Span {
+            off: 256,
+            bytes: need - 4,
+        };
+        let e = LinGeo::new(&d, 2, 3, short).unwrap_err().to_string();
+        assert!(
+            e.contains("re-plan") && e.contains(&need.to_string()),
+            "{e}"
+        );
+        let odd = Span {
+            off: 260,
+            bytes: need,
+        };
+        assert!(LinGeo::new(&d, 2, 3, odd).is_err());
+    }
+}
