@@ -47,6 +47,8 @@ pub const PF_Q: usize = 16;
 pub const FA_BQ: usize = 64;
 pub const FA_BKV: usize = 64;
 pub const FA_WARPS: u32 = 4;
+/// Largest conv width (taps) of the Gated DeltaNet's conv (`lin_conv_silu`).
+pub const LIN_MAX_CONV: usize = 16;
 
 /// Every shared constant as (name, value), in prelude order.
 pub fn all() -> Vec<(&'static str, String)> {
@@ -74,6 +76,7 @@ pub fn all() -> Vec<(&'static str, String)> {
         ("FA_BQ", FA_BQ.to_string()),
         ("FA_BKV", FA_BKV.to_string()),
         ("FA_WARPS", FA_WARPS.to_string()),
+        ("LIN_MAX_CONV", LIN_MAX_CONV.to_string()),
     ]
 }
 

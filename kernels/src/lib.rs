@@ -152,6 +152,21 @@ const RAW: &[Raw] = &[
         cuda_only: false,
     },
     Raw {
+        name: "linear",
+        headers: &[],
+        body: include_str!("../cuda/linear.cu"),
+        entry_points: &[
+            "lin_split_qg",
+            "lin_sigmoid_gate",
+            "lin_conv_silu",
+            "lin_delta_rule",
+            "lin_swiglu",
+            "lin_shared_add",
+        ],
+        pdl_aware: &[],
+        cuda_only: false,
+    },
+    Raw {
         name: "flash",
         headers: &[],
         body: include_str!("../cuda/flash.cu"),

@@ -223,7 +223,7 @@ impl<'a> Sizing<'a> {
             .inv
             .tensors
             .iter()
-            .filter(|t| t.name.ends_with("norm.weight"))
+            .filter(|t| workset::small_f32(&t.name))
             .all(|t| t.ggml_type == strata_schemas::ggml::GgmlType::F32);
         let d = Dims::of(hp);
         let specs = workset::buffers(backend, &d, n_layer as usize, f32_norms, &pass)

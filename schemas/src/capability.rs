@@ -107,7 +107,9 @@ pub const TABLE: [Capability; 3] = [
     Capability {
         backend: Backend::Cuda,
         missing: None,
-        archs: &["qwen3moe"],
+        // qwen3next: its linear-attention, gated-attention and shared-expert ops on
+        // kernels/cuda/linear.cu (without its MTP block).
+        archs: &["qwen3moe", "qwen3next"],
         // Every type the reference decodes: F32/F16/BF16/Q8_0/Q4_K on dedicated kernels, the
         // rest on quants.cuh's decoders (launch::kty).
         weight_types: crate::quant::SUPPORTED,
@@ -476,7 +478,8 @@ mod tests {
     #[test]
     fn each_missing_capability_is_named() {
         let mut w = qwen3moe();
-        w.arch = "qwen3next".into();
+        // An architecture neither backend has a forward pass for.
+        w.arch = "gpt-oss".into();
         w.tensors
             .push(("blk.0.ffn_up_exps.weight".into(), GgmlType::Tq1_0));
         w.tensors
@@ -492,11 +495,10 @@ mod tests {
         let why = check(capability(Backend::Cuda), &w).unwrap_err();
         let all = why.join("\n");
         for needle in [
-            "architecture `qwen3next`",
+            "architecture `gpt-oss`",
             "TQ1_0 of tensor `blk.0.ffn_up_exps.weight` and 1 more",
             "KV type `f32`",
             "device 1 is vendor `amd`",
-            "experts_host: 10 of 128",
             "kv_spill: 4096 of 65536",
             "MTP",
             "vision",
@@ -505,6 +507,15 @@ mod tests {
         ] {
             assert!(all.contains(needle), "missing `{needle}` in:\n{all}");
         }
+        // CUDA serves host experts through its expert cache; a backend without them names
+        // the region.
+        assert!(!all.contains("experts_host"), "{all}");
+        let no_host = Capability {
+            host_experts: false,
+            ..*capability(Backend::Cuda)
+        };
+        let why = check(&no_host, &w).unwrap_err().join("\n");
+        assert!(why.contains("experts_host: 10 of 128"), "{why}");
         // The CPU backend takes host experts, KV spill, dense layers, f32 KV and any head dims.
         let cpu = check(capability(Backend::Cpu), &w).unwrap_err().join("\n");
         for absent in [

@@ -131,13 +131,15 @@ work_bufs! {
     Z = "z",
     Ba = "ba",
     Lin = "lin",
-    /// CPU: the conv's output, the per-head gates (beta then g, tokens x value heads each),
-    /// the delta rule's output before its norm, and the chunked rule's scratch.
+    /// The conv's output (f32, tokens x conv channels); CPU: the per-head gates (beta then g,
+    /// tokens x value heads each), the delta rule's output before its norm, and the chunked
+    /// rule's scratch.
     ConvOut = "conv_out",
     Gbeta = "gbeta",
     DeltaOut = "delta_out",
     DeltaScratch = "delta_scratch",
-    /// CPU: the shared expert's gate, up, down and partial rows and per-token gate scalars.
+    /// The shared expert's rows: CPU its gate, up, down and partial rows and per-token gate
+    /// scalars; GPU its gate, up and down rows (tokens x (2 x shared width + hidden)).
     ShScratch = "sh_scratch",
 }
 
@@ -167,7 +169,7 @@ pub fn runs(backend: BackendKind, arch: &str, hp: &HParams) -> bool {
     let next = arch == "qwen3next" && hp.n_expert > 0 && hp.ssm.is_some();
     match backend {
         BackendKind::Cpu => moe || next,
-        BackendKind::Gpu => moe && hp.n_leading_dense == 0,
+        BackendKind::Gpu => (moe || next) && hp.n_leading_dense == 0,
     }
 }
 
@@ -228,11 +230,30 @@ pub fn table_bytes(d: &Dims) -> u64 {
     align(d.n_expert as u64 * 3 * 8)
 }
 
+/// Whether the GPU backend reads tensor `name` as f32 (in place when the file stores it as
+/// F32, else converted into the `norms` buffer): the norm vectors, and Qwen3-Next's conv
+/// taps, `ssm_a`, `ssm_dt.bias` and shared-expert gate row.
+pub fn small_f32(name: &str) -> bool {
+    name.ends_with("norm.weight")
+        || name.ends_with("ssm_conv1d.weight")
+        || name.ends_with(".ssm_a")
+        || name.ends_with("ssm_dt.bias")
+        || name.ends_with("ffn_gate_inp_shexp.weight")
+}
+
 /// Bytes of the f32 norm vectors of `n_layer` layers and the output norm (each aligned):
-/// the GPU backend's `norms` buffer when the file does not store them as F32.
+/// the GPU backend's `norms` buffer when the file does not store them as F32. A model with
+/// linear attention (Qwen3-Next) adds, per layer, its other small f32 tensors: the conv taps,
+/// `ssm_norm`, `ssm_dt.bias`, `ssm_a` and the shared expert's gate row (counted for every
+/// layer, an upper bound).
 pub fn norm_bytes(d: &Dims, n_layer: usize) -> u64 {
     let a = |n: usize| align(4 * n as u64);
-    (2 * a(d.e) + 2 * a(d.hd)) * n_layer as u64 + a(d.e)
+    let lin = if d.linear() {
+        a(d.lin_qkv() * d.conv_k) + a(d.lin_hv) + 2 * a(d.lin_v_heads) + a(d.e)
+    } else {
+        0
+    };
+    (2 * a(d.e) + 2 * a(d.hd) + lin) * n_layer as u64 + a(d.e)
 }
 
 /// The buffers `backend` binds on a stage of `n_layer` layers for passes up to `p`, in
@@ -335,12 +356,27 @@ pub fn buffers(
                 (Draws, dec * DRAW_BYTES),
                 (
                     Xh,
-                    g(2 * (t * u(d.e.max(d.att_out()))).max(t * u(d.k) * u(d.f))),
+                    // The widest product input: the hidden row, the attention output, the
+                    // experts' hidden rows, and (Qwen3-Next) the delta net's output and the
+                    // shared expert's hidden row.
+                    g(
+                        2 * (t * u(d.e.max(d.att_out()).max(d.lin_v()).max(d.n_ff_shexp)))
+                            .max(t * u(d.k) * u(d.f)),
+                    ),
                 ),
                 (Yd, g(f * t * u(d.k) * u(d.e))),
                 (Sorted, g(MoeScratch::new(p.tokens, d.k, d.n_expert).bytes)),
                 (Tables, table_bytes(d) * n_layer as u64),
                 (Norms, if f32_norms { 0 } else { norm_bytes(d, n_layer) }),
+                (ConvOut, f * t * u(d.lin_qkv())),
+                (
+                    ShScratch,
+                    if d.n_ff_shexp > 0 {
+                        f * t * (2 * u(d.n_ff_shexp) + u(d.e))
+                    } else {
+                        0
+                    },
+                ),
             ]);
         }
     }

@@ -1,7 +1,8 @@
 //! Weights on a CUDA stage: the upload of every device-placed tensor and resident expert to
 //! its planned offset (Q8_0 rearranged to the split layout of `layout`), and the seam's
 //! binding of a model's tensors by name — matrices where the plan placed them, norm vectors
-//! read in place or converted to f32 into the planned `norms` buffer, each layer's expert
+//! and small tables (conv taps) read in place or converted to f32 into the planned `norms`
+//! buffer, each layer's expert
 //! table written into the planned `tables` buffer.
 //! Invariant: a tensor is bound only where the plan placed it on this device, with the dims
 //! the forward pass asks for; nothing here allocates device memory.
@@ -183,8 +184,51 @@ impl Bind for CudaStage {
         Ok(CVec { off, n })
     }
 
-    fn table(&mut self, _name: &str, _rows: usize, _cols: usize) -> Result<CVec, CudaError> {
-        Err(super::next::not_yet("table"))
+    fn table(&mut self, name: &str, rows: usize, cols: usize) -> Result<CVec, CudaError> {
+        let b = self.binder()?;
+        let host = b.host.clone();
+        let info = host
+            .inventory()
+            .tensor(name)
+            .ok_or_else(|| plan_err(format!("`{name}` is not in the model inventory")))?;
+        let ty = info.ggml_type;
+        let dims_ok = match info.dims.as_slice() {
+            [c, r] => *c == cols as u64 && *r == rows as u64,
+            _ => false,
+        };
+        if !dims_ok {
+            return Err(plan_err(format!(
+                "`{name}` has dims {:?}, expected [{cols}, {rows}]",
+                info.dims
+            )));
+        }
+        let data = host
+            .tensor_bytes(name)
+            .ok_or_else(|| plan_err(format!("`{name}` is missing from the model")))?;
+        let n = rows * cols;
+        // An F32 table is row-major `rows x cols` as stored: read in place.
+        if ty == GgmlType::F32 && data.len() == n * 4 {
+            if let Some(&off) = b.placed.get(name).filter(|o| **o % 16 == 0) {
+                return Ok(CVec { off, n });
+            }
+        }
+        let rb =
+            crate::quant::row_bytes(ty, cols).map_err(|e| plan_err(format!("`{name}`: {e}")))?;
+        if data.len() < rb * rows {
+            return Err(plan_err(format!(
+                "`{name}` holds {} bytes, {rows} rows of {cols} {ty} need {}",
+                data.len(),
+                rb * rows
+            )));
+        }
+        let mut v = vec![0f32; n];
+        for (r, o) in v.chunks_exact_mut(cols.max(1)).enumerate() {
+            crate::quant::dequantize_row(ty, &data[r * rb..(r + 1) * rb], o)
+                .map_err(|e| plan_err(format!("`{name}` row {r}: {e}")))?;
+        }
+        let off = Binder::take(&mut b.norms, 4 * n as u64, "norms")?;
+        self.htod(off, &v)?;
+        Ok(CVec { off, n })
     }
 
     fn experts_of(&mut self, layer: u32) -> Result<CExperts, CudaError> {

@@ -13,6 +13,7 @@ use super::flash::{self, PrefillAttn};
 use super::gemm::{gemm_col_multiple, GemmTile, MoeInput, MOE_DEFAULT_TILE};
 use super::launch::attention::{self, Heads, KvLayer, Splits};
 use super::launch::decode::{self, ExpertTable, FusedTopk, InNorm};
+use super::launch::linear;
 use super::launch::{kty, Launcher, Mat};
 use super::stage::CudaStage;
 use super::{CudaError, DeviceView};
@@ -134,6 +135,41 @@ impl CudaStage {
                 self.dev
                     .gemm_converted(tile, w.w, m.ty, m.rows, m.cols, xh, n, yv, acc)
             })?;
+        }
+        Ok(())
+    }
+
+    /// `y_j = W_j x` for outputs given as views (rows of `n` tokens): the tensor-core
+    /// products where this pass takes them and the weights fit, the few-token products
+    /// otherwise.
+    fn products(
+        &self,
+        l: &Launcher<'_>,
+        x: DeviceView<'_>,
+        outs: &[(CMat, DeviceView<'_>)],
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let stage = self.opts.stage_inputs;
+        let mut converted: Option<bool> = None;
+        for (m, y) in outs {
+            if self.gemm_pass(n) && Self::gemm_fits(m) {
+                let xh = self.buf(WorkBuf::Xh)?;
+                let bf16 = m.ty == GgmlType::BF16;
+                if converted != Some(bf16) {
+                    l.timed("gemm_convert_x", || {
+                        self.dev.gemm_convert_x(x, n, m.cols, m.ty, xh)
+                    })?;
+                    converted = Some(bf16);
+                }
+                let w = self.mat(*m)?;
+                let tile = self.dev.gemm_default_tile(m.ty, m.rows, n);
+                l.timed("gemm_shexp", || {
+                    self.dev
+                        .gemm_converted(tile, w.w, m.ty, m.rows, m.cols, xh, n, *y, false)
+                })?;
+            } else {
+                decode::mv(l, "mv_shexp", self.mat(*m)?, x, None, *y, n, false, stage)?;
+            }
         }
         Ok(())
     }
@@ -573,33 +609,119 @@ impl Ops for CudaStage {
 
     fn split_query_gate(
         &mut self,
-        _qg: WorkBuf,
-        _q: WorkBuf,
-        _gate: WorkBuf,
-        _n: usize,
+        qg: WorkBuf,
+        q: WorkBuf,
+        gate: WorkBuf,
+        n: usize,
     ) -> Result<(), CudaError> {
-        Err(super::next::not_yet("split_query_gate"))
+        let d = self.d;
+        let w = d.q_out();
+        let (qgv, qv, gv) = (
+            self.rows(qg, n, 2 * w)?,
+            self.rows(q, n, w)?,
+            self.rows(gate, n, w)?,
+        );
+        linear::split_query_gate(&self.launcher(), qgv, qv, gv, d.n_head, d.hd, n)
     }
 
-    fn sigmoid_gate(&mut self, _x: WorkBuf, _gate: WorkBuf, _n: usize) -> Result<(), CudaError> {
-        Err(super::next::not_yet("sigmoid_gate"))
+    fn sigmoid_gate(&mut self, x: WorkBuf, gate: WorkBuf, n: usize) -> Result<(), CudaError> {
+        let w = self.d.att_out();
+        let (xv, gv) = (self.rows(x, n, w)?, self.rows(gate, n, w)?);
+        linear::sigmoid_gate(&self.launcher(), xv, gv, n * w)
     }
 
+    /// The conv over each slot's conv state, then the delta rule (gates, q/k norms, the
+    /// recurrent rule token by token, the gated norm) over its recurrent state, both reading
+    /// slots and positions on the device.
     fn linear_attention(
         &mut self,
-        _a: &crate::backend::LinearAttention<CVec>,
-        _n: usize,
+        a: &crate::backend::LinearAttention<CVec>,
+        n: usize,
     ) -> Result<(), CudaError> {
-        Err(super::next::not_yet("linear_attention"))
+        let d = self.d;
+        let lin = self.lin;
+        if a.lin_layer >= lin.layers {
+            return Err(shape(
+                "linear_attention",
+                format!(
+                    "linear layer {} on a stage holding state for {}",
+                    a.lin_layer, lin.layers
+                ),
+            ));
+        }
+        let l = self.launcher();
+        let (c, vd) = (d.lin_qkv(), d.lin_v());
+        let [_, pos, slot] = self.inputs()?;
+        let tok = linear::Tokens { pos, slot, n };
+        let state = self.view(lin.region.off, 4 * (self.slots * lin.slot_floats()) as u64)?;
+        let layer = a.lin_layer * (lin.conv + lin.rec);
+        let slots = |layer_off| linear::LinSlots {
+            state,
+            slots: self.slots,
+            slot_stride: lin.slot_floats(),
+            layer_off,
+        };
+        let conv_out = self.rows(WorkBuf::ConvOut, n, c)?;
+        linear::conv_silu(
+            &l,
+            self.rows(a.qkv, n, c)?,
+            self.vec(a.conv)?,
+            slots(layer),
+            tok,
+            conv_out,
+            c,
+            d.conv_k,
+        )?;
+        let heads = linear::DeltaHeads {
+            nk: d.lin_k_heads,
+            nv: d.lin_v_heads,
+            dk: d.lin_hk,
+            dv: d.lin_hv,
+        };
+        let inp = linear::DeltaIn {
+            conv: conv_out,
+            ba: self.rows(a.ba, n, 2 * d.lin_v_heads)?,
+            z: self.rows(a.z, n, vd)?,
+            dt_bias: self.vec(a.dt_bias)?,
+            ssm_a: self.vec(a.ssm_a)?,
+            norm: self.vec(a.norm)?,
+        };
+        let out = self.rows(a.out, n, vd)?;
+        linear::delta_rule(&l, heads, inp, slots(layer + lin.conv), tok, out, d.eps)
     }
 
+    /// gate and up products into the `sh_scratch` rows, SwiGLU, the down product, then the
+    /// sigmoid-gated add into `y`.
     fn shared_expert(
         &mut self,
-        _s: &crate::backend::SharedFfn<CMat, CVec>,
-        _xn: WorkBuf,
-        _y: WorkBuf,
-        _n: usize,
+        s: &crate::backend::SharedFfn<CMat, CVec>,
+        xn: WorkBuf,
+        y: WorkBuf,
+        n: usize,
     ) -> Result<(), CudaError> {
-        Err(super::next::not_yet("shared_expert"))
+        let (e, f) = (self.d.e, s.gate.rows);
+        if s.up.rows != f || s.down.cols != f || s.down.rows != e || s.gate.cols != e {
+            return Err(shape(
+                "shared expert",
+                format!(
+                    "gate {}x{}, up {}x{}, down {}x{} for a hidden width of {e}",
+                    s.gate.rows, s.gate.cols, s.up.rows, s.up.cols, s.down.rows, s.down.cols
+                ),
+            ));
+        }
+        let l = self.launcher();
+        let sh = WorkBuf::ShScratch;
+        let (fb, eb) = ((4 * n * f) as u64, (4 * n * e) as u64);
+        let (g, u, dn) = (
+            self.buf_at(sh, 0, fb)?,
+            self.buf_at(sh, fb, fb)?,
+            self.buf_at(sh, 2 * fb, eb)?,
+        );
+        let xv = self.rows(xn, n, e)?;
+        self.products(&l, xv, &[(s.gate, g), (s.up, u)], n)?;
+        linear::swiglu(&l, g, u, n * f)?;
+        self.products(&l, g, &[(s.down, dn)], n)?;
+        let yv = self.rows(y, n, e)?;
+        linear::shared_add(&l, xv, self.vec(s.gate_inp)?, dn, yv, e, n)
     }
 }

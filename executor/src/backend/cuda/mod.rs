@@ -18,7 +18,6 @@ pub mod handoff;
 pub mod launch;
 pub mod layout;
 pub mod memlock;
-pub mod next;
 pub mod options;
 pub mod probe;
 pub mod quants;

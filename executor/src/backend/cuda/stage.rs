@@ -49,6 +49,49 @@ impl KvGeo {
     }
 }
 
+/// The linear-attention state region of a stage (Qwen3-Next): per slot, per linear layer of
+/// the stage, the conv state then the recurrent state (f32), the layout of the CPU backend's
+/// `LinearState` and exactly the bytes the plan's `linear_state` region holds for it.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct LinGeo {
+    pub region: Span,
+    /// Linear layers on the stage.
+    pub layers: usize,
+    /// Floats of one layer's conv and recurrent state of one slot.
+    pub conv: usize,
+    pub rec: usize,
+}
+
+impl LinGeo {
+    /// The geometry of `layers` linear layers of `d` for `slots` slots at `region`; an error
+    /// naming the sizes when the region is short.
+    pub fn new(d: &Dims, layers: usize, slots: usize, region: Span) -> Result<Self, CudaError> {
+        let (conv, rec) = crate::backend::cpu::linear_state::layer_floats(d);
+        let g = Self {
+            region,
+            layers,
+            conv,
+            rec,
+        };
+        let need = 4 * (slots * g.slot_floats()) as u64;
+        if region.bytes < need || region.off % 16 != 0 {
+            return Err(CudaError::Shape {
+                op: "bind",
+                detail: format!(
+                    "the linear_state region holds {} bytes at offset {} but {slots} slots x {layers} linear layers need {need} (16-byte aligned): re-plan with this build's strata-plan",
+                    region.bytes, region.off
+                ),
+            });
+        }
+        Ok(g)
+    }
+
+    /// Floats of one slot's state (every linear layer of the stage).
+    pub fn slot_floats(&self) -> usize {
+        self.layers * (self.conv + self.rec)
+    }
+}
+
 /// A captured decode pass.
 pub(crate) struct Graph(CudaGraph);
 
@@ -79,6 +122,8 @@ pub struct CudaStage {
     pub(crate) flags: RunFlags,
     pub(crate) attn_factor: f32,
     pub(crate) kv: KvGeo,
+    /// Each slot's linear-attention state (no layers for models without linear attention).
+    pub(crate) lin: LinGeo,
     pub(crate) max_tok: usize,
     pub(crate) att_splits: usize,
     pub(crate) slots: usize,
@@ -124,6 +169,7 @@ impl CudaStage {
             flags,
             attn_factor,
             kv,
+            lin: LinGeo::default(),
             max_tok,
             att_splits,
             slots,
@@ -136,6 +182,16 @@ impl CudaStage {
             xcache: None,
             binder: Some(binder),
         }
+    }
+
+    /// Bind the slots' linear-attention state to `lin` and zero it.
+    pub(crate) fn set_linear_state(&mut self, lin: LinGeo) -> Result<(), CudaError> {
+        if lin.layers > 0 {
+            let v = self.view(lin.region.off, 4 * (self.slots * lin.slot_floats()) as u64)?;
+            self.dev.memset(v, 0)?;
+        }
+        self.lin = lin;
+        Ok(())
     }
 
     /// The device this stage runs on.
@@ -518,5 +574,80 @@ impl Stage for CudaStage {
 
     fn routing(&self) -> Option<&crate::routing::RoutingTally> {
         self.xcache.as_ref().map(|c| c.tally())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_schemas::inventory::{HParams, SsmParams};
+
+    fn next_dims() -> Dims {
+        let hp = HParams {
+            n_layer: 4,
+            n_embd: 64,
+            n_vocab: 128,
+            n_ctx_train: 256,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim_k: 16,
+            head_dim_v: 16,
+            n_ff: 0,
+            n_expert: 4,
+            n_expert_used: 2,
+            n_ff_exp: 32,
+            n_ff_shexp: 32,
+            n_leading_dense: 0,
+            full_attention_interval: Some(2),
+            ssm: Some(SsmParams {
+                conv_kernel: 4,
+                state_size: 16,
+                group_count: 2,
+                time_step_rank: 4,
+                inner_size: 64,
+            }),
+            nextn_predict_layers: 0,
+            rope_theta: 1e4,
+            rope_dim: Some(4),
+            rms_eps: 1e-6,
+            norm_topk_prob: true,
+            tied_embeddings: false,
+        };
+        Dims::of(&hp)
+    }
+
+    #[test]
+    fn linear_state_geometry_is_the_planned_bytes_and_a_short_region_is_refused() {
+        let d = next_dims();
+        // Per layer: conv 3 x (2 x 2 x 16 + 64) floats, recurrent 4 x 16 x 16 floats; the
+        // planner's `linear_state_bytes_per_layer` counts the same bytes.
+        let per_layer = 4 * (3 * 128 + 4 * 16 * 16) as u64;
+        let need = 3 * 2 * per_layer;
+        let g = LinGeo::new(
+            &d,
+            2,
+            3,
+            Span {
+                off: 256,
+                bytes: need,
+            },
+        )
+        .unwrap();
+        assert_eq!((g.conv, g.rec), (3 * 128, 4 * 16 * 16));
+        assert_eq!(4 * g.slot_floats() as u64, 2 * per_layer);
+        let short = Span {
+            off: 256,
+            bytes: need - 4,
+        };
+        let e = LinGeo::new(&d, 2, 3, short).unwrap_err().to_string();
+        assert!(
+            e.contains("re-plan") && e.contains(&need.to_string()),
+            "{e}"
+        );
+        let odd = Span {
+            off: 260,
+            bytes: need,
+        };
+        assert!(LinGeo::new(&d, 2, 3, odd).is_err());
     }
 }

@@ -12,14 +12,16 @@ use super::expert_cache::CudaExpertCache;
 use super::handoff::Link;
 use super::launch::{kty, ATT_MAX_D, ATT_MAX_GROUP};
 use super::options::CudaOptions;
-use super::stage::{CudaStage, KvGeo, RunFlags, Span};
+use super::stage::{CudaStage, KvGeo, LinGeo, RunFlags, Span};
 use super::{CudaDevice, CudaError, DeviceArena};
 use crate::backend::cpu::{Rope, Yarn};
 use crate::backend::WorkBuf;
 use crate::engine::EngineInfo;
 use crate::exec::planned_buffers;
 use crate::load::{self, HostModel};
-use crate::model::qwen3moe::{self, Qwen3Moe, StageSpec};
+use crate::model::arch::{self, AnyModel};
+use crate::model::qwen3moe::StageSpec;
+use crate::model::qwen3next;
 use crate::pipeline::{Pipeline, PipelineShape, StageOf};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,8 +30,8 @@ use strata_schemas::plan::{DevicePlan, Plan, RegionKind};
 use strata_schemas::serve::KvType;
 use strata_schemas::workset::{self, BackendKind};
 
-/// A Qwen3-MoE plan on CUDA GPUs.
-pub type CudaEngine = Pipeline<CudaStage, Qwen3Moe<CudaStage>>;
+/// A Qwen3-MoE or Qwen3-Next plan on CUDA GPUs.
+pub type CudaEngine = Pipeline<CudaStage, AnyModel<CudaStage>>;
 
 /// Why the CUDA engine did not start.
 #[derive(Debug, thiserror::Error)]
@@ -79,12 +81,16 @@ pub fn preflight(
     load::check_fingerprint(plan, host)?;
     if !workset::runs(BackendKind::Gpu, &inv.arch, &inv.hparams) {
         return Err(plan_err(format!(
-            "architecture `{}` (or its dense FFN layers) has no CUDA forward pass in this build (qwen3moe with every layer MoE): run with --backend cpu",
+            "architecture `{}` (or its dense FFN layers) has no CUDA forward pass in this build (qwen3moe or qwen3next with every layer MoE): run with --backend cpu",
             inv.arch
         )));
     }
     let hp = &inv.hparams;
-    let d = qwen3moe::check_dims(hp).map_err(|e| CudaEngineError::Model(e.to_string()))?;
+    let (d, _) =
+        arch::check_dims(&inv.arch, hp).map_err(|e| CudaEngineError::Model(e.to_string()))?;
+    if d.linear() {
+        check_linear(&d)?;
+    }
     if d.hd_v != d.hd || d.hd > ATT_MAX_D || d.hd % 4 != 0 {
         return Err(plan_err(format!(
             "head dims k {} v {}: the CUDA kernels need equal K/V head dims, a multiple of 4, at most {ATT_MAX_D}",
@@ -204,6 +210,25 @@ pub fn preflight(
     })
 }
 
+/// The Gated DeltaNet shapes the linear-attention kernels take (`launch::linear`).
+fn check_linear(d: &Dims) -> Result<(), CudaEngineError> {
+    use super::launch::linear::LIN_MAX_CONV;
+    if d.conv_k > LIN_MAX_CONV {
+        return Err(plan_err(format!(
+            "a linear-attention conv of {} taps: the CUDA kernel takes at most {LIN_MAX_CONV}: run with --backend cpu",
+            d.conv_k
+        )));
+    }
+    let smem = 4 * (2 * d.lin_hk + d.lin_hv);
+    if smem > 48 << 10 {
+        return Err(plan_err(format!(
+            "linear head dims k {} v {}: the CUDA delta rule keeps 2 key heads and a value head in 48 KiB of shared memory: run with --backend cpu",
+            d.lin_hk, d.lin_hv
+        )));
+    }
+    Ok(())
+}
+
 /// Whether `dq_attn_fused` can serve a stage: F16 KV, head dims a multiple of 8 up to 128,
 /// an even rotation, query groups dividing 128 up to 16, every KV row, slot and layer offset
 /// 16-byte aligned (its 16-byte loads).
@@ -287,7 +312,7 @@ pub fn start_cuda(
         n_slots,
         ctx,
     };
-    let mut stages: Vec<StageOf<CudaStage, Qwen3Moe<CudaStage>>> =
+    let mut stages: Vec<StageOf<CudaStage, AnyModel<CudaStage>>> =
         Vec::with_capacity(plan.devices.len());
     for ((i, dp), arena) in plan.devices.iter().enumerate().zip(arenas) {
         let kv = start.kv_geo(dp)?;
@@ -360,17 +385,20 @@ struct Start<'a> {
 
 impl Start<'_> {
     /// The KV geometry of planned device `dp`, once its `kv_cache` region is seen to hold
-    /// every slot's cells of its layers.
+    /// every slot's cells of its full-attention layers (all of them but Qwen3-Next's
+    /// linear-attention layers).
     fn kv_geo(&self, dp: &DevicePlan) -> Result<KvGeo, CudaEngineError> {
         let (pf, ctx, n_slots) = (self.pf, self.ctx, self.n_slots);
-        let n_layer = (dp.layer_end - dp.layer_first) as u64;
+        let hp = &self.host.inventory().hparams;
+        let (full, _) = qwen3next::layer_counts(hp, dp.layer_first, dp.layer_end);
+        let n_layer = full as u64;
         let kvr = dp
             .region(RegionKind::KvCache)
             .ok_or_else(|| plan_err(format!("device {} has no kv_cache region", dp.index)))?;
         let slot_bytes = 2 * ctx as u64 * pf.kv_row_bytes * n_layer;
         if kvr.bytes < slot_bytes * n_slots as u64 {
             return Err(plan_err(format!(
-                "device {}: kv_cache holds {} bytes but {n_slots} slots x {n_layer} layers x {ctx} cells need {}",
+                "device {}: kv_cache holds {} bytes but {n_slots} slots x {n_layer} full-attention layers x {ctx} cells need {}",
                 dp.index,
                 kvr.bytes,
                 slot_bytes * n_slots as u64
@@ -397,7 +425,7 @@ impl Start<'_> {
         dev: Arc<CudaDevice>,
         arena: DeviceArena,
         kv: KvGeo,
-    ) -> Result<(CudaStage, Qwen3Moe<CudaStage>), CudaEngineError> {
+    ) -> Result<(CudaStage, AnyModel<CudaStage>), CudaEngineError> {
         let (plan, opts, pf, host) = (self.plan, self.opts, self.pf, self.host);
         let d = pf.d;
         let layout = pf.layouts[i].clone();
@@ -451,7 +479,23 @@ impl Start<'_> {
             embedding: dp.holds_embedding,
             head: dp.holds_head,
         };
-        let model = Qwen3Moe::bind(&mut st, &d, &host.inventory().hparams, spec)?;
+        let hp = &host.inventory().hparams;
+        let (_, lin) = qwen3next::layer_counts(hp, dp.layer_first, dp.layer_end);
+        if lin > 0 {
+            let r = dp.region(RegionKind::LinearState).ok_or_else(|| {
+                plan_err(format!(
+                    "device {} holds {lin} linear-attention layers but no linear_state region: re-plan with this build's strata-plan",
+                    dp.index
+                ))
+            })?;
+            let region = Span {
+                off: r.offset,
+                bytes: r.bytes,
+            };
+            st.set_linear_state(LinGeo::new(&d, lin, self.n_slots, region)?)?;
+        }
+        let inv = host.inventory();
+        let model = AnyModel::bind(&inv.arch, &mut st, &d, &inv.hparams, spec)?;
         st.finish_binding();
         Ok((st, model))
     }
@@ -531,7 +575,9 @@ pub fn standalone_stage(
     let kv_gg = s.kv.ggml();
     let row_bytes = crate::quant::row_bytes(kv_gg, d.k_out())
         .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
-    let slot_bytes = 2 * s.ctx as u64 * row_bytes * d.n_layer as u64;
+    let hp = &host.inventory().hparams;
+    let (full, lin) = qwen3next::layer_counts(hp, 0, hp.n_layer);
+    let slot_bytes = 2 * s.ctx as u64 * row_bytes * full as u64;
     let kv = KvGeo {
         region: Span {
             off: at,
@@ -543,6 +589,12 @@ pub fn standalone_stage(
         ty: kty(kv_gg).unwrap_or(1),
     };
     at += al(kv.region.bytes);
+    let (conv, rec) = crate::backend::cpu::linear_state::layer_floats(&d);
+    let lin_region = Span {
+        off: at,
+        bytes: 4 * (s.slots * lin * (conv + rec)) as u64,
+    };
+    at += al(lin_region.bytes);
     let arena = dev.alloc_arena("standalone stage", at.max(256))?;
     let mut tmp = Vec::new();
     for t in &host.inventory().tensors {
@@ -566,7 +618,7 @@ pub fn standalone_stage(
         fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
     };
     let binder = Binder::of_placed(host.clone(), placed, &layout);
-    let st = CudaStage::new(
+    let mut st = CudaStage::new(
         dev,
         arena,
         layout,
@@ -584,6 +636,9 @@ pub fn standalone_stage(
     for b in [WorkBuf::Counters, WorkBuf::Argmax] {
         let v = st.buf(b)?;
         st.device().memset(v, 0)?;
+    }
+    if lin > 0 {
+        st.set_linear_state(LinGeo::new(&d, lin, s.slots, lin_region)?)?;
     }
     let inv_freq = rope.inv_freq();
     let v = st.buf_at(WorkBuf::InvFreq, 0, 4 * inv_freq.len() as u64)?;

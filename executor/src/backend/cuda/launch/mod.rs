@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod decode;
+pub mod linear;
 
 use super::{CudaDevice, CudaError, DeviceView};
 use cudarc::driver::{CudaEvent, LaunchConfig};

@@ -1,0 +1,183 @@
+// linear.cu: Qwen3-Next's ops around its two attention kinds — the gated full attention's
+// query/gate split and sigmoid output gate; the Gated DeltaNet's causal depthwise conv1d + SiLU
+// with each slot's rolling conv state, and its gated delta rule (gates, q/k l2-norm, the
+// recurrent rule over each slot's state, the gated RMSNorm of the output); the shared
+// expert's SwiGLU and its sigmoid-gated add.
+// Invariant: the CPU backend's math (backend/cpu/{attn_gate,conv,delta_net,norms,
+// shared_expert}.rs), token by token in the recurrent form; a slot's state is read and written
+// by exactly one block per (op, head or channel block), its tokens in order, and a token at
+// position 0 starts it from zero. Runs are consecutive tokens of one slot (the CPU's rule);
+// a pass holds at most one run per slot (one prefill, or decode of distinct slots); only
+// the block at a run's first token works, so the launch shape depends only on the token
+// count (graph replay) and slots and positions are read from device memory.
+
+// LIN_MAX_CONV (consts.rs): the largest conv width (taps) lin_conv_silu takes.
+
+__device__ __forceinline__ float lin_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float lin_silu(float x) { return x / (1.0f + expf(-x)); }
+// PyTorch's F.softplus (threshold 20).
+__device__ __forceinline__ float lin_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// Whether token t starts a run (its slot differs from the token before), and the run's end.
+__device__ __forceinline__ bool lin_run(const u32* slot, int t, int n, int* end) {
+    if (t > 0 && slot[t - 1] == slot[t]) return false;
+    int e = t + 1;
+    while (e < n && slot[e] == slot[t]) ++e;
+    *end = e;
+    return true;
+}
+
+// qg: n x n_head x 2 hd (per head the query then its gate) -> q, gate: n x n_head x hd.
+// grid: (n_head, n); block: any.
+ST_KERNEL void lin_split_qg(const float* __restrict__ qg, float* __restrict__ q,
+                            float* __restrict__ gate, int n_head, int hd) {
+    const long h = (long)blockIdx.y * n_head + blockIdx.x;
+    const float* src = qg + h * 2 * hd;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        q[h * hd + i] = src[i];
+        gate[h * hd + i] = src[hd + i];
+    }
+}
+
+// x[i] *= sigmoid(gate[i]) for i < total. grid-stride; any grid and block.
+ST_KERNEL void lin_sigmoid_gate(float* x, const float* __restrict__ gate, long total) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long)gridDim.x * blockDim.x)
+        x[i] *= lin_sigmoid(gate[i]);
+}
+
+// The causal depthwise conv1d + SiLU of n tokens of `ch` channels (qkv: n x ch; w: ch x k taps,
+// the last tap on the current token), each run over its slot's conv state ((k - 1) x ch f32,
+// row 0 the oldest input, at state + slot * slot_stride + layer_off floats), which it rolls
+// forward; out: n x ch. grid: (ceil(ch / blockDim.x), n); block: any. One thread per channel.
+ST_KERNEL void lin_conv_silu(const float* __restrict__ qkv, const float* __restrict__ w,
+                             float* state, const u32* __restrict__ pos,
+                             const u32* __restrict__ slot, float* __restrict__ out, int n, int ch,
+                             int k, long slot_stride, long layer_off) {
+    const int t0 = blockIdx.y;
+    int t1;
+    if (!lin_run(slot, t0, n, &t1)) return;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= ch) return;
+    const int hist = k - 1, len = t1 - t0;
+    float* st = state + (long)slot[t0] * slot_stride + layer_off;
+    const bool fresh = pos[t0] == 0;
+    float tap[LIN_MAX_CONV];
+    for (int i = 0; i < k; ++i) tap[i] = w[(long)c * k + i];
+    // Input j of concat(state, the run's tokens).
+    auto in = [&](int j) -> float {
+        if (j < hist) return fresh ? 0.0f : st[(long)j * ch + c];
+        return qkv[(long)(t0 + j - hist) * ch + c];
+    };
+    for (int t = 0; t < len; ++t) {
+        float acc = 0.0f;
+        for (int i = 0; i < k; ++i) acc += tap[i] * in(t + i);
+        out[(long)(t0 + t) * ch + c] = lin_silu(acc);
+    }
+    // Keep the last hist inputs: row r takes input len + r, which (when still in the state)
+    // is a later row than r, not yet overwritten.
+    for (int r = 0; r < hist; ++r) st[(long)r * ch + c] = in(len + r);
+}
+
+// The gated delta rule of value head blockIdx.x for the run starting at token blockIdx.y:
+// per token, q and k (key head h / (nv / nk)) l2-normalized, beta = sigmoid(b),
+// g = ssm_a * softplus(a + dt_bias) from the ssm_ba row (per key head r b's then r a's),
+// S <- exp(g) S; d = beta (v - S k); S <- S + k d^T; o = S q / sqrt(dk) (S stored as dv rows
+// of dk, at state + slot * slot_stride + layer_off floats, head after head), then
+// out = norm * o / rms(o) * silu(z) over the head's dv values.
+// conv: n x (2 nk dk + nv dv) (all q heads, all k heads, all v heads); ba: n x 2 nv;
+// z, out: n x nv x dv. grid: (nv, n); block: a multiple of the warp size; dynamic shared
+// memory (2 dk + dv) floats.
+ST_KERNEL void lin_delta_rule(const float* __restrict__ conv, const float* __restrict__ ba,
+                              const float* __restrict__ z, const float* __restrict__ dt_bias,
+                              const float* __restrict__ ssm_a, const float* __restrict__ norm,
+                              float* state, const u32* __restrict__ pos,
+                              const u32* __restrict__ slot, float* __restrict__ out, int n,
+                              int nk, int nv, int dk, int dv, long slot_stride, long layer_off,
+                              float eps) {
+    extern __shared__ float lin_sm[];
+    __shared__ float red[32];
+    const int t0 = blockIdx.y, h = blockIdx.x;
+    int t1;
+    if (!lin_run(slot, t0, n, &t1)) return;
+    float* qs = lin_sm;
+    float* ks = qs + dk;
+    float* os = ks + dk;
+    const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
+    const int nw = blockDim.x / ST_WARP;
+    const int r = nv / nk, kh = h / r, j_in = h % r;
+    const long kd = (long)nk * dk, width = 2 * kd + (long)nv * dv;
+    const float scale = 1.0f / sqrtf((float)dk);
+    float* S = state + (long)slot[t0] * slot_stride + layer_off + (long)h * dv * dk;
+    if (pos[t0] == 0) {
+        for (long i = threadIdx.x; i < (long)dv * dk; i += blockDim.x) S[i] = 0.0f;
+    }
+    __syncthreads();
+    for (int t = t0; t < t1; ++t) {
+        const float* row = conv + (long)t * width;
+        float sq = 0.0f, sk = 0.0f;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            const float qi = row[(long)kh * dk + i], ki = row[kd + (long)kh * dk + i];
+            qs[i] = qi;
+            ks[i] = ki;
+            sq += qi * qi;
+            sk += ki * ki;
+        }
+        sq = st_block_sum(sq, red);
+        sk = st_block_sum(sk, red);
+        const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            qs[i] *= rq;
+            ks[i] *= rk;
+        }
+        const float* bar = ba + (long)t * 2 * nv + (long)kh * 2 * r;
+        const float beta = lin_sigmoid(bar[j_in]);
+        const float decay = expf(ssm_a[h] * lin_softplus(bar[r + j_in] + dt_bias[h]));
+        const float* v = row + 2 * kd + (long)h * dv;
+        __syncthreads();
+        for (int j = warp; j < dv; j += nw) {
+            float* sr = S + (long)j * dk;
+            float mem = 0.0f;
+            for (int i = lane; i < dk; i += ST_WARP) mem += (sr[i] * decay) * ks[i];
+            mem = st_warp_sum(mem);
+            const float d = beta * (v[j] - mem);
+            float acc = 0.0f;
+            for (int i = lane; i < dk; i += ST_WARP) {
+                const float s = sr[i] * decay + ks[i] * d;
+                sr[i] = s;
+                acc += s * qs[i];
+            }
+            acc = st_warp_sum(acc);
+            if (lane == 0) os[j] = acc * scale;
+        }
+        __syncthreads();
+        float ss = 0.0f;
+        for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += os[j] * os[j];
+        ss = st_block_sum(ss, red);
+        const float rr = 1.0f / sqrtf(ss / (float)dv + eps);
+        const long o = ((long)t * nv + h) * dv;
+        for (int j = threadIdx.x; j < dv; j += blockDim.x)
+            out[o + j] = norm[j] * (os[j] * rr) * lin_silu(z[o + j]);
+        __syncthreads();
+    }
+}
+
+// g[i] = silu(g[i]) * u[i] for i < total. grid-stride; any grid and block.
+ST_KERNEL void lin_swiglu(float* g, const float* __restrict__ u, long total) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long)gridDim.x * blockDim.x)
+        g[i] = lin_silu(g[i]) * u[i];
+}
+
+// The shared expert's gated add of token blockIdx.x: y += sigmoid(gate_inp . xn) * d over rows
+// of e. grid: n; block: a multiple of the warp size.
+ST_KERNEL void lin_shared_add(const float* __restrict__ xn, const float* __restrict__ gate_inp,
+                              const float* __restrict__ d, float* y, int e) {
+    __shared__ float red[32];
+    const long b = (long)blockIdx.x * e;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) s += gate_inp[i] * xn[b + i];
+    s = st_block_sum(s, red);
+    const float wg = lin_sigmoid(s);
+    for (int i = threadIdx.x; i < e; i += blockDim.x) y[b + i] += wg * d[b + i];
+}
