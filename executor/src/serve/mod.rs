@@ -10,6 +10,7 @@ pub mod conn;
 pub mod defaults;
 pub mod http;
 pub mod logit_proc;
+pub mod logprobs;
 pub mod metrics;
 pub mod openai;
 pub mod scheduler;

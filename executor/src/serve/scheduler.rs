@@ -2,8 +2,10 @@
 //! slots with continuous batching. Each turn it admits queued requests into free slots,
 //! drops requests whose client went away, runs one planned-`ubatch` prefill chunk for the
 //! oldest prefilling request, then one decode step for every decoding slot together.
-//! Invariant: a slot is held only by a request whose event channel is open (checked every
-//! turn, so a disconnected client frees its slot within one step, during prefill too); no
+//! A request with `n` choices is `n` jobs (one slot each) sharing one event channel.
+//! Invariant: a slot is held only by a sequence whose event channel is open and that its
+//! handler has not ended (both checked every turn, so a disconnected client or a matched stop
+//! string frees the slot within one step, during prefill too); no
 //! request is fed past `prompt + max_tokens <= max_context`, which the HTTP side checks
 //! before queueing; the queue is bounded and never blocks the HTTP side.
 
@@ -18,20 +20,33 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
+/// The log-probabilities of one generated token: log-softmax of the model's raw logits
+/// (before penalties, `logit_bias`, `min_p` and temperature, as vLLM returns them), and the
+/// `top` most likely ids with theirs, highest first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What the scheduler tells a request's handler.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// One generated token (never an end-of-sequence token).
-    Token(u32),
+    /// One generated token (never an end-of-sequence token), with its log-probabilities when
+    /// the request asked for them.
+    Token(u32, Option<Box<TokenLogprobs>>),
     /// Generation ended: `eos` true for an end-of-sequence token, false for `max_tokens`.
     Done { eos: bool },
     /// The engine failed on this request.
     Error(String),
 }
 
-/// A request ready to run.
+/// One sequence of a request ready to run (a request with `n` choices queues `n` jobs with
+/// the same `id`, `index` 0..n, sharing one event channel).
 pub struct Job {
     pub id: u64,
+    /// Which choice of the request this is; every event is sent tagged with it.
+    pub index: usize,
     pub prompt: Vec<u32>,
     /// At least 1; `prompt.len() + max_tokens <= max_context`.
     pub max_tokens: u64,
@@ -39,11 +54,14 @@ pub struct Job {
     /// Host-side logit processing; a non-neutral one makes this request's rows picked on
     /// the host from [`Engine::decode`]'s logits.
     pub proc: LogitProc,
+    /// `Some(k)`: send each token's log-probability and the `k` most likely alternatives
+    /// (this request's rows are then picked on the host, like a non-neutral `proc`).
+    pub logprobs: Option<usize>,
     pub eos: Arc<[u32]>,
-    pub events: UnboundedSender<Event>,
+    pub events: UnboundedSender<(usize, Event)>,
     pub arrived: Instant,
-    /// Set by the handler when it ended the request itself (a stop string matched) before
-    /// dropping its receiver, so the freed slot counts as finished, not cancelled.
+    /// Set by the handler when it ended this sequence itself (a stop string matched): the
+    /// scheduler frees its slot within a step and counts it as finished, not cancelled.
     pub ended_by_stop: Arc<AtomicBool>,
 }
 
@@ -195,6 +213,8 @@ struct Sched {
     sampled: Vec<u32>,
     /// This step's sampling draws, one per batch entry.
     draws: Vec<Draw>,
+    /// This step's log-probabilities, one per batch entry (for requests that asked).
+    lps: Vec<Option<Box<TokenLogprobs>>>,
     ubatch: usize,
     max_context: u64,
     /// One row of logits, for host-side processing.
@@ -231,6 +251,7 @@ impl Sched {
             batch_slot: Vec::with_capacity(n),
             sampled: Vec::with_capacity(n),
             draws: Vec::with_capacity(n),
+            lps: Vec::with_capacity(n),
             ubatch: info.ubatch.max(1),
             max_context: info.max_context,
             row: Vec::with_capacity(info.n_vocab),
@@ -266,7 +287,7 @@ impl Sched {
             &self.shared.requests_finished
         };
         counter.fetch_add(1, Relaxed);
-        let _ = a.job.events.send(ev);
+        let _ = a.job.events.send((a.job.index, ev));
     }
 
     fn admit(&mut self, job: Job, slot: usize) {
@@ -325,14 +346,15 @@ impl Sched {
                     }
                 }
             }
-            // Drop requests whose client went away (or whose handler matched a stop string).
+            // Drop sequences whose client went away (or whose handler matched a stop string).
             for slot in 0..self.slots.len() {
                 let Some(a) = self.slots[slot].as_ref() else {
                     continue;
                 };
-                if a.job.events.is_closed() {
+                let stopped = a.job.ended_by_stop.load(Relaxed);
+                if stopped || a.job.events.is_closed() {
                     let shared = self.shared.clone();
-                    let how = if a.job.ended_by_stop.load(Relaxed) {
+                    let how = if stopped {
                         &shared.requests_finished
                     } else {
                         &shared.requests_cancelled
@@ -390,7 +412,7 @@ impl Sched {
                     );
                     return;
                 };
-                let tok = if a.job.proc.is_neutral() {
+                let tok = if !on_host(a) {
                     a.sampler.sample(logits)
                 } else {
                     let d = a.sampler.next_draw();
@@ -401,19 +423,20 @@ impl Sched {
                     self.finish(slot, Event::Error(msg));
                     return;
                 }
+                let lp = token_logprobs(a, logits, tok);
                 let ttft = a.job.arrived.elapsed();
                 self.shared
                     .ttft_us_sum
                     .fetch_add(ttft.as_micros() as u64, Relaxed);
                 self.shared.ttft_count.fetch_add(1, Relaxed);
                 a.phase = Phase::Decode;
-                self.after_sample(slot, tok);
+                self.after_sample(slot, tok, lp);
             }
         }
     }
 
     /// Deliver a sampled token; end the request on EOS, `max_tokens` or a full context.
-    fn after_sample(&mut self, slot: usize, tok: u32) {
+    fn after_sample(&mut self, slot: usize, tok: u32, lp: Option<Box<TokenLogprobs>>) {
         let max_context = self.max_context;
         let Some(a) = self.slots[slot].as_mut() else {
             return;
@@ -426,7 +449,7 @@ impl Sched {
             return;
         }
         a.last = tok;
-        let _ = a.job.events.send(Event::Token(tok));
+        let _ = a.job.events.send((a.job.index, Event::Token(tok, lp)));
         let cells = a.job.prompt.len() as u64 + a.generated;
         if a.generated >= a.job.max_tokens || cells > max_context {
             self.finish(slot, Event::Done { eos: false });
@@ -458,11 +481,12 @@ impl Sched {
         }
         self.sampled.clear();
         self.sampled.resize(self.batch.len(), u32::MAX);
-        let host = self.batch_slot.iter().any(|&s| {
-            self.slots[s]
-                .as_ref()
-                .is_some_and(|a| !a.job.proc.is_neutral())
-        });
+        self.lps.clear();
+        self.lps.resize(self.batch.len(), None);
+        let host = self
+            .batch_slot
+            .iter()
+            .any(|&s| self.slots[s].as_ref().is_some_and(on_host));
         let res = if host {
             // Some row needs host-side processing: bring every row back and pick here.
             let v = self.engine.info().n_vocab;
@@ -474,8 +498,12 @@ impl Sched {
                             break;
                         };
                         if let Some(a) = self.slots[slot].as_ref() {
-                            self.sampled[k] =
+                            let tok =
                                 pick_host(a, row, &self.draws[k], &mut self.row, &mut self.cand);
+                            self.sampled[k] = tok;
+                            if tok != crate::sampler::NON_FINITE {
+                                self.lps[k] = token_logprobs(a, row, tok);
+                            }
                         }
                     }
                     Ok(())
@@ -517,7 +545,8 @@ impl Sched {
                 );
                 self.finish(slot, Event::Error(crate::sampler::non_finite_message(&at)));
             } else {
-                self.after_sample(slot, tok);
+                let lp = self.lps[k].take();
+                self.after_sample(slot, tok, lp);
             }
         }
     }
@@ -567,12 +596,25 @@ impl Sched {
         }
         while let Ok(job) = self.rx.try_recv() {
             self.shared.queued.fetch_sub(1, Relaxed);
-            let _ = job
-                .events
-                .send(Event::Error("the server is shutting down".into()));
+            let _ = job.events.send((
+                job.index,
+                Event::Error("the server is shutting down".into()),
+            ));
         }
         self.publish();
     }
+}
+
+/// Whether `a`'s rows are picked on the host (its logits read back from the device).
+fn on_host(a: &Active) -> bool {
+    !a.job.proc.is_neutral() || a.job.logprobs.is_some()
+}
+
+/// The log-probabilities of `tok` in the raw row `logits`, when `a` asked for them.
+fn token_logprobs(a: &Active, logits: &[f32], tok: u32) -> Option<Box<TokenLogprobs>> {
+    let k = a.job.logprobs?;
+    let (logprob, top) = logit_proc::logprobs(logits, tok, k);
+    Some(Box::new(TokenLogprobs { logprob, top }))
 }
 
 /// Pick `a`'s next token from its raw logits `logits` on the host: the row is checked,
