@@ -9,6 +9,7 @@
 use super::logprobs::{self, LpToken};
 use super::metrics::{Ready, Shared};
 use super::openai::{self, ApiError, Choice, Finish, GenParams, Prompt, RespMeta, Usage};
+use super::reqlog::{self, RequestLog};
 use super::scheduler::{Event, Job, SchedulerHandle, SubmitError, TokenLogprobs};
 use super::template::Segment;
 use super::ServeOptions;
@@ -428,9 +429,17 @@ struct Started {
     ended_by_stop: Vec<Arc<AtomicBool>>,
     prompt_tokens: u64,
     id: u64,
+    /// When the request arrived (its log's times count from here).
+    arrived: Instant,
 }
 
-fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Started, ApiError> {
+fn start(
+    app: &App,
+    r: &Ready,
+    prompt: Vec<u32>,
+    gen: &GenParams,
+    arrived: Instant,
+) -> Result<Started, ApiError> {
     let ctx = r.info.max_context;
     if prompt.is_empty() {
         return Err(ApiError::param(
@@ -498,7 +507,6 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
     }
     let (tx, rx) = unbounded_channel();
     let id = app.next_id.fetch_add(1, Relaxed);
-    let arrived = Instant::now();
     let mut ended_by_stop = Vec::with_capacity(gen.n as usize);
     for index in 0..gen.n as usize {
         let flag = Arc::new(AtomicBool::new(false));
@@ -528,6 +536,7 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
         ended_by_stop,
         prompt_tokens: p,
         id,
+        arrived,
     })
 }
 
@@ -745,8 +754,9 @@ fn step(outs: &mut [ChoiceOut], stops: &[Arc<AtomicBool>], i: usize, ev: Event) 
 
 /// Run a request to the end and return its choices.
 async fn collect(
-    mut s: Started,
-    mut outs: Vec<ChoiceOut>,
+    s: &mut Started,
+    outs: &mut [ChoiceOut],
+    first: &mut Option<Instant>,
     chat: bool,
 ) -> Result<(Vec<Choice>, Usage), ApiError> {
     let mut texts = vec![String::new(); outs.len()];
@@ -755,7 +765,10 @@ async fn collect(
         let Some((i, ev)) = s.rx.recv().await else {
             return Err(scheduler_gone());
         };
-        match step(&mut outs, &s.ended_by_stop, i, ev) {
+        if matches!(ev, Event::Token(..)) && first.is_none() {
+            *first = Some(Instant::now());
+        }
+        match step(outs, &s.ended_by_stop, i, ev) {
             Step::Text(t, ended) => {
                 if let Some(x) = texts.get_mut(i) {
                     x.push_str(&t);
@@ -798,6 +811,17 @@ struct StreamState {
     queue: std::collections::VecDeque<SseEvent>,
     /// `[DONE]` is queued; nothing follows.
     over: bool,
+    /// This request's log line, written once when the stream ends (or is dropped).
+    log: Option<(Arc<App>, RequestLog)>,
+    arrived: Instant,
+    first: Option<Instant>,
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        // Dropped before its end: the client went away.
+        self.write_log(499, "cancelled".into(), None);
+    }
 }
 
 impl StreamState {
@@ -819,7 +843,27 @@ impl StreamState {
         SseEvent::default().data(v.to_string())
     }
 
-    fn end_with(&mut self, last: Option<SseEvent>) {
+    fn write_log(&mut self, status: u16, finish: String, error: Option<String>) {
+        let Some((app, mut l)) = self.log.take() else {
+            return;
+        };
+        l.status = status;
+        l.finish = finish;
+        l.error = error;
+        l.completion_tokens = self.outs.iter().map(|o| o.tokens).sum();
+        l.ttft_ms = self.first.map(|t| ms(t - self.arrived));
+        l.total_ms = ms(self.arrived.elapsed());
+        reqlog::log(&app.opts.log, &l);
+    }
+
+    fn end_with(&mut self, last: Option<SseEvent>, error: Option<String>) {
+        match error {
+            None => {
+                let f = finish_reasons(&self.outs);
+                self.write_log(200, f, None);
+            }
+            Some(m) => self.write_log(500, "error".into(), Some(m)),
+        }
         self.queue.extend(last);
         self.queue.push_back(SseEvent::default().data("[DONE]"));
         self.over = true;
@@ -845,7 +889,7 @@ impl StreamState {
                     let v = openai::usage_chunk(&self.meta, object, self.usage);
                     SseEvent::default().data(v.to_string())
                 });
-                self.end_with(usage);
+                self.end_with(usage, None);
                 continue;
             }
             let ev = match self.rx.as_mut() {
@@ -853,14 +897,19 @@ impl StreamState {
                 None => None,
             };
             let Some((i, ev)) = ev else {
-                let e = SseEvent::default().data(scheduler_gone().body().to_string());
-                self.end_with(Some(e));
+                let gone = scheduler_gone();
+                let e = SseEvent::default().data(gone.body().to_string());
+                self.end_with(Some(e), Some(gone.message));
                 continue;
             };
+            if matches!(ev, Event::Token(..)) && self.first.is_none() {
+                self.first = Some(Instant::now());
+            }
             match step(&mut self.outs, &self.ended_by_stop, i, ev) {
                 Step::Failed(m) => {
-                    let e = ApiError::new(500, "server_error", Some("engine_error"), m);
-                    self.end_with(Some(SseEvent::default().data(e.body().to_string())));
+                    let e = ApiError::new(500, "server_error", Some("engine_error"), m.clone());
+                    let ev = SseEvent::default().data(e.body().to_string());
+                    self.end_with(Some(ev), Some(m));
                 }
                 Step::Text(t, ended) => {
                     let pending = self.outs.get(i).is_some_and(ChoiceOut::has_pending_lps);
@@ -897,11 +946,33 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
+/// Milliseconds of `d`.
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The finish reasons of the choices, comma-separated (`stop`, `length`).
+fn finish_reasons(outs: &[ChoiceOut]) -> String {
+    let v: Vec<&str> = outs
+        .iter()
+        .map(|o| o.finish.map_or("cancelled", Finish::as_str))
+        .collect();
+    v.join(",")
+}
+
+fn endpoint(chat: bool) -> &'static str {
+    if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    }
+}
+
 /// Respond to a started request, streaming or not.
 async fn respond(
-    app: &App,
+    app: &Arc<App>,
     r: &Ready,
-    s: Started,
+    mut s: Started,
     gen: GenParams,
     chat: bool,
 ) -> Result<Response, ApiError> {
@@ -915,11 +986,39 @@ async fn respond(
         created: now_secs(),
         model: model_name(app, r).to_string(),
     };
-    let outs: Vec<ChoiceOut> = (0..gen.n)
+    let mut log = RequestLog {
+        id: meta.id.clone(),
+        endpoint: endpoint(chat),
+        model: meta.model.clone(),
+        status: 200,
+        prompt_tokens: s.prompt_tokens,
+        completion_tokens: 0,
+        ttft_ms: None,
+        total_ms: 0.0,
+        finish: String::new(),
+        n: gen.n,
+        stream: gen.stream,
+        error: None,
+    };
+    let mut outs: Vec<ChoiceOut> = (0..gen.n)
         .map(|_| ChoiceOut::new(r.tokenizer.clone(), &gen))
         .collect();
     if !gen.stream {
-        let (choices, usage) = collect(s, outs, chat).await?;
+        let mut first = None;
+        let res = collect(&mut s, &mut outs, &mut first, chat).await;
+        log.completion_tokens = outs.iter().map(|o| o.tokens).sum();
+        log.ttft_ms = first.map(|t| ms(t - s.arrived));
+        log.total_ms = ms(s.arrived.elapsed());
+        match &res {
+            Ok(_) => log.finish = finish_reasons(&outs),
+            Err(e) => {
+                log.status = e.status;
+                log.finish = "error".into();
+                log.error = Some(e.message.clone());
+            }
+        }
+        reqlog::log(&app.opts.log, &log);
+        let (choices, usage) = res?;
         let body = if chat {
             openai::chat_body(&meta, &choices, usage)
         } else {
@@ -954,6 +1053,9 @@ async fn respond(
         include_usage: gen.include_usage,
         queue,
         over: false,
+        log: Some((app.clone(), log)),
+        arrived: s.arrived,
+        first: None,
     };
     let stream = futures_util::stream::unfold(st, |mut st| async move {
         let ev = st.next_event().await?;
@@ -962,14 +1064,43 @@ async fn respond(
     Ok(Sse::new(stream).into_response())
 }
 
-fn count_rejected<T>(app: &App, r: Result<T, ApiError>) -> Result<T, ApiError> {
-    if r.is_err() {
+/// Count a request refused before it ran, and log it.
+fn count_rejected<T>(
+    app: &App,
+    chat: bool,
+    arrived: Instant,
+    r: Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    if let Err(e) = &r {
         app.shared.requests_rejected.fetch_add(1, Relaxed);
+        let model = app
+            .shared
+            .ready
+            .get()
+            .map_or("-".to_string(), |rd| model_name(app, rd).to_string());
+        reqlog::log(
+            &app.opts.log,
+            &RequestLog {
+                id: "-".into(),
+                endpoint: endpoint(chat),
+                model,
+                status: e.status,
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                ttft_ms: None,
+                total_ms: ms(arrived.elapsed()),
+                finish: "rejected".into(),
+                n: 0,
+                stream: false,
+                error: Some(e.message.clone()),
+            },
+        );
     }
     r
 }
 
 async fn completions(State(app): AppState, req: Request) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
     app.shared.requests_total.fetch_add(1, Relaxed);
     let body = read_body(&app, req).await;
     let prepared = (|| {
@@ -990,10 +1121,10 @@ async fn completions(State(app): AppState, req: Request) -> Result<Response, Api
                 ids
             }
         };
-        let s = start(&app, r, prompt, &req.gen)?;
+        let s = start(&app, r, prompt, &req.gen, arrived)?;
         Ok((r, s, req.gen))
     })();
-    let (r, s, gen) = count_rejected(&app, prepared)?;
+    let (r, s, gen) = count_rejected(&app, false, arrived, prepared)?;
     respond(&app, r, s, gen, false).await
 }
 
@@ -1054,6 +1185,7 @@ fn encode_segments(t: &Tokenizer, segs: &[Segment]) -> Result<Vec<u32>, ApiError
 }
 
 async fn chat_completions(State(app): AppState, req: Request) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
     app.shared.requests_total.fetch_add(1, Relaxed);
     let body = read_body(&app, req).await;
     let parsed = (|| {
@@ -1070,15 +1202,15 @@ async fn chat_completions(State(app): AppState, req: Request) -> Result<Response
         })?;
         Ok(req)
     })();
-    let req = count_rejected(&app, parsed)?;
-    let encoded = count_rejected(&app, render_chat(&app, req.messages).await);
+    let req = count_rejected(&app, true, arrived, parsed)?;
+    let encoded = count_rejected(&app, true, arrived, render_chat(&app, req.messages).await);
     let prepared = (|| {
         let prompt = encoded?;
         let r = ready(&app)?;
-        let s = start(&app, r, prompt, &req.gen)?;
+        let s = start(&app, r, prompt, &req.gen, arrived)?;
         Ok((r, s, req.gen))
     })();
-    let (r, s, gen) = count_rejected(&app, prepared)?;
+    let (r, s, gen) = count_rejected(&app, true, arrived, prepared)?;
     respond(&app, r, s, gen, true).await
 }
 
