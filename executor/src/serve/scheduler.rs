@@ -135,6 +135,8 @@ struct Active {
     last: u32,
     sampler: Sampler,
     history: History,
+    /// When this sequence's last token was sampled (inter-token latency).
+    last_at: Option<Instant>,
 }
 
 /// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
@@ -284,6 +286,7 @@ impl Sched {
         let counter = if failed {
             &self.shared.requests_failed
         } else {
+            observe_end(&self.shared, &a, matches!(ev, Event::Done { eos: true }));
             &self.shared.requests_finished
         };
         counter.fetch_add(1, Relaxed);
@@ -298,6 +301,9 @@ impl Sched {
         }
         self.engine.reset_slot(slot);
         self.shared.running.fetch_add(1, Relaxed);
+        self.shared
+            .queue_time
+            .observe(job.arrived.elapsed().as_secs_f64());
         let sampler = Sampler::new(job.sampling);
         let history = History::new(&job.prompt, &job.proc);
         self.slots[slot] = Some(Active {
@@ -308,6 +314,7 @@ impl Sched {
             generated: 0,
             last: 0,
             sampler,
+            last_at: None,
         });
     }
 
@@ -352,6 +359,9 @@ impl Sched {
                     continue;
                 };
                 let stopped = a.job.ended_by_stop.load(Relaxed);
+                if stopped {
+                    observe_end(&self.shared, a, false);
+                }
                 if stopped || a.job.events.is_closed() {
                     let shared = self.shared.clone();
                     let how = if stopped {
@@ -425,10 +435,7 @@ impl Sched {
                 }
                 let lp = token_logprobs(a, logits, tok);
                 let ttft = a.job.arrived.elapsed();
-                self.shared
-                    .ttft_us_sum
-                    .fetch_add(ttft.as_micros() as u64, Relaxed);
-                self.shared.ttft_count.fetch_add(1, Relaxed);
+                self.shared.ttft.observe(ttft.as_secs_f64());
                 a.phase = Phase::Decode;
                 self.after_sample(slot, tok, lp);
             }
@@ -443,6 +450,12 @@ impl Sched {
         };
         a.generated += 1;
         a.history.push(tok);
+        let now = Instant::now();
+        if let Some(t) = a.last_at.replace(now) {
+            self.shared
+                .inter_token
+                .observe(now.duration_since(t).as_secs_f64());
+        }
         self.shared.generated_tokens.fetch_add(1, Relaxed);
         if a.job.eos.contains(&tok) {
             self.finish(slot, Event::Done { eos: true });
@@ -603,6 +616,15 @@ impl Sched {
         }
         self.publish();
     }
+}
+
+/// A sequence ended normally (`eos`: with an end-of-sequence token, which is not counted
+/// as generated text): its end-to-end latency and sizes.
+fn observe_end(shared: &Shared, a: &Active, eos: bool) {
+    shared.e2e.observe(a.job.arrived.elapsed().as_secs_f64());
+    shared.prompt_len.observe(a.job.prompt.len() as f64);
+    let sent = a.generated.saturating_sub(u64::from(eos));
+    shared.generation_len.observe(sent as f64);
 }
 
 /// Whether `a`'s rows are picked on the host (its logits read back from the device).
