@@ -270,6 +270,7 @@ impl Sched {
         if self.slots[slot].take().is_some() {
             self.engine.reset_slot(slot);
             self.shared.running.fetch_sub(1, Relaxed);
+            self.show_idle(slot);
             how.fetch_add(1, Relaxed);
         }
     }
@@ -283,6 +284,7 @@ impl Sched {
         };
         self.engine.reset_slot(slot);
         self.shared.running.fetch_sub(1, Relaxed);
+        self.show_idle(slot);
         let counter = if failed {
             &self.shared.requests_failed
         } else {
@@ -291,6 +293,26 @@ impl Sched {
         };
         counter.fetch_add(1, Relaxed);
         let _ = a.job.events.send((a.job.index, ev));
+    }
+
+    /// Show `slot` idle in `/slots` now, before its request's last event goes out (the
+    /// turn's `publish` comes after), so a client that has its answer sees the slot free.
+    fn show_idle(&self, slot: usize) {
+        if let Some(v) = self
+            .shared
+            .slots
+            .lock()
+            .ok()
+            .as_mut()
+            .and_then(|v| v.get_mut(slot))
+        {
+            v.state = "idle";
+            v.request_id = None;
+            v.prompt_tokens = 0;
+            v.prompt_done = 0;
+            v.generated = 0;
+            v.kv_cells = 0;
+        }
     }
 
     fn admit(&mut self, job: Job, slot: usize) {
