@@ -333,7 +333,7 @@ async fn too_large_n_and_top_logprobs_are_400s_naming_the_field() {
         ),
         (
             "/v1/completions",
-            json!({"typical_p": 0.5}),
+            json!({"typical_p": 0}),
             &["typical_p"][..],
         ),
     ] {

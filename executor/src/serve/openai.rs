@@ -338,7 +338,6 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
     };
     let proc = logit_proc(o, d)?;
     let logprobs = logprobs(o, chat)?;
-    o.unsupported_unless("typical_p", |v| v.as_f64() == Some(1.0))?;
     o.unsupported_unless("tools", |v| v.as_array().is_some_and(|a| a.is_empty()))?;
     o.unsupported_unless("response_format", |v| {
         v.get("type").and_then(Value::as_str) == Some("text")
@@ -363,8 +362,8 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
     })
 }
 
-/// `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty` (alias
-/// `repeat_penalty`) and `logit_bias` (token id strings to -100..100).
+/// `min_p`, `typical_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`
+/// (alias `repeat_penalty`) and `logit_bias` (token id strings to -100..100).
 fn logit_proc(o: &Obj, d: &SamplingDefaults) -> Result<super::logit_proc::LogitProc, ApiError> {
     let mut p = super::logit_proc::LogitProc {
         min_p: d.min_p as f32,
@@ -379,6 +378,15 @@ fn logit_proc(o: &Obj, d: &SamplingDefaults) -> Result<super::logit_proc::LogitP
     }
     if let Some(x) = o.f64_in("frequency_penalty", -2.0, 2.0)? {
         p.frequency_penalty = x as f32;
+    }
+    if let Some(x) = o.f64_in("typical_p", 0.0, 1.0)? {
+        if x <= 0.0 {
+            return Err(ApiError::param(
+                "invalid_value",
+                "`typical_p` must be greater than 0 and at most 1 (1 = off)",
+            ));
+        }
+        p.typical_p = x as f32;
     }
     let rep = o.f64_in("repetition_penalty", 0.0, 10.0)?;
     let rep = rep.or(o.f64_in("repeat_penalty", 0.0, 10.0)?);
