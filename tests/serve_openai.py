@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The `openai` Python client against a Strata server: chat and completion, streaming and
-not, seeded sampling, stop sequences, and the error cases (context overflow naming both
-numbers, unknown model, bad types, wrong API key with /health open, malformed and oversized
-bodies), then SIGINT and exit 0 when this script started the server.
+not, seeded sampling, stop sequences, logprobs and `n` choices, and the error cases (context
+overflow naming both numbers, unknown model, bad types, wrong API key with /health open,
+malformed and oversized bodies), then SIGINT and exit 0 when this script started the server.
 
 Modes:
   serve_openai.py [BIN]             strata-serve-test (TinyEngine, random weights; default:
@@ -184,13 +184,80 @@ def logit_bias_forces_a_token_and_penalties_are_deterministic(client, addr):
 def unimplemented_output_changing_field_is_400_naming_it(client, addr):
     try:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
-                                  extra_body={"typical_p": 0.5})
-        raise AssertionError("typical_p was silently accepted")
+                                  extra_body={"best_of": 3})
+        raise AssertionError("best_of was silently accepted")
     except openai.BadRequestError as e:
-        assert "typical_p" in str(e), e
+        assert "best_of" in str(e), e
+    kw = dict(model=MODEL, prompt="Hi", max_tokens=6, temperature=0.9, seed=5,
+              extra_body={"typical_p": 0.5})
+    assert client.completions.create(**kw).choices[0].text == \
+        client.completions.create(**kw).choices[0].text
     ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0,
                                    extra_body={"some_unknown_field": 1})
     assert ok.choices, ok
+
+
+@check
+def logprobs_in_both_shapes_and_streamed(client, addr):
+    msgs = [{"role": "user", "content": "Hello there!"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens, (content, c.usage)
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3, e
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True), e
+        assert e.top_logprobs[0].token == e.token, "greedy: the chosen token is the top one"
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8", "replace") == \
+        c.choices[0].message.content
+    parts = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                                temperature=0, logprobs=True, top_logprobs=3,
+                                                stream=True):
+        for ch in chunk.choices:
+            if ch.logprobs and ch.logprobs.content:
+                parts.extend(ch.logprobs.content)
+    assert [(p.token, p.logprob) for p in parts] == [(e.token, e.logprob) for e in content]
+    t = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
+                                  temperature=0, logprobs=2)
+    lp = t.choices[0].logprobs
+    n = t.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n, lp
+    assert all(x <= 0 for x in lp.token_logprobs) and lp.text_offset[0] == 0, lp
+    try:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, logprobs=True,
+                                       top_logprobs=21)
+        raise AssertionError("top_logprobs 21 was accepted")
+    except openai.BadRequestError as e:
+        assert "top_logprobs" in str(e), e
+
+
+@check
+def n_choices_are_seeded_and_streamed_with_their_index(client, addr):
+    n = min(2, META["n_slots"])
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=11, n=n)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == list(range(n)), a
+    assert [c.text for c in a.choices] == [c.text for c in b.choices], (a, b)
+    for i, c in enumerate(a.choices):
+        one = client.completions.create(**{**kw, "n": 1, "seed": 11 + i})
+        assert one.choices[0].text == c.text, (i, one, c)
+    msgs = [{"role": "user", "content": "Hi"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                          temperature=0.8, seed=3, n=n)
+    texts = [""] * n
+    for chunk in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                                temperature=0.8, seed=3, n=n, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [c.message.content for c in full.choices], (texts, full)
+    try:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=META["n_slots"] + 1)
+        raise AssertionError("n over the slots was accepted")
+    except openai.BadRequestError as e:
+        assert "`n`" in str(e) and "--batch" in str(e), e
 
 
 @check

@@ -1,7 +1,7 @@
 //! Weights from the model file to their planned places: the host view of a model (a GGUF
 //! file mmapped, or a Hugging Face safetensors folder), the copy of every `Device`-placed
-//! tensor into its arena offset (with a progress bar), and the weight source a stage reads
-//! from its arena.
+//! tensor into its arena offset (with progress: a bar on a terminal, log lines otherwise),
+//! and the weight source a stage reads from its arena.
 //! Invariant: a tensor is copied only to the `[offset, offset + bytes)` its placement names,
 //! after checking that the host bytes have exactly the planned size and fit the arena;
 //! routed-expert stacks placed `HostExperts` stay in host memory (the expert cache reads them).
@@ -503,11 +503,28 @@ impl HostModel for MemModel {
     }
 }
 
-/// A progress bar of `total` bytes labelled `what` on stderr, drawn only when asked for and
-/// stderr is a terminal.
-pub fn progress_bar(progress: bool, total: u64, what: &str) -> indicatif::ProgressBar {
-    if !(progress && std::io::IsTerminal::is_terminal(&std::io::stderr())) {
-        return indicatif::ProgressBar::hidden();
+/// Load progress of `total` bytes labelled `what` on stderr, when asked for: a bar on a
+/// terminal, else a log line at each tenth and at the end (so a server's log shows how far
+/// loading is).
+pub fn progress_bar(progress: bool, total: u64, what: &str) -> Progress {
+    let hidden = Progress {
+        bar: indicatif::ProgressBar::hidden(),
+        lines: None,
+    };
+    if !progress {
+        return hidden;
+    }
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return Progress {
+            lines: Some(Lines {
+                what: what.to_string(),
+                total,
+                done: std::cell::Cell::new(0),
+                tenths: std::cell::Cell::new(0),
+                t0: std::time::Instant::now(),
+            }),
+            ..hidden
+        };
     }
     let b = indicatif::ProgressBar::new(total);
     if let Ok(style) = indicatif::ProgressStyle::with_template(&format!(
@@ -515,7 +532,60 @@ pub fn progress_bar(progress: bool, total: u64, what: &str) -> indicatif::Progre
     )) {
         b.set_style(style);
     }
-    b
+    Progress {
+        bar: b,
+        lines: None,
+    }
+}
+
+/// Load progress: an `indicatif` bar, or log lines when stderr is not a terminal.
+pub struct Progress {
+    bar: indicatif::ProgressBar,
+    lines: Option<Lines>,
+}
+
+struct Lines {
+    what: String,
+    total: u64,
+    done: std::cell::Cell<u64>,
+    /// Tenths already reported.
+    tenths: std::cell::Cell<u64>,
+    t0: std::time::Instant,
+}
+
+impl Progress {
+    /// `n` more bytes are done.
+    pub fn inc(&self, n: u64) {
+        self.bar.inc(n);
+        if let Some(l) = &self.lines {
+            l.done.set(l.done.get() + n);
+            let tenths = (l.done.get() * 10).checked_div(l.total).unwrap_or(10);
+            if tenths > l.tenths.get() && tenths < 10 {
+                l.tenths.set(tenths);
+                eprintln!(
+                    "strata-exec: {} {}% ({} of {} MiB, {:.1} s)",
+                    l.what,
+                    tenths * 10,
+                    l.done.get() >> 20,
+                    l.total >> 20,
+                    l.t0.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+
+    /// Loading ended: the bar goes away; the log says how much took how long.
+    pub fn finish_and_clear(&self) {
+        self.bar.finish_and_clear();
+        if let Some(l) = &self.lines {
+            eprintln!(
+                "strata-exec: {} done: {} MiB in {:.1} s",
+                l.what,
+                l.done.get() >> 20,
+                l.t0.elapsed().as_secs_f64()
+            );
+        }
+    }
 }
 
 /// The tensors of one device as a [`WeightSource`] over its arena.

@@ -367,6 +367,25 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes token `id` stands for (what `logprobs` reports as `bytes`): the UTF-8 of
+    /// its text when that decodes whole; else a `<0xHH>` byte-fallback piece as that byte, or
+    /// a byte-level BPE piece mapped back through GPT-2's byte-to-character table (a token
+    /// holding part of a character).
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let text = self.decode(&[id], false).ok()?;
+        if !text.contains('\u{FFFD}') {
+            return Some(text.into_bytes());
+        }
+        let piece = self.token(id)?;
+        if let Some(h) = piece.strip_prefix("<0x").and_then(|r| r.strip_suffix('>')) {
+            if let Ok(b) = u8::from_str_radix(h, 16) {
+                return Some(vec![b]);
+            }
+        }
+        let mapped: Option<Vec<u8>> = piece.chars().map(byte_level_byte).collect();
+        Some(mapped.unwrap_or_else(|| text.into_bytes()))
+    }
+
     /// The text of `id` if it is a special (added, special-flagged) token.
     pub fn special_token(&self, id: u32) -> Option<String> {
         self.inner
@@ -392,12 +411,41 @@ impl Tokenizer {
     }
 }
 
+/// The byte a character of a byte-level BPE piece stands for (GPT-2's `bytes_to_unicode`:
+/// printable Latin-1 bytes are themselves, the other 68 are U+0100 onwards in byte order).
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    let c = c as u32;
+    if c < 0x100 {
+        return printable(c).then_some(c as u8);
+    }
+    (0..=255u32)
+        .filter(|&b| !printable(b))
+        .nth((c - 0x100) as usize)
+        .map(|b| b as u8)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn fixture() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-chat")
+    }
+
+    #[test]
+    fn token_bytes_spell_the_text_also_inside_a_character() {
+        let t = Tokenizer::from_file(fixture()).unwrap();
+        let text = "Héllo ✓ wörld 日本";
+        let ids = t.encode(text, false).unwrap();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| t.token_bytes(i).unwrap())
+            .collect();
+        assert_eq!(bytes, text.as_bytes());
+        assert_eq!(byte_level_byte('Ġ'), Some(b' '));
+        assert_eq!(byte_level_byte('a'), Some(b'a'));
+        assert_eq!(byte_level_byte('\u{ad}'), None);
     }
 
     /// A GGUF header (only metadata matters here) carrying the fixture's vocabulary.

@@ -1,5 +1,5 @@
 //! Host-side sampling features over the in-process test engine: `logit_bias`, presence,
-//! frequency and repetition penalties and `min_p` give exactly the tokens of a reference
+//! frequency and repetition penalties, `typical_p` and `min_p` give exactly the tokens of a reference
 //! loop over the same engine (prefill, processing, the shared draw), greedy and seeded; the
 //! features change the output; bad values are 400s naming the field; the server's defaults
 //! (generation_config.json, flags) fill the fields a request leaves out.
@@ -123,12 +123,30 @@ async fn penalties_bias_and_min_p_match_a_reference_loop() {
                 ..Default::default()
             },
         ),
+        (
+            json!({"temperature": 0.9, "seed": 9, "typical_p": 0.4}),
+            LogitProc {
+                typical_p: 0.4,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 0.9,
+                seed: 9,
+                ..Default::default()
+            },
+        ),
     ];
     for (body, proc, params) in cases {
         let want = reference(&cfg, &proc, params, &eos);
+        // The completion's text leaves special tokens out; /detokenize keeps them.
+        let shown: Vec<u32> = want
+            .iter()
+            .copied()
+            .filter(|&t| tok.special_token(t).is_none())
+            .collect();
         assert_eq!(
             complete(&s, body.clone()).await,
-            detok(&s, &want).await,
+            detok(&s, &shown).await,
             "{body}"
         );
         if !proc.logit_bias.is_empty() {
@@ -159,7 +177,8 @@ async fn bad_sampling_values_name_the_field() {
         (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
         (json!({"logit_bias": {"5": 101}}), "logit_bias"),
         (json!({"logit_bias": {"99999999": 1}}), "logit_bias"),
-        (json!({"typical_p": 0.5}), "typical_p"),
+        (json!({"typical_p": 0}), "typical_p"),
+        (json!({"typical_p": 1.5}), "typical_p"),
     ] {
         let mut body = json!({"prompt": PROMPT, "max_tokens": 2});
         for (k, v) in extra.as_object().unwrap() {

@@ -9,6 +9,7 @@ use super::{fail, open_plan, try_start_engine};
 use std::time::Duration;
 use strata_exec::serve::conn::ConnLimits;
 use strata_exec::serve::defaults::SamplingDefaults;
+use strata_exec::serve::reqlog::{level_from, LogConfig, LogFormat};
 use strata_exec::serve::template::TemplateLimits;
 use strata_exec::serve::{serve_with_loader_blocking, ServeOptions};
 use strata_exec::tokenizer::Tokenizer;
@@ -108,6 +109,24 @@ pub struct ServeArgs {
     /// once, so a template that is slow on some input cannot take every core).
     #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "serve")]
     pub template_timeout: f64,
+    /// The request log on stderr, one line per finished request: `text` or `json` (one
+    /// object per line). `RUST_LOG` sets its level: `info` (default), `warn` (failed requests
+    /// only), `off`.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "FORMAT",
+        default_value = "text",
+        requires = "serve"
+    )]
+    pub log_format: LogFormatArg,
+}
+
+/// `--log-format`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormatArg {
+    Text,
+    Json,
 }
 
 /// `secs` as a duration for `flag`, or an error naming the flag and the range.
@@ -226,6 +245,13 @@ pub fn main(args: RunArgs) -> ! {
             fuel: s.template_fuel,
             max_output_bytes: s.template_max_bytes as usize,
             max_time: seconds("template-timeout", s.template_timeout, 3600.0),
+        },
+        log: LogConfig {
+            format: match s.log_format {
+                LogFormatArg::Text => LogFormat::Text,
+                LogFormatArg::Json => LogFormat::Json,
+            },
+            level: level_from(std::env::var("RUST_LOG").ok().as_deref()),
         },
     };
     let tok_path = args.tokenizer.clone();

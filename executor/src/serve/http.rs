@@ -1,13 +1,16 @@
 //! The axum routes: OpenAI endpoints (`/v1/models`, `/v1/completions`,
 //! `/v1/chat/completions`, non-streaming and SSE), `/health`, `/metrics`, `/tokenize`,
-//! `/detokenize`, `/slots`, plus API-key checking and JSON errors for every failure.
+//! `/detokenize`, `/slots`, plus API-key checking and JSON errors for every failure; `n`
+//! choices (one scheduler job each) and their `logprobs`.
 //! Invariant: every response that is not a success is an OpenAI-style JSON error with a
 //! 4xx/5xx status; a handler that is dropped (client gone) drops its event receiver, which
 //! is how the scheduler learns to free the slot.
 
+use super::logprobs::{self, LpToken};
 use super::metrics::{Ready, Shared};
-use super::openai::{self, ApiError, Finish, GenParams, Prompt, RespMeta, Usage};
-use super::scheduler::{Event, Job, SchedulerHandle, SubmitError};
+use super::openai::{self, ApiError, Choice, Finish, GenParams, Prompt, RespMeta, Usage};
+use super::reqlog::{self, RequestLog};
+use super::scheduler::{Event, Job, SchedulerHandle, SubmitError, TokenLogprobs};
 use super::template::Segment;
 use super::ServeOptions;
 use crate::tokenizer::Tokenizer;
@@ -418,16 +421,25 @@ fn check_model(app: &App, r: &Ready, asked: &Option<String>) -> Result<(), ApiEr
     }
 }
 
-/// Checked prompt and limits, queued on the scheduler.
+/// Checked prompt and limits, queued on the scheduler as `n` sequences.
 struct Started {
-    rx: UnboundedReceiver<Event>,
-    /// Set before dropping `rx` when a stop string ended the request.
-    ended_by_stop: Arc<AtomicBool>,
+    /// Every sequence's events, tagged with its choice index.
+    rx: UnboundedReceiver<(usize, Event)>,
+    /// Per choice: set when a stop string ended it (the scheduler then frees its slot).
+    ended_by_stop: Vec<Arc<AtomicBool>>,
     prompt_tokens: u64,
     id: u64,
+    /// When the request arrived (its log's times count from here).
+    arrived: Instant,
 }
 
-fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Started, ApiError> {
+fn start(
+    app: &App,
+    r: &Ready,
+    prompt: Vec<u32>,
+    gen: &GenParams,
+    arrived: Instant,
+) -> Result<Started, ApiError> {
     let ctx = r.info.max_context;
     if prompt.is_empty() {
         return Err(ApiError::param(
@@ -483,27 +495,54 @@ fn start(app: &App, r: &Ready, prompt: Vec<u32>, gen: &GenParams) -> Result<Star
         Some(m) => m,
         None => ctx - p,
     };
+    let slots = r.info.n_slots as u64;
+    if gen.n > slots {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "`n` is {} but this server runs at most {slots} sequences at once (the plan's slots), so `n` may be at most {slots}; lower `n`, or serve a plan made with more `--batch` slots",
+                gen.n
+            ),
+        ));
+    }
     let (tx, rx) = unbounded_channel();
-    let ended_by_stop = Arc::new(AtomicBool::new(false));
     let id = app.next_id.fetch_add(1, Relaxed);
-    let job = Job {
-        id,
-        prompt,
-        max_tokens,
-        sampling: gen.sampling,
-        proc: gen.proc.clone(),
-        eos: r.eos.clone(),
-        events: tx,
-        arrived: Instant::now(),
-        ended_by_stop: ended_by_stop.clone(),
-    };
-    match app.sched.submit(job) {
-        Ok(()) => Ok(Started {
-            rx,
-            ended_by_stop,
-            prompt_tokens: p,
+    let mut ended_by_stop = Vec::with_capacity(gen.n as usize);
+    for index in 0..gen.n as usize {
+        let flag = Arc::new(AtomicBool::new(false));
+        // Each choice its own stream of draws: seed, seed+1, ...; the prompt is prefilled
+        // into each choice's slot (its KV copied by recomputation, not shared).
+        let mut sampling = gen.sampling;
+        sampling.seed = sampling.seed.wrapping_add(index as u64);
+        let job = Job {
             id,
-        }),
+            index,
+            prompt: prompt.clone(),
+            max_tokens,
+            sampling,
+            proc: gen.proc.clone(),
+            logprobs: gen.logprobs,
+            eos: r.eos.clone(),
+            events: tx.clone(),
+            arrived,
+            ended_by_stop: flag.clone(),
+        };
+        // On an error the jobs already queued see a closed channel and are dropped.
+        submit_error(app, r, app.sched.submit(job))?;
+        ended_by_stop.push(flag);
+    }
+    Ok(Started {
+        rx,
+        ended_by_stop,
+        prompt_tokens: p,
+        id,
+        arrived,
+    })
+}
+
+fn submit_error(app: &App, r: &Ready, res: Result<(), SubmitError>) -> Result<(), ApiError> {
+    match res {
+        Ok(()) => Ok(()),
         Err(SubmitError::QueueFull) => Err(ApiError::new(
             503,
             "server_error",
@@ -626,163 +665,266 @@ fn scheduler_gone() -> ApiError {
     )
 }
 
-/// Run a request to the end and return its text.
-async fn collect(mut s: Started, mut out: TextOut) -> Result<(String, Finish, Usage), ApiError> {
-    let mut text = String::new();
-    let mut n = 0u64;
-    let finish = loop {
-        match s.rx.recv().await {
-            Some(Event::Token(id)) => {
-                n += 1;
-                text.push_str(&out.push(id));
-                if out.stopped {
-                    s.ended_by_stop.store(true, Relaxed);
-                    break Finish::Stop;
-                }
-            }
-            Some(Event::Done { eos }) => {
-                text.push_str(&out.flush());
-                break if eos || out.stopped {
-                    Finish::Stop
-                } else {
-                    Finish::Length
-                };
-            }
-            Some(Event::Error(m)) => {
-                return Err(ApiError::new(500, "server_error", Some("engine_error"), m))
-            }
-            None => return Err(scheduler_gone()),
-        }
-    };
-    Ok((
-        text,
-        finish,
-        Usage {
-            prompt: s.prompt_tokens,
-            completion: n,
-        },
-    ))
+/// One choice's output as it is produced: its text (stop strings held back), the
+/// log-probabilities not yet sent, and how it ended.
+struct ChoiceOut {
+    text: TextOut,
+    /// `Some` when the request asked for logprobs: the tokens not yet sent.
+    lps: Option<Vec<LpToken>>,
+    /// Completions `text_offset` of the next token.
+    offset: usize,
+    tokens: u64,
+    finish: Option<Finish>,
 }
 
-#[derive(PartialEq)]
-enum Phase {
-    Role,
-    Body,
-    Final,
-    Usage,
-    DoneMarker,
-    End,
+impl ChoiceOut {
+    fn new(tok: Option<Arc<Tokenizer>>, gen: &GenParams) -> Self {
+        Self {
+            text: TextOut::new(tok, gen.stop.clone()),
+            lps: gen.logprobs.map(|_| Vec::new()),
+            offset: 0,
+            tokens: 0,
+            finish: None,
+        }
+    }
+
+    /// Take a token; returns the text that may be sent now.
+    fn push(&mut self, id: u32, lp: Option<Box<TokenLogprobs>>) -> String {
+        self.tokens += 1;
+        if let (Some(v), Some(lp)) = (self.lps.as_mut(), lp) {
+            v.push(LpToken { id, lp: *lp });
+        }
+        self.text.push(id)
+    }
+
+    fn has_pending_lps(&self) -> bool {
+        self.lps.as_ref().is_some_and(|v| !v.is_empty())
+    }
+
+    /// The `logprobs` object of the tokens not yet sent (none when not asked for).
+    fn take_lps(&mut self, chat: bool) -> Option<Value> {
+        let items = std::mem::take(self.lps.as_mut()?);
+        let tok = self.text.tok.as_deref();
+        Some(if chat {
+            logprobs::chat(tok, &items)
+        } else {
+            logprobs::completion(tok, &items, &mut self.offset)
+        })
+    }
+}
+
+/// What one event did to its choice.
+enum Step {
+    /// Text to send (maybe empty); `true` when the choice ended with it.
+    Text(String, bool),
+    Failed(String),
+}
+
+/// Apply one event to its choice; events of a choice that already ended are ignored.
+fn step(outs: &mut [ChoiceOut], stops: &[Arc<AtomicBool>], i: usize, ev: Event) -> Step {
+    let Some(o) = outs.get_mut(i) else {
+        return Step::Text(String::new(), false);
+    };
+    if o.finish.is_some() {
+        return Step::Text(String::new(), false);
+    }
+    match ev {
+        Event::Token(id, lp) => {
+            let t = o.push(id, lp);
+            if o.text.stopped {
+                if let Some(f) = stops.get(i) {
+                    f.store(true, Relaxed);
+                }
+                o.finish = Some(Finish::Stop);
+            }
+            Step::Text(t, o.finish.is_some())
+        }
+        Event::Done { eos } => {
+            let t = o.text.flush();
+            o.finish = Some(if eos || o.text.stopped {
+                Finish::Stop
+            } else {
+                Finish::Length
+            });
+            Step::Text(t, true)
+        }
+        Event::Error(m) => Step::Failed(m),
+    }
+}
+
+/// Run a request to the end and return its choices.
+async fn collect(
+    s: &mut Started,
+    outs: &mut [ChoiceOut],
+    first: &mut Option<Instant>,
+    chat: bool,
+) -> Result<(Vec<Choice>, Usage), ApiError> {
+    let mut texts = vec![String::new(); outs.len()];
+    let mut left = outs.len();
+    while left > 0 {
+        let Some((i, ev)) = s.rx.recv().await else {
+            return Err(scheduler_gone());
+        };
+        if matches!(ev, Event::Token(..)) && first.is_none() {
+            *first = Some(Instant::now());
+        }
+        match step(outs, &s.ended_by_stop, i, ev) {
+            Step::Text(t, ended) => {
+                if let Some(x) = texts.get_mut(i) {
+                    x.push_str(&t);
+                }
+                left -= usize::from(ended);
+            }
+            Step::Failed(m) => {
+                return Err(ApiError::new(500, "server_error", Some("engine_error"), m))
+            }
+        }
+    }
+    let usage = Usage {
+        prompt: s.prompt_tokens,
+        completion: outs.iter().map(|o| o.tokens).sum(),
+    };
+    let choices = outs
+        .iter_mut()
+        .zip(texts)
+        .map(|(o, text)| Choice {
+            text,
+            finish: o.finish.unwrap_or(Finish::Stop),
+            logprobs: o.take_lps(chat),
+        })
+        .collect();
+    Ok((choices, usage))
 }
 
 /// The state of one SSE stream; dropping it (client gone) drops the receiver.
 struct StreamState {
-    rx: Option<UnboundedReceiver<Event>>,
-    ended_by_stop: Arc<AtomicBool>,
-    out: TextOut,
+    rx: Option<UnboundedReceiver<(usize, Event)>>,
+    ended_by_stop: Vec<Arc<AtomicBool>>,
+    outs: Vec<ChoiceOut>,
+    /// Choices still running.
+    left: usize,
     meta: RespMeta,
     chat: bool,
     include_usage: bool,
-    phase: Phase,
-    finish: Finish,
     usage: Usage,
+    /// Events ready to send, in order.
+    queue: std::collections::VecDeque<SseEvent>,
+    /// `[DONE]` is queued; nothing follows.
+    over: bool,
+    /// This request's log line, written once when the stream ends (or is dropped).
+    log: Option<(Arc<App>, RequestLog)>,
+    arrived: Instant,
+    first: Option<Instant>,
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        // Dropped before its end: the client went away.
+        self.write_log(499, "cancelled".into(), None);
+    }
 }
 
 impl StreamState {
-    fn chunk(&self, text: &str, finish: Option<Finish>) -> SseEvent {
+    fn chunk(&mut self, i: usize, text: &str, finish: Option<Finish>) -> SseEvent {
+        let lps = match self.outs.get_mut(i) {
+            Some(o) if finish.is_none() => o.take_lps(self.chat),
+            _ => None,
+        };
         let v = if self.chat {
             let delta = if finish.is_some() {
                 json!({})
             } else {
                 json!({"content": text})
             };
-            openai::chat_chunk(&self.meta, delta, finish)
+            openai::chat_chunk(&self.meta, i, delta, lps, finish)
         } else {
-            openai::completion_chunk(&self.meta, text, finish)
+            openai::completion_chunk(&self.meta, i, text, lps, finish)
         };
         SseEvent::default().data(v.to_string())
     }
 
+    fn write_log(&mut self, status: u16, finish: String, error: Option<String>) {
+        let Some((app, mut l)) = self.log.take() else {
+            return;
+        };
+        l.status = status;
+        l.finish = finish;
+        l.error = error;
+        l.completion_tokens = self.outs.iter().map(|o| o.tokens).sum();
+        l.ttft_ms = self.first.map(|t| ms(t - self.arrived));
+        l.total_ms = ms(self.arrived.elapsed());
+        reqlog::log(&app.opts.log, &l);
+    }
+
+    fn end_with(&mut self, last: Option<SseEvent>, error: Option<String>) {
+        match error {
+            None => {
+                let f = finish_reasons(&self.outs);
+                self.write_log(200, f, None);
+            }
+            Some(m) => self.write_log(500, "error".into(), Some(m)),
+        }
+        self.queue.extend(last);
+        self.queue.push_back(SseEvent::default().data("[DONE]"));
+        self.over = true;
+        self.rx = None;
+    }
+
     async fn next_event(&mut self) -> Option<SseEvent> {
         loop {
-            match self.phase {
-                Phase::Role => {
-                    self.phase = Phase::Body;
-                    let v = openai::chat_chunk(
-                        &self.meta,
-                        json!({"role": "assistant", "content": ""}),
-                        None,
-                    );
-                    return Some(SseEvent::default().data(v.to_string()));
-                }
-                Phase::Body => {
-                    let ev = match self.rx.as_mut() {
-                        Some(rx) => rx.recv().await,
-                        None => None,
-                    };
-                    match ev {
-                        Some(Event::Token(id)) => {
-                            self.usage.completion += 1;
-                            let t = self.out.push(id);
-                            if self.out.stopped {
-                                self.finish = Finish::Stop;
-                                self.phase = Phase::Final;
-                                self.ended_by_stop.store(true, Relaxed);
-                                self.rx = None;
-                            }
-                            if !t.is_empty() {
-                                return Some(self.chunk(&t, None));
-                            }
-                        }
-                        Some(Event::Done { eos }) => {
-                            let t = self.out.flush();
-                            self.finish = if eos || self.out.stopped {
-                                Finish::Stop
-                            } else {
-                                Finish::Length
-                            };
-                            self.phase = Phase::Final;
-                            self.rx = None;
-                            if !t.is_empty() {
-                                return Some(self.chunk(&t, None));
-                            }
-                        }
-                        Some(Event::Error(m)) => {
-                            self.phase = Phase::DoneMarker;
-                            self.rx = None;
-                            let e = ApiError::new(500, "server_error", Some("engine_error"), m);
-                            return Some(SseEvent::default().data(e.body().to_string()));
-                        }
-                        None => {
-                            self.phase = Phase::DoneMarker;
-                            return Some(
-                                SseEvent::default().data(scheduler_gone().body().to_string()),
-                            );
-                        }
-                    }
-                }
-                Phase::Final => {
-                    self.phase = if self.include_usage {
-                        Phase::Usage
-                    } else {
-                        Phase::DoneMarker
-                    };
-                    return Some(self.chunk("", Some(self.finish)));
-                }
-                Phase::Usage => {
-                    self.phase = Phase::DoneMarker;
+            if let Some(e) = self.queue.pop_front() {
+                return Some(e);
+            }
+            if self.over {
+                return None;
+            }
+            if self.left == 0 {
+                self.usage.completion = self.outs.iter().map(|o| o.tokens).sum();
+                let usage = self.include_usage.then(|| {
                     let object = if self.chat {
                         "chat.completion.chunk"
                     } else {
                         "text_completion"
                     };
                     let v = openai::usage_chunk(&self.meta, object, self.usage);
-                    return Some(SseEvent::default().data(v.to_string()));
+                    SseEvent::default().data(v.to_string())
+                });
+                self.end_with(usage, None);
+                continue;
+            }
+            let ev = match self.rx.as_mut() {
+                Some(rx) => rx.recv().await,
+                None => None,
+            };
+            let Some((i, ev)) = ev else {
+                let gone = scheduler_gone();
+                let e = SseEvent::default().data(gone.body().to_string());
+                self.end_with(Some(e), Some(gone.message));
+                continue;
+            };
+            if matches!(ev, Event::Token(..)) && self.first.is_none() {
+                self.first = Some(Instant::now());
+            }
+            match step(&mut self.outs, &self.ended_by_stop, i, ev) {
+                Step::Failed(m) => {
+                    let e = ApiError::new(500, "server_error", Some("engine_error"), m.clone());
+                    let ev = SseEvent::default().data(e.body().to_string());
+                    self.end_with(Some(ev), Some(m));
                 }
-                Phase::DoneMarker => {
-                    self.phase = Phase::End;
-                    return Some(SseEvent::default().data("[DONE]"));
+                Step::Text(t, ended) => {
+                    let pending = self.outs.get(i).is_some_and(ChoiceOut::has_pending_lps);
+                    // Text goes out as it is released; held-back logprobs go with the last text.
+                    if !t.is_empty() || (ended && pending) {
+                        let c = self.chunk(i, &t, None);
+                        self.queue.push_back(c);
+                    }
+                    if ended {
+                        self.left -= 1;
+                        let f = self.outs.get(i).and_then(|o| o.finish);
+                        let c = self.chunk(i, "", Some(f.unwrap_or(Finish::Stop)));
+                        self.queue.push_back(c);
+                    }
                 }
-                Phase::End => return None,
             }
         }
     }
@@ -804,11 +946,33 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
+/// Milliseconds of `d`.
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The finish reasons of the choices, comma-separated (`stop`, `length`).
+fn finish_reasons(outs: &[ChoiceOut]) -> String {
+    let v: Vec<&str> = outs
+        .iter()
+        .map(|o| o.finish.map_or("cancelled", Finish::as_str))
+        .collect();
+    v.join(",")
+}
+
+fn endpoint(chat: bool) -> &'static str {
+    if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    }
+}
+
 /// Respond to a started request, streaming or not.
 async fn respond(
-    app: &App,
+    app: &Arc<App>,
     r: &Ready,
-    s: Started,
+    mut s: Started,
     gen: GenParams,
     chat: bool,
 ) -> Result<Response, ApiError> {
@@ -822,15 +986,58 @@ async fn respond(
         created: now_secs(),
         model: model_name(app, r).to_string(),
     };
-    let out = TextOut::new(r.tokenizer.clone(), gen.stop.clone());
+    let mut log = RequestLog {
+        id: meta.id.clone(),
+        endpoint: endpoint(chat),
+        model: meta.model.clone(),
+        status: 200,
+        prompt_tokens: s.prompt_tokens,
+        completion_tokens: 0,
+        ttft_ms: None,
+        total_ms: 0.0,
+        finish: String::new(),
+        n: gen.n,
+        stream: gen.stream,
+        error: None,
+    };
+    let mut outs: Vec<ChoiceOut> = (0..gen.n)
+        .map(|_| ChoiceOut::new(r.tokenizer.clone(), &gen))
+        .collect();
     if !gen.stream {
-        let (text, finish, usage) = collect(s, out).await?;
+        let mut first = None;
+        let res = collect(&mut s, &mut outs, &mut first, chat).await;
+        log.completion_tokens = outs.iter().map(|o| o.tokens).sum();
+        log.ttft_ms = first.map(|t| ms(t - s.arrived));
+        log.total_ms = ms(s.arrived.elapsed());
+        match &res {
+            Ok(_) => log.finish = finish_reasons(&outs),
+            Err(e) => {
+                log.status = e.status;
+                log.finish = "error".into();
+                log.error = Some(e.message.clone());
+            }
+        }
+        reqlog::log(&app.opts.log, &log);
+        let (choices, usage) = res?;
         let body = if chat {
-            openai::chat_body(&meta, &text, finish, usage)
+            openai::chat_body(&meta, &choices, usage)
         } else {
-            openai::completion_body(&meta, &text, finish, usage)
+            openai::completion_body(&meta, &choices, usage)
         };
         return Ok(Json(body).into_response());
+    }
+    let mut queue = std::collections::VecDeque::new();
+    if chat {
+        for i in 0..outs.len() {
+            let v = openai::chat_chunk(
+                &meta,
+                i,
+                json!({"role": "assistant", "content": ""}),
+                None,
+                None,
+            );
+            queue.push_back(SseEvent::default().data(v.to_string()));
+        }
     }
     let st = StreamState {
         usage: Usage {
@@ -839,12 +1046,16 @@ async fn respond(
         },
         rx: Some(s.rx),
         ended_by_stop: s.ended_by_stop,
-        out,
+        left: outs.len(),
+        outs,
         meta,
         chat,
         include_usage: gen.include_usage,
-        phase: if chat { Phase::Role } else { Phase::Body },
-        finish: Finish::Stop,
+        queue,
+        over: false,
+        log: Some((app.clone(), log)),
+        arrived: s.arrived,
+        first: None,
     };
     let stream = futures_util::stream::unfold(st, |mut st| async move {
         let ev = st.next_event().await?;
@@ -853,14 +1064,43 @@ async fn respond(
     Ok(Sse::new(stream).into_response())
 }
 
-fn count_rejected<T>(app: &App, r: Result<T, ApiError>) -> Result<T, ApiError> {
-    if r.is_err() {
+/// Count a request refused before it ran, and log it.
+fn count_rejected<T>(
+    app: &App,
+    chat: bool,
+    arrived: Instant,
+    r: Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    if let Err(e) = &r {
         app.shared.requests_rejected.fetch_add(1, Relaxed);
+        let model = app
+            .shared
+            .ready
+            .get()
+            .map_or("-".to_string(), |rd| model_name(app, rd).to_string());
+        reqlog::log(
+            &app.opts.log,
+            &RequestLog {
+                id: "-".into(),
+                endpoint: endpoint(chat),
+                model,
+                status: e.status,
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                ttft_ms: None,
+                total_ms: ms(arrived.elapsed()),
+                finish: "rejected".into(),
+                n: 0,
+                stream: false,
+                error: Some(e.message.clone()),
+            },
+        );
     }
     r
 }
 
 async fn completions(State(app): AppState, req: Request) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
     app.shared.requests_total.fetch_add(1, Relaxed);
     let body = read_body(&app, req).await;
     let prepared = (|| {
@@ -881,10 +1121,10 @@ async fn completions(State(app): AppState, req: Request) -> Result<Response, Api
                 ids
             }
         };
-        let s = start(&app, r, prompt, &req.gen)?;
+        let s = start(&app, r, prompt, &req.gen, arrived)?;
         Ok((r, s, req.gen))
     })();
-    let (r, s, gen) = count_rejected(&app, prepared)?;
+    let (r, s, gen) = count_rejected(&app, false, arrived, prepared)?;
     respond(&app, r, s, gen, false).await
 }
 
@@ -945,6 +1185,7 @@ fn encode_segments(t: &Tokenizer, segs: &[Segment]) -> Result<Vec<u32>, ApiError
 }
 
 async fn chat_completions(State(app): AppState, req: Request) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
     app.shared.requests_total.fetch_add(1, Relaxed);
     let body = read_body(&app, req).await;
     let parsed = (|| {
@@ -961,15 +1202,15 @@ async fn chat_completions(State(app): AppState, req: Request) -> Result<Response
         })?;
         Ok(req)
     })();
-    let req = count_rejected(&app, parsed)?;
-    let encoded = count_rejected(&app, render_chat(&app, req.messages).await);
+    let req = count_rejected(&app, true, arrived, parsed)?;
+    let encoded = count_rejected(&app, true, arrived, render_chat(&app, req.messages).await);
     let prepared = (|| {
         let prompt = encoded?;
         let r = ready(&app)?;
-        let s = start(&app, r, prompt, &req.gen)?;
+        let s = start(&app, r, prompt, &req.gen, arrived)?;
         Ok((r, s, req.gen))
     })();
-    let (r, s, gen) = count_rejected(&app, prepared)?;
+    let (r, s, gen) = count_rejected(&app, true, arrived, prepared)?;
     respond(&app, r, s, gen, true).await
 }
 

@@ -1,6 +1,7 @@
 //! Host-side logit processing of one request before its token is drawn: `logit_bias`,
 //! presence/frequency penalties (OpenAI, over generated tokens), the repetition penalty
-//! (llama.cpp/vLLM, over prompt and generated tokens) and the `min_p` cut.
+//! (llama.cpp/vLLM, over prompt and generated tokens), the locally typical `typical_p` cut
+//! and the `min_p` cut.
 //! Invariant: every step is a transform of the logits row that runs before the unchanged
 //! draw of [`crate::sampler::sample_into`] (so the seeded draw stays the one the device
 //! kernel repeats); a neutral [`LogitProc`] leaves the row bit for bit untouched, and only
@@ -21,6 +22,10 @@ pub struct LogitProc {
     pub repetition_penalty: f32,
     /// Added to the given token ids' logits (`-100` effectively bans, `100` forces).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Locally typical sampling (Meister et al. 2023, as Hugging Face's `typical_p` and
+    /// llama.cpp's `typ_p`): keep the tokens whose surprise is closest to the distribution's
+    /// entropy, up to this much probability (1 = off; greedy requests ignore it).
+    pub typical_p: f32,
 }
 
 impl Default for LogitProc {
@@ -31,6 +36,7 @@ impl Default for LogitProc {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
+            typical_p: 1.0,
         }
     }
 }
@@ -43,6 +49,7 @@ impl LogitProc {
             && self.frequency_penalty == 0.0
             && self.repetition_penalty == 1.0
             && self.logit_bias.is_empty()
+            && self.typical_p >= 1.0
     }
 }
 
@@ -102,6 +109,9 @@ pub fn apply(p: &LogitProc, h: &History, temperature: f32, row: &mut [f32]) {
             }
         }
     }
+    if p.typical_p < 1.0 && temperature > 0.0 {
+        typical(row, p.typical_p, temperature);
+    }
     if p.min_p > 0.0 {
         let max = row
             .iter()
@@ -118,6 +128,54 @@ pub fn apply(p: &LogitProc, h: &History, temperature: f32, row: &mut [f32]) {
                 }
             }
         }
+    }
+}
+
+/// The `typical_p` cut of `row` at `temperature`: with `lp` the log-softmax of `row /
+/// temperature` and `H` its entropy, tokens are ranked by `|-lp - H|` and the smallest
+/// prefix whose probability reaches `mass` is kept (at least one token); the rest become
+/// `-inf`. Ties in rank keep the lower id first.
+fn typical(row: &mut [f32], mass: f32, temperature: f32) {
+    let max = row
+        .iter()
+        .copied()
+        .filter(|v| v.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return;
+    }
+    let t = temperature as f64;
+    let scaled = |v: f32| (v as f64 - max as f64) / t;
+    let z: f64 = row
+        .iter()
+        .filter(|v| v.is_finite())
+        .map(|&v| scaled(v).exp())
+        .sum();
+    let lz = z.ln();
+    let mut ent = 0.0f64;
+    let mut rank: Vec<(f64, u32, f64)> = Vec::new();
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_finite() {
+            let lp = scaled(v) - lz;
+            ent -= lp.exp() * lp;
+            rank.push((0.0, i as u32, lp));
+        }
+    }
+    for r in rank.iter_mut() {
+        r.0 = (-r.2 - ent).abs();
+    }
+    rank.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut cum = 0.0f64;
+    let mut keep = rank.len();
+    for (k, r) in rank.iter().enumerate() {
+        cum += r.2.exp();
+        if cum >= mass as f64 {
+            keep = k + 1;
+            break;
+        }
+    }
+    for r in &rank[keep..] {
+        row[r.1 as usize] = f32::NEG_INFINITY;
     }
 }
 
@@ -219,6 +277,42 @@ mod tests {
         apply(&p, &History::default(), 1.0, &mut row);
         assert_eq!(row[..2], [0.0, -0.5]);
         assert_eq!(row[2], f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn typical_p_keeps_the_tokens_nearest_the_entropy() {
+        // p = [0.5, 0.25, 0.125, 0.125]: H = 1.75 bits = 1.213 nats; surprises (nats)
+        // 0.693, 1.386, 2.079, 2.079: distances 0.52, 0.17, 0.87, 0.87. Rank: 1, 0, 2, 3, so
+        // 0.2 keeps id 1 alone (0.25 >= 0.2) and 0.7 ids 1 and 0 (0.75 >= 0.7).
+        let base: Vec<f32> = [0.5f32, 0.25, 0.125, 0.125]
+            .iter()
+            .map(|p| p.ln())
+            .collect();
+        let p = LogitProc {
+            typical_p: 0.2,
+            ..Default::default()
+        };
+        let mut row = base.clone();
+        apply(&p, &History::default(), 1.0, &mut row);
+        assert_eq!(
+            row[0],
+            f32::NEG_INFINITY,
+            "the most likely token is atypical here"
+        );
+        assert_eq!(row[1], base[1]);
+        assert!(row[2..].iter().all(|v| *v == f32::NEG_INFINITY));
+        let p = LogitProc {
+            typical_p: 0.7,
+            ..Default::default()
+        };
+        let mut row = base.clone();
+        apply(&p, &History::default(), 1.0, &mut row);
+        assert_eq!(row[..2], base[..2]);
+        assert_eq!(row[2], f32::NEG_INFINITY);
+        assert_eq!(row[3], f32::NEG_INFINITY);
+        let mut row = base.clone();
+        apply(&p, &History::default(), 0.0, &mut row);
+        assert_eq!(row, base, "greedy requests ignore typical_p");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Server state shared between the HTTP tasks and the scheduler thread: readiness, counters,
-//! per-slot views, and their Prometheus text rendering.
+//! latency and size histograms, per-slot views, and their Prometheus text rendering.
 //! Invariant: the scheduler is the only writer of slot views and token counters; HTTP tasks
 //! only read them (or bump request counters), so a scrape never blocks a decode step for
 //! longer than one short mutex hold.
@@ -37,7 +37,6 @@ pub struct SlotView {
 }
 
 /// Counters and state shared by every part of the server.
-#[derive(Default)]
 pub struct Shared {
     pub ready: OnceLock<Ready>,
     /// Set when loading failed; `/health` reports it.
@@ -53,14 +52,135 @@ pub struct Shared {
     pub generated_tokens: AtomicU64,
     /// Decode throughput, tokens/s, smoothed; f64 bits.
     pub tokens_per_s: AtomicU64,
-    pub ttft_us_sum: AtomicU64,
-    pub ttft_count: AtomicU64,
+    /// Arrival to first token, per sequence.
+    pub ttft: Histogram,
+    /// Between two tokens of one sequence.
+    pub inter_token: Histogram,
+    /// Arrival to the last token, per finished sequence.
+    pub e2e: Histogram,
+    /// Arrival to admission into a slot, per sequence.
+    pub queue_time: Histogram,
+    /// Prompt tokens per finished sequence.
+    pub prompt_len: Histogram,
+    /// Generated tokens per finished sequence.
+    pub generation_len: Histogram,
     pub expert_hits: AtomicU64,
     pub expert_misses: AtomicU64,
     pub expert_bytes_streamed: AtomicU64,
     pub slots: Mutex<Vec<SlotView>>,
     /// Notified once when loading failed, so the server stops instead of idling.
     pub load_failed: tokio::sync::Notify,
+}
+
+/// Bucket bounds (seconds) of the time-to-first-token and queue-time histograms (vLLM's,
+/// with finer steps below 10 ms for small models).
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// Bucket bounds (seconds) of the inter-token latency histogram.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+/// Bucket bounds (seconds) of the end-to-end latency histogram.
+pub const E2E_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+];
+/// Bucket bounds (tokens) of the prompt and generation length histograms.
+pub const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0, 200000.0, 500000.0, 1000000.0,
+];
+
+/// A Prometheus histogram with fixed bounds, updated without locks.
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Observations per bucket (not cumulative); the last is above every bound.
+    counts: Vec<AtomicU64>,
+    /// Sum of observations, f64 bits.
+    sum: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    pub fn observe(&self, v: f64) {
+        if !v.is_finite() {
+            return;
+        }
+        let i = self.bounds.partition_point(|&b| b < v);
+        self.counts[i].fetch_add(1, Relaxed);
+        let _ = self.sum.fetch_update(Relaxed, Relaxed, |b| {
+            Some((f64::from_bits(b) + v).to_bits())
+        });
+    }
+
+    pub fn count(&self) -> u64 {
+        self.counts.iter().map(|c| c.load(Relaxed)).sum()
+    }
+
+    /// The family `strata_{name}` in the text format: cumulative buckets, sum, count.
+    fn render(&self, o: &mut String, name: &str, help: &str) {
+        let _ = writeln!(
+            o,
+            "# HELP strata_{name} {help}\n# TYPE strata_{name} histogram"
+        );
+        let mut acc = 0u64;
+        for (i, c) in self.counts.iter().enumerate() {
+            acc += c.load(Relaxed);
+            match self.bounds.get(i) {
+                Some(b) => {
+                    let _ = writeln!(o, "strata_{name}_bucket{{le=\"{b}\"}} {acc}");
+                }
+                None => {
+                    let _ = writeln!(o, "strata_{name}_bucket{{le=\"+Inf\"}} {acc}");
+                }
+            }
+        }
+        let _ = writeln!(
+            o,
+            "strata_{name}_sum {}\nstrata_{name}_count {acc}",
+            f64::from_bits(self.sum.load(Relaxed))
+        );
+    }
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Self {
+            ready: OnceLock::new(),
+            load_error: OnceLock::new(),
+            requests_total: AtomicU64::new(0),
+            requests_rejected: AtomicU64::new(0),
+            requests_finished: AtomicU64::new(0),
+            requests_cancelled: AtomicU64::new(0),
+            requests_failed: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            generated_tokens: AtomicU64::new(0),
+            tokens_per_s: AtomicU64::new(0),
+            ttft: Histogram::new(TTFT_BUCKETS),
+            inter_token: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(E2E_BUCKETS),
+            queue_time: Histogram::new(TTFT_BUCKETS),
+            prompt_len: Histogram::new(TOKEN_BUCKETS),
+            generation_len: Histogram::new(TOKEN_BUCKETS),
+            expert_hits: AtomicU64::new(0),
+            expert_misses: AtomicU64::new(0),
+            expert_bytes_streamed: AtomicU64::new(0),
+            slots: Mutex::new(Vec::new()),
+            load_failed: tokio::sync::Notify::new(),
+        }
+    }
 }
 
 impl Shared {
@@ -171,12 +291,40 @@ impl Shared {
             "Bytes of expert weights copied host to device for expert cache misses",
             g(&self.expert_bytes_streamed),
         );
-        let _ = writeln!(
-            o,
-            "# HELP strata_time_to_first_token_seconds Time from a request's arrival to its first token\n# TYPE strata_time_to_first_token_seconds summary\nstrata_time_to_first_token_seconds_sum {:.6}\nstrata_time_to_first_token_seconds_count {}",
-            self.ttft_us_sum.load(Relaxed) as f64 / 1e6,
-            self.ttft_count.load(Relaxed)
-        );
+        for (h, name, help) in [
+            (
+                &self.ttft,
+                "time_to_first_token_seconds",
+                "Time from a request's arrival to the first token of each of its sequences",
+            ),
+            (
+                &self.inter_token,
+                "inter_token_latency_seconds",
+                "Time between two consecutive tokens of one sequence",
+            ),
+            (
+                &self.e2e,
+                "e2e_request_latency_seconds",
+                "Time from a request's arrival to the last token of each of its finished sequences",
+            ),
+            (
+                &self.queue_time,
+                "request_queue_time_seconds",
+                "Time from a request's arrival until each of its sequences got a slot",
+            ),
+            (
+                &self.prompt_len,
+                "request_prompt_tokens",
+                "Prompt tokens of each finished sequence",
+            ),
+            (
+                &self.generation_len,
+                "request_generation_tokens",
+                "Generated tokens of each finished sequence",
+            ),
+        ] {
+            h.render(&mut o, name, help);
+        }
         let _ = writeln!(o, "# HELP strata_kv_cells_in_use KV cells in use per slot\n# TYPE strata_kv_cells_in_use gauge");
         for s in self.slots() {
             let _ = writeln!(
@@ -210,5 +358,50 @@ mod tests {
             let (_, v) = line.rsplit_once(' ').unwrap();
             assert!(v.parse::<f64>().is_ok(), "{line}");
         }
+    }
+
+    #[test]
+    fn histograms_are_cumulative_with_sum_and_count() {
+        let s = Shared::new();
+        for v in [0.003, 0.003, 0.5, 1e9] {
+            s.ttft.observe(v);
+        }
+        s.ttft.observe(f64::NAN);
+        let t = s.prometheus();
+        assert!(
+            t.contains("# TYPE strata_time_to_first_token_seconds histogram\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("strata_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("strata_time_to_first_token_seconds_bucket{le=\"0.005\"} 2\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("strata_time_to_first_token_seconds_bucket{le=\"0.5\"} 3\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("strata_time_to_first_token_seconds_bucket{le=\"+Inf\"} 4\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("strata_time_to_first_token_seconds_count 4\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("strata_request_generation_tokens_count 0\n"),
+            "{t}"
+        );
+        let sum: f64 = t
+            .lines()
+            .find_map(|l| l.strip_prefix("strata_time_to_first_token_seconds_sum "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((sum - (1e9 + 0.506)).abs() < 1e-3, "{sum}");
     }
 }

@@ -10,8 +10,10 @@ pub mod conn;
 pub mod defaults;
 pub mod http;
 pub mod logit_proc;
+pub mod logprobs;
 pub mod metrics;
 pub mod openai;
+pub mod reqlog;
 pub mod scheduler;
 pub mod template;
 pub mod test_engine;
@@ -52,6 +54,8 @@ pub struct ServeOptions {
     pub body_timeout: Duration,
     /// What one chat-template render may spend.
     pub template: template::TemplateLimits,
+    /// The request log's format and level (`--log-format`, `RUST_LOG`).
+    pub log: reqlog::LogConfig,
 }
 
 impl Default for ServeOptions {
@@ -70,6 +74,7 @@ impl Default for ServeOptions {
             conn: conn::ConnLimits::default(),
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),
+            log: reqlog::LogConfig::default(),
         }
     }
 }

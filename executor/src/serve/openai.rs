@@ -76,6 +76,11 @@ pub struct GenParams {
     pub include_usage: bool,
     /// `min_p`, penalties and `logit_bias` (applied on the host).
     pub proc: super::logit_proc::LogitProc,
+    /// `Some(k)`: return each token's log-probability and its `k` most likely alternatives
+    /// (chat: `logprobs: true` + `top_logprobs: k`; completions: `logprobs: k`).
+    pub logprobs: Option<usize>,
+    /// `n`: independent sequences (choices) for this prompt, at least 1.
+    pub n: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -106,6 +111,9 @@ pub const MAX_STOP_BYTES: usize = 256;
 pub const MAX_STOPS: usize = 16;
 /// Most `logit_bias` entries accepted.
 pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Most alternatives per token accepted in `top_logprobs` (chat) / `logprobs` (completions),
+/// as OpenAI's chat API and vLLM.
+pub const MAX_TOP_LOGPROBS: i64 = 20;
 
 fn type_name(v: &Value) -> &'static str {
     match v {
@@ -237,7 +245,29 @@ impl Obj<'_> {
     }
 }
 
-fn gen_params(o: &Obj, d: &SamplingDefaults) -> Result<GenParams, ApiError> {
+/// `logprobs`/`top_logprobs`: chat takes `logprobs: true` and `top_logprobs: 0..=20` (which
+/// needs `logprobs: true`); completions take `logprobs: 0..=20`.
+fn logprobs(o: &Obj, chat: bool) -> Result<Option<usize>, ApiError> {
+    if !chat {
+        return Ok(o
+            .int_in("logprobs", 0, MAX_TOP_LOGPROBS)?
+            .map(|k| k as usize));
+    }
+    let on = o.bool("logprobs")?.unwrap_or(false);
+    let top = o.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
+    match (on, top) {
+        (false, Some(k)) if k > 0 => Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "`top_logprobs` is {k} but `logprobs` is not true; send `logprobs: true` with it"
+            ),
+        )),
+        (false, _) => Ok(None),
+        (true, k) => Ok(Some(k.unwrap_or(0) as usize)),
+    }
+}
+
+fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, ApiError> {
     let max_a = o.int_in("max_tokens", 1, i64::MAX)?;
     let max_b = o.int_in("max_completion_tokens", 1, i64::MAX)?;
     let max_tokens = max_b.or(max_a).map(|x| x as u64);
@@ -262,14 +292,8 @@ fn gen_params(o: &Obj, d: &SamplingDefaults) -> Result<GenParams, ApiError> {
                 .unwrap_or(0)
         }
     };
-    if let Some(n) = o.int_in("n", 1, i64::MAX)? {
-        if n != 1 {
-            return Err(ApiError::param(
-                "unsupported_parameter",
-                format!("`n` must be 1, got {n}"),
-            ));
-        }
-    }
+    // Bounded by the plan's slots where the request is started (it knows them).
+    let n = o.int_in("n", 1, i64::MAX)?.map_or(1, |n| n as u64);
     let stop = match o.get("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -313,9 +337,7 @@ fn gen_params(o: &Obj, d: &SamplingDefaults) -> Result<GenParams, ApiError> {
         Some(v) => return Err(wrong("stream_options", "an object", v)),
     };
     let proc = logit_proc(o, d)?;
-    o.unsupported_unless("logprobs", |v| v == &Value::Bool(false))?;
-    o.unsupported_unless("top_logprobs", |v| v.as_f64() == Some(0.0))?;
-    o.unsupported_unless("typical_p", |v| v.as_f64() == Some(1.0))?;
+    let logprobs = logprobs(o, chat)?;
     o.unsupported_unless("tools", |v| v.as_array().is_some_and(|a| a.is_empty()))?;
     o.unsupported_unless("response_format", |v| {
         v.get("type").and_then(Value::as_str) == Some("text")
@@ -335,11 +357,13 @@ fn gen_params(o: &Obj, d: &SamplingDefaults) -> Result<GenParams, ApiError> {
         stream,
         include_usage,
         proc,
+        logprobs,
+        n,
     })
 }
 
-/// `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty` (alias
-/// `repeat_penalty`) and `logit_bias` (token id strings to -100..100).
+/// `min_p`, `typical_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`
+/// (alias `repeat_penalty`) and `logit_bias` (token id strings to -100..100).
 fn logit_proc(o: &Obj, d: &SamplingDefaults) -> Result<super::logit_proc::LogitProc, ApiError> {
     let mut p = super::logit_proc::LogitProc {
         min_p: d.min_p as f32,
@@ -354,6 +378,15 @@ fn logit_proc(o: &Obj, d: &SamplingDefaults) -> Result<super::logit_proc::LogitP
     }
     if let Some(x) = o.f64_in("frequency_penalty", -2.0, 2.0)? {
         p.frequency_penalty = x as f32;
+    }
+    if let Some(x) = o.f64_in("typical_p", 0.0, 1.0)? {
+        if x <= 0.0 {
+            return Err(ApiError::param(
+                "invalid_value",
+                "`typical_p` must be greater than 0 and at most 1 (1 = off)",
+            ));
+        }
+        p.typical_p = x as f32;
     }
     let rep = o.f64_in("repetition_penalty", 0.0, 10.0)?;
     let rep = rep.or(o.f64_in("repeat_penalty", 0.0, 10.0)?);
@@ -462,7 +495,7 @@ pub fn parse_completion_with(
     Ok(CompletionRequest {
         model,
         prompt,
-        gen: gen_params(&o, d)?,
+        gen: gen_params(&o, d, false)?,
     })
 }
 
@@ -580,7 +613,7 @@ pub fn parse_chat_with(body: &[u8], d: &SamplingDefaults) -> Result<ChatRequest,
     Ok(ChatRequest {
         model,
         messages,
-        gen: gen_params(&o, d)?,
+        gen: gen_params(&o, d, true)?,
     })
 }
 
@@ -627,36 +660,71 @@ pub struct RespMeta {
     pub model: String,
 }
 
-pub fn completion_body(m: &RespMeta, text: &str, finish: Finish, usage: Usage) -> Value {
+/// One finished choice of a response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    pub text: String,
+    pub finish: Finish,
+    /// The `logprobs` object in the endpoint's shape, when asked for.
+    pub logprobs: Option<Value>,
+}
+
+pub fn completion_body(m: &RespMeta, choices: &[Choice], usage: Usage) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({"index": i, "text": c.text, "logprobs": c.logprobs,
+                   "finish_reason": c.finish.as_str()})
+        })
+        .collect();
     json!({
         "id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
-        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}],
-        "usage": usage.json(),
+        "choices": choices, "usage": usage.json(),
     })
 }
 
-pub fn completion_chunk(m: &RespMeta, text: &str, finish: Option<Finish>) -> Value {
+pub fn completion_chunk(
+    m: &RespMeta,
+    index: usize,
+    text: &str,
+    logprobs: Option<Value>,
+    finish: Option<Finish>,
+) -> Value {
     json!({
         "id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
-        "choices": [{"index": 0, "text": text, "logprobs": null,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs,
                      "finish_reason": finish.map(Finish::as_str)}],
     })
 }
 
-pub fn chat_body(m: &RespMeta, text: &str, finish: Finish, usage: Usage) -> Value {
+pub fn chat_body(m: &RespMeta, choices: &[Choice], usage: Usage) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({"index": i, "message": {"role": "assistant", "content": c.text},
+                   "logprobs": c.logprobs, "finish_reason": c.finish.as_str()})
+        })
+        .collect();
     json!({
         "id": m.id, "object": "chat.completion", "created": m.created, "model": m.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": null, "finish_reason": finish.as_str()}],
-        "usage": usage.json(),
+        "choices": choices, "usage": usage.json(),
     })
 }
 
-/// A chat chunk; `delta` is `{"role": ...}` for the first, `{"content": ...}` after.
-pub fn chat_chunk(m: &RespMeta, delta: Value, finish: Option<Finish>) -> Value {
+/// A chat chunk of choice `index`; `delta` is `{"role": ...}` for the first, `{"content": ...}`
+/// after.
+pub fn chat_chunk(
+    m: &RespMeta,
+    index: usize,
+    delta: Value,
+    logprobs: Option<Value>,
+    finish: Option<Finish>,
+) -> Value {
     json!({
         "id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": m.model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": null,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                      "finish_reason": finish.map(Finish::as_str)}],
     })
 }
@@ -705,11 +773,12 @@ mod tests {
             (br#"{"prompt":"x","temperature":3}"#, "temperature"),
             (br#"{"prompt":"x","top_p":0}"#, "top_p"),
             (br#"{"prompt":"x","top_k":-2}"#, "top_k"),
-            (br#"{"prompt":"x","n":2}"#, "`n`"),
+            (br#"{"prompt":"x","n":0}"#, "`n`"),
             (br#"{"prompt":"x","stop":[1]}"#, "stop[0]"),
             (br#"{"prompt":"x","stop":""}"#, "stop"),
             (br#"{"prompt":"x","stream":"yes"}"#, "stream"),
             (br#"{"prompt":"x","logprobs":true}"#, "logprobs"),
+            (br#"{"prompt":"x","logprobs":21}"#, "logprobs"),
             (br#"{"prompt":[1,-3]}"#, "prompt[1]"),
             (br#"{"prompt":["a","b"]}"#, "prompt"),
             (br#"{"prompt":7}"#, "prompt"),

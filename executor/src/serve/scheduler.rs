@@ -2,8 +2,10 @@
 //! slots with continuous batching. Each turn it admits queued requests into free slots,
 //! drops requests whose client went away, runs one planned-`ubatch` prefill chunk for the
 //! oldest prefilling request, then one decode step for every decoding slot together.
-//! Invariant: a slot is held only by a request whose event channel is open (checked every
-//! turn, so a disconnected client frees its slot within one step, during prefill too); no
+//! A request with `n` choices is `n` jobs (one slot each) sharing one event channel.
+//! Invariant: a slot is held only by a sequence whose event channel is open and that its
+//! handler has not ended (both checked every turn, so a disconnected client or a matched stop
+//! string frees the slot within one step, during prefill too); no
 //! request is fed past `prompt + max_tokens <= max_context`, which the HTTP side checks
 //! before queueing; the queue is bounded and never blocks the HTTP side.
 
@@ -18,20 +20,33 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
+/// The log-probabilities of one generated token: log-softmax of the model's raw logits
+/// (before penalties, `logit_bias`, `min_p` and temperature, as vLLM returns them), and the
+/// `top` most likely ids with theirs, highest first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What the scheduler tells a request's handler.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// One generated token (never an end-of-sequence token).
-    Token(u32),
+    /// One generated token (never an end-of-sequence token), with its log-probabilities when
+    /// the request asked for them.
+    Token(u32, Option<Box<TokenLogprobs>>),
     /// Generation ended: `eos` true for an end-of-sequence token, false for `max_tokens`.
     Done { eos: bool },
     /// The engine failed on this request.
     Error(String),
 }
 
-/// A request ready to run.
+/// One sequence of a request ready to run (a request with `n` choices queues `n` jobs with
+/// the same `id`, `index` 0..n, sharing one event channel).
 pub struct Job {
     pub id: u64,
+    /// Which choice of the request this is; every event is sent tagged with it.
+    pub index: usize,
     pub prompt: Vec<u32>,
     /// At least 1; `prompt.len() + max_tokens <= max_context`.
     pub max_tokens: u64,
@@ -39,11 +54,14 @@ pub struct Job {
     /// Host-side logit processing; a non-neutral one makes this request's rows picked on
     /// the host from [`Engine::decode`]'s logits.
     pub proc: LogitProc,
+    /// `Some(k)`: send each token's log-probability and the `k` most likely alternatives
+    /// (this request's rows are then picked on the host, like a non-neutral `proc`).
+    pub logprobs: Option<usize>,
     pub eos: Arc<[u32]>,
-    pub events: UnboundedSender<Event>,
+    pub events: UnboundedSender<(usize, Event)>,
     pub arrived: Instant,
-    /// Set by the handler when it ended the request itself (a stop string matched) before
-    /// dropping its receiver, so the freed slot counts as finished, not cancelled.
+    /// Set by the handler when it ended this sequence itself (a stop string matched): the
+    /// scheduler frees its slot within a step and counts it as finished, not cancelled.
     pub ended_by_stop: Arc<AtomicBool>,
 }
 
@@ -117,6 +135,8 @@ struct Active {
     last: u32,
     sampler: Sampler,
     history: History,
+    /// When this sequence's last token was sampled (inter-token latency).
+    last_at: Option<Instant>,
 }
 
 /// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
@@ -195,6 +215,8 @@ struct Sched {
     sampled: Vec<u32>,
     /// This step's sampling draws, one per batch entry.
     draws: Vec<Draw>,
+    /// This step's log-probabilities, one per batch entry (for requests that asked).
+    lps: Vec<Option<Box<TokenLogprobs>>>,
     ubatch: usize,
     max_context: u64,
     /// One row of logits, for host-side processing.
@@ -231,6 +253,7 @@ impl Sched {
             batch_slot: Vec::with_capacity(n),
             sampled: Vec::with_capacity(n),
             draws: Vec::with_capacity(n),
+            lps: Vec::with_capacity(n),
             ubatch: info.ubatch.max(1),
             max_context: info.max_context,
             row: Vec::with_capacity(info.n_vocab),
@@ -247,6 +270,7 @@ impl Sched {
         if self.slots[slot].take().is_some() {
             self.engine.reset_slot(slot);
             self.shared.running.fetch_sub(1, Relaxed);
+            self.show_idle(slot);
             how.fetch_add(1, Relaxed);
         }
     }
@@ -260,13 +284,35 @@ impl Sched {
         };
         self.engine.reset_slot(slot);
         self.shared.running.fetch_sub(1, Relaxed);
+        self.show_idle(slot);
         let counter = if failed {
             &self.shared.requests_failed
         } else {
+            observe_end(&self.shared, &a, matches!(ev, Event::Done { eos: true }));
             &self.shared.requests_finished
         };
         counter.fetch_add(1, Relaxed);
-        let _ = a.job.events.send(ev);
+        let _ = a.job.events.send((a.job.index, ev));
+    }
+
+    /// Show `slot` idle in `/slots` now, before its request's last event goes out (the
+    /// turn's `publish` comes after), so a client that has its answer sees the slot free.
+    fn show_idle(&self, slot: usize) {
+        if let Some(v) = self
+            .shared
+            .slots
+            .lock()
+            .ok()
+            .as_mut()
+            .and_then(|v| v.get_mut(slot))
+        {
+            v.state = "idle";
+            v.request_id = None;
+            v.prompt_tokens = 0;
+            v.prompt_done = 0;
+            v.generated = 0;
+            v.kv_cells = 0;
+        }
     }
 
     fn admit(&mut self, job: Job, slot: usize) {
@@ -277,6 +323,9 @@ impl Sched {
         }
         self.engine.reset_slot(slot);
         self.shared.running.fetch_add(1, Relaxed);
+        self.shared
+            .queue_time
+            .observe(job.arrived.elapsed().as_secs_f64());
         let sampler = Sampler::new(job.sampling);
         let history = History::new(&job.prompt, &job.proc);
         self.slots[slot] = Some(Active {
@@ -287,6 +336,7 @@ impl Sched {
             generated: 0,
             last: 0,
             sampler,
+            last_at: None,
         });
     }
 
@@ -325,14 +375,18 @@ impl Sched {
                     }
                 }
             }
-            // Drop requests whose client went away (or whose handler matched a stop string).
+            // Drop sequences whose client went away (or whose handler matched a stop string).
             for slot in 0..self.slots.len() {
                 let Some(a) = self.slots[slot].as_ref() else {
                     continue;
                 };
-                if a.job.events.is_closed() {
+                let stopped = a.job.ended_by_stop.load(Relaxed);
+                if stopped {
+                    observe_end(&self.shared, a, false);
+                }
+                if stopped || a.job.events.is_closed() {
                     let shared = self.shared.clone();
-                    let how = if a.job.ended_by_stop.load(Relaxed) {
+                    let how = if stopped {
                         &shared.requests_finished
                     } else {
                         &shared.requests_cancelled
@@ -390,7 +444,7 @@ impl Sched {
                     );
                     return;
                 };
-                let tok = if a.job.proc.is_neutral() {
+                let tok = if !on_host(a) {
                     a.sampler.sample(logits)
                 } else {
                     let d = a.sampler.next_draw();
@@ -401,32 +455,36 @@ impl Sched {
                     self.finish(slot, Event::Error(msg));
                     return;
                 }
+                let lp = token_logprobs(a, logits, tok);
                 let ttft = a.job.arrived.elapsed();
-                self.shared
-                    .ttft_us_sum
-                    .fetch_add(ttft.as_micros() as u64, Relaxed);
-                self.shared.ttft_count.fetch_add(1, Relaxed);
+                self.shared.ttft.observe(ttft.as_secs_f64());
                 a.phase = Phase::Decode;
-                self.after_sample(slot, tok);
+                self.after_sample(slot, tok, lp);
             }
         }
     }
 
     /// Deliver a sampled token; end the request on EOS, `max_tokens` or a full context.
-    fn after_sample(&mut self, slot: usize, tok: u32) {
+    fn after_sample(&mut self, slot: usize, tok: u32, lp: Option<Box<TokenLogprobs>>) {
         let max_context = self.max_context;
         let Some(a) = self.slots[slot].as_mut() else {
             return;
         };
         a.generated += 1;
         a.history.push(tok);
+        let now = Instant::now();
+        if let Some(t) = a.last_at.replace(now) {
+            self.shared
+                .inter_token
+                .observe(now.duration_since(t).as_secs_f64());
+        }
         self.shared.generated_tokens.fetch_add(1, Relaxed);
         if a.job.eos.contains(&tok) {
             self.finish(slot, Event::Done { eos: true });
             return;
         }
         a.last = tok;
-        let _ = a.job.events.send(Event::Token(tok));
+        let _ = a.job.events.send((a.job.index, Event::Token(tok, lp)));
         let cells = a.job.prompt.len() as u64 + a.generated;
         if a.generated >= a.job.max_tokens || cells > max_context {
             self.finish(slot, Event::Done { eos: false });
@@ -458,11 +516,12 @@ impl Sched {
         }
         self.sampled.clear();
         self.sampled.resize(self.batch.len(), u32::MAX);
-        let host = self.batch_slot.iter().any(|&s| {
-            self.slots[s]
-                .as_ref()
-                .is_some_and(|a| !a.job.proc.is_neutral())
-        });
+        self.lps.clear();
+        self.lps.resize(self.batch.len(), None);
+        let host = self
+            .batch_slot
+            .iter()
+            .any(|&s| self.slots[s].as_ref().is_some_and(on_host));
         let res = if host {
             // Some row needs host-side processing: bring every row back and pick here.
             let v = self.engine.info().n_vocab;
@@ -474,8 +533,12 @@ impl Sched {
                             break;
                         };
                         if let Some(a) = self.slots[slot].as_ref() {
-                            self.sampled[k] =
+                            let tok =
                                 pick_host(a, row, &self.draws[k], &mut self.row, &mut self.cand);
+                            self.sampled[k] = tok;
+                            if tok != crate::sampler::NON_FINITE {
+                                self.lps[k] = token_logprobs(a, row, tok);
+                            }
                         }
                     }
                     Ok(())
@@ -517,7 +580,8 @@ impl Sched {
                 );
                 self.finish(slot, Event::Error(crate::sampler::non_finite_message(&at)));
             } else {
-                self.after_sample(slot, tok);
+                let lp = self.lps[k].take();
+                self.after_sample(slot, tok, lp);
             }
         }
     }
@@ -567,12 +631,34 @@ impl Sched {
         }
         while let Ok(job) = self.rx.try_recv() {
             self.shared.queued.fetch_sub(1, Relaxed);
-            let _ = job
-                .events
-                .send(Event::Error("the server is shutting down".into()));
+            let _ = job.events.send((
+                job.index,
+                Event::Error("the server is shutting down".into()),
+            ));
         }
         self.publish();
     }
+}
+
+/// A sequence ended normally (`eos`: with an end-of-sequence token, which is not counted
+/// as generated text): its end-to-end latency and sizes.
+fn observe_end(shared: &Shared, a: &Active, eos: bool) {
+    shared.e2e.observe(a.job.arrived.elapsed().as_secs_f64());
+    shared.prompt_len.observe(a.job.prompt.len() as f64);
+    let sent = a.generated.saturating_sub(u64::from(eos));
+    shared.generation_len.observe(sent as f64);
+}
+
+/// Whether `a`'s rows are picked on the host (its logits read back from the device).
+fn on_host(a: &Active) -> bool {
+    !a.job.proc.is_neutral() || a.job.logprobs.is_some()
+}
+
+/// The log-probabilities of `tok` in the raw row `logits`, when `a` asked for them.
+fn token_logprobs(a: &Active, logits: &[f32], tok: u32) -> Option<Box<TokenLogprobs>> {
+    let k = a.job.logprobs?;
+    let (logprob, top) = logit_proc::logprobs(logits, tok, k);
+    Some(Box::new(TokenLogprobs { logprob, top }))
 }
 
 /// Pick `a`'s next token from its raw logits `logits` on the host: the row is checked,

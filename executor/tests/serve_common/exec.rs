@@ -104,10 +104,16 @@ impl Server for ExecServer {
 impl ExecServer {
     /// Start `strata-exec PLAN --serve --port 0 -q EXTRA...` and wait until it is ready.
     pub fn start(plan: &Path, extra: &[&str]) -> Self {
+        Self::start_with_env(plan, extra, &[])
+    }
+
+    /// [`ExecServer::start`] with environment variables set for the child (e.g. `RUST_LOG`).
+    pub fn start_with_env(plan: &Path, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_strata-exec"))
             .arg(plan)
             .args(["--serve", "--port", "0", "-q"])
             .args(extra)
+            .envs(env.iter().copied())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
