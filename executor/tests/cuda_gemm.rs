@@ -25,7 +25,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 use strata_exec::backend::cuda::gemm::{
-    gemm_scratch_bytes, moe_scratch_bytes, GemmTile, MoeInput, MoeScratch, GEMM_BN,
+    gemm_scratch_bytes, moe_scratch_bytes, ExpertSource, GemmTile, MoeInput, MoeScratch, GEMM_BN,
     MOE_DEFAULT_TILE,
 };
 use strata_exec::backend::cuda::layout;
@@ -569,6 +569,164 @@ fn moe_gemm_gather_and_direct_match_cpu() {
         )
         .is_err());
     eprintln!("PASS moe_gemm refusal: 7x32 Q8_0 experts (238 bytes each) misaligned");
+}
+
+/// The grouped products reading every expert through an expert table (the expert cache's
+/// slots, in any order) give the strided stacks' outputs bit for bit: the fused gate-up
+/// (table columns 0 and 1) and the down product (column 2), gather and direct inputs.
+#[test]
+fn moe_gemm_through_an_expert_table_equals_the_strided_stacks() {
+    let Some(d) = dev("moe_gemm table") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(29);
+    let a = d.alloc_arena("moe-table-test", 256 << 20).unwrap();
+    let mut cases = 0;
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16] {
+        let (e, f) = if ty == GgmlType::Q4K {
+            (512, 256)
+        } else {
+            (96, 64)
+        };
+        for &(ne, n_tok, k) in &[(8usize, 1usize, 2usize), (16, 37, 4), (5, 200, 3)] {
+            let c = Carve::new(&a);
+            // Gate and up: f x e; down: e x f; expert x's three matrices go to slot
+            // perm[x] of a slot region, each slot gate | up | down.
+            let (gb, _) = weights(&mut rng, ty, ne, f, e);
+            let (ub, _) = weights(&mut rng, ty, ne, f, e);
+            let (db, _) = weights(&mut rng, ty, ne, e, f);
+            let (gm, dm) = (gb.len() / ne, db.len() / ne);
+            let slot = (2 * gm + dm).div_ceil(256) * 256;
+            let mut perm: Vec<usize> = (0..ne).collect();
+            for i in (1..ne).rev() {
+                perm.swap(i, rng.random_range(0..=i));
+            }
+            let mut slots = vec![0u8; slot * ne];
+            for x in 0..ne {
+                let s = perm[x] * slot;
+                slots[s..s + gm].copy_from_slice(&gb[x * gm..(x + 1) * gm]);
+                slots[s + gm..s + 2 * gm].copy_from_slice(&ub[x * gm..(x + 1) * gm]);
+                slots[s + 2 * gm..s + 2 * gm + dm].copy_from_slice(&db[x * dm..(x + 1) * dm]);
+            }
+            let (gv, uv, dv, sv) = (
+                put(d, &c, &gb),
+                put(d, &c, &ub),
+                put(d, &c, &db),
+                put(d, &c, &slots),
+            );
+            let table: Vec<u64> = (0..ne)
+                .flat_map(|x| {
+                    let base = sv.ptr() + (perm[x] * slot) as u64;
+                    [base, base + gm as u64, base + 2 * gm as u64]
+                })
+                .collect();
+            let tv = put(d, &c, &table);
+            let ids: Vec<i32> = (0..n_tok * k)
+                .map(|_| rng.random_range(0..ne as i32))
+                .collect();
+            let iv = put(d, &c, &ids);
+            let sorted = c.take(moe_scratch_bytes(n_tok, k, ne));
+            d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
+            let x = rand_vec(&mut rng, n_tok * k * e.max(f), 1.0);
+            let xv = put(d, &c, &x);
+            let xh = c.take(gemm_scratch_bytes(n_tok * k, e.max(f)));
+            let ny = n_tok * k * e.max(f);
+            let (y1, y2) = (c.take(4 * ny as u64), c.take(4 * ny as u64));
+            // (source pair, rows, cols, input): gate-up fused, then down.
+            for (fused, rows, cols, input) in [
+                (true, f, e, MoeInput::Gather),
+                (true, f, e, MoeInput::Direct),
+                (false, e, f, MoeInput::Gather),
+                (false, e, f, MoeInput::Direct),
+            ] {
+                let x_rows = if input == MoeInput::Gather {
+                    n_tok
+                } else {
+                    n_tok * k
+                };
+                d.gemm_convert_x(xv, x_rows, cols, ty, xh).unwrap();
+                let (stacks, tab) = if fused {
+                    (
+                        ExpertSource::Strided {
+                            w: gv,
+                            wu: Some(uv),
+                            stride: 0,
+                        },
+                        ExpertSource::Table {
+                            table: tv,
+                            col: 0,
+                            fused_up: true,
+                        },
+                    )
+                } else {
+                    (
+                        ExpertSource::Strided {
+                            w: dv,
+                            wu: None,
+                            stride: 0,
+                        },
+                        ExpertSource::Table {
+                            table: tv,
+                            col: 2,
+                            fused_up: false,
+                        },
+                    )
+                };
+                let tile = if fused {
+                    GemmTile::M64
+                } else {
+                    MOE_DEFAULT_TILE
+                };
+                let n = n_tok * k * rows;
+                d.memset(y1, 0x7f).unwrap();
+                d.memset(y2, 0x3f).unwrap();
+                let run = |src, y| {
+                    d.moe_gemm_from(
+                        tile, src, ty, ne, rows, cols, xh, input, n_tok, k, sorted, y,
+                    )
+                    .unwrap()
+                };
+                run(stacks, y1);
+                run(tab, y2);
+                let (a1, a2): (Vec<f32>, Vec<f32>) = (get(d, y1, n), get(d, y2, n));
+                let what = format!("{ty} experts={ne} n_tok={n_tok} k={k} fused={fused} {input:?}");
+                assert!(
+                    a1.iter().all(|v| v.is_finite()),
+                    "{what}: stacks gave non-finite"
+                );
+                assert!(
+                    a1.iter().zip(&a2).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{what}: the table's outputs differ from the stacks'"
+                );
+                cases += 1;
+            }
+            // A column past down, or a fused product not from the gate column, is refused.
+            let bad = ExpertSource::Table {
+                table: tv,
+                col: 1,
+                fused_up: true,
+            };
+            assert!(d
+                .moe_gemm_from(
+                    GemmTile::M64,
+                    bad,
+                    ty,
+                    ne,
+                    f,
+                    e,
+                    xh,
+                    MoeInput::Gather,
+                    n_tok,
+                    k,
+                    sorted,
+                    y2
+                )
+                .is_err());
+        }
+    }
+    eprintln!(
+        "PASS moe_gemm through an expert table: {cases} cases equal the strided stacks bit for bit"
+    );
 }
 
 /// Random Q8_0 split-layout bytes (quants anything, scales f16 in [0.002, 0.02)) for `mats`

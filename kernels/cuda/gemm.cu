@@ -396,13 +396,16 @@ __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, 
 
 // Grouped: grid (ceil(rows / BM), max_tiles), block 2 * BM. Tile y covers assignments
 // perm[pos0 .. pos0 + count) of expert e = tiles[2y] (pos0 = tiles[2y + 1]); CTAs past the
-// device-side tile count exit. Expert e's matrix starts at byte e * mat_bytes of W.
+// device-side tile count exit. Expert e's matrix starts at byte e * mat_bytes of W (W2), or,
+// when tab (tab2) is not null, at the address tab[3 e] (tab2[3 e]): an expert table of
+// (gate, up, down) pointers as the expert cache keeps it, tab pointing at the column read.
 template <int WT, int BM, int WN, bool GLU>
 __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes,
                                        const u16* X16, float* Y,
                                        int rows, int cols, const int* offsets, const int* perm,
                                        const int* tiles, const int* n_tiles, int k,
-                                       int gather, int gt = 0) {
+                                       int gather, const unsigned long long* tab,
+                                       const unsigned long long* tab2, int gt = 0) {
     extern __shared__ __align__(16) u8 gm_smem[];
     __shared__ int xrow[GM_BN], yrow[GM_BN];
     const int tile = blockIdx.y;
@@ -415,7 +418,9 @@ __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes
         yrow[threadIdx.x] = a;
     }
     __syncthreads();
-    gm_tile<WT, BM, WN, GLU>(W + (long)e * mat_bytes, W2 + (long)e * mat_bytes, rows, cols,
+    const u8* We = tab ? (const u8*)tab[3 * e] : W + (long)e * mat_bytes;
+    const u8* W2e = tab2 ? (const u8*)tab2[3 * e] : W2 + (long)e * mat_bytes;
+    gm_tile<WT, BM, WN, GLU>(We, W2e, rows, cols,
                          blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1, 0,
                          gt);
 }
@@ -468,8 +473,10 @@ ST_KERNEL void gemm_bf16_m128w(const u8* __restrict__ W, const u16* __restrict__
     const u8 *__restrict__ W, long mat_bytes, const u16 *__restrict__ X16,                   \
         float *__restrict__ Y, int rows, int cols, const int *__restrict__ offsets,          \
         const int *__restrict__ perm, const int *__restrict__ tiles,                         \
-        const int *__restrict__ n_tiles, int k, int gather
-#define GM_MOE_PASS mat_bytes, X16, Y, rows, cols, offsets, perm, tiles, n_tiles, k, gather
+        const int *__restrict__ n_tiles, int k, int gather,                                   \
+        const unsigned long long *__restrict__ tab, const unsigned long long *__restrict__ tab2
+#define GM_MOE_PASS                                                                          \
+    mat_bytes, X16, Y, rows, cols, offsets, perm, tiles, n_tiles, k, gather, tab, tab2
 ST_KERNEL void moe_gemm_q8_0_m64(GM_MOE_ARGS) {
     gm_moe<GM_Q8, 64, 2, false>(W, W, GM_MOE_PASS);
 }

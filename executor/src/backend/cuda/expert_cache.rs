@@ -17,6 +17,7 @@
 //! pageable mmapped model file, which the driver stages before each call returns; a pass whose
 //! tokens pick more distinct experts than the cache holds runs in groups of tokens that fit.
 
+use super::forward::Grouped;
 use super::launch::decode::{self, ExpertTable};
 use super::stage::CudaStage;
 use super::{drv, layout, CudaError, DeviceView};
@@ -376,12 +377,21 @@ impl CudaStage {
                 f,
                 e,
             };
+            let lch = self.launcher();
+            if self.grouped_experts(g, [ty, ty_up, ty_down]) {
+                // A prefill group: the grouped tensor-core products, reading every expert of
+                // the group from its slot through the table just written.
+                let src = Grouped::Table { off: l.table_off };
+                let bufs = [xn, ids, wts, y];
+                self.experts_grouped(&lch, src, [ty, ty_down], bufs, t0, g)?;
+                t0 += g;
+                continue;
+            }
             let row = |b: WorkBuf, width: usize| {
                 self.buf_at(b, (4 * t0 * width) as u64, (4 * g * width) as u64)
             };
             let (xv, iv, wv, yv) = (row(xn, e)?, row(ids, k)?, row(wts, k)?, row(y, e)?);
             let h = self.buf_at(WorkBuf::H, 0, (4 * g * k * f) as u64)?;
-            let lch = self.launcher();
             decode::moe_gate_up(&lch, table, iv, k, xv, h, g, stage_in)?;
             decode::moe_down(&lch, table, iv, wv, k, h, yv, g)?;
             t0 += g;

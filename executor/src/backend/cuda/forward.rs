@@ -10,7 +10,7 @@
 //! (what graph replay needs).
 
 use super::flash::{self, PrefillAttn};
-use super::gemm::{gemm_col_multiple, GemmTile, MoeInput, MOE_DEFAULT_TILE};
+use super::gemm::{gemm_col_multiple, ExpertSource, GemmTile, MoeInput, MOE_DEFAULT_TILE};
 use super::launch::attention::{self, Heads, KvLayer, Splits};
 use super::launch::decode::{self, ExpertTable, FusedTopk, InNorm};
 use super::launch::linear;
@@ -48,6 +48,16 @@ pub struct Stacks {
     pub down: u64,
     pub gu_stride: u64,
     pub down_stride: u64,
+}
+
+/// Where the grouped prefill products read a layer's experts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Grouped {
+    /// Strided stacks (a whole stack, or consecutive cache slots).
+    Stacks(Stacks),
+    /// The expert table at arena offset `off` (`3 x n_expert` u64 addresses): the expert
+    /// cache's slots, wherever the experts of a group were put.
+    Table { off: u64 },
 }
 
 /// A layer's routed experts on a stage: the table of every expert's matrix addresses, the
@@ -199,38 +209,69 @@ impl CudaStage {
 
     /// The experts of a prefill pass on the tensor-core products: assignments grouped by
     /// expert (`moe_sort`), a fused gate-up-SwiGLU product, the down product, then the
-    /// weighted sum added into `y`.
+    /// weighted sum added into `y` — for the `n` tokens from row `t0` of the pass, reading
+    /// the experts where `src` says (strided stacks, or the expert cache's table).
     #[allow(clippy::too_many_arguments)]
-    fn experts_grouped(
+    pub(crate) fn experts_grouped(
         &self,
         l: &Launcher<'_>,
-        s: Stacks,
+        src: Grouped,
         [ty, ty_down]: [GgmlType; 2],
-        xn: WorkBuf,
-        ids: WorkBuf,
-        wts: WorkBuf,
-        y: WorkBuf,
+        [xn, ids, wts, y]: [WorkBuf; 4],
+        t0: usize,
         n: usize,
     ) -> Result<(), CudaError> {
         let d = self.d;
         let (e, f, k, ne) = (d.e, d.f, d.k, d.n_expert);
         let xh = self.buf(WorkBuf::Xh)?;
         let sorted = self.buf(WorkBuf::Sorted)?;
-        let idv = self.buf_at(ids, 0, (4 * n * k) as u64)?;
+        let from = |b: WorkBuf, width: usize| {
+            self.buf_at(b, (4 * t0 * width) as u64, (4 * n * width) as u64)
+        };
+        let idv = from(ids, k)?;
         l.timed("moe_sort", || self.dev.moe_sort(idv, n, k, ne, sorted))?;
-        let gu_span = s.gu_stride * (ne as u64 - 1) + mat_bytes(ty, f, e)?;
-        let xv = self.rows(xn, n, e)?;
+        let xv = from(xn, e)?;
         l.timed("gemm_convert_x", || {
             self.dev.gemm_convert_x(xv, n, e, ty, xh)
         })?;
         let h = self.rows(WorkBuf::H, n * k, f)?;
-        let (wg, wu) = (self.view(s.gate, gu_span)?, self.view(s.up, gu_span)?);
+        let (gate_up, down) = match src {
+            Grouped::Stacks(s) => {
+                let gu_span = s.gu_stride * (ne as u64 - 1) + mat_bytes(ty, f, e)?;
+                let dn_span = s.down_stride * (ne as u64 - 1) + mat_bytes(ty_down, e, f)?;
+                (
+                    ExpertSource::Strided {
+                        w: self.view(s.gate, gu_span)?,
+                        wu: Some(self.view(s.up, gu_span)?),
+                        stride: s.gu_stride,
+                    },
+                    ExpertSource::Strided {
+                        w: self.view(s.down, dn_span)?,
+                        wu: None,
+                        stride: s.down_stride,
+                    },
+                )
+            }
+            Grouped::Table { off } => {
+                let table = self.view(off, 24 * ne as u64)?;
+                (
+                    ExpertSource::Table {
+                        table,
+                        col: 0,
+                        fused_up: true,
+                    },
+                    ExpertSource::Table {
+                        table,
+                        col: 2,
+                        fused_up: false,
+                    },
+                )
+            }
+        };
         l.timed("moe_gemm_glu", || {
-            self.dev.moe_gemm_converted_strided(
+            self.dev.moe_gemm_from(
                 GemmTile::M64,
-                wg,
-                Some(wu),
-                s.gu_stride,
+                gate_up,
                 ty,
                 ne,
                 f,
@@ -243,20 +284,14 @@ impl CudaStage {
                 h,
             )
         })?;
-        let dn_span = s.down_stride * (ne as u64 - 1) + mat_bytes(ty_down, e, f)?;
         l.timed("gemm_convert_x", || {
             self.dev.gemm_convert_x(h, n * k, f, ty_down, xh)
         })?;
-        let (wd, yd) = (
-            self.view(s.down, dn_span)?,
-            self.rows(WorkBuf::Yd, n * k, e)?,
-        );
+        let yd = self.rows(WorkBuf::Yd, n * k, e)?;
         l.timed("moe_gemm_down", || {
-            self.dev.moe_gemm_converted_strided(
+            self.dev.moe_gemm_from(
                 MOE_DEFAULT_TILE,
-                wd,
-                None,
-                s.down_stride,
+                down,
                 ty_down,
                 ne,
                 e,
@@ -269,8 +304,20 @@ impl CudaStage {
                 yd,
             )
         })?;
-        let (wv, yv) = (self.rows(wts, n, k)?, self.rows(y, n, e)?);
+        let (wv, yv) = (from(wts, k)?, from(y, e)?);
         decode::moe_combine(l, yd, wv, k, e, yv, n)
+    }
+
+    /// Whether a prefill pass of `n` tokens takes the grouped products for experts of
+    /// these types (gate and up of one type for the fused launch; down may be of another,
+    /// as Q4_K_M's Q6_K down layers, each read through its own type's tiles).
+    pub(crate) fn grouped_experts(&self, n: usize, [ty, ty_up, ty_down]: [GgmlType; 3]) -> bool {
+        let d = self.d;
+        let fits = |ty: GgmlType| {
+            let c = gemm_col_multiple(ty);
+            c != 0 && d.e % c == 0 && d.f % c == 0
+        };
+        self.gemm_pass(n) && ty_up == ty && fits(ty) && fits(ty_down)
     }
 
     fn heads(&self, q_norm: CVec, k_norm: CVec) -> Result<Heads<'_>, CudaError> {
@@ -565,15 +612,12 @@ impl Ops for CudaStage {
         }
         let l = self.launcher();
         let d = self.d;
-        // Grouped products need gate and up of one type (one GLU launch); down may be of
-        // another (Q4_K_M's Q6_K down layers), each read through its own type's tiles.
-        let fits = |ty: GgmlType| {
-            let c = gemm_col_multiple(ty);
-            c != 0 && d.e % c == 0 && d.f % c == 0
-        };
-        let grouped_ty = e.ty_up == e.ty && fits(e.ty) && fits(e.ty_down);
-        if let (true, true, Some(s)) = (self.gemm_pass(n), grouped_ty, e.stacks) {
-            return self.experts_grouped(&l, s, [e.ty, e.ty_down], xn, ids, wts, y, n);
+        if let (true, Some(s)) = (
+            self.grouped_experts(n, [e.ty, e.ty_up, e.ty_down]),
+            e.stacks,
+        ) {
+            let bufs = [xn, ids, wts, y];
+            return self.experts_grouped(&l, Grouped::Stacks(s), [e.ty, e.ty_down], bufs, 0, n);
         }
         let table = ExpertTable {
             table: self.view(e.table_off, 24 * d.n_expert as u64)?,

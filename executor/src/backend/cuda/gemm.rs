@@ -60,6 +60,27 @@ impl GemmTile {
     }
 }
 
+/// Where a grouped expert product reads expert e's matrices.
+#[derive(Debug, Clone, Copy)]
+pub enum ExpertSource<'a> {
+    /// At byte `e * stride` of `w` (and of `wu`, the fused up product's); stride 0 = the
+    /// matrix's bytes.
+    Strided {
+        w: DeviceView<'a>,
+        wu: Option<DeviceView<'a>>,
+        stride: u64,
+    },
+    /// At the pointer in column `col` (0 gate, 1 up, 2 down) of row e of an expert table of
+    /// `n_expert x 3` u64 device addresses (the expert cache's); `fused_up`: gate (col 0) and
+    /// up (col 1) in one fused product. Every pointer must address a whole matrix of the
+    /// product's type and shape.
+    Table {
+        table: DeviceView<'a>,
+        col: usize,
+        fused_up: bool,
+    },
+}
+
 /// Where a MoE product's input row for assignment `a = t * k + j` comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeInput {
@@ -596,6 +617,30 @@ impl CudaDevice {
         sorted: DeviceView<'_>,
         y: DeviceView<'_>,
     ) -> Result<(), CudaError> {
+        let src = ExpertSource::Strided { w, wu, stride };
+        self.moe_gemm_from(
+            tile, src, ty, n_expert, rows, cols, xh, input, n_tok, k, sorted, y,
+        )
+    }
+
+    /// [`CudaDevice::moe_gemm_converted_strided`] reading expert e's matrices where `src`
+    /// says: strided stacks, or an expert table (the expert cache's slots).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm_from(
+        &self,
+        tile: GemmTile,
+        src: ExpertSource<'_>,
+        ty: GgmlType,
+        n_expert: usize,
+        rows: usize,
+        cols: usize,
+        xh: DeviceView<'_>,
+        input: MoeInput,
+        n_tok: usize,
+        k: usize,
+        sorted: DeviceView<'_>,
+        y: DeviceView<'_>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "moe_gemm";
         if n_expert == 0 || n_expert > MOE_MAX_EXPERT || k == 0 {
             return Err(bad(
@@ -610,23 +655,47 @@ impl CudaDevice {
                 format!("one {rows} x {cols} {ty} expert matrix is {mb} bytes, not a multiple of 16, so later experts would be misaligned for 16-byte loads"),
             ));
         }
-        let stride = if stride == 0 { mb } else { stride };
-        if stride < mb || stride % 16 != 0 {
-            return Err(bad(
-                OP,
-                format!("expert stride {stride} must be a multiple of 16 and at least the {mb}-byte matrix"),
-            ));
-        }
         let lay = MoeScratch::new(n_tok, k, n_expert);
         let x_rows = match input {
             MoeInput::Gather => n_tok,
             MoeInput::Direct => lay.n_assign,
         };
-        let span = stride * (n_expert as u64 - 1) + mb;
-        w.expect(OP, "w", span, 16)?;
-        if let Some(u) = wu {
-            u.expect(OP, "w_up", span, 16)?;
-        }
+        // (W, W_up, stride) for strided stacks; (table column, its up column) for a table.
+        let (wp, up, mbl, tab, tab2, fused) = match src {
+            ExpertSource::Strided { w, wu, stride } => {
+                let stride = if stride == 0 { mb } else { stride };
+                if stride < mb || stride % 16 != 0 {
+                    return Err(bad(
+                        OP,
+                        format!("expert stride {stride} must be a multiple of 16 and at least the {mb}-byte matrix"),
+                    ));
+                }
+                let span = stride * (n_expert as u64 - 1) + mb;
+                w.expect(OP, "w", span, 16)?;
+                if let Some(u) = wu {
+                    u.expect(OP, "w_up", span, 16)?;
+                }
+                let up = wu.map_or(0, |v| v.ptr());
+                (w.ptr(), up, stride as i64, 0u64, 0u64, wu.is_some())
+            }
+            ExpertSource::Table {
+                table,
+                col,
+                fused_up,
+            } => {
+                if col > 2 || (fused_up && col != 0) {
+                    return Err(bad(
+                        OP,
+                        format!("expert table column {col} (fused up: {fused_up}): gate 0 (with its up), up 1 or down 2"),
+                    ));
+                }
+                table.expect(OP, "expert table", 24 * n_expert as u64, 8)?;
+                let t = table.ptr() + 8 * col as u64;
+                let t2 = if fused_up { t + 8 } else { t };
+                // The kernel reads every matrix through the table; W and the stride are unused.
+                (table.ptr(), 0, mb as i64, t, t2, fused_up)
+            }
+        };
         xh.expect(OP, "xh", gemm_scratch_bytes(x_rows, cols), 16)?;
         y.expect(OP, "y", 4 * lay.n_assign as u64 * rows as u64, 4)?;
         sorted.expect(OP, "sorted", lay.bytes, 16)?;
@@ -647,10 +716,10 @@ impl CudaDevice {
             ));
         }
         let gather = (input == MoeInput::Gather) as i32;
-        let tile = if wu.is_some() { GemmTile::M64 } else { tile };
-        let name = kernel_name(true, wu.is_some(), ty, tile);
+        let tile = if fused { GemmTile::M64 } else { tile };
+        let name = kernel_name(true, fused, ty, tile);
         let f = self.function(name)?;
-        let smem = smem_bytes(ty, tile, 1 + wu.is_some() as usize);
+        let smem = smem_bytes(ty, tile, 1 + fused as usize);
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -659,21 +728,20 @@ impl CudaDevice {
             "cuFuncSetAttribute({name}, {smem} bytes shared)"
         )))?;
         let base = sorted.ptr();
-        let (wp, xp, yp) = (w.ptr(), xh.ptr(), y.ptr());
+        let (xp, yp) = (xh.ptr(), y.ptr());
         let (op, pp, tp, cp) = (
             base + lay.offsets,
             base + lay.perm,
             base + lay.tiles,
             base + lay.n_tiles,
         );
-        let mbl = stride as i64;
-        let up = wu.map_or(0, |v| v.ptr());
         let mut b = self.stream.launch_builder(f);
-        if wu.is_some() {
+        if fused {
             b.arg(&up);
         }
         b.arg(&wp).arg(&mbl).arg(&xp).arg(&yp).arg(&ri).arg(&ci);
         b.arg(&op).arg(&pp).arg(&tp).arg(&cp).arg(&ki).arg(&gather);
+        b.arg(&tab).arg(&tab2);
         let gt = ty.id() as i32;
         if any_type(ty) {
             // moe_gemm_*any*: the weights' GGUF type id last.
@@ -684,8 +752,9 @@ impl CudaDevice {
             block_dim: (tile.threads(), 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        // SAFETY: w holds n_expert matrices, xh x_rows rows, y n_assign rows and sorted the
-        // moe_sort layout, all checked above. moe_sort wrote only experts < n_expert and
+        // SAFETY: w holds n_expert matrices (or the table holds n_expert rows of pointers to
+        // whole matrices of this shape: its maker's contract), xh x_rows rows, y n_assign rows
+        // and sorted the moe_sort layout, all checked above. moe_sort wrote only experts < n_expert and
         // assignments < n_assign into perm and tiles, so every gathered row is < x_rows
         // (a / k < n_tok) and every scattered row < n_assign; CTAs past n_tiles exit.
         unsafe { b.launch(cfg) }.map_err(drv(format!("launch {name}")))?;
