@@ -101,18 +101,25 @@ ST_KERNEL void dq_mv8_any(const u8* W, int ty, int rows, int cols, const float* 
 }
 
 // The same products over K-quant rows (Q5_K, Q6_K; Q4_K too, though the host gives it
-// dq_mv1/dq_mv8): products.cuh's dq_kq_row_dot, 8 values a lane a block. Each warp walks rows
-// r = blockIdx.x * DQ_WARPS + warp + i * gridDim.x * DQ_WARPS, so the host may cap the grid
-// for tall matrices (the LM head); a one-token product then stages its (normalised) input in
-// shared memory once per block when the host gave it cols * 4 bytes.
-// grid: (at most ceil(rows / DQ_WARPS), ceil(n_tok / NT)).
+// dq_mv1/dq_mv8): products.cuh's dq_kq_row_dot, 8 values a lane a block, a warp per row.
+// A one-token product over a tall matrix (the LM head) may get a capped grid instead
+// (gridDim.x * DQ_WARPS < rows): each warp then walks groups of DQ_KQ_ROWS rows, g =
+// blockIdx.x * DQ_WARPS + warp + i * gridDim.x * DQ_WARPS, reading each input float4 once
+// for the group (dq_kq_rows_dot), from shared memory when the host gave cols * 4 bytes for
+// the block to stage its (normalised) input once.
+// grid: (ceil(rows / DQ_WARPS), or fewer for NT = 1; ceil(n_tok / NT)).
+#define DQ_KQ_ROWS 4
 template <int NT>
 __device__ __forceinline__ void dq_mv_kq_body(const u8* W, int ty, int rows, int cols,
                                               const float* x, const float* nw, float eps,
                                               float* y, int n_tok, int add, float* xn_out) {
-    {
-        const int r = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
-        if (blockIdx.y == 0 && r < rows) dq_prefetch_row(W, ty, rows, cols, r);
+    const bool groups = NT == 1 && (long)gridDim.x * DQ_WARPS < rows;
+    if (blockIdx.y == 0) {
+        // The warp's first row, or its first group's rows.
+        const long w = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+        if (!groups && w < rows) dq_prefetch_row(W, ty, rows, cols, w);
+        for (int r = 0; groups && r < DQ_KQ_ROWS; ++r)
+            if (w * DQ_KQ_ROWS + r < rows) dq_prefetch_row(W, ty, rows, cols, w * DQ_KQ_ROWS + r);
     }
     st_pdl_enter();
     const int t0 = blockIdx.y * NT;
@@ -135,6 +142,26 @@ __device__ __forceinline__ void dq_mv_kq_body(const u8* W, int ty, int rows, int
     const bool xs = NT == 1 && dq_xs_bytes() >= 4u * cols;
     if (xs) dq_kq_xs_fill<NT>(dq_mv_kq_xs, in, cols);
     const int lane = threadIdx.x % ST_WARP;
+    if (groups) {
+        for (long g = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP; g * DQ_KQ_ROWS < rows;
+             g += (long)gridDim.x * DQ_WARPS) {
+            const long r0 = g * DQ_KQ_ROWS;
+            const int nr = (int)min((long)DQ_KQ_ROWS, rows - r0);
+            float acc[DQ_KQ_ROWS];
+#pragma unroll
+            for (int r = 0; r < DQ_KQ_ROWS; ++r) acc[r] = 0.0f;
+            if (xs) dq_kq_rows_dot<DQ_KQ_ROWS, true>(W, ty, cols, r0, nr, in, acc, dq_mv_kq_xs);
+            else dq_kq_rows_dot<DQ_KQ_ROWS, false>(W, ty, cols, r0, nr, in, acc, nullptr);
+#pragma unroll
+            for (int r = 0; r < DQ_KQ_ROWS; ++r) {
+                if (r < nr) {
+                    const float s = st_warp_sum(acc[r]);
+                    if (lane == 0) y[r0 + r] = add ? y[r0 + r] + s : s;
+                }
+            }
+        }
+        return;
+    }
     for (int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP; row < rows;
          row += gridDim.x * DQ_WARPS) {
         float acc[NT];

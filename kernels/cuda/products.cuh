@@ -392,6 +392,46 @@ __device__ __forceinline__ void dq_kq_row_dot(const u8* __restrict__ W, int ty, 
     }
 }
 
+// One token, several rows a warp (the one-token kernels' walk over a tall matrix): acc[r] +=
+// the lane's part of row r0 + r . in(0) (token 0 of any DqIn) for r < nr (at most R; warp-uniform), each block's
+// input float4s read once for the R rows (from xs when XS), the R rows' loads in flight
+// together.
+template <int R, int T, bool XS, int NT>
+__device__ __forceinline__ void dq_kq_rows_t(const u8* __restrict__ W, long rb, long cols,
+                                             long r0, int nr, const DqIn<NT>& in,
+                                             float (&acc)[R], const float4* xs) {
+    const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+    const int oa = dq_kq_oa<T>(l), ob = oa + dq_kq_gap<T>();
+    const long nb = cols / QK_K;
+    const u8* w0 = W + r0 * rb;
+#pragma unroll 2
+    for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+        const long i = b * QK_K;
+        const float4 xa = XS ? xs[(i + oa) / 4] : in.ld(0, i + oa);
+        const float4 xb = XS ? xs[(i + ob) / 4] : in.ld(0, i + ob);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r < nr) {
+                DqKq q;
+                dq_kq_lane<T>(w0 + r * rb + b * dq_kq_bytes<T>(), l, q);
+                acc[r] += dq_kq_dot<T>(q, xa, xb);
+            }
+        }
+    }
+}
+
+template <int R, bool XS, int NT>
+__device__ __forceinline__ void dq_kq_rows_dot(const u8* __restrict__ W, int ty, long cols,
+                                               long r0, int nr, const DqIn<NT>& in,
+                                               float (&acc)[R], const float4* xs) {
+    const long rb = dq_row_bytes(ty, cols);
+    switch (dq_kq_type(ty)) {
+        case QT_Q6_K: dq_kq_rows_t<R, QT_Q6_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
+        case QT_Q5_K: dq_kq_rows_t<R, QT_Q5_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
+        default: dq_kq_rows_t<R, QT_Q4_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
+    }
+}
+
 // xs[m] = in(0)[4m..4m+4) for m < cols / 4 (norm applied), by every thread of the block, in
 // plain order (a quarter-warp of dq_kq_row_t reads 8 consecutive float4s: no bank conflict);
 // ends with a barrier.

@@ -168,8 +168,9 @@ pub fn mv(
     let (wp, xp, yp) = (w.w.ptr(), x.ptr(), y.ptr());
     let (rows, cols) = (w.rows as i32, w.cols as i32);
     if kq_fast(w.ty) {
-        // dq_mv1_kq / dq_mv8_kq: warps walk rows, so a tall one-token product (the LM head)
-        // caps its grid and stages its input in shared memory once per block.
+        // dq_mv1_kq / dq_mv8_kq: a tall one-token product (the LM head) caps its grid, its
+        // warps walk groups of rows (each input value read once a group) and the block
+        // stages its input in shared memory once.
         let (name, blocks) = if n == 1 {
             ("dq_mv1_kq", walk_blocks(l, w.rows))
         } else {
