@@ -3,8 +3,9 @@
 // the input on the fly and/or adding into the output), Q/K/V in one launch, the embedding
 // lookup, and the prefill router's split-K F32 product. Every scalar that changes between
 // steps is read from device memory, so a step can be captured in a CUDA graph.
-// Invariant: one warp per output row (the register path: a warp walks several rows); rows
-// past `rows` and tokens past `n_tok` are never read or written.
+// The *_kq kernels do the same over Q5_K / Q6_K rows (products.cuh's K-quant section).
+// Invariant: one warp per output row (the register path and dq_mv1_kq's capped grid: a warp
+// walks several rows); rows past `rows` and tokens past `n_tok` are never read or written.
 
 // y[t][r] (+)= W_r . norm?(x[t]) for t < n_tok. W: rows x cols, device layout. One token
 // per chunk (dq_mv1) over Q8_0 rows of at most DQ_XR_COLS columns takes the register path,

@@ -1,8 +1,8 @@
 // moe.cu: the MoE router and experts of decode and short prefill passes: router logits with
 // the norm folded in (and the top-k in the last block), the softmax top-k (one warp per
 // token, or a block per token past 256 experts), the experts' gate/up SwiGLU and down
-// products reading expert ids and the expert table on the device, and the prefill combine of
-// the grouped products' outputs.
+// products reading expert ids and the expert table on the device (Q8_0 and K-quant down
+// products a block per output row), and the prefill combine of the grouped products' outputs.
 // Invariant: the top-k breaks ties to the lower expert index and renormalises only when
 // asked; expert ids past n_expert are never read; every output row is written by one warp
 // or block.

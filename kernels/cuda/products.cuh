@@ -3,9 +3,11 @@
 // Q4_K, F32, F16, BF16 as in GGUF; every other ggml type, code ST_TY_GGML + its GGUF id, as
 // in GGUF through quants.cuh's decoders), one row's dot product with 1..8 tokens' inputs (RMS
 // normalised on the fly when the kernel is given norm weights), the input staged in shared
-// memory or held in registers for one-token Q8_0 products.
-// Invariant: one warp per output row; rows past `rows` and tokens past `n_tok` are never read
-// or written; Q8_0 split rows are 16-byte aligned (the host checks the base pointers).
+// memory or held in registers for one-token Q8_0 products, and the K-quant rows (Q4_K, Q5_K,
+// Q6_K) of the *_kq kernels, 32 lanes a super-block.
+// Invariant: one warp per output row (or per group of rows, dq_kq_rows_dot); rows past `rows`
+// and tokens past `n_tok` are never read or written; Q8_0 split rows are 16-byte aligned (the
+// host checks the base pointers).
 
 // DQ_MAX_TOK, DQ_WARPS and DQ_XR_PIECES come from the generated prelude.
 
