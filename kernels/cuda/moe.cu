@@ -103,7 +103,8 @@ ST_KERNEL void dq_moe_gate_up_any(const unsigned long long* eptr, int ty, int ty
 
 // MoE gate and up with SwiGLU over K-quant experts (gate and up each Q4_K, Q5_K or Q6_K, not
 // both Q4_K: those take dq_moe_gate_up): dq_moe_gate_up's function through products.cuh's
-// dq_kq_row_dot, the input read from global memory. grid: (ceil(F / DQ_WARPS), n_tok * k).
+// K-quant rows, the input read from global memory (once for both rows when gate and up share
+// their type). grid: (ceil(F / DQ_WARPS), n_tok * k).
 ST_KERNEL void dq_moe_gate_up_kq(const unsigned long long* eptr, int ty, int ty_u, int F, int E,
                                  const int* ids, int k, const float* x, const float* nw,
                                  float eps, float* h) {
@@ -121,8 +122,16 @@ ST_KERNEL void dq_moe_gate_up_kq(const unsigned long long* eptr, int ty, int ty_
     const u8* G = (const u8*)eptr[(long)e * 3 + 0];
     const u8* U = (const u8*)eptr[(long)e * 3 + 1];
     float g[1] = {0.0f}, u[1] = {0.0f};
-    dq_kq_row_dot<1>(G, ty, E, row, in, 1, g);
-    dq_kq_row_dot<1>(U, ty_u, E, row, in, 1, u);
+    if (ty == ty_u) {
+        switch (dq_kq_type(ty)) {
+            case QT_Q6_K: dq_kq_pair_t<QT_Q6_K>(G, U, E, row, in, g[0], u[0]); break;
+            case QT_Q5_K: dq_kq_pair_t<QT_Q5_K>(G, U, E, row, in, g[0], u[0]); break;
+            default: dq_kq_pair_t<QT_Q4_K>(G, U, E, row, in, g[0], u[0]); break;
+        }
+    } else {
+        dq_kq_row_dot<1>(G, ty, E, row, in, 1, g);
+        dq_kq_row_dot<1>(U, ty_u, E, row, in, 1, u);
+    }
     const float gs = st_warp_sum(g[0]), us = st_warp_sum(u[0]);
     if (threadIdx.x % ST_WARP == 0) h[(long)a * F + row] = dq_silu(gs) * us;
 }

@@ -394,6 +394,30 @@ __device__ __forceinline__ void dq_kq_row_dot(const u8* __restrict__ W, int ty, 
     }
 }
 
+// One token, row r of two matrices of one K-quant T (the experts' gate and up): g and u +=
+// the lane's parts of G_r . in(0) and U_r . in(0), each input float4 read once for both and
+// the two rows' loads in flight together.
+template <int T>
+__device__ __forceinline__ void dq_kq_pair_t(const u8* __restrict__ G, const u8* __restrict__ U,
+                                             long cols, long r, const DqIn<1>& in, float& g,
+                                             float& u) {
+    const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+    const int oa = dq_kq_oa<T>(l), ob = oa + dq_kq_gap<T>();
+    const long nb = cols / QK_K, rb = nb * dq_kq_bytes<T>();
+    const u8* gr = G + r * rb;
+    const u8* ur = U + r * rb;
+#pragma unroll 2
+    for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+        DqKq qg, qu;
+        dq_kq_lane<T>(gr + b * dq_kq_bytes<T>(), l, qg);
+        dq_kq_lane<T>(ur + b * dq_kq_bytes<T>(), l, qu);
+        const long i = b * QK_K;
+        const float4 xa = in.ld(0, i + oa), xb = in.ld(0, i + ob);
+        g += dq_kq_dot<T>(qg, xa, xb);
+        u += dq_kq_dot<T>(qu, xa, xb);
+    }
+}
+
 // One token, several rows a warp (the one-token kernels' walk over a tall matrix): acc[r] +=
 // the lane's part of row r0 + r . in(0) (token 0 of any DqIn) for r < nr (at most R; warp-uniform), each block's
 // input float4s read once for the R rows (from xs when XS), the R rows' loads in flight
