@@ -147,7 +147,7 @@ __device__ __forceinline__ void dq_mv_kq_body(const u8* W, int ty, int rows, int
         for (long g = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP; g * DQ_KQ_ROWS < rows;
              g += (long)gridDim.x * DQ_WARPS) {
             const long r0 = g * DQ_KQ_ROWS;
-            const int nr = (int)min((long)DQ_KQ_ROWS, rows - r0);
+            const int nr = rows - r0 < DQ_KQ_ROWS ? (int)(rows - r0) : DQ_KQ_ROWS;
             float acc[DQ_KQ_ROWS];
 #pragma unroll
             for (int r = 0; r < DQ_KQ_ROWS; ++r) acc[r] = 0.0f;
