@@ -198,6 +198,25 @@ __device__ __forceinline__ void st_i8x4_to_f32(int q, float* out) {
 #endif
 }
 
+// The four unsigned bytes of q minus `sub` (an integer 0..255) as exact floats: on CUDA the
+// byte spliced under the exponent of 2^23 (the float 2^23 + b, exact) less 2^23 + sub, one
+// byte permute and one add per value (st_i8x4_to_f32's trick, for the K-quants' unsigned
+// 4- to 6-bit fields).
+__device__ __forceinline__ void st_u8x4_to_f32(u32 q, float sub, float* out) {
+#ifdef ST_CUDA
+    const float off = 8388608.0f + sub;
+    out[0] = __int_as_float(__byte_perm(q, 0x4B000000u, 0x7650)) - off;
+    out[1] = __int_as_float(__byte_perm(q, 0x4B000000u, 0x7651)) - off;
+    out[2] = __int_as_float(__byte_perm(q, 0x4B000000u, 0x7652)) - off;
+    out[3] = __int_as_float(__byte_perm(q, 0x4B000000u, 0x7653)) - off;
+#else
+    out[0] = (float)(q & 0xff) - sub;
+    out[1] = (float)((q >> 8) & 0xff) - sub;
+    out[2] = (float)((q >> 16) & 0xff) - sub;
+    out[3] = (float)(q >> 24) - sub;
+#endif
+}
+
 // GGUF block constants.
 #define QK8_0 32
 #define Q8_0_BYTES 34

@@ -3,8 +3,9 @@
 // the input on the fly and/or adding into the output), Q/K/V in one launch, the embedding
 // lookup, and the prefill router's split-K F32 product. Every scalar that changes between
 // steps is read from device memory, so a step can be captured in a CUDA graph.
-// Invariant: one warp per output row (the register path: a warp walks several rows); rows
-// past `rows` and tokens past `n_tok` are never read or written.
+// The *_kq kernels do the same over Q5_K / Q6_K rows (products.cuh's K-quant section).
+// Invariant: one warp per output row (the register path and dq_mv1_kq's capped grid: a warp
+// walks several rows); rows past `rows` and tokens past `n_tok` are never read or written.
 
 // y[t][r] (+)= W_r . norm?(x[t]) for t < n_tok. W: rows x cols, device layout. One token
 // per chunk (dq_mv1) over Q8_0 rows of at most DQ_XR_COLS columns takes the register path,
@@ -100,6 +101,100 @@ ST_KERNEL void dq_mv8_any(const u8* W, int ty, int rows, int cols, const float* 
     dq_mv_body<DQ_MAX_TOK, true>(W, ty, rows, cols, x, nw, eps, y, n_tok, add, xn_out);
 }
 
+// The same products over K-quant rows (Q5_K, Q6_K; Q4_K too, though the host gives it
+// dq_mv1/dq_mv8): products.cuh's dq_kq_row_dot, 8 values a lane a block, a warp per row.
+// A one-token product over a tall matrix (the LM head) may get a capped grid instead
+// (gridDim.x * DQ_WARPS < rows): each warp then walks groups of DQ_KQ_ROWS rows, g =
+// blockIdx.x * DQ_WARPS + warp + i * gridDim.x * DQ_WARPS, reading each input float4 once
+// for the group (dq_kq_rows_dot), from shared memory when the host gave cols * 4 bytes for
+// the block to stage its (normalised) input once.
+// grid: (ceil(rows / DQ_WARPS), or fewer for NT = 1; ceil(n_tok / NT)).
+#define DQ_KQ_ROWS 4
+template <int NT>
+__device__ __forceinline__ void dq_mv_kq_body(const u8* W, int ty, int rows, int cols,
+                                              const float* x, const float* nw, float eps,
+                                              float* y, int n_tok, int add, float* xn_out) {
+    const bool groups = NT == 1 && (long)gridDim.x * DQ_WARPS < rows;
+    if (blockIdx.y == 0) {
+        // The warp's first row, or its first group's rows.
+        const long w = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+        if (!groups && w < rows) dq_prefetch_row(W, ty, rows, cols, w);
+        for (int r = 0; groups && r < DQ_KQ_ROWS; ++r)
+            if (w * DQ_KQ_ROWS + r < rows) dq_prefetch_row(W, ty, rows, cols, w * DQ_KQ_ROWS + r);
+    }
+    st_pdl_enter();
+    const int t0 = blockIdx.y * NT;
+    if (t0 >= n_tok) return;
+    x += (long)t0 * cols;
+    y += (long)t0 * rows;
+    n_tok = min(NT, n_tok - t0);
+    DqIn<NT> in;
+    in.x = x;
+    in.stride = cols;
+    in.nw = nw;
+    dq_norm_prologue<NT>(in, cols, n_tok, eps);
+    if (xn_out && nw && blockIdx.x == 0) {
+        xn_out += (long)t0 * cols;
+        for (int t = 0; t < n_tok; ++t)
+            for (long i = threadIdx.x; i < cols; i += blockDim.x)
+                xn_out[t * cols + i] = in.ld1(t, i);
+    }
+    extern __shared__ __align__(16) float4 dq_mv_kq_xs[];
+    const bool xs = NT == 1 && dq_xs_bytes() >= 4u * cols;
+    if (xs) dq_kq_xs_fill<NT>(dq_mv_kq_xs, in, cols);
+    const int lane = threadIdx.x % ST_WARP;
+    if (groups) {
+        for (long g = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP; g * DQ_KQ_ROWS < rows;
+             g += (long)gridDim.x * DQ_WARPS) {
+            const long r0 = g * DQ_KQ_ROWS;
+            const int nr = rows - r0 < DQ_KQ_ROWS ? (int)(rows - r0) : DQ_KQ_ROWS;
+            float acc[DQ_KQ_ROWS];
+#pragma unroll
+            for (int r = 0; r < DQ_KQ_ROWS; ++r) acc[r] = 0.0f;
+            if (xs) dq_kq_rows_dot<DQ_KQ_ROWS, true>(W, ty, cols, r0, nr, in, acc, dq_mv_kq_xs);
+            else dq_kq_rows_dot<DQ_KQ_ROWS, false>(W, ty, cols, r0, nr, in, acc, nullptr);
+#pragma unroll
+            for (int r = 0; r < DQ_KQ_ROWS; ++r) {
+                if (r < nr) {
+                    const float s = st_warp_sum(acc[r]);
+                    if (lane == 0) y[r0 + r] = add ? y[r0 + r] + s : s;
+                }
+            }
+        }
+        return;
+    }
+    for (int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP; row < rows;
+         row += gridDim.x * DQ_WARPS) {
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+        if (xs) dq_kq_row_dot<NT, true>(W, ty, cols, row, in, n_tok, acc, dq_mv_kq_xs);
+        else dq_kq_row_dot<NT, false>(W, ty, cols, row, in, n_tok, acc);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < n_tok) {
+                const float s = st_warp_sum(acc[t]);
+                if (lane == 0) {
+                    float* o = y + (long)t * rows + row;
+                    *o = add ? *o + s : s;
+                }
+            }
+        }
+    }
+}
+
+ST_KERNEL void dq_mv1_kq(const u8* W, int ty, int rows, int cols, const float* x,
+                         const float* nw, float eps, float* y, int n_tok, int add,
+                         float* xn_out) {
+    dq_mv_kq_body<1>(W, ty, rows, cols, x, nw, eps, y, n_tok, add, xn_out);
+}
+
+ST_KERNEL void dq_mv8_kq(const u8* W, int ty, int rows, int cols, const float* x,
+                         const float* nw, float eps, float* y, int n_tok, int add,
+                         float* xn_out) {
+    dq_mv_kq_body<DQ_MAX_TOK>(W, ty, rows, cols, x, nw, eps, y, n_tok, add, xn_out);
+}
+
 // Q, K and V of n_tok tokens in one launch: rows [0, rq) from Wq into yq, [rq, rq+rk) from Wk
 // into yk, the rest from Wv into yv; x RMS-normalised by nw (if given). dq_qkv1 serves one
 // token (fewer registers, more resident warps), dq_qkv8 chunks of up to 8 on grid.y.
@@ -179,6 +274,66 @@ ST_KERNEL void dq_qkv8_any(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int
                            float* yq, float* yk, float* yv, int n_tok) {
     dq_qkv_body<DQ_MAX_TOK, true>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv,
                                   n_tok);
+}
+
+// Q, K and V of one K-quant code (dq_kq_row_dot; the input read from global memory).
+// grid: (ceil((rq+rk+rv) / DQ_WARPS), ceil(n_tok / NT)).
+template <int NT>
+__device__ __forceinline__ void dq_qkv_kq_body(const u8* Wq, const u8* Wk, const u8* Wv, int ty,
+                                               int rq, int rk, int rv, int cols, const float* x,
+                                               const float* nw, float eps, float* yq,
+                                               float* yk, float* yv, int n_tok) {
+    if (blockIdx.y == 0) {
+        const int r = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+        if (r < rq) dq_prefetch_row(Wq, ty, rq, cols, r);
+        else if (r < rq + rk) dq_prefetch_row(Wk, ty, rk, cols, r - rq);
+        else if (r < rq + rk + rv) dq_prefetch_row(Wv, ty, rv, cols, r - rq - rk);
+    }
+    st_pdl_enter();
+    const int t0 = blockIdx.y * NT;
+    if (t0 >= n_tok) return;
+    x += (long)t0 * cols;
+    yq += (long)t0 * rq;
+    yk += (long)t0 * rk;
+    yv += (long)t0 * rv;
+    n_tok = min(NT, n_tok - t0);
+    DqIn<NT> in;
+    in.x = x;
+    in.stride = cols;
+    in.nw = nw;
+    dq_norm_prologue<NT>(in, cols, n_tok, eps);
+    int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+    const u8* W;
+    float* y;
+    int rows;
+    if (row < rq) { W = Wq; y = yq; rows = rq; }
+    else if (row < rq + rk) { row -= rq; W = Wk; y = yk; rows = rk; }
+    else if (row < rq + rk + rv) { row -= rq + rk; W = Wv; y = yv; rows = rv; }
+    else return;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+    dq_kq_row_dot<NT>(W, ty, cols, row, in, n_tok, acc);
+    const int lane = threadIdx.x % ST_WARP;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (t < n_tok) {
+            const float s = st_warp_sum(acc[t]);
+            if (lane == 0) y[(long)t * rows + row] = s;
+        }
+    }
+}
+
+ST_KERNEL void dq_qkv1_kq(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk,
+                          int rv, int cols, const float* x, const float* nw, float eps,
+                          float* yq, float* yk, float* yv, int n_tok) {
+    dq_qkv_kq_body<1>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
+}
+
+ST_KERNEL void dq_qkv8_kq(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk,
+                          int rv, int cols, const float* x, const float* nw, float eps,
+                          float* yq, float* yk, float* yv, int n_tok) {
+    dq_qkv_kq_body<DQ_MAX_TOK>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
 }
 
 // Embedding lookup: out[t] = row ids[t] of W (rows x cols, device layout), dequantized.

@@ -1,8 +1,8 @@
 // moe.cu: the MoE router and experts of decode and short prefill passes: router logits with
 // the norm folded in (and the top-k in the last block), the softmax top-k (one warp per
 // token, or a block per token past 256 experts), the experts' gate/up SwiGLU and down
-// products reading expert ids and the expert table on the device, and the prefill combine of
-// the grouped products' outputs.
+// products reading expert ids and the expert table on the device (Q8_0 and K-quant down
+// products a block per output row), and the prefill combine of the grouped products' outputs.
 // Invariant: the top-k breaks ties to the lower expert index and renormalises only when
 // asked; expert ids past n_expert are never read; every output row is written by one warp
 // or block.
@@ -101,6 +101,41 @@ ST_KERNEL void dq_moe_gate_up_any(const unsigned long long* eptr, int ty, int ty
     dq_moe_gate_up_body<true>(eptr, ty, ty_u, F, E, ids, k, x, nw, eps, h);
 }
 
+// MoE gate and up with SwiGLU over K-quant experts (gate and up each Q4_K, Q5_K or Q6_K, not
+// both Q4_K: those take dq_moe_gate_up): dq_moe_gate_up's function through products.cuh's
+// K-quant rows, the input read from global memory (once for both rows when gate and up share
+// their type). grid: (ceil(F / DQ_WARPS), n_tok * k).
+ST_KERNEL void dq_moe_gate_up_kq(const unsigned long long* eptr, int ty, int ty_u, int F, int E,
+                                 const int* ids, int k, const float* x, const float* nw,
+                                 float eps, float* h) {
+    st_pdl_enter();
+    const int a = blockIdx.y;
+    const int t = a / k;
+    DqIn<1> in;
+    in.x = x + (long)t * E;
+    in.stride = E;
+    in.nw = nw;
+    dq_norm_prologue<1>(in, E, 1, eps);
+    const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+    if (row >= F) return;
+    const int e = ids[a];
+    const u8* G = (const u8*)eptr[(long)e * 3 + 0];
+    const u8* U = (const u8*)eptr[(long)e * 3 + 1];
+    float g[1] = {0.0f}, u[1] = {0.0f};
+    if (ty == ty_u) {
+        switch (dq_kq_type(ty)) {
+            case QT_Q6_K: dq_kq_pair_t<QT_Q6_K>(G, U, E, row, in, g[0], u[0]); break;
+            case QT_Q5_K: dq_kq_pair_t<QT_Q5_K>(G, U, E, row, in, g[0], u[0]); break;
+            default: dq_kq_pair_t<QT_Q4_K>(G, U, E, row, in, g[0], u[0]); break;
+        }
+    } else {
+        dq_kq_row_dot<1>(G, ty, E, row, in, 1, g);
+        dq_kq_row_dot<1>(U, ty_u, E, row, in, 1, u);
+    }
+    const float gs = st_warp_sum(g[0]), us = st_warp_sum(u[0]);
+    if (threadIdx.x % ST_WARP == 0) h[(long)a * F + row] = dq_silu(gs) * us;
+}
+
 // MoE down and weighted sum, added into the residual stream:
 // y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]), one warp per row, any weight
 // type (Q8_0 with k <= DQ_DOWN_MAXK takes dq_moe_down_rows). grid: (ceil(E / DQ_WARPS), n_tok).
@@ -175,6 +210,65 @@ ST_KERNEL void dq_moe_down_rows(const unsigned long long* eptr, int E, int F, co
         const int4 q = *(const int4*)(D + (long)row * F + i0);
         const float d = st_h2f(((const u16*)(D + (long)E * F))[(long)row * (F / QK8_0) + i0 / QK8_0]);
         tot += dw[j] * d * dq_dot16_q8(q, ht + (long)j * F + i0);
+    }
+    tot = st_block_sum(tot, red);
+    if (threadIdx.x == 0) y[(long)t * E + row] += tot;
+}
+
+// The block's part of sum_j dw[j] * (D_j,row . ht[j]) over K-quant T rows of F columns
+// starting at byte roff of each dm[j]: the k * F / 256 super-blocks spread over the block's
+// warps (32 lanes a block, dq_kq_lane's mapping), their loads in flight together.
+template <int T>
+__device__ __forceinline__ float dq_moe_down_kq_part(const u8* const* dm, const float* dw, int k,
+                                                     int F, long roff, const float* ht) {
+    const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+    const int oa = dq_kq_oa<T>(l), ob = oa + dq_kq_gap<T>();
+    const int nb = F / QK_K, span = ST_WARP / 32;
+    const int step = (blockDim.x / ST_WARP) * span;
+    float tot = 0.0f;
+#pragma unroll 4
+    for (int p = (threadIdx.x / ST_WARP) * span + (lane >> 5); p < k * nb; p += step) {
+        const int j = p / nb, b = p - j * nb;
+        DqKq q;
+        dq_kq_lane<T>(dm[j] + roff + (long)b * dq_kq_bytes<T>(), l, q);
+        const float* xb = ht + (long)j * F + b * QK_K;
+        tot += dw[j] * dq_kq_dot<T>(q, *(const float4*)(xb + oa), *(const float4*)(xb + ob));
+    }
+    return tot;
+}
+
+// MoE down for K-quant experts (Q4_K, Q5_K, Q6_K) with one block per output row, as
+// dq_moe_down_rows does for Q8_0: y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]),
+// the k experts' super-blocks spread over the block's warps and summed by a block reduction
+// (a warp per row left a decode step's 2048 rows with too few loads in flight).
+// grid: (E, n_tok); block: 128; k <= DQ_DOWN_MAXK; F a multiple of 256.
+ST_KERNEL void dq_moe_down_kq(const unsigned long long* eptr, int ty, int E, int F,
+                              const int* ids, const float* wts, int k, const float* h,
+                              float* y) {
+    __shared__ const u8* dm[DQ_DOWN_MAXK];
+    __shared__ float dw[DQ_DOWN_MAXK];
+    __shared__ float red[32];
+    const int row = blockIdx.x, t = blockIdx.y;
+    const long rb = dq_row_bytes(ty, F), roff = (long)row * rb;
+    // Before the wait, as dq_moe_down_rows: the ids were written two kernels ahead; the
+    // block's warps prefetch the experts' rows in turn.
+    for (int j = threadIdx.x / ST_WARP; j < k; j += blockDim.x / ST_WARP) {
+        const u8* D = (const u8*)eptr[(long)st_ldcg(ids + (long)t * k + j) * 3 + 2];
+        st_prefetch_l2(D + roff, rb);
+    }
+    st_pdl_enter();
+    if (threadIdx.x < k) {
+        const long a = (long)t * k + threadIdx.x;
+        dm[threadIdx.x] = (const u8*)eptr[(long)ids[a] * 3 + 2];
+        dw[threadIdx.x] = wts[a];
+    }
+    __syncthreads();
+    const float* ht = h + (long)t * k * F;
+    float tot;
+    switch (dq_kq_type(ty)) {
+        case QT_Q6_K: tot = dq_moe_down_kq_part<QT_Q6_K>(dm, dw, k, F, roff, ht); break;
+        case QT_Q5_K: tot = dq_moe_down_kq_part<QT_Q5_K>(dm, dw, k, F, roff, ht); break;
+        default: tot = dq_moe_down_kq_part<QT_Q4_K>(dm, dw, k, F, roff, ht); break;
     }
     tot = st_block_sum(tot, red);
     if (threadIdx.x == 0) y[(long)t * E + row] += tot;

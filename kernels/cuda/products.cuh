@@ -3,9 +3,11 @@
 // Q4_K, F32, F16, BF16 as in GGUF; every other ggml type, code ST_TY_GGML + its GGUF id, as
 // in GGUF through quants.cuh's decoders), one row's dot product with 1..8 tokens' inputs (RMS
 // normalised on the fly when the kernel is given norm weights), the input staged in shared
-// memory or held in registers for one-token Q8_0 products.
-// Invariant: one warp per output row; rows past `rows` and tokens past `n_tok` are never read
-// or written; Q8_0 split rows are 16-byte aligned (the host checks the base pointers).
+// memory or held in registers for one-token Q8_0 products, and the K-quant rows (Q4_K, Q5_K,
+// Q6_K) of the *_kq kernels, 32 lanes a super-block.
+// Invariant: one warp per output row (or per group of rows, dq_kq_rows_dot); rows past `rows`
+// and tokens past `n_tok` are never read or written; Q8_0 split rows are 16-byte aligned (the
+// host checks the base pointers).
 
 // DQ_MAX_TOK, DQ_WARPS and DQ_XR_PIECES come from the generated prelude.
 
@@ -261,6 +263,208 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
                 if (t < n_tok) acc[t] += w * in.ld1(t, i);
         }
     }
+}
+
+// ---- K-quant rows (Q4_K, Q5_K, Q6_K) for the *_kq kernels ----
+// One 256-value super-block is read by 32 lanes (a 64-wide wave reads two blocks a step), 8
+// values a lane in two runs of 4 consecutive values, at column oa(l) and ob(l) of the block:
+// - Q4_K / Q5_K: lane l reads quant bytes 4(l%8)..+4 of 64-value group g = l/8; their low
+//   nibbles are values 64g + 4(l%8) + 0..3 (sub-block 2g), their high nibbles the same + 32
+//   (sub-block 2g + 1); Q5_K's fifth bits are bits 2g and 2g + 1 of the qh bytes 4(l%8)..+4.
+// - Q6_K: lane l reads ql bytes 32h + 4(l%8)..+4 of half n = l/16 (h = (l/8)%2) and qh bytes
+//   4(l%8)..+4 of that half; low nibbles (qh bits 2h, 2h+1) are values 128n + 32h + 4(l%8) +
+//   0..3, high nibbles (qh bits 4+2h, 5+2h) the same + 64; scales 8n + 2h + (l%8)/4 and +4.
+// The scales multiply each run's 4-term dot product once: W.x = ka (qa . xa) - ma sum(xa) +
+// kb (qb . xb) - mb sum(xb) (no mins for Q6_K), f32 throughout (the CPU reference's values;
+// the sums in another order). Q6_K's 210-byte blocks are 2-byte aligned only, so its 4-byte
+// fields are read as two u16 (as llama.cpp's get_int_b2); Q4_K's and Q5_K's are u32 loads.
+
+// The kq code (QT_Q4_K, QT_Q5_K or QT_Q6_K) of weight code ty (ST_TY_Q4_K or ST_TY_GGML + id).
+__device__ __forceinline__ int dq_kq_type(int ty) { return ty == ST_TY_Q4_K ? QT_Q4_K : ty - ST_TY_GGML; }
+
+template <int T>
+__device__ __forceinline__ int dq_kq_bytes() { return T == QT_Q6_K ? 210 : T == QT_Q5_K ? 176 : Q4_K_BYTES; }
+
+// Column of lane l's first run in a block, and the gap to its second.
+template <int T>
+__device__ __forceinline__ int dq_kq_oa(int l) {
+    return T == QT_Q6_K ? 128 * (l >> 4) + 32 * ((l >> 3) & 1) + 4 * (l & 7) : 64 * (l >> 3) + 4 * (l & 7);
+}
+template <int T>
+__device__ __forceinline__ int dq_kq_gap() { return T == QT_Q6_K ? 64 : 32; }
+
+__device__ __forceinline__ u32 dq_ld_u32_a2(const u8* p) {
+    return (u32)st_ld_u16(p) | ((u32)st_ld_u16(p + 2) << 16);
+}
+
+// Lane l's 8 values of one block: the two runs' quants as exact floats (Q6_K: q - 32), their
+// scales and (Q4_K, Q5_K) mins.
+struct DqKq {
+    float qa[4], qb[4];
+    float ka, kb, ma, mb;
+};
+
+template <int T>
+__device__ __forceinline__ void dq_kq_lane(const u8* __restrict__ b, int l, DqKq& q) {
+    if (T == QT_Q6_K) {
+        const int n = l >> 4, h = (l >> 3) & 1, j = 4 * (l & 7);
+        const u32 ql = dq_ld_u32_a2(b + 64 * n + 32 * h + j);
+        const u32 qh = dq_ld_u32_a2(b + 128 + 32 * n + j);
+        st_u8x4_to_f32((ql & 0x0F0F0F0Fu) | (((qh >> (2 * h)) & 0x03030303u) << 4), 32.0f, q.qa);
+        st_u8x4_to_f32(((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (4 + 2 * h)) & 0x03030303u) << 4),
+                       32.0f, q.qb);
+        const float d = st_h2f(st_ld_u16(b + 208));
+        const int s = 8 * n + 2 * h + ((l & 7) >> 2);
+        q.ka = d * (float)(i8)b[192 + s];
+        q.kb = d * (float)(i8)b[192 + s + 4];
+        q.ma = 0.0f;
+        q.mb = 0.0f;
+    } else {
+        const int g = l >> 3, j = 4 * (l & 7);
+        const float d = st_h2f(st_ld_u16(b)), dmin = st_h2f(st_ld_u16(b + 2));
+        float sc0, m0, sc1, m1;
+        st_scale_min_k4(2 * g, b + 4, &sc0, &m0);
+        st_scale_min_k4(2 * g + 1, b + 4, &sc1, &m1);
+        u32 qa, qb;
+        if (T == QT_Q5_K) {
+            const u32 qs = *(const u32*)(b + 48 + 32 * g + j);
+            const u32 qh = *(const u32*)(b + 16 + j);
+            qa = (qs & 0x0F0F0F0Fu) | (((qh >> (2 * g)) & 0x01010101u) << 4);
+            qb = ((qs >> 4) & 0x0F0F0F0Fu) | (((qh >> (2 * g + 1)) & 0x01010101u) << 4);
+        } else {
+            const u32 qs = *(const u32*)(b + 16 + 32 * g + j);
+            qa = qs & 0x0F0F0F0Fu;
+            qb = (qs >> 4) & 0x0F0F0F0Fu;
+        }
+        st_u8x4_to_f32(qa, 0.0f, q.qa);
+        st_u8x4_to_f32(qb, 0.0f, q.qb);
+        q.ka = d * sc0;
+        q.ma = dmin * m0;
+        q.kb = d * sc1;
+        q.mb = dmin * m1;
+    }
+}
+
+// The lane's 8 values of a block (dq_kq_lane) dotted with xa = x[oa..oa+4), xb = x[ob..ob+4).
+template <int T>
+__device__ __forceinline__ float dq_kq_dot(const DqKq& q, float4 xa, float4 xb) {
+    float r = q.ka * (q.qa[0] * xa.x + q.qa[1] * xa.y + q.qa[2] * xa.z + q.qa[3] * xa.w) +
+              q.kb * (q.qb[0] * xb.x + q.qb[1] * xb.y + q.qb[2] * xb.z + q.qb[3] * xb.w);
+    if (T != QT_Q6_K)
+        r -= q.ma * (xa.x + xa.y + xa.z + xa.w) + q.mb * (xb.x + xb.y + xb.z + xb.w);
+    return r;
+}
+
+// acc[t] += the lane's part of row wr . in(t) over a row of `cols` (a multiple of 256) of
+// K-quant T; XS (one token): the input from xs (dq_kq_xs_fill) instead.
+template <int NT, int T, bool XS>
+__device__ __forceinline__ void dq_kq_row_t(const u8* __restrict__ wr, long cols,
+                                            const DqIn<NT>& in, int n_tok, float (&acc)[NT],
+                                            const float4* xs) {
+    const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+    const int oa = dq_kq_oa<T>(l), ob = oa + dq_kq_gap<T>();
+    const long nb = cols / QK_K;
+#pragma unroll 2
+    for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+        DqKq q;
+        dq_kq_lane<T>(wr + b * dq_kq_bytes<T>(), l, q);
+        const long i = b * QK_K;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < n_tok) {
+                const float4 xa = XS ? xs[(i + oa) / 4] : in.ld(t, i + oa);
+                const float4 xb = XS ? xs[(i + ob) / 4] : in.ld(t, i + ob);
+                acc[t] += dq_kq_dot<T>(q, xa, xb);
+            }
+        }
+    }
+}
+
+// acc[t] += the lane's part of row r of W (rows of `cols` of K-quant code ty: ST_TY_Q4_K or
+// ST_TY_GGML + QT_Q5_K / QT_Q6_K) . in(t), not yet reduced across the warp.
+template <int NT, bool XS = false>
+__device__ __forceinline__ void dq_kq_row_dot(const u8* __restrict__ W, int ty, long cols, long r,
+                                              const DqIn<NT>& in, int n_tok, float (&acc)[NT],
+                                              const float4* xs = nullptr) {
+    const u8* wr = W + r * dq_row_bytes(ty, cols);
+    switch (dq_kq_type(ty)) {
+        case QT_Q6_K: dq_kq_row_t<NT, QT_Q6_K, XS>(wr, cols, in, n_tok, acc, xs); break;
+        case QT_Q5_K: dq_kq_row_t<NT, QT_Q5_K, XS>(wr, cols, in, n_tok, acc, xs); break;
+        default: dq_kq_row_t<NT, QT_Q4_K, XS>(wr, cols, in, n_tok, acc, xs); break;
+    }
+}
+
+// One token, row r of two matrices of one K-quant T (the experts' gate and up): g and u +=
+// the lane's parts of G_r . in(0) and U_r . in(0), each input float4 read once for both and
+// the two rows' loads in flight together.
+template <int T>
+__device__ __forceinline__ void dq_kq_pair_t(const u8* __restrict__ G, const u8* __restrict__ U,
+                                             long cols, long r, const DqIn<1>& in, float& g,
+                                             float& u) {
+    const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+    const int oa = dq_kq_oa<T>(l), ob = oa + dq_kq_gap<T>();
+    const long nb = cols / QK_K, rb = nb * dq_kq_bytes<T>();
+    const u8* gr = G + r * rb;
+    const u8* ur = U + r * rb;
+#pragma unroll 2
+    for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+        DqKq qg, qu;
+        dq_kq_lane<T>(gr + b * dq_kq_bytes<T>(), l, qg);
+        dq_kq_lane<T>(ur + b * dq_kq_bytes<T>(), l, qu);
+        const long i = b * QK_K;
+        const float4 xa = in.ld(0, i + oa), xb = in.ld(0, i + ob);
+        g += dq_kq_dot<T>(qg, xa, xb);
+        u += dq_kq_dot<T>(qu, xa, xb);
+    }
+}
+
+// One token, several rows a warp (the one-token kernels' walk over a tall matrix): acc[r] +=
+// the lane's part of row r0 + r . in(0) (token 0 of any DqIn) for r < nr (at most R; warp-uniform), each block's
+// input float4s read once for the R rows (from xs when XS), the R rows' loads in flight
+// together.
+template <int R, int T, bool XS, int NT>
+__device__ __forceinline__ void dq_kq_rows_t(const u8* __restrict__ W, long rb, long cols,
+                                             long r0, int nr, const DqIn<NT>& in,
+                                             float (&acc)[R], const float4* xs) {
+    const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+    const int oa = dq_kq_oa<T>(l), ob = oa + dq_kq_gap<T>();
+    const long nb = cols / QK_K;
+    const u8* w0 = W + r0 * rb;
+#pragma unroll 2
+    for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+        const long i = b * QK_K;
+        const float4 xa = XS ? xs[(i + oa) / 4] : in.ld(0, i + oa);
+        const float4 xb = XS ? xs[(i + ob) / 4] : in.ld(0, i + ob);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r < nr) {
+                DqKq q;
+                dq_kq_lane<T>(w0 + r * rb + b * dq_kq_bytes<T>(), l, q);
+                acc[r] += dq_kq_dot<T>(q, xa, xb);
+            }
+        }
+    }
+}
+
+template <int R, bool XS, int NT>
+__device__ __forceinline__ void dq_kq_rows_dot(const u8* __restrict__ W, int ty, long cols,
+                                               long r0, int nr, const DqIn<NT>& in,
+                                               float (&acc)[R], const float4* xs) {
+    const long rb = dq_row_bytes(ty, cols);
+    switch (dq_kq_type(ty)) {
+        case QT_Q6_K: dq_kq_rows_t<R, QT_Q6_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
+        case QT_Q5_K: dq_kq_rows_t<R, QT_Q5_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
+        default: dq_kq_rows_t<R, QT_Q4_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
+    }
+}
+
+// xs[m] = in(0)[4m..4m+4) for m < cols / 4 (norm applied), by every thread of the block, in
+// plain order (a quarter-warp of dq_kq_row_t reads 8 consecutive float4s: no bank conflict);
+// ends with a barrier.
+template <int NT>
+__device__ __forceinline__ void dq_kq_xs_fill(float4* xs, const DqIn<NT>& in, long cols) {
+    for (long m = threadIdx.x; m < cols / 4; m += blockDim.x) xs[m] = in.ld(0, 4 * m);
+    __syncthreads();
 }
 
 // Q8_0 products of one token with the input held in registers: a lane of dq_row_dot's Q8_0

@@ -21,7 +21,7 @@ pub const DQ_WARPS: u32 = 4;
 /// 16-column pieces per lane of the register path of the one-token Q8_0 products (rows of
 /// at most `DQ_XR_PIECES x warp x 16` columns take it).
 pub const DQ_XR_PIECES: usize = 4;
-/// Largest top-k of `dq_moe_down_rows`.
+/// Largest top-k of `dq_moe_down_rows` and `dq_moe_down_kq`.
 pub const DQ_DOWN_MAXK: usize = 32;
 /// Largest head dimension of the attention kernels.
 pub const ATT_MAX_D: usize = 256;

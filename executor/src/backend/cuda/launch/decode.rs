@@ -5,8 +5,8 @@
 //! is at least as long as the rows the launch reads or writes.
 
 use super::{
-    bad, cfg, f32s, int, launch, mv1_blocks, xs_bytes, Launcher, Mat, DQ_DOWN_MAXK, DQ_MAX_TOK,
-    DQ_WARPS, DQ_XR_COLS, SAMPLE_MAX_VOCAB,
+    bad, cfg, f32s, int, kq_type, launch, mv1_blocks, walk_blocks, xs_bytes, Launcher, Mat,
+    DQ_DOWN_MAXK, DQ_MAX_TOK, DQ_WARPS, DQ_XR_COLS, SAMPLE_MAX_VOCAB,
 };
 use crate::backend::cuda::{CudaError, DeviceView};
 use strata_schemas::ggml::GgmlType;
@@ -135,7 +135,8 @@ pub struct InNorm<'a> {
 
 /// `dq_mv1` (one token) / `dq_mv8` (up to 8 tokens per grid row): `y (+)= W norm?(x)` for `n`
 /// tokens. `stage`: a one-token product over Q8_0 rows wider than the register path stages its
-/// input in shared memory (bit for bit the same result).
+/// input in shared memory (bit for bit the same result), and so does one over Q5_K or Q6_K
+/// rows (`dq_mv1_kq` / `dq_mv8_kq`) tall enough for its grid to be capped (the LM head).
 #[allow(clippy::too_many_arguments)]
 pub fn mv(
     l: &Launcher<'_>,
@@ -163,13 +164,33 @@ pub fn mv(
         None => (0, 0.0, 0),
     };
     let (add, n32) = (add as i32, int(OP, "n", n)?);
+    let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
+    let (wp, xp, yp) = (w.w.ptr(), x.ptr(), y.ptr());
+    let (rows, cols) = (w.rows as i32, w.cols as i32);
+    if kq_fast(w.ty) {
+        // dq_mv1_kq / dq_mv8_kq: a tall one-token product (the LM head) caps its grid, its
+        // warps walk groups of rows (each input value read once a group) and the block
+        // stages its input in shared memory once.
+        let (name, blocks) = if n == 1 {
+            ("dq_mv1_kq", walk_blocks(l, w.rows))
+        } else {
+            ("dq_mv8_kq", (w.rows as u32).div_ceil(DQ_WARPS))
+        };
+        let capped = blocks < (w.rows as u32).div_ceil(DQ_WARPS);
+        let smem = if stage && n == 1 && capped && w.cols * 4 <= 48 << 10 {
+            (w.cols * 4) as u32
+        } else {
+            0
+        };
+        return launch!(l, name => label, cfg((blocks, chunks, 1), 32 * DQ_WARPS, smem);
+            &wp, &ty, &rows, &cols, &xp, &nw, &eps, &yp, &n32, &add, &xn);
+    }
     let name = match (n == 1, super::any_type(w.ty)) {
         (true, false) => "dq_mv1",
         (false, false) => "dq_mv8",
         (true, true) => "dq_mv1_any",
         (false, true) => "dq_mv8_any",
     };
-    let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
     let blocks = if n == 1 {
         mv1_blocks(l, w.rows, w.cols, w.ty == GgmlType::Q8_0)
     } else {
@@ -181,14 +202,19 @@ pub fn mv(
     } else {
         0
     };
-    let (wp, xp, yp) = (w.w.ptr(), x.ptr(), y.ptr());
-    let (rows, cols) = (w.rows as i32, w.cols as i32);
     launch!(l, name => label, cfg((blocks, chunks, 1), 32 * DQ_WARPS, smem);
         &wp, &ty, &rows, &cols, &xp, &nw, &eps, &yp, &n32, &add, &xn)
 }
 
+/// Whether the matrix-vector and Q/K/V products of `ty` take the `*_kq` kernels: Q5_K and
+/// Q6_K (Q4_K keeps its own path in `dq_mv1` / `dq_qkv1`).
+fn kq_fast(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q5K | GgmlType::Q6K)
+}
+
 /// `dq_qkv1` / `dq_qkv8`: Q, K and V of `n` tokens (x already normalised) in one launch; the
-/// three matrices share one type and their columns. `stage`: as [`mv`]'s.
+/// three matrices share one type and their columns (Q5_K, Q6_K: `dq_qkv1_kq` /
+/// `dq_qkv8_kq`). `stage`: as [`mv`]'s.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv(
     l: &Launcher<'_>,
@@ -214,11 +240,13 @@ pub fn qkv(
     let rows = (mats[0].rows + mats[1].rows + mats[2].rows) as u32;
     let (n32, no_norm, eps) = (int(OP, "n", n)?, 0u64, 0f32);
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
-    let name = match (n == 1, super::any_type(mats[0].ty)) {
-        (true, false) => "dq_qkv1",
-        (false, false) => "dq_qkv8",
-        (true, true) => "dq_qkv1_any",
-        (false, true) => "dq_qkv8_any",
+    let name = match (n == 1, kq_fast(mats[0].ty), super::any_type(mats[0].ty)) {
+        (true, true, _) => "dq_qkv1_kq",
+        (false, true, _) => "dq_qkv8_kq",
+        (true, false, false) => "dq_qkv1",
+        (false, false, false) => "dq_qkv8",
+        (true, false, true) => "dq_qkv1_any",
+        (false, false, true) => "dq_qkv8_any",
     };
     let smem = xs_bytes(stage, n, mats[0].ty, cols);
     let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
@@ -430,7 +458,8 @@ impl ExpertTable<'_> {
 
 /// `dq_moe_gate_up`: for every assignment `a = t*k + j` of `n` tokens, `h[a] =
 /// silu(G_e xn[t]) * (U_e xn[t])` with `e = ids[a]`. `stage`: Q8_0 experts stage the input in
-/// shared memory.
+/// shared memory. Gate and up of K-quants (Q4_K, Q5_K, Q6_K, not both Q4_K) take
+/// `dq_moe_gate_up_kq`, the other any-type codes `dq_moe_gate_up_any`.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_gate_up(
     l: &Launcher<'_>,
@@ -459,7 +488,10 @@ pub fn moe_gate_up(
         int(OP, "n * k", n * k)? as u32,
         1,
     );
-    let name = if super::any_type(ex.ty) || super::any_type(ex.ty_up) {
+    let both_q4k = ex.ty == GgmlType::Q4K && ex.ty_up == GgmlType::Q4K;
+    let name = if kq_type(ex.ty) && kq_type(ex.ty_up) && !both_q4k {
+        "dq_moe_gate_up_kq"
+    } else if super::any_type(ex.ty) || super::any_type(ex.ty_up) {
         "dq_moe_gate_up_any"
     } else {
         "dq_moe_gate_up"
@@ -469,8 +501,8 @@ pub fn moe_gate_up(
 }
 
 /// The MoE down products weighted and added into `y`: `y[t] += sum_j wts[t*k+j] D_e h[t*k+j]`
-/// — `dq_moe_down_rows` (a block per row) for Q8_0 down matrices and k up to 32, else
-/// `dq_moe_down` (a warp per row, any type).
+/// — a block per row for k up to 32 with Q8_0 (`dq_moe_down_rows`) or K-quant (Q4_K, Q5_K,
+/// Q6_K: `dq_moe_down_kq`) down matrices, else `dq_moe_down` (a warp per row, any type).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_down(
     l: &Launcher<'_>,
@@ -494,6 +526,10 @@ pub fn moe_down(
     if ex.ty_down == GgmlType::Q8_0 && k <= DQ_DOWN_MAXK {
         return launch!(l, "dq_moe_down_rows", cfg((ex.e as u32, nt, 1), 128, 0);
             &tp, &e, &f, &ip, &wp, &k32, &hp, &yp);
+    }
+    if kq_type(ex.ty_down) && k <= DQ_DOWN_MAXK && ex.f % 256 == 0 {
+        return launch!(l, "dq_moe_down_kq", cfg((ex.e as u32, nt, 1), 128, 0);
+            &tp, &ty, &e, &f, &ip, &wp, &k32, &hp, &yp);
     }
     let name = if super::any_type(ex.ty_down) {
         "dq_moe_down_any"

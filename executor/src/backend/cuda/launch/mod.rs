@@ -53,6 +53,12 @@ pub fn any_type(ty: GgmlType) -> bool {
     kty(ty).is_some_and(|c| c >= kc::ST_TY_GGML)
 }
 
+/// Whether `ty` is one of the K-quants the `*_kq` kernels read (products.cuh's
+/// `dq_kq_row_dot`: Q4_K, Q5_K, Q6_K).
+pub fn kq_type(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
+}
+
 /// `v` as a kernel's 32-bit index, or a shape error naming `what`.
 pub(crate) fn int(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape {
@@ -280,9 +286,20 @@ pub unsafe fn launch_pdl(
 /// the input once, so where that gives every warp at least XR_MIN_ROWS rows (the LM head)
 /// the grid stops at XR_BLOCKS_PER_SM blocks per SM; otherwise a warp per row.
 pub(crate) fn mv1_blocks(l: &Launcher<'_>, rows: usize, cols: usize, q8_0: bool) -> u32 {
+    if q8_0 && cols <= DQ_XR_COLS {
+        walk_blocks(l, rows)
+    } else {
+        (rows as u32).div_ceil(DQ_WARPS)
+    }
+}
+
+/// Blocks of a product whose warps walk rows (the register path above, the `*_kq`
+/// matrix-vector kernels): capped at XR_BLOCKS_PER_SM blocks per SM where that still gives
+/// every warp at least XR_MIN_ROWS rows, else a warp per row.
+pub(crate) fn walk_blocks(l: &Launcher<'_>, rows: usize) -> u32 {
     let full = (rows as u32).div_ceil(DQ_WARPS);
     let cap = l.sm_count() as u32 * XR_BLOCKS_PER_SM;
-    if q8_0 && cols <= DQ_XR_COLS && full >= cap * XR_MIN_ROWS {
+    if full >= cap * XR_MIN_ROWS {
         cap
     } else {
         full
