@@ -40,11 +40,13 @@ strip_into() {
     for p in "$@"; do strip --strip-debug -o "$dir/$(basename "$p")" "$p"; done
 }
 
+# Cargo's output folder (CARGO_TARGET_DIR when set).
+out=${CARGO_TARGET_DIR:-target}
 cargo build --release -p strata-exec -p strata-plan -p strata-tools --bins
 paths=$(test_bins --test backend_ops --test cuda_engine --test cuda_next --test cuda_gemm --test cuda_flash --test cuda_sample --test cuda_quants --test cuda_probe_cost --test cuda_offload)
 rm -rf target/gpu
-strip_into target/gpu target/release/strata-exec target/release/strata-plan \
-    target/release/strata-gguf $paths
+strip_into target/gpu "$out/release/strata-exec" "$out/release/strata-plan" \
+    "$out/release/strata-gguf" $paths
 
 if [ -n "$base" ]; then
     src=target/baseline-src

@@ -133,12 +133,17 @@ if [ "$what" = predict ] || [ "$what" = all ]; then
         sed -e "s/^vram_bytes = .*/vram_bytes = $b/" -e "s/^free_bytes = .*/free_bytes = $b/" \
             /tmp/h200-live.toml >/tmp/h200-live-${gib}g.toml
     done
-    for run in "h200-live 1" "h200-live 4" "h200-live 16" "h200-live-24g 1" "h200-live-12g 1"; do
+    # The routing of the random file itself (prompts of random ids), for the cache plans.
+    python3 -c "import random; random.seed(7); [print(','.join(str(random.randrange(1000, 150000)) for _ in range(64))) for _ in range(16)]" >/tmp/prompts.txt
+    $bin/strata-plan --hardware /tmp/h200-live-24g.toml --model $m --max-context 4096 --batch 1 -o /tmp/prof.plan >/dev/null
+    $bin/strata-exec profile /tmp/prof.plan --prompts /tmp/prompts.txt -n 64 -q -o /tmp/routing.txt 2>&1 | tail -2
+    for run in "h200-live 1" "h200-live 4" "h200-live 16" "h200-live-24g 1" "h200-live-12g 1" \
+        "h200-live-24g 1 --expert-profile /tmp/routing.txt" "h200-live-12g 1 --expert-profile /tmp/routing.txt"; do
         set -- $run
-        plan=/tmp/pred-$1-b$2.plan
-        $bin/strata-plan --hardware /tmp/$1.toml --model $m --max-context 4096 --batch $2 -o $plan |
+        plan=/tmp/pred-$1-b$2${3:+-prof}.plan
+        $bin/strata-plan --hardware /tmp/$1.toml --model $m --max-context 4096 --batch $2 "${@:3}" -o $plan |
             grep -iE "predict|expert|decode|prefill|degrad" | head -12 | tee -a "$out/predict-plans.txt"
-        echo "== strata-exec bench $1 batch $2"
+        echo "== strata-exec bench $run"
         $bin/strata-exec bench $plan -p 512 -n 128 -b $2 -r 2 -q --format json 2>&1 |
             tee -a "$out/predict.jsonl" | cut -c1-400
     done
