@@ -8,6 +8,7 @@ use super::{
     bad, cfg, f32s, int, launch, mv1_blocks, xs_bytes, Launcher, Mat, DQ_DOWN_MAXK, DQ_MAX_TOK,
     DQ_WARPS, DQ_XR_COLS, SAMPLE_MAX_VOCAB,
 };
+use strata_kernels::consts::{RW_KC, RW_TILE, RW_WARPS};
 use crate::backend::cuda::{CudaError, DeviceView};
 use strata_schemas::ggml::GgmlType;
 
@@ -133,9 +134,64 @@ pub struct InNorm<'a> {
     pub xn_out: Option<DeviceView<'a>>,
 }
 
+/// Whether a product of `n` tokens over `ty` weights takes the multi-token kernels of rows.cu
+/// (`dq_rows_mv*`, `dq_rows_qkv*`): two tokens or more over Q8_0 or Q4_K, which they read once
+/// for up to 16 tokens where `dq_mv8` / `dq_qkv8` read them once per token from L1.
+pub fn rows_kernel(n: usize, ty: GgmlType) -> bool {
+    n >= 2 && matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K)
+}
+
+/// Tokens per grid row of the multi-token kernels for `n` tokens: 4, 8 or 16 (`n` past 16 in
+/// chunks of 16 on grid.y); the kernel keeps that many accumulators a row.
+pub fn rows_tokens(n: usize) -> usize {
+    match n {
+        0..=4 => 4,
+        5..=8 => 8,
+        _ => 16,
+    }
+}
+
+/// Column split `wc` of the multi-token kernels: a block's RW_WARPS warps cover
+/// `RW_WARPS / wc` row tiles of RW_TILE rows, each tile's columns split over `wc` warps. The
+/// smallest split (the most rows a block, so the staged input serves the most weights) that
+/// still gives two blocks per SM, else the widest.
+pub fn rows_split(sms: usize, rows: usize) -> u32 {
+    for wc in [1, 2] {
+        if rows.div_ceil(rows_block(wc)) >= 2 * sms {
+            return wc;
+        }
+    }
+    RW_WARPS
+}
+
+/// Output rows of one block of the multi-token kernels at column split `wc`.
+pub fn rows_block(wc: u32) -> usize {
+    RW_TILE * (RW_WARPS / wc) as usize
+}
+
+/// Dynamic shared memory of the multi-token kernels at `nt` tokens a grid row: the staged
+/// chunk (`nt x RW_KC` f32) and each thread's sums of squares (`nt` f32 a thread).
+pub fn rows_smem(nt: usize) -> u32 {
+    (4 * nt * (RW_KC + 32 * RW_WARPS as usize)) as u32
+}
+
+/// The launch shape of a multi-token kernel over `rows` rows and `n` tokens: (kernel name
+/// suffix tokens, grid, block, shared bytes, column split).
+fn rows_shape(l: &Launcher<'_>, rows: usize, n: usize) -> (usize, (u32, u32, u32), u32, u32, i32) {
+    let nt = rows_tokens(n);
+    let wc = rows_split(l.sm_count(), rows);
+    let grid = (
+        rows.div_ceil(rows_block(wc)) as u32,
+        n.div_ceil(nt) as u32,
+        1,
+    );
+    (nt, grid, 32 * RW_WARPS, rows_smem(nt), wc as i32)
+}
+
 /// `dq_mv1` (one token) / `dq_mv8` (up to 8 tokens per grid row): `y (+)= W norm?(x)` for `n`
-/// tokens. `stage`: a one-token product over Q8_0 rows wider than the register path stages its
-/// input in shared memory (bit for bit the same result).
+/// tokens; two or more tokens over Q8_0 or Q4_K take `dq_rows_mv4/8/16` instead
+/// ([`rows_kernel`]). `stage`: a one-token product over Q8_0 rows wider than the register
+/// path stages its input in shared memory (bit for bit the same result).
 #[allow(clippy::too_many_arguments)]
 pub fn mv(
     l: &Launcher<'_>,
@@ -163,6 +219,26 @@ pub fn mv(
         None => (0, 0.0, 0),
     };
     let (add, n32) = (add as i32, int(OP, "n", n)?);
+    if rows_kernel(n, w.ty) {
+        if w.rows == 0 {
+            return Ok(());
+        }
+        // The kernel's float4 loads of x and the norm weights.
+        x.expect(OP, "x", f32s(n * w.cols), 16)?;
+        if let Some(nm) = norm {
+            nm.w.expect(OP, "norm weights", f32s(w.cols), 16)?;
+        }
+        let (nt, grid, block, smem, wc) = rows_shape(l, w.rows, n);
+        let name = match nt {
+            4 => "dq_rows_mv4",
+            8 => "dq_rows_mv8",
+            _ => "dq_rows_mv16",
+        };
+        let (wp, xp, yp) = (w.w.ptr(), x.ptr(), y.ptr());
+        let (rows, cols) = (w.rows as i32, w.cols as i32);
+        return launch!(l, name => label, cfg(grid, block, smem);
+            &wp, &ty, &rows, &cols, &xp, &nw, &eps, &yp, &n32, &add, &xn, &wc);
+    }
     let name = match (n == 1, super::any_type(w.ty)) {
         (true, false) => "dq_mv1",
         (false, false) => "dq_mv8",
@@ -188,7 +264,8 @@ pub fn mv(
 }
 
 /// `dq_qkv1` / `dq_qkv8`: Q, K and V of `n` tokens (x already normalised) in one launch; the
-/// three matrices share one type and their columns. `stage`: as [`mv`]'s.
+/// three matrices share one type and their columns. Two or more tokens over Q8_0 or Q4_K take
+/// `dq_rows_qkv4/8/16` ([`rows_kernel`]). `stage`: as [`mv`]'s.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv(
     l: &Launcher<'_>,
@@ -213,6 +290,29 @@ pub fn qkv(
     x.expect(OP, "x", f32s(n * cols), 4)?;
     let rows = (mats[0].rows + mats[1].rows + mats[2].rows) as u32;
     let (n32, no_norm, eps) = (int(OP, "n", n)?, 0u64, 0f32);
+    if rows_kernel(n, mats[0].ty) {
+        let total = int(OP, "rows", mats.iter().map(|m| m.rows).sum())? as usize;
+        if total == 0 {
+            return Ok(());
+        }
+        x.expect(OP, "x", f32s(n * cols), 16)?;
+        let (nt, grid, block, smem, wc) = rows_shape(l, total, n);
+        let name = match nt {
+            4 => "dq_rows_qkv4",
+            8 => "dq_rows_qkv8",
+            _ => "dq_rows_qkv16",
+        };
+        let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
+        let (rq, rk, rv, c) = (
+            mats[0].rows as i32,
+            mats[1].rows as i32,
+            mats[2].rows as i32,
+            cols as i32,
+        );
+        let (xp, yq, yk, yv) = (x.ptr(), outs[0].ptr(), outs[1].ptr(), outs[2].ptr());
+        return launch!(l, name, cfg(grid, block, smem);
+            &wq, &wk, &wv, &ty, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv, &n32, &wc);
+    }
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
     let name = match (n == 1, super::any_type(mats[0].ty)) {
         (true, false) => "dq_qkv1",
@@ -604,4 +704,165 @@ pub fn sample_rows(
     );
     let c = int(OP, "cols", cols)?;
     launch!(l, "sample_rows", cfg((blocks, rows as u32, 1), 1024, 0); &xp, &c, &dp, &pv, &pi, &cn, &op)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Host emulation of rows.cu's index mapping (the GPU tests in backend_ops check the
+    //! numbers): which weight bytes, staged input slots and output rows each lane touches.
+    use super::*;
+
+    const LANES: usize = 8;
+    const GROUPS: usize = 32 / LANES;
+    const R: usize = RW_TILE / GROUPS;
+    const STEP: usize = LANES * 16;
+
+    /// rows.cu's rw_slot.
+    fn slot(m: usize) -> usize {
+        let r = (m >> 3) & 3;
+        m ^ ((r >> 1) | ((r & 1) << 1))
+    }
+
+    /// rows.cu's rw_m: the staged float4 (before the swizzle) of piece j of lane c, step s.
+    fn piece_m(q4k: bool, s: usize, c: usize, j: usize) -> usize {
+        if q4k {
+            32 * s + 16 * (c / 4) + 2 * (c % 4) + (j & 1) + 8 * (j >> 1)
+        } else {
+            32 * s + 4 * c + j
+        }
+    }
+
+    /// The column of a row that weight value e (0..4) of piece j of lane c reads at step column
+    /// cb, from the weight layout: Q8_0 quant byte cb + 16 c + 4 j + e; Q4_K quant byte
+    /// 64 h + 8 c + 4 (j & 1) + e of block cb / 256, nibble j >> 1 (GGUF: byte k holds columns
+    /// 64 (k / 32) + k % 32, low nibble, and 32 further, high nibble).
+    fn weight_col(q4k: bool, cb: usize, c: usize, j: usize, e: usize) -> usize {
+        if !q4k {
+            return cb + 16 * c + 4 * j + e;
+        }
+        let h = (cb / STEP) & 1;
+        let k = 64 * h + 8 * c + 4 * (j & 1) + e;
+        cb / 256 * 256 + 64 * (k / 32) + k % 32 + 32 * (j >> 1)
+    }
+
+    #[test]
+    fn every_weight_is_read_once_against_its_staged_input() {
+        for q4k in [false, true] {
+            let col_list: &[usize] = if q4k {
+                &[256, 768, 1280, 2048]
+            } else {
+                &[32, 96, 544, 2048, 2080]
+            };
+            for &cols in col_list {
+                for wc in [1u32, 2, 4] {
+                    let tiles = (RW_WARPS / wc) as usize;
+                    // Per (row tile, row within the tile, column): how often it is read.
+                    let mut seen = vec![0u8; tiles * RW_TILE * cols];
+                    for warp in 0..RW_WARPS as usize {
+                        let (tile, part) = (warp / wc as usize, warp % wc as usize);
+                        for lane in 0..32 {
+                            let (g, c) = (lane / LANES, lane % LANES);
+                            for k0 in (0..cols).step_by(RW_KC) {
+                                for s in (part..RW_KC / STEP).step_by(wc as usize) {
+                                    let cb = k0 + s * STEP;
+                                    if cb >= cols {
+                                        break;
+                                    }
+                                    // Q8_0: a lane's 16 columns are all in or all out.
+                                    if !q4k && cb + 16 * c >= cols {
+                                        continue;
+                                    }
+                                    if !q4k {
+                                        // One scale for the lane's 16 columns.
+                                        assert_eq!((cb + 16 * c) / 32, (cb + 16 * c + 15) / 32);
+                                    } else {
+                                        // The sub-block scales rw_load picks.
+                                        let j0 = 2 * (2 * ((cb / STEP) & 1) + c / 4);
+                                        assert_eq!(weight_col(q4k, cb, c, 0, 0) % 256 / 32, j0);
+                                        assert_eq!(weight_col(q4k, cb, c, 2, 0) % 256 / 32, j0 + 1);
+                                    }
+                                    for j in 0..4 {
+                                        let m = piece_m(q4k, s, c, j);
+                                        assert!(m < RW_KC / 4 && slot(m) < RW_KC / 4);
+                                        for e in 0..4 {
+                                            let col = weight_col(q4k, cb, c, j, e);
+                                            // The staged value it meets is x[col].
+                                            assert_eq!(k0 + 4 * m + e, col, "q4k {q4k} c {c} j {j}");
+                                            assert!(col < cols);
+                                            for i in 0..R {
+                                                let rr = g + GROUPS * i;
+                                                seen[(tile * RW_TILE + rr) * cols + col] += 1;
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    assert!(
+                        seen.iter().all(|&v| v == 1),
+                        "q4k {q4k} cols {cols} wc {wc}: a weight read {:?} times",
+                        seen.iter().find(|&&v| v != 1)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn staged_reads_are_conflict_free_and_the_swizzle_a_permutation() {
+        let mut hit = vec![false; RW_KC / 4];
+        for m in 0..RW_KC / 4 {
+            assert!(!hit[slot(m)]);
+            hit[slot(m)] = true;
+            assert_eq!(slot(m) / 8, m / 8, "the swizzle stays in its 128-byte line");
+        }
+        for q4k in [false, true] {
+            for s in 0..RW_KC / STEP {
+                for j in 0..4 {
+                    // The 8 lanes of a row group hit 8 distinct 16-byte bank groups.
+                    let mut groups: Vec<usize> =
+                        (0..LANES).map(|c| slot(piece_m(q4k, s, c, j)) % 8).collect();
+                    groups.sort();
+                    groups.dedup();
+                    assert_eq!(groups.len(), LANES, "q4k {q4k} s {s} j {j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_fit_shared_memory_and_cover_every_row_once() {
+        for nt in [4, 8, 16] {
+            assert!(rows_smem(nt) <= 48 << 10, "no opt-in above 48 KiB");
+            // The partial sums reuse the staged chunk.
+            assert!(RW_WARPS as usize * RW_TILE * (nt + 1) <= nt * RW_KC);
+        }
+        for n in 2..=40 {
+            let nt = rows_tokens(n);
+            assert!(nt >= n.min(16) && [4, 8, 16].contains(&nt));
+        }
+        assert_eq!(rows_split(132, 151936), 1);
+        assert_eq!(rows_split(132, 5120), 4);
+        assert_eq!(rows_split(132, 1), 4);
+        for wc in [1u32, 2, 4] {
+            let brows = rows_block(wc);
+            let tiles = (RW_WARPS / wc) as usize;
+            // Output rows of a block: tile tl = rl / RW_TILE, summed over its wc warps
+            // tl * wc + p, whose lanes (g, i) wrote row g + GROUPS i of the tile.
+            let mut wrote = vec![0u8; brows];
+            for warp in 0..RW_WARPS as usize {
+                let tile = warp / wc as usize;
+                assert!(tile < tiles);
+                for g in 0..GROUPS {
+                    for i in 0..R {
+                        wrote[tile * RW_TILE + g + GROUPS * i] += 1;
+                    }
+                }
+            }
+            assert!(wrote.iter().all(|&v| v as u32 == wc));
+        }
+        assert!(rows_kernel(2, GgmlType::Q4K) && rows_kernel(33, GgmlType::Q8_0));
+        assert!(!rows_kernel(1, GgmlType::Q8_0) && !rows_kernel(4, GgmlType::Q6K));
+    }
 }
