@@ -8,8 +8,8 @@ use super::{
     bad, cfg, f32s, int, launch, mv1_blocks, xs_bytes, Launcher, Mat, DQ_DOWN_MAXK, DQ_MAX_TOK,
     DQ_WARPS, DQ_XR_COLS, SAMPLE_MAX_VOCAB,
 };
-use strata_kernels::consts::{RW_KC, RW_TILE, RW_WARPS};
 use crate::backend::cuda::{CudaError, DeviceView};
+use strata_kernels::consts::{RW_KC, RW_TILE, RW_WARPS};
 use strata_schemas::ggml::GgmlType;
 
 /// `dq_spin`: keeps the GPU busy for `ns` nanoseconds (the profiler's spacer).
@@ -787,7 +787,11 @@ mod tests {
                                         for e in 0..4 {
                                             let col = weight_col(q4k, cb, c, j, e);
                                             // The staged value it meets is x[col].
-                                            assert_eq!(k0 + 4 * m + e, col, "q4k {q4k} c {c} j {j}");
+                                            assert_eq!(
+                                                k0 + 4 * m + e,
+                                                col,
+                                                "q4k {q4k} c {c} j {j}"
+                                            );
                                             assert!(col < cols);
                                             for i in 0..R {
                                                 let rr = g + GROUPS * i;
@@ -811,7 +815,7 @@ mod tests {
 
     #[test]
     fn staged_reads_are_conflict_free_and_the_swizzle_a_permutation() {
-        let mut hit = vec![false; RW_KC / 4];
+        let mut hit = [false; RW_KC / 4];
         for m in 0..RW_KC / 4 {
             assert!(!hit[slot(m)]);
             hit[slot(m)] = true;
@@ -821,8 +825,9 @@ mod tests {
             for s in 0..RW_KC / STEP {
                 for j in 0..4 {
                     // The 8 lanes of a row group hit 8 distinct 16-byte bank groups.
-                    let mut groups: Vec<usize> =
-                        (0..LANES).map(|c| slot(piece_m(q4k, s, c, j)) % 8).collect();
+                    let mut groups: Vec<usize> = (0..LANES)
+                        .map(|c| slot(piece_m(q4k, s, c, j)) % 8)
+                        .collect();
                     groups.sort();
                     groups.dedup();
                     assert_eq!(groups.len(), LANES, "q4k {q4k} s {s} j {j}");
