@@ -215,6 +215,10 @@ __device__ __forceinline__ void rw_run(const RwMats& m, int cols, const float* x
         for (int i = 0; i < RW_R; ++i) acc[i][t] = 0.0f;
     }
     for (int k0 = 0; k0 < cols; k0 += RW_KC) {
+        // The warp's first step of the chunk is loaded before the barriers and the staging
+        // (weights do not depend on x), so its latency overlaps theirs.
+        RwStep st;
+        if (k0 + part * RW_STEP < cols) rw_load<Q4K>(rw, rd, cols, k0 + part * RW_STEP, c, st);
         __syncthreads();  // the previous chunk's readers are done
         for (int q = threadIdx.x; q < RW_CHUNK4; q += blockDim.x) {
             const int col = k0 + 4 * q;
@@ -239,8 +243,7 @@ __device__ __forceinline__ void rw_run(const RwMats& m, int cols, const float* x
         for (int s = part; s < RW_KC / RW_STEP; s += wc) {
             const int cb = k0 + s * RW_STEP;
             if (cb >= cols) break;
-            RwStep st;
-            rw_load<Q4K>(rw, rd, cols, cb, c, st);
+            if (s != part) rw_load<Q4K>(rw, rd, cols, cb, c, st);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 float w[RW_R][4];
