@@ -870,4 +870,304 @@ mod tests {
         assert!(rows_kernel(2, GgmlType::Q4K) && rows_kernel(33, GgmlType::Q8_0));
         assert!(!rows_kernel(1, GgmlType::Q8_0) && !rows_kernel(4, GgmlType::Q6K));
     }
+
+    /// A matrix for the emulation: device-layout bytes and rows.
+    struct EmuMat {
+        w: Vec<u8>,
+        rows: usize,
+    }
+
+    fn h2f(b: &[u8]) -> f32 {
+        half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+    }
+
+    fn word(b: &[u8]) -> u32 {
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    /// rows.cu's rw_scale_min on the 12 scale bytes as three words.
+    fn scale_min(j: usize, s1: u32, s2: u32, s3: u32) -> (f32, f32) {
+        let k = j & 3;
+        let byte = |v: u32| (v >> (8 * k)) & 0xFF;
+        if j < 4 {
+            ((byte(s1) & 63) as f32, (byte(s2) & 63) as f32)
+        } else {
+            (
+                ((byte(s3) & 0xF) | ((byte(s1) >> 6) << 4)) as f32,
+                ((byte(s3) >> 4) | ((byte(s2) >> 6) << 4)) as f32,
+            )
+        }
+    }
+
+    /// The 16 weights (4 pieces of 4) lane c reads of row r of `m` at step column cb, as
+    /// rw_load and rw_piece decode them.
+    fn lane_weights(
+        q4k: bool,
+        m: &EmuMat,
+        cols: usize,
+        r: usize,
+        cb: usize,
+        c: usize,
+    ) -> [[f32; 4]; 4] {
+        let mut w = [[0f32; 4]; 4];
+        if !q4k {
+            let col = cb + 16 * c;
+            if col >= cols {
+                return w;
+            }
+            let q = &m.w[r * cols + col..r * cols + col + 16];
+            let at = m.rows * cols + 2 * (r * (cols / 32) + col / 32);
+            let d = h2f(&m.w[at..]);
+            for (j, wj) in w.iter_mut().enumerate() {
+                for (e, v) in wj.iter_mut().enumerate() {
+                    *v = q[4 * j + e] as i8 as f32 * d;
+                }
+            }
+            return w;
+        }
+        let blk = &m.w[r * (cols / 256) * 144 + cb / 256 * 144..];
+        let h = (cb / STEP) & 1;
+        let (d, dmin) = (h2f(&blk[0..]), h2f(&blk[2..]));
+        let (s1, s2, s3) = (word(&blk[4..]), word(&blk[8..]), word(&blk[12..]));
+        let j0 = 2 * (2 * h + c / 4);
+        let q = &blk[16 + 64 * h + 8 * c..];
+        let qw = [word(q), word(&q[4..])];
+        for (j, wj) in w.iter_mut().enumerate() {
+            let hi = j >> 1;
+            let (sc, mn) = scale_min(j0 + hi, s1, s2, s3);
+            let v = (qw[j & 1] >> (4 * hi)) & 0x0F0F_0F0F;
+            for (e, x) in wj.iter_mut().enumerate() {
+                *x = (((v >> (8 * e)) & 0xFF) as f32).mul_add(d * sc, -(dmin * mn));
+            }
+        }
+        w
+    }
+
+    /// Options of one emulated launch.
+    #[derive(Clone, Copy)]
+    struct EmuRun<'a> {
+        q4k: bool,
+        cols: usize,
+        nt: usize,
+        wc: u32,
+        nw: Option<&'a [f32]>,
+        eps: f32,
+        add: bool,
+    }
+
+    /// rows.cu's dq_rows_body, block by block, warp by warp, lane by lane, on the host: y of
+    /// each matrix (`y[k]` holds n x rows, added to when `add`).
+    fn emulate(mats: &[EmuMat], x: &[f32], n: usize, o: EmuRun<'_>, y: &mut [Vec<f32>]) {
+        let EmuRun {
+            q4k,
+            cols,
+            nt,
+            wc,
+            nw,
+            eps,
+            add,
+        } = o;
+        let total: usize = mats.iter().map(|m| m.rows).sum();
+        let brows = rows_block(wc);
+        let which = |mut r: usize| {
+            for (k, m) in mats.iter().enumerate() {
+                if r < m.rows {
+                    return (k, r);
+                }
+                r -= m.rows;
+            }
+            unreachable!()
+        };
+        let warps = RW_WARPS as usize;
+        for bx in 0..total.div_ceil(brows) {
+            let b0 = bx * brows;
+            for t0 in (0..n).step_by(nt) {
+                let ntt = nt.min(n - t0);
+                let xb = &x[t0 * cols..];
+                let mut acc = vec![0f32; warps * 32 * R * nt];
+                let mut ssp = vec![0f32; nt * RW_KC / 4];
+                for k0 in (0..cols).step_by(RW_KC) {
+                    let mut xs = vec![[0f32; 4]; nt * RW_KC / 4];
+                    for q in 0..RW_KC / 4 {
+                        let col = k0 + 4 * q;
+                        for t in 0..nt {
+                            let mut v = [0f32; 4];
+                            if t < ntt && col < cols {
+                                v.copy_from_slice(&xb[t * cols + col..t * cols + col + 4]);
+                            }
+                            ssp[t * RW_KC / 4 + q] += v.iter().map(|a| a * a).sum::<f32>();
+                            if let (Some(w), true) = (nw, col < cols) {
+                                for e in 0..4 {
+                                    v[e] *= w[col + e];
+                                }
+                            }
+                            xs[t * RW_KC / 4 + slot(q)] = v;
+                        }
+                    }
+                    for warp in 0..warps {
+                        let (tile, part) = (warp / wc as usize, warp % wc as usize);
+                        for lane in 0..32 {
+                            let (g, c) = (lane / LANES, lane % LANES);
+                            for s in (part..RW_KC / STEP).step_by(wc as usize) {
+                                let cb = k0 + s * STEP;
+                                if cb >= cols {
+                                    break;
+                                }
+                                for i in 0..R {
+                                    let r = (b0 + tile * RW_TILE + g + GROUPS * i).min(total - 1);
+                                    let (k, rl) = which(r);
+                                    let w = lane_weights(q4k, &mats[k], cols, rl, cb, c);
+                                    for (j, wj) in w.iter().enumerate() {
+                                        let sl = slot(piece_m(q4k, s, c, j));
+                                        for t in 0..nt {
+                                            let xv = xs[t * RW_KC / 4 + sl];
+                                            let a = &mut acc[((warp * 32 + lane) * R + i) * nt + t];
+                                            for e in 0..4 {
+                                                *a = wj[e].mul_add(xv[e], *a);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                // The row groups' shuffles, then the partial sums by (warp, tile row, token).
+                let mut red = vec![f32::NAN; warps * RW_TILE * (nt + 1)];
+                for warp in 0..warps {
+                    for g in 0..GROUPS {
+                        for i in 0..R {
+                            for t in 0..nt {
+                                let v: f32 = (0..LANES)
+                                    .map(|c| acc[((warp * 32 + g * LANES + c) * R + i) * nt + t])
+                                    .sum();
+                                red[(warp * RW_TILE + g + GROUPS * i) * (nt + 1) + t] = v;
+                            }
+                        }
+                    }
+                }
+                let rms: Vec<f32> = (0..nt)
+                    .map(|t| {
+                        let a: f32 = ssp[t * RW_KC / 4..(t + 1) * RW_KC / 4].iter().sum();
+                        1.0 / (a / cols as f32 + eps).sqrt()
+                    })
+                    .collect();
+                for idx in 0..brows * ntt {
+                    let (rl, t) = (idx % brows, idx / brows);
+                    let r = b0 + rl;
+                    if r >= total {
+                        continue;
+                    }
+                    let (tl, rr) = (rl / RW_TILE, rl % RW_TILE);
+                    let mut v: f32 = (0..wc as usize)
+                        .map(|p| red[((tl * wc as usize + p) * RW_TILE + rr) * (nt + 1) + t])
+                        .sum();
+                    if nw.is_some() {
+                        v *= rms[t];
+                    }
+                    let (k, r) = which(r);
+                    let o = &mut y[k][(t0 + t) * mats[k].rows + r];
+                    *o = if add { *o + v } else { v };
+                }
+            }
+        }
+    }
+
+    /// A random matrix of `ty`: device-layout bytes and the reference's dequantized rows.
+    fn emu_mat(seed: &mut u64, ty: GgmlType, rows: usize, cols: usize) -> (EmuMat, Vec<f32>) {
+        let mut next = || {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        let vals: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
+        let mut gguf = Vec::new();
+        for r in vals.chunks(cols) {
+            crate::quant::quantize_row(ty, r, &mut gguf).unwrap();
+        }
+        let mut deq = vec![0f32; rows * cols];
+        let rb = gguf.len() / rows;
+        for (r, out) in deq.chunks_mut(cols).enumerate() {
+            crate::quant::dequantize_row(ty, &gguf[r * rb..(r + 1) * rb], out).unwrap();
+        }
+        let mut w = vec![0u8; gguf.len()];
+        crate::backend::cuda::layout::to_device(ty, &gguf, 1, rows, cols, &mut w).unwrap();
+        (EmuMat { w, rows }, deq)
+    }
+
+    /// The emulated kernel against an f64 reference over the dequantized weights: Q8_0 and
+    /// Q4_K, one and three matrices (row tiles straddling them), partial chunks and steps,
+    /// every column split, 3 to 17 tokens, plain, normalised and added.
+    #[test]
+    fn the_emulated_kernel_computes_the_products() {
+        let mut seed = 7u64;
+        let cases: &[(GgmlType, &[usize], usize)] = &[
+            (GgmlType::Q8_0, &[7], 96),
+            (GgmlType::Q8_0, &[33, 7, 9], 544),
+            (GgmlType::Q4K, &[5], 768),
+            (GgmlType::Q4K, &[20, 3, 9], 256),
+        ];
+        for &(ty, split, cols) in cases {
+            let (mats, deqs): (Vec<_>, Vec<_>) = split
+                .iter()
+                .map(|&r| emu_mat(&mut seed, ty, r, cols))
+                .unzip();
+            for (n, wc, norm, add) in [
+                (3, 1, false, false),
+                (9, 2, true, false),
+                (17, 4, true, true),
+            ] {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                    .collect();
+                let nwv: Vec<f32> = (0..cols).map(|i| 1.0 + (i % 7) as f32 / 20.0).collect();
+                let eps = 1e-6;
+                let y0: Vec<Vec<f32>> = split
+                    .iter()
+                    .map(|&r| (0..n * r).map(|i| (i % 5) as f32).collect())
+                    .collect();
+                let mut y = y0.clone();
+                let run = EmuRun {
+                    q4k: ty == GgmlType::Q4K,
+                    cols,
+                    nt: rows_tokens(n),
+                    wc,
+                    nw: norm.then_some(&nwv[..]),
+                    eps,
+                    add,
+                };
+                emulate(&mats, &x, n, run, &mut y);
+                for (k, deq) in deqs.iter().enumerate() {
+                    let rows = split[k];
+                    for t in 0..n {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        let s = if norm {
+                            let ss: f64 = xt.iter().map(|v| (*v as f64).powi(2)).sum();
+                            1.0 / (ss / cols as f64 + eps as f64).sqrt()
+                        } else {
+                            1.0
+                        };
+                        for r in 0..rows {
+                            let mut want: f64 = (0..cols)
+                                .map(|i| {
+                                    let xi =
+                                        xt[i] as f64 * s * if norm { nwv[i] as f64 } else { 1.0 };
+                                    deq[r * cols + i] as f64 * xi
+                                })
+                                .sum();
+                            if add {
+                                want += y0[k][t * rows + r] as f64;
+                            }
+                            let got = y[k][t * rows + r] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{ty} {split:?}x{cols} n {n} wc {wc} norm {norm} add {add}: y[{k}][{t}][{r}] = {got}, want {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
