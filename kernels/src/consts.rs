@@ -21,6 +21,12 @@ pub const DQ_WARPS: u32 = 4;
 /// 16-column pieces per lane of the register path of the one-token Q8_0 products (rows of
 /// at most `DQ_XR_PIECES x warp x 16` columns take it).
 pub const DQ_XR_PIECES: usize = 4;
+/// Warps per block of the multi-token products (`dq_rows_mv*`, `dq_rows_qkv*`, rows.cu).
+pub const RW_WARPS: u32 = 4;
+/// Output rows per warp tile of the multi-token products (each lane holds a quarter of them).
+pub const RW_TILE: usize = 16;
+/// Input columns the multi-token products stage in shared memory at a time (f32, per token).
+pub const RW_KC: usize = 512;
 /// Largest top-k of `dq_moe_down_rows` and `dq_moe_down_kq`.
 pub const DQ_DOWN_MAXK: usize = 32;
 /// Largest head dimension of the attention kernels.
@@ -62,6 +68,9 @@ pub fn all() -> Vec<(&'static str, String)> {
         ("DQ_MAX_TOK", DQ_MAX_TOK.to_string()),
         ("DQ_WARPS", DQ_WARPS.to_string()),
         ("DQ_XR_PIECES", DQ_XR_PIECES.to_string()),
+        ("RW_WARPS", RW_WARPS.to_string()),
+        ("RW_TILE", RW_TILE.to_string()),
+        ("RW_KC", RW_KC.to_string()),
         ("DQ_DOWN_MAXK", DQ_DOWN_MAXK.to_string()),
         ("ATT_MAX_D", ATT_MAX_D.to_string()),
         ("DA_MAXG", DA_MAXG.to_string()),

@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 /// The vendor layer every source is compiled with, prepended to each module's text.
 pub const COMMON: &str = include_str!("../cuda/common.cuh");
 
-/// What the product kernels share (`matvec`, `moe`): weight layouts, row dot products, staged
+/// What the product kernels share (`matvec`, `rows`, `moe`): weight layouts, row dot products, staged
 /// inputs.
 pub const PRODUCTS: &str = include_str!("../cuda/products.cuh");
 
@@ -70,6 +70,14 @@ const RAW: &[Raw] = &[
         body: include_str!("../cuda/matvec.cu"),
         entry_points: MATVEC,
         pdl_aware: MATVEC,
+        cuda_only: false,
+    },
+    Raw {
+        name: "rows",
+        headers: &[QUANT_TABLES, QUANTS, PRODUCTS],
+        body: include_str!("../cuda/rows.cu"),
+        entry_points: ROWS,
+        pdl_aware: ROWS,
         cuda_only: false,
     },
     Raw {
@@ -192,6 +200,14 @@ const MATVEC: &[&str] = &[
     "dq_get_rows",
     "dq_sgemm_split",
     "dq_split_sum",
+];
+const ROWS: &[&str] = &[
+    "dq_rows_mv4",
+    "dq_rows_mv8",
+    "dq_rows_mv16",
+    "dq_rows_qkv4",
+    "dq_rows_qkv8",
+    "dq_rows_qkv16",
 ];
 const MOE: &[&str] = &[
     "dq_moe_gate_up",

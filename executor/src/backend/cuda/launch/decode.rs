@@ -9,6 +9,7 @@ use super::{
     DQ_DOWN_MAXK, DQ_MAX_TOK, DQ_WARPS, DQ_XR_COLS, SAMPLE_MAX_VOCAB,
 };
 use crate::backend::cuda::{CudaError, DeviceView};
+use strata_kernels::consts::{RW_KC, RW_TILE, RW_WARPS};
 use strata_schemas::ggml::GgmlType;
 
 /// `dq_spin`: keeps the GPU busy for `ns` nanoseconds (the profiler's spacer).
@@ -133,10 +134,66 @@ pub struct InNorm<'a> {
     pub xn_out: Option<DeviceView<'a>>,
 }
 
+/// Whether a product of `n` tokens over `ty` weights takes the multi-token kernels of rows.cu
+/// (`dq_rows_mv*`, `dq_rows_qkv*`): two tokens or more over Q8_0 or Q4_K, which they read once
+/// for up to 16 tokens where `dq_mv8` / `dq_qkv8` read them once per token from L1.
+pub fn rows_kernel(n: usize, ty: GgmlType) -> bool {
+    n >= 2 && matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K)
+}
+
+/// Tokens per grid row of the multi-token kernels for `n` tokens: 4, 8 or 16 (`n` past 16 in
+/// chunks of 16 on grid.y); the kernel keeps that many accumulators a row.
+pub fn rows_tokens(n: usize) -> usize {
+    match n {
+        0..=4 => 4,
+        5..=8 => 8,
+        _ => 16,
+    }
+}
+
+/// Column split `wc` of the multi-token kernels: a block's RW_WARPS warps cover
+/// `RW_WARPS / wc` row tiles of RW_TILE rows, each tile's columns split over `wc` warps. The
+/// smallest split (the most rows a block, so the staged input serves the most weights) that
+/// still gives two blocks per SM, else the widest.
+pub fn rows_split(sms: usize, rows: usize) -> u32 {
+    for wc in [1, 2] {
+        if rows.div_ceil(rows_block(wc)) >= 2 * sms {
+            return wc;
+        }
+    }
+    RW_WARPS
+}
+
+/// Output rows of one block of the multi-token kernels at column split `wc`.
+pub fn rows_block(wc: u32) -> usize {
+    RW_TILE * (RW_WARPS / wc) as usize
+}
+
+/// Dynamic shared memory of the multi-token kernels at `nt` tokens a grid row: the staged
+/// chunk (`nt x RW_KC` f32) and each thread's sums of squares (`nt` f32 a thread).
+pub fn rows_smem(nt: usize) -> u32 {
+    (4 * nt * (RW_KC + 32 * RW_WARPS as usize)) as u32
+}
+
+/// The launch shape of a multi-token kernel over `rows` rows and `n` tokens: (kernel name
+/// suffix tokens, grid, block, shared bytes, column split).
+fn rows_shape(l: &Launcher<'_>, rows: usize, n: usize) -> (usize, (u32, u32, u32), u32, u32, i32) {
+    let nt = rows_tokens(n);
+    let wc = rows_split(l.sm_count(), rows);
+    let grid = (
+        rows.div_ceil(rows_block(wc)) as u32,
+        n.div_ceil(nt) as u32,
+        1,
+    );
+    (nt, grid, 32 * RW_WARPS, rows_smem(nt), wc as i32)
+}
+
 /// `dq_mv1` (one token) / `dq_mv8` (up to 8 tokens per grid row): `y (+)= W norm?(x)` for `n`
-/// tokens. `stage`: a one-token product over Q8_0 rows wider than the register path stages its
-/// input in shared memory (bit for bit the same result), and so does one over Q5_K or Q6_K
-/// rows (`dq_mv1_kq` / `dq_mv8_kq`) tall enough for its grid to be capped (the LM head).
+/// tokens; two or more tokens over Q8_0 or Q4_K take `dq_rows_mv4/8/16` instead
+/// ([`rows_kernel`]). `stage`: a one-token product over Q8_0 rows wider than the register
+/// path stages its input in shared memory (bit for bit the same result), and so does one over
+/// Q5_K or Q6_K rows (`dq_mv1_kq` / `dq_mv8_kq`) tall enough for its grid to be capped (the LM
+/// head).
 #[allow(clippy::too_many_arguments)]
 pub fn mv(
     l: &Launcher<'_>,
@@ -164,6 +221,26 @@ pub fn mv(
         None => (0, 0.0, 0),
     };
     let (add, n32) = (add as i32, int(OP, "n", n)?);
+    if rows_kernel(n, w.ty) {
+        if w.rows == 0 {
+            return Ok(());
+        }
+        // The kernel's float4 loads of x and the norm weights.
+        x.expect(OP, "x", f32s(n * w.cols), 16)?;
+        if let Some(nm) = norm {
+            nm.w.expect(OP, "norm weights", f32s(w.cols), 16)?;
+        }
+        let (nt, grid, block, smem, wc) = rows_shape(l, w.rows, n);
+        let name = match nt {
+            4 => "dq_rows_mv4",
+            8 => "dq_rows_mv8",
+            _ => "dq_rows_mv16",
+        };
+        let (wp, xp, yp) = (w.w.ptr(), x.ptr(), y.ptr());
+        let (rows, cols) = (w.rows as i32, w.cols as i32);
+        return launch!(l, name => label, cfg(grid, block, smem);
+            &wp, &ty, &rows, &cols, &xp, &nw, &eps, &yp, &n32, &add, &xn, &wc);
+    }
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
     let (wp, xp, yp) = (w.w.ptr(), x.ptr(), y.ptr());
     let (rows, cols) = (w.rows as i32, w.cols as i32);
@@ -214,7 +291,8 @@ fn kq_fast(ty: GgmlType) -> bool {
 
 /// `dq_qkv1` / `dq_qkv8`: Q, K and V of `n` tokens (x already normalised) in one launch; the
 /// three matrices share one type and their columns (Q5_K, Q6_K: `dq_qkv1_kq` /
-/// `dq_qkv8_kq`). `stage`: as [`mv`]'s.
+/// `dq_qkv8_kq`). Two or more tokens over Q8_0 or Q4_K take `dq_rows_qkv4/8/16`
+/// ([`rows_kernel`]). `stage`: as [`mv`]'s.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv(
     l: &Launcher<'_>,
@@ -239,6 +317,29 @@ pub fn qkv(
     x.expect(OP, "x", f32s(n * cols), 4)?;
     let rows = (mats[0].rows + mats[1].rows + mats[2].rows) as u32;
     let (n32, no_norm, eps) = (int(OP, "n", n)?, 0u64, 0f32);
+    if rows_kernel(n, mats[0].ty) {
+        let total = int(OP, "rows", mats.iter().map(|m| m.rows).sum())? as usize;
+        if total == 0 {
+            return Ok(());
+        }
+        x.expect(OP, "x", f32s(n * cols), 16)?;
+        let (nt, grid, block, smem, wc) = rows_shape(l, total, n);
+        let name = match nt {
+            4 => "dq_rows_qkv4",
+            8 => "dq_rows_qkv8",
+            _ => "dq_rows_qkv16",
+        };
+        let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
+        let (rq, rk, rv, c) = (
+            mats[0].rows as i32,
+            mats[1].rows as i32,
+            mats[2].rows as i32,
+            cols as i32,
+        );
+        let (xp, yq, yk, yv) = (x.ptr(), outs[0].ptr(), outs[1].ptr(), outs[2].ptr());
+        return launch!(l, name, cfg(grid, block, smem);
+            &wq, &wk, &wv, &ty, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv, &n32, &wc);
+    }
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
     let name = match (n == 1, kq_fast(mats[0].ty), super::any_type(mats[0].ty)) {
         (true, true, _) => "dq_qkv1_kq",
@@ -640,4 +741,470 @@ pub fn sample_rows(
     );
     let c = int(OP, "cols", cols)?;
     launch!(l, "sample_rows", cfg((blocks, rows as u32, 1), 1024, 0); &xp, &c, &dp, &pv, &pi, &cn, &op)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Host emulation of rows.cu's index mapping (the GPU tests in backend_ops check the
+    //! numbers): which weight bytes, staged input slots and output rows each lane touches.
+    use super::*;
+
+    const LANES: usize = 8;
+    const GROUPS: usize = 32 / LANES;
+    const R: usize = RW_TILE / GROUPS;
+    const STEP: usize = LANES * 16;
+
+    /// rows.cu's rw_slot.
+    fn slot(m: usize) -> usize {
+        let r = (m >> 3) & 3;
+        m ^ ((r >> 1) | ((r & 1) << 1))
+    }
+
+    /// rows.cu's rw_m: the staged float4 (before the swizzle) of piece j of lane c, step s.
+    fn piece_m(q4k: bool, s: usize, c: usize, j: usize) -> usize {
+        if q4k {
+            32 * s + 16 * (c / 4) + 2 * (c % 4) + (j & 1) + 8 * (j >> 1)
+        } else {
+            32 * s + 4 * c + j
+        }
+    }
+
+    /// The column of a row that weight value e (0..4) of piece j of lane c reads at step column
+    /// cb, from the weight layout: Q8_0 quant byte cb + 16 c + 4 j + e; Q4_K quant byte
+    /// 64 h + 8 c + 4 (j & 1) + e of block cb / 256, nibble j >> 1 (GGUF: byte k holds columns
+    /// 64 (k / 32) + k % 32, low nibble, and 32 further, high nibble).
+    fn weight_col(q4k: bool, cb: usize, c: usize, j: usize, e: usize) -> usize {
+        if !q4k {
+            return cb + 16 * c + 4 * j + e;
+        }
+        let h = (cb / STEP) & 1;
+        let k = 64 * h + 8 * c + 4 * (j & 1) + e;
+        cb / 256 * 256 + 64 * (k / 32) + k % 32 + 32 * (j >> 1)
+    }
+
+    #[test]
+    fn every_weight_is_read_once_against_its_staged_input() {
+        for q4k in [false, true] {
+            let col_list: &[usize] = if q4k {
+                &[256, 768, 1280, 2048]
+            } else {
+                &[32, 96, 544, 2048, 2080]
+            };
+            for &cols in col_list {
+                for wc in [1u32, 2, 4] {
+                    let tiles = (RW_WARPS / wc) as usize;
+                    // Per (row tile, row within the tile, column): how often it is read.
+                    let mut seen = vec![0u8; tiles * RW_TILE * cols];
+                    for warp in 0..RW_WARPS as usize {
+                        let (tile, part) = (warp / wc as usize, warp % wc as usize);
+                        for lane in 0..32 {
+                            let (g, c) = (lane / LANES, lane % LANES);
+                            for k0 in (0..cols).step_by(RW_KC) {
+                                for s in (part..RW_KC / STEP).step_by(wc as usize) {
+                                    let cb = k0 + s * STEP;
+                                    if cb >= cols {
+                                        break;
+                                    }
+                                    // Q8_0: a lane's 16 columns are all in or all out.
+                                    if !q4k && cb + 16 * c >= cols {
+                                        continue;
+                                    }
+                                    if !q4k {
+                                        // One scale for the lane's 16 columns.
+                                        assert_eq!((cb + 16 * c) / 32, (cb + 16 * c + 15) / 32);
+                                    } else {
+                                        // The sub-block scales rw_load picks.
+                                        let j0 = 2 * (2 * ((cb / STEP) & 1) + c / 4);
+                                        assert_eq!(weight_col(q4k, cb, c, 0, 0) % 256 / 32, j0);
+                                        assert_eq!(weight_col(q4k, cb, c, 2, 0) % 256 / 32, j0 + 1);
+                                    }
+                                    for j in 0..4 {
+                                        let m = piece_m(q4k, s, c, j);
+                                        assert!(m < RW_KC / 4 && slot(m) < RW_KC / 4);
+                                        for e in 0..4 {
+                                            let col = weight_col(q4k, cb, c, j, e);
+                                            // The staged value it meets is x[col].
+                                            assert_eq!(
+                                                k0 + 4 * m + e,
+                                                col,
+                                                "q4k {q4k} c {c} j {j}"
+                                            );
+                                            assert!(col < cols);
+                                            for i in 0..R {
+                                                let rr = g + GROUPS * i;
+                                                seen[(tile * RW_TILE + rr) * cols + col] += 1;
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    assert!(
+                        seen.iter().all(|&v| v == 1),
+                        "q4k {q4k} cols {cols} wc {wc}: a weight read {:?} times",
+                        seen.iter().find(|&&v| v != 1)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn staged_reads_are_conflict_free_and_the_swizzle_a_permutation() {
+        let mut hit = [false; RW_KC / 4];
+        for m in 0..RW_KC / 4 {
+            assert!(!hit[slot(m)]);
+            hit[slot(m)] = true;
+            assert_eq!(slot(m) / 8, m / 8, "the swizzle stays in its 128-byte line");
+        }
+        for q4k in [false, true] {
+            for s in 0..RW_KC / STEP {
+                for j in 0..4 {
+                    // The 8 lanes of a row group hit 8 distinct 16-byte bank groups.
+                    let mut groups: Vec<usize> = (0..LANES)
+                        .map(|c| slot(piece_m(q4k, s, c, j)) % 8)
+                        .collect();
+                    groups.sort();
+                    groups.dedup();
+                    assert_eq!(groups.len(), LANES, "q4k {q4k} s {s} j {j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_fit_shared_memory_and_cover_every_row_once() {
+        for nt in [4, 8, 16] {
+            assert!(rows_smem(nt) <= 48 << 10, "no opt-in above 48 KiB");
+            // The partial sums reuse the staged chunk.
+            assert!(RW_WARPS as usize * RW_TILE * (nt + 1) <= nt * RW_KC);
+        }
+        for n in 2..=40 {
+            let nt = rows_tokens(n);
+            assert!(nt >= n.min(16) && [4, 8, 16].contains(&nt));
+        }
+        assert_eq!(rows_split(132, 151936), 1);
+        assert_eq!(rows_split(132, 5120), 4);
+        assert_eq!(rows_split(132, 1), 4);
+        for wc in [1u32, 2, 4] {
+            let brows = rows_block(wc);
+            let tiles = (RW_WARPS / wc) as usize;
+            // Output rows of a block: tile tl = rl / RW_TILE, summed over its wc warps
+            // tl * wc + p, whose lanes (g, i) wrote row g + GROUPS i of the tile.
+            let mut wrote = vec![0u8; brows];
+            for warp in 0..RW_WARPS as usize {
+                let tile = warp / wc as usize;
+                assert!(tile < tiles);
+                for g in 0..GROUPS {
+                    for i in 0..R {
+                        wrote[tile * RW_TILE + g + GROUPS * i] += 1;
+                    }
+                }
+            }
+            assert!(wrote.iter().all(|&v| v as u32 == wc));
+        }
+        assert!(rows_kernel(2, GgmlType::Q4K) && rows_kernel(33, GgmlType::Q8_0));
+        assert!(!rows_kernel(1, GgmlType::Q8_0) && !rows_kernel(4, GgmlType::Q6K));
+    }
+
+    /// A matrix for the emulation: device-layout bytes and rows.
+    struct EmuMat {
+        w: Vec<u8>,
+        rows: usize,
+    }
+
+    fn h2f(b: &[u8]) -> f32 {
+        half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+    }
+
+    fn word(b: &[u8]) -> u32 {
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    /// rows.cu's rw_scale_min on the 12 scale bytes as three words.
+    fn scale_min(j: usize, s1: u32, s2: u32, s3: u32) -> (f32, f32) {
+        let k = j & 3;
+        let byte = |v: u32| (v >> (8 * k)) & 0xFF;
+        if j < 4 {
+            ((byte(s1) & 63) as f32, (byte(s2) & 63) as f32)
+        } else {
+            (
+                ((byte(s3) & 0xF) | ((byte(s1) >> 6) << 4)) as f32,
+                ((byte(s3) >> 4) | ((byte(s2) >> 6) << 4)) as f32,
+            )
+        }
+    }
+
+    /// The 16 weights (4 pieces of 4) lane c reads of row r of `m` at step column cb, as
+    /// rw_load and rw_piece decode them.
+    fn lane_weights(
+        q4k: bool,
+        m: &EmuMat,
+        cols: usize,
+        r: usize,
+        cb: usize,
+        c: usize,
+    ) -> [[f32; 4]; 4] {
+        let mut w = [[0f32; 4]; 4];
+        if !q4k {
+            let col = cb + 16 * c;
+            if col >= cols {
+                return w;
+            }
+            let q = &m.w[r * cols + col..r * cols + col + 16];
+            let at = m.rows * cols + 2 * (r * (cols / 32) + col / 32);
+            let d = h2f(&m.w[at..]);
+            for (j, wj) in w.iter_mut().enumerate() {
+                for (e, v) in wj.iter_mut().enumerate() {
+                    *v = q[4 * j + e] as i8 as f32 * d;
+                }
+            }
+            return w;
+        }
+        let blk = &m.w[r * (cols / 256) * 144 + cb / 256 * 144..];
+        let h = (cb / STEP) & 1;
+        let (d, dmin) = (h2f(&blk[0..]), h2f(&blk[2..]));
+        let (s1, s2, s3) = (word(&blk[4..]), word(&blk[8..]), word(&blk[12..]));
+        let j0 = 2 * (2 * h + c / 4);
+        let q = &blk[16 + 64 * h + 8 * c..];
+        let qw = [word(q), word(&q[4..])];
+        for (j, wj) in w.iter_mut().enumerate() {
+            let hi = j >> 1;
+            let (sc, mn) = scale_min(j0 + hi, s1, s2, s3);
+            let v = (qw[j & 1] >> (4 * hi)) & 0x0F0F_0F0F;
+            for (e, x) in wj.iter_mut().enumerate() {
+                *x = (((v >> (8 * e)) & 0xFF) as f32).mul_add(d * sc, -(dmin * mn));
+            }
+        }
+        w
+    }
+
+    /// Options of one emulated launch.
+    #[derive(Clone, Copy)]
+    struct EmuRun<'a> {
+        q4k: bool,
+        cols: usize,
+        nt: usize,
+        wc: u32,
+        nw: Option<&'a [f32]>,
+        eps: f32,
+        add: bool,
+    }
+
+    /// rows.cu's dq_rows_body, block by block, warp by warp, lane by lane, on the host: y of
+    /// each matrix (`y[k]` holds n x rows, added to when `add`).
+    fn emulate(mats: &[EmuMat], x: &[f32], n: usize, o: EmuRun<'_>, y: &mut [Vec<f32>]) {
+        let EmuRun {
+            q4k,
+            cols,
+            nt,
+            wc,
+            nw,
+            eps,
+            add,
+        } = o;
+        let total: usize = mats.iter().map(|m| m.rows).sum();
+        let brows = rows_block(wc);
+        let which = |mut r: usize| {
+            for (k, m) in mats.iter().enumerate() {
+                if r < m.rows {
+                    return (k, r);
+                }
+                r -= m.rows;
+            }
+            unreachable!()
+        };
+        let warps = RW_WARPS as usize;
+        for bx in 0..total.div_ceil(brows) {
+            let b0 = bx * brows;
+            for t0 in (0..n).step_by(nt) {
+                let ntt = nt.min(n - t0);
+                let xb = &x[t0 * cols..];
+                let mut acc = vec![0f32; warps * 32 * R * nt];
+                let mut ssp = vec![0f32; nt * RW_KC / 4];
+                for k0 in (0..cols).step_by(RW_KC) {
+                    let mut xs = vec![[0f32; 4]; nt * RW_KC / 4];
+                    for q in 0..RW_KC / 4 {
+                        let col = k0 + 4 * q;
+                        for t in 0..nt {
+                            let mut v = [0f32; 4];
+                            if t < ntt && col < cols {
+                                v.copy_from_slice(&xb[t * cols + col..t * cols + col + 4]);
+                            }
+                            ssp[t * RW_KC / 4 + q] += v.iter().map(|a| a * a).sum::<f32>();
+                            if let (Some(w), true) = (nw, col < cols) {
+                                for e in 0..4 {
+                                    v[e] *= w[col + e];
+                                }
+                            }
+                            xs[t * RW_KC / 4 + slot(q)] = v;
+                        }
+                    }
+                    for warp in 0..warps {
+                        let (tile, part) = (warp / wc as usize, warp % wc as usize);
+                        for lane in 0..32 {
+                            let (g, c) = (lane / LANES, lane % LANES);
+                            for s in (part..RW_KC / STEP).step_by(wc as usize) {
+                                let cb = k0 + s * STEP;
+                                if cb >= cols {
+                                    break;
+                                }
+                                for i in 0..R {
+                                    let r = (b0 + tile * RW_TILE + g + GROUPS * i).min(total - 1);
+                                    let (k, rl) = which(r);
+                                    let w = lane_weights(q4k, &mats[k], cols, rl, cb, c);
+                                    for (j, wj) in w.iter().enumerate() {
+                                        let sl = slot(piece_m(q4k, s, c, j));
+                                        for t in 0..nt {
+                                            let xv = xs[t * RW_KC / 4 + sl];
+                                            let a = &mut acc[((warp * 32 + lane) * R + i) * nt + t];
+                                            for e in 0..4 {
+                                                *a = wj[e].mul_add(xv[e], *a);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                // The row groups' shuffles, then the partial sums by (warp, tile row, token).
+                let mut red = vec![f32::NAN; warps * RW_TILE * (nt + 1)];
+                for warp in 0..warps {
+                    for g in 0..GROUPS {
+                        for i in 0..R {
+                            for t in 0..nt {
+                                let v: f32 = (0..LANES)
+                                    .map(|c| acc[((warp * 32 + g * LANES + c) * R + i) * nt + t])
+                                    .sum();
+                                red[(warp * RW_TILE + g + GROUPS * i) * (nt + 1) + t] = v;
+                            }
+                        }
+                    }
+                }
+                let rms: Vec<f32> = (0..nt)
+                    .map(|t| {
+                        let a: f32 = ssp[t * RW_KC / 4..(t + 1) * RW_KC / 4].iter().sum();
+                        1.0 / (a / cols as f32 + eps).sqrt()
+                    })
+                    .collect();
+                for idx in 0..brows * ntt {
+                    let (rl, t) = (idx % brows, idx / brows);
+                    let r = b0 + rl;
+                    if r >= total {
+                        continue;
+                    }
+                    let (tl, rr) = (rl / RW_TILE, rl % RW_TILE);
+                    let mut v: f32 = (0..wc as usize)
+                        .map(|p| red[((tl * wc as usize + p) * RW_TILE + rr) * (nt + 1) + t])
+                        .sum();
+                    if nw.is_some() {
+                        v *= rms[t];
+                    }
+                    let (k, r) = which(r);
+                    let o = &mut y[k][(t0 + t) * mats[k].rows + r];
+                    *o = if add { *o + v } else { v };
+                }
+            }
+        }
+    }
+
+    /// A random matrix of `ty`: device-layout bytes and the reference's dequantized rows.
+    fn emu_mat(seed: &mut u64, ty: GgmlType, rows: usize, cols: usize) -> (EmuMat, Vec<f32>) {
+        let mut next = || {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        let vals: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
+        let mut gguf = Vec::new();
+        for r in vals.chunks(cols) {
+            crate::quant::quantize_row(ty, r, &mut gguf).unwrap();
+        }
+        let mut deq = vec![0f32; rows * cols];
+        let rb = gguf.len() / rows;
+        for (r, out) in deq.chunks_mut(cols).enumerate() {
+            crate::quant::dequantize_row(ty, &gguf[r * rb..(r + 1) * rb], out).unwrap();
+        }
+        let mut w = vec![0u8; gguf.len()];
+        crate::backend::cuda::layout::to_device(ty, &gguf, 1, rows, cols, &mut w).unwrap();
+        (EmuMat { w, rows }, deq)
+    }
+
+    /// The emulated kernel against an f64 reference over the dequantized weights: Q8_0 and
+    /// Q4_K, one and three matrices (row tiles straddling them), partial chunks and steps,
+    /// every column split, 3 to 17 tokens, plain, normalised and added.
+    #[test]
+    fn the_emulated_kernel_computes_the_products() {
+        let mut seed = 7u64;
+        let cases: &[(GgmlType, &[usize], usize)] = &[
+            (GgmlType::Q8_0, &[7], 96),
+            (GgmlType::Q8_0, &[33, 7, 9], 544),
+            (GgmlType::Q4K, &[5], 768),
+            (GgmlType::Q4K, &[20, 3, 9], 256),
+        ];
+        for &(ty, split, cols) in cases {
+            let (mats, deqs): (Vec<_>, Vec<_>) = split
+                .iter()
+                .map(|&r| emu_mat(&mut seed, ty, r, cols))
+                .unzip();
+            for (n, wc, norm, add) in [
+                (3, 1, false, false),
+                (9, 2, true, false),
+                (17, 4, true, true),
+            ] {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                    .collect();
+                let nwv: Vec<f32> = (0..cols).map(|i| 1.0 + (i % 7) as f32 / 20.0).collect();
+                let eps = 1e-6;
+                let y0: Vec<Vec<f32>> = split
+                    .iter()
+                    .map(|&r| (0..n * r).map(|i| (i % 5) as f32).collect())
+                    .collect();
+                let mut y = y0.clone();
+                let run = EmuRun {
+                    q4k: ty == GgmlType::Q4K,
+                    cols,
+                    nt: rows_tokens(n),
+                    wc,
+                    nw: norm.then_some(&nwv[..]),
+                    eps,
+                    add,
+                };
+                emulate(&mats, &x, n, run, &mut y);
+                for (k, deq) in deqs.iter().enumerate() {
+                    let rows = split[k];
+                    for t in 0..n {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        let s = if norm {
+                            let ss: f64 = xt.iter().map(|v| (*v as f64).powi(2)).sum();
+                            1.0 / (ss / cols as f64 + eps as f64).sqrt()
+                        } else {
+                            1.0
+                        };
+                        for r in 0..rows {
+                            let mut want: f64 = (0..cols)
+                                .map(|i| {
+                                    let xi =
+                                        xt[i] as f64 * s * if norm { nwv[i] as f64 } else { 1.0 };
+                                    deq[r * cols + i] as f64 * xi
+                                })
+                                .sum();
+                            if add {
+                                want += y0[k][t * rows + r] as f64;
+                            }
+                            let got = y[k][t * rows + r] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{ty} {split:?}x{cols} n {n} wc {wc} norm {norm} add {add}: y[{k}][{t}][{r}] = {got}, want {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
