@@ -26,8 +26,12 @@ const GPU_DENSE_PRODUCTS: f64 = 3.0;
 /// Launches of a decode step outside the layers: embedding rows, positions, output norm,
 /// argmax (the head is one more product).
 const GPU_STEP_LAUNCHES: f64 = 4.0;
-/// Rows of a step one GPU product launch serves per read of its weights (`dq_mv8`).
-const GPU_ROWS_PER_READ: u32 = 8;
+/// Tokens of a step one GPU product launch serves for the time of one read of its weights:
+/// the multi-token products (`dq_rows_*`, rows.cu) read each weight once per launch, but past
+/// about four tokens their f32 multiply-adds take longer than the read. On the H200 the LM
+/// head (151,936 x 2048 Q8_0) took 168, 172, 268, 469 and 891 µs at 1, 4, 8, 16 and 32
+/// tokens (backend_ops `multi_token_product_timings`): one read's time per ~6 tokens.
+const GPU_ROWS_PER_READ: u32 = 6;
 /// Launches of a prefill layer: norms, the Q/K/V/output GEMMs, flash attention, router and
 /// its top-k, the expert sort, the grouped gate/up and down products, the combine.
 const GPU_PREFILL_LAUNCHES: f64 = 10.0;

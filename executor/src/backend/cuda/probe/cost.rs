@@ -1,5 +1,5 @@
 //! The cost model's `[device.cost]` coefficients measured on the live GPU with the engine's
-//! own launchers (`launch::decode::mv`/`spin`, `launch::attention::attn_decode`,
+//! own launchers (`launch::decode::mv`/`rmsnorm`/`spin`, `launch::attention::attn_decode`,
 //! `CudaDevice::gemm`, `flash::attn_prefill`) over synthetic buffers.
 //! Invariant: every value is a timing of those kernels on this device (the expert keys by
 //! `probe/experts.rs`, with the engine's expert launchers and miss copy); a measurement that fails is
@@ -9,7 +9,7 @@
 
 use crate::backend::cuda::flash::{attn_prefill, PrefillAttn, KV_TY_F16};
 use crate::backend::cuda::launch::attention::{attn_decode, Heads, KvLayer, Splits};
-use crate::backend::cuda::launch::decode::{mv, spin};
+use crate::backend::cuda::launch::decode::{mv, rmsnorm, spin};
 use crate::backend::cuda::launch::{Launcher, Mat, ATT_MAX_SPLIT};
 use crate::backend::cuda::{drv, CudaDevice, CudaError};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -107,12 +107,12 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
     match launch_us(dev) {
         Ok(v) => {
             progress(&format!(
-                "cost: launch {v:.2} µs ({LAUNCHES} dq_spin(0) in a graph)"
+                "cost: launch {v:.2} µs ({LAUNCHES} one-row RMSNorms in a graph)"
             ));
             m.launch_us = Some(v);
             m.how.push((
                 "launch_us",
-                format!("{LAUNCHES} empty dq_spin launches in one captured graph, per launch"),
+                format!("{LAUNCHES} one-row RMSNorm launches ({COLS} wide) in one captured graph, per launch"),
             ));
         }
         Err(e) => fail(&mut m, "launch_us", e.to_string()),
@@ -317,10 +317,15 @@ pub(super) fn filled(
 }
 
 fn launch_us(dev: &CudaDevice) -> Result<f64, CudaError> {
-    let l = Launcher::new(dev);
+    // The launch that reads next to nothing in a decode step: the residual add + RMSNorm of
+    // one token's hidden row, as the engine launches it between a layer's products.
+    let x = filled(dev, "probe-cost-norm-x", 4 * COLS as u64, 0)?;
+    let w = filled(dev, "probe-cost-norm-w", 4 * COLS as u64, 0)?;
+    let out = dev.alloc_arena("probe-cost-norm-out", 4 * COLS as u64)?;
+    let l = decode_launcher(dev);
     let ms = graph_ms(dev, 20, &mut || {
         for _ in 0..LAUNCHES {
-            spin(&l, 0)?;
+            rmsnorm(&l, x.all(), None, None, w.all(), out.all(), COLS, 1e-6, 1)?;
         }
         Ok(())
     })?;
