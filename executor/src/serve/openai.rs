@@ -1133,4 +1133,36 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn tools_choice_history_and_kwargs_parse() {
+        let r = parse_chat(br#"{"messages":[{"role":"user","content":"q"},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\": [1]}"}},
+                                                            {"id":"c2","type":"function","function":{"name":"g","arguments":"not json"}}]},
+            {"role":"tool","tool_call_id":"c1","content":"r"}],
+            "tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"g","parameters":{"type":"object"}}}],
+            "tool_choice":{"type":"function","function":{"name":"g"}},
+            "chat_template_kwargs":{"enable_thinking":true,"x":1},"enable_thinking":false}"#).unwrap();
+        assert_eq!(r.messages[1].content, "");
+        let calls = r.messages[1].tool_calls.as_ref().unwrap();
+        // A JSON-object string is decoded for the template; anything else stays a string.
+        assert_eq!(calls[0]["function"]["arguments"], json!({"a": [1]}));
+        assert_eq!(calls[1]["function"]["arguments"], "not json");
+        assert_eq!(r.messages[2].tool_call_id.as_deref(), Some("c1"));
+        assert_eq!(r.tool_choice, ToolChoice::Function("g".into()));
+        assert_eq!(r.tools.len(), 1);
+        assert_eq!(r.tools[0]["function"]["name"], "g");
+        // The kwargs' own value wins over the top-level shorthand.
+        assert_eq!(r.template_kwargs["enable_thinking"], true);
+        assert_eq!(r.template_kwargs["x"], 1);
+        let r = parse_chat(br#"{"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"none","enable_thinking":false}"#).unwrap();
+        assert!(r.tools.is_empty());
+        assert_eq!(r.template_kwargs["enable_thinking"], false);
+        let e = err(parse_chat(br#"{"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":""}}]}"#));
+        assert!(
+            e.message.contains("tools[0].function.name"),
+            "{}",
+            e.message
+        );
+    }
 }
