@@ -787,4 +787,71 @@ mod tests {
             vec![Segment::Markup("[\n true\n]".into())]
         );
     }
+
+    #[test]
+    fn qwen3_full_template_features_render() {
+        // Qwen3's template as published (namespace, reversed slicing, string methods,
+        // reasoning kept only after the last user query), reproduced in the fixture.
+        let src = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/data/qwen3-template/qwen3_full.jinja"
+        ))
+        .unwrap();
+        let t = ChatTemplate::new(
+            &src,
+            None,
+            Some("<|im_end|>".into()),
+            SPECIALS.iter().map(|s| s.to_string()).collect(),
+            TemplateLimits::default(),
+        )
+        .unwrap();
+        let tools: Vec<Value> =
+            serde_json::from_str(r#"[{"type": "function", "function": {"name": "f"}}]"#).unwrap();
+        let a1 = msg("assistant", "<think>\nold thought\n</think>\n\nold answer");
+        let mut call = msg("assistant", "");
+        call.reasoning_content = Some("need f".into());
+        call.tool_calls = Some(
+            serde_json::from_str(
+                r#"[{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]"#,
+            )
+            .unwrap(),
+        );
+        let msgs = [
+            msg("user", "first"),
+            a1,
+            msg("user", "second"),
+            call,
+            msg("tool", "42"),
+        ];
+        let kw: Map<String, Value> = serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+        let text: String = t
+            .render_with(
+                &msgs,
+                true,
+                &RenderExtras {
+                    tools: &tools,
+                    kwargs: Some(&kw),
+                },
+            )
+            .unwrap()
+            .into_iter()
+            .map(|s| match s {
+                Segment::Markup(t) | Segment::Literal(t) => t,
+            })
+            .collect();
+        let tail = concat!(
+            "<|im_start|>user\nfirst<|im_end|>\n",
+            // Before the last query: the old reasoning is dropped.
+            "<|im_start|>assistant\nold answer<|im_end|>\n",
+            "<|im_start|>user\nsecond<|im_end|>\n",
+            "<|im_start|>assistant\n<think>\nneed f\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n",
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        );
+        assert!(
+            text.starts_with("<|im_start|>system\n# Tools") && text.ends_with(tail),
+            "{text}"
+        );
+        assert!(text.contains(r#"{"function": {"name": "f"}, "type": "function"}"#));
+    }
 }
