@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The `openai` Python client against a Strata server: chat and completion, streaming and
-not, seeded sampling, stop sequences, logprobs and `n` choices, and the error cases (context
+not, seeded sampling, stop sequences, logprobs and `n` choices, tools and
+chat_template_kwargs (request side), and the error cases (context
 overflow naming both numbers, unknown model, bad types, wrong API key with /health open,
 malformed and oversized bodies), then SIGINT and exit 0 when this script started the server.
 
@@ -300,6 +301,43 @@ def chat_non_streaming_and_streaming_agree_with_usage(client, addr):
     assert "".join(parts) == text, (parts, text)
     assert usage is not None and usage.prompt_tokens == full.usage.prompt_tokens
     assert usage.completion_tokens == full.usage.completion_tokens
+
+
+@check
+def tools_and_template_kwargs_are_accepted_and_checked(client, addr):
+    # The test models write noise, not tool calls: this checks the request side and that
+    # the shaped answer (tools on) streams the same text as it answers whole.
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0, tools=tools,
+              tool_choice="auto",
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    full = client.chat.completions.create(**kw)
+    c = full.choices[0]
+    assert c.finish_reason in ("stop", "length", "tool_calls"), c
+    if c.finish_reason != "tool_calls":
+        assert isinstance(c.message.content, str) and not c.message.tool_calls, c
+    parts = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.delta.content:
+                parts.append(ch.delta.content)
+    assert "".join(parts) == (c.message.content or ""), (parts, c.message.content)
+    for bad, needle in (({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+                        ({"tools": tools, "tool_choice": {"type": "function",
+                                                          "function": {"name": "nope"}}}, "nope")):
+        try:
+            client.chat.completions.create(model=MODEL, max_tokens=2,
+                                           messages=[{"role": "user", "content": "x"}], **bad)
+            raise AssertionError(f"{bad} was accepted")
+        except openai.BadRequestError as e:
+            assert needle in str(e), e
 
 
 @check

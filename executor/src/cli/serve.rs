@@ -9,6 +9,7 @@ use super::{fail, open_plan, try_start_engine};
 use std::time::Duration;
 use strata_exec::serve::conn::ConnLimits;
 use strata_exec::serve::defaults::SamplingDefaults;
+use strata_exec::serve::reasoning::ReasoningFormat;
 use strata_exec::serve::reqlog::{level_from, LogConfig, LogFormat};
 use strata_exec::serve::template::TemplateLimits;
 use strata_exec::serve::{serve_with_loader_blocking, ServeOptions};
@@ -120,6 +121,25 @@ pub struct ServeArgs {
         requires = "serve"
     )]
     pub log_format: LogFormatArg,
+    /// Chat output's `<think>...</think>` blocks: `auto` (into `reasoning_content` when the
+    /// model's chat template mentions `<think>`), `deepseek` (always split), `none` (left in
+    /// `content`). A request's `reasoning_format` overrides it.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "FORMAT",
+        default_value = "auto",
+        requires = "serve"
+    )]
+    pub reasoning_format: ReasoningFormatArg,
+}
+
+/// `--reasoning-format`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningFormatArg {
+    Auto,
+    Deepseek,
+    None,
 }
 
 /// `--log-format`.
@@ -252,6 +272,11 @@ pub fn main(args: RunArgs) -> ! {
                 LogFormatArg::Json => LogFormat::Json,
             },
             level: level_from(std::env::var("RUST_LOG").ok().as_deref()),
+        },
+        reasoning_format: match s.reasoning_format {
+            ReasoningFormatArg::Auto => ReasoningFormat::Auto,
+            ReasoningFormatArg::Deepseek => ReasoningFormat::Deepseek,
+            ReasoningFormatArg::None => ReasoningFormat::None,
         },
     };
     let tok_path = args.tokenizer.clone();

@@ -1,17 +1,19 @@
 //! The axum routes: OpenAI endpoints (`/v1/models`, `/v1/completions`,
 //! `/v1/chat/completions`, non-streaming and SSE), `/health`, `/metrics`, `/tokenize`,
 //! `/detokenize`, `/slots`, plus API-key checking and JSON errors for every failure; `n`
-//! choices (one scheduler job each) and their `logprobs`.
+//! choices (one scheduler job each) and their `logprobs`; chat output shaped into
+//! reasoning, content and tool calls ([`super::chat_out`]).
 //! Invariant: every response that is not a success is an OpenAI-style JSON error with a
 //! 4xx/5xx status; a handler that is dropped (client gone) drops its event receiver, which
 //! is how the scheduler learns to free the slot.
 
+use super::chat_out::{shape_whole, ChatShaper, Delta, ShapeConfig};
 use super::logprobs::{self, LpToken};
 use super::metrics::{Ready, Shared};
 use super::openai::{self, ApiError, Choice, Finish, GenParams, Prompt, RespMeta, Usage};
 use super::reqlog::{self, RequestLog};
 use super::scheduler::{Event, Job, SchedulerHandle, SubmitError, TokenLogprobs};
-use super::template::Segment;
+use super::template::{RenderExtras, Segment};
 use super::ServeOptions;
 use crate::tokenizer::Tokenizer;
 use axum::body::Bytes;
@@ -675,16 +677,26 @@ struct ChoiceOut {
     offset: usize,
     tokens: u64,
     finish: Option<Finish>,
+    /// Chat: how the output is split (reasoning, tool calls), and the streaming splitter.
+    shape: Option<(ShapeConfig, ChatShaper)>,
 }
 
 impl ChoiceOut {
-    fn new(tok: Option<Arc<Tokenizer>>, gen: &GenParams) -> Self {
+    fn new(tok: Option<Arc<Tokenizer>>, gen: &GenParams, shape: Option<ShapeConfig>) -> Self {
         Self {
             text: TextOut::new(tok, gen.stop.clone()),
             lps: gen.logprobs.map(|_| Vec::new()),
             offset: 0,
             tokens: 0,
             finish: None,
+            shape: shape.map(|c| (c, ChatShaper::new(c))),
+        }
+    }
+
+    /// A choice that ended by stop with tool calls in it ends with `tool_calls`.
+    fn end_with_calls(&mut self, calls: bool) {
+        if calls && self.finish == Some(Finish::Stop) {
+            self.finish = Some(Finish::ToolCalls);
         }
     }
 
@@ -787,10 +799,15 @@ async fn collect(
     let choices = outs
         .iter_mut()
         .zip(texts)
-        .map(|(o, text)| Choice {
-            text,
-            finish: o.finish.unwrap_or(Finish::Stop),
-            logprobs: o.take_lps(chat),
+        .map(|(o, text)| {
+            let shaped = o.shape.as_ref().map(|(c, _)| shape_whole(*c, &text));
+            o.end_with_calls(shaped.as_ref().is_some_and(|m| !m.tool_calls.is_empty()));
+            Choice {
+                text,
+                finish: o.finish.unwrap_or(Finish::Stop),
+                logprobs: o.take_lps(chat),
+                shaped,
+            }
         })
         .collect();
     Ok((choices, usage))
@@ -825,6 +842,38 @@ impl Drop for StreamState {
 }
 
 impl StreamState {
+    /// The chat chunks of `text` (after the choice's shaper; `ended`: its last text), the
+    /// first carrying the logprobs not yet sent.
+    fn chat_chunks(&mut self, i: usize, text: &str, ended: bool) {
+        let Some(o) = self.outs.get_mut(i) else {
+            return;
+        };
+        let mut deltas: Vec<Value> = match o.shape.as_mut() {
+            Some((_, sh)) => {
+                let mut d = sh.push(text);
+                if ended {
+                    d.extend(sh.finish());
+                }
+                d.iter().map(Delta::json).collect()
+            }
+            None if text.is_empty() => Vec::new(),
+            None => vec![json!({"content": text})],
+        };
+        if ended {
+            let calls = o.shape.as_ref().is_some_and(|(_, sh)| sh.calls > 0);
+            o.end_with_calls(calls);
+        }
+        if deltas.is_empty() && ended && o.has_pending_lps() {
+            deltas.push(json!({"content": ""}));
+        }
+        for d in deltas {
+            let lps = self.outs.get_mut(i).and_then(|o| o.take_lps(true));
+            let v = openai::chat_chunk(&self.meta, i, d, lps, None);
+            self.queue
+                .push_back(SseEvent::default().data(v.to_string()));
+        }
+    }
+
     fn chunk(&mut self, i: usize, text: &str, finish: Option<Finish>) -> SseEvent {
         let lps = match self.outs.get_mut(i) {
             Some(o) if finish.is_none() => o.take_lps(self.chat),
@@ -911,6 +960,15 @@ impl StreamState {
                     let ev = SseEvent::default().data(e.body().to_string());
                     self.end_with(Some(ev), Some(m));
                 }
+                Step::Text(t, ended) if self.chat => {
+                    self.chat_chunks(i, &t, ended);
+                    if ended {
+                        self.left -= 1;
+                        let f = self.outs.get(i).and_then(|o| o.finish);
+                        let c = self.chunk(i, "", Some(f.unwrap_or(Finish::Stop)));
+                        self.queue.push_back(c);
+                    }
+                }
                 Step::Text(t, ended) => {
                     let pending = self.outs.get(i).is_some_and(ChoiceOut::has_pending_lps);
                     // Text goes out as it is released; held-back logprobs go with the last text.
@@ -975,6 +1033,7 @@ async fn respond(
     mut s: Started,
     gen: GenParams,
     chat: bool,
+    shape: Option<ShapeConfig>,
 ) -> Result<Response, ApiError> {
     let meta = RespMeta {
         id: format!(
@@ -1001,7 +1060,7 @@ async fn respond(
         error: None,
     };
     let mut outs: Vec<ChoiceOut> = (0..gen.n)
-        .map(|_| ChoiceOut::new(r.tokenizer.clone(), &gen))
+        .map(|_| ChoiceOut::new(r.tokenizer.clone(), &gen, shape))
         .collect();
     if !gen.stream {
         let mut first = None;
@@ -1125,16 +1184,13 @@ async fn completions(State(app): AppState, req: Request) -> Result<Response, Api
         Ok((r, s, req.gen))
     })();
     let (r, s, gen) = count_rejected(&app, false, arrived, prepared)?;
-    respond(&app, r, s, gen, false).await
+    respond(&app, r, s, gen, false, None).await
 }
 
 /// Render and tokenize a chat on a blocking thread (a slow template never holds up the
 /// server's other connections), within the template's deadline and at most
 /// [`RENDERS_AT_ONCE`] at a time.
-async fn render_chat(
-    app: &Arc<App>,
-    messages: Vec<openai::ChatMessage>,
-) -> Result<Vec<u32>, ApiError> {
+async fn render_chat(app: &Arc<App>, req: ChatRender) -> Result<Rendered, ApiError> {
     let limit = app.opts.template.max_time;
     let busy = || {
         ApiError::new(
@@ -1157,8 +1213,27 @@ async fn render_chat(
         let (Some(t), Some(tpl)) = (&r.tokenizer, &r.template) else {
             return Err(scheduler_gone());
         };
-        let segs = tpl.render(&messages, true).map_err(ApiError::invalid)?;
-        encode_segments(t, &segs)
+        let extras = RenderExtras {
+            tools: &req.tools,
+            kwargs: Some(&req.kwargs),
+        };
+        let segs = tpl
+            .render_with(&req.messages, true, &extras)
+            .map_err(ApiError::invalid)?;
+        let tail: String = segs
+            .iter()
+            .rev()
+            .take(2)
+            .rev()
+            .map(|s| match s {
+                Segment::Markup(t) | Segment::Literal(t) => t.as_str(),
+            })
+            .collect();
+        Ok(Rendered {
+            ids: encode_segments(t, &segs)?,
+            think_open: super::reasoning::prompt_opens_think(&tail),
+            thinks: tpl.thinks(),
+        })
     });
     match tokio::time::timeout(limit, job).await {
         Ok(Ok(r)) => r,
@@ -1168,6 +1243,22 @@ async fn render_chat(
             limit.as_secs_f64()
         ))),
     }
+}
+
+/// What a chat render needs besides the template.
+struct ChatRender {
+    messages: Vec<openai::ChatMessage>,
+    tools: Vec<Value>,
+    kwargs: serde_json::Map<String, Value>,
+}
+
+/// A rendered, tokenized chat.
+struct Rendered {
+    ids: Vec<u32>,
+    /// The prompt ends inside an open `<think>` block.
+    think_open: bool,
+    /// The template mentions `<think>`.
+    thinks: bool,
 }
 
 /// The prompt ids of a rendered chat: markup with special tokens recognised, special-token
@@ -1203,15 +1294,27 @@ async fn chat_completions(State(app): AppState, req: Request) -> Result<Response
         Ok(req)
     })();
     let req = count_rejected(&app, true, arrived, parsed)?;
-    let encoded = count_rejected(&app, true, arrived, render_chat(&app, req.messages).await);
+    let render = ChatRender {
+        messages: req.messages,
+        tools: req.tools,
+        kwargs: req.template_kwargs,
+    };
+    let tools_on = !render.tools.is_empty();
+    let encoded = count_rejected(&app, true, arrived, render_chat(&app, render).await);
     let prepared = (|| {
-        let prompt = encoded?;
+        let rendered = encoded?;
         let r = ready(&app)?;
-        let s = start(&app, r, prompt, &req.gen, arrived)?;
-        Ok((r, s, req.gen))
+        let format = req.reasoning_format.unwrap_or(app.opts.reasoning_format);
+        let shape = ShapeConfig {
+            reasoning: format.splits(rendered.thinks),
+            think_open: rendered.think_open,
+            tools: tools_on,
+        };
+        let s = start(&app, r, rendered.ids, &req.gen, arrived)?;
+        Ok((r, s, req.gen, shape))
     })();
-    let (r, s, gen) = count_rejected(&app, true, arrived, prepared)?;
-    respond(&app, r, s, gen, true).await
+    let (r, s, gen, shape) = count_rejected(&app, true, arrived, prepared)?;
+    respond(&app, r, s, gen, true, Some(shape)).await
 }
 
 #[cfg(test)]

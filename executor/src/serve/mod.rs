@@ -6,6 +6,7 @@
 //! lets bad input take it down, and on SIGINT/SIGTERM stops accepting, ends running streams
 //! within `ServeOptions::shutdown_grace` and returns `Ok(())`.
 
+pub mod chat_out;
 pub mod conn;
 pub mod defaults;
 pub mod http;
@@ -13,10 +14,13 @@ pub mod logit_proc;
 pub mod logprobs;
 pub mod metrics;
 pub mod openai;
+pub mod reasoning;
 pub mod reqlog;
 pub mod scheduler;
+pub mod script_engine;
 pub mod template;
 pub mod test_engine;
+pub mod tools;
 
 use crate::engine::{Engine, EngineInfo};
 use crate::tokenizer::Tokenizer;
@@ -56,6 +60,8 @@ pub struct ServeOptions {
     pub template: template::TemplateLimits,
     /// The request log's format and level (`--log-format`, `RUST_LOG`).
     pub log: reqlog::LogConfig,
+    /// How chat output's `<think>` blocks are returned (`--reasoning-format`).
+    pub reasoning_format: reasoning::ReasoningFormat,
 }
 
 impl Default for ServeOptions {
@@ -75,6 +81,7 @@ impl Default for ServeOptions {
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),
             log: reqlog::LogConfig::default(),
+            reasoning_format: reasoning::ReasoningFormat::default(),
         }
     }
 }

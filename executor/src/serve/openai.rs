@@ -91,12 +91,36 @@ pub struct CompletionRequest {
 }
 
 /// One chat message as the template sees it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant message's calls, OpenAI-shaped, with each `function.arguments` that is
+    /// a JSON object string decoded into the object (as vLLM does: templates `tojson` it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message's answer to this call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// An assistant message's reasoning (templates such as Qwen3's may render it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum ToolChoice {
+    /// The model decides (the default).
+    #[default]
+    Auto,
+    /// No tools: none are passed to the template and output is not parsed for calls.
+    None,
+    /// The model should call one; the template gets every tool (nothing forces the call).
+    Required,
+    /// The model should call this one; the template gets only it.
+    Function(String),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -104,6 +128,13 @@ pub struct ChatRequest {
     pub model: Option<String>,
     pub messages: Vec<ChatMessage>,
     pub gen: GenParams,
+    /// Function tools for the template (checked; empty = none), after `tool_choice`.
+    pub tools: Vec<Value>,
+    pub tool_choice: ToolChoice,
+    /// `chat_template_kwargs` (and top-level `enable_thinking`): more template variables.
+    pub template_kwargs: Map<String, Value>,
+    /// `reasoning_format`, when the request sets it.
+    pub reasoning_format: Option<super::reasoning::ReasoningFormat>,
 }
 
 /// Longest stop string accepted, in bytes, and the most stop strings.
@@ -338,7 +369,16 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
     };
     let proc = logit_proc(o, d)?;
     let logprobs = logprobs(o, chat)?;
-    o.unsupported_unless("tools", |v| v.as_array().is_some_and(|a| a.is_empty()))?;
+    if !chat {
+        for key in ["tools", "tool_choice"] {
+            if o.get(key).is_some() {
+                return Err(ApiError::param(
+                    "unsupported_parameter",
+                    format!("`{key}` is for /v1/chat/completions (the chat template renders tools); leave it out of /v1/completions"),
+                ));
+            }
+        }
+    }
     o.unsupported_unless("response_format", |v| {
         v.get("type").and_then(Value::as_str) == Some("text")
     })?;
@@ -604,17 +644,267 @@ pub fn parse_chat_with(body: &[u8], d: &SamplingDefaults) -> Result<ChatRequest,
             }
         };
         let name = mo.string("name")?.map(str::to_string);
+        let tool_calls = match mo.get("tool_calls") {
+            None => None,
+            Some(v) if role == "assistant" => Some(history_calls(i, v)?),
+            Some(_) => {
+                return Err(ApiError::param(
+                    "invalid_value",
+                    format!("`messages[{i}].tool_calls` is only for `assistant` messages; this one is `{role}`"),
+                ))
+            }
+        };
+        let tool_call_id = mo
+            .string("tool_call_id")
+            .map_err(|_| {
+                wrong(
+                    &format!("messages[{i}].tool_call_id"),
+                    "a string",
+                    mo.0.get("tool_call_id").unwrap_or(&Value::Null),
+                )
+            })?
+            .map(str::to_string);
+        let reasoning_content = mo
+            .string("reasoning_content")
+            .map_err(|_| {
+                wrong(
+                    &format!("messages[{i}].reasoning_content"),
+                    "a string",
+                    mo.0.get("reasoning_content").unwrap_or(&Value::Null),
+                )
+            })?
+            .map(str::to_string);
         messages.push(ChatMessage {
             role: role.to_string(),
             content,
             name,
+            tool_calls,
+            tool_call_id,
+            reasoning_content,
         });
     }
+    let (tools, tool_choice) = tools(&o)?;
+    let template_kwargs = template_kwargs(&o)?;
+    let reasoning_format = match o.string("reasoning_format")? {
+        None => None,
+        Some(f) => Some(super::reasoning::ReasoningFormat::parse(f).ok_or_else(|| {
+            ApiError::param(
+                "invalid_value",
+                format!("`reasoning_format` is `{f}`; use `auto`, `deepseek` or `none`"),
+            )
+        })?),
+    };
     Ok(ChatRequest {
         model,
         messages,
         gen: gen_params(&o, d, true)?,
+        tools,
+        tool_choice,
+        template_kwargs,
+        reasoning_format,
     })
+}
+
+/// Most tools accepted in one request.
+pub const MAX_TOOLS: usize = 128;
+
+/// The `function` object of `key`, which must hold a non-empty `name` string.
+fn function_name<'a>(key: &str, f: Option<&'a Value>) -> Result<&'a str, ApiError> {
+    let f = match f {
+        Some(Value::Object(f)) => f,
+        Some(v) => return Err(wrong(key, "an object with a `name`", v)),
+        None => {
+            return Err(ApiError::param(
+                "missing_parameter",
+                format!("`{key}` is required (an object with a `name`)"),
+            ))
+        }
+    };
+    match f.get("name") {
+        Some(Value::String(n)) if !n.is_empty() => Ok(n),
+        Some(Value::String(_)) => Err(ApiError::param(
+            "invalid_value",
+            format!("`{key}.name` is empty; name the function"),
+        )),
+        Some(v) => Err(wrong(&format!("{key}.name"), "a string", v)),
+        None => Err(ApiError::param(
+            "missing_parameter",
+            format!("`{key}.name` is required"),
+        )),
+    }
+}
+
+/// An assistant message's `tool_calls`, checked, with string arguments that hold a JSON
+/// object decoded (templates expect a mapping they can `tojson` or iterate).
+fn history_calls(i: usize, v: &Value) -> Result<Vec<Value>, ApiError> {
+    let key = format!("messages[{i}].tool_calls");
+    let a = v
+        .as_array()
+        .ok_or_else(|| wrong(&key, "an array of tool calls", v))?;
+    let mut out = Vec::with_capacity(a.len());
+    for (j, c) in a.iter().enumerate() {
+        let ck = format!("{key}[{j}]");
+        let Value::Object(co) = c else {
+            return Err(wrong(&ck, "an object", c));
+        };
+        let fk = format!("{ck}.function");
+        function_name(&fk, co.get("function"))?;
+        let mut c = c.clone();
+        match c["function"].get("arguments") {
+            None | Some(Value::Null) | Some(Value::Object(_)) => {}
+            Some(Value::String(s)) => {
+                if let Ok(obj @ Value::Object(_)) = serde_json::from_str::<Value>(s) {
+                    c["function"]["arguments"] = obj;
+                }
+            }
+            Some(a) => {
+                return Err(wrong(
+                    &format!("{fk}.arguments"),
+                    "a JSON string or an object",
+                    a,
+                ))
+            }
+        }
+        out.push(c);
+    }
+    Ok(out)
+}
+
+/// `tools` and `tool_choice`, checked; the tools the template gets after the choice.
+fn tools(o: &Obj) -> Result<(Vec<Value>, ToolChoice), ApiError> {
+    let tools = match o.get("tools") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(v) => return Err(wrong("tools", "an array of function tools", v)),
+    };
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!(
+                "`tools` holds {} tools; at most {MAX_TOOLS} are accepted",
+                tools.len()
+            ),
+        ));
+    }
+    let mut names = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let key = format!("tools[{i}]");
+        let Value::Object(to) = t else {
+            return Err(wrong(&key, "a function tool object", t));
+        };
+        match to.get("type") {
+            Some(Value::String(s)) if s == "function" => {}
+            Some(v) => {
+                return Err(ApiError::param(
+                    "invalid_value",
+                    format!("`{key}.type` must be `function` (the only tool type served), got {v}"),
+                ))
+            }
+            None => {
+                return Err(ApiError::param(
+                    "missing_parameter",
+                    format!("`{key}.type` is required; send `\"type\": \"function\"`"),
+                ))
+            }
+        }
+        let fk = format!("{key}.function");
+        names.push(function_name(&fk, to.get("function"))?);
+        let f = &to["function"];
+        match f.get("parameters") {
+            None | Some(Value::Null) | Some(Value::Object(_)) => {}
+            Some(v) => {
+                return Err(wrong(
+                    &format!("{fk}.parameters"),
+                    "a JSON Schema object",
+                    v,
+                ))
+            }
+        }
+        match f.get("description") {
+            None | Some(Value::Null) | Some(Value::String(_)) => {}
+            Some(v) => return Err(wrong(&format!("{fk}.description"), "a string", v)),
+        }
+    }
+    let choice = match o.get("tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::param(
+                    "invalid_value",
+                    format!("`tool_choice` is `{other}`; use `auto`, `none`, `required` or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+                ))
+            }
+        },
+        Some(Value::Object(c)) => {
+            if c.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(ApiError::param(
+                    "invalid_value",
+                    "`tool_choice.type` must be `function`",
+                ));
+            }
+            ToolChoice::Function(function_name("tool_choice.function", c.get("function"))?.to_string())
+        }
+        Some(v) => {
+            return Err(wrong(
+                "tool_choice",
+                "`auto`, `none`, `required` or a named function object",
+                v,
+            ))
+        }
+    };
+    let picked = match &choice {
+        ToolChoice::None => Vec::new(),
+        ToolChoice::Auto => tools,
+        ToolChoice::Required if tools.is_empty() => {
+            return Err(ApiError::param(
+                "invalid_value",
+                "`tool_choice` is `required` but `tools` is empty; send the tools",
+            ))
+        }
+        ToolChoice::Required => tools,
+        ToolChoice::Function(n) => {
+            let Some(i) = names.iter().position(|x| x == n) else {
+                return Err(ApiError::param(
+                    "invalid_value",
+                    format!("`tool_choice` names the function `{n}`, which is not in `tools`; add it to `tools` or name one of them"),
+                ));
+            };
+            vec![tools[i].clone()]
+        }
+    };
+    Ok((picked, choice))
+}
+
+/// Variables the server sets itself; `chat_template_kwargs` may not replace them.
+const RESERVED_KWARGS: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
+/// `chat_template_kwargs` (any object) with a top-level `enable_thinking` boolean merged in
+/// (the kwargs' own value wins).
+fn template_kwargs(o: &Obj) -> Result<Map<String, Value>, ApiError> {
+    let mut kw = match o.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(v) => return Err(wrong("chat_template_kwargs", "an object", v)),
+    };
+    if let Some(k) = RESERVED_KWARGS.iter().find(|k| kw.contains_key(**k)) {
+        return Err(ApiError::param(
+            "invalid_value",
+            format!("`chat_template_kwargs.{k}` is set by the server; send it in the request's own fields, not as a template variable"),
+        ));
+    }
+    if let Some(b) = o.bool("enable_thinking")? {
+        kw.entry("enable_thinking").or_insert(Value::Bool(b));
+    }
+    Ok(kw)
 }
 
 /// Why a generation ended.
@@ -624,6 +914,8 @@ pub enum Finish {
     Stop,
     /// `max_tokens` reached.
     Length,
+    /// The model called tools (a chat choice whose output held parsed tool calls).
+    ToolCalls,
 }
 
 impl Finish {
@@ -631,6 +923,7 @@ impl Finish {
         match self {
             Finish::Stop => "stop",
             Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
         }
     }
 }
@@ -667,6 +960,8 @@ pub struct Choice {
     pub finish: Finish,
     /// The `logprobs` object in the endpoint's shape, when asked for.
     pub logprobs: Option<Value>,
+    /// A chat message split into reasoning, content and tool calls (else `text` is content).
+    pub shaped: Option<super::chat_out::Shaped>,
 }
 
 pub fn completion_body(m: &RespMeta, choices: &[Choice], usage: Usage) -> Value {
@@ -703,7 +998,11 @@ pub fn chat_body(m: &RespMeta, choices: &[Choice], usage: Usage) -> Value {
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            json!({"index": i, "message": {"role": "assistant", "content": c.text},
+            let message = match &c.shaped {
+                Some(m) => m.json(),
+                None => json!({"role": "assistant", "content": c.text}),
+            };
+            json!({"index": i, "message": message,
                    "logprobs": c.logprobs, "finish_reason": c.finish.as_str()})
         })
         .collect();
@@ -833,5 +1132,37 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    #[test]
+    fn tools_choice_history_and_kwargs_parse() {
+        let r = parse_chat(br#"{"messages":[{"role":"user","content":"q"},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\": [1]}"}},
+                                                            {"id":"c2","type":"function","function":{"name":"g","arguments":"not json"}}]},
+            {"role":"tool","tool_call_id":"c1","content":"r"}],
+            "tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"g","parameters":{"type":"object"}}}],
+            "tool_choice":{"type":"function","function":{"name":"g"}},
+            "chat_template_kwargs":{"enable_thinking":true,"x":1},"enable_thinking":false}"#).unwrap();
+        assert_eq!(r.messages[1].content, "");
+        let calls = r.messages[1].tool_calls.as_ref().unwrap();
+        // A JSON-object string is decoded for the template; anything else stays a string.
+        assert_eq!(calls[0]["function"]["arguments"], json!({"a": [1]}));
+        assert_eq!(calls[1]["function"]["arguments"], "not json");
+        assert_eq!(r.messages[2].tool_call_id.as_deref(), Some("c1"));
+        assert_eq!(r.tool_choice, ToolChoice::Function("g".into()));
+        assert_eq!(r.tools.len(), 1);
+        assert_eq!(r.tools[0]["function"]["name"], "g");
+        // The kwargs' own value wins over the top-level shorthand.
+        assert_eq!(r.template_kwargs["enable_thinking"], true);
+        assert_eq!(r.template_kwargs["x"], 1);
+        let r = parse_chat(br#"{"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"none","enable_thinking":false}"#).unwrap();
+        assert!(r.tools.is_empty());
+        assert_eq!(r.template_kwargs["enable_thinking"], false);
+        let e = err(parse_chat(br#"{"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":""}}]}"#));
+        assert!(
+            e.message.contains("tools[0].function.name"),
+            "{}",
+            e.message
+        );
     }
 }

@@ -5,11 +5,14 @@
 //! an output cap ([`TemplateLimits`]; the server adds a deadline and a cap on renders at
 //! once), so no template can make one request take unbounded time or output; special-token text inside messages comes back as `Segment::Literal`
 //! (never as template markup), so a user cannot write a role marker; a template error is a
-//! 400 for that request, never a crash.
+//! 400 for that request, never a crash. Tools, tool calls and `chat_template_kwargs` reach
+//! the template as data with every string escaped the same way as message text.
 
 use super::openai::ChatMessage;
 use aho_corasick::{AhoCorasick, MatchKind};
-use minijinja::{context, Environment, Error, ErrorKind};
+use minijinja::value::Kwargs;
+use minijinja::{context, Environment, Error, ErrorKind, Value as JValue};
+use serde_json::{Map, Value};
 use std::io::Write;
 
 /// What one render may spend.
@@ -53,6 +56,8 @@ pub struct ChatTemplate {
     bos: String,
     eos: String,
     limits: TemplateLimits,
+    /// The template's source mentions `<think>` (a reasoning model's template).
+    thinks: bool,
     /// The vocabulary's special tokens, then the marker itself (for its own escape).
     specials: Vec<String>,
     /// Finds `specials` in message text (leftmost-longest).
@@ -67,6 +72,70 @@ impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTemplate").finish_non_exhaustive()
     }
+}
+
+/// What a render gets besides the messages.
+#[derive(Debug, Clone, Default)]
+pub struct RenderExtras<'a> {
+    /// Function tools (`tools` in the template; left undefined when empty).
+    pub tools: &'a [Value],
+    /// More template variables (`chat_template_kwargs`).
+    pub kwargs: Option<&'a Map<String, Value>>,
+}
+
+/// `v` written as Python's `json.dumps(v, ensure_ascii=False, indent=indent)` writes it
+/// (`", "` and `": "` separators), which is what transformers' `tojson` gives templates.
+fn py_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    let nl = |out: &mut String, d: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * d));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                nl(out, depth + 1);
+                py_json(x, indent, depth + 1, out);
+            }
+            nl(out, depth);
+            out.push(']');
+        }
+        Value::Object(m) if !m.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in m.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                nl(out, depth + 1);
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                py_json(x, indent, depth + 1, out);
+            }
+            nl(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// The `tojson` filter as transformers defines it for chat templates (Python spacing,
+/// non-ASCII kept, optional `indent`), in place of minijinja's HTML-escaping one.
+fn tojson(value: JValue, kwargs: Kwargs) -> Result<JValue, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    py_json(&v, indent, 0, &mut out);
+    Ok(JValue::from_safe_string(out))
 }
 
 fn raise_exception(msg: String) -> Result<String, Error> {
@@ -163,6 +232,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
         env.set_fuel(Some(limits.fuel));
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| format!("the chat template does not compile: {e}"))?;
@@ -186,10 +256,30 @@ impl ChatTemplate {
             bos: bos.unwrap_or_default(),
             eos: eos.unwrap_or_default(),
             limits,
+            thinks: source.contains(super::reasoning::THINK_OPEN),
             specials,
             finder,
             marker,
         })
+    }
+
+    /// Whether the template mentions `<think>` (its model writes reasoning blocks).
+    pub fn thinks(&self) -> bool {
+        self.thinks
+    }
+
+    /// `v` with every string in it (keys too) escaped.
+    fn escape_value(&self, v: &Value) -> Value {
+        match v {
+            Value::String(s) => Value::String(self.escape(s)),
+            Value::Array(a) => Value::Array(a.iter().map(|x| self.escape_value(x)).collect()),
+            Value::Object(m) => Value::Object(
+                m.iter()
+                    .map(|(k, x)| (self.escape(k), self.escape_value(x)))
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
     }
 
     /// `text` with every special token (and the marker) replaced by its escape.
@@ -267,14 +357,36 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<Segment>, String> {
+        self.render_with(messages, add_generation_prompt, &RenderExtras::default())
+    }
+
+    /// [`ChatTemplate::render`] with tools and more template variables.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extras: &RenderExtras,
+    ) -> Result<Vec<Segment>, String> {
         let escaped: Vec<ChatMessage> = messages
             .iter()
             .map(|msg| ChatMessage {
                 role: msg.role.clone(),
                 content: self.escape(&msg.content),
                 name: msg.name.as_deref().map(|n| self.escape(n)),
+                tool_calls: msg
+                    .tool_calls
+                    .as_ref()
+                    .map(|c| c.iter().map(|x| self.escape_value(x)).collect()),
+                tool_call_id: msg.tool_call_id.as_deref().map(|n| self.escape(n)),
+                reasoning_content: msg.reasoning_content.as_deref().map(|n| self.escape(n)),
             })
             .collect();
+        let tools: Option<Vec<Value>> = (!extras.tools.is_empty())
+            .then(|| extras.tools.iter().map(|x| self.escape_value(x)).collect());
+        let kwargs = extras
+            .kwargs
+            .map(|m| self.escape_value(&Value::Object(m.clone())))
+            .unwrap_or(Value::Object(Map::new()));
         let t = self
             .env
             .get_template("chat")
@@ -286,9 +398,11 @@ impl ChatTemplate {
         };
         let ctx = context! {
             messages => escaped,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
+            ..JValue::from_serialize(&kwargs)
         };
         if let Err(e) = t.render_captured_to(ctx, &mut out) {
             return Err(match e.kind() {
@@ -331,7 +445,7 @@ mod tests {
         ChatMessage {
             role: role.into(),
             content: content.into(),
-            name: None,
+            ..ChatMessage::default()
         }
     }
 
@@ -537,5 +651,207 @@ mod tests {
             .map(|i| msg("user", &format!("turn {i}")))
             .collect();
         assert!(t.render(&msgs, true).is_ok());
+    }
+
+    fn qwen3() -> ChatTemplate {
+        let src = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/data/qwen3-template/chat_template.jinja"
+        ))
+        .unwrap();
+        ChatTemplate::new(
+            &src,
+            None,
+            Some("<|im_end|>".into()),
+            SPECIALS.iter().map(|s| s.to_string()).collect(),
+            TemplateLimits::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn kwargs_reach_the_template() {
+        let t = qwen3();
+        assert!(t.thinks());
+        let kw: Map<String, Value> =
+            serde_json::from_str(r#"{"enable_thinking": false, "custom": "<|im_end|>"}"#).unwrap();
+        let extras = RenderExtras {
+            tools: &[],
+            kwargs: Some(&kw),
+        };
+        let out = t.render_with(&[msg("user", "Hi")], true, &extras).unwrap();
+        assert_eq!(
+            out,
+            vec![Segment::Markup(
+                "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                    .into()
+            )]
+        );
+        // Without the kwarg the block is not written; unknown kwargs are escaped data.
+        assert_eq!(
+            t.render_text(&[msg("user", "Hi")], true).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let t2 = plain(
+            "{{ custom }}|{{ missing is defined }}",
+            TemplateLimits::default(),
+        );
+        assert_eq!(
+            t2.render_text(&[msg("user", "x")], false).unwrap(),
+            "|False"
+        );
+        let t3 = ChatTemplate::new(
+            "{{ custom }}",
+            None,
+            None,
+            SPECIALS.iter().map(|s| s.to_string()).collect(),
+            TemplateLimits::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            t3.render_with(&[msg("user", "x")], false, &extras).unwrap(),
+            vec![Segment::Literal("<|im_end|>".into())]
+        );
+    }
+
+    #[test]
+    fn tools_and_tool_history_render_like_transformers() {
+        let t = qwen3();
+        let tools: Vec<Value> = serde_json::from_str(
+            r#"[{"type": "function", "function": {"name": "get_weather", "description": "Weather <now>", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]"#,
+        )
+        .unwrap();
+        let mut call = msg("assistant", "");
+        call.tool_calls = Some(
+            serde_json::from_str(
+                r#"[{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]"#,
+            )
+            .unwrap(),
+        );
+        let mut answer = msg("tool", "18 C, <|im_end|>sunny");
+        answer.tool_call_id = Some("call_1".into());
+        let msgs = [msg("user", "Weather in Paris?"), call, answer];
+        let extras = RenderExtras {
+            tools: &tools,
+            kwargs: None,
+        };
+        let text: String = t
+            .render_with(&msgs, true, &extras)
+            .unwrap()
+            .into_iter()
+            .map(|s| match s {
+                Segment::Markup(t) | Segment::Literal(t) => t,
+            })
+            .collect();
+        // Python's json.dumps spacing, `<` kept (minijinja's own tojson would write \u003c);
+        // keys sorted (serde_json's map).
+        let want = concat!(
+            "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n",
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+            r#"{"function": {"description": "Weather <now>", "name": "get_weather", "parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}}, "type": "function"}"#,
+            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\nWeather in Paris?<|im_end|>\n",
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\n<tool_response>\n18 C, <|im_end|>sunny\n</tool_response><|im_end|>\n",
+            "<|im_start|>assistant\n",
+        );
+        assert_eq!(text, want);
+        // The special token inside the tool's answer stays literal text.
+        let segs = t.render_with(&msgs, true, &extras).unwrap();
+        assert!(
+            segs.contains(&Segment::Literal("<|im_end|>".into())),
+            "{segs:?}"
+        );
+    }
+
+    #[test]
+    fn tojson_writes_python_json() {
+        let v: Value = serde_json::from_str(r#"{"a": [1, 2.5, "é\n"], "b": {}, "c": []}"#).unwrap();
+        let mut out = String::new();
+        py_json(&v, None, 0, &mut out);
+        assert_eq!(out, r#"{"a": [1, 2.5, "é\n"], "b": {}, "c": []}"#);
+        let mut out = String::new();
+        py_json(&v, Some(2), 0, &mut out);
+        assert_eq!(
+            out,
+            "{\n  \"a\": [\n    1,\n    2.5,\n    \"é\\n\"\n  ],\n  \"b\": {},\n  \"c\": []\n}"
+        );
+        let t = plain("{{ x | tojson(indent=1) }}", TemplateLimits::default());
+        let kw: Map<String, Value> = serde_json::from_str(r#"{"x": [true]}"#).unwrap();
+        let extras = RenderExtras {
+            tools: &[],
+            kwargs: Some(&kw),
+        };
+        assert_eq!(
+            t.render_with(&[msg("user", "x")], false, &extras).unwrap(),
+            vec![Segment::Markup("[\n true\n]".into())]
+        );
+    }
+
+    #[test]
+    fn qwen3_full_template_features_render() {
+        // Qwen3's template as published (namespace, reversed slicing, string methods,
+        // reasoning kept only after the last user query), reproduced in the fixture.
+        let src = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/data/qwen3-template/qwen3_full.jinja"
+        ))
+        .unwrap();
+        let t = ChatTemplate::new(
+            &src,
+            None,
+            Some("<|im_end|>".into()),
+            SPECIALS.iter().map(|s| s.to_string()).collect(),
+            TemplateLimits::default(),
+        )
+        .unwrap();
+        let tools: Vec<Value> =
+            serde_json::from_str(r#"[{"type": "function", "function": {"name": "f"}}]"#).unwrap();
+        let a1 = msg("assistant", "<think>\nold thought\n</think>\n\nold answer");
+        let mut call = msg("assistant", "");
+        call.reasoning_content = Some("need f".into());
+        call.tool_calls = Some(
+            serde_json::from_str(
+                r#"[{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]"#,
+            )
+            .unwrap(),
+        );
+        let msgs = [
+            msg("user", "first"),
+            a1,
+            msg("user", "second"),
+            call,
+            msg("tool", "42"),
+        ];
+        let kw: Map<String, Value> = serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+        let text: String = t
+            .render_with(
+                &msgs,
+                true,
+                &RenderExtras {
+                    tools: &tools,
+                    kwargs: Some(&kw),
+                },
+            )
+            .unwrap()
+            .into_iter()
+            .map(|s| match s {
+                Segment::Markup(t) | Segment::Literal(t) => t,
+            })
+            .collect();
+        let tail = concat!(
+            "<|im_start|>user\nfirst<|im_end|>\n",
+            // Before the last query: the old reasoning is dropped.
+            "<|im_start|>assistant\nold answer<|im_end|>\n",
+            "<|im_start|>user\nsecond<|im_end|>\n",
+            "<|im_start|>assistant\n<think>\nneed f\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n",
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        );
+        assert!(
+            text.starts_with("<|im_start|>system\n# Tools") && text.ends_with(tail),
+            "{text}"
+        );
+        assert!(text.contains(r#"{"function": {"name": "f"}, "type": "function"}"#));
     }
 }

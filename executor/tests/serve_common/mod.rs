@@ -51,9 +51,6 @@ impl TestServer {
         load: Duration,
         tok_dir: std::path::PathBuf,
     ) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let loader = Box::new(move || {
             std::thread::sleep(load);
             let tok = Tokenizer::from_file(&tok_dir).map_err(|e| e.to_string())?;
@@ -64,6 +61,19 @@ impl TestServer {
                 Some(tok),
             ))
         });
+        Self::start_loader(loader, opts, load.is_zero()).await
+    }
+
+    /// A server over whatever `loader` makes (e.g. a scripted engine); waits until it is
+    /// ready when `wait`.
+    pub async fn start_loader(
+        loader: strata_exec::serve::Loader,
+        opts: ServeOptions,
+        wait: bool,
+    ) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let join = tokio::spawn(serve_on(listener, loader, opts, async move {
             let _ = rx.await;
         }));
@@ -72,7 +82,7 @@ impl TestServer {
             stop: Some(tx),
             join: Some(join),
         };
-        if load.is_zero() {
+        if wait {
             s.wait_ready().await;
         }
         s
