@@ -10,6 +10,7 @@ use std::time::Duration;
 use strata_exec::serve::conn::ConnLimits;
 use strata_exec::serve::defaults::SamplingDefaults;
 use strata_exec::serve::reqlog::{level_from, LogConfig, LogFormat};
+use strata_exec::serve::scheduler::PrefixCache;
 use strata_exec::serve::template::TemplateLimits;
 use strata_exec::serve::{serve_with_loader_blocking, ServeOptions};
 use strata_exec::tokenizer::Tokenizer;
@@ -120,6 +121,16 @@ pub struct ServeArgs {
         requires = "serve"
     )]
     pub log_format: LogFormatArg,
+    /// Prefill every prompt whole: do not keep a slot's context after its request for the
+    /// next request that starts with the same tokens (the prefix cache, on by default; a
+    /// request can also skip it with `"cache_prompt": false`).
+    #[arg(long, requires = "serve")]
+    pub no_prefix_cache: bool,
+    /// Fewest matching prompt tokens the prefix cache reuses (shorter matches are
+    /// prefilled anew).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "serve",
+          value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
+    pub prefix_cache_min: u64,
 }
 
 /// `--log-format`.
@@ -252,6 +263,10 @@ pub fn main(args: RunArgs) -> ! {
                 LogFormatArg::Json => LogFormat::Json,
             },
             level: level_from(std::env::var("RUST_LOG").ok().as_deref()),
+        },
+        prefix_cache: PrefixCache {
+            enabled: !s.no_prefix_cache,
+            min_tokens: s.prefix_cache_min as usize,
         },
     };
     let tok_path = args.tokenizer.clone();

@@ -56,6 +56,8 @@ pub struct ServeOptions {
     pub template: template::TemplateLimits,
     /// The request log's format and level (`--log-format`, `RUST_LOG`).
     pub log: reqlog::LogConfig,
+    /// Reuse of each slot's context by the next request (`--no-prefix-cache`).
+    pub prefix_cache: scheduler::PrefixCache,
 }
 
 impl Default for ServeOptions {
@@ -75,6 +77,7 @@ impl Default for ServeOptions {
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),
             log: reqlog::LogConfig::default(),
+            prefix_cache: scheduler::PrefixCache::default(),
         }
     }
 }
@@ -225,8 +228,14 @@ pub async fn serve_on(
             strata_schemas::text::for_terminal(&ready_line(&shown, name.as_deref(), r))
         );
     });
-    let (handle, thread) =
-        scheduler::spawn(loader, shared.clone(), opts.queue, opts.template, banner)?;
+    let (handle, thread) = scheduler::spawn(
+        loader,
+        shared.clone(),
+        opts.queue,
+        opts.template,
+        opts.prefix_cache,
+        banner,
+    )?;
     let grace = opts.shutdown_grace;
     let limits = opts.conn;
     let app = http::router(shared.clone(), handle.clone(), Arc::new(opts));

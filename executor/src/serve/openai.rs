@@ -81,6 +81,9 @@ pub struct GenParams {
     pub logprobs: Option<usize>,
     /// `n`: independent sequences (choices) for this prompt, at least 1.
     pub n: u64,
+    /// `cache_prompt` (llama-server's): false = prefill the whole prompt, reusing no
+    /// slot's cached prefix. Default true.
+    pub cache_prompt: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -338,6 +341,7 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
     };
     let proc = logit_proc(o, d)?;
     let logprobs = logprobs(o, chat)?;
+    let cache_prompt = o.bool("cache_prompt")?.unwrap_or(true);
     o.unsupported_unless("tools", |v| v.as_array().is_some_and(|a| a.is_empty()))?;
     o.unsupported_unless("response_format", |v| {
         v.get("type").and_then(Value::as_str) == Some("text")
@@ -359,6 +363,7 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
         proc,
         logprobs,
         n,
+        cache_prompt,
     })
 }
 
