@@ -28,6 +28,18 @@ pub struct EngineStats {
     pub kv_cells_in_use: Vec<u64>,
 }
 
+/// Which prefixes of a slot's context an engine can keep ([`Engine::truncate_slot`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixReuse {
+    /// None: every request starts from an empty slot.
+    None,
+    /// Any prefix (a KV cache: the cells past it are simply overwritten).
+    Any,
+    /// Only the whole context (recurrent state, such as Qwen3-Next's linear attention,
+    /// summarises every token so far and cannot be rewound).
+    Whole,
+}
+
 /// A request an engine cannot run, or a failure inside it.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -111,6 +123,18 @@ pub trait Engine: Send {
     }
     /// Forget `slot`'s context so it can take a new request.
     fn reset_slot(&mut self, slot: usize);
+    /// Which prefixes of a slot's context [`Engine::truncate_slot`] can keep.
+    fn prefix_reuse(&self) -> PrefixReuse {
+        PrefixReuse::None
+    }
+    /// Keep the first `n` cells of `slot`'s context and forget the rest, so the next
+    /// prefill continues the sequence from position `n` (a prefix cache). Returns false, and
+    /// leaves the slot as it was, when the engine cannot (see [`Engine::prefix_reuse`]) or
+    /// `n` is beyond the slot's length.
+    fn truncate_slot(&mut self, slot: usize, n: u64) -> bool {
+        let _ = (slot, n);
+        false
+    }
     /// Cells of `slot`'s context in use.
     fn slot_len(&self, slot: usize) -> u64;
     fn stats(&self) -> EngineStats;

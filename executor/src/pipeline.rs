@@ -5,11 +5,14 @@
 //! can (on its device) or from the logits on the host.
 //! Invariant: every request is checked (slot, context, tokens, batch) before any op runs, so
 //! a refused request leaves every slot as it was; a pass allocates nothing; slot lengths are
-//! the pipeline's, advanced only after a pass succeeded.
+//! the pipeline's, advanced only after a pass succeeded and cut back only by `truncate_slot`
+//! (to a prefix the model can keep).
 
 use crate::backend::{Stage, StepKind, WorkBuf};
 use crate::engine::EngineStats;
-use crate::engine::{check_greedy_args, check_sample_args, Engine, EngineError, EngineInfo};
+use crate::engine::{
+    check_greedy_args, check_sample_args, Engine, EngineError, EngineInfo, PrefixReuse,
+};
 use crate::model::Forward;
 use crate::routing::RoutingTally;
 use crate::sampler::Draw;
@@ -341,6 +344,34 @@ where
         if let Some(l) = self.lens.get_mut(slot) {
             *l = 0;
         }
+    }
+
+    fn prefix_reuse(&self) -> PrefixReuse {
+        if self.stages.iter().any(|st| st.model.recurrent()) {
+            PrefixReuse::Whole
+        } else {
+            PrefixReuse::Any
+        }
+    }
+
+    fn truncate_slot(&mut self, slot: usize, n: u64) -> bool {
+        let reuse = self.prefix_reuse();
+        let Some(len) = self.lens.get_mut(slot) else {
+            return false;
+        };
+        // Positions (and so which KV cells a pass reads and writes) come from `lens` with
+        // every pass, on every backend: shortening it is enough for a KV cache, whose
+        // cells past `n` the next pass overwrites before any reads them. Recurrent state
+        // has no cells to drop, so only the whole context can be kept.
+        let ok = match reuse {
+            PrefixReuse::Any => n <= *len,
+            PrefixReuse::Whole => n == *len,
+            PrefixReuse::None => false,
+        };
+        if ok {
+            *len = n;
+        }
+        ok
     }
 
     fn slot_len(&self, slot: usize) -> u64 {

@@ -11,6 +11,7 @@ use strata_exec::serve::conn::ConnLimits;
 use strata_exec::serve::defaults::SamplingDefaults;
 use strata_exec::serve::reasoning::ReasoningFormat;
 use strata_exec::serve::reqlog::{level_from, LogConfig, LogFormat};
+use strata_exec::serve::scheduler::PrefixCache;
 use strata_exec::serve::template::TemplateLimits;
 use strata_exec::serve::{serve_with_loader_blocking, ServeOptions};
 use strata_exec::tokenizer::Tokenizer;
@@ -121,6 +122,16 @@ pub struct ServeArgs {
         requires = "serve"
     )]
     pub log_format: LogFormatArg,
+    /// Prefill every prompt whole: do not keep a slot's context after its request for the
+    /// next request that starts with the same tokens (the prefix cache, on by default; a
+    /// request can also skip it with `"cache_prompt": false`).
+    #[arg(long, requires = "serve")]
+    pub no_prefix_cache: bool,
+    /// Fewest matching prompt tokens the prefix cache reuses (shorter matches are
+    /// prefilled anew).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "serve",
+          value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
+    pub prefix_cache_min: u64,
     /// Chat output's `<think>...</think>` blocks: `auto` (into `reasoning_content` when the
     /// model's chat template mentions `<think>`), `deepseek` (always split), `none` (left in
     /// `content`). A request's `reasoning_format` overrides it.
@@ -272,6 +283,10 @@ pub fn main(args: RunArgs) -> ! {
                 LogFormatArg::Json => LogFormat::Json,
             },
             level: level_from(std::env::var("RUST_LOG").ok().as_deref()),
+        },
+        prefix_cache: PrefixCache {
+            enabled: !s.no_prefix_cache,
+            min_tokens: s.prefix_cache_min as usize,
         },
         reasoning_format: match s.reasoning_format {
             ReasoningFormatArg::Auto => ReasoningFormat::Auto,

@@ -66,4 +66,10 @@ impl<B: Ops> Forward<B> for AnyModel<B> {
             Self::Qwen3Next(m) => m.holds_head(),
         }
     }
+    fn recurrent(&self) -> bool {
+        match self {
+            Self::Qwen3Moe(m) => m.recurrent(),
+            Self::Qwen3Next(m) => m.recurrent(),
+        }
+    }
 }

@@ -53,6 +53,11 @@ pub trait Forward<B: Ops> {
     fn head(&self, b: &mut B, first: usize, rows: usize) -> Result<(), B::Error>;
     /// Whether this stage holds the output head.
     fn holds_head(&self) -> bool;
+    /// Whether this stage keeps per-slot state that summarises every token so far
+    /// (linear attention), so a slot's context cannot be cut back to a shorter prefix.
+    fn recurrent(&self) -> bool {
+        false
+    }
 }
 
 /// The ends of a stage every architecture shares: the token embedding (first stage) and the

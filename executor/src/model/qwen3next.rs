@@ -281,6 +281,12 @@ impl<B: Ops> Forward<B> for Qwen3Next<B> {
     fn holds_head(&self) -> bool {
         self.ends.holds_head()
     }
+
+    fn recurrent(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| matches!(l.mixer, Mixer::Linear { .. }))
+    }
 }
 
 #[cfg(test)]

@@ -528,6 +528,7 @@ fn start(
             events: tx.clone(),
             arrived,
             ended_by_stop: flag.clone(),
+            cache_prompt: gen.cache_prompt,
         };
         // On an error the jobs already queued see a closed channel and are dropped.
         submit_error(app, r, app.sched.submit(job))?;

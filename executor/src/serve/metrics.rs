@@ -32,7 +32,12 @@ pub struct SlotView {
     /// Prompt tokens already fed.
     pub prompt_done: u64,
     pub generated: u64,
+    /// Context cells the running request holds (0 when idle).
     pub kv_cells: u64,
+    /// Prompt tokens the running request took from the slot's prefix cache.
+    pub reused: u64,
+    /// Cells an idle slot keeps for the prefix cache (0 while a request holds it).
+    pub cached: u64,
     pub n_ctx: u64,
 }
 
@@ -50,6 +55,12 @@ pub struct Shared {
     pub queued: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Sequences that reused at least one cached prompt token.
+    pub prefix_hits: AtomicU64,
+    /// Prompt tokens taken from slots' caches instead of prefilled.
+    pub prefix_reused_tokens: AtomicU64,
+    /// Prompt tokens of every sequence admitted into a slot (reused or prefilled).
+    pub prefix_prompt_tokens: AtomicU64,
     /// Decode throughput, tokens/s, smoothed; f64 bits.
     pub tokens_per_s: AtomicU64,
     /// Arrival to first token, per sequence.
@@ -167,6 +178,9 @@ impl Default for Shared {
             queued: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
+            prefix_reused_tokens: AtomicU64::new(0),
+            prefix_prompt_tokens: AtomicU64::new(0),
             tokens_per_s: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BUCKETS),
             inter_token: Histogram::new(ITL_BUCKETS),
@@ -266,6 +280,24 @@ impl Shared {
             "counter",
             "Tokens generated",
             g(&self.generated_tokens),
+        );
+        m(
+            "prefix_cache_hits_total",
+            "counter",
+            "Sequences that reused at least one prompt token cached in their slot",
+            g(&self.prefix_hits),
+        );
+        m(
+            "prefix_cache_reused_tokens_total",
+            "counter",
+            "Prompt tokens taken from a slot's prefix cache instead of prefilled",
+            g(&self.prefix_reused_tokens),
+        );
+        m(
+            "prefix_cache_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of every sequence admitted into a slot (reused or prefilled)",
+            g(&self.prefix_prompt_tokens),
         );
         m(
             "tokens_per_second",

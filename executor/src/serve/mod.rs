@@ -62,6 +62,8 @@ pub struct ServeOptions {
     pub log: reqlog::LogConfig,
     /// How chat output's `<think>` blocks are returned (`--reasoning-format`).
     pub reasoning_format: reasoning::ReasoningFormat,
+    /// Reuse of each slot's context by the next request (`--no-prefix-cache`).
+    pub prefix_cache: scheduler::PrefixCache,
 }
 
 impl Default for ServeOptions {
@@ -82,6 +84,7 @@ impl Default for ServeOptions {
             template: template::TemplateLimits::default(),
             log: reqlog::LogConfig::default(),
             reasoning_format: reasoning::ReasoningFormat::default(),
+            prefix_cache: scheduler::PrefixCache::default(),
         }
     }
 }
@@ -232,8 +235,14 @@ pub async fn serve_on(
             strata_schemas::text::for_terminal(&ready_line(&shown, name.as_deref(), r))
         );
     });
-    let (handle, thread) =
-        scheduler::spawn(loader, shared.clone(), opts.queue, opts.template, banner)?;
+    let (handle, thread) = scheduler::spawn(
+        loader,
+        shared.clone(),
+        opts.queue,
+        opts.template,
+        opts.prefix_cache,
+        banner,
+    )?;
     let grace = opts.shutdown_grace;
     let limits = opts.conn;
     let app = http::router(shared.clone(), handle.clone(), Arc::new(opts));

@@ -81,6 +81,9 @@ pub struct GenParams {
     pub logprobs: Option<usize>,
     /// `n`: independent sequences (choices) for this prompt, at least 1.
     pub n: u64,
+    /// `cache_prompt` (llama-server's): false = prefill the whole prompt, reusing no
+    /// slot's cached prefix. Default true.
+    pub cache_prompt: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -379,6 +382,7 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
             }
         }
     }
+    let cache_prompt = o.bool("cache_prompt")?.unwrap_or(true);
     o.unsupported_unless("response_format", |v| {
         v.get("type").and_then(Value::as_str) == Some("text")
     })?;
@@ -399,6 +403,7 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
         proc,
         logprobs,
         n,
+        cache_prompt,
     })
 }
 

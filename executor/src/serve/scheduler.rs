@@ -3,7 +3,13 @@
 //! drops requests whose client went away, runs one planned-`ubatch` prefill chunk for the
 //! oldest prefilling request, then one decode step for every decoding slot together.
 //! A request with `n` choices is `n` jobs (one slot each) sharing one event channel.
-//! Invariant: a slot is held only by a sequence whose event channel is open and that its
+//! Prefix cache (llama-server's `cache_prompt`, by slot affinity): a slot keeps its context
+//! when its request ends, with the token ids it holds; a new job goes to the free slot whose
+//! held tokens share the longest prefix with its prompt (ties: least recently used), which is
+//! cut back to that prefix so only the rest of the prompt is prefilled.
+//! Invariant: a slot's remembered tokens are exactly the tokens its engine context holds
+//! (cleared whenever the slot is reset or a pass on it fails), and only a free slot is ever
+//! cut back; a slot is held only by a sequence whose event channel is open and that its
 //! handler has not ended (both checked every turn, so a disconnected client or a matched stop
 //! string frees the slot within one step, during prefill too); no
 //! request is fed past `prompt + max_tokens <= max_context`, which the HTTP side checks
@@ -11,7 +17,7 @@
 
 use super::logit_proc::{self, History, LogitProc};
 use super::metrics::{Ready, Shared, SlotView};
-use crate::engine::{Engine, EngineError};
+use crate::engine::{Engine, EngineError, PrefixReuse};
 use crate::sampler::{Draw, Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -63,6 +69,74 @@ pub struct Job {
     /// Set by the handler when it ended this sequence itself (a stop string matched): the
     /// scheduler frees its slot within a step and counts it as finished, not cancelled.
     pub ended_by_stop: Arc<AtomicBool>,
+    /// Whether this job may reuse a slot's cached prefix (the request's `cache_prompt`).
+    pub cache_prompt: bool,
+}
+
+/// The prefix cache's settings (`--no-prefix-cache`, `--prefix-cache-min`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixCache {
+    /// Keep each slot's context after its request for the next one to reuse.
+    pub enabled: bool,
+    /// Fewest matching prompt tokens worth reusing (shorter matches are prefilled anew).
+    pub min_tokens: usize,
+}
+
+impl Default for PrefixCache {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            min_tokens: 1,
+        }
+    }
+}
+
+/// Leading tokens `a` and `b` share.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// How many of `cached` (the tokens a slot's context holds) a job with `prompt` can keep:
+/// never the whole prompt (the last prompt token is always prefilled, for its logits), only
+/// what the engine can cut back to (`reuse`), and 0 below `min` tokens.
+pub fn reusable(cached: &[u32], prompt: &[u32], reuse: PrefixReuse, min: usize) -> usize {
+    let lcp = common_prefix(cached, prompt).min(prompt.len().saturating_sub(1));
+    let keep = match reuse {
+        PrefixReuse::None => 0,
+        PrefixReuse::Any => lcp,
+        PrefixReuse::Whole if lcp == cached.len() => lcp,
+        PrefixReuse::Whole => 0,
+    };
+    if keep < min.max(1) {
+        0
+    } else {
+        keep
+    }
+}
+
+/// A free slot as [`pick_slot`] sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct FreeSlot<'a> {
+    pub slot: usize,
+    /// The tokens its context holds.
+    pub cached: &'a [u32],
+    /// When it was last admitted into or released (larger = more recent).
+    pub last_used: u64,
+}
+
+/// The free slot to run `prompt` in and how many of its cached tokens to keep: the longest
+/// reusable prefix, ties (no match included) to the least recently used slot, then the
+/// lowest id. `None` when no slot is free.
+pub fn pick_slot<'a>(
+    free: impl IntoIterator<Item = FreeSlot<'a>>,
+    prompt: &[u32],
+    reuse: PrefixReuse,
+    min: usize,
+) -> Option<(usize, usize)> {
+    free.into_iter()
+        .map(|f| (f, reusable(f.cached, prompt, reuse, min)))
+        .min_by_key(|(f, keep)| (std::cmp::Reverse(*keep), f.last_used, f.slot))
+        .map(|(f, keep)| (f.slot, keep))
 }
 
 /// Why a job was not queued.
@@ -131,6 +205,8 @@ struct Active {
     job: Job,
     phase: Phase,
     fed: usize,
+    /// Prompt tokens taken from the slot's cache (not prefilled).
+    reused: usize,
     generated: u64,
     last: u32,
     sampler: Sampler,
@@ -147,6 +223,7 @@ pub fn spawn(
     shared: Arc<Shared>,
     queue: usize,
     template: super::template::TemplateLimits,
+    prefix: PrefixCache,
     on_ready: ReadyHook,
 ) -> std::io::Result<(SchedulerHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::sync_channel::<Job>(queue);
@@ -193,7 +270,7 @@ pub fn spawn(
                 // Run the loop on a rayon worker (as the one-shot CLI does), so the engine's
                 // parallel ops start from the worker's own queue instead of being injected
                 // into the pool from outside and waited for on every op.
-                rayon::scope(|_| Sched::new(engine, rx, sh, stop).run());
+                rayon::scope(|_| Sched::new(engine, rx, sh, stop, prefix).run());
             }));
             if res.is_err() {
                 let _ = shared
@@ -222,6 +299,14 @@ struct Sched {
     /// One row of logits, for host-side processing.
     row: Vec<f32>,
     cand: Vec<(u32, u32)>,
+    prefix: PrefixCache,
+    /// What the engine can keep of a slot's context.
+    reuse: PrefixReuse,
+    /// Per slot: the token ids its engine context holds, in order.
+    cached: Vec<Vec<u32>>,
+    /// Per slot: `clock` when it was last admitted into or released.
+    last_used: Vec<u64>,
+    clock: u64,
 }
 
 impl Sched {
@@ -230,8 +315,14 @@ impl Sched {
         rx: mpsc::Receiver<Job>,
         shared: Arc<Shared>,
         stop: Arc<Stop>,
+        prefix: PrefixCache,
     ) -> Self {
         let info = engine.info().clone();
+        let reuse = if prefix.enabled {
+            engine.prefix_reuse()
+        } else {
+            PrefixReuse::None
+        };
         let n = info.n_slots;
         if let Ok(mut v) = shared.slots.lock() {
             *v = (0..n)
@@ -258,7 +349,28 @@ impl Sched {
             max_context: info.max_context,
             row: Vec::with_capacity(info.n_vocab),
             cand: Vec::new(),
+            prefix,
+            reuse,
+            cached: (0..n).map(|_| Vec::new()).collect(),
+            last_used: vec![0; n],
+            clock: 0,
         }
+    }
+
+    /// Forget `slot`'s context (engine and remembered tokens).
+    fn reset(&mut self, slot: usize) {
+        self.engine.reset_slot(slot);
+        self.cached[slot].clear();
+    }
+
+    /// A request left `slot`: keep its context for the next one when the cache is on and
+    /// the request did not fail (a failed pass may have left the context half written).
+    fn release(&mut self, slot: usize, failed: bool) {
+        if failed || self.reuse == PrefixReuse::None {
+            self.reset(slot);
+        }
+        self.clock += 1;
+        self.last_used[slot] = self.clock;
     }
 
     fn n_active(&self) -> usize {
@@ -268,7 +380,7 @@ impl Sched {
     /// Release `slot`, counting how its request ended.
     fn free(&mut self, slot: usize, how: &AtomicU64) {
         if self.slots[slot].take().is_some() {
-            self.engine.reset_slot(slot);
+            self.release(slot, false);
             self.shared.running.fetch_sub(1, Relaxed);
             self.show_idle(slot);
             how.fetch_add(1, Relaxed);
@@ -282,7 +394,7 @@ impl Sched {
         let Some(a) = self.slots[slot].take() else {
             return;
         };
-        self.engine.reset_slot(slot);
+        self.release(slot, failed);
         self.shared.running.fetch_sub(1, Relaxed);
         self.show_idle(slot);
         let counter = if failed {
@@ -312,16 +424,61 @@ impl Sched {
             v.prompt_done = 0;
             v.generated = 0;
             v.kv_cells = 0;
+            v.reused = 0;
+            v.cached = self.cached[slot].len() as u64;
         }
     }
 
-    fn admit(&mut self, job: Job, slot: usize) {
+    /// Run `job` in the free slot that holds the longest reusable prefix of its prompt
+    /// (cut back to it), or in the least recently used free slot, reset.
+    fn admit(&mut self, job: Job) {
         self.shared.queued.fetch_sub(1, Relaxed);
         if job.events.is_closed() {
             self.shared.requests_cancelled.fetch_add(1, Relaxed);
             return;
         }
-        self.engine.reset_slot(slot);
+        let reuse = if job.cache_prompt {
+            self.reuse
+        } else {
+            PrefixReuse::None
+        };
+        let engine = &self.engine;
+        let free = (0..self.slots.len())
+            .filter(|&i| self.slots[i].is_none())
+            .map(|i| FreeSlot {
+                slot: i,
+                // A slot whose remembered tokens disagree with its engine holds nothing
+                // reusable (never expected; checked so a mismatch cannot corrupt output).
+                cached: if engine.slot_len(i) == self.cached[i].len() as u64 {
+                    self.cached[i].as_slice()
+                } else {
+                    &[]
+                },
+                last_used: self.last_used[i],
+            });
+        let Some((slot, keep)) = pick_slot(free, &job.prompt, reuse, self.prefix.min_tokens) else {
+            // Not reached: admit runs only while a slot is free.
+            let _ = job
+                .events
+                .send((job.index, Event::Error("no free slot".into())));
+            return;
+        };
+        let keep = if keep > 0 && self.engine.truncate_slot(slot, keep as u64) {
+            self.cached[slot].truncate(keep);
+            self.shared.prefix_hits.fetch_add(1, Relaxed);
+            self.shared
+                .prefix_reused_tokens
+                .fetch_add(keep as u64, Relaxed);
+            keep
+        } else {
+            self.reset(slot);
+            0
+        };
+        self.shared
+            .prefix_prompt_tokens
+            .fetch_add(job.prompt.len() as u64, Relaxed);
+        self.clock += 1;
+        self.last_used[slot] = self.clock;
         self.shared.running.fetch_add(1, Relaxed);
         self.shared
             .queue_time
@@ -332,7 +489,8 @@ impl Sched {
             history,
             job,
             phase: Phase::Prefill,
-            fed: 0,
+            fed: keep,
+            reused: keep,
             generated: 0,
             last: 0,
             sampler,
@@ -353,7 +511,7 @@ impl Sched {
                 }
             } else {
                 // Admit into free slots; block briefly only when there is nothing to run.
-                while let Some(free) = self.slots.iter().position(|s| s.is_none()) {
+                while self.slots.iter().any(|s| s.is_none()) {
                     let got = if self.n_active() == 0 {
                         match self.rx.recv_timeout(Duration::from_millis(50)) {
                             Ok(j) => Some(j),
@@ -370,7 +528,7 @@ impl Sched {
                         }
                     };
                     match got {
-                        Some(job) => self.admit(job, free),
+                        Some(job) => self.admit(job),
                         None => break,
                     }
                 }
@@ -431,6 +589,7 @@ impl Sched {
                 self.shared
                     .prompt_tokens
                     .fetch_add((end - a.fed) as u64, Relaxed);
+                self.cached[slot].extend_from_slice(&a.job.prompt[a.fed..end]);
                 a.fed = end;
                 if !last {
                     return;
@@ -565,6 +724,10 @@ impl Sched {
             0.9 * old + 0.1 * rate
         };
         self.shared.tokens_per_s.store(new.to_bits(), Relaxed);
+        // Every entry's token is now in its slot's context.
+        for &(slot, tok) in &self.batch {
+            self.cached[slot].push(tok);
+        }
         for k in 0..self.batch_slot.len() {
             let slot = self.batch_slot[k];
             let tok = self.sampled[k];
@@ -599,7 +762,7 @@ impl Sched {
             return;
         };
         for (i, v) in views.iter_mut().enumerate() {
-            v.kv_cells = self.engine.slot_len(i);
+            let len = self.engine.slot_len(i);
             match self.slots.get(i).and_then(|s| s.as_ref()) {
                 None => {
                     v.state = "idle";
@@ -607,8 +770,14 @@ impl Sched {
                     v.prompt_tokens = 0;
                     v.prompt_done = 0;
                     v.generated = 0;
+                    v.kv_cells = 0;
+                    v.reused = 0;
+                    v.cached = len;
                 }
                 Some(a) => {
+                    v.kv_cells = len;
+                    v.cached = 0;
+                    v.reused = a.reused as u64;
                     v.state = match a.phase {
                         Phase::Prefill => "prefill",
                         Phase::Decode => "decode",
@@ -687,5 +856,69 @@ fn engine_msg(e: &EngineError) -> String {
             eprintln!("strata-exec serve: engine failure: {m}");
             format!("engine failure: {m}")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free<'a>(slots: &'a [(usize, &'a [u32], u64)]) -> impl Iterator<Item = FreeSlot<'a>> {
+        slots.iter().map(|&(slot, cached, last_used)| FreeSlot {
+            slot,
+            cached,
+            last_used,
+        })
+    }
+
+    #[test]
+    fn common_prefix_counts_leading_matches() {
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4]), 2);
+        assert_eq!(common_prefix(&[1, 2], &[1, 2, 3]), 2);
+        assert_eq!(common_prefix(&[], &[1]), 0);
+        assert_eq!(common_prefix(&[5], &[1]), 0);
+    }
+
+    #[test]
+    fn reusable_leaves_the_last_prompt_token_and_respects_the_engine() {
+        use PrefixReuse::*;
+        // The whole prompt cached: its last token is prefilled again for its logits.
+        assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3], Any, 1), 2);
+        assert_eq!(reusable(&[1, 2, 3, 4, 5], &[1, 2, 3], Any, 1), 2);
+        // A divergence: the common part only.
+        assert_eq!(reusable(&[1, 2, 9, 9], &[1, 2, 3, 4], Any, 1), 2);
+        // Recurrent state: only a prompt that extends everything cached.
+        assert_eq!(reusable(&[1, 2, 9, 9], &[1, 2, 3, 4], Whole, 1), 0);
+        assert_eq!(reusable(&[1, 2], &[1, 2, 3, 4], Whole, 1), 2);
+        assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3], Whole, 1), 0);
+        // Below the minimum, off, or nothing cached: nothing.
+        assert_eq!(reusable(&[1, 2], &[1, 2, 3, 4], Any, 3), 0);
+        assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3, 4], Any, 3), 3);
+        assert_eq!(reusable(&[1, 2], &[1, 2, 3], None, 1), 0);
+        assert_eq!(reusable(&[], &[1, 2, 3], Any, 1), 0);
+        assert_eq!(reusable(&[], &[1, 2, 3], Whole, 1), 0);
+        assert_eq!(reusable(&[1], &[1], Any, 1), 0);
+    }
+
+    #[test]
+    fn pick_slot_takes_the_longest_prefix_then_the_least_recently_used() {
+        use PrefixReuse::*;
+        let p = [1, 2, 3, 4, 5];
+        let a: &[u32] = &[1, 2, 3, 9];
+        let b: &[u32] = &[1, 2, 3, 4];
+        let c: &[u32] = &[7];
+        let slots = [(0, a, 5), (1, b, 9), (2, c, 1)];
+        assert_eq!(pick_slot(free(&slots), &p, Any, 1), Some((1, 4)));
+        // Cache off for the request: the least recently used slot, nothing kept.
+        assert_eq!(pick_slot(free(&slots), &p, None, 1), Some((2, 0)));
+        // Equal matches: the least recently used wins; then the lowest id.
+        let slots = [(3, a, 7), (1, a, 4), (0, c, 0)];
+        assert_eq!(pick_slot(free(&slots), &p, Any, 1), Some((1, 3)));
+        let slots = [(3, c, 2), (1, c, 2)];
+        assert_eq!(pick_slot(free(&slots), &p, Any, 1), Some((1, 0)));
+        // Recurrent engines skip a slot they would have to rewind.
+        let slots = [(0, a, 0), (1, &[1, 2][..], 9)];
+        assert_eq!(pick_slot(free(&slots), &p, Whole, 1), Some((1, 2)));
+        assert_eq!(pick_slot(free(&[]), &p, Any, 1), Option::None);
     }
 }

@@ -181,6 +181,14 @@ impl Engine for TinyEngine {
         self.inner.slot_len(slot)
     }
 
+    fn prefix_reuse(&self) -> crate::engine::PrefixReuse {
+        self.inner.prefix_reuse()
+    }
+
+    fn truncate_slot(&mut self, slot: usize, n: u64) -> bool {
+        self.inner.truncate_slot(slot, n)
+    }
+
     fn stats(&self) -> EngineStats {
         self.inner.stats()
     }

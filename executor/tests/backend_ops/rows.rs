@@ -3,7 +3,6 @@
 
 use super::*;
 
-
 use strata_exec::backend::cuda::launch::decode::{self as launch_decode, InNorm};
 use strata_exec::backend::cuda::launch::{Launcher, Mat};
 use strata_exec::backend::cuda::layout;

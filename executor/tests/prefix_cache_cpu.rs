@@ -1,0 +1,167 @@
+//! `Engine::truncate_slot` on the CPU pipeline, the prefix cache's engine half: keeping a
+//! prefix of a slot's context and prefilling the rest of a new prompt gives the logits of
+//! prefilling the new prompt whole, for Qwen3-MoE (any prefix: a KV cache) and Qwen3-Next
+//! (only the whole context: its linear state cannot be rewound, so shorter cuts are refused
+//! and leave the slot as it was).
+
+mod common;
+
+use common::plan_folder_ctx;
+use strata_exec::engine::{Engine, PrefixReuse};
+use strata_exec::exec::{start_cpu, EngineOptions};
+use strata_exec::load::GgufModel;
+use strata_schemas::arch::QuantRecipe;
+use strata_schemas::gguf::random::{write_random_model, RandomOptions};
+use strata_schemas::inventory::{HParams, SsmParams};
+use strata_schemas::serve::ExpertCache;
+
+fn hp(next: bool) -> HParams {
+    HParams {
+        n_layer: 4,
+        n_embd: 64,
+        n_vocab: 128,
+        n_ctx_train: 256,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim_k: 16,
+        head_dim_v: 16,
+        n_ff: 0,
+        n_expert: 8,
+        n_expert_used: 2,
+        n_ff_exp: 32,
+        n_ff_shexp: if next { 32 } else { 0 },
+        n_leading_dense: 0,
+        full_attention_interval: next.then_some(2),
+        ssm: next.then_some(SsmParams {
+            conv_kernel: 4,
+            state_size: 16,
+            group_count: 2,
+            time_step_rank: 4,
+            inner_size: 64,
+        }),
+        nextn_predict_layers: 0,
+        rope_theta: 10_000.0,
+        rope_dim: next.then_some(4),
+        rms_eps: 1e-6,
+        norm_topk_prob: true,
+        tied_embeddings: false,
+    }
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    a.iter()
+        .zip(b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+}
+
+/// A CPU engine over a random model of `arch` (2 slots, 64 cells, prefill chunks of 8).
+fn engine(dir: &std::path::Path, arch: &str) -> Box<dyn Engine> {
+    let path = dir.join(format!("{arch}.gguf"));
+    let recipe = QuantRecipe::preset("F32").unwrap();
+    let opts = RandomOptions {
+        name: format!("tiny {arch}"),
+        ..Default::default()
+    };
+    write_random_model(&path, arch, &hp(arch == "qwen3next"), &recipe, 11, opts).unwrap();
+    let plan = plan_folder_ctx(&path, 1, None, ExpertCache::Off, None, 64);
+    Box::new(
+        start_cpu(
+            &plan,
+            Box::new(GgufModel::open(&path).unwrap()),
+            EngineOptions::default(),
+        )
+        .unwrap(),
+    )
+}
+
+/// Prefill `tokens` into `slot` in chunks of the plan's ubatch; the last token's logits.
+fn prefill(e: &mut dyn Engine, slot: usize, tokens: &[u32]) -> Vec<f32> {
+    let ub = e.info().ubatch;
+    let mut last = Vec::new();
+    for (i, c) in tokens.chunks(ub).enumerate() {
+        let want = (i + 1) * ub >= tokens.len();
+        if let Some(l) = e.prefill(slot, c, want).unwrap() {
+            last = l.to_vec();
+        }
+    }
+    last
+}
+
+fn toks(n: u32, mul: u32, add: u32) -> Vec<u32> {
+    (0..n).map(|i| (i * mul + add) % 128).collect()
+}
+
+#[test]
+fn qwen3moe_truncate_then_prefill_the_rest_equals_a_whole_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = engine(dir.path(), "qwen3moe");
+    assert_eq!(e.prefix_reuse(), PrefixReuse::Any);
+    // Slot 0 holds an old conversation: 20 prompt tokens and 3 decoded ones.
+    let old = toks(20, 37, 5);
+    prefill(e.as_mut(), 0, &old);
+    for t in [9, 17, 33] {
+        e.decode(&[(0, t)]).unwrap();
+    }
+    assert_eq!(e.slot_len(0), 23);
+    // The new prompt shares the first 12 tokens, then goes elsewhere.
+    let mut new = old[..12].to_vec();
+    new.extend(toks(10, 11, 3));
+    assert!(!e.truncate_slot(0, 24), "beyond the slot's length");
+    assert!(!e.truncate_slot(7, 1), "no such slot");
+    assert_eq!(e.slot_len(0), 23);
+    for keep in [12usize, 8, 0] {
+        // A fresh copy of the old context each round.
+        e.reset_slot(0);
+        prefill(e.as_mut(), 0, &old);
+        assert!(e.truncate_slot(0, keep as u64));
+        assert_eq!(e.slot_len(0), keep as u64);
+        let got = prefill(e.as_mut(), 0, &new[keep..]);
+        e.reset_slot(1);
+        let want = prefill(e.as_mut(), 1, &new);
+        // The same math on the same cells: bit for bit on this backend (1e-5 leaves room
+        // for a backend whose products depend on the chunk's size).
+        let r = max_rel(&got, &want);
+        assert!(r <= 1e-5, "keep {keep}: differs by {r}");
+        // And decoding on from both gives the same next logits.
+        let a = e.decode(&[(0, 42), (1, 42)]).unwrap().to_vec();
+        let v = e.info().n_vocab;
+        let r = max_rel(&a[..v], &a[v..]);
+        assert!(r <= 1e-5, "keep {keep}: the decode after differs by {r}");
+    }
+}
+
+#[test]
+fn qwen3next_keeps_only_the_whole_context_and_continuing_it_equals_a_whole_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = engine(dir.path(), "qwen3next");
+    assert_eq!(e.prefix_reuse(), PrefixReuse::Whole);
+    let old = toks(13, 37, 5);
+    prefill(e.as_mut(), 0, &old);
+    for t in [9, 17] {
+        e.decode(&[(0, t)]).unwrap();
+    }
+    let mut held = old.clone();
+    held.extend([9, 17]);
+    assert_eq!(e.slot_len(0), 15);
+    // Rewinding the linear state is refused and changes nothing.
+    assert!(!e.truncate_slot(0, 14));
+    assert!(!e.truncate_slot(0, 0));
+    assert_eq!(e.slot_len(0), 15);
+    assert!(e.truncate_slot(0, 15));
+    // The next turn extends everything held.
+    let mut new = held.clone();
+    new.extend(toks(9, 11, 3));
+    let got = prefill(e.as_mut(), 0, &new[15..]);
+    e.reset_slot(1);
+    let want = prefill(e.as_mut(), 1, &new);
+    let r = max_rel(&got, &want);
+    // The held part was partly decoded (the recurrent form of the delta rule) where the
+    // whole prefill runs the chunked form: equal up to rounding.
+    assert!(r < 1e-4, "differs by {r}");
+    let v = e.info().n_vocab;
+    let a = e.decode(&[(0, 42), (1, 42)]).unwrap().to_vec();
+    let r = max_rel(&a[..v], &a[v..]);
+    assert!(r < 1e-4, "the decode after differs by {r}");
+}
