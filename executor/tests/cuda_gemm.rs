@@ -571,6 +571,114 @@ fn moe_gemm_gather_and_direct_match_cpu() {
     eprintln!("PASS moe_gemm refusal: 7x32 Q8_0 experts (238 bytes each) misaligned");
 }
 
+/// One shape of `moe_gemm_through_an_expert_table_equals_the_strided_stacks`.
+#[derive(Clone, Copy)]
+struct TableCase {
+    ty: GgmlType,
+    ne: usize,
+    n_tok: usize,
+    k: usize,
+    e: usize,
+    f: usize,
+}
+
+/// Its device buffers: the stacks, the slots' table, the input, the sort and two outputs.
+struct TableViews<'a> {
+    gate: DeviceView<'a>,
+    up: DeviceView<'a>,
+    down: DeviceView<'a>,
+    table: DeviceView<'a>,
+    x: DeviceView<'a>,
+    xh: DeviceView<'a>,
+    sorted: DeviceView<'a>,
+    y: [DeviceView<'a>; 2],
+}
+
+/// The fused gate-up and the down product, gather and direct, from the stacks and through
+/// the table: bit-equal outputs. Returns the products compared.
+fn table_case(d: &CudaDevice, t: &TableCase, v: &TableViews<'_>) -> usize {
+    let TableCase {
+        ty,
+        ne,
+        n_tok,
+        k,
+        e,
+        f,
+    } = *t;
+    let (gv, uv, dv, tv, xv, xh, sorted) = (v.gate, v.up, v.down, v.table, v.x, v.xh, v.sorted);
+    let [y1, y2] = v.y;
+    let mut n_run = 0;
+    // (source pair, rows, cols, input): gate-up fused, then down.
+    for (fused, rows, cols, input) in [
+        (true, f, e, MoeInput::Gather),
+        (true, f, e, MoeInput::Direct),
+        (false, e, f, MoeInput::Gather),
+        (false, e, f, MoeInput::Direct),
+    ] {
+        let x_rows = if input == MoeInput::Gather {
+            n_tok
+        } else {
+            n_tok * k
+        };
+        d.gemm_convert_x(xv, x_rows, cols, ty, xh).unwrap();
+        let (stacks, tab) = if fused {
+            (
+                ExpertSource::Strided {
+                    w: gv,
+                    wu: Some(uv),
+                    stride: 0,
+                },
+                ExpertSource::Table {
+                    table: tv,
+                    col: 0,
+                    fused_up: true,
+                },
+            )
+        } else {
+            (
+                ExpertSource::Strided {
+                    w: dv,
+                    wu: None,
+                    stride: 0,
+                },
+                ExpertSource::Table {
+                    table: tv,
+                    col: 2,
+                    fused_up: false,
+                },
+            )
+        };
+        let tile = if fused {
+            GemmTile::M64
+        } else {
+            MOE_DEFAULT_TILE
+        };
+        let n = n_tok * k * rows;
+        d.memset(y1, 0x7f).unwrap();
+        d.memset(y2, 0x3f).unwrap();
+        let run = |src, y| {
+            d.moe_gemm_from(
+                tile, src, ty, ne, rows, cols, xh, input, n_tok, k, sorted, y,
+            )
+            .unwrap()
+        };
+        run(stacks, y1);
+        run(tab, y2);
+        let (a1, a2): (Vec<f32>, Vec<f32>) = (get(d, y1, n), get(d, y2, n));
+        let what = format!("{ty} experts={ne} n_tok={n_tok} k={k} fused={fused} {input:?}");
+        assert!(
+            a1.iter().all(|v| v.is_finite()),
+            "{what}: stacks gave non-finite"
+        );
+        assert!(
+            a1.iter().zip(&a2).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{what}: the table's outputs differ from the stacks'"
+        );
+        n_run += 1;
+    }
+    n_run
+}
+
 /// The grouped products reading every expert through an expert table (the expert cache's
 /// slots, in any order) give the strided stacks' outputs bit for bit: the fused gate-up
 /// (table columns 0 and 1) and the down product (column 2), gather and direct inputs.
@@ -632,74 +740,25 @@ fn moe_gemm_through_an_expert_table_equals_the_strided_stacks() {
             let xh = c.take(gemm_scratch_bytes(n_tok * k, e.max(f)));
             let ny = n_tok * k * e.max(f);
             let (y1, y2) = (c.take(4 * ny as u64), c.take(4 * ny as u64));
-            // (source pair, rows, cols, input): gate-up fused, then down.
-            for (fused, rows, cols, input) in [
-                (true, f, e, MoeInput::Gather),
-                (true, f, e, MoeInput::Direct),
-                (false, e, f, MoeInput::Gather),
-                (false, e, f, MoeInput::Direct),
-            ] {
-                let x_rows = if input == MoeInput::Gather {
-                    n_tok
-                } else {
-                    n_tok * k
-                };
-                d.gemm_convert_x(xv, x_rows, cols, ty, xh).unwrap();
-                let (stacks, tab) = if fused {
-                    (
-                        ExpertSource::Strided {
-                            w: gv,
-                            wu: Some(uv),
-                            stride: 0,
-                        },
-                        ExpertSource::Table {
-                            table: tv,
-                            col: 0,
-                            fused_up: true,
-                        },
-                    )
-                } else {
-                    (
-                        ExpertSource::Strided {
-                            w: dv,
-                            wu: None,
-                            stride: 0,
-                        },
-                        ExpertSource::Table {
-                            table: tv,
-                            col: 2,
-                            fused_up: false,
-                        },
-                    )
-                };
-                let tile = if fused {
-                    GemmTile::M64
-                } else {
-                    MOE_DEFAULT_TILE
-                };
-                let n = n_tok * k * rows;
-                d.memset(y1, 0x7f).unwrap();
-                d.memset(y2, 0x3f).unwrap();
-                let run = |src, y| {
-                    d.moe_gemm_from(
-                        tile, src, ty, ne, rows, cols, xh, input, n_tok, k, sorted, y,
-                    )
-                    .unwrap()
-                };
-                run(stacks, y1);
-                run(tab, y2);
-                let (a1, a2): (Vec<f32>, Vec<f32>) = (get(d, y1, n), get(d, y2, n));
-                let what = format!("{ty} experts={ne} n_tok={n_tok} k={k} fused={fused} {input:?}");
-                assert!(
-                    a1.iter().all(|v| v.is_finite()),
-                    "{what}: stacks gave non-finite"
-                );
-                assert!(
-                    a1.iter().zip(&a2).all(|(p, q)| p.to_bits() == q.to_bits()),
-                    "{what}: the table's outputs differ from the stacks'"
-                );
-                cases += 1;
-            }
+            let t = TableCase {
+                ty,
+                ne,
+                n_tok,
+                k,
+                e,
+                f,
+            };
+            let v = TableViews {
+                gate: gv,
+                up: uv,
+                down: dv,
+                table: tv,
+                x: xv,
+                xh,
+                sorted,
+                y: [y1, y2],
+            };
+            cases += table_case(d, &t, &v);
             // A column past down, or a fused product not from the gate column, is refused.
             let bad = ExpertSource::Table {
                 table: tv,

@@ -211,118 +211,125 @@ impl Shared {
         f64::from_bits(self.tokens_per_s.load(Relaxed))
     }
 
+    /// Every counter and gauge but the per-slot ones: (name after `strata_`, kind, help,
+    /// value).
+    fn scalars(&self) -> Vec<(&'static str, &'static str, &'static str, String)> {
+        let g = |a: &AtomicU64| a.load(Relaxed).to_string();
+        vec![
+            (
+                "ready",
+                "gauge",
+                "1 once the model is loaded",
+                u8::from(self.ready.get().is_some()).to_string(),
+            ),
+            (
+                "requests_total",
+                "counter",
+                "Generation requests received",
+                g(&self.requests_total),
+            ),
+            (
+                "requests_rejected_total",
+                "counter",
+                "Requests refused before running (4xx, queue full)",
+                g(&self.requests_rejected),
+            ),
+            (
+                "requests_finished_total",
+                "counter",
+                "Requests that completed",
+                g(&self.requests_finished),
+            ),
+            (
+                "requests_cancelled_total",
+                "counter",
+                "Requests whose client went away",
+                g(&self.requests_cancelled),
+            ),
+            (
+                "requests_failed_total",
+                "counter",
+                "Requests that failed inside the engine",
+                g(&self.requests_failed),
+            ),
+            (
+                "requests_running",
+                "gauge",
+                "Requests holding a slot",
+                g(&self.running),
+            ),
+            (
+                "requests_queued",
+                "gauge",
+                "Requests waiting for a slot",
+                g(&self.queued),
+            ),
+            (
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens prefilled",
+                g(&self.prompt_tokens),
+            ),
+            (
+                "generated_tokens_total",
+                "counter",
+                "Tokens generated",
+                g(&self.generated_tokens),
+            ),
+            (
+                "prefix_cache_hits_total",
+                "counter",
+                "Sequences that reused at least one prompt token cached in their slot",
+                g(&self.prefix_hits),
+            ),
+            (
+                "prefix_cache_reused_tokens_total",
+                "counter",
+                "Prompt tokens taken from a slot's prefix cache instead of prefilled",
+                g(&self.prefix_reused_tokens),
+            ),
+            (
+                "prefix_cache_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of every sequence admitted into a slot (reused or prefilled)",
+                g(&self.prefix_prompt_tokens),
+            ),
+            (
+                "tokens_per_second",
+                "gauge",
+                "Recent decode throughput over all slots",
+                format!("{:.3}", self.tokens_per_s()),
+            ),
+            (
+                "expert_cache_hits_total",
+                "counter",
+                "Expert cache hits reported by the engine",
+                g(&self.expert_hits),
+            ),
+            (
+                "expert_cache_misses_total",
+                "counter",
+                "Expert cache misses reported by the engine",
+                g(&self.expert_misses),
+            ),
+            (
+                "expert_bytes_streamed_total",
+                "counter",
+                "Bytes of expert weights copied host to device for expert cache misses",
+                g(&self.expert_bytes_streamed),
+            ),
+        ]
+    }
+
     /// Prometheus text exposition of every metric.
     pub fn prometheus(&self) -> String {
         let mut o = String::with_capacity(2048);
-        let mut m = |name: &str, kind: &str, help: &str, v: String| {
+        for (name, kind, help, v) in self.scalars() {
             let _ = writeln!(
                 o,
                 "# HELP strata_{name} {help}\n# TYPE strata_{name} {kind}\nstrata_{name} {v}"
             );
-        };
-        let g = |a: &AtomicU64| a.load(Relaxed).to_string();
-        m(
-            "ready",
-            "gauge",
-            "1 once the model is loaded",
-            u8::from(self.ready.get().is_some()).to_string(),
-        );
-        m(
-            "requests_total",
-            "counter",
-            "Generation requests received",
-            g(&self.requests_total),
-        );
-        m(
-            "requests_rejected_total",
-            "counter",
-            "Requests refused before running (4xx, queue full)",
-            g(&self.requests_rejected),
-        );
-        m(
-            "requests_finished_total",
-            "counter",
-            "Requests that completed",
-            g(&self.requests_finished),
-        );
-        m(
-            "requests_cancelled_total",
-            "counter",
-            "Requests whose client went away",
-            g(&self.requests_cancelled),
-        );
-        m(
-            "requests_failed_total",
-            "counter",
-            "Requests that failed inside the engine",
-            g(&self.requests_failed),
-        );
-        m(
-            "requests_running",
-            "gauge",
-            "Requests holding a slot",
-            g(&self.running),
-        );
-        m(
-            "requests_queued",
-            "gauge",
-            "Requests waiting for a slot",
-            g(&self.queued),
-        );
-        m(
-            "prompt_tokens_total",
-            "counter",
-            "Prompt tokens prefilled",
-            g(&self.prompt_tokens),
-        );
-        m(
-            "generated_tokens_total",
-            "counter",
-            "Tokens generated",
-            g(&self.generated_tokens),
-        );
-        m(
-            "prefix_cache_hits_total",
-            "counter",
-            "Sequences that reused at least one prompt token cached in their slot",
-            g(&self.prefix_hits),
-        );
-        m(
-            "prefix_cache_reused_tokens_total",
-            "counter",
-            "Prompt tokens taken from a slot's prefix cache instead of prefilled",
-            g(&self.prefix_reused_tokens),
-        );
-        m(
-            "prefix_cache_prompt_tokens_total",
-            "counter",
-            "Prompt tokens of every sequence admitted into a slot (reused or prefilled)",
-            g(&self.prefix_prompt_tokens),
-        );
-        m(
-            "tokens_per_second",
-            "gauge",
-            "Recent decode throughput over all slots",
-            format!("{:.3}", self.tokens_per_s()),
-        );
-        m(
-            "expert_cache_hits_total",
-            "counter",
-            "Expert cache hits reported by the engine",
-            g(&self.expert_hits),
-        );
-        m(
-            "expert_cache_misses_total",
-            "counter",
-            "Expert cache misses reported by the engine",
-            g(&self.expert_misses),
-        );
-        m(
-            "expert_bytes_streamed_total",
-            "counter",
-            "Bytes of expert weights copied host to device for expert cache misses",
-            g(&self.expert_bytes_streamed),
-        );
+        }
         for (h, name, help) in [
             (
                 &self.ttft,

@@ -18,6 +18,7 @@ pub mod reasoning;
 pub mod reqlog;
 pub mod scheduler;
 pub mod script_engine;
+pub mod stream;
 pub mod template;
 pub mod test_engine;
 pub mod tools;

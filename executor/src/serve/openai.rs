@@ -551,6 +551,59 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     parse_chat_with(body, &SamplingDefaults::default())
 }
 
+/// `messages[i].content` of a `role` message: a string, or text parts joined.
+fn message_content(i: usize, role: &str, mo: &Obj<'_>) -> Result<String, ApiError> {
+    Ok(match mo.get("content") {
+        None if role == "assistant" => String::new(),
+        None => {
+            return Err(ApiError::param(
+                "missing_parameter",
+                format!("`messages[{i}].content` is required"),
+            ))
+        }
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let key = format!("messages[{i}].content[{j}]");
+                let po = match p {
+                    Value::Object(po) => Obj(po),
+                    v => return Err(wrong(&key, "a content part object", v)),
+                };
+                match po.string("type")? {
+                    Some("text") => match po.get("text") {
+                        Some(Value::String(t)) => text.push_str(t),
+                        Some(v) => return Err(wrong(&format!("{key}.text"), "a string", v)),
+                        None => {
+                            return Err(ApiError::param(
+                                "missing_parameter",
+                                format!("`{key}.text` is required"),
+                            ))
+                        }
+                    },
+                    other => {
+                        return Err(ApiError::param(
+                            "unsupported_parameter",
+                            format!(
+                                "`{key}.type` is {}; only `text` parts are supported",
+                                other.map_or("missing".to_string(), |t| format!("`{t}`"))
+                            ),
+                        ))
+                    }
+                }
+            }
+            text
+        }
+        Some(v) => {
+            return Err(wrong(
+                &format!("messages[{i}].content"),
+                "a string or an array of parts",
+                v,
+            ))
+        }
+    })
+}
+
 /// [`parse_chat`] with the server's defaults for the sampling fields left out.
 pub fn parse_chat_with(body: &[u8], d: &SamplingDefaults) -> Result<ChatRequest, ApiError> {
     let m = parse_object(body)?;
@@ -599,55 +652,7 @@ pub fn parse_chat_with(body: &[u8], d: &SamplingDefaults) -> Result<ChatRequest,
                 ),
             ));
         }
-        let content = match mo.get("content") {
-            None if role == "assistant" => String::new(),
-            None => {
-                return Err(ApiError::param(
-                    "missing_parameter",
-                    format!("`messages[{i}].content` is required"),
-                ))
-            }
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(parts)) => {
-                let mut text = String::new();
-                for (j, p) in parts.iter().enumerate() {
-                    let key = format!("messages[{i}].content[{j}]");
-                    let po = match p {
-                        Value::Object(po) => Obj(po),
-                        v => return Err(wrong(&key, "a content part object", v)),
-                    };
-                    match po.string("type")? {
-                        Some("text") => match po.get("text") {
-                            Some(Value::String(t)) => text.push_str(t),
-                            Some(v) => return Err(wrong(&format!("{key}.text"), "a string", v)),
-                            None => {
-                                return Err(ApiError::param(
-                                    "missing_parameter",
-                                    format!("`{key}.text` is required"),
-                                ))
-                            }
-                        },
-                        other => {
-                            return Err(ApiError::param(
-                                "unsupported_parameter",
-                                format!(
-                                    "`{key}.type` is {}; only `text` parts are supported",
-                                    other.map_or("missing".to_string(), |t| format!("`{t}`"))
-                                ),
-                            ))
-                        }
-                    }
-                }
-                text
-            }
-            Some(v) => {
-                return Err(wrong(
-                    &format!("messages[{i}].content"),
-                    "a string or an array of parts",
-                    v,
-                ))
-            }
-        };
+        let content = message_content(i, role, &mo)?;
         let name = mo.string("name")?.map(str::to_string);
         let tool_calls = match mo.get("tool_calls") {
             None => None,
