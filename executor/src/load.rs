@@ -146,7 +146,9 @@ impl HostModel for GgufModel {
 }
 
 /// A Hugging Face folder with one `model.safetensors`: 1:1 tensors are read from the mmap;
-/// per-expert tensors are stacked once into host copies of the llama.cpp expert stacks.
+/// per-expert tensors are stacked once into host copies of the llama.cpp expert stacks, and
+/// tensors whose values the GGUF layout changes (Qwen3-Next's) are converted once into host
+/// copies, as `strata-gguf convert` converts them.
 pub struct SafetensorsModel {
     path: PathBuf,
     inv: ModelInventory,
@@ -176,6 +178,20 @@ impl SafetensorsModel {
         let mut stacks = HashMap::new();
         let n_expert = inv.hparams.n_expert;
         for t in &inv.tensors {
+            let changed = strata_schemas::gguf::hf_sources::sources(
+                &inv.arch,
+                &inv.hparams,
+                &t.name,
+                &t.dims,
+            )
+            .is_some_and(|s| s.transform != strata_schemas::gguf::hf_sources::Transform::Copy);
+            if changed {
+                // Stored 1:1 but with other values (Qwen3-Next's zero-centred norms,
+                // `A_log`): converted as the GGUF converter converts them.
+                let buf = converted(&inv, t, &header, &map).map_err(merr)?;
+                stacks.insert(t.name.clone(), buf);
+                continue;
+            }
             if let Some(o) = t.file_offset {
                 let at = header.data_start + o;
                 if at + t.bytes > map.len() as u64 {
@@ -188,10 +204,11 @@ impl SafetensorsModel {
                 continue;
             }
             if t.role != TensorRole::ExpertStack {
-                return Err(merr(format!(
-                    "tensor `{}` is not stored 1:1 in the folder (converted values); convert the model to GGUF",
-                    t.name
-                )));
+                // Qwen3-Next's converted tensors (norms + 1, `-exp(A_log)`, the regrouped
+                // `in_proj_qkvz`): built once here, as `strata-gguf convert` writes them.
+                let buf = converted(&inv, t, &header, &map).map_err(merr)?;
+                stacks.insert(t.name.clone(), buf);
+                continue;
             }
             let layer = t.layer.unwrap_or(0);
             let proj = if t.name.contains("ffn_gate_exps") {
@@ -201,6 +218,16 @@ impl SafetensorsModel {
             } else {
                 "down_proj"
             };
+            if header
+                .tensor(&format!("model.layers.{layer}.mlp.experts.0.{proj}.weight"))
+                .is_none()
+            {
+                // Not a main layer's experts (Qwen3-Next's MTP block, `mtp.layers.K`): the
+                // converter's sources name them.
+                let buf = converted(&inv, t, &header, &map).map_err(merr)?;
+                stacks.insert(t.name.clone(), buf);
+                continue;
+            }
             let mut buf = Vec::with_capacity(t.bytes as usize);
             for e in 0..n_expert {
                 let hf = format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight");
@@ -232,6 +259,74 @@ impl SafetensorsModel {
             stacks,
         })
     }
+}
+
+/// The bytes of GGUF tensor `t` built from its pieces in the folder's one safetensors file
+/// (`header`, mapped as `map`): rows gathered in order, decoded to f32, transformed, and
+/// stored as `t`'s type — the values `strata-gguf convert` writes for it.
+fn converted(
+    inv: &ModelInventory,
+    t: &strata_schemas::inventory::TensorInfo,
+    header: &strata_schemas::safetensors::SafetensorsHeader,
+    map: &Mmap,
+) -> Result<Vec<u8>, String> {
+    use strata_schemas::safetensors::StDtype;
+    let src = strata_schemas::gguf::hf_sources::sources(&inv.arch, &inv.hparams, &t.name, &t.dims)
+        .ok_or_else(|| {
+            format!(
+                "tensor `{}` has no Hugging Face source this loader knows; convert the model to GGUF",
+                t.name
+            )
+        })?;
+    let ne0 = t.dims[0] as usize;
+    let mut x: Vec<f32> = Vec::new();
+    for p in &src.pieces {
+        let st = header
+            .tensor(&p.hf)
+            .ok_or_else(|| format!("`{}` (for `{}`) is missing", p.hf, t.name))?;
+        let width = match st.dtype {
+            StDtype::F32 => 4,
+            StDtype::F16 | StDtype::BF16 => 2,
+            other => {
+                return Err(format!(
+                    "`{}` is {other}; only F32, F16 and BF16 tensors are converted on load",
+                    p.hf
+                ))
+            }
+        };
+        let a = (header.data_start + st.begin) as usize + p.row0 as usize * ne0 * width;
+        let n = p.rows as usize * ne0 * width;
+        let raw = map
+            .get(a..a + n)
+            .ok_or_else(|| format!("`{}` runs past the end of the file", p.hf))?;
+        x.extend(raw.chunks_exact(width).map(|b| match st.dtype {
+            StDtype::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            StDtype::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+            _ => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        }));
+    }
+    src.transform.apply(&mut x);
+    let rb = t.ggml_type.bytes_for(ne0 as u64).ok_or_else(|| {
+        format!(
+            "tensor `{}`: rows of {ne0} do not fit {}",
+            t.name, t.ggml_type
+        )
+    })? as usize;
+    if ne0 == 0 || x.len() % ne0 != 0 || (x.len() / ne0) as u64 * rb as u64 != t.bytes {
+        return Err(format!(
+            "tensor `{}`: its pieces hold {} values, the inventory says {} bytes of {}",
+            t.name,
+            x.len(),
+            t.bytes,
+            t.ggml_type
+        ));
+    }
+    let mut out = vec![0u8; t.bytes as usize];
+    for (row, o) in x.chunks_exact(ne0).zip(out.chunks_exact_mut(rb)) {
+        crate::quant::quantize_row_into(t.ggml_type, row, o)
+            .map_err(|e| format!("tensor `{}`: {e}", t.name))?;
+    }
+    Ok(out)
 }
 
 impl HostModel for SafetensorsModel {

@@ -1,7 +1,7 @@
 //! Qwen3-Next on the CPU engine from a plan: a random tiny qwen3next GGUF planned on one and on
 //! two CPU devices runs through `start_cpu`, decode with the linear state equals recomputing
-//! the whole sequence, a layer split equals one stage, and (when the lead has made them) the
-//! transformers references match from safetensors.
+//! the whole sequence, a layer split equals one stage, and the transformers references match
+//! from the safetensors folder and from its GGUF conversion.
 
 mod common;
 
@@ -111,96 +111,93 @@ fn a_random_qwen3next_gguf_runs_from_a_plan_and_decode_equals_recompute() {
 }
 
 /// The transformers references (scripts/make_reference_next.py, committed in
-/// tests/data/tiny-qwen3next): each HF folder converted to GGUF (F32, as `strata-gguf convert`
-/// writes it) runs on the CPU engine with the logits of every prompt position within 3e-4 of
-/// the largest reference logit, and the greedy continuation (with the KV cache and the linear
-/// state) token for token. The HF folder itself is refused with the advice to convert it (its
-/// fused and offset tensors are not stored 1:1).
+/// tests/data/tiny-qwen3next): each HF folder run directly (its converted tensors built on
+/// load) and converted to GGUF (F32, as `strata-gguf convert` writes it), each on the CPU
+/// engine, with the logits of every prompt position within 3e-4 of the largest reference
+/// logit, and the greedy continuation (with the KV cache and the linear state) token for
+/// token.
 #[test]
-fn tiny_qwen3next_references_match_after_conversion() {
+fn tiny_qwen3next_references_match_from_the_folder_and_after_conversion() {
     let root =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
     let tmp = tempfile::tempdir().unwrap();
-    let mut variants = 0;
+    let mut runs = 0;
     for variant in ["base", "interval2", "odd"] {
         let dir = root.join(variant);
         let r: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
-        let folder_plan = plan_folder(&dir, 1, None, ExpertCache::Off, None);
-        let refused = match SafetensorsModel::open(&dir) {
-            Err(e) => e.to_string(),
-            Ok(m) => start_cpu(&folder_plan, Box::new(m), EngineOptions::default())
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default(),
-        };
-        assert!(
-            refused.contains("convert the model to GGUF"),
-            "{variant}: the HF folder should be refused with the advice to convert, got {refused:?}"
-        );
         let gguf = tmp.path().join(format!("{variant}.gguf"));
         convert_hf_folder(&dir, &gguf, GgmlType::F32, None).unwrap();
-        let plan = plan_folder_ctx(&gguf, 1, None, ExpertCache::Off, None, 128);
-        let mut e = start_cpu(
-            &plan,
-            Box::new(GgufModel::open(&gguf).unwrap()),
-            EngineOptions::default(),
-        )
-        .unwrap();
-        let v = e.info().n_vocab;
-        let ub = e.info().ubatch;
-        let prompts = r["prompts"].as_array().unwrap();
-        for (i, p) in prompts.iter().enumerate() {
-            let ids: Vec<u32> = p
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect();
-            let want: Vec<f32> = r["logits"][i]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|row| row.as_array().unwrap().iter())
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect();
-            e.reset_slot(0);
-            let mut got = Vec::new();
-            for chunk in ids.chunks(ub) {
-                got.extend_from_slice(e.prefill_all(0, chunk).unwrap());
-            }
-            assert_eq!(got.len(), ids.len() * v);
-            // Tolerance: 3e-4 of the largest logit. Both sides are f32, but the chunked delta
-            // rule sums in another order than transformers' (measured: 1.1e-4 at worst).
-            let rel = max_rel(&got, &want);
-            assert!(rel < 3e-4, "{variant} prompt {i}: logits differ by {rel}");
-            // Greedy continuation with the cache and the linear state.
-            let greedy: Vec<u32> = r["greedy_cached"][i]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect();
-            let mut row = got[(ids.len() - 1) * v..].to_vec();
-            let mut out = Vec::new();
-            for _ in 0..greedy.len() {
-                let t = argmax(&row);
-                out.push(t);
-                if out.len() == greedy.len() {
-                    break;
-                }
-                row = e.decode(&[(0, t)]).unwrap().to_vec();
-            }
-            assert_eq!(out, greedy, "{variant} prompt {i}: greedy continuation");
-            eprintln!(
-                "PASS {variant} prompt {i}: {} positions within {rel:.2e}, {} greedy tokens",
-                ids.len(),
-                out.len()
-            );
+        let sources: [(&str, &std::path::Path); 2] = [("folder", &dir), ("gguf", &gguf)];
+        for (kind, path) in sources {
+            let plan = plan_folder_ctx(path, 1, None, ExpertCache::Off, None, 128);
+            let model: Box<dyn strata_exec::load::HostModel> = if kind == "folder" {
+                Box::new(SafetensorsModel::open(path).unwrap())
+            } else {
+                Box::new(GgufModel::open(path).unwrap())
+            };
+            let mut e = start_cpu(&plan, model, EngineOptions::default()).unwrap();
+            check_references(&format!("{variant} ({kind})"), &mut e, &r);
+            runs += 1;
         }
-        variants += 1;
     }
-    assert_eq!(variants, 3);
+    assert_eq!(runs, 6);
+}
+
+/// Every reference prompt of `r` on `e`: the logits of every position within 3e-4 of the
+/// largest reference logit, then the greedy continuation token for token.
+fn check_references(what: &str, e: &mut dyn Engine, r: &serde_json::Value) {
+    let v = e.info().n_vocab;
+    let ub = e.info().ubatch;
+    let prompts = r["prompts"].as_array().unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let ids: Vec<u32> = p
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let want: Vec<f32> = r["logits"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter())
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        e.reset_slot(0);
+        let mut got = Vec::new();
+        for chunk in ids.chunks(ub) {
+            got.extend_from_slice(e.prefill_all(0, chunk).unwrap());
+        }
+        assert_eq!(got.len(), ids.len() * v);
+        // Tolerance: 3e-4 of the largest logit. Both sides are f32, but the chunked delta
+        // rule sums in another order than transformers' (measured: 1.1e-4 at worst).
+        let rel = max_rel(&got, &want);
+        assert!(rel < 3e-4, "{what} prompt {i}: logits differ by {rel}");
+        // Greedy continuation with the cache and the linear state.
+        let greedy: Vec<u32> = r["greedy_cached"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let mut row = got[(ids.len() - 1) * v..].to_vec();
+        let mut out = Vec::new();
+        for _ in 0..greedy.len() {
+            let t = argmax(&row);
+            out.push(t);
+            if out.len() == greedy.len() {
+                break;
+            }
+            row = e.decode(&[(0, t)]).unwrap().to_vec();
+        }
+        assert_eq!(out, greedy, "{what} prompt {i}: greedy continuation");
+        eprintln!(
+            "PASS {what} prompt {i}: {} positions within {rel:.2e}, {} greedy tokens",
+            ids.len(),
+            out.len()
+        );
+    }
 }
 
 fn argmax(row: &[f32]) -> u32 {
@@ -211,4 +208,42 @@ fn argmax(row: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// Every tensor a Qwen3-Next folder gives the engine (1:1 from the mmap, converted on load,
+/// or stacked) holds the bytes `strata-gguf convert` writes for it (F32 folder, F32 GGUF).
+#[test]
+fn the_folder_loader_gives_the_converters_bytes_for_every_tensor() {
+    use strata_exec::load::HostModel;
+    let root =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
+    let tmp = tempfile::tempdir().unwrap();
+    for variant in ["base", "interval2", "odd"] {
+        let dir = root.join(variant);
+        let gguf = tmp.path().join(format!("{variant}.gguf"));
+        convert_hf_folder(&dir, &gguf, GgmlType::F32, None).unwrap();
+        let (f, g) = (
+            SafetensorsModel::open(&dir).unwrap(),
+            GgufModel::open(&gguf).unwrap(),
+        );
+        let names: Vec<&str> = g
+            .inventory()
+            .tensors
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect();
+        assert!(
+            names.iter().any(|n| n.ends_with("ssm_a")),
+            "{variant}: {names:?}"
+        );
+        for name in names {
+            let fb = f
+                .tensor_bytes(name)
+                .unwrap_or_else(|| panic!("{variant}: the folder lacks `{name}`"));
+            assert!(
+                fb == g.tensor_bytes(name).unwrap(),
+                "{variant}: `{name}` differs between the folder and its conversion"
+            );
+        }
+    }
 }
