@@ -107,15 +107,6 @@ fn cuda_engine(gguf: &Path, a: &Ask) -> CudaEngine {
     start_cuda(&p, open_model(gguf).unwrap(), CudaOptions::default()).unwrap()
 }
 
-/// Max |a - b| over the largest |b|.
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    a.iter()
-        .zip(b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
-}
-
 fn prompt(len: usize, seed: u32) -> Vec<u32> {
     (0..len as u32).map(|i| (i * 37 + seed) % 128).collect()
 }
@@ -249,45 +240,7 @@ fn tiny_qwen3next_references_where_the_kernels_take_them() {
             continue;
         }
         let mut e = start_cuda(&plan, host, CudaOptions::default()).unwrap();
-        let v = e.info().n_vocab;
-        let ub = e.info().ubatch;
-        for (i, p) in prompts(&r).iter().enumerate() {
-            let want: Vec<f32> = r["logits"][i]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|row| row.as_array().unwrap().iter())
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect();
-            e.reset_slot(0);
-            let mut got = Vec::new();
-            for chunk in p.chunks(ub) {
-                got.extend_from_slice(e.prefill_all(0, chunk).unwrap());
-            }
-            let rel = max_rel(&got, &want);
-            assert!(rel < 1e-3, "{variant} prompt {i}: logits differ by {rel}");
-            let greedy: Vec<u32> = r["greedy_cached"][i]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect();
-            let mut row = got[(p.len() - 1) * v..].to_vec();
-            let mut out = Vec::new();
-            for _ in 0..greedy.len() {
-                let t = argmax(&row);
-                out.push(t);
-                if out.len() == greedy.len() {
-                    break;
-                }
-                row = e.decode(&[(0, t)]).unwrap().to_vec();
-            }
-            assert_eq!(out, greedy, "{variant} prompt {i}: greedy continuation");
-            eprintln!(
-                "PASS {variant} prompt {i}: within {rel:.2e}, {} greedy tokens",
-                out.len()
-            );
-        }
+        check_references(variant, &mut e, &r, 1e-3);
         ran += 1;
     }
     if ran == 0 {

@@ -216,6 +216,62 @@ pub fn argmax(row: &[f32]) -> u32 {
     strata_exec::sampler::argmax(row)
 }
 
+/// Max |a - b| over the largest |b|.
+pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    a.iter()
+        .zip(b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+}
+
+/// Every prompt of a transformers reference (`reference.json` of tests/data/tiny-qwen3next)
+/// on `e`: the logits of every position within `tol` of the largest reference logit, then
+/// the greedy continuation with the cache and the linear state, token for token.
+pub fn check_references(what: &str, e: &mut dyn strata_exec::engine::Engine, r: &Value, tol: f32) {
+    let v = e.info().n_vocab;
+    let ub = e.info().ubatch;
+    for (i, ids) in prompts(r).iter().enumerate() {
+        let want: Vec<f32> = r["logits"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter())
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        e.reset_slot(0);
+        let mut got = Vec::new();
+        for chunk in ids.chunks(ub) {
+            got.extend_from_slice(e.prefill_all(0, chunk).unwrap());
+        }
+        assert_eq!(got.len(), ids.len() * v);
+        let rel = max_rel(&got, &want);
+        assert!(rel < tol, "{what} prompt {i}: logits differ by {rel}");
+        let greedy: Vec<u32> = r["greedy_cached"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let mut row = got[(ids.len() - 1) * v..].to_vec();
+        let mut out = Vec::new();
+        for _ in 0..greedy.len() {
+            let t = argmax(&row);
+            out.push(t);
+            if out.len() == greedy.len() {
+                break;
+            }
+            row = e.decode(&[(0, t)]).unwrap().to_vec();
+        }
+        assert_eq!(out, greedy, "{what} prompt {i}: greedy continuation");
+        eprintln!(
+            "PASS {what} prompt {i}: {} positions within {rel:.2e}, {} greedy tokens",
+            ids.len(),
+            out.len()
+        );
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 /// A random Qwen3-MoE Hugging Face folder (F32, single `model.safetensors`) in `dir`.
 pub fn random_folder(
