@@ -202,7 +202,7 @@ fn cases() -> Vec<Case> {
             &cpu,
             &off,
             (true, false),
-            ("", "experts_host"),
+            ("", "vendor `cpu`"),
         ),
         case(
             "cpu split",
@@ -266,8 +266,9 @@ fn cases() -> Vec<Case> {
             &q8,
             &gpu,
             &off,
-            (false, false),
-            ("vendor", "experts_host"),
+            // The CUDA engine serves them through its expert cache (cuda_offload).
+            (false, true),
+            ("vendor", ""),
         ),
         case("gpu q4_k_m", &q4km, &gpu, &s, (false, true), ("vendor", "")),
         case(
