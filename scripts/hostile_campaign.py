@@ -631,7 +631,8 @@ def table(rows, markdown):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bin-dir", default=os.path.join(ROOT, "target", "debug"),
+    ap.add_argument("--bin-dir", default=os.path.join(
+                        os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "debug"),
                     help="where strata-plan and strata-exec are (built first unless --no-build)")
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer random inputs per class")
