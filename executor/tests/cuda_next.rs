@@ -25,7 +25,7 @@ use strata_schemas::arch::QuantRecipe;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::gguf::convert::convert_hf_folder;
 use strata_schemas::gguf::random::{write_random_model, RandomOptions};
-use strata_schemas::inventory::{HParams, SsmParams};
+use strata_schemas::inventory::HParams;
 use strata_schemas::serve::ExpertCache;
 
 fn gpu_present() -> bool {
@@ -47,36 +47,11 @@ fn gpu_present() -> bool {
 /// 4 experts all routed.
 fn tiny_hp() -> HParams {
     HParams {
-        n_layer: 4,
-        n_embd: 64,
-        n_vocab: 128,
-        n_ctx_train: 256,
-        n_head: 4,
-        n_head_kv: 2,
-        head_dim_k: 16,
-        head_dim_v: 16,
-        n_ff: 0,
         // Every expert used: the top-k is then continuous in its inputs, so the two engines'
         // rounding (f16 inputs on the tensor-core prefill) cannot flip a routing choice.
         n_expert: 4,
         n_expert_used: 4,
-        n_ff_exp: 32,
-        n_ff_shexp: 32,
-        n_leading_dense: 0,
-        full_attention_interval: Some(2),
-        ssm: Some(SsmParams {
-            conv_kernel: 4,
-            state_size: 16,
-            group_count: 2,
-            time_step_rank: 4,
-            inner_size: 64,
-        }),
-        nextn_predict_layers: 0,
-        rope_theta: 10_000.0,
-        rope_dim: Some(4),
-        rms_eps: 1e-6,
-        norm_topk_prob: true,
-        tied_embeddings: false,
+        ..tiny_qwen3next_hp()
     }
 }
 

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{check_references, max_rel, plan_folder, plan_folder_ctx};
+use common::{check_references, max_rel, plan_folder, plan_folder_ctx, tiny_qwen3next_hp};
 use strata_exec::engine::Engine;
 use strata_exec::exec::{start_cpu, EngineOptions};
 use strata_exec::load::{GgufModel, SafetensorsModel};
@@ -13,48 +13,14 @@ use strata_schemas::arch::QuantRecipe;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::gguf::convert::convert_hf_folder;
 use strata_schemas::gguf::random::{write_random_model, RandomOptions};
-use strata_schemas::inventory::{HParams, SsmParams};
 use strata_schemas::plan::RegionKind;
 use strata_schemas::serve::ExpertCache;
-
-fn tiny_hp() -> HParams {
-    HParams {
-        n_layer: 4,
-        n_embd: 64,
-        n_vocab: 128,
-        n_ctx_train: 256,
-        n_head: 4,
-        n_head_kv: 2,
-        head_dim_k: 16,
-        head_dim_v: 16,
-        n_ff: 0,
-        n_expert: 8,
-        n_expert_used: 2,
-        n_ff_exp: 32,
-        n_ff_shexp: 32,
-        n_leading_dense: 0,
-        full_attention_interval: Some(2),
-        ssm: Some(SsmParams {
-            conv_kernel: 4,
-            state_size: 16,
-            group_count: 2,
-            time_step_rank: 4,
-            inner_size: 64,
-        }),
-        nextn_predict_layers: 0,
-        rope_theta: 10_000.0,
-        rope_dim: Some(4),
-        rms_eps: 1e-6,
-        norm_topk_prob: true,
-        tied_embeddings: false,
-    }
-}
 
 #[test]
 fn a_random_qwen3next_gguf_runs_from_a_plan_and_decode_equals_recompute() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("next.gguf");
-    let hp = tiny_hp();
+    let hp = tiny_qwen3next_hp();
     let recipe = QuantRecipe::preset("F32").unwrap();
     let opts = RandomOptions {
         name: "tiny next".into(),
