@@ -178,59 +178,38 @@ impl SafetensorsModel {
         let mut stacks = HashMap::new();
         let n_expert = inv.hparams.n_expert;
         for t in &inv.tensors {
-            let changed = strata_schemas::gguf::hf_sources::sources(
-                &inv.arch,
-                &inv.hparams,
-                &t.name,
-                &t.dims,
-            )
-            .is_some_and(|s| s.transform != strata_schemas::gguf::hf_sources::Transform::Copy);
-            if changed {
-                // Stored 1:1 but with other values (Qwen3-Next's zero-centred norms,
-                // `A_log`): converted as the GGUF converter converts them.
-                let buf = converted(&inv, t, &header, &map).map_err(merr)?;
-                stacks.insert(t.name.clone(), buf);
-                continue;
-            }
-            if let Some(o) = t.file_offset {
-                let at = header.data_start + o;
-                if at + t.bytes > map.len() as u64 {
-                    return Err(merr(format!(
-                        "tensor `{}` runs past the end of the file",
-                        t.name
-                    )));
+            use strata_schemas::gguf::hf_sources::{self, Transform};
+            let src = hf_sources::sources(&inv.arch, &inv.hparams, &t.name, &t.dims);
+            // Stored 1:1 but with other values (Qwen3-Next's zero-centred norms, `A_log`).
+            let changed = src.as_ref().is_some_and(|s| s.transform != Transform::Copy);
+            let main_stack =
+                t.role == TensorRole::ExpertStack && header.tensor(&expert_name(t, 0)).is_some();
+            match (changed, t.file_offset) {
+                (false, Some(o)) => {
+                    let at = header.data_start + o;
+                    if at + t.bytes > map.len() as u64 {
+                        return Err(merr(format!(
+                            "tensor `{}` runs past the end of the file",
+                            t.name
+                        )));
+                    }
+                    index.insert(t.name.clone(), (at, t.bytes));
+                    continue;
                 }
-                index.insert(t.name.clone(), (at, t.bytes));
-                continue;
-            }
-            if t.role != TensorRole::ExpertStack {
-                // Qwen3-Next's converted tensors (norms + 1, `-exp(A_log)`, the regrouped
-                // `in_proj_qkvz`): built once here, as `strata-gguf convert` writes them.
-                let buf = converted(&inv, t, &header, &map).map_err(merr)?;
-                stacks.insert(t.name.clone(), buf);
-                continue;
-            }
-            let layer = t.layer.unwrap_or(0);
-            let proj = if t.name.contains("ffn_gate_exps") {
-                "gate_proj"
-            } else if t.name.contains("ffn_up_exps") {
-                "up_proj"
-            } else {
-                "down_proj"
-            };
-            if header
-                .tensor(&format!("model.layers.{layer}.mlp.experts.0.{proj}.weight"))
-                .is_none()
-            {
-                // Not a main layer's experts (Qwen3-Next's MTP block, `mtp.layers.K`): the
-                // converter's sources name them.
-                let buf = converted(&inv, t, &header, &map).map_err(merr)?;
-                stacks.insert(t.name.clone(), buf);
-                continue;
+                (false, None) if main_stack => {}
+                _ => {
+                    // Values the GGUF layout changes (the above, the regrouped
+                    // `in_proj_qkvz`) or experts outside the main layers (Qwen3-Next's MTP
+                    // block, `mtp.layers.K`): built once here, as `strata-gguf convert`
+                    // writes them.
+                    let buf = converted(t, src.as_ref(), &header, &map).map_err(merr)?;
+                    stacks.insert(t.name.clone(), buf);
+                    continue;
+                }
             }
             let mut buf = Vec::with_capacity(t.bytes as usize);
             for e in 0..n_expert {
-                let hf = format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight");
+                let hf = expert_name(t, e);
                 let st = header
                     .tensor(&hf)
                     .ok_or_else(|| merr(format!("`{hf}` missing for stack `{}`", t.name)))?;
@@ -261,23 +240,37 @@ impl SafetensorsModel {
     }
 }
 
+/// The Hugging Face name of expert `e`'s matrix in main-layer expert stack `t`.
+fn expert_name(t: &strata_schemas::inventory::TensorInfo, e: u64) -> String {
+    let proj = if t.name.contains("ffn_gate_exps") {
+        "gate_proj"
+    } else if t.name.contains("ffn_up_exps") {
+        "up_proj"
+    } else {
+        "down_proj"
+    };
+    format!(
+        "model.layers.{}.mlp.experts.{e}.{proj}.weight",
+        t.layer.unwrap_or(0)
+    )
+}
+
 /// The bytes of GGUF tensor `t` built from its pieces in the folder's one safetensors file
 /// (`header`, mapped as `map`): rows gathered in order, decoded to f32, transformed, and
 /// stored as `t`'s type — the values `strata-gguf convert` writes for it.
 fn converted(
-    inv: &ModelInventory,
     t: &strata_schemas::inventory::TensorInfo,
+    src: Option<&strata_schemas::gguf::hf_sources::Sources>,
     header: &strata_schemas::safetensors::SafetensorsHeader,
     map: &Mmap,
 ) -> Result<Vec<u8>, String> {
     use strata_schemas::safetensors::StDtype;
-    let src = strata_schemas::gguf::hf_sources::sources(&inv.arch, &inv.hparams, &t.name, &t.dims)
-        .ok_or_else(|| {
-            format!(
-                "tensor `{}` has no Hugging Face source this loader knows; convert the model to GGUF",
-                t.name
-            )
-        })?;
+    let src = src.ok_or_else(|| {
+        format!(
+            "tensor `{}` has no Hugging Face source this loader knows; convert the model to GGUF",
+            t.name
+        )
+    })?;
     let ne0 = t.dims[0] as usize;
     let mut x: Vec<f32> = Vec::new();
     for p in &src.pieces {
