@@ -590,41 +590,16 @@ impl CudaDevice {
         sorted: DeviceView<'_>,
         y: DeviceView<'_>,
     ) -> Result<(), CudaError> {
-        self.moe_gemm_converted_strided(
-            tile, w, wu, 0, ty, n_expert, rows, cols, xh, input, n_tok, k, sorted, y,
-        )
-    }
-
-    /// [`CudaDevice::moe_gemm_converted`] with expert e's matrix at byte `e * stride` of `w`
-    /// (and of `wu`) instead of `e * matrix bytes` — experts held in expert-cache slots of
-    /// `stride` bytes each. `stride` 0 means the matrix size; else it must be at least that
-    /// and a multiple of 16.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_gemm_converted_strided(
-        &self,
-        tile: GemmTile,
-        w: DeviceView<'_>,
-        wu: Option<DeviceView<'_>>,
-        stride: u64,
-        ty: GgmlType,
-        n_expert: usize,
-        rows: usize,
-        cols: usize,
-        xh: DeviceView<'_>,
-        input: MoeInput,
-        n_tok: usize,
-        k: usize,
-        sorted: DeviceView<'_>,
-        y: DeviceView<'_>,
-    ) -> Result<(), CudaError> {
-        let src = ExpertSource::Strided { w, wu, stride };
+        let src = ExpertSource::Strided { w, wu, stride: 0 };
         self.moe_gemm_from(
             tile, src, ty, n_expert, rows, cols, xh, input, n_tok, k, sorted, y,
         )
     }
 
-    /// [`CudaDevice::moe_gemm_converted_strided`] reading expert e's matrices where `src`
-    /// says: strided stacks, or an expert table (the expert cache's slots).
+    /// [`CudaDevice::moe_gemm_converted`] reading expert e's matrices where `src` says:
+    /// strided stacks (experts held in cache slots of `stride` bytes each; `stride` 0 means
+    /// the matrix size, else at least that and a multiple of 16), or an expert table (the
+    /// expert cache's slots, in any order).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemm_from(
         &self,

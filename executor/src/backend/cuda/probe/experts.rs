@@ -1,7 +1,7 @@
 //! The cost model's expert coefficients measured with the engine's own expert launchers:
 //! the decode expert products (`launch::decode::moe_gate_up` + `moe_down`, read through a
 //! table of expert pointers as the engine and its expert cache do) at several tokens, the
-//! prefill's grouped tensor-core products (`moe_sort`, `moe_gemm_converted_strided` as
+//! prefill's grouped tensor-core products (`moe_sort`, `moe_gemm_from` as
 //! `forward.rs` calls them), and the expert cache's miss copy (one expert matrix at a time
 //! from pageable host memory, as `expert_cache.rs` fills a slot).
 //! Invariant: Qwen3-30B-A3B's expert shape (128 experts of 768 x 2048, Q8_0, top-8); every
@@ -11,7 +11,7 @@
 use super::cost::{filled, graph_ms, stream_ms};
 use crate::backend::cuda::forward::mat_bytes;
 use crate::backend::cuda::gemm::{
-    gemm_scratch_bytes, moe_scratch_bytes, GemmTile, MoeInput, MOE_DEFAULT_TILE,
+    gemm_scratch_bytes, moe_scratch_bytes, ExpertSource, GemmTile, MoeInput, MOE_DEFAULT_TILE,
 };
 use crate::backend::cuda::launch::decode::{moe_down, moe_gate_up, ExpertTable};
 use crate::backend::cuda::launch::Launcher;
@@ -191,11 +191,14 @@ pub fn prefill_experts(dev: &CudaDevice, reps: usize) -> Result<f64, CudaError> 
     let ms = stream_ms(dev, reps, &mut || {
         dev.moe_sort(idv.all(), n, K, N_EXPERT, sorted.all())?;
         dev.gemm_convert_x(x.all(), n, E, ty, xh.all())?;
-        dev.moe_gemm_converted_strided(
+        let gate_up = ExpertSource::Strided {
+            w: s.gate.view(0, gu_span)?,
+            wu: Some(s.up.view(0, gu_span)?),
+            stride: s.gu,
+        };
+        dev.moe_gemm_from(
             GemmTile::M64,
-            s.gate.view(0, gu_span)?,
-            Some(s.up.view(0, gu_span)?),
-            s.gu,
+            gate_up,
             ty,
             N_EXPERT,
             F,
@@ -208,11 +211,14 @@ pub fn prefill_experts(dev: &CudaDevice, reps: usize) -> Result<f64, CudaError> 
             h.all(),
         )?;
         dev.gemm_convert_x(h.all(), n * K, F, ty, xh.all())?;
-        dev.moe_gemm_converted_strided(
+        let down = ExpertSource::Strided {
+            w: s.down.view(0, dn_span)?,
+            wu: None,
+            stride: s.dn,
+        };
+        dev.moe_gemm_from(
             MOE_DEFAULT_TILE,
-            s.down.view(0, dn_span)?,
-            None,
-            s.dn,
+            down,
             ty,
             N_EXPERT,
             E,
