@@ -283,10 +283,10 @@ pub fn mv(
         &wp, &ty, &rows, &cols, &xp, &nw, &eps, &yp, &n32, &add, &xn)
 }
 
-/// Whether the matrix-vector and Q/K/V products of `ty` take the `*_kq` kernels: Q5_K and
-/// Q6_K (Q4_K keeps its own path in `dq_mv1` / `dq_qkv1`).
+/// Whether the matrix-vector and Q/K/V products of `ty` take the `*_kq` kernels: Q5_K, Q6_K
+/// and IQ3_S (Q4_K keeps its own path in `dq_mv1` / `dq_qkv1`).
 fn kq_fast(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q5K | GgmlType::Q6K)
+    matches!(ty, GgmlType::Q5K | GgmlType::Q6K | GgmlType::Iq3S)
 }
 
 /// Whether [`qkv`] takes Q, K and V of these (type, columns) in one launch: equal columns, and
