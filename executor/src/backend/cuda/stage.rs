@@ -227,6 +227,7 @@ impl CudaStage {
             dev: &self.dev,
             pdl: self.flags.pdl && self.kind == StepKind::Decode,
             prof: self.prof.as_ref(),
+            q4k_lanes: self.opts.q4k_lanes,
         }
     }
 

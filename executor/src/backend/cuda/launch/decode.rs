@@ -244,7 +244,7 @@ pub fn mv(
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
     let (wp, xp, yp) = (w.w.ptr(), x.ptr(), y.ptr());
     let (rows, cols) = (w.rows as i32, w.cols as i32);
-    if kq_fast(w.ty) {
+    if kq_fast(l, w.ty) {
         // dq_mv1_kq / dq_mv8_kq: a tall one-token product (the LM head) caps its grid, its
         // warps walk groups of rows (each input value read once a group) and the block
         // stages its input in shared memory once.
@@ -284,9 +284,11 @@ pub fn mv(
 }
 
 /// Whether the matrix-vector and Q/K/V products of `ty` take the `*_kq` kernels: Q5_K, Q6_K
-/// and IQ3_S (Q4_K keeps its own path in `dq_mv1` / `dq_qkv1`).
-fn kq_fast(ty: GgmlType) -> bool {
+/// and IQ3_S (Q4_K keeps its own path in `dq_mv1` / `dq_qkv1` unless the launcher asks for
+/// `q4k_lanes`).
+fn kq_fast(l: &Launcher<'_>, ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q5K | GgmlType::Q6K | GgmlType::Iq3S)
+        || (l.q4k_lanes && ty == GgmlType::Q4K)
 }
 
 /// Whether [`qkv`] takes Q, K and V of these (type, columns) in one launch: equal columns, and
@@ -353,7 +355,7 @@ pub fn qkv(
             &wq, &wk, &wv, &ty, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv, &n32, &wc);
     }
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
-    let kq = kq_fast(mats[0].ty) || mixed;
+    let kq = kq_fast(l, mats[0].ty) || mixed;
     if kq {
         let name = if n == 1 { "dq_qkv1_kq" } else { "dq_qkv8_kq" };
         let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
@@ -615,7 +617,7 @@ pub fn moe_gate_up(
         int(OP, "n * k", n * k)? as u32,
         1,
     );
-    let both_q4k = ex.ty == GgmlType::Q4K && ex.ty_up == GgmlType::Q4K;
+    let both_q4k = ex.ty == GgmlType::Q4K && ex.ty_up == GgmlType::Q4K && !l.q4k_lanes;
     let name = if kq_type(ex.ty) && kq_type(ex.ty_up) && !both_q4k {
         "dq_moe_gate_up_kq"
     } else if super::any_type(ex.ty) || super::any_type(ex.ty_up) {

@@ -136,6 +136,8 @@ pub struct Launcher<'a> {
     pub pdl: bool,
     /// When profiling: every launch's label with events recorded around it.
     pub prof: Option<&'a Prof>,
+    /// One-token Q4_K products on the `_kq` kernels ([`KernelOptions::q4k_lanes`](super::options::KernelOptions)).
+    pub q4k_lanes: bool,
 }
 
 impl<'a> Launcher<'a> {
@@ -145,6 +147,7 @@ impl<'a> Launcher<'a> {
             dev,
             pdl: false,
             prof: None,
+            q4k_lanes: false,
         }
     }
 

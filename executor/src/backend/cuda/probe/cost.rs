@@ -337,6 +337,7 @@ fn decode_launcher(dev: &CudaDevice) -> Launcher<'_> {
         dev,
         pdl: true,
         prof: None,
+        q4k_lanes: false,
     }
 }
 

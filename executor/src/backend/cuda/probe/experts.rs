@@ -125,6 +125,7 @@ pub fn decode_experts(dev: &CudaDevice) -> Result<(f64, f64, f64), String> {
         dev,
         pdl: true,
         prof: None,
+        q4k_lanes: false,
     };
     let per_expert = expert_bytes().map_err(e)? as f64;
     let mut points = Vec::new();
