@@ -73,7 +73,7 @@ pub fn notes(plan: &Plan) -> Vec<String> {
             .pinned_chunks
             .iter()
             .any(|c| c.device == d.index && c.purpose == PINNED_EXPERTS);
-        if d.vendor != "cpu"
+        if d.vendor == "nvidia"
             && (d.resident_experts.len() as u64) < cached_layers * n_expert
             && !tier
         {

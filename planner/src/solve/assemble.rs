@@ -437,7 +437,7 @@ impl Solver<'_> {
         })
     }
 
-    /// The host expert tier of each GPU device whose cache holds fewer slots than its layers
+    /// The host expert tier of each NVIDIA device whose cache holds fewer slots than its layers
     /// have experts: a pinned copy of every expert of those layers (`PINNED_EXPERTS` chunks,
     /// whole experts of `expert_slot_bytes` each, at most `--pinned-chunk-mib` a chunk), when
     /// it fits the pinned budget beside every other chunk and the CPU devices' arenas and one
@@ -457,7 +457,8 @@ impl Solver<'_> {
         for (i, b) in built.iter_mut().enumerate() {
             let p = &b.plan;
             let experts = self.facts.expert_layers(p.layer_first, p.layer_end) * ne;
-            if p.vendor == Vendor::Cpu.as_str()
+            // The CUDA engine copies misses from the tier; the HIP engine runs no cache yet.
+            if p.vendor != Vendor::Nvidia.as_str()
                 || p.expert_slot_bytes == 0
                 || p.expert_slot_bytes > chunk_max
                 || p.resident_experts.len() as u64 >= experts
