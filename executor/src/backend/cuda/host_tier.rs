@@ -274,6 +274,18 @@ pub(crate) fn pin_chunks(
         .filter(|c| c.device == dp.index && c.purpose == PINNED_EXPERTS)
         .map(|c| c.bytes)
         .collect();
+    let total: u64 = sizes.iter().sum();
+    // Live RAM against the plan's: pinning past MemAvailable would push the model file's
+    // pages and everything else out (1 GiB left, as the planner's headroom).
+    if let Ok(avail) = crate::bind::mem_available() {
+        if total > 0 && total.saturating_add(1 << 30) > avail {
+            eprintln!(
+                "warning: device {}: the planned host expert tier takes {total} bytes of pinned memory but MemAvailable is {avail}; expert misses copy from the mapped model file instead (pageable memory, several times slower). Free host RAM, or re-plan with a probe of this machine (`strata-exec probe`)",
+                dp.index
+            );
+            return None;
+        }
+    }
     let mut chunks = Vec::with_capacity(sizes.len());
     for (i, &b) in sizes.iter().enumerate() {
         match dev.alloc_pinned(b) {
