@@ -356,10 +356,15 @@ impl CudaStage {
         if let Some(t) = c.tier.as_mut() {
             t.synchronised();
         }
-        match (c.prefetch_layer.take() == Some(layer), c.tier.as_ref()) {
-            // This layer's products read what the prefetch copied.
-            (true, Some(t)) => t.await_prefetch(&self.dev)?,
-            _ => c.prefetched.fill(false),
+        // This layer's products read what a prefetch copied; a prefetch of another layer
+        // (a pass that stopped before it) is waited on too, since its slots now count as
+        // filled.
+        let pending = c.prefetch_layer.take();
+        if let (Some(_), Some(t)) = (pending, c.tier.as_ref()) {
+            t.await_prefetch(&self.dev)?;
+        }
+        if pending != Some(layer) {
+            c.prefetched.fill(false);
         }
         c.tally.record(layer, &c.ids[..n * k]);
         let li = (layer - c.layer_first) as usize;
