@@ -3,7 +3,11 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|offload|all] [OUTDIR]
+# (offload: the all-resident plan with --no-graphs (decode without graphs, no cache), then
+# the Q8_0 file planned for 24 and 12 GiB cards (plans/hardware/h200.toml with its VRAM cut),
+# each plan's host expert tier and notes, then bench pp512/tg128: the expert cache's misses
+# from the pinned tier on the copy stream, PCIe bytes per prefill and per decode step.)
 # (predict: probe this machine, plan the Q8_0 file with the probe at batch 1, 4 and 16 and for
 # 24 and 12 GiB cards (the probe with its VRAM cut), bench each plan at its batch: the plan's
 # predictions beside the measurements, as JSON lines in OUTDIR/predict.jsonl.)
@@ -146,6 +150,27 @@ if [ "$what" = predict ] || [ "$what" = all ]; then
         echo "== strata-exec bench $run"
         $bin/strata-exec bench $plan -p 512 -n 128 -b $2 -r 2 -q --format json 2>&1 |
             tee -a "$out/predict.jsonl" | cut -c1-400
+    done
+fi
+if [ "$what" = offload ] || [ "$what" = all ]; then
+    m=/tmp/q30-q8_0.gguf
+    [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
+    # The all-resident plan uncaptured (--no-graphs): the same launches as a cache stage's
+    # decode without its per-layer read-back, copies and lookups, to price those.
+    $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 \
+        --batch 1 -o /tmp/q30.plan >/dev/null
+    echo "== all resident, --no-graphs" | tee -a "$out/offload.txt"
+    $bin/strata-exec bench /tmp/q30.plan -p 512 -n 128 -r 3 -q --no-graphs 2>&1 |
+        grep -E "\| cuda" | tee -a "$out/offload.txt"
+    for gib in 24 12; do
+        sed -e "s/^vram_bytes = .*/vram_bytes = $((gib * 1024 * 1024 * 1024))/" \
+            plans/hardware/h200.toml >/tmp/h200-${gib}g.toml
+        echo "== ${gib} GiB card: plan"
+        $bin/strata-plan --hardware /tmp/h200-${gib}g.toml --model $m --max-context 4096 --batch 1 \
+            -o /tmp/q30-${gib}g.plan | grep -iE "host|expert|predict|note" | head -12 | tee -a "$out/offload.txt"
+        echo "== ${gib} GiB card: strata-exec bench"
+        /usr/bin/time -f "wall %e s, max RSS %M KB" $bin/strata-exec bench /tmp/q30-${gib}g.plan \
+            -p 512 -n 128 -r 3 2>&1 | grep -vE "^\s*rep " | tee -a "$out/offload.txt"
     done
 fi
 if [ "$what" = torch ] || [ "$what" = all ]; then

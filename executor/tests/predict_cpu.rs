@@ -121,6 +121,7 @@ fn measure() -> CostProbe {
         prefill_attention_tflops: Some(tflops),
         step_us: Some(0.0),
         host_expert_gbps: Some(gbps),
+        host_expert_pinned_gbps: Some(gbps),
         // The CPU engine's experts are its products: the planner takes their figures.
         expert_latency_us: None,
         expert_gbps: None,

@@ -54,6 +54,8 @@ pub struct Coefficients {
     pub prefill_attention_flops: f64,
     pub step_s: f64,
     pub host_expert_bps: f64,
+    /// The same from the plan's pinned host expert tier (one slot per copy).
+    pub host_expert_pinned_bps: f64,
     /// A decode layer's expert pair beyond its bytes; expert bytes per second of its uses
     /// at a few tokens and over a many-token group; the grouped prefill products.
     pub expert_latency_s: f64,
@@ -102,6 +104,11 @@ impl Coefficients {
             ) * 1e12,
             step_s: get("step_us", c.step_us, step) * 1e-6,
             host_expert_bps: get("host_expert_gbps", c.host_expert_gbps, dev.h2d()) * 1e9,
+            host_expert_pinned_bps: get(
+                "host_expert_pinned_gbps",
+                c.host_expert_pinned_gbps,
+                dev.h2d(),
+            ) * 1e9,
             // The CPU engine's experts are its products (the same matmul): their figures.
             expert_latency_s: 2.0 * product_latency_us * 1e-6,
             expert_bps: product_gbps * 1e9,
@@ -310,6 +317,7 @@ mod tests {
             prefill_attention_tflops: Some(50.0),
             step_us: Some(20.0),
             host_expert_gbps: Some(50.0),
+            host_expert_pinned_gbps: Some(52.0),
             expert_latency_us: Some(17.0),
             expert_gbps: Some(2000.0),
             expert_pass_gbps: Some(1000.0),
@@ -319,6 +327,7 @@ mod tests {
         assert!(!c.guessed(), "{:?}", c.defaulted);
         assert_eq!(c.product_bps, 3000e9);
         assert_eq!(c.gemm_flops, 100e12);
+        assert_eq!(c.host_expert_pinned_bps, 52e9);
     }
 
     /// BENCHMARKS.md: the Qwen3-30B-A3B-shaped Q8_0 model on one H200, everything resident:

@@ -9,7 +9,7 @@ use crate::solve::Infeasible;
 use crate::units::bytes as gib;
 use serde_json::{json, Map, Value};
 use strata_schemas::capability::{runnable, Runnable};
-use strata_schemas::plan::{DecodePoint, DeviceCost, Placement, Plan, RegionKind};
+use strata_schemas::plan::{DecodePoint, DeviceCost, Placement, Plan, RegionKind, PINNED_EXPERTS};
 
 /// `{"cpu": true, "cuda": ["reason", ...], "hip": [...]}`.
 pub fn runnable_json(r: &Runnable) -> Value {
@@ -57,6 +57,31 @@ pub fn notes(plan: &Plan) -> Vec<String> {
             "device(s) {}: free memory is assumed (vram_bytes minus the runtime reserve) because the probe has no free_bytes; run `strata-exec probe -o probe.toml` on the machine for measured figures",
             assumed.join(", ")
         ));
+    }
+    let n_expert = plan.model.n_expert;
+    for d in &plan.devices {
+        let cached_layers = plan
+            .tensors
+            .iter()
+            .filter(|t| {
+                t.name.ends_with("ffn_gate_exps.weight")
+                    && matches!(t.placement, Placement::HostExperts { device } if device == d.index)
+            })
+            .count() as u64;
+        let tier = plan
+            .host
+            .pinned_chunks
+            .iter()
+            .any(|c| c.device == d.index && c.purpose == PINNED_EXPERTS);
+        if d.vendor == "nvidia"
+            && (d.resident_experts.len() as u64) < cached_layers * n_expert
+            && !tier
+        {
+            out.push(format!(
+                "device {}: its host expert tier is not pinned (the pinned budget, MemAvailable minus headroom and `ulimit -l`, cannot hold every expert of its layers beside the other chunks, or one expert is larger than --pinned-chunk-mib): misses copy from the mapped model file at the pageable rate (host_expert_gbps)",
+                d.index
+            ));
+        }
     }
     if plan.predicted.guessed {
         out.push("the predicted speeds are guesses: the probe has no measured [device.cost] coefficients (defaults calibrated on the H200); `strata-exec probe` measures them".into());
@@ -154,6 +179,12 @@ pub fn plan_json(plan: &Plan) -> Value {
             "pinned_bytes": h.pinned_bytes,
             "pinned_chunk_max_bytes": h.pinned_chunk_max_bytes,
             "pinned_chunks": h.pinned_chunks.len(),
+            "experts_pinned_bytes": h
+                .pinned_chunks
+                .iter()
+                .filter(|c| c.purpose == PINNED_EXPERTS)
+                .map(|c| c.bytes)
+                .sum::<u64>(),
             "kv_host_bytes": h.kv_host_bytes,
             "experts_host_bytes": h.experts_host_bytes,
             "ram_required_bytes": h.ram_required_bytes,
@@ -288,11 +319,17 @@ pub fn plan_text(plan: &Plan) -> String {
         .filter(|t| matches!(t.placement, Placement::HostExperts { .. }))
         .count();
     o.push_str(&format!(
-        "\n  host: pinned {} in {} chunk(s) of at most {} (KV beyond the VRAM window {}); non-resident experts {} mapped from the model file ({} expert tensors)\n",
+        "\n  host: pinned {} in {} chunk(s) of at most {} (KV beyond the VRAM window {}, host expert tier {}); non-resident experts {} mapped from the model file ({} expert tensors)\n",
         gib(h.pinned_bytes),
         h.pinned_chunks.len(),
         gib(h.pinned_chunk_max_bytes),
         gib(h.kv_host_bytes),
+        gib(h
+            .pinned_chunks
+            .iter()
+            .filter(|c| c.purpose == PINNED_EXPERTS)
+            .map(|c| c.bytes)
+            .sum()),
         gib(h.experts_host_bytes),
         host_experts,
     ));

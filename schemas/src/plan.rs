@@ -204,11 +204,31 @@ pub struct TensorPlacement {
     pub placement: Placement,
 }
 
+/// The purpose of the pinned chunks that hold a GPU device's host expert tier: every expert
+/// of the device's layers whose stacks are [`Placement::HostExperts`], in (layer, expert)
+/// order, each in `expert_slot_bytes` bytes (gate, up and down in the backend's device
+/// layout, as a cache slot holds them), packed whole into the device's chunks of this purpose
+/// in plan order, every chunk but the last holding the same number of experts
+/// ([`pinned_expert_at`]). A miss then copies one contiguous slot from pinned memory.
+pub const PINNED_EXPERTS: &str = "experts";
+
+/// Where expert number `index` (in the order of [`PINNED_EXPERTS`]) lies: (chunk among the
+/// device's expert chunks, byte offset in it), given those chunks' sizes; None when they do
+/// not hold it.
+pub fn pinned_expert_at(chunks: &[u64], slot_bytes: u64, index: u64) -> Option<(usize, u64)> {
+    let per = chunks.first()?.checked_div(slot_bytes)?;
+    if per == 0 {
+        return None;
+    }
+    let (c, at) = ((index / per) as usize, (index % per) * slot_bytes);
+    (at + slot_bytes <= *chunks.get(c)?).then_some((c, at))
+}
+
 /// One pinned host allocation.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct PinnedChunk {
-    /// "kv_spill" or "staging".
+    /// "kv_spill", "staging" or [`PINNED_EXPERTS`].
     pub purpose: String,
     /// The device it serves.
     pub device: u32,
@@ -529,5 +549,24 @@ impl Plan {
             done += n;
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinned_experts_pack_whole_into_the_chunks() {
+        // Chunks of 3, 3 and 1 experts of 10 bytes (the first has 2 spare bytes).
+        let chunks = [32, 32, 10];
+        assert_eq!(pinned_expert_at(&chunks, 10, 0), Some((0, 0)));
+        assert_eq!(pinned_expert_at(&chunks, 10, 2), Some((0, 20)));
+        assert_eq!(pinned_expert_at(&chunks, 10, 3), Some((1, 0)));
+        assert_eq!(pinned_expert_at(&chunks, 10, 6), Some((2, 0)));
+        assert_eq!(pinned_expert_at(&chunks, 10, 7), None);
+        assert_eq!(pinned_expert_at(&[], 10, 0), None);
+        assert_eq!(pinned_expert_at(&[5], 10, 0), None);
+        assert_eq!(pinned_expert_at(&[5], 0, 0), None);
     }
 }

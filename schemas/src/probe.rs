@@ -128,6 +128,10 @@ pub struct CostProbe {
     /// the way the engine copies a miss.
     #[serde(default)]
     pub host_expert_gbps: Option<f64>,
+    /// The same from pinned host memory (the plan's pinned expert tier), one whole expert
+    /// slot per copy.
+    #[serde(default)]
+    pub host_expert_pinned_gbps: Option<f64>,
     /// A decode step's expert products (gate-up and down launches of a layer) beyond their
     /// bytes.
     #[serde(default)]
@@ -147,7 +151,7 @@ pub struct CostProbe {
 
 impl CostProbe {
     /// Every key with its value, in file order (for validation and the report).
-    pub fn entries(&self) -> [(&'static str, Option<f64>); 13] {
+    pub fn entries(&self) -> [(&'static str, Option<f64>); 14] {
         [
             ("launch_us", self.launch_us),
             ("product_latency_us", self.product_latency_us),
@@ -158,6 +162,7 @@ impl CostProbe {
             ("prefill_attention_tflops", self.prefill_attention_tflops),
             ("step_us", self.step_us),
             ("host_expert_gbps", self.host_expert_gbps),
+            ("host_expert_pinned_gbps", self.host_expert_pinned_gbps),
             ("expert_latency_us", self.expert_latency_us),
             ("expert_gbps", self.expert_gbps),
             ("expert_pass_gbps", self.expert_pass_gbps),

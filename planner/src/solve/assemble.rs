@@ -403,6 +403,7 @@ impl Solver<'_> {
                 });
             }
         }
+        self.pin_host_experts(&mut built, &mut chunks);
         let (host, host_degradations, disk_share) = self.host_verdict(&built, chunks);
         degradations.extend(host_degradations);
         let disk = self
@@ -434,6 +435,53 @@ impl Solver<'_> {
             suggestions,
             predicted,
         })
+    }
+
+    /// The host expert tier of each NVIDIA device whose cache holds fewer slots than its layers
+    /// have experts: a pinned copy of every expert of those layers (`PINNED_EXPERTS` chunks,
+    /// whole experts of `expert_slot_bytes` each, at most `--pinned-chunk-mib` a chunk), when
+    /// it fits the pinned budget beside every other chunk and the CPU devices' arenas and one
+    /// expert fits a chunk; a
+    /// device whose copy does not fit keeps reading misses from the mapped model file (the
+    /// report notes it). A pinned device's misses cost the pinned copy rate
+    /// (`host_expert_pinned_gbps`) and its experts leave the mapped-file RAM count.
+    fn pin_host_experts(&self, built: &mut [Built], chunks: &mut Vec<PinnedChunk>) {
+        let cpu_arenas: u64 = built
+            .iter()
+            .filter(|b| b.plan.vendor == Vendor::Cpu.as_str())
+            .map(|b| b.plan.arena_bytes)
+            .sum();
+        let mut used = chunks.iter().map(|c| c.bytes).sum::<u64>() + cpu_arenas;
+        let ne = self.facts.n_expert;
+        let chunk_max = self.req.settings.pinned_chunk_mib * MIB;
+        for (i, b) in built.iter_mut().enumerate() {
+            let p = &b.plan;
+            let experts = self.facts.expert_layers(p.layer_first, p.layer_end) * ne;
+            // The CUDA engine copies misses from the tier; the HIP engine runs no cache yet.
+            if p.vendor != Vendor::Nvidia.as_str()
+                || p.expert_slot_bytes == 0
+                || p.expert_slot_bytes > chunk_max
+                || p.resident_experts.len() as u64 >= experts
+            {
+                continue;
+            }
+            let need = experts * p.expert_slot_bytes;
+            if used + need > self.pinned_budget {
+                continue;
+            }
+            used += need;
+            push_chunks(
+                chunks,
+                PINNED_EXPERTS,
+                p.index,
+                need,
+                chunk_max,
+                p.expert_slot_bytes,
+            );
+            let c = &self.coefficients[i];
+            b.plan.cost.expert_miss_s *= c.host_expert_bps / c.host_expert_pinned_bps;
+            b.experts_host = 0;
+        }
     }
 
     /// Host RAM: pinned chunks, experts read from the mapped model file and the arenas of CPU

@@ -8,20 +8,24 @@
 //! filled, so the products read the cache slots without a change to the kernels.
 //! Invariant: no slot ever holds bytes other than the expert the policy says it holds; the
 //! slots used never exceed the plan's `expert_cache_slots`; every copy into a slot or a table
-//! is queued on the compute stream, so it starts only after every kernel queued before it
-//! (which may read the slot) has finished, and the products of a group of tokens, queued
-//! after its copies, read all of its experts from their slots. First version: the router's
+//! is ordered after every kernel that may read the slot, and the products of a group of
+//! tokens, queued after its copies, read all of its experts from their slots. The router's
 //! picks are read back to the host with a synchronisation once per MoE layer and pass (the
-//! only one), so decode passes of such a stage are not captured in CUDA graphs; misses are
-//! copied on the compute stream (not yet on a copy stream overlapping the hits) from the
-//! pageable mmapped model file, which the driver stages before each call returns; a pass whose
-//! tokens pick more distinct experts than the cache holds runs in groups of tokens that fit.
+//! only one), so decode passes of such a stage are not captured in CUDA graphs. When the plan
+//! pins a host expert tier for the stage (`host_tier.rs`), a miss is one DMA of a whole slot
+//! from pinned memory on a copy stream, ordered by events (a group's copies overlap the
+//! previous group's products; the compute stream waits for them before the group's
+//! products); otherwise misses are copied on the compute stream from the pageable mmapped
+//! model file, which the driver stages before each call returns. A pass whose tokens pick
+//! more distinct experts than the cache holds runs in groups of tokens that fit.
 
 use super::forward::Grouped;
+use super::host_tier::PinnedTier;
 use super::launch::decode::{self, ExpertTable};
+use super::pinned::PinnedHost;
 use super::stage::CudaStage;
-use super::{drv, layout, CudaError, DeviceView};
-use crate::backend::WorkBuf;
+use super::{drv, layout, CudaDevice, CudaError, DeviceView};
+use crate::backend::{StepKind, WorkBuf};
 use crate::experts::{Lookup, LruPolicy};
 use crate::load::HostModel;
 use crate::routing::RoutingTally;
@@ -29,6 +33,10 @@ use std::sync::Arc;
 use strata_schemas::dims::Dims;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::plan::{DevicePlan, Placement, Plan, RegionKind};
+
+/// Picks per expert of a prefill pass from which the next layer's experts are fetched ahead
+/// (at 4, an expert goes unpicked with a chance of about e^-4 under uniform routing).
+const PREFETCH_PICKS: usize = 4;
 
 fn err(detail: impl Into<String>) -> CudaError {
     CudaError::Shape {
@@ -78,6 +86,16 @@ pub(crate) struct CudaExpertCache {
     tmp: Vec<u8>,
     tally: RoutingTally,
     pub(crate) counters: ExpertCounters,
+    /// The pinned host expert tier and its copy stream, when the plan pins one and the
+    /// driver pinned it.
+    tier: Option<PinnedTier>,
+    /// A group's misses waiting for the copy stream (expert, slot) and the slots it reads.
+    misses: Vec<(u32, u32)>,
+    used: Vec<u32>,
+    /// The layer whose experts a prefill pass fetched ahead (while the layer before it
+    /// computed), and which of its experts that fetch brought in.
+    prefetch_layer: Option<u32>,
+    prefetched: Vec<bool>,
 }
 
 impl CudaExpertCache {
@@ -85,9 +103,12 @@ impl CudaExpertCache {
     /// stacks stay in host memory, `HostExperts`, and `resident_experts` leaves them out), else
     /// `None` (every expert is resident and the tables point at the stacks or slots once, at
     /// binding).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn for_device(
         plan: &Plan,
         dp: &DevicePlan,
+        dev: &CudaDevice,
+        pinned: Option<Vec<PinnedHost>>,
         host: Arc<dyn HostModel>,
         arena_base: u64,
         d: &Dims,
@@ -147,6 +168,11 @@ impl CudaExpertCache {
             let unpinned = (slots as usize / 4).max(2 * k).min(slots as usize);
             policy.pin_hot(&dp.resident_experts, unpinned);
         }
+        let layers = hosted.iter().copied().collect();
+        let tier = match pinned {
+            Some(chunks) => Some(PinnedTier::new(dp, dev, chunks, layers, n_expert as u64)?),
+            None => None,
+        };
         Ok(Some(Self {
             host,
             policy,
@@ -161,6 +187,11 @@ impl CudaExpertCache {
             tmp: vec![0; dp.expert_slot_bytes as usize],
             tally: RoutingTally::new(n_layer, n_expert),
             counters: ExpertCounters::default(),
+            tier,
+            misses: Vec::with_capacity(n_expert),
+            used: Vec::with_capacity(n_expert),
+            prefetch_layer: None,
+            prefetched: vec![false; n_expert],
         }))
     }
 
@@ -183,6 +214,9 @@ impl CudaExpertCache {
                 m.iter().map(|x| x.3).sum::<u64>(),
                 self.slot_bytes
             )));
+        }
+        if let Some(t) = self.tier.as_mut() {
+            t.fill_layer(self.host.as_ref(), layer, m)?;
         }
         let entry = self
             .layers
@@ -210,6 +244,18 @@ impl CudaExpertCache {
 
     pub(crate) fn hits_misses(&self) -> (u64, u64) {
         (self.policy.hits, self.policy.misses)
+    }
+
+    /// Wait for every copy the copy stream has queued (before the arena goes).
+    pub(crate) fn quiesce(&self) {
+        if let Some(t) = &self.tier {
+            t.quiesce();
+        }
+    }
+
+    /// The pinned chunks the tier holds and their bytes.
+    pub(crate) fn pinned_chunks(&self) -> (u64, u64) {
+        self.tier.as_ref().map_or((0, 0), |t| t.chunks())
     }
 }
 
@@ -307,6 +353,19 @@ impl CudaStage {
         // One synchronisation: the router's picks of the whole pass.
         let idv = self.buf_at(ids, 0, (4 * n * k) as u64)?;
         self.dev.dtoh(idv, &mut c.ids[..n * k])?;
+        if let Some(t) = c.tier.as_mut() {
+            t.synchronised();
+        }
+        // This layer's products read what a prefetch copied; a prefetch of another layer
+        // (a pass that stopped before it) is waited on too, since its slots now count as
+        // filled.
+        let pending = c.prefetch_layer.take();
+        if let (Some(_), Some(t)) = (pending, c.tier.as_ref()) {
+            t.await_prefetch(&self.dev)?;
+        }
+        if pending != Some(layer) {
+            c.prefetched.fill(false);
+        }
         c.tally.record(layer, &c.ids[..n * k]);
         let li = (layer - c.layer_first) as usize;
         let budget = c.policy.unpinned_slots();
@@ -332,33 +391,9 @@ impl CudaStage {
                 )));
             }
             c.policy.begin_group();
-            // No synchronisation: an earlier group's products, queued before this group's
-            // copies on the same stream, finish before the copies start.
-            for &x in &group {
-                if x as usize >= ne {
-                    c.group = group;
-                    return Err(err(format!(
-                        "the router of layer {layer} picked expert {x} of {ne}"
-                    )));
-                }
-                match c.policy.lookup(layer, x).map_err(err)? {
-                    Lookup::Hit { slot } => {
-                        c.counters.hits += 1;
-                        point(c, li, x, slot);
-                    }
-                    Lookup::Miss { slot, .. } => {
-                        if let Err(e) = fill(self, c, li, layer, x, slot) {
-                            // The slot's bytes are no expert now: empty it.
-                            c.policy.forget(layer, x);
-                            c.group = group;
-                            return Err(e);
-                        }
-                        c.counters.misses_streamed += 1;
-                        point(c, li, x, slot);
-                    }
-                }
-            }
+            let r = self.fetch_group(c, li, layer, &group);
             c.group = group;
+            r?;
             let l = c.layers[li]
                 .as_mut()
                 .ok_or_else(|| err("layer not bound"))?;
@@ -384,6 +419,9 @@ impl CudaStage {
                 let src = Grouped::Table { off: l.table_off };
                 let bufs = [xn, ids, wts, y];
                 self.experts_grouped(&lch, src, [ty, ty_down], bufs, t0, g)?;
+                if let Some(t) = c.tier.as_mut() {
+                    t.group_done(&self.dev)?;
+                }
                 t0 += g;
                 continue;
             }
@@ -394,9 +432,161 @@ impl CudaStage {
             let h = self.buf_at(WorkBuf::H, 0, (4 * g * k * f) as u64)?;
             decode::moe_gate_up(&lch, table, iv, k, xv, h, g, stage_in)?;
             decode::moe_down(&lch, table, iv, wv, k, h, yv, g)?;
+            if let Some(t) = c.tier.as_mut() {
+                t.group_done(&self.dev)?;
+            }
             t0 += g;
         }
+        c.prefetched.fill(false);
+        self.prefetch_next(c, layer, n)
+    }
+}
+
+impl CudaStage {
+    /// Look up every expert of a group (`group`, distinct) and bring its misses into slots:
+    /// from the pinned tier on the copy stream (ordered after the slots' last readers, the
+    /// compute stream then waiting for the copies), or from the mapped file on the compute
+    /// stream. A failed copy empties the slots it was filling.
+    fn fetch_group(
+        &self,
+        c: &mut CudaExpertCache,
+        li: usize,
+        layer: u32,
+        group: &[u32],
+    ) -> Result<(), CudaError> {
+        let ne = self.d.n_expert;
+        c.misses.clear();
+        c.used.clear();
+        for &x in group {
+            if x as usize >= ne {
+                return Err(err(format!(
+                    "the router of layer {layer} picked expert {x} of {ne}"
+                )));
+            }
+            let slot = match c.policy.lookup(layer, x).map_err(err)? {
+                Lookup::Hit { slot } if c.prefetched[x as usize] => {
+                    // Fetched ahead: counted once, as the miss it was.
+                    c.prefetched[x as usize] = false;
+                    c.policy.hits = c.policy.hits.saturating_sub(1);
+                    slot
+                }
+                Lookup::Hit { slot } => {
+                    c.counters.hits += 1;
+                    slot
+                }
+                Lookup::Miss { slot, .. } if c.tier.is_some() => {
+                    c.misses.push((x, slot));
+                    slot
+                }
+                Lookup::Miss { slot, .. } => {
+                    // No synchronisation: an earlier group's products, queued before this
+                    // group's copies on the same stream, finish before the copies start.
+                    if let Err(e) = fill(self, c, li, layer, x, slot) {
+                        // The slot's bytes are no expert now: empty it.
+                        c.policy.forget(layer, x);
+                        return Err(e);
+                    }
+                    c.counters.misses_streamed += 1;
+                    slot
+                }
+            };
+            c.used.push(slot);
+            point(c, li, x, slot);
+        }
+        let r = self.copy_misses(c, li, layer, false);
+        if r.is_err() {
+            for &(x, _) in &c.misses {
+                c.policy.forget(layer, x);
+            }
+        }
+        if let Some(t) = c.tier.as_mut() {
+            for &s in &c.used {
+                t.reads(s);
+            }
+        }
+        r
+    }
+
+    /// After a prefill pass's layer: when the pass is long enough that every expert of the
+    /// next layer is as good as certain to be picked (`PREFETCH_PICKS` picks per expert) and
+    /// the cache has room for one and a half layers' experts, copy the next layer's experts
+    /// that are in no slot on the copy stream now, while this layer's products (queued) and
+    /// the next layer's attention and router run; the next layer waits for them before its
+    /// products.
+    fn prefetch_next(
+        &self,
+        c: &mut CudaExpertCache,
+        layer: u32,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let (k, ne) = (self.d.k, self.d.n_expert);
+        let next = layer + 1;
+        if c.tier.is_none()
+            || self.kind != StepKind::Prefill
+            || n * k < PREFETCH_PICKS * ne
+            || !c.serves(next)
+            || 2 * c.policy.unpinned_slots() < 3 * ne
+        {
+            return Ok(());
+        }
+        let li = (next - c.layer_first) as usize;
+        c.policy.begin_group();
+        c.misses.clear();
+        for x in 0..ne as u32 {
+            // Every expert of the layer is looked up, so that none in a slot is evicted for
+            // another; one in a slot is touched, not used (no hit counted).
+            match c.policy.lookup(next, x).map_err(err)? {
+                Lookup::Hit { .. } => c.policy.hits = c.policy.hits.saturating_sub(1),
+                Lookup::Miss { slot, .. } => {
+                    c.misses.push((x, slot));
+                    c.prefetched[x as usize] = true;
+                    point(c, li, x, slot);
+                }
+            }
+        }
+        let r = self.copy_misses(c, li, next, true);
+        if r.is_err() {
+            for &(x, _) in &c.misses {
+                c.policy.forget(next, x);
+            }
+            c.prefetched.fill(false);
+            return r;
+        }
+        c.prefetch_layer = (!c.misses.is_empty()).then_some(next);
         Ok(())
+    }
+
+    /// The group's misses from the pinned tier, one DMA of a slot each, on the copy stream;
+    /// the compute stream waits for them now, or (`ahead`, a prefetch) at the layer's pass.
+    fn copy_misses(
+        &self,
+        c: &mut CudaExpertCache,
+        li: usize,
+        layer: u32,
+        ahead: bool,
+    ) -> Result<(), CudaError> {
+        let (Some(t), false) = (c.tier.as_ref(), c.misses.is_empty()) else {
+            return Ok(());
+        };
+        let per: u64 = c.layers[li]
+            .as_ref()
+            .ok_or_else(|| err(format!("layer {layer} is not bound")))?
+            .mats
+            .iter()
+            .map(|m| m.3)
+            .sum();
+        t.order_after_readers(&self.dev, c.misses.iter().map(|m| m.1))?;
+        for &(x, slot) in &c.misses {
+            let dst = self.view(c.region_off + slot as u64 * c.slot_bytes, per)?;
+            t.copy_expert(&self.dev, layer, x, dst)?;
+            c.counters.misses_streamed += 1;
+            c.counters.bytes_streamed += per;
+        }
+        if ahead {
+            t.prefetch_done(&self.dev)
+        } else {
+            t.copies_done(&self.dev)
+        }
     }
 }
 

@@ -15,10 +15,12 @@ pub mod flash;
 pub mod forward;
 pub mod gemm;
 pub mod handoff;
+pub mod host_tier;
 pub mod launch;
 pub mod layout;
 pub mod memlock;
 pub mod options;
+pub mod pinned;
 pub mod probe;
 pub mod quants;
 pub mod stage;
@@ -349,6 +351,59 @@ impl CudaDevice {
     /// A new stream of this context (for copies that overlap compute).
     pub fn new_stream(&self) -> Result<Arc<CudaStream>, CudaError> {
         self.ctx.new_stream().map_err(drv("cuStreamCreate"))
+    }
+
+    /// Pins `bytes` of host memory (one planned chunk): an error when the driver refuses
+    /// (a memlock limit, `ulimit -l`, or no memory it can lock).
+    pub fn alloc_pinned(&self, bytes: u64) -> Result<pinned::PinnedHost, CudaError> {
+        self.ctx_bind()?;
+        pinned::PinnedHost::new(bytes)
+    }
+
+    /// A new event without timing, for ordering work between this device's streams.
+    pub fn new_sync_event(&self) -> Result<CudaEvent, CudaError> {
+        self.ctx.new_event(None).map_err(drv("cuEventCreate"))
+    }
+
+    /// Records `ev` on `stream` (the work queued there so far).
+    pub fn record_on(&self, ev: &CudaEvent, stream: &CudaStream) -> Result<(), CudaError> {
+        ev.record(stream).map_err(drv("cuEventRecord"))
+    }
+
+    /// Makes `stream` wait (on the device) for the work recorded in `ev`.
+    pub fn wait_on(&self, stream: &CudaStream, ev: &CudaEvent) -> Result<(), CudaError> {
+        stream.wait(ev).map_err(drv("cuStreamWaitEvent"))
+    }
+
+    /// Queues a copy of `src[at..at + dst.len()]` (pinned host memory) into `dst` on
+    /// `stream`, without waiting: at the PCIe rate, overlapping work on other streams.
+    ///
+    /// # Safety
+    /// `src` must stay alive and unchanged until `stream` has passed the copy (synchronise
+    /// it, or wait on an event recorded after it, before dropping or writing `src`).
+    pub unsafe fn copy_pinned_async(
+        &self,
+        src: &pinned::PinnedHost,
+        at: u64,
+        dst: DeviceView<'_>,
+        stream: &CudaStream,
+    ) -> Result<(), CudaError> {
+        let n = dst.len();
+        let bytes = at
+            .checked_add(n)
+            .and_then(|end| src.as_slice().get(at as usize..end as usize))
+            .ok_or(CudaError::OutOfBounds {
+                arena: "pinned host chunk".into(),
+                offset: at,
+                len: n,
+                size: src.len(),
+            })?;
+        self.ctx_bind()?;
+        // SAFETY: `dst` is a checked view of exactly bytes.len() bytes of a live arena;
+        // `bytes` is pinned memory the caller keeps alive until the stream has passed the
+        // copy (this function's contract), so the driver's DMA reads it asynchronously.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr(), bytes, stream.cu_stream()) }
+            .map_err(drv("cuMemcpyHtoDAsync(pinned)"))
     }
 
     /// Records a timing-capable event on the compute stream.

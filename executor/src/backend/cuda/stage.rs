@@ -351,8 +351,12 @@ impl CudaStage {
 
 impl Drop for CudaStage {
     fn drop(&mut self) {
-        // No copy or kernel may still use the arena or a pinned staging buffer.
+        // No copy or kernel may still use the arena or a pinned staging buffer (the expert
+        // cache's copy stream included: a prefetch's copies are waited on only later).
         let _ = self.dev.synchronize();
+        if let Some(c) = &self.xcache {
+            c.quiesce();
+        }
         if self.prof.is_none() {
             return;
         }

@@ -10,8 +10,10 @@
 use super::bind::{upload_weights, Binder};
 use super::expert_cache::CudaExpertCache;
 use super::handoff::Link;
+use super::host_tier;
 use super::launch::{kty, ATT_MAX_D, ATT_MAX_GROUP};
 use super::options::CudaOptions;
+use super::pinned::PinnedHost;
 use super::stage::{CudaStage, KvGeo, LinGeo, RunFlags, Span};
 use super::{CudaDevice, CudaError, DeviceArena};
 use crate::backend::cpu::{Rope, Yarn};
@@ -296,6 +298,14 @@ pub fn start_cuda(
     for (i, dp) in plan.devices.iter().enumerate() {
         arenas.push(devs[dev_of(i)].alloc_arena(&format!("device {}", dp.index), dp.arena_bytes)?);
     }
+    // The planned pinned host expert tiers (None where the plan pins none or the driver
+    // refused: those stages copy misses from the mapped file).
+    let mut tiers: Vec<_> = plan
+        .devices
+        .iter()
+        .enumerate()
+        .map(|(i, dp)| host_tier::pin_chunks(plan, dp, &devs[dev_of(i)]))
+        .collect();
     {
         let arena_devs: Vec<&CudaDevice> = (0..arenas.len())
             .map(|i| devs[dev_of(i)].as_ref())
@@ -316,7 +326,9 @@ pub fn start_cuda(
         Vec::with_capacity(plan.devices.len());
     for ((i, dp), arena) in plan.devices.iter().enumerate().zip(arenas) {
         let kv = start.kv_geo(dp)?;
-        let (mut st, model) = start.bind_stage(i, dp, devs[dev_of(i)].clone(), arena, kv)?;
+        let pinned = tiers[i].take();
+        let (mut st, model) =
+            start.bind_stage(i, dp, devs[dev_of(i)].clone(), arena, kv, pinned)?;
         if i > 0 {
             st.link_in = Some(start.link_in(dp, &stages[i - 1].backend, &st)?);
         }
@@ -332,11 +344,16 @@ pub fn start_cuda(
         ubatch: (s.ubatch as usize).max(1),
         n_vocab: d.vocab,
     };
+    let (chunks, pinned) = stages
+        .iter()
+        .filter_map(|s| s.backend.xcache.as_ref())
+        .map(|c| c.pinned_chunks())
+        .fold((0, 0), |(n, b), (cn, cb)| (n + cn, b + cb));
     let shape = PipelineShape {
         max_tok: pf.max_tok,
         logit_rows: pf.logit_rows,
-        allocations: plan.devices.len() as u64,
-        allocated_bytes: planned,
+        allocations: plan.devices.len() as u64 + chunks,
+        allocated_bytes: planned + pinned,
     };
     Pipeline::new(info, stages, shape, vec![Box::new(host)])
         .map_err(|e| CudaEngineError::Plan(e.to_string()))
@@ -425,6 +442,7 @@ impl Start<'_> {
         dev: Arc<CudaDevice>,
         arena: DeviceArena,
         kv: KvGeo,
+        pinned: Option<Vec<PinnedHost>>,
     ) -> Result<(CudaStage, AnyModel<CudaStage>), CudaEngineError> {
         let (plan, opts, pf, host) = (self.plan, self.opts, self.pf, self.host);
         let d = pf.d;
@@ -436,6 +454,8 @@ impl Start<'_> {
         let xcache = CudaExpertCache::for_device(
             plan,
             dp,
+            &dev,
+            pinned,
             host.clone(),
             arena.all().ptr(),
             &d,

@@ -15,6 +15,10 @@ pub(super) struct ExpertCounts {
     /// Misses computed on the CPU from host memory (the hybrid path; none in this build).
     misses_cpu: u64,
     bytes_streamed: u64,
+    /// Of those, the bytes of the prefills and of the decode steps (`steps` a rep).
+    pp_bytes: u64,
+    tg_bytes: u64,
+    steps: usize,
     predicted_hit_rate: f64,
 }
 
@@ -33,8 +37,30 @@ impl ExpertCounts {
             bytes_streamed: b
                 .expert_bytes_streamed
                 .saturating_sub(a.expert_bytes_streamed),
+            pp_bytes: 0,
+            tg_bytes: 0,
+            steps: 0,
             predicted_hit_rate,
         }
+    }
+
+    /// With the PCIe bytes of the prefills and of the decode steps (`steps` a rep).
+    pub(super) fn with_pcie(self, pp_bytes: u64, tg_bytes: u64, steps: usize) -> Self {
+        Self {
+            pp_bytes,
+            tg_bytes,
+            steps,
+            ..self
+        }
+    }
+
+    /// PCIe bytes of one prefill (all of a rep's sequences) and of one decode step.
+    fn pcie(&self) -> (f64, f64) {
+        let reps = self.reps.max(1) as f64;
+        (
+            self.pp_bytes as f64 / reps,
+            self.tg_bytes as f64 / (reps * self.steps.max(1) as f64),
+        )
     }
 
     /// Hits over lookups (None without lookups: every expert read in place).
@@ -50,6 +76,8 @@ impl ExpertCounts {
             "misses_streamed": self.misses_streamed,
             "misses_cpu": self.misses_cpu,
             "bytes_streamed": self.bytes_streamed,
+            "pcie_bytes_per_prefill": self.pcie().0,
+            "pcie_bytes_per_decode_step": self.pcie().1,
             "hit_rate": self.hit_rate(),
             "predicted_hit_rate": self.predicted_hit_rate,
         })
@@ -63,10 +91,12 @@ impl ExpertCounts {
                 self.predicted_hit_rate
             ),
             Some(r) => format!(
-                "experts per rep: {:.0} hits, {:.0} misses streamed ({:.1} MiB host -> device), {:.0} computed on the CPU; hit rate {r:.3}, the plan predicts {:.3}",
+                "experts per rep: {:.0} hits, {:.0} misses streamed ({:.1} MiB host -> device: {:.1} MiB in the prefill, {:.2} MiB a decode step), {:.0} computed on the CPU; hit rate {r:.3}, the plan predicts {:.3}",
                 per(self.hits),
                 per(self.misses_streamed),
                 per(self.bytes_streamed) / (1u64 << 20) as f64,
+                self.pcie().0 / (1u64 << 20) as f64,
+                self.pcie().1 / (1u64 << 20) as f64,
                 per(self.misses_cpu),
                 self.predicted_hit_rate
             ),
@@ -104,6 +134,16 @@ mod tests {
             "{t}"
         );
         assert_eq!(c.json()["hit_rate"], 0.75);
+        // 1 MiB in the prefills and 3 MiB over 2 reps x 4 decode steps.
+        let c = c.with_pcie(1 << 20, 3 << 20, 4);
+        assert_eq!(c.pcie(), ((1 << 19) as f64, (3 << 17) as f64));
+        assert!(
+            c.text()
+                .contains("0.5 MiB in the prefill, 0.38 MiB a decode step"),
+            "{}",
+            c.text()
+        );
+        assert_eq!(c.json()["pcie_bytes_per_decode_step"], (3 << 17) as f64);
         let none = ExpertCounts::between(&a, &a, 1, 0.9);
         assert_eq!(none.hit_rate(), None);
         assert!(none.text().contains("in place"));

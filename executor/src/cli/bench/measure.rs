@@ -34,6 +34,9 @@ pub struct Sample {
     pub tg: f64,
     /// Decoded tokens of one sequence over the decode time.
     pub tg_seq: f64,
+    /// Expert bytes copied host -> device (PCIe) during the prefills and during the decode.
+    pub pp_streamed: u64,
+    pub tg_streamed: u64,
 }
 
 fn tokens(seed: u64, n: usize, n_vocab: usize) -> Vec<u32> {
@@ -85,12 +88,14 @@ pub fn rep(
     let prompts: Vec<Vec<u32>> = (0..c.batch)
         .map(|s| tokens(seed.wrapping_add(1000 * s as u64), p, v))
         .collect();
+    let b0 = e.stats().expert_bytes_streamed;
     let t0 = Instant::now();
     let mut batch = Vec::with_capacity(c.batch);
     for (s, prompt) in prompts.iter().enumerate() {
         batch.push((s, feed(e, s, prompt, true)?));
     }
     let pp = (p * c.batch) as f64 / t0.elapsed().as_secs_f64().max(1e-12);
+    let b1 = e.stats().expert_bytes_streamed;
     let mut samplers: Vec<Sampler> = (0..c.batch)
         .map(|s| {
             Sampler::new(SamplingParams {
@@ -115,10 +120,13 @@ pub fn rep(
         }
     }
     let secs = t1.elapsed().as_secs_f64().max(1e-12);
+    let b2 = e.stats().expert_bytes_streamed;
     Ok(Sample {
         pp,
         tg: (c.n_gen * c.batch) as f64 / secs,
         tg_seq: c.n_gen as f64 / secs,
+        pp_streamed: b1.saturating_sub(b0),
+        tg_streamed: b2.saturating_sub(b1),
     })
 }
 

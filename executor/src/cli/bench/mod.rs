@@ -127,6 +127,9 @@ struct Rates {
     pps: Vec<f64>,
     tgs: Vec<f64>,
     seqs: Vec<f64>,
+    /// Expert bytes over PCIe in all the prefills and all the decode steps.
+    pp_streamed: u64,
+    tg_streamed: u64,
 }
 
 pub fn main(args: BenchArgs) {
@@ -205,7 +208,8 @@ pub fn main(args: BenchArgs) {
             &engine.stats(),
             rates.pps.len(),
             plan.predicted.expert_hit_rate,
-        );
+        )
+        .with_pcie(rates.pp_streamed, rates.tg_streamed, c.n_gen);
         expert_lines.push(format!(
             "{}: {}",
             test_label("tg", c.n_gen, c, ""),
@@ -333,6 +337,8 @@ fn repetitions(
                 rates.pps.push(s.pp);
                 rates.tgs.push(s.tg);
                 rates.seqs.push(s.tg_seq);
+                rates.pp_streamed += s.pp_streamed;
+                rates.tg_streamed += s.tg_streamed;
             }
             Err(e) => {
                 eprintln!("strata-exec: {e}");

@@ -55,6 +55,7 @@ pub struct CostMeasure {
     pub prefill_attention_tflops: Option<f64>,
     pub step_us: Option<f64>,
     pub host_expert_gbps: Option<f64>,
+    pub host_expert_pinned_gbps: Option<f64>,
     pub expert_latency_us: Option<f64>,
     pub expert_gbps: Option<f64>,
     pub expert_pass_gbps: Option<f64>,
@@ -191,6 +192,17 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
                 "one {}x{} Q8_0 expert matrix a copy from pageable host memory, as the expert cache fills a slot from the mapped model file", super::experts::F, super::experts::E)));
         }
         Err(e) => fail(&mut m, "host_expert_gbps", e.to_string()),
+    }
+    match super::experts::pinned_miss_copies(dev) {
+        Ok(g) => {
+            progress(&format!(
+                "cost: expert misses from pinned memory copied at {g:.1} GB/s"
+            ));
+            m.host_expert_pinned_gbps = Some(g);
+            m.how.push(("host_expert_pinned_gbps", format!(
+                "one whole {}x{} Q8_0 expert (gate, up, down) a copy from pinned host memory on a copy stream, as the pinned host expert tier fills a slot", super::experts::F, super::experts::E)));
+        }
+        Err(e) => fail(&mut m, "host_expert_pinned_gbps", e.to_string()),
     }
     match super::experts::decode_experts(dev) {
         Ok((lat, g, pass)) => {
@@ -561,6 +573,7 @@ pub fn cost_toml(m: &CostMeasure) -> String {
         ("prefill_attention_tflops", m.prefill_attention_tflops),
         ("step_us", m.step_us),
         ("host_expert_gbps", m.host_expert_gbps),
+        ("host_expert_pinned_gbps", m.host_expert_pinned_gbps),
         ("expert_latency_us", m.expert_latency_us),
         ("expert_gbps", m.expert_gbps),
         ("expert_pass_gbps", m.expert_pass_gbps),

@@ -2,8 +2,9 @@
 //! the decode expert products (`launch::decode::moe_gate_up` + `moe_down`, read through a
 //! table of expert pointers as the engine and its expert cache do) at several tokens, the
 //! prefill's grouped tensor-core products (`moe_sort`, `moe_gemm_from` as
-//! `forward.rs` calls them), and the expert cache's miss copy (one expert matrix at a time
-//! from pageable host memory, as `expert_cache.rs` fills a slot).
+//! `forward.rs` calls them), and the expert cache's miss copies: one expert matrix at a time
+//! from pageable host memory, as `expert_cache.rs` fills a slot from the mapped file, and one
+//! whole expert a copy from pinned memory on a copy stream, as `host_tier.rs` does.
 //! Invariant: Qwen3-30B-A3B's expert shape (128 experts of 768 x 2048, Q8_0, top-8); every
 //! timed pass reads experts the pass before did not (the weights are several times the L2
 //! cache); every buffer is freed on return.
@@ -275,6 +276,47 @@ pub fn miss_copies(dev: &CudaDevice) -> Result<f64, CudaError> {
         return Err(shape(format!("{ROUNDS} rounds of copies took {s} s")));
     }
     Ok((ROUNDS * n * chunk) as f64 / s / 1e9)
+}
+
+/// GB/s of the expert cache's misses from the pinned host expert tier: one whole expert
+/// (gate, up and down, as a slot holds them) a copy from pinned memory on a second stream,
+/// as `host_tier.rs` copies a miss, cycling through [`HOST_BYTES`] of pinned memory; host
+/// wall time from the first copy queued to the copy stream synchronised.
+pub fn pinned_miss_copies(dev: &CudaDevice) -> Result<f64, CudaError> {
+    let slot = expert_bytes()?;
+    let mut host = dev.alloc_pinned(HOST_BYTES as u64)?;
+    host.as_mut_slice().fill(0x11);
+    let dst = dev.alloc_arena("probe-pinned-miss-dst", HOST_BYTES as u64)?;
+    let copy = dev.new_stream()?;
+    let n = HOST_BYTES as u64 / slot;
+    let copy_all = || -> Result<(), CudaError> {
+        for i in 0..n {
+            // SAFETY: `host` outlives the copies: the copy stream is synchronised below
+            // before it is dropped, and nothing writes it meanwhile.
+            unsafe { dev.copy_pinned_async(&host, i * slot, dst.view(i * slot, slot)?, &copy) }?;
+        }
+        Ok(())
+    };
+    let r = (|| {
+        copy_all()?;
+        copy.synchronize()
+            .map_err(drv("cuStreamSynchronize(copy)"))?;
+        let t = std::time::Instant::now();
+        const ROUNDS: u64 = 8;
+        for _ in 0..ROUNDS {
+            copy_all()?;
+        }
+        copy.synchronize()
+            .map_err(drv("cuStreamSynchronize(copy)"))?;
+        let s = t.elapsed().as_secs_f64();
+        if s <= 0.0 || !s.is_finite() {
+            return Err(shape(format!("{ROUNDS} rounds of copies took {s} s")));
+        }
+        Ok((ROUNDS * n * slot) as f64 / s / 1e9)
+    })();
+    // Whatever happened, no copy may still read `host` when it is freed.
+    let _ = copy.synchronize();
+    r
 }
 
 #[cfg(test)]
