@@ -161,6 +161,111 @@ pub fn random_values(seed: u64, name: &str, ne0: u64, row0: u64, n_rows: u64) ->
     out
 }
 
+/// How the router of a random model picks its experts.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Routing {
+    /// Every tensor ~N(0, 0.02): the router's picks are nearly the same for every token
+    /// (random attention averages the positions, so all hidden states converge), which makes
+    /// a tiny expert cache look perfect (hit rate 0.98 at a few slots per layer).
+    #[default]
+    Uniform,
+    /// Expert popularity follows a Zipf-like law per layer (the expert of popularity rank `r`
+    /// gets a router bias of `-skew x ln(1 + r)` in units of the logits' token-to-token
+    /// spread) and each token's picks vary: token embeddings ~N(0, 1) so tokens differ, and
+    /// the residual writers (`attn_output`, the down projections) are scaled by
+    /// [`RESIDUAL_DAMP`] so the token keeps dominating the hidden state. The bias rides on a
+    /// shared component: every embedding row holds `sqrt(n_embd)` in column 0 (the output
+    /// head ignores that column), and the router's column 0 turns it into the bias.
+    Skewed { skew: f32 },
+}
+
+/// Scale of the residual writers' weights in a [`Routing::Skewed`] model.
+pub const RESIDUAL_DAMP: f32 = 0.1;
+
+/// Block index of a `blk.N.` tensor name.
+fn block_of(name: &str) -> u64 {
+    name.strip_prefix("blk.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+impl Routing {
+    /// Whether this routing rewrites tensor `name`'s draws.
+    pub fn touches(self, name: &str) -> bool {
+        if self == Routing::Uniform {
+            return false;
+        }
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        base == "token_embd"
+            || base == "output"
+            || [
+                ".attn_output",
+                ".ffn_down_exps",
+                ".ffn_down_shexp",
+                ".ffn_down",
+                ".ssm_out",
+                ".ffn_gate_inp",
+            ]
+            .iter()
+            .any(|s| base.ends_with(s))
+    }
+
+    /// Rewrite rows `[row0, row0 + rows)` of tensor `name` (row length `ne0`, `total_rows`
+    /// rows in all) as this routing needs; `x` holds the uniform draws.
+    fn adjust(self, seed: u64, name: &str, ne0: u64, total_rows: u64, row0: u64, x: &mut [f32]) {
+        let Routing::Skewed { skew } = self else {
+            return;
+        };
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let n = ne0 as usize;
+        if base == "token_embd" {
+            let anchor = (ne0 as f32).sqrt();
+            for row in x.chunks_exact_mut(n) {
+                for v in row.iter_mut() {
+                    *v *= 50.0; // N(0, 0.02) -> N(0, 1)
+                }
+                row[0] = anchor;
+            }
+        } else if base == "output" {
+            for row in x.chunks_exact_mut(n) {
+                row[0] = 0.0;
+            }
+        } else if base.ends_with(".attn_output")
+            || base.ends_with(".ffn_down_exps")
+            || base.ends_with(".ffn_down_shexp")
+            || base.ends_with(".ffn_down")
+            || base.ends_with(".ssm_out")
+        {
+            for v in x.iter_mut() {
+                *v *= RESIDUAL_DAMP;
+            }
+        } else if base.ends_with(".ffn_gate_inp") {
+            // The normed hidden state's column 0 is about sqrt(n_embd / 2) (the anchor over an
+            // rms of sqrt(2)); the logits' token-to-token spread about 0.02 x sqrt(n_embd / 2).
+            let col0 = (ne0 as f32 / 2.0).sqrt();
+            let spread = 0.02 * col0;
+            let ranks = popularity_ranks(seed, block_of(name), total_rows);
+            for (i, row) in x.chunks_exact_mut(n).enumerate() {
+                let r = ranks[(row0 as usize + i).min(ranks.len() - 1)];
+                row[0] = -skew * spread * (1.0 + r as f32).ln() / col0;
+            }
+        }
+    }
+}
+
+/// The popularity rank of each of `n` experts of block `layer` (0 = hottest): a permutation
+/// drawn from the seed, different in every block.
+fn popularity_ranks(seed: u64, layer: u64, n: u64) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    order.sort_by_key(|&e| (mix64(seed ^ mix64(layer ^ mix64(u64::from(e)))), e));
+    let mut ranks = vec![0u32; n as usize];
+    for (r, &e) in order.iter().enumerate() {
+        ranks[e as usize] = r as u32;
+    }
+    ranks
+}
+
 /// Options of [`write_random_model`].
 pub struct RandomOptions {
     /// `general.name`.
@@ -177,6 +282,8 @@ pub struct RandomOptions {
     pub alignment: Option<u32>,
     /// Progress callback (bytes written, total).
     pub progress: Option<ProgressFn>,
+    /// How the router picks experts (uniform: every tensor drawn alike).
+    pub routing: Routing,
 }
 
 impl Default for RandomOptions {
@@ -188,6 +295,7 @@ impl Default for RandomOptions {
             zero_fill_unsupported: false,
             alignment: None,
             progress: None,
+            routing: Routing::Uniform,
         }
     }
 }
@@ -232,6 +340,15 @@ pub fn write_random_tensors(
         source,
     })?;
     for t in tensors {
+        if opts.routing.touches(&t.name) && !quant::can_quantize(t.ggml_type) {
+            return Err(GgufWriteError::Convert {
+                file,
+                problem: format!(
+                    "skewed routing rewrites {} but its type {:?} has no quantizer here (its blocks would be drawn at random): pick a preset whose embedding, router, head and down projections are F32/F16/BF16/Q8_0/Q4_K-like (e.g. --preset Q8_0), or --routing uniform",
+                    t.name, t.ggml_type
+                ),
+            });
+        }
         if !quant::is_supported(t.ggml_type) && !opts.zero_fill_unsupported {
             return Err(GgufWriteError::Unsupported {
                 file,
@@ -275,7 +392,7 @@ pub fn write_random_tensors(
         n => n,
     };
     let mut s = w.begin()?;
-    stream_random(&mut s, seed, threads, &file)?;
+    stream_random(&mut s, seed, threads, &file, opts.routing)?;
     s.finish()
 }
 
@@ -295,6 +412,7 @@ fn stream_random(
     seed: u64,
     threads: usize,
     file: &str,
+    routing: Routing,
 ) -> Result<(), GgufWriteError> {
     let planned = s.planned().to_vec();
     let mut jobs = Vec::new();
@@ -337,6 +455,9 @@ fn stream_random(
         if quant::can_quantize(t.ggml_type) {
             x.resize(n, 0.0);
             fill(dist, &mut rng, x);
+            let total: u64 = t.dims[1..].iter().product();
+            let row0 = job.chunk * rows_per_chunk(ne0 as u64);
+            routing.adjust(seed, &t.name, ne0 as u64, total, row0, x);
             for (xr, or) in x.chunks_exact(ne0).zip(out.chunks_exact_mut(row_bytes)) {
                 quant::quantize_row_into(t.ggml_type, xr, or).map_err(quant_err)?;
             }
