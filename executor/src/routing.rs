@@ -151,8 +151,8 @@ impl RoutingTally {
             }
         }
         let kind = usize::from(ids.len() > self.k);
-        for e in 0..self.experts {
-            if std::mem::take(&mut self.picked[e]) {
+        for (e, picked) in self.picked.iter_mut().enumerate() {
+            if std::mem::take(picked) {
                 self.stack.reference(l * self.experts + e, kind);
             }
         }

@@ -342,12 +342,14 @@ fn parse_text(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileError>
     let v2 = match lines.next() {
         Some((_, TEXT_HEADER)) => false,
         Some((_, TEXT_HEADER_V2)) => true,
-        Some((n, other)) => return Err(err(
-            n,
-            format!(
+        Some((n, other)) => {
+            return Err(err(
+                n,
+                format!(
                 "first line is `{other}`; this build reads `{TEXT_HEADER}` and `{TEXT_HEADER_V2}`"
             ),
-        )),
+            ))
+        }
         None => return Err(err(1, "empty file".into())),
     };
     let mut reuse_lines = reuse::ReuseLines::default();
