@@ -824,4 +824,91 @@ mod tests {
         let e = write_random_model(&p, "qwen3moe", &hp, &r, 1, opts(&vocab)).unwrap_err();
         assert!(e.to_string().contains("n_vocab = 32"), "{e}");
     }
+
+    /// Skewed routing: every embedding row carries the anchor, the head ignores it, each
+    /// router's column 0 is the Zipf-like bias in a per-layer order, the residual writers are
+    /// damped; a type without a quantizer among those tensors is refused.
+    #[test]
+    fn skewed_routing_writes_the_anchor_the_bias_and_the_damping() {
+        let d = tmp();
+        let hp = small_moe();
+        let n = hp.n_embd as usize;
+        let e = hp.n_expert as usize;
+        let path = d.path().join("skewed.gguf");
+        let opts = RandomOptions {
+            threads: 2,
+            routing: Routing::Skewed { skew: 1.5 },
+            ..Default::default()
+        };
+        let recipe = QuantRecipe::preset("F32").unwrap();
+        write_random_model(&path, "qwen3moe", &hp, &recipe, 5, opts).unwrap();
+        let emb = tensor_f32(&path, "token_embd.weight");
+        let anchor = (n as f32).sqrt();
+        assert!(emb.chunks(n).all(|r| r[0] == anchor));
+        let ms: f32 = emb
+            .chunks(n)
+            .flat_map(|r| r[1..].iter())
+            .map(|v| v * v)
+            .sum::<f32>()
+            / (emb.len() - emb.len() / n) as f32;
+        assert!((0.7..1.3).contains(&ms), "embedding variance {ms}");
+        assert!(tensor_f32(&path, "output.weight")
+            .chunks(n)
+            .all(|r| r[0] == 0.0));
+        let mut hottest = Vec::new();
+        for l in 0..hp.n_layer {
+            let router = tensor_f32(&path, &format!("blk.{l}.ffn_gate_inp.weight"));
+            let mut col0: Vec<f32> = router.chunks(n).map(|r| r[0]).collect();
+            hottest.push(
+                col0.iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .unwrap()
+                    .0,
+            );
+            col0.sort_by(|a, b| b.total_cmp(a));
+            for (r, v) in col0.iter().enumerate() {
+                let want = -1.5 * 0.02 * (1.0 + r as f32).ln();
+                assert!((v - want).abs() < 1e-6, "layer {l} rank {r}: {v} vs {want}");
+            }
+            assert_eq!(col0.len(), e);
+            let out = tensor_f32(&path, &format!("blk.{l}.attn_output.weight"));
+            let rms = (out.iter().map(|v| v * v).sum::<f32>() / out.len() as f32).sqrt();
+            assert!(
+                (rms - 0.02 * RESIDUAL_DAMP).abs() < 0.2 * 0.02 * RESIDUAL_DAMP,
+                "{rms}"
+            );
+        }
+        assert_ne!(
+            hottest[0], hottest[1],
+            "each layer has its own popularity order"
+        );
+        // Uniform (the default) is untouched: the file holds the plain draws.
+        let upath = d.path().join("uniform.gguf");
+        write_random_model(
+            &upath,
+            "qwen3moe",
+            &hp,
+            &recipe,
+            5,
+            RandomOptions::default(),
+        )
+        .unwrap();
+        let plain = random_values(5, "token_embd.weight", n as u64, 0, hp.n_vocab);
+        assert_eq!(tensor_f32(&upath, "token_embd.weight"), plain);
+        // A router type drawn at random (no quantizer) cannot carry the bias.
+        let mut bad = recipe.clone();
+        bad.router = GgmlType::Q8_1;
+        let opts = RandomOptions {
+            routing: Routing::Skewed { skew: 1.0 },
+            ..Default::default()
+        };
+        let err = write_random_model(&d.path().join("bad.gguf"), "qwen3moe", &hp, &bad, 5, opts)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ffn_gate_inp") && err.contains("--routing uniform"),
+            "{err}"
+        );
+    }
 }
