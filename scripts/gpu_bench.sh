@@ -8,9 +8,10 @@
 # the Q8_0 file planned for 24 and 12 GiB cards (plans/hardware/h200.toml with its VRAM cut),
 # each plan's host expert tier and notes, then bench pp512/tg128: the expert cache's misses
 # from the pinned tier on the copy stream, PCIe bytes per prefill and per decode step.)
-# (predict: probe this machine, plan the Q8_0 file with the probe at batch 1, 4 and 16 and for
-# 24 and 12 GiB cards (the probe with its VRAM cut), bench each plan at its batch: the plan's
-# predictions beside the measurements, as JSON lines in OUTDIR/predict.jsonl.)
+# (predict: write the skewed-routing Q8_0 file, probe this machine, profile the file's routing
+# (counts and LRU reuse curve), plan it all resident and for 24 and 12 GiB cards (the probe
+# with its VRAM cut) with and without --expert-profile, bench each plan: the plan's predictions
+# and hit rate beside the measurements, as JSON lines in OUTDIR/predict.jsonl and a table.)
 # (memlock: strata-exec probe --memlock-test 64 under ulimit -l 8192.)
 # (compare: the same bench with the baseline build of target/gpu/base (build_gpu.sh
 # --baseline REV), planned by its own strata-plan, interleaved with this build's, three
@@ -128,8 +129,13 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
     fi
 fi
 if [ "$what" = predict ] || [ "$what" = all ]; then
-    m=/tmp/q30-q8_0.gguf
-    [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
+    # The skewed-routing file (Zipf-like expert popularity, picks varying token to token): the
+    # uniform file's routing is degenerate (hit rate 0.98 at any cache), so it tests nothing.
+    m=/tmp/q30-q8_0-skewed.gguf
+    if [ ! -f $m ]; then
+        echo "== writing the skewed-routing Q8_0 model"
+        /usr/bin/time -f "%e s" $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --routing skewed --out $m 2>&1 | tail -2
+    fi
     $bin/strata-exec probe -o /tmp/h200-live.toml 2>&1 | tail -3
     cp /tmp/h200-live.toml "$out/"
     for gib in 24 12; do
@@ -137,20 +143,36 @@ if [ "$what" = predict ] || [ "$what" = all ]; then
         sed -e "s/^vram_bytes = .*/vram_bytes = $b/" -e "s/^free_bytes = .*/free_bytes = $b/" \
             /tmp/h200-live.toml >/tmp/h200-live-${gib}g.toml
     done
-    # The routing of the random file itself (prompts of random ids), for the cache plans.
+    # The routing of the file itself (prompts of random ids, 64 greedy tokens each): counts and
+    # the LRU stack distances (profile v2). The all-resident CUDA engine does not read the
+    # router's picks back, so the profile runs on the 24 GiB plan (the picks are the same).
     python3 -c "import random; random.seed(7); [print(','.join(str(random.randrange(1000, 150000)) for _ in range(64))) for _ in range(16)]" >/tmp/prompts.txt
     $bin/strata-plan --hardware /tmp/h200-live-24g.toml --model $m --max-context 4096 --batch 1 -o /tmp/prof.plan >/dev/null
-    $bin/strata-exec profile /tmp/prof.plan --prompts /tmp/prompts.txt -n 64 -q -o /tmp/routing.txt 2>&1 | tail -2
-    for run in "h200-live 1" "h200-live 4" "h200-live 16" "h200-live-24g 1" "h200-live-12g 1" \
+    $bin/strata-exec profile /tmp/prof.plan --prompts /tmp/prompts.txt -n 64 -o /tmp/routing.txt 2>&1 | grep -E "profiled|LRU" | tee "$out/predict-profile.txt"
+    cp /tmp/routing.txt "$out/routing-skewed.txt"
+    rm -f "$out/predict.jsonl"
+    for run in "h200-live 1" "h200-live-24g 1" "h200-live-12g 1" \
         "h200-live-24g 1 --expert-profile /tmp/routing.txt" "h200-live-12g 1 --expert-profile /tmp/routing.txt"; do
         set -- $run
         plan=/tmp/pred-$1-b$2${3:+-prof}.plan
         $bin/strata-plan --hardware /tmp/$1.toml --model $m --max-context 4096 --batch $2 "${@:3}" -o $plan |
             grep -iE "predict|expert|decode|prefill|degrad" | head -12 | tee -a "$out/predict-plans.txt"
         echo "== strata-exec bench $run"
-        $bin/strata-exec bench $plan -p 512 -n 128 -b $2 -r 2 -q --format json 2>&1 |
-            tee -a "$out/predict.jsonl" | cut -c1-400
+        $bin/strata-exec bench $plan -p 512 -n 128 -b $2 -r 2 -q --format json 2>&1 | grep '^{' |
+            sed "s|^{|{\"run\":\"$run\",|" | tee -a "$out/predict.jsonl" | cut -c1-300
     done
+    # Predicted against measured, one line a plan.
+    python3 - "$out/predict.jsonl" <<'PY'
+import json, sys
+print("| plan | pp512 measured / predicted | tg128 measured / predicted | hit measured / predicted |")
+for line in open(sys.argv[1]):
+    j = json.loads(line); p = j["predicted"]; e = j.get("experts") or {}
+    pp, tg = j["prefill_tok_s"]["mean"], j["decode_tok_s"]["mean"]
+    hit = e.get("hit_rate")
+    print(f"| {j['run']} | {pp:.0f} / {p['prefill_tok_s']:.0f} ({pp / p['prefill_tok_s']:.2f}) | "
+          f"{tg:.1f} / {p['decode_tok_s']:.1f} ({tg / p['decode_tok_s']:.2f}) | "
+          f"{'-' if hit is None else f'{hit:.3f}'} / {e.get('predicted_hit_rate', 1.0):.3f} |")
+PY
 fi
 if [ "$what" = offload ] || [ "$what" = all ]; then
     m=/tmp/q30-q8_0.gguf

@@ -144,6 +144,9 @@ pub struct DeviceShare {
     /// Expected expert uses per token served from the cache, and in total.
     pub cached_mass: f64,
     pub total_mass: f64,
+    /// Whether the cache's slots hold every expert of `[a, b)` (no expert stays in host
+    /// memory, whatever the hit rate says).
+    pub experts_covered: bool,
     /// KV cells per slot in device memory.
     pub kv_resident: u64,
     /// How the hidden state arrives: "none", "peer" or "host".
@@ -270,7 +273,7 @@ pub fn device_cost(
         prefill_gemm: share.prefill_gemm && !cpu,
         // The CUDA engine runs a stage's experts through its expert cache (the decode
         // products on groups of the pass's tokens) whenever some stay in host memory.
-        prefill_experts_per_use: !cpu && share.cached_mass < share.total_mass,
+        prefill_experts_per_use: !cpu && !share.experts_covered,
         prefill_token_s: layers * (PREFILL_ACT_ROWS + 2.0 * k) * row_bytes / c.product_bps,
         prefill_cell_s: attn_layers * facts.attn_cell_flops as f64 / c.prefill_attention_flops,
     }
@@ -295,6 +298,7 @@ mod tests {
             holds_head: true,
             cached_mass: 1.0,
             total_mass: 1.0,
+            experts_covered: true,
             kv_resident: 4096,
             handoff_in: "none",
             prefill_gemm: gemm,

@@ -2,9 +2,12 @@
 //! Invariant: selection is by greatest marginal hit gain (expected uses per token) with a
 //! deterministic tie order (rank within layer, then layer), so equal inputs pick equal sets;
 //! without a profile every expert of a layer is equally likely (n_expert_used / n_expert).
+//! The hit rate is the LRU curve of the profile's reuse histogram (format v2) when it has
+//! one — what the executors' LRU caches do — else the resident set's share of the routing
+//! mass, which knows nothing of reuse between tokens and is reported as a guess.
 
 use crate::facts::ModelFacts;
-use strata_schemas::profile::ExpertProfile;
+use strata_schemas::profile::{ExpertProfile, ReuseHistogram};
 
 struct LayerProbs {
     /// Expected uses per token, descending.
@@ -44,6 +47,43 @@ pub struct ExpertOracle {
     /// `None` for a layer without experts.
     layers: Vec<Option<LayerProbs>>,
     uniform: bool,
+    /// The profile's decode stack distances, pooled over every main layer with experts
+    /// (`expert_layers` of them), when it records any reuse.
+    curve: Option<ReuseHistogram>,
+    expert_layers: u64,
+    /// Whether a profile was given (with or without reuse).
+    profiled: bool,
+}
+
+/// Where a plan's predicted hit rate comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HitSource {
+    /// Every expert has a slot: no misses.
+    AllResident,
+    /// The profile's LRU reuse curve at the planned slots.
+    ReuseCurve,
+    /// The resident set's share of the profile's routing counts (a v1 profile: no reuse).
+    ProfileShare,
+    /// Uniform routing assumed (no profile).
+    Uniform,
+}
+
+impl HitSource {
+    /// The report's wording (JSON `predicted.expert_hit_source` and the text report).
+    pub fn describe(self) -> &'static str {
+        match self {
+            HitSource::AllResident => "every expert resident: no misses",
+            HitSource::ReuseCurve => {
+                "measured: the expert profile's LRU reuse curve (stack distances of its decode steps) at the planned slots"
+            }
+            HitSource::ProfileShare => {
+                "a guess: the resident experts' share of the profile's routing counts (a v1 profile records no reuse; record one with this strata-exec profile)"
+            }
+            HitSource::Uniform => {
+                "a guess: uniform routing assumed (pass --expert-profile from strata-exec profile for a measured curve)"
+            }
+        }
+    }
 }
 
 impl ExpertOracle {
@@ -62,12 +102,50 @@ impl ExpertOracle {
             };
             layers.push(Some(LayerProbs::new(&probs)));
         }
+        let curve = profile
+            .and_then(|p| p.reuse.as_ref())
+            .map(|r| r.decode.clone())
+            .filter(|h| h.reuses() > 0);
+        let expert_layers = layers.iter().flatten().count() as u64;
         Self {
             n_expert: e,
             n_expert_used: used,
             layers,
             uniform: profile.is_none(),
+            curve,
+            expert_layers,
+            profiled: profile.is_some(),
         }
+    }
+
+    /// Whether `slots` hold every expert of layers `[a, b)`.
+    pub fn covers(&self, a: u32, b: u32, slots: u64) -> bool {
+        let n_layers = self.layers[a as usize..b as usize].iter().flatten().count() as u64;
+        slots >= n_layers * self.n_expert
+    }
+
+    /// Where a plan's hit rate comes from; `all_covered`: every device's slots hold every
+    /// expert of its layers.
+    pub fn source(&self, all_covered: bool) -> HitSource {
+        match (all_covered, &self.curve, self.profiled) {
+            (true, _, _) => HitSource::AllResident,
+            (false, Some(_), _) => HitSource::ReuseCurve,
+            (false, None, true) => HitSource::ProfileShare,
+            (false, None, false) => HitSource::Uniform,
+        }
+    }
+
+    /// Share of expert references an LRU cache of `slots` over layers `[a, b)` serves, from
+    /// the profile's reuse curve: its distances count (layer, expert) pairs of every expert
+    /// layer, so a range of fewer layers sees `slots x all / range` of them (exact for one
+    /// device holding every layer; for a split, layers assumed alike). `None` without a curve.
+    pub fn curve_hit_rate(&self, a: u32, b: u32, slots: u64) -> Option<f64> {
+        let c = self.curve.as_ref()?;
+        let n_layers = self.layers[a as usize..b as usize].iter().flatten().count() as u64;
+        if n_layers == 0 {
+            return None;
+        }
+        c.hit_rate(slots as f64 * self.expert_layers as f64 / n_layers as f64)
     }
 
     /// Expected expert uses per token over layers `[a, b)`.
@@ -76,14 +154,18 @@ impl ExpertOracle {
             * self.n_expert_used as f64
     }
 
-    /// Expected uses per token served from cache when `slots` slots hold the best experts of
-    /// layers `[a, b)`.
+    /// Expected uses per token served from cache when `slots` slots serve layers `[a, b)`:
+    /// the reuse curve's hit rate times the total when the profile has one, else the mass of
+    /// the `slots` best experts (they stay resident).
     pub fn cached_mass(&self, a: u32, b: u32, slots: u64) -> f64 {
         let range = &self.layers[a as usize..b as usize];
         let n_layers = range.iter().flatten().count() as u64;
         let all = n_layers * self.n_expert;
         if slots >= all {
             return self.total_mass(a, b);
+        }
+        if let Some(h) = self.curve_hit_rate(a, b, slots) {
+            return h * self.total_mass(a, b);
         }
         if self.uniform {
             return slots as f64 * self.n_expert_used as f64 / self.n_expert as f64;
@@ -145,6 +227,7 @@ mod tests {
             layers,
             experts: e as u32,
             counts: counts.into_iter().flatten().collect(),
+            reuse: None,
         };
         let layers_probs = (0..layers)
             .map(|l| Some(LayerProbs::new(&profile.probabilities(l, used))))
@@ -154,6 +237,9 @@ mod tests {
             n_expert_used: used,
             layers: layers_probs,
             uniform: false,
+            curve: None,
+            expert_layers: layers as u64,
+            profiled: true,
         }
     }
 

@@ -222,6 +222,7 @@ pub fn plan_json(plan: &Plan) -> Value {
         "predicted": {
             "decode_tok_s": plan.predicted.decode_tok_s,
             "expert_hit_rate": plan.predicted.expert_hit_rate,
+            "expert_hit_source": plan.predicted.expert_hit_source,
             "decode_empty": point_json(&plan.predicted.decode_empty),
             "decode_full": point_json(&plan.predicted.decode_full),
             "prefill_tok_s": plan.predicted.prefill_tok_s,
@@ -448,10 +449,11 @@ fn predicted_text(plan: &Plan) -> String {
         ));
     }
     o.push_str(&format!(
-        "    prefill in passes of {} tokens: {:.0} tok/s; expert hit rate {:.1}%\n    basis: {}\n",
+        "    prefill in passes of {} tokens: {:.0} tok/s; expert hit rate {:.1}% ({})\n    basis: {}\n",
         s.ubatch.min(s.max_context as u32),
         p.prefill_tok_s,
         p.expert_hit_rate * 100.0,
+        p.expert_hit_source,
         p.basis
     ));
     o

@@ -471,6 +471,7 @@ impl<'a> Solver<'a> {
             holds_head: d + 1 == self.devices.len(),
             cached_mass: self.oracle.cached_mass(a, b, cache_slots),
             total_mass: self.oracle.total_mass(a, b),
+            experts_covered: self.oracle.covers(a, b, cache_slots),
             kv_resident: resident,
             handoff_in: handoff_in(prev, dev),
             prefill_gemm: self.gemm[d],

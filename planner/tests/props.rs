@@ -2,7 +2,8 @@
 //! regions fit its memory without overlap, the verifier accepts the scratch packing, tensors
 //! sit inside their regions, the plan file round-trips byte for byte, and the report does not
 //! lie (FEASIBLE only without degradations, runnable only as the capability table says,
-//! predictions that slow down with the context and speed up in total with the batch).
+//! predictions that slow down with the context and speed up in total with the batch), and a
+//! profile's LRU reuse curve is the hit rate a one-device plan predicts at its slots.
 
 use proptest::prelude::*;
 use strata_plan::solve::{solve, Outcome, PlanRequest};
@@ -12,6 +13,7 @@ use strata_schemas::arch::{expected_tensors, QuantRecipe, PRESETS};
 use strata_schemas::inventory::{HParams, ModelInventory, SsmParams};
 use strata_schemas::plan::{Placement, Plan, RegionKind};
 use strata_schemas::planfile::{plan_to_bytes, read_plan_bytes};
+use strata_schemas::profile::{ExpertProfile, Reuse, ReuseHistogram};
 use strata_schemas::serve::{ExpertCache, KvType, LayerSplit, ServeSettings};
 
 const MIB: u64 = 1 << 20;
@@ -348,5 +350,78 @@ proptest! {
             }
             Err(e) => prop_assert!(false, "valid request rejected: {}", e),
         }
+    }
+}
+
+/// A profile of `inv`'s shape whose decode reuse histogram is `dense` (distances clipped to
+/// the key space) and whose counts are uniform.
+fn profile_with_curve(inv: &ModelInventory, dense: &[u64]) -> ExpertProfile {
+    let hp = &inv.hparams;
+    let mut p = ExpertProfile::uniform(hp.n_layer, hp.n_expert as u32);
+    let keys = p.keys() as usize;
+    p.reuse = Some(Reuse {
+        decode: ReuseHistogram::from_dense(3, &dense[..dense.len().min(keys)]),
+        prefill: ReuseHistogram::default(),
+    });
+    p
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// One device, `--expert-cache S` below every expert, a profile with reuse: the plan's
+    /// hit rate is the curve at S and the report says it was measured; without the profile
+    /// the report calls its hit rate a guess.
+    #[test]
+    fn a_profile_curve_is_the_predicted_hit_rate(
+        ((arch, hp), frac, dense) in (
+            hparams(),
+            0.05f64..0.95,
+            prop::collection::vec(0u64..1000, 1..200),
+        ),
+    ) {
+        let recipe = QuantRecipe::preset("Q8_0").expect("preset");
+        let inv = ModelInventory {
+            arch: arch.clone(),
+            name: arch.clone(),
+            tensors: expected_tensors(&arch, &hp, &recipe).expect("valid hparams"),
+            hparams: hp.clone(),
+            vision: None,
+        };
+        let all = u64::from(hp.n_layer) * hp.n_expert;
+        let slots = ((all as f64 * frac) as u64).max(2 * hp.n_expert_used).min(all - 1);
+        let profile = profile_with_curve(&inv, &dense);
+        prop_assume!(profile.reuse.as_ref().is_some_and(|r| r.decode.reuses() > 0));
+        let probe = probe(&[(64 << 30, 1000.0)], 64 << 30, 60 << 30);
+        let s = ServeSettings {
+            max_context: 1024,
+            batch: 1,
+            expert_cache: ExpertCache::Slots(slots),
+            ..ServeSettings::default()
+        };
+        let plan_with = |profile: Option<&ExpertProfile>| {
+            let req = PlanRequest {
+                inventory: &inv,
+                model_source: "prop".into(),
+                probe: &probe,
+                probe_source: "prop.toml".into(),
+                settings: &s,
+                profile,
+                vision: None,
+            };
+            match solve(&req) {
+                Ok(Outcome::Planned(plan)) => plan,
+                other => panic!("64 GiB does not plan a small model: {:?}", other.map(|_| ())),
+            }
+        };
+        let plan = plan_with(Some(&profile));
+        prop_assert_eq!(plan.devices[0].expert_cache_slots, slots);
+        let want = profile.reuse.as_ref().and_then(|r| r.decode.hit_rate(slots as f64)).unwrap_or(0.0);
+        prop_assert!((plan.predicted.expert_hit_rate - want).abs() < 1e-9,
+            "plan {} vs curve {}", plan.predicted.expert_hit_rate, want);
+        prop_assert!((plan.devices[0].cost.hit_rate - want).abs() < 1e-9);
+        prop_assert!(plan.predicted.expert_hit_source.starts_with("measured"), "{}", plan.predicted.expert_hit_source);
+        let guess = plan_with(None);
+        prop_assert!(guess.predicted.expert_hit_source.starts_with("a guess"), "{}", guess.predicted.expert_hit_source);
     }
 }

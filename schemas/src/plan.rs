@@ -286,6 +286,9 @@ pub struct Predicted {
     /// headline figure: `decode_empty.per_slot_tok_s`).
     pub decode_tok_s: f64,
     pub expert_hit_rate: f64,
+    /// Where `expert_hit_rate` comes from: every expert resident, the expert profile's
+    /// measured LRU reuse curve, or a guess (the profile's routing share, uniform routing).
+    pub expert_hit_source: String,
     /// The planned batch at empty context.
     pub decode_empty: DecodePoint,
     /// The planned batch with every slot's context full (`max_context` cells).

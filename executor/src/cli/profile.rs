@@ -2,6 +2,8 @@
 //! line: text through the model's tokenizer, or comma-separated token ids) through the plan's
 //! engine and write the router's picks as the routing profile `strata-plan --expert-profile`
 //! reads (`schemas/PROFILE.md`), so a user can re-plan the expert cache for their workload.
+//! The profile is format v2: the counts and the LRU stack distances of the references
+//! (decode steps and prefill passes apart), the curve the planner predicts the hit rate from.
 //! Invariant: the profile counts only picks the engine made on these prompts (prompt tokens
 //! and the `-n` greedy tokens generated after each), one row per main block; a prompt that
 //! cannot run stops the command with its line number before anything is written.
@@ -196,7 +198,27 @@ pub fn main(args: ProfileArgs) {
             profile.layers,
             profile.experts
         );
+        if let Some(r) = &profile.reuse {
+            eprintln!("strata-exec: {}", curve_summary(r, profile.keys()));
+        }
     }
+}
+
+/// The LRU hit rate of the decode steps at a few cache sizes (share of every expert of the
+/// profiled blocks), for the user to see the curve the planner will use.
+pub fn curve_summary(r: &strata_schemas::profile::Reuse, keys: u64) -> String {
+    let mut s = format!(
+        "LRU hit rate of the decode steps' {} expert references (+{} first uses) with a cache of",
+        r.decode.reuses(),
+        r.decode.first
+    );
+    for frac in [1.0 / 32.0, 1.0 / 16.0, 1.0 / 8.0, 1.0 / 4.0, 1.0 / 2.0] {
+        if let Some(h) = r.decode.hit_rate(keys as f64 * frac) {
+            s.push_str(&format!(" 1/{:.0} of the experts: {h:.3};", 1.0 / frac));
+        }
+    }
+    s.pop();
+    s
 }
 
 #[cfg(test)]

@@ -421,9 +421,17 @@ impl Solver<'_> {
         });
         let hit_rate = if mass > 0.0 { cached / mass } else { 1.0 };
         degradations.extend(self.residency_vs_batch_one(c, hit_rate));
+        let covered = built.iter().all(|b| {
+            self.oracle.covers(
+                b.plan.layer_first,
+                b.plan.layer_end,
+                b.plan.expert_cache_slots,
+            )
+        });
         let devices: Vec<DevicePlan> = built.into_iter().map(|b| b.plan).collect();
         let suggestions = self.suggestions(c, &demands, &slots, &degradations);
-        let predicted = self.predicted(c, &devices, hit_rate, disk_share);
+        let mut predicted = self.predicted(c, &devices, hit_rate, disk_share);
+        predicted.expert_hit_source = self.oracle.source(covered).describe().into();
         Ok(Plan {
             model: self.plan_model(),
             hardware_fingerprint: self.req.probe.fingerprint(),
@@ -625,6 +633,7 @@ impl Solver<'_> {
         Predicted {
             decode_tok_s: empty.per_slot_tok_s,
             expert_hit_rate: hit_rate,
+            expert_hit_source: String::new(),
             decode_empty: empty,
             decode_full: full,
             prefill_tok_s: if pass > 0.0 { ub as f64 / pass } else { 0.0 },

@@ -162,6 +162,111 @@ pub fn random_values(seed: u64, name: &str, ne0: u64, row0: u64, n_rows: u64) ->
     out
 }
 
+/// How the router of a random model picks its experts.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Routing {
+    /// Every tensor ~N(0, 0.02): the router's picks are nearly the same for every token
+    /// (random attention averages the positions, so all hidden states converge), which makes
+    /// a tiny expert cache look perfect (hit rate 0.98 at a few slots per layer).
+    #[default]
+    Uniform,
+    /// Expert popularity follows a Zipf-like law per layer (the expert of popularity rank `r`
+    /// gets a router bias of `-skew x ln(1 + r)` in units of the logits' token-to-token
+    /// spread) and each token's picks vary: token embeddings ~N(0, 1) so tokens differ, and
+    /// the residual writers (`attn_output`, the down projections) are scaled by
+    /// [`RESIDUAL_DAMP`] so the token keeps dominating the hidden state. The bias rides on a
+    /// shared component: every embedding row holds `sqrt(n_embd)` in column 0 (the output
+    /// head ignores that column), and the router's column 0 turns it into the bias.
+    Skewed { skew: f32 },
+}
+
+/// Scale of the residual writers' weights in a [`Routing::Skewed`] model.
+pub const RESIDUAL_DAMP: f32 = 0.1;
+
+/// Block index of a `blk.N.` tensor name.
+fn block_of(name: &str) -> u64 {
+    name.strip_prefix("blk.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+impl Routing {
+    /// Whether this routing rewrites tensor `name`'s draws.
+    pub fn touches(self, name: &str) -> bool {
+        if self == Routing::Uniform {
+            return false;
+        }
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        base == "token_embd"
+            || base == "output"
+            || [
+                ".attn_output",
+                ".ffn_down_exps",
+                ".ffn_down_shexp",
+                ".ffn_down",
+                ".ssm_out",
+                ".ffn_gate_inp",
+            ]
+            .iter()
+            .any(|s| base.ends_with(s))
+    }
+
+    /// Rewrite rows `[row0, row0 + rows)` of tensor `name` (row length `ne0`, `total_rows`
+    /// rows in all) as this routing needs; `x` holds the uniform draws.
+    fn adjust(self, seed: u64, name: &str, ne0: u64, total_rows: u64, row0: u64, x: &mut [f32]) {
+        let Routing::Skewed { skew } = self else {
+            return;
+        };
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let n = ne0 as usize;
+        if base == "token_embd" {
+            let anchor = (ne0 as f32).sqrt();
+            for row in x.chunks_exact_mut(n) {
+                for v in row.iter_mut() {
+                    *v *= 50.0; // N(0, 0.02) -> N(0, 1)
+                }
+                row[0] = anchor;
+            }
+        } else if base == "output" {
+            for row in x.chunks_exact_mut(n) {
+                row[0] = 0.0;
+            }
+        } else if base.ends_with(".attn_output")
+            || base.ends_with(".ffn_down_exps")
+            || base.ends_with(".ffn_down_shexp")
+            || base.ends_with(".ffn_down")
+            || base.ends_with(".ssm_out")
+        {
+            for v in x.iter_mut() {
+                *v *= RESIDUAL_DAMP;
+            }
+        } else if base.ends_with(".ffn_gate_inp") {
+            // The normed hidden state's column 0 is about sqrt(n_embd / 2) (the anchor over an
+            // rms of sqrt(2)); the logits' token-to-token spread about 0.02 x sqrt(n_embd / 2).
+            let col0 = (ne0 as f32 / 2.0).sqrt();
+            let spread = 0.02 * col0;
+            let ranks = popularity_ranks(seed, block_of(name), total_rows);
+            for (i, row) in x.chunks_exact_mut(n).enumerate() {
+                let r = ranks[(row0 as usize + i).min(ranks.len() - 1)];
+                row[0] = -skew * spread * (1.0 + r as f32).ln() / col0;
+            }
+        }
+    }
+}
+
+/// The popularity rank of each of `n` experts of block `layer` (0 = hottest): a permutation
+/// drawn from the seed, different in every block.
+fn popularity_ranks(seed: u64, layer: u64, n: u64) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    order.sort_by_key(|&e| (mix64(seed ^ mix64(layer ^ mix64(u64::from(e)))), e));
+    let mut ranks = vec![0u32; n as usize];
+    for (r, &e) in order.iter().enumerate() {
+        ranks[e as usize] = r as u32;
+    }
+    ranks
+}
+
 /// Options of [`write_random_model`].
 pub struct RandomOptions {
     /// `general.name`.
@@ -183,6 +288,8 @@ pub struct RandomOptions {
     pub random_blocks: bool,
     /// Progress callback (bytes written, total).
     pub progress: Option<ProgressFn>,
+    /// How the router picks experts (uniform: every tensor drawn alike).
+    pub routing: Routing,
 }
 
 impl Default for RandomOptions {
@@ -195,6 +302,7 @@ impl Default for RandomOptions {
             alignment: None,
             random_blocks: false,
             progress: None,
+            routing: Routing::Uniform,
         }
     }
 }
@@ -239,6 +347,15 @@ pub fn write_random_tensors(
         source,
     })?;
     for t in tensors {
+        if opts.routing.touches(&t.name) && !quant::can_quantize(t.ggml_type) {
+            return Err(GgufWriteError::Convert {
+                file,
+                problem: format!(
+                    "skewed routing rewrites {} but its type {:?} has no quantizer here (its blocks would be drawn at random): pick a preset whose embedding, router, head and down projections are F32/F16/BF16/Q8_0/Q4_K-like (e.g. --preset Q8_0), or --routing uniform",
+                    t.name, t.ggml_type
+                ),
+            });
+        }
         if !quant::is_supported(t.ggml_type) && !opts.zero_fill_unsupported {
             return Err(GgufWriteError::Unsupported {
                 file,
@@ -282,7 +399,7 @@ pub fn write_random_tensors(
         n => n,
     };
     let mut s = w.begin()?;
-    stream_random(&mut s, seed, threads, opts.random_blocks, &file)?;
+    stream_random(&mut s, seed, threads, opts.random_blocks, &file, opts.routing)?;
     s.finish()
 }
 
@@ -303,6 +420,7 @@ fn stream_random(
     threads: usize,
     random_blocks: bool,
     file: &str,
+    routing: Routing,
 ) -> Result<(), GgufWriteError> {
     let planned = s.planned().to_vec();
     let mut jobs = Vec::new();
@@ -346,6 +464,9 @@ fn stream_random(
         if quant::can_quantize(t.ggml_type) && (float || !random_blocks) {
             x.resize(n, 0.0);
             fill(dist, &mut rng, x);
+            let total: u64 = t.dims[1..].iter().product();
+            let row0 = job.chunk * rows_per_chunk(ne0 as u64);
+            routing.adjust(seed, &t.name, ne0 as u64, total, row0, x);
             for (xr, or) in x.chunks_exact(ne0).zip(out.chunks_exact_mut(row_bytes)) {
                 quant::quantize_row_into(t.ggml_type, xr, or).map_err(quant_err)?;
             }
@@ -749,5 +870,92 @@ mod tests {
         vocab.tokens.pop();
         let e = write_random_model(&p, "qwen3moe", &hp, &r, 1, opts(&vocab)).unwrap_err();
         assert!(e.to_string().contains("n_vocab = 32"), "{e}");
+    }
+
+    /// Skewed routing: every embedding row carries the anchor, the head ignores it, each
+    /// router's column 0 is the Zipf-like bias in a per-layer order, the residual writers are
+    /// damped; a type without a quantizer among those tensors is refused.
+    #[test]
+    fn skewed_routing_writes_the_anchor_the_bias_and_the_damping() {
+        let d = tmp();
+        let hp = small_moe();
+        let n = hp.n_embd as usize;
+        let e = hp.n_expert as usize;
+        let path = d.path().join("skewed.gguf");
+        let opts = RandomOptions {
+            threads: 2,
+            routing: Routing::Skewed { skew: 1.5 },
+            ..Default::default()
+        };
+        let recipe = QuantRecipe::preset("F32").unwrap();
+        write_random_model(&path, "qwen3moe", &hp, &recipe, 5, opts).unwrap();
+        let emb = tensor_f32(&path, "token_embd.weight");
+        let anchor = (n as f32).sqrt();
+        assert!(emb.chunks(n).all(|r| r[0] == anchor));
+        let ms: f32 = emb
+            .chunks(n)
+            .flat_map(|r| r[1..].iter())
+            .map(|v| v * v)
+            .sum::<f32>()
+            / (emb.len() - emb.len() / n) as f32;
+        assert!((0.7..1.3).contains(&ms), "embedding variance {ms}");
+        assert!(tensor_f32(&path, "output.weight")
+            .chunks(n)
+            .all(|r| r[0] == 0.0));
+        let mut hottest = Vec::new();
+        for l in 0..hp.n_layer {
+            let router = tensor_f32(&path, &format!("blk.{l}.ffn_gate_inp.weight"));
+            let mut col0: Vec<f32> = router.chunks(n).map(|r| r[0]).collect();
+            hottest.push(
+                col0.iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .unwrap()
+                    .0,
+            );
+            col0.sort_by(|a, b| b.total_cmp(a));
+            for (r, v) in col0.iter().enumerate() {
+                let want = -1.5 * 0.02 * (1.0 + r as f32).ln();
+                assert!((v - want).abs() < 1e-6, "layer {l} rank {r}: {v} vs {want}");
+            }
+            assert_eq!(col0.len(), e);
+            let out = tensor_f32(&path, &format!("blk.{l}.attn_output.weight"));
+            let rms = (out.iter().map(|v| v * v).sum::<f32>() / out.len() as f32).sqrt();
+            assert!(
+                (rms - 0.02 * RESIDUAL_DAMP).abs() < 0.2 * 0.02 * RESIDUAL_DAMP,
+                "{rms}"
+            );
+        }
+        assert_ne!(
+            hottest[0], hottest[1],
+            "each layer has its own popularity order"
+        );
+        // Uniform (the default) is untouched: the file holds the plain draws.
+        let upath = d.path().join("uniform.gguf");
+        write_random_model(
+            &upath,
+            "qwen3moe",
+            &hp,
+            &recipe,
+            5,
+            RandomOptions::default(),
+        )
+        .unwrap();
+        let plain = random_values(5, "token_embd.weight", n as u64, 0, hp.n_vocab);
+        assert_eq!(tensor_f32(&upath, "token_embd.weight"), plain);
+        // A router type drawn at random (no quantizer) cannot carry the bias.
+        let mut bad = recipe.clone();
+        bad.router = GgmlType::Q8_1;
+        let opts = RandomOptions {
+            routing: Routing::Skewed { skew: 1.0 },
+            ..Default::default()
+        };
+        let err = write_random_model(&d.path().join("bad.gguf"), "qwen3moe", &hp, &bad, 5, opts)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ffn_gate_inp") && err.contains("--routing uniform"),
+            "{err}"
+        );
     }
 }

@@ -207,6 +207,7 @@ fn sample_predicted() -> Predicted {
     Predicted {
         decode_tok_s: 41.5,
         expert_hit_rate: 0.83,
+        expert_hit_source: "a guess".into(),
         decode_empty: DecodePoint {
             batch: 2,
             context: 0,

@@ -16,7 +16,9 @@ use strata_schemas::ggml::GgmlType;
 use strata_schemas::gguf::convert::convert_hf_folder;
 use strata_schemas::gguf::metadata::file_type;
 use strata_schemas::gguf::quantize::{quantize_gguf, QuantTarget, QuantizeOptions};
-use strata_schemas::gguf::random::{write_random_model, write_random_tensors, RandomOptions};
+use strata_schemas::gguf::random::{
+    write_random_model, write_random_tensors, RandomOptions, Routing,
+};
 use strata_schemas::gguf::write::{ProgressFn, WriteSummary};
 use strata_schemas::inventory::HParams;
 
@@ -158,6 +160,15 @@ struct RandomArgs {
     /// ssm.conv_kernel (qwen3next).
     #[arg(long)]
     ssm_conv: Option<u64>,
+    /// How the router picks experts: `uniform` (every tensor ~N(0, 0.02): nearly the same
+    /// experts for every token) or `skewed` (Zipf-like expert popularity per layer, picks
+    /// varying from token to token, as trained models route; see --router-skew).
+    #[arg(long, default_value = "uniform", value_parser = ["uniform", "skewed"])]
+    routing: String,
+    /// With --routing skewed: the Zipf-like exponent of expert popularity (the router bias of
+    /// the expert of rank r is -SKEW x ln(1 + r) logit spreads); 0 = no popularity skew.
+    #[arg(long, value_name = "SKEW")]
+    router_skew: Option<f32>,
 }
 
 #[derive(Args)]
@@ -306,6 +317,26 @@ fn report(s: &WriteSummary) {
     );
 }
 
+/// The --routing and --router-skew flags.
+fn routing(a: &RandomArgs) -> Result<Routing, String> {
+    match (a.routing.as_str(), a.router_skew) {
+        ("uniform", None) => Ok(Routing::Uniform),
+        ("uniform", Some(_)) => {
+            Err("--router-skew needs --routing skewed (uniform routing has no skew)".into())
+        }
+        (_, skew) => {
+            let skew = skew.unwrap_or(DEFAULT_ROUTER_SKEW);
+            if !(0.0..=8.0).contains(&skew) {
+                return Err(format!("--router-skew {skew}: must be in 0..=8"));
+            }
+            Ok(Routing::Skewed { skew })
+        }
+    }
+}
+
+/// --router-skew when --routing skewed is given alone.
+const DEFAULT_ROUTER_SKEW: f32 = 1.0;
+
 fn run_random(a: RandomArgs) -> Result<WriteSummary, String> {
     let label = a.out.display().to_string();
     let mut opts = RandomOptions {
@@ -313,6 +344,7 @@ fn run_random(a: RandomArgs) -> Result<WriteSummary, String> {
         zero_fill_unsupported: a.zero_unsupported,
         random_blocks: a.random_blocks,
         progress: Some(progress(label)),
+        routing: routing(&a)?,
         ..Default::default()
     };
     if let Some(d) = &a.descriptor {

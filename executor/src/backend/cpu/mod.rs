@@ -135,7 +135,7 @@ impl<'a> CpuStage<'a> {
             kv,
             lin: LinearState::owned(&d, 0, 0),
             cache,
-            tally: RoutingTally::new(d.n_layer, d.n_expert),
+            tally: RoutingTally::new(d.n_layer, d.n_expert, d.k),
             tok: Vec::with_capacity(max_tok),
             slot: Vec::with_capacity(max_tok),
             pos: Vec::with_capacity(max_tok),

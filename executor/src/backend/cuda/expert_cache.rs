@@ -185,7 +185,7 @@ impl CudaExpertCache {
             in_group: vec![false; n_expert],
             group: Vec::with_capacity(n_expert),
             tmp: vec![0; dp.expert_slot_bytes as usize],
-            tally: RoutingTally::new(n_layer, n_expert),
+            tally: RoutingTally::new(n_layer, n_expert, k),
             counters: ExpertCounters::default(),
             tier,
             misses: Vec::with_capacity(n_expert),

@@ -1,14 +1,22 @@
-//! The expert profile file (`--expert-profile`): per-block, per-expert routing counts, in a
-//! text or a binary encoding (`schemas/PROFILE.md`).
+//! The expert profile file (`--expert-profile`): per-block, per-expert routing counts and
+//! (format v2) the LRU stack-distance histograms of the references ([`reuse`]), in a text
+//! or a binary encoding (`schemas/PROFILE.md`).
 //! Invariant: a parsed `ExpertProfile` has 1 ≤ layers ≤ 1024, 1 ≤ experts ≤ 65536 and exactly
 //! `layers * experts` counts, layer-major; nothing is allocated before sizes are checked.
 
+pub mod reuse;
+
+pub use reuse::{Reuse, ReuseHistogram};
 use std::path::Path;
 
-/// First line of the text encoding.
+/// First line of the text encoding (v1: counts only).
 pub const TEXT_HEADER: &str = "# strata expert profile v1";
-/// First eight bytes of the binary encoding.
+/// First line of the text encoding with reuse histograms.
+pub const TEXT_HEADER_V2: &str = "# strata expert profile v2";
+/// First eight bytes of the binary encoding (v1: counts only).
 pub const BINARY_MAGIC: [u8; 8] = *b"STRXPRF1";
+/// First eight bytes of the binary encoding with reuse histograms after the counts.
+pub const BINARY_MAGIC_V2: [u8; 8] = *b"STRXPRF2";
 /// Binary header: magic, u32 layers, u32 experts.
 pub const BINARY_HEADER_LEN: u64 = 16;
 pub const MAX_LAYERS: u32 = 1024;
@@ -46,6 +54,8 @@ pub struct ExpertProfile {
     pub experts: u32,
     /// Layer-major, `layers * experts` entries.
     pub counts: Vec<u64>,
+    /// LRU stack distances of the references (v2); `None` in a v1 profile.
+    pub reuse: Option<Reuse>,
 }
 
 fn check_dims(layers: u64, experts: u64) -> Result<(), String> {
@@ -65,7 +75,13 @@ impl ExpertProfile {
             layers,
             experts,
             counts: vec![0; layers as usize * experts as usize],
+            reuse: None,
         }
+    }
+
+    /// (block, expert) pairs the reuse histograms' distances count in.
+    pub fn keys(&self) -> u64 {
+        self.layers as u64 * self.experts as u64
     }
 
     /// Count of `expert` in `layer`; 0 outside the profile.
@@ -102,10 +118,15 @@ impl ExpertProfile {
         row.iter().map(|&c| k * (c as f64) / t).collect()
     }
 
-    /// The text encoding (see PROFILE.md).
+    /// The text encoding (see PROFILE.md): v1 without reuse histograms, v2 with them.
     pub fn write_text(&self) -> String {
+        let header = if self.reuse.is_some() {
+            TEXT_HEADER_V2
+        } else {
+            TEXT_HEADER
+        };
         let mut s = format!(
-            "{TEXT_HEADER}\nlayers = {}\nexperts = {}\n",
+            "{header}\nlayers = {}\nexperts = {}\n",
             self.layers, self.experts
         );
         for l in 0..self.layers {
@@ -117,17 +138,32 @@ impl ExpertProfile {
             }
             s.push('\n');
         }
+        if let Some(r) = &self.reuse {
+            s.push_str("# LRU stack distances (distance:references) over every block's experts\n");
+            for (kind, h) in [("decode", &r.decode), ("prefill", &r.prefill)] {
+                s.push_str(&format!("reuse.{kind}.first = {}\n", h.first));
+                s.push_str(&format!("reuse.{kind} = {}\n", h.write_pairs()));
+            }
+        }
         s
     }
 
-    /// The binary encoding (see PROFILE.md).
+    /// The binary encoding (see PROFILE.md): v1 without reuse histograms, v2 with them.
     pub fn write_binary(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 + self.counts.len() * 8);
-        out.extend_from_slice(&BINARY_MAGIC);
+        let magic = if self.reuse.is_some() {
+            BINARY_MAGIC_V2
+        } else {
+            BINARY_MAGIC
+        };
+        out.extend_from_slice(&magic);
         out.extend_from_slice(&self.layers.to_le_bytes());
         out.extend_from_slice(&self.experts.to_le_bytes());
         for c in &self.counts {
             out.extend_from_slice(&c.to_le_bytes());
+        }
+        if let Some(r) = &self.reuse {
+            r.write_binary(&mut out);
         }
         out
     }
@@ -208,7 +244,7 @@ pub fn read_profile(path: &Path) -> Result<ExpertProfile, ProfileError> {
 
 /// Parse either encoding; `origin` names the source in errors.
 pub fn parse_profile_bytes(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileError> {
-    if bytes.starts_with(&BINARY_MAGIC) {
+    if bytes.starts_with(&BINARY_MAGIC) || bytes.starts_with(&BINARY_MAGIC_V2) {
         parse_binary(bytes, origin)
     } else if bytes.starts_with(b"# strata expert profile") {
         parse_text(bytes, origin)
@@ -232,6 +268,7 @@ fn parse_binary(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileErro
             format!("truncated: {len} bytes, the header needs {BINARY_HEADER_LEN}"),
         ));
     }
+    let v2 = bytes.starts_with(&BINARY_MAGIC_V2);
     let u32_at =
         |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
     let layers = u32_at(8);
@@ -248,7 +285,16 @@ fn parse_binary(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileErro
             format!("truncated: {len} bytes, header says {expected} ({layers} layers x {experts} experts x 8)"),
         ));
     }
-    if len > expected {
+    let reuse = if v2 {
+        let keys = layers as u64 * experts as u64;
+        Some(
+            Reuse::parse_binary(&bytes[expected as usize..], expected, keys)
+                .map_err(|(o, r)| err(o, r))?,
+        )
+    } else {
+        None
+    };
+    if !v2 && len > expected {
         return Err(err(
             expected,
             format!(
@@ -257,7 +303,7 @@ fn parse_binary(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileErro
             ),
         ));
     }
-    let counts = bytes[BINARY_HEADER_LEN as usize..]
+    let counts = bytes[BINARY_HEADER_LEN as usize..expected as usize]
         .chunks_exact(8)
         .map(|c| {
             let mut a = [0u8; 8];
@@ -269,6 +315,7 @@ fn parse_binary(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileErro
         layers,
         experts,
         counts,
+        reuse,
     })
 }
 
@@ -292,16 +339,20 @@ fn parse_text(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileError>
         .lines()
         .enumerate()
         .map(|(i, l)| (i as u64 + 1, l.trim()));
-    match lines.next() {
-        Some((_, TEXT_HEADER)) => {}
+    let v2 = match lines.next() {
+        Some((_, TEXT_HEADER)) => false,
+        Some((_, TEXT_HEADER_V2)) => true,
         Some((n, other)) => {
             return Err(err(
                 n,
-                format!("first line is `{other}`; this build reads `{TEXT_HEADER}` only"),
+                format!(
+                "first line is `{other}`; this build reads `{TEXT_HEADER}` and `{TEXT_HEADER_V2}`"
+            ),
             ))
         }
         None => return Err(err(1, "empty file".into())),
-    }
+    };
+    let mut reuse_lines = reuse::ReuseLines::default();
     let mut layers: Option<(u32, u64)> = None;
     let mut experts: Option<(u32, u64)> = None;
     let mut counts: Vec<u64> = Vec::new();
@@ -315,13 +366,23 @@ fn parse_text(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileError>
         if let Some((key, value)) = line.split_once('=') {
             let key = key.trim();
             let value = value.trim();
+            if key.starts_with("reuse.") {
+                if !v2 {
+                    return Err(err(
+                        n,
+                        format!("`{key}` needs the v2 header `{TEXT_HEADER_V2}`"),
+                    ));
+                }
+                reuse_lines.take(key, value, n).map_err(|r| err(n, r))?;
+                continue;
+            }
             let slot = match key {
                 "layers" => &mut layers,
                 "experts" => &mut experts,
                 _ => {
                     return Err(err(
                         n,
-                        format!("unknown key `{key}`; expected `layers` or `experts`"),
+                        format!("unknown key `{key}`; expected `layers`, `experts` or `reuse.*`"),
                     ))
                 }
             };
@@ -403,10 +464,14 @@ fn parse_text(bytes: &[u8], origin: &str) -> Result<ExpertProfile, ProfileError>
             format!("layer {missing} has no line; every layer 0..{l} needs one"),
         ));
     }
+    let reuse = reuse_lines
+        .finish(l as u64 * e as u64)
+        .map_err(|(line, r)| err(line.unwrap_or(text.lines().count() as u64), r))?;
     Ok(ExpertProfile {
         layers: l,
         experts: e,
         counts,
+        reuse,
     })
 }
 
@@ -456,6 +521,7 @@ mod tests {
             layers: 3,
             experts: 4,
             counts: vec![1, 2, 3, 4, 0, 0, 0, 0, u64::MAX, 0, 7, 0],
+            reuse: None,
         }
     }
 
@@ -569,9 +635,12 @@ mod tests {
         assert!(r.contains("not an unsigned"), "{r}");
         let (_, r) = text_err(&format!("{h}layrs = 1\n"));
         assert!(r.contains("unknown key `layrs`"), "{r}");
-        let (line, r) = text_err("# strata expert profile v2\n");
+        let (line, r) = text_err("# strata expert profile v3\n");
         assert_eq!(line, 1);
-        assert!(r.contains("reads `# strata expert profile v1` only"), "{r}");
+        assert!(
+            r.contains("reads `# strata expert profile v1` and `# strata expert profile v2`"),
+            "{r}"
+        );
         match parse_profile_bytes(b"# strata expert profile v1\nlayers = 1\n\xff\n", "u")
             .unwrap_err()
         {
@@ -653,11 +722,93 @@ mod tests {
         assert!(e.to_string().contains("needs 48;"), "{e}");
     }
 
+    fn with_reuse() -> ExpertProfile {
+        let mut p = sample();
+        p.reuse = Some(Reuse {
+            decode: ReuseHistogram::from_dense(3, &[5, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1]),
+            prefill: ReuseHistogram::from_dense(7, &[]),
+        });
+        p
+    }
+
+    #[test]
+    fn v2_round_trips_the_reuse_histograms_and_v1_files_still_parse() {
+        let p = with_reuse();
+        let t = p.write_text();
+        assert!(t.starts_with("# strata expert profile v2\n"), "{t}");
+        assert!(
+            t.contains("reuse.decode.first = 3\nreuse.decode = 0:5 2:2 11:1\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("reuse.prefill.first = 7\nreuse.prefill = \n"),
+            "{t}"
+        );
+        assert_eq!(parse_profile_bytes(t.as_bytes(), "t").unwrap(), p);
+        let b = p.write_binary();
+        assert_eq!(&b[..8], b"STRXPRF2");
+        assert_eq!(parse_profile_bytes(&b, "b").unwrap(), p);
+        // A profile without reuse still writes (and reads) v1.
+        assert!(sample()
+            .write_text()
+            .starts_with("# strata expert profile v1\n"));
+        assert_eq!(&sample().write_binary()[..8], b"STRXPRF1");
+        let h = &p.reuse.as_ref().unwrap().decode;
+        assert_eq!(h.hit_rate(1.0), Some(0.625));
+    }
+
+    #[test]
+    fn v2_bad_reuse_lines_name_the_line() {
+        let good = with_reuse().write_text();
+        let v1 = good.replace("profile v2", "profile v1");
+        let (line, r) = text_err(&v1);
+        assert_eq!(line, 8);
+        assert!(r.contains("needs the v2 header"), "{r}");
+        let (_, r) = text_err(&good.replace("reuse.prefill = \n", ""));
+        assert!(r.contains("needs all of"), "{r}");
+        let (line, r) = text_err(&good.replace("11:1", "12:1"));
+        assert_eq!(line, 9);
+        assert!(r.contains("not below layers x experts = 12"), "{r}");
+        let (_, r) = text_err(&good.replace("2:2 11:1", "2:2 1:1"));
+        assert!(r.contains("strictly ascending"), "{r}");
+        let (_, r) = text_err(&good.replace("0:5", "0-5"));
+        assert!(r.contains("`0-5` is not `distance:count`"), "{r}");
+        let (_, r) = text_err(&good.replace("reuse.decode.first = 3", "reuse.decode.first = x"));
+        assert!(r.contains("`x` is not an unsigned"), "{r}");
+        let (_, r) = text_err(&format!("{good}reuse.decode = 1:1\n"));
+        assert!(r.contains("given again"), "{r}");
+        let (_, r) = text_err(&good.replace("reuse.decode =", "reuse.decodes ="));
+        assert!(r.contains("unknown key `reuse.decodes`"), "{r}");
+    }
+
+    #[test]
+    fn v2_binary_bad_reuse_sections() {
+        let good = with_reuse().write_binary();
+        let counts_end = 16 + 12 * 8;
+        let (off, r) = bin_err(&good[..counts_end]);
+        assert_eq!(off, counts_end as u64);
+        assert!(r.contains("truncated"), "{r}");
+        let (off, r) = bin_err(&good[..good.len() - 1]);
+        assert_eq!(off, good.len() as u64 - 1);
+        assert!(r.contains("truncated"), "{r}");
+        let mut long = good.clone();
+        long.push(0);
+        let (_, r) = bin_err(&long);
+        assert!(r.contains("1 trailing"), "{r}");
+        // A pair count past the bytes left is refused before allocating.
+        let mut huge = good.clone();
+        huge[counts_end + 8..counts_end + 16].copy_from_slice(&u64::MAX.to_le_bytes());
+        let (off, r) = bin_err(&huge);
+        assert_eq!(off, counts_end as u64 + 8);
+        assert!(r.contains("claims"), "{r}");
+    }
+
     proptest::proptest! {
         /// Arbitrary bytes after either header never panic; success means a consistent profile.
         #[test]
-        fn arbitrary_input_never_panics(binary: bool, tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256)) {
-            let mut b = if binary { BINARY_MAGIC.to_vec() } else { b"# strata expert profile v1\n".to_vec() };
+        fn arbitrary_input_never_panics(kind in 0usize..4, tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256)) {
+            let heads: [&[u8]; 4] = [&BINARY_MAGIC, &BINARY_MAGIC_V2, b"# strata expert profile v1\n", b"# strata expert profile v2\n"];
+            let mut b = heads[kind].to_vec();
             b.extend_from_slice(&tail);
             if let Ok(p) = parse_profile_bytes(&b, "f") {
                 proptest::prop_assert_eq!(p.counts.len() as u64, p.layers as u64 * p.experts as u64);
@@ -669,7 +820,7 @@ mod tests {
             let counts = (0..layers * experts)
                 .map(|i| seed.rotate_left(i) >> (i % 64))
                 .collect();
-            let p = ExpertProfile { layers, experts, counts };
+            let p = ExpertProfile { layers, experts, counts, reuse: None };
             proptest::prop_assert_eq!(&parse_profile_bytes(p.write_text().as_bytes(), "t").unwrap(), &p);
             proptest::prop_assert_eq!(&parse_profile_bytes(&p.write_binary(), "b").unwrap(), &p);
         }
