@@ -1,5 +1,6 @@
-//! Starting a plan on CUDA GPUs: every check that needs no GPU ([`preflight`]), the GPUs
-//! opened and their free memory checked against the arenas planned onto them, one arena per
+//! Starting a plan on GPUs: every check that needs no GPU ([`preflight`]), the GPUs opened
+//! (CUDA for `nvidia` plans, HIP for `amd` ones: [`plan_vendor`]) and their free memory
+//! checked against the arenas planned onto them, one arena per
 //! planned device, the weights uploaded, each stage's working buffers bound from the plan's
 //! scratch by name, its KV geometry checked against its `kv_cache` region, the model bound on
 //! it, and the hand-offs between stages chosen — a [`CudaEngine`], the pipeline over CUDA
@@ -13,7 +14,7 @@ use super::handoff::Link;
 use super::launch::{kty, ATT_MAX_D, ATT_MAX_GROUP};
 use super::options::CudaOptions;
 use super::stage::{CudaStage, KvGeo, LinGeo, RunFlags, Span};
-use super::{CudaDevice, CudaError, DeviceArena};
+use super::{CudaDevice, CudaError, DeviceArena, Vendor};
 use crate::backend::cpu::{Rope, Yarn};
 use crate::backend::WorkBuf;
 use crate::engine::EngineInfo;
@@ -267,10 +268,34 @@ fn bytes_per_gpu(
 
 /// Device memory (free, total) of `dev` now.
 pub(crate) fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
-    dev.ctx_bind()?;
-    let (free, total) =
-        cudarc::driver::result::mem_get_info().map_err(super::drv("cuMemGetInfo"))?;
-    Ok((free as u64, total as u64))
+    dev.mem_info()
+}
+
+/// The one GPU vendor of the plan's devices: every planned device `nvidia`, or every one
+/// `amd` (the runtime the engine opens); an error naming the devices otherwise.
+pub fn plan_vendor(plan: &Plan) -> Result<Vendor, CudaEngineError> {
+    let mut found: Option<Vendor> = None;
+    for dp in &plan.devices {
+        let v = Vendor::of_plan(&dp.vendor).ok_or_else(|| {
+            plan_err(format!(
+                "device {} ({}) is vendor `{}`: the GPU engine runs `nvidia` (CUDA) or `amd` (HIP) devices; run it with --backend cpu",
+                dp.index, dp.name, dp.vendor
+            ))
+        })?;
+        match found {
+            Some(f) if f != v => {
+                return Err(plan_err(format!(
+                    "the plan mixes {} and {} devices (device {} is `{}`): one engine runs one vendor's GPUs; re-plan with a probe of one vendor's devices",
+                    f.runtime(),
+                    v.runtime(),
+                    dp.index,
+                    dp.vendor
+                )))
+            }
+            _ => found = Some(v),
+        }
+    }
+    found.ok_or_else(|| plan_err("the plan has no devices"))
 }
 
 /// Check `host` against `plan` and the GPUs, allocate the planned arenas, upload the weights
@@ -281,12 +306,13 @@ pub fn start_cuda(
     opts: CudaOptions,
 ) -> Result<CudaEngine, CudaEngineError> {
     let pf = preflight(plan, host.as_ref(), &opts)?;
+    let vendor = plan_vendor(plan)?;
     let host: Arc<dyn HostModel> = Arc::from(host);
     let s = &plan.serve;
     let (n_slots, ctx) = (s.batch as usize, s.max_context as usize);
     let d = pf.d;
 
-    let devs = open_gpus(plan, &opts)?;
+    let devs = open_gpus(plan, vendor, &opts)?;
     let mapped = opts.device_map.is_some();
     let dev_of = |i: usize| if mapped { i } else { 0 };
     let planned: u64 = plan.devices.iter().map(|dp| dp.arena_bytes).sum();
@@ -308,7 +334,7 @@ pub fn start_cuda(
         pf: &pf,
         host: &host,
         mapped,
-        pdl: opts.pdl && !opts.profile && devs.iter().all(|d| d.compute_capability().0 >= 9),
+        pdl: opts.pdl && !opts.profile && devs.iter().all(|d| d.pdl_capable()),
         n_slots,
         ctx,
     };
@@ -342,14 +368,18 @@ pub fn start_cuda(
         .map_err(|e| CudaEngineError::Plan(e.to_string()))
 }
 
-/// The GPUs: one device object for every stage, or one per stage (`--device-map`), once
-/// each GPU's free memory is seen to hold the arenas planned onto it.
-fn open_gpus(plan: &Plan, opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, CudaEngineError> {
+/// The GPUs (of `vendor`'s runtime): one device object for every stage, or one per stage
+/// (`--device-map`), once each GPU's free memory is seen to hold the arenas planned onto it.
+fn open_gpus(
+    plan: &Plan,
+    vendor: Vendor,
+    opts: &CudaOptions,
+) -> Result<Vec<Arc<CudaDevice>>, CudaEngineError> {
     let devs: Vec<Arc<CudaDevice>> = match &opts.device_map {
-        None => vec![Arc::new(CudaDevice::open(opts.gpu)?)],
+        None => vec![Arc::new(CudaDevice::open_vendor(vendor, opts.gpu)?)],
         Some(map) => map
             .iter()
-            .map(|&o| CudaDevice::open(o).map(Arc::new))
+            .map(|&o| CudaDevice::open_vendor(vendor, o).map(Arc::new))
             .collect::<Result<_, _>>()?,
     };
     let mapped = opts.device_map.is_some();
@@ -445,7 +475,11 @@ impl Start<'_> {
         let flags = RunFlags {
             graphs: opts.graphs && !opts.profile && xcache.is_none(),
             pdl: self.pdl,
-            gemm: opts.prefill_gemm && pf.gemm && has(WorkBuf::Xh) && has(WorkBuf::Yd),
+            gemm: opts.prefill_gemm
+                && pf.gemm
+                && has(WorkBuf::Xh)
+                && has(WorkBuf::Yd)
+                && dev.tensor_cores(),
             fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
         };
         let binder = Binder::new(plan, dp, host.clone(), &layout);
@@ -610,11 +644,11 @@ pub fn standalone_stage(
         dev.htod(&tmp[..], arena.view(placed[&t.name], data.len() as u64)?)?;
     }
     let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
-    let pdl = opts.pdl && !opts.profile && dev.compute_capability().0 >= 9;
+    let pdl = opts.pdl && !opts.profile && dev.pdl_capable();
     let flags = RunFlags {
         graphs: opts.graphs && !opts.profile,
         pdl,
-        gemm: opts.prefill_gemm && s.pass.gemm,
+        gemm: opts.prefill_gemm && s.pass.gemm && dev.tensor_cores(),
         fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
     };
     let binder = Binder::of_placed(host.clone(), placed, &layout);
