@@ -366,13 +366,11 @@ impl CudaDevice {
                 .map_err(drv("cuMemsetD8Async"))
             }
             #[cfg(feature = "hip")]
-            // SAFETY: dst is a checked view of a live arena of this device.
             Runtime::Hip(h) => {
-                Ok(
-                    unsafe {
-                        h.memset_raw_async(dst.ptr(), dst.len() as usize, value, h.stream())
-                    }?,
-                )
+                let len = dst.len() as usize;
+                // SAFETY: dst is a checked view of a live arena of this device.
+                unsafe { h.memset_raw_async(dst.ptr(), len, value, h.stream()) }?;
+                Ok(())
             }
         }
     }
