@@ -420,6 +420,17 @@ impl Stage for CudaStage {
                         self.flags.pdl = false;
                         self.capture(forward)?
                     }
+                    // HIP graphs have never been exercised on AMD hardware: a failed capture
+                    // turns them off for this stage, said once, and the step runs uncaptured.
+                    Err(e) if self.dev.vendor() == super::Vendor::Amd => {
+                        eprintln!(
+                            "warning: capturing a decode step as a HIP graph failed ({e}); decode steps on GPU {} run uncaptured from now on (as --no-graphs would)",
+                            self.dev.ordinal()
+                        );
+                        self.flags.graphs = false;
+                        forward(self)?;
+                        return self.prof_collect();
+                    }
                     Err(e) => return Err(e),
                 };
                 self.graphs.insert(n, g);
