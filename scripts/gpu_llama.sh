@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
-# gpu_llama.sh — on the GPU machine: llama.cpp and strata-exec side by side on llama.cpp's own
+# gpu_llama.sh — on the GPU machine: llama.cpp and strata-exec side by side on llama.cpp's
 # quantizer mixes. Builds llama.cpp (llama-bench, llama-batched-bench, llama-quantize; CUDA,
-# sm_90) from the trimmed source tree carried in the ignored folder llama.cpp-src/, writes our
-# random Qwen3-30B-A3B-shaped Q8_0 file with tokenizer keys (strata-gguf random --vocab-from
-# tests/data/tiny-chat-moe), quantizes it with llama-quantize --allow-requantize to Q4_K_M and
-# IQ3_S (IQ4_XS when llama-quantize refuses IQ3_S, e.g. for want of an importance matrix; the
-# table says which ran), and benches pp512 / tg128 on each file with llama-bench (-fa 1
-# -ngl 99) and strata-exec bench (planned for plans/hardware/h200.toml), then prints one table.
+# sm_90) from the trimmed source tree carried in the ignored folder llama.cpp-src/; writes
+# random Qwen3-30B-A3B-shaped Q4_K_M and IQ3_S files with llama-quantize's per-tensor types and
+# tokenizer keys (strata-gguf random --random-blocks --vocab-from tests/data/tiny-chat-moe);
+# quantizes a small F32 model with llama-quantize itself into Q4_K_M, Q5_K_M, IQ4_XS and IQ3_S
+# (the fixtures stage: files as llama.cpp's quantizer writes them, for the tests); and benches
+# pp512 / tg128 on each large file with llama-bench (-fa 1 -ngl 99) and strata-exec bench
+# (planned for plans/hardware/h200.toml), then prints one table.
 #
-# usage: scripts/gpu_llama.sh [build|files|bench|all] [OUTDIR]   (default: all, $OUT or /tmp)
+# usage: scripts/gpu_llama.sh [build|files|fixtures|bench|all] [OUTDIR]   (default: all, $OUT or /tmp)
 # Binaries: target/gpu/ (scripts/build_gpu.sh on the dev box; carry target/gpu and
 # llama.cpp-src with the device tool). Every stage keeps what it made under /tmp/gpu_llama
 # and skips it when it is there, so a call cut short by the time limit resumes where it
-# stopped; each stage prints its seconds. Disk: the Q8_0 file (~33 GB) is deleted once the
-# Q4_K_M file (~19 GB) exists, and the second mix is quantized from Q4_K_M (llama-quantize's
-# per-tensor type choices depend on the target mix, not on the source type), so at most
-# ~52 GB sit on the 64 GB disk at once.
+# stopped; each stage prints its seconds. Disk: ~19 GB (Q4_K_M) + ~13 GB (IQ3_S).
 # Invariant: nothing outside /tmp/gpu_llama and OUTDIR is written; a failed stage stops the
 # run with its log's tail.
 set -uo pipefail
@@ -54,46 +52,50 @@ if [ "$what" = build ] || [ "$what" = all ]; then
     fi
 fi
 
-q8=$work/q30-q8_0.gguf
 q4km=$work/q30-q4_k_m.gguf
-mix2_of() { ls "$work"/q30-iq3_s.gguf "$work"/q30-iq4_xs.gguf 2>/dev/null | head -1; }
+iq3s=$work/q30-iq3_s.gguf
+fix=$work/fixtures
 
 if [ "$what" = files ] || [ "$what" = all ]; then
     stage "model files"
+    # Both mixes straight from our writer (llama-quantize's per-tensor types, valid random
+    # blocks: --random-blocks skips the quantizer search that made a 30B write take >10 min).
+    for pair in "Q4_K_M:$q4km" "IQ3_S:$iq3s"; do
+        preset=${pair%%:*}
+        f=${pair#*:}
+        [ -f "$f" ] && continue
+        t0=$(date +%s)
+        "$bin/strata-gguf" random --arch qwen3moe --preset "$preset" --random-blocks \
+            --vocab-from tests/data/tiny-chat-moe --out "$f.partial" >"$work/random_$preset.log" 2>&1 ||
+            fail "strata-gguf random $preset" "$work/random_$preset.log"
+        mv "$f.partial" "$f"
+        echo "$preset written in $(($(date +%s) - t0)) s: $(du -h "$f" | cut -f1)"
+    done
+    df -h /tmp | tail -1
+fi
+
+if [ "$what" = fixtures ] || [ "$what" = all ]; then
+    # Small files as llama.cpp's quantizer writes them, for the tests of issue 19 (committed
+    # under tests/data/llama-quantized/): an F32 model of rows of 256, quantized by
+    # llama-quantize to each mix, copied to OUTDIR/llama-quantized.
+    stage "llama-quantize fixtures"
     q=$build/bin/llama-quantize
     [ -x "$q" ] || fail "no llama-quantize: run the build stage first"
-    if [ ! -f "$q4km" ] && [ ! -f "$q8" ]; then
-        t0=$(date +%s)
-        "$bin/strata-gguf" random --arch qwen3moe --preset Q8_0 \
-            --vocab-from tests/data/tiny-chat-moe --out "$q8.partial" >"$work/random.log" 2>&1 ||
-            fail "strata-gguf random" "$work/random.log"
-        mv "$q8.partial" "$q8"
-        echo "Q8_0 written in $(($(date +%s) - t0)) s: $(du -h "$q8" | cut -f1)"
+    mkdir -p "$fix" "$out/llama-quantized"
+    src_f32=$fix/small-f32.gguf
+    if [ ! -f "$src_f32" ]; then
+        "$bin/strata-gguf" random --arch qwen3moe --preset F32 --layers 2 --embd 256 --heads 4 \
+            --kv-heads 2 --head-dim 64 --experts 4 --experts-used 2 --ff-exp 256 --vocab 400 \
+            --ctx 4096 --seed 19 --vocab-from tests/data/tiny-chat-moe --out "$src_f32" \
+            >"$fix/random.log" 2>&1 || fail "strata-gguf random F32" "$fix/random.log"
     fi
-    if [ ! -f "$q4km" ]; then
-        t0=$(date +%s)
-        "$q" --allow-requantize "$q8" "$q4km.partial" Q4_K_M "$jobs" >"$work/quant_q4km.log" 2>&1 ||
-            fail "llama-quantize Q4_K_M" "$work/quant_q4km.log"
-        mv "$q4km.partial" "$q4km"
-        echo "Q4_K_M quantized in $(($(date +%s) - t0)) s: $(du -h "$q4km" | cut -f1)"
-        rm -f "$q8"
-    fi
-    if [ -z "$(mix2_of)" ]; then
-        t0=$(date +%s)
-        if "$q" --allow-requantize "$q4km" "$work/q30-iq3_s.partial" IQ3_S "$jobs" \
-            >"$work/quant_iq3s.log" 2>&1; then
-            mv "$work/q30-iq3_s.partial" "$work/q30-iq3_s.gguf"
-        else
-            echo "llama-quantize refused IQ3_S (log tail below); quantizing IQ4_XS instead"
-            tail -5 "$work/quant_iq3s.log"
-            rm -f "$work/q30-iq3_s.partial"
-            "$q" --allow-requantize "$q4km" "$work/q30-iq4_xs.partial" IQ4_XS "$jobs" \
-                >"$work/quant_iq4xs.log" 2>&1 || fail "llama-quantize IQ4_XS" "$work/quant_iq4xs.log"
-            mv "$work/q30-iq4_xs.partial" "$work/q30-iq4_xs.gguf"
-        fi
-        echo "$(basename "$(mix2_of)") quantized in $(($(date +%s) - t0)) s: $(du -h "$(mix2_of)" | cut -f1)"
-    fi
-    df -h /tmp | tail -1
+    for mix in Q4_K_M Q5_K_M IQ4_XS IQ3_S; do
+        lower=$(echo "$mix" | tr 'A-Z' 'a-z')
+        o=$out/llama-quantized/small-$lower.gguf
+        "$q" "$src_f32" "$o" "$mix" 4 >"$fix/quant_$lower.log" 2>&1 ||
+            fail "llama-quantize $mix" "$fix/quant_$lower.log"
+        echo "$mix: $(du -h "$o" | cut -f1)"
+    done
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
@@ -102,7 +104,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         echo "| file | engine | pp512 tok/s | tg128 tok/s |"
         echo "| --- | --- | --- | --- |"
     } >"$table"
-    for m in "$q4km" "$(mix2_of)"; do
+    for m in "$q4km" "$iq3s"; do
         [ -f "$m" ] || { echo "no $m: run the files stage first"; continue; }
         name=$(basename "$m" .gguf)
         stage "llama-bench $name"

@@ -566,73 +566,102 @@ fn quantizer_mixes_match_the_cpu_engine() {
         let name = preset.to_ascii_lowercase();
         let recipe = QuantRecipe::preset(preset).unwrap();
         let gguf = random_gguf(dir.path(), &name, &hp, &recipe, 11);
-        let inv = strata_plan::model::load_model(&gguf).unwrap();
-        let types: std::collections::BTreeSet<String> = inv
-            .tensors
-            .iter()
-            .filter(|t| t.dims.len() >= 2)
-            .map(|t| t.ggml_type.to_string())
-            .collect();
-        assert!(
-            inv.tensors.iter().any(|t| t.ggml_type == marker),
-            "{preset}: no {marker} tensor in {types:?}"
-        );
-        // Prefill products on tensor cores where a matrix's type has a tile kernel (every
-        // type but F32 and F16: the mixes' quantized matrices all do).
-        let rounds = inv
-            .tensors
-            .iter()
-            .any(|t| t.dims.len() >= 2 && !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16));
-        let ask = Ask {
-            ctx: 128,
-            ubatch: 32,
-            ..Ask::default()
-        };
-        let start = |gemm: bool| {
-            let opts = CudaOptions {
-                prefill_gemm: gemm,
-                ..CudaOptions::default()
-            };
-            cuda_with(&name, &ask, Some(&gguf), opts)
-        };
-        let (mut tc, mut mv) = (start(true), start(false));
-        let mut c = cpu_on_gguf(&name, &gguf, &ask);
-        let v = tc.info().n_vocab;
-        let vocab = hp.n_vocab as u32;
-        let prompt: Vec<u32> = (0..53).map(|i| (i * 37 + 11) % vocab).collect();
-        let (mut lt, mut lm, mut lc) = (Vec::new(), Vec::new(), Vec::new());
-        for chunk in prompt.chunks(32) {
-            lt.extend_from_slice(tc.prefill_all(0, chunk).unwrap());
-            lm.extend_from_slice(mv.prefill_all(0, chunk).unwrap());
-            lc.extend_from_slice(c.prefill_all(0, chunk).unwrap());
-        }
-        let (p_tc, p_mv) = (rel_err(&lt, &lc, v), rel_err(&lm, &lc, v));
-        let (mut d_tc, mut d_mv) = (0f64, 0f64);
-        let mut tok = argmax(&lc[lc.len() - v..]);
-        for _ in 0..10 {
-            let gt = tc.decode(&[(0, tok)]).unwrap().to_vec();
-            let gm = mv.decode(&[(0, tok)]).unwrap().to_vec();
-            let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
-            d_tc = d_tc.max(rel_err(&gt, &cl, v));
-            d_mv = d_mv.max(rel_err(&gm, &cl, v));
-            tok = argmax(&cl);
-        }
-        eprintln!(
-            "{preset} ({types:?}): 53-token prefill vs CPU: default engine {p_tc:e}, matvec engine {p_mv:e}; 10 decode steps after it: {d_tc:e} / {d_mv:e}"
-        );
-        if !(p_mv < 2e-3 && d_mv < 2e-3) {
-            bad.push(format!(
-                "{preset}: matvec engine {p_mv} / {d_mv} (bound 2e-3)"
-            ));
-        }
-        let bound = if rounds { 1e-2 } else { 2e-3 };
-        if !(p_tc < bound && d_tc < bound) {
-            bad.push(format!(
-                "{preset}: default engine prefill {p_tc}, decode after it {d_tc} (bound {bound})"
-            ));
-        }
+        mix_matches_the_cpu_engine(preset, &gguf, marker, &mut bad);
     }
     assert!(bad.is_empty(), "{}", bad.join("; "));
+}
+
+/// The files llama.cpp's own quantizer wrote (`tests/data/llama-quantized`, made by
+/// `scripts/gpu_llama.sh fixtures`) run on CUDA as on the CPU engine, which
+/// `plan_exec_quant` checks against the same weights dequantized to F32.
+#[test]
+fn llama_quantized_files_match_the_cpu_engine() {
+    if !gpu_present() {
+        return;
+    }
+    let mut bad = Vec::new();
+    for (mix, marker) in common::LLAMA_QUANTIZED {
+        let gguf = common::llama_quantized(mix);
+        mix_matches_the_cpu_engine(mix, &gguf, *marker, &mut bad);
+    }
+    assert!(bad.is_empty(), "{}", bad.join("; "));
+}
+
+/// One quantizer mix `gguf` (which holds a `marker` tensor) on the default CUDA engine and on
+/// its matrix-vector path against the CPU engine: a 53-token prefill in ubatches of 32, then
+/// 10 greedy decode steps. Failures are pushed onto `bad`.
+fn mix_matches_the_cpu_engine(
+    preset: &str,
+    gguf: &std::path::Path,
+    marker: GgmlType,
+    bad: &mut Vec<String>,
+) {
+    let name = preset.to_ascii_lowercase();
+    let inv = strata_plan::model::load_model(gguf).unwrap();
+    let types: std::collections::BTreeSet<String> = inv
+        .tensors
+        .iter()
+        .filter(|t| t.dims.len() >= 2)
+        .map(|t| t.ggml_type.to_string())
+        .collect();
+    assert!(
+        inv.tensors.iter().any(|t| t.ggml_type == marker),
+        "{preset}: no {marker} tensor in {types:?}"
+    );
+    // Prefill products on tensor cores where a matrix's type has a tile kernel (every
+    // type but F32 and F16: the mixes' quantized matrices all do).
+    let rounds = inv
+        .tensors
+        .iter()
+        .any(|t| t.dims.len() >= 2 && !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16));
+    let ask = Ask {
+        ctx: 128,
+        ubatch: 32,
+        ..Ask::default()
+    };
+    let start = |gemm: bool| {
+        let opts = CudaOptions {
+            prefill_gemm: gemm,
+            ..CudaOptions::default()
+        };
+        cuda_with(&name, &ask, Some(gguf), opts)
+    };
+    let (mut tc, mut mv) = (start(true), start(false));
+    let mut c = cpu_on_gguf(&name, gguf, &ask);
+    let v = tc.info().n_vocab;
+    let vocab = inv.hparams.n_vocab as u32;
+    let prompt: Vec<u32> = (0..53).map(|i| (i * 37 + 11) % vocab).collect();
+    let (mut lt, mut lm, mut lc) = (Vec::new(), Vec::new(), Vec::new());
+    for chunk in prompt.chunks(32) {
+        lt.extend_from_slice(tc.prefill_all(0, chunk).unwrap());
+        lm.extend_from_slice(mv.prefill_all(0, chunk).unwrap());
+        lc.extend_from_slice(c.prefill_all(0, chunk).unwrap());
+    }
+    let (p_tc, p_mv) = (rel_err(&lt, &lc, v), rel_err(&lm, &lc, v));
+    let (mut d_tc, mut d_mv) = (0f64, 0f64);
+    let mut tok = argmax(&lc[lc.len() - v..]);
+    for _ in 0..10 {
+        let gt = tc.decode(&[(0, tok)]).unwrap().to_vec();
+        let gm = mv.decode(&[(0, tok)]).unwrap().to_vec();
+        let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
+        d_tc = d_tc.max(rel_err(&gt, &cl, v));
+        d_mv = d_mv.max(rel_err(&gm, &cl, v));
+        tok = argmax(&cl);
+    }
+    eprintln!(
+        "{preset} ({types:?}): 53-token prefill vs CPU: default engine {p_tc:e}, matvec engine {p_mv:e}; 10 decode steps after it: {d_tc:e} / {d_mv:e}"
+    );
+    if !(p_mv < 2e-3 && d_mv < 2e-3) {
+        bad.push(format!(
+            "{preset}: matvec engine {p_mv} / {d_mv} (bound 2e-3)"
+        ));
+    }
+    let bound = if rounds { 1e-2 } else { 2e-3 };
+    if !(p_tc < bound && d_tc < bound) {
+        bad.push(format!(
+            "{preset}: default engine prefill {p_tc}, decode after it {d_tc} (bound {bound})"
+        ));
+    }
 }
 
 /// Every plan the GPU tests run passes the engine's start-up checks that need no GPU (so

@@ -1,4 +1,4 @@
-//! A host model of the K-quant decode kernels' lane mapping (products.cuh's `dq_kq_oa`,
+//! A host model of the K-quant (and IQ3_S) decode kernels' lane mapping (products.cuh's `dq_kq_oa`,
 //! `dq_kq_gap` and `dq_kq_lane`, moe.cu's `dq_moe_down_kq_part` work split), transcribed
 //! operation for operation, checked against the CPU reference decoder on random blocks: the
 //! 32 lanes of a super-block read each of its 256 weights exactly once, at the column the
@@ -35,7 +35,9 @@ fn scale_min(j: usize, q: &[u8]) -> (f32, f32) {
 
 /// `dq_kq_oa` and `dq_kq_gap`.
 fn oa_gap(ty: GgmlType, l: usize) -> (usize, usize) {
-    if ty == GgmlType::Q6K {
+    if ty == GgmlType::Iq3S {
+        (8 * l, 4)
+    } else if ty == GgmlType::Q6K {
         (128 * (l >> 4) + 32 * ((l >> 3) & 1) + 4 * (l & 7), 64)
     } else {
         (64 * (l >> 3) + 4 * (l & 7), 32)
@@ -44,6 +46,27 @@ fn oa_gap(ty: GgmlType, l: usize) -> (usize, usize) {
 
 /// `dq_kq_lane`: (qa, qb, ka, kb, ma, mb) of lane `l` over block `b`.
 fn lane(ty: GgmlType, b: &[u8], l: usize) -> ([f32; 4], [f32; 4], f32, f32, f32, f32) {
+    if ty == GgmlType::Iq3S {
+        let (gi, h) = (l >> 2, l & 3);
+        let k = 8 * gi + 2 * h;
+        let qs = u16_at(b, 2 + k);
+        let qh = b[66 + gi] as u32;
+        let g0 = quant::IQ3S_GRID[((qs & 0xff) | (((qh >> (2 * h)) & 1) << 8)) as usize];
+        let g1 = quant::IQ3S_GRID[((qs >> 8) | (((qh >> (2 * h + 1)) & 1) << 8)) as usize];
+        let sg = b[74 + 4 * gi + h] as u32;
+        let (mut qa, mut qb) = (u8x4(g0, 0.0), u8x4(g1, 0.0));
+        for j in 0..4 {
+            if (sg >> j) & 1 == 1 {
+                qa[j] = -qa[j];
+            }
+            if (sg >> (j + 4)) & 1 == 1 {
+                qb[j] = -qb[j];
+            }
+        }
+        let sc = (b[106 + (gi >> 1)] >> (4 * (gi & 1))) & 15;
+        let ka = h2f(b, 0) * (1 + 2 * sc as u32) as f32;
+        return (qa, qb, ka, ka, 0.0, 0.0);
+    }
     if ty == GgmlType::Q6K {
         let (n, h, j) = (l >> 4, (l >> 3) & 1, 4 * (l & 7));
         let ql = u32_at(b, 64 * n + 32 * h + j);
@@ -90,7 +113,7 @@ fn lane(ty: GgmlType, b: &[u8], l: usize) -> ([f32; 4], [f32; 4], f32, f32, f32,
 #[test]
 fn every_weight_of_a_kquant_block_is_read_once_with_the_reference_value() {
     let mut rng = StdRng::seed_from_u64(19);
-    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Iq3S] {
         let bytes = quant::row_bytes(ty, 256).unwrap();
         for trial in 0..200 {
             let mut blk = vec![0u8; bytes];

@@ -423,6 +423,36 @@ fn q4_k_matches_its_dequantized_weights_and_the_f32_path_within_its_bound() {
     }
 }
 
+/// The files llama.cpp's own quantizer wrote (Q4_K_M, Q5_K_M, IQ4_XS, IQ3_S of a small
+/// random model: `scripts/gpu_llama.sh fixtures`) plan and run, with logits equal to those of
+/// the same weights dequantized to F32 within 1e-4 relative (the CPU engine decodes each
+/// block exactly to f32, so only summation order differs); each file holds its mix's type.
+#[test]
+fn llama_quantized_files_match_their_dequantized_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let toks: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 400).collect();
+    for (mix, marker) in LLAMA_QUANTIZED {
+        let g = llama_quantized(mix);
+        let gf = strata_schemas::gguf::read_gguf(&g)
+            .unwrap_or_else(|e| panic!("{}: {e}", g.display()));
+        let types: std::collections::BTreeSet<String> =
+            gf.tensors.iter().map(|t| t.ggml_type.to_string()).collect();
+        assert!(
+            gf.tensors.iter().any(|t| t.ggml_type == *marker),
+            "{mix}: no {marker} tensor in {types:?}"
+        );
+        let deq = dir.path().join(format!("{mix}-deq.gguf"));
+        dequantized_copy(&g, &deq);
+        let mut e = start(&g, KvType::F16);
+        let v = e.info().n_vocab;
+        let lq = logits(&mut e, &toks);
+        let ld = logits(&mut start(&deq, KvType::F16), &toks);
+        let k = max_rel(&lq, &ld, v);
+        eprintln!("{mix} ({types:?}): max relative logit difference vs dequantized F32 {k:e}");
+        assert!(k < 1e-4, "{mix} vs its dequantized weights: {k:e}");
+    }
+}
+
 /// KV q8_0 against f16 and transformers (F32 weights). q8_0 stores each 32 K or V values
 /// with d = amax/127, error <= d/2: relative RMS about 2.5/(254 sqrt 3) = 0.57% per element
 /// (amax ~ 2.5 RMS in a block of 32). V errors pass linearly into the attention output, K

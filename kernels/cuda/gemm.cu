@@ -236,7 +236,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                 uint4* dst = (uint4*)(st + row * GM_H_STRIDE + part * 64);
                 float v[32];
                 if (gr < rows && kk < cols) {
-                    qt_group32(gt, Wm + (long)gr * rb, kk / 32, v);
+                    qt_group32_common(gt, Wm + (long)gr * rb, kk / 32, v);
                 } else {
 #pragma unroll
                     for (int j = 0; j < 32; ++j) v[j] = 0.0f;

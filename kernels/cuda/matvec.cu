@@ -276,18 +276,20 @@ ST_KERNEL void dq_qkv8_any(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int
                                   n_tok);
 }
 
-// Q, K and V of one K-quant code (dq_kq_row_dot; the input read from global memory).
+// Q, K and V of K-quant codes (dq_kq_row_dot; the input read from global memory), each
+// matrix its own code (ty for Q, ty_k, ty_v: Q4_K_M's layers mix Q4_K with a Q6_K V).
 // grid: (ceil((rq+rk+rv) / DQ_WARPS), ceil(n_tok / NT)).
 template <int NT>
 __device__ __forceinline__ void dq_qkv_kq_body(const u8* Wq, const u8* Wk, const u8* Wv, int ty,
+                                               int ty_k, int ty_v,
                                                int rq, int rk, int rv, int cols, const float* x,
                                                const float* nw, float eps, float* yq,
                                                float* yk, float* yv, int n_tok) {
     if (blockIdx.y == 0) {
         const int r = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
         if (r < rq) dq_prefetch_row(Wq, ty, rq, cols, r);
-        else if (r < rq + rk) dq_prefetch_row(Wk, ty, rk, cols, r - rq);
-        else if (r < rq + rk + rv) dq_prefetch_row(Wv, ty, rv, cols, r - rq - rk);
+        else if (r < rq + rk) dq_prefetch_row(Wk, ty_k, rk, cols, r - rq);
+        else if (r < rq + rk + rv) dq_prefetch_row(Wv, ty_v, rv, cols, r - rq - rk);
     }
     st_pdl_enter();
     const int t0 = blockIdx.y * NT;
@@ -306,14 +308,15 @@ __device__ __forceinline__ void dq_qkv_kq_body(const u8* Wq, const u8* Wk, const
     const u8* W;
     float* y;
     int rows;
+    int tyr = ty;
     if (row < rq) { W = Wq; y = yq; rows = rq; }
-    else if (row < rq + rk) { row -= rq; W = Wk; y = yk; rows = rk; }
-    else if (row < rq + rk + rv) { row -= rq + rk; W = Wv; y = yv; rows = rv; }
+    else if (row < rq + rk) { row -= rq; W = Wk; y = yk; rows = rk; tyr = ty_k; }
+    else if (row < rq + rk + rv) { row -= rq + rk; W = Wv; y = yv; rows = rv; tyr = ty_v; }
     else return;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-    dq_kq_row_dot<NT>(W, ty, cols, row, in, n_tok, acc);
+    dq_kq_row_dot<NT>(W, tyr, cols, row, in, n_tok, acc);
     const int lane = threadIdx.x % ST_WARP;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -324,16 +327,20 @@ __device__ __forceinline__ void dq_qkv_kq_body(const u8* Wq, const u8* Wk, const
     }
 }
 
-ST_KERNEL void dq_qkv1_kq(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk,
-                          int rv, int cols, const float* x, const float* nw, float eps,
-                          float* yq, float* yk, float* yv, int n_tok) {
-    dq_qkv_kq_body<1>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
+ST_KERNEL void dq_qkv1_kq(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int ty_k,
+                          int ty_v, int rq, int rk, int rv, int cols, const float* x,
+                          const float* nw, float eps, float* yq, float* yk, float* yv,
+                          int n_tok) {
+    dq_qkv_kq_body<1>(Wq, Wk, Wv, ty, ty_k, ty_v, rq, rk, rv, cols, x, nw, eps, yq, yk, yv,
+                          n_tok);
 }
 
-ST_KERNEL void dq_qkv8_kq(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int rq, int rk,
-                          int rv, int cols, const float* x, const float* nw, float eps,
-                          float* yq, float* yk, float* yv, int n_tok) {
-    dq_qkv_kq_body<DQ_MAX_TOK>(Wq, Wk, Wv, ty, rq, rk, rv, cols, x, nw, eps, yq, yk, yv, n_tok);
+ST_KERNEL void dq_qkv8_kq(const u8* Wq, const u8* Wk, const u8* Wv, int ty, int ty_k,
+                          int ty_v, int rq, int rk, int rv, int cols, const float* x,
+                          const float* nw, float eps, float* yq, float* yk, float* yv,
+                          int n_tok) {
+    dq_qkv_kq_body<DQ_MAX_TOK>(Wq, Wk, Wv, ty, ty_k, ty_v, rq, rk, rv, cols, x, nw, eps, yq, yk, yv,
+                          n_tok);
 }
 
 // Embedding lookup: out[t] = row ids[t] of W (rows x cols, device layout), dequantized.

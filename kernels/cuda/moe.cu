@@ -125,6 +125,7 @@ ST_KERNEL void dq_moe_gate_up_kq(const unsigned long long* eptr, int ty, int ty_
     if (ty == ty_u) {
         switch (dq_kq_type(ty)) {
             case QT_Q6_K: dq_kq_pair_t<QT_Q6_K>(G, U, E, row, in, g[0], u[0]); break;
+            case QT_IQ3_S: dq_kq_pair_t<QT_IQ3_S>(G, U, E, row, in, g[0], u[0]); break;
             case QT_Q5_K: dq_kq_pair_t<QT_Q5_K>(G, U, E, row, in, g[0], u[0]); break;
             default: dq_kq_pair_t<QT_Q4_K>(G, U, E, row, in, g[0], u[0]); break;
         }
@@ -237,7 +238,7 @@ __device__ __forceinline__ float dq_moe_down_kq_part(const u8* const* dm, const 
     return tot;
 }
 
-// MoE down for K-quant experts (Q4_K, Q5_K, Q6_K) with one block per output row, as
+// MoE down for K-quant experts (Q4_K, Q5_K, Q6_K, and IQ3_S on the same lane mapping) with one block per output row, as
 // dq_moe_down_rows does for Q8_0: y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . h[t*k+j]),
 // the k experts' super-blocks spread over the block's warps and summed by a block reduction
 // (a warp per row left a decode step's 2048 rows with too few loads in flight).
@@ -267,6 +268,7 @@ ST_KERNEL void dq_moe_down_kq(const unsigned long long* eptr, int ty, int E, int
     float tot;
     switch (dq_kq_type(ty)) {
         case QT_Q6_K: tot = dq_moe_down_kq_part<QT_Q6_K>(dm, dw, k, F, roff, ht); break;
+        case QT_IQ3_S: tot = dq_moe_down_kq_part<QT_IQ3_S>(dm, dw, k, F, roff, ht); break;
         case QT_Q5_K: tot = dq_moe_down_kq_part<QT_Q5_K>(dm, dw, k, F, roff, ht); break;
         default: tot = dq_moe_down_kq_part<QT_Q4_K>(dm, dw, k, F, roff, ht); break;
     }

@@ -279,19 +279,23 @@ __device__ __forceinline__ void dq_row_dot(const u8* __restrict__ W, int ty, lon
 // the sums in another order). Q6_K's 210-byte blocks are 2-byte aligned only, so its 4-byte
 // fields are read as two u16 (as llama.cpp's get_int_b2); Q4_K's and Q5_K's are u32 loads.
 
-// The kq code (QT_Q4_K, QT_Q5_K or QT_Q6_K) of weight code ty (ST_TY_Q4_K or ST_TY_GGML + id).
+// The kq code (QT_Q4_K, QT_Q5_K, QT_Q6_K or QT_IQ3_S) of weight code ty (ST_TY_Q4_K or
+// ST_TY_GGML + id).
 __device__ __forceinline__ int dq_kq_type(int ty) { return ty == ST_TY_Q4_K ? QT_Q4_K : ty - ST_TY_GGML; }
 
 template <int T>
-__device__ __forceinline__ int dq_kq_bytes() { return T == QT_Q6_K ? 210 : T == QT_Q5_K ? 176 : Q4_K_BYTES; }
+__device__ __forceinline__ int dq_kq_bytes() {
+    return T == QT_Q6_K ? 210 : T == QT_Q5_K ? 176 : T == QT_IQ3_S ? 110 : Q4_K_BYTES;
+}
 
 // Column of lane l's first run in a block, and the gap to its second.
 template <int T>
 __device__ __forceinline__ int dq_kq_oa(int l) {
+    if (T == QT_IQ3_S) return 8 * l;
     return T == QT_Q6_K ? 128 * (l >> 4) + 32 * ((l >> 3) & 1) + 4 * (l & 7) : 64 * (l >> 3) + 4 * (l & 7);
 }
 template <int T>
-__device__ __forceinline__ int dq_kq_gap() { return T == QT_Q6_K ? 64 : 32; }
+__device__ __forceinline__ int dq_kq_gap() { return T == QT_Q6_K ? 64 : T == QT_IQ3_S ? 4 : 32; }
 
 __device__ __forceinline__ u32 dq_ld_u32_a2(const u8* p) {
     return (u32)st_ld_u16(p) | ((u32)st_ld_u16(p + 2) << 16);
@@ -306,7 +310,27 @@ struct DqKq {
 
 template <int T>
 __device__ __forceinline__ void dq_kq_lane(const u8* __restrict__ b, int l, DqKq& q) {
-    if (T == QT_Q6_K) {
+    if (T == QT_IQ3_S) {
+        // Lane l: values 8l..8l+8, two grid rows (indices qs[k], qs[k + 1], ninth bits in
+        // qh[gi]) with the sign bits of signs[4gi + h]; one scale per 32 values.
+        const int gi = l >> 2, h = l & 3, k = 8 * gi + 2 * h;
+        const u32 qs = st_ld_u16(b + 2 + k);
+        const u32 qh = b[66 + gi];
+        const u32 g0 = IQ3S_GRID[(qs & 0xFFu) | (((qh >> (2 * h)) & 1u) << 8)];
+        const u32 g1 = IQ3S_GRID[(qs >> 8) | (((qh >> (2 * h + 1)) & 1u) << 8)];
+        const u32 sg = b[74 + 4 * gi + h];
+        st_u8x4_to_f32(g0, 0.0f, q.qa);
+        st_u8x4_to_f32(g1, 0.0f, q.qb);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if ((sg >> j) & 1u) q.qa[j] = -q.qa[j];
+            if ((sg >> (j + 4)) & 1u) q.qb[j] = -q.qb[j];
+        }
+        q.ka = st_h2f(st_ld_u16(b)) * (float)(1 + 2 * ((b[106 + (gi >> 1)] >> (4 * (gi & 1))) & 15));
+        q.kb = q.ka;
+        q.ma = 0.0f;
+        q.mb = 0.0f;
+    } else if (T == QT_Q6_K) {
         const int n = l >> 4, h = (l >> 3) & 1, j = 4 * (l & 7);
         const u32 ql = dq_ld_u32_a2(b + 64 * n + 32 * h + j);
         const u32 qh = dq_ld_u32_a2(b + 128 + 32 * n + j);
@@ -350,7 +374,7 @@ template <int T>
 __device__ __forceinline__ float dq_kq_dot(const DqKq& q, float4 xa, float4 xb) {
     float r = q.ka * (q.qa[0] * xa.x + q.qa[1] * xa.y + q.qa[2] * xa.z + q.qa[3] * xa.w) +
               q.kb * (q.qb[0] * xb.x + q.qb[1] * xb.y + q.qb[2] * xb.z + q.qb[3] * xb.w);
-    if (T != QT_Q6_K)
+    if (T != QT_Q6_K && T != QT_IQ3_S)
         r -= q.ma * (xa.x + xa.y + xa.z + xa.w) + q.mb * (xb.x + xb.y + xb.z + xb.w);
     return r;
 }
@@ -389,6 +413,7 @@ __device__ __forceinline__ void dq_kq_row_dot(const u8* __restrict__ W, int ty, 
     const u8* wr = W + r * dq_row_bytes(ty, cols);
     switch (dq_kq_type(ty)) {
         case QT_Q6_K: dq_kq_row_t<NT, QT_Q6_K, XS>(wr, cols, in, n_tok, acc, xs); break;
+        case QT_IQ3_S: dq_kq_row_t<NT, QT_IQ3_S, XS>(wr, cols, in, n_tok, acc, xs); break;
         case QT_Q5_K: dq_kq_row_t<NT, QT_Q5_K, XS>(wr, cols, in, n_tok, acc, xs); break;
         default: dq_kq_row_t<NT, QT_Q4_K, XS>(wr, cols, in, n_tok, acc, xs); break;
     }
@@ -453,6 +478,7 @@ __device__ __forceinline__ void dq_kq_rows_dot(const u8* __restrict__ W, int ty,
     const long rb = dq_row_bytes(ty, cols);
     switch (dq_kq_type(ty)) {
         case QT_Q6_K: dq_kq_rows_t<R, QT_Q6_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
+        case QT_IQ3_S: dq_kq_rows_t<R, QT_IQ3_S, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
         case QT_Q5_K: dq_kq_rows_t<R, QT_Q5_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
         default: dq_kq_rows_t<R, QT_Q4_K, XS>(W, rb, cols, r0, nr, in, acc, xs); break;
     }

@@ -310,3 +310,15 @@ __device__ __forceinline__ void qt_group32(int ty, const u8* row, int g, float* 
         qt_group32_block(ty, row + (long)(g / per) * bb, g % per, v);
     }
 }
+
+// qt_group32 with the decoders of llama.cpp's common mixes' types (Q6_K, Q5_K, IQ4_XS,
+// IQ3_S) inlined, the rest out of line: for callers whose `ty` is uniform across the block.
+__device__ __forceinline__ void qt_group32_common(int ty, const u8* row, int g, float* v) {
+    switch (ty) {
+        case QT_Q6_K: qt_group32_fixed<QT_Q6_K>(row, g, v); break;
+        case QT_Q5_K: qt_group32_fixed<QT_Q5_K>(row, g, v); break;
+        case QT_IQ4_XS: qt_group32_fixed<QT_IQ4_XS>(row, g, v); break;
+        case QT_IQ3_S: qt_group32_fixed<QT_IQ3_S>(row, g, v); break;
+        default: qt_group32(ty, row, g, v); break;
+    }
+}

@@ -11,6 +11,23 @@ use strata_schemas::plan::Plan;
 use strata_schemas::probe::{DeviceProbe, HardwareProbe, HostProbe, Vendor, GIB, MIB};
 use strata_schemas::serve::{ExpertCache, KvType, LayerSplit, RopeScaling, ServeSettings};
 
+/// The small files llama.cpp's own quantizer wrote (`scripts/gpu_llama.sh fixtures`:
+/// `llama-quantize small-f32.gguf small-MIX.gguf MIX`, no importance matrix), each with a type
+/// the mix must hold (a file without it would not test what it claims).
+pub const LLAMA_QUANTIZED: &[(&str, strata_schemas::ggml::GgmlType)] = &[
+    ("Q4_K_M", strata_schemas::ggml::GgmlType::Q4K),
+    ("Q5_K_M", strata_schemas::ggml::GgmlType::Q5K),
+    ("IQ4_XS", strata_schemas::ggml::GgmlType::Iq4Xs),
+    ("IQ3_S", strata_schemas::ggml::GgmlType::Iq3S),
+];
+
+/// `tests/data/llama-quantized/small-<mix>.gguf`.
+pub fn llama_quantized(mix: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/data/llama-quantized")
+        .join(format!("small-{}.gguf", mix.to_ascii_lowercase()))
+}
+
 pub fn source(variant: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/data/tiny-qwen3moe")

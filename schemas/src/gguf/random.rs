@@ -8,6 +8,7 @@ use super::metadata::{arch_metadata, file_type, Vocab};
 use super::write::{GgufStream, GgufWriteError, GgufWriter, ProgressFn, WriteSummary};
 use super::GgufValue;
 use crate::arch::{self, QuantRecipe};
+use crate::ggml::GgmlType;
 use crate::inventory::{HParams, TensorInfo};
 use crate::quant::{self};
 use std::path::Path;
@@ -175,6 +176,11 @@ pub struct RandomOptions {
     pub zero_fill_unsupported: bool,
     /// `general.alignment` to write (None: the default 32, key omitted).
     pub alignment: Option<u32>,
+    /// Write every quantized type (all but F32, F16 and BF16) as valid random blocks drawn in
+    /// the quantized domain, as the types without a quantizer always are, instead of
+    /// quantizing random draws: no quantizer search, so a 30B K-quant file is written as fast
+    /// as a Q8_0 one. The values keep each tensor's scale; for speed benchmarks.
+    pub random_blocks: bool,
     /// Progress callback (bytes written, total).
     pub progress: Option<ProgressFn>,
 }
@@ -187,6 +193,7 @@ impl Default for RandomOptions {
             vocab: None,
             zero_fill_unsupported: false,
             alignment: None,
+            random_blocks: false,
             progress: None,
         }
     }
@@ -275,7 +282,7 @@ pub fn write_random_tensors(
         n => n,
     };
     let mut s = w.begin()?;
-    stream_random(&mut s, seed, threads, &file)?;
+    stream_random(&mut s, seed, threads, opts.random_blocks, &file)?;
     s.finish()
 }
 
@@ -294,6 +301,7 @@ fn stream_random(
     s: &mut GgufStream,
     seed: u64,
     threads: usize,
+    random_blocks: bool,
     file: &str,
 ) -> Result<(), GgufWriteError> {
     let planned = s.planned().to_vec();
@@ -334,15 +342,17 @@ fn stream_random(
             source,
         };
         let dist = dist_for(&t.name);
-        if quant::can_quantize(t.ggml_type) {
+        let float = matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        if quant::can_quantize(t.ggml_type) && (float || !random_blocks) {
             x.resize(n, 0.0);
             fill(dist, &mut rng, x);
             for (xr, or) in x.chunks_exact(ne0).zip(out.chunks_exact_mut(row_bytes)) {
                 quant::quantize_row_into(t.ggml_type, xr, or).map_err(quant_err)?;
             }
         } else if quant::is_supported(t.ggml_type) {
-            // No quantizer for this type (the i-quants, Q2_K, Q3_K): valid random blocks
-            // drawn in the quantized domain, at the tensor's intended scale.
+            // No quantizer for this type (the i-quants, Q2_K, Q3_K), or random blocks asked
+            // for: valid random blocks drawn in the quantized domain, at the tensor's
+            // intended scale.
             let mut next = || rng.next_u64();
             quant::random::random_row(t.ggml_type, dist.rms(), &mut next, out)
                 .map_err(quant_err)?;
@@ -569,6 +579,43 @@ mod tests {
         assert!(ssm_a.iter().all(|v| (-16.0..-1.0).contains(v)), "{ssm_a:?}");
         let norm = tensor_f32(&f, "blk.1.attn_q_norm.weight");
         assert!(norm.iter().all(|v| (0.9..1.1).contains(v)));
+    }
+
+    #[test]
+    fn random_blocks_keep_the_layout_and_scale_without_quantizing() {
+        let d = tmp();
+        let hp = q4k_shapes(small_moe());
+        let recipe = QuantRecipe::preset("Q4_K_M").unwrap();
+        let write = |name: &str, random_blocks: bool| {
+            let p = d.path().join(name);
+            let opts = RandomOptions {
+                random_blocks,
+                ..Default::default()
+            };
+            write_random_model(&p, "qwen3moe", &hp, &recipe, 5, opts).unwrap();
+            p
+        };
+        let (q, r) = (write("q.gguf", false), write("r.gguf", true));
+        let (fq, fr) = (read_gguf(&q).unwrap(), read_gguf(&r).unwrap());
+        let types = |f: &crate::gguf::GgufFile| {
+            f.tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.ggml_type, t.dims.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(types(&fq), types(&fr), "the same tensors, types and shapes");
+        let name = "blk.0.ffn_up_exps.weight";
+        let t = fr.tensor(name).unwrap();
+        assert_eq!(t.ggml_type, GgmlType::Q4K);
+        let (a, b) = (tensor_f32(&q, name), tensor_f32(&r, name));
+        assert_ne!(a, b, "Q4_K drawn as blocks, not quantized from the same draws");
+        let rms = |v: &[f32]| (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        assert!(b.iter().all(|v| v.is_finite()));
+        let (ra, rb) = (rms(&a), rms(&b));
+        assert!((rb / ra - 1.0).abs() < 0.25, "scale kept: {ra} vs {rb}");
+        // Float tensors are still the random draws themselves.
+        let norm = "blk.0.attn_norm.weight";
+        assert_eq!(tensor_f32(&q, norm), tensor_f32(&r, norm));
     }
 
     #[test]

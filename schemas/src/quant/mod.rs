@@ -21,6 +21,8 @@ use crate::ggml::GgmlType;
 use half::{bf16, f16};
 
 pub use kquants::{get_scale_min_k4, QK_K};
+/// The IQ3_S grid (element j of a row in byte j), for host models of the GPU kernels' decoders.
+pub use tables::IQ3S_GRID;
 
 /// Elements per Q8_0 block.
 pub const QK8_0: usize = 32;

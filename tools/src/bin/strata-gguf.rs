@@ -98,6 +98,12 @@ struct RandomArgs {
     /// Q8_1..., reachable only through a descriptor's overrides) instead of failing.
     #[arg(long)]
     zero_unsupported: bool,
+    /// Draw every quantized tensor (all but F32/F16/BF16) as valid random blocks in the
+    /// quantized domain instead of quantizing random values: a 30B Q4_K_M or IQ3_S file is
+    /// then written as fast as a Q8_0 one. Same tensors, types and scales; for speed
+    /// benchmarks, where the values do not matter.
+    #[arg(long)]
+    random_blocks: bool,
     /// Main blocks (block_count without MTP blocks).
     #[arg(long)]
     layers: Option<u32>,
@@ -305,6 +311,7 @@ fn run_random(a: RandomArgs) -> Result<WriteSummary, String> {
     let mut opts = RandomOptions {
         threads: a.threads,
         zero_fill_unsupported: a.zero_unsupported,
+        random_blocks: a.random_blocks,
         progress: Some(progress(label)),
         ..Default::default()
     };

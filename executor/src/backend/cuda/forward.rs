@@ -418,7 +418,7 @@ impl Ops for CudaStage {
         }
         let stage = self.opts.stage_inputs;
         if let [(q, yq), (k, yk), (v, yv)] = outs {
-            if q.ty == k.ty && q.ty == v.ty && q.cols == k.cols && q.cols == v.cols {
+            if decode::qkv_fuses([(q.ty, q.cols), (k.ty, k.cols), (v.ty, v.cols)]) {
                 let xv = self.rows(x, n, q.cols)?;
                 let mats = [self.mat(*q)?, self.mat(*k)?, self.mat(*v)?];
                 let ys = [

@@ -278,16 +278,25 @@ pub fn mv(
         &wp, &ty, &rows, &cols, &xp, &nw, &eps, &yp, &n32, &add, &xn)
 }
 
-/// Whether the matrix-vector and Q/K/V products of `ty` take the `*_kq` kernels: Q5_K and
-/// Q6_K (Q4_K keeps its own path in `dq_mv1` / `dq_qkv1`).
+/// Whether the matrix-vector and Q/K/V products of `ty` take the `*_kq` kernels: Q5_K, Q6_K
+/// and IQ3_S (Q4_K keeps its own path in `dq_mv1` / `dq_qkv1`).
 fn kq_fast(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q5K | GgmlType::Q6K)
+    matches!(ty, GgmlType::Q5K | GgmlType::Q6K | GgmlType::Iq3S)
+}
+
+/// Whether [`qkv`] takes Q, K and V of these (type, columns) in one launch: equal columns, and
+/// one type or K-quants only (each matrix then read as its own type by the `_kq` kernels).
+pub fn qkv_fuses(m: [(GgmlType, usize); 3]) -> bool {
+    let same_cols = m[1].1 == m[0].1 && m[2].1 == m[0].1;
+    let same_ty = m[1].0 == m[0].0 && m[2].0 == m[0].0;
+    same_cols && (same_ty || m.iter().all(|(t, _)| kq_type(*t)))
 }
 
 /// `dq_qkv1` / `dq_qkv8`: Q, K and V of `n` tokens (x already normalised) in one launch; the
-/// three matrices share one type and their columns (Q5_K, Q6_K: `dq_qkv1_kq` /
-/// `dq_qkv8_kq`). Two or more tokens over Q8_0 or Q4_K take `dq_rows_qkv4/8/16`
-/// ([`rows_kernel`]). `stage`: as [`mv`]'s.
+/// three matrices share their columns, and their type (Q5_K, Q6_K: `dq_qkv1_kq` /
+/// `dq_qkv8_kq`) or are K-quants of several types (Q4_K_M's Q4_K Q/K with a Q6_K V: the
+/// `_kq` kernels, each matrix read as its own type; see [`qkv_fuses`]). Two or more tokens
+/// over Q8_0 or Q4_K take `dq_rows_qkv4/8/16` ([`rows_kernel`]). `stage`: as [`mv`]'s.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv(
     l: &Launcher<'_>,
@@ -300,19 +309,22 @@ pub fn qkv(
     const OP: &str = "qkv";
     let ty = mats[0].check(OP)?;
     let cols = mats[0].cols;
-    for (m, y) in mats.iter().zip(&outs) {
-        if m.check(OP)? != ty || m.cols != cols {
-            return Err(bad(
-                OP,
-                "Q, K and V must share their type and columns (use three products)".into(),
-            ));
-        }
+    if !qkv_fuses(mats.map(|m| (m.ty, m.cols))) {
+        return Err(bad(
+            OP,
+            "Q, K and V must share their columns and their type, or all be K-quants (use three products)".into(),
+        ));
+    }
+    let mut tys = [ty; 3];
+    for ((m, y), t) in mats.iter().zip(&outs).zip(tys.iter_mut()) {
+        *t = m.check(OP)?;
         y.expect(OP, "y", f32s(n * m.rows), 4)?;
     }
+    let mixed = tys.iter().any(|t| *t != ty);
     x.expect(OP, "x", f32s(n * cols), 4)?;
     let rows = (mats[0].rows + mats[1].rows + mats[2].rows) as u32;
     let (n32, no_norm, eps) = (int(OP, "n", n)?, 0u64, 0f32);
-    if rows_kernel(n, mats[0].ty) {
+    if !mixed && rows_kernel(n, mats[0].ty) {
         let total = int(OP, "rows", mats.iter().map(|m| m.rows).sum())? as usize;
         if total == 0 {
             return Ok(());
@@ -336,13 +348,27 @@ pub fn qkv(
             &wq, &wk, &wv, &ty, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv, &n32, &wc);
     }
     let chunks = n.div_ceil(DQ_MAX_TOK) as u32;
-    let name = match (n == 1, kq_fast(mats[0].ty), super::any_type(mats[0].ty)) {
-        (true, true, _) => "dq_qkv1_kq",
-        (false, true, _) => "dq_qkv8_kq",
-        (true, false, false) => "dq_qkv1",
-        (false, false, false) => "dq_qkv8",
-        (true, false, true) => "dq_qkv1_any",
-        (false, false, true) => "dq_qkv8_any",
+    let kq = kq_fast(mats[0].ty) || mixed;
+    if kq {
+        let name = if n == 1 { "dq_qkv1_kq" } else { "dq_qkv8_kq" };
+        let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
+        let (rq, rk, rv, c) = (
+            mats[0].rows as i32,
+            mats[1].rows as i32,
+            mats[2].rows as i32,
+            cols as i32,
+        );
+        let (xp, yq, yk, yv) = (x.ptr(), outs[0].ptr(), outs[1].ptr(), outs[2].ptr());
+        let (tq, tk, tv) = (tys[0], tys[1], tys[2]);
+        return launch!(l, name, cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0);
+            &wq, &wk, &wv, &tq, &tk, &tv, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv,
+            &n32);
+    }
+    let name = match (n == 1, super::any_type(mats[0].ty)) {
+        (true, false) => "dq_qkv1",
+        (false, false) => "dq_qkv8",
+        (true, true) => "dq_qkv1_any",
+        (false, true) => "dq_qkv8_any",
     };
     let smem = xs_bytes(stage, n, mats[0].ty, cols);
     let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());

@@ -54,10 +54,14 @@ pub fn any_type(ty: GgmlType) -> bool {
     kty(ty).is_some_and(|c| c >= kc::ST_TY_GGML)
 }
 
-/// Whether `ty` is one of the K-quants the `*_kq` kernels read (products.cuh's
-/// `dq_kq_row_dot`: Q4_K, Q5_K, Q6_K).
+/// Whether `ty` is one of the types the `*_kq` kernels read (products.cuh's
+/// `dq_kq_row_dot`: the K-quants Q4_K, Q5_K, Q6_K, and IQ3_S, whose 256-value blocks split
+/// over a warp's lanes the same way: 8 values a lane).
 pub fn kq_type(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
+    matches!(
+        ty,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Iq3S
+    )
 }
 
 /// `v` as a kernel's 32-bit index, or a shape error naming `what`.
