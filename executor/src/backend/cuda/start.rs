@@ -271,31 +271,20 @@ pub(crate) fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
     dev.mem_info()
 }
 
-/// The one GPU vendor of the plan's devices: every planned device `nvidia`, or every one
-/// `amd` (the runtime the engine opens); an error naming the devices otherwise.
+/// The runtime the engine opens for the plan: HIP when its devices are `amd`, else CUDA (as
+/// before HIP: `--backend cuda` runs a plan of any other vendor on CUDA GPUs); a plan that
+/// mixes `amd` devices with others is refused, naming a device of each.
 pub fn plan_vendor(plan: &Plan) -> Result<Vendor, CudaEngineError> {
-    let mut found: Option<Vendor> = None;
-    for dp in &plan.devices {
-        let v = Vendor::of_plan(&dp.vendor).ok_or_else(|| {
-            plan_err(format!(
-                "device {} ({}) is vendor `{}`: the GPU engine runs `nvidia` (CUDA) or `amd` (HIP) devices; run it with --backend cpu",
-                dp.index, dp.name, dp.vendor
-            ))
-        })?;
-        match found {
-            Some(f) if f != v => {
-                return Err(plan_err(format!(
-                    "the plan mixes {} and {} devices (device {} is `{}`): one engine runs one vendor's GPUs; re-plan with a probe of one vendor's devices",
-                    f.runtime(),
-                    v.runtime(),
-                    dp.index,
-                    dp.vendor
-                )))
-            }
-            _ => found = Some(v),
-        }
+    let amd = plan.devices.iter().find(|d| d.vendor == "amd");
+    let other = plan.devices.iter().find(|d| d.vendor != "amd");
+    match (amd, other) {
+        (Some(a), Some(o)) => Err(plan_err(format!(
+            "the plan mixes vendors: device {} is `amd` (HIP) but device {} is `{}`; one engine runs one vendor's GPUs: re-plan with a probe of one vendor's devices",
+            a.index, o.index, o.vendor
+        ))),
+        (Some(_), None) => Ok(Vendor::Amd),
+        _ => Ok(Vendor::Nvidia),
     }
-    found.ok_or_else(|| plan_err("the plan has no devices"))
 }
 
 /// Check `host` against `plan` and the GPUs, allocate the planned arenas, upload the weights
