@@ -1,12 +1,17 @@
 //! The HIP driver operations on a real AMD GPU: device facts, arenas and their views,
 //! copies, memset, events, graph capture and replay, and kernels whose result depends on the
 //! wave size (block reductions, the arg-max butterfly) checked against host arithmetic at
-//! the device's own reported warp size. Never run on AMD hardware by us yet: this is the
+//! the device's own reported warp size; then the whole engine: the tiny Qwen3-MoE planned for
+//! AMD devices, started through `start_cuda` (which opens HIP for an `amd` plan) on one
+//! device and as a two-stage layer split, its prompt logits and greedy tokens against
+//! transformers' and the CPU engine's. Never run on AMD hardware by us yet: this is the
 //! test to run the day one is at hand (`cargo test -p strata-exec --features hip --test
 //! hip_device`).
 //! Invariant: skips loudly, naming why, when there is no HIP runtime or no AMD device.
 
 #![cfg(feature = "hip")]
+
+mod common;
 
 use std::ffi::c_void;
 use strata_exec::backend::hip::{device::device_count, HipDevice};
@@ -196,4 +201,87 @@ fn a_missing_kernel_and_a_bad_launch_are_errors() {
     // SAFETY: refused before launch (too many threads).
     let e = unsafe { dev.launch(f, (1, 1, 1), (4096, 1, 1), 0, dev.stream(), &mut []) };
     assert!(e.unwrap_err().to_string().contains("4096 threads"));
+}
+
+/// The largest |a - b| over every logit row, relative to that row's largest |b|.
+fn rel_err(a: &[f32], b: &[f32], v: usize) -> f32 {
+    a.chunks(v)
+        .zip(b.chunks(v))
+        .map(|(x, y)| {
+            let s = y.iter().fold(0f32, |m, t| m.max(t.abs())).max(1e-6);
+            x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / s
+        })
+        .fold(0f32, f32::max)
+}
+
+/// Prompt logits (every position) and a greedy continuation of `n` tokens.
+fn run(e: &mut dyn strata_exec::engine::Engine, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>) {
+    let ub = e.info().ubatch;
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(ub) {
+        logits.extend_from_slice(e.prefill_all(0, chunk).unwrap());
+    }
+    let v = e.info().n_vocab;
+    let mut next = common::argmax(&logits[logits.len() - v..]);
+    let mut out = vec![next];
+    while out.len() < n {
+        next = common::argmax(e.decode(&[(0, next)]).unwrap());
+        out.push(next);
+    }
+    (logits, out)
+}
+
+#[test]
+fn the_engine_runs_the_tiny_model_on_hip_as_the_cpu_engine_does() {
+    use common::*;
+    use strata_exec::backend::cuda::options::CudaOptions;
+    use strata_exec::backend::cuda::start::start_cuda;
+    use strata_exec::engine::Engine;
+    use strata_exec::load::SafetensorsModel;
+    let Some(dev) = device() else { return };
+    if dev.info().warp_size != 32 {
+        eprintln!(
+            "SKIP: device 0 runs wave{}; the engine takes wave32 (RDNA) GPUs only",
+            dev.info().warp_size
+        );
+        return;
+    }
+    drop(dev);
+    let r = reference("base");
+    let n_layer = strata_plan::model::load_model(&data("base"))
+        .unwrap()
+        .hparams
+        .n_layer;
+    for (devices, split) in [(1, None), (2, Some(vec![n_layer / 2]))] {
+        let p = amd_plan("base", devices, split);
+        let host = SafetensorsModel::open(&data("base")).unwrap();
+        // Both planned devices on GPU 0 (one device object, as --gpu 0 runs a split).
+        let mut g = start_cuda(&p, Box::new(host), CudaOptions::default()).unwrap();
+        assert_eq!(g.device().arch(), dev_arch());
+        assert!(!g.grouped_prefill(), "no tensor-core prefill on HIP");
+        let mut c = engine("base", &plan("base", &Ask::default()));
+        let v = g.info().n_vocab;
+        for (pi, prompt) in prompts(&r).iter().enumerate() {
+            g.reset_slot(0);
+            c.reset_slot(0);
+            let greedy: Vec<u32> = r["greedy"][pi]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
+            let (gl, gt) = run(&mut g, prompt, greedy.len());
+            let (cl, ct) = run(&mut c, prompt, greedy.len());
+            let e_cpu = rel_err(&gl, &cl, v);
+            eprintln!("{devices} device(s), prompt {pi}: HIP vs CPU {e_cpu:e}");
+            assert!(e_cpu < 1e-4, "prompt {pi}: HIP vs CPU {e_cpu}");
+            assert_eq!(gt, greedy, "prompt {pi}: greedy on HIP vs transformers");
+            assert_eq!(ct, gt, "prompt {pi}: greedy HIP vs CPU");
+        }
+    }
+}
+
+/// Device 0's target ID as the HIP runtime reports it.
+fn dev_arch() -> String {
+    HipDevice::open_bare(0).unwrap().arch()
 }

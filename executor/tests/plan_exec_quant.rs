@@ -433,8 +433,8 @@ fn llama_quantized_files_match_their_dequantized_weights() {
     let toks: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 400).collect();
     for (mix, marker) in LLAMA_QUANTIZED {
         let g = llama_quantized(mix);
-        let gf = strata_schemas::gguf::read_gguf(&g)
-            .unwrap_or_else(|e| panic!("{}: {e}", g.display()));
+        let gf =
+            strata_schemas::gguf::read_gguf(&g).unwrap_or_else(|e| panic!("{}: {e}", g.display()));
         let types: std::collections::BTreeSet<String> =
             gf.tensors.iter().map(|t| t.ggml_type.to_string()).collect();
         assert!(

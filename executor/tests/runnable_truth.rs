@@ -311,7 +311,7 @@ fn a_plan_reported_runnable_starts_and_each_refusal_is_named() {
         check_reason(c.name, run.of(Backend::Cuda), c.want.1, c.why.1);
         assert!(
             run.of(Backend::Hip).is_err(),
-            "{}: hip is not built",
+            "{}: hip runs only `amd` devices",
             c.name
         );
         // The CPU engine mirrors the table exactly for everything these plans exercise.

@@ -241,7 +241,12 @@ fn check_report(plan: &Plan) {
         assert!(matches!(plan.model.arch.as_str(), "qwen3moe" | "qwen3next"));
         assert!(plan.devices.iter().all(|d| d.vendor == "cpu"));
     }
-    assert!(run.of(Backend::Hip).is_err());
+    if run.of(Backend::Hip).is_ok() {
+        // The HIP build runs the CUDA engine's plans on AMD devices (no KV spill either).
+        let arch = plan.model.arch.as_str();
+        assert!(matches!(arch, "qwen3moe" | "qwen3next") && !spill);
+        assert!(plan.devices.iter().all(|d| d.vendor == "amd"));
+    }
     assert_eq!(header.contains("NOT RUNNABLE"), !run.any(), "{header}");
     let j = strata_plan::report::plan_json(plan);
     for b in ["cpu", "cuda", "hip"] {

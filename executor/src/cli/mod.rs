@@ -26,11 +26,13 @@ pub fn fail(msg: impl std::fmt::Display) -> ! {
 /// Which backend runs the plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {
-    /// The one the plan's devices call for: CUDA for `nvidia` devices, else the CPU.
+    /// The one the plan's devices call for: the GPU engine for `nvidia` (CUDA) or `amd`
+    /// (HIP, in a build with the `hip` feature) devices, else the CPU.
     Auto,
     /// The CPU reference backend (plans made for `vendor = "cpu"` devices).
     Cpu,
-    /// NVIDIA GPUs through CUDA.
+    /// The GPU engine: NVIDIA GPUs through CUDA, AMD GPUs through HIP (the plan's vendor
+    /// picks the runtime).
     Cuda,
 }
 
@@ -122,11 +124,16 @@ pub fn open_plan(path: &Path, args: &PlanArgs) -> (Plan, PathBuf) {
     (plan, model)
 }
 
+/// Whether plan devices of `vendor` run on the GPU engine (CUDA or HIP).
+fn gpu_vendor(vendor: &str) -> bool {
+    vendor == "nvidia" || vendor == "amd"
+}
+
 /// The backend `args` asks for, resolved against the plan's devices (exits 1 when
 /// `--device-map` is given for a plan the CPU backend runs).
 pub fn backend_for(plan: &Plan, args: &PlanArgs) -> Backend {
     let b = match args.backend {
-        Backend::Auto if plan.devices.iter().any(|d| d.vendor == "nvidia") => Backend::Cuda,
+        Backend::Auto if plan.devices.iter().any(|d| gpu_vendor(&d.vendor)) => Backend::Cuda,
         Backend::Auto => Backend::Cpu,
         b => b,
     };
@@ -189,15 +196,19 @@ fn start_cuda(
         .map_err(|e| e.to_string())
 }
 
-/// Which CUDA GPU each planned device runs on: `--device-map` as given; none (everything on
-/// one `--gpu`) when --gpu is given or the plan has one device; else the plan's own device
-/// indices, which `strata-exec probe` took from the CUDA ordinals.
+/// Which GPU each planned device runs on: `--device-map` as given; none (everything on one
+/// `--gpu`) when --gpu is given or the plan has one device; else the plan's own device
+/// indices, which `strata-exec probe` took from the CUDA (or HIP) ordinals.
 #[cfg(feature = "cuda")]
 fn device_map(plan: &Plan, args: &PlanArgs) -> Option<Vec<usize>> {
     if let Some(m) = &args.device_map {
         return Some(m.clone());
     }
-    let gpus = plan.devices.iter().filter(|d| d.vendor == "nvidia").count();
+    let gpus = plan
+        .devices
+        .iter()
+        .filter(|d| gpu_vendor(&d.vendor))
+        .count();
     if args.gpu.is_some() || plan.devices.len() < 2 || gpus != plan.devices.len() {
         return None;
     }

@@ -465,3 +465,37 @@ pub fn tiny_qwen3next_hp() -> strata_schemas::inventory::HParams {
         tied_embeddings: false,
     }
 }
+
+/// The tiny reference model `variant` planned for `n` AMD Radeon AI PRO R9700-like devices
+/// (gfx1201) of 2 GiB.
+pub fn amd_plan(variant: &str, n: usize, split: Option<Vec<u32>>) -> Plan {
+    let dir = data(variant);
+    let inv = strata_plan::model::load_model(&dir).unwrap();
+    let mut probe = gpu_probe(n);
+    for d in &mut probe.devices {
+        d.name = "AMD Radeon AI PRO R9700".into();
+        d.vendor = Vendor::Amd;
+        d.arch = "gfx1201".into();
+    }
+    let settings = ServeSettings {
+        max_context: 64,
+        batch: 1,
+        ubatch: 8,
+        layer_split: split.map_or(LayerSplit::Auto, LayerSplit::Bounds),
+        pinned_chunk_mib: 1,
+        ..ServeSettings::default()
+    };
+    let req = PlanRequest {
+        inventory: &inv,
+        model_source: dir.display().to_string(),
+        probe: &probe,
+        probe_source: "test probe (AMD)".into(),
+        settings: &settings,
+        profile: None,
+        vision: None,
+    };
+    match solve(&req).unwrap() {
+        Outcome::Planned(p) => *p,
+        Outcome::Infeasible(i) => panic!("infeasible: {:?}", i.reasons),
+    }
+}

@@ -729,7 +729,10 @@ mod tests {
         let t = fr.tensor(name).unwrap();
         assert_eq!(t.ggml_type, GgmlType::Q4K);
         let (a, b) = (tensor_f32(&q, name), tensor_f32(&r, name));
-        assert_ne!(a, b, "Q4_K drawn as blocks, not quantized from the same draws");
+        assert_ne!(
+            a, b,
+            "Q4_K drawn as blocks, not quantized from the same draws"
+        );
         let rms = |v: &[f32]| (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
         assert!(b.iter().all(|v| v.is_finite()));
         let (ra, rb) = (rms(&a), rms(&b));

@@ -1,5 +1,6 @@
-//! Device arenas: one `cuMemAlloc` of exactly the planned size per arena, and `DeviceView`s,
-//! (offset, len) windows into it that are checked against the arena's size when made.
+//! Device arenas: one `cuMemAlloc` (or, on HIP, one `hipMalloc` owned by a `HipArena`) of
+//! exactly the planned size per arena, and `DeviceView`s, (offset, len) windows into it that
+//! are checked against the arena's size when made.
 //! Invariant: a view never reaches past its arena's end, never outlives it, and the count of
 //! arena allocations (`arena_allocations`) is exact, so a test can assert "one per arena".
 
@@ -16,12 +17,20 @@ pub fn arena_allocations() -> u64 {
     ALLOCATIONS.load(Ordering::Relaxed)
 }
 
+/// Who frees an arena's allocation.
+enum Owner {
+    Cuda(Arc<CudaContext>),
+    /// The HIP arena frees itself when dropped.
+    #[cfg(feature = "hip")]
+    Hip(#[allow(dead_code)] crate::backend::hip::HipArena),
+}
+
 /// One planned device arena: a single device allocation of `size` bytes.
 pub struct DeviceArena {
     name: String,
     ptr: CUdeviceptr,
     size: u64,
-    ctx: Arc<CudaContext>,
+    owner: Owner,
 }
 
 impl std::fmt::Debug for DeviceArena {
@@ -53,8 +62,21 @@ impl DeviceArena {
             name: name.to_string(),
             ptr,
             size,
-            ctx: ctx.clone(),
+            owner: Owner::Cuda(ctx.clone()),
         })
+    }
+
+    /// An arena over a HIP allocation (counted here too: one per planned arena, whatever
+    /// the vendor).
+    #[cfg(feature = "hip")]
+    pub(crate) fn hip(a: crate::backend::hip::HipArena) -> Self {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        Self {
+            name: a.name().to_string(),
+            ptr: a.all().ptr(),
+            size: a.size(),
+            owner: Owner::Hip(a),
+        }
     }
 
     /// The arena's planned name.
@@ -91,12 +113,17 @@ impl DeviceArena {
 
 impl Drop for DeviceArena {
     fn drop(&mut self) {
-        // Errors on teardown cannot be reported from Drop; the context records them.
-        self.ctx.record_err(self.ctx.bind_to_thread());
-        // SAFETY: ptr came from malloc_sync in `new` and is freed only here; no view outlives
-        // the arena (their lifetime is tied to &self).
-        self.ctx
-            .record_err(unsafe { cudarc::driver::result::free_sync(self.ptr) });
+        match &self.owner {
+            Owner::Cuda(ctx) => {
+                // Errors on teardown cannot be reported from Drop; the context records them.
+                ctx.record_err(ctx.bind_to_thread());
+                // SAFETY: ptr came from malloc_sync in `new` and is freed only here; no view
+                // outlives the arena (their lifetime is tied to &self).
+                ctx.record_err(unsafe { cudarc::driver::result::free_sync(self.ptr) });
+            }
+            #[cfg(feature = "hip")]
+            Owner::Hip(_) => {}
+        }
     }
 }
 

@@ -24,7 +24,7 @@ use super::host_tier::PinnedTier;
 use super::launch::decode::{self, ExpertTable};
 use super::pinned::PinnedHost;
 use super::stage::CudaStage;
-use super::{drv, layout, CudaDevice, CudaError, DeviceView};
+use super::{layout, CudaDevice, CudaError, DeviceView};
 use crate::backend::{StepKind, WorkBuf};
 use crate::experts::{Lookup, LruPolicy};
 use crate::load::HostModel;
@@ -602,13 +602,9 @@ fn table_bytes(t: &[u64]) -> &[u8] {
 /// its own staging before returning, so `src` may change as soon as this returns.
 fn htod_queued(st: &CudaStage, src: &[u8], dst: DeviceView<'_>) -> Result<(), CudaError> {
     dst.expect_len("expert cache copy", src.len() as u64)?;
-    st.dev.ctx_bind()?;
     // SAFETY: `dst` is a checked view of exactly src.len() bytes inside the stage's live arena;
-    // `src` is pageable host memory, which cuMemcpyHtoDAsync stages before it returns.
-    unsafe {
-        cudarc::driver::result::memcpy_htod_async(dst.ptr(), src, st.dev.stream().cu_stream())
-    }
-    .map_err(drv("cuMemcpyHtoDAsync(expert cache)"))
+    // `src` is pageable host memory, which htod_raw stages before it returns (on HIP it waits).
+    unsafe { st.dev.htod_raw("expert cache", dst.ptr(), src) }
 }
 
 /// Point the layer's table entry of expert `x` at `slot` (marking the table stale when that

@@ -1,16 +1,15 @@
 //! Prefill attention launchers of the CUDA backend over raw device addresses (the engine's
 //! per-slot KV layout): `fa_prefill` (kernels/cuda/flash.cu, tensor cores, head sizes 64 and
 //! 128) and `dq_attn_prefill` (kernels/cuda/decode.cu, f32 CUDA cores, any head size up to
-//! 256), plus [`attn_prefill`], which picks the first when it applies.
+//! 256, the one HIP runs), plus [`attn_prefill`], which picks the first when it applies.
 //! Invariant: both kernels compute the same function from the same arguments: the `n_tok`
 //! query tokens are one slot's (`slot[0]`), their K/V already stored, token `t` sees the
 //! cells `0..=pos[t]`; in the engine these are consecutive positions `p0 + t` (sorted
 //! ascending), though neither kernel relies on it. Every launch's scalars are checked here;
 //! the addresses are the caller's promise (hence `unsafe`).
 
-use super::launch::{bad, int};
+use super::launch::{arg_ptr, bad, int};
 use super::{drv, CudaDevice, CudaError};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use strata_kernels::consts as kc;
@@ -186,7 +185,7 @@ pub unsafe fn launch_fa_prefill(dev: &CudaDevice, a: &PrefillAttn) -> Result<(),
         ));
     }
     let f = dev.function(OP)?;
-    let mut b = dev.stream().launch_builder(f);
+    let mut b = dev.stream()?.launch_builder(f);
     b.arg(&a.q)
         .arg(&a.kv)
         .arg(&a.slot)
@@ -234,48 +233,50 @@ pub unsafe fn launch_dq_attn_prefill(dev: &CudaDevice, a: &PrefillAttn) -> Resul
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem,
     };
-    let f = dev.function(OP)?;
     if smem > 48 << 10 {
         // hd > 128 with kt 16 needs a little over 48 KiB (49280 bytes at hd 256).
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(drv(format!(
-            "cuFuncSetAttribute({OP}, {smem} bytes shared)"
-        )))?;
+        dev.allow_shared(OP, smem)?;
     }
-    let mut b = dev.stream().launch_builder(f);
-    b.arg(&a.q)
-        .arg(&a.kv)
-        .arg(&a.slot)
-        .arg(&a.pos)
-        .arg(&s.slot_bytes)
-        .arg(&s.k_off)
-        .arg(&s.v_off)
-        .arg(&a.kv_ty)
-        .arg(&s.n_head)
-        .arg(&s.n_head_kv)
-        .arg(&s.hd)
-        .arg(&s.row_bytes)
-        .arg(&a.scale)
-        .arg(&kt)
-        .arg(&s.n_tok)
-        .arg(&a.out);
     // SAFETY: as in launch_fa_prefill; the arguments match dq_attn_prefill's list in type
     // and order, with kt <= 32 and hd <= 256 as the kernel requires, and its shared memory
     // allowed above when over the default.
-    unsafe { b.launch(cfg) }.map_err(drv("launch dq_attn_prefill"))?;
-    Ok(())
+    unsafe {
+        dev.launch_raw(
+            OP,
+            cfg,
+            &mut [
+                arg_ptr(&a.q),
+                arg_ptr(&a.kv),
+                arg_ptr(&a.slot),
+                arg_ptr(&a.pos),
+                arg_ptr(&s.slot_bytes),
+                arg_ptr(&s.k_off),
+                arg_ptr(&s.v_off),
+                arg_ptr(&a.kv_ty),
+                arg_ptr(&s.n_head),
+                arg_ptr(&s.n_head_kv),
+                arg_ptr(&s.hd),
+                arg_ptr(&s.row_bytes),
+                arg_ptr(&a.scale),
+                arg_ptr(&kt),
+                arg_ptr(&s.n_tok),
+                arg_ptr(&a.out),
+            ],
+        )
+    }
 }
 
-/// Prefill attention by the fastest kernel that applies: `fa_prefill` when
-/// [`fa_prefill_supported`] and `q`, `out` are 16-byte aligned, else `dq_attn_prefill`.
+/// Prefill attention by the fastest kernel that applies: `fa_prefill` when the device has
+/// the tensor-core modules (CUDA), [`fa_prefill_supported`] holds and `q`, `out` are 16-byte
+/// aligned, else `dq_attn_prefill`.
 ///
 /// # Safety
 /// As [`launch_fa_prefill`].
 pub unsafe fn attn_prefill(dev: &CudaDevice, a: &PrefillAttn) -> Result<(), CudaError> {
-    if fa_prefill_supported(a.hd, a.n_head, a.n_head_kv) && (a.q | a.out) % 16 == 0 {
+    if dev.tensor_cores()
+        && fa_prefill_supported(a.hd, a.n_head, a.n_head_kv)
+        && (a.q | a.out) % 16 == 0
+    {
         // SAFETY: the caller's contract is the same.
         unsafe { launch_fa_prefill(dev, a) }
     } else {

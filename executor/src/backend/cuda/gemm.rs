@@ -13,7 +13,7 @@
 
 use super::launch::{any_type, bad, int};
 use super::{drv, CudaDevice, CudaError, DeviceView};
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use strata_schemas::ggml::GgmlType;
 
@@ -204,13 +204,6 @@ fn kernel_name(moe: bool, glu: bool, ty: GgmlType, tile: GemmTile) -> &'static s
 }
 
 impl CudaDevice {
-    /// The device's number of streaming multiprocessors (132 if the driver will not say).
-    pub(crate) fn sm_count(&self) -> usize {
-        self.ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_or(132, |n| n.max(1) as usize)
-    }
-
     /// The tile the dense product uses by default for `ty`: when 128-row tiles still give
     /// at least half a CTA per multiprocessor, `M128W` for Q8_0 and Q4_K and `M128` for BF16, else
     /// `M64` (the fastest of each on an H200 at pp512).
@@ -253,7 +246,7 @@ impl CudaDevice {
         let f = self.function("gemm_cvt_x")?;
         let (xp, hp, nl) = (x.ptr(), xh.ptr(), n as i64);
         let blocks = (n / 4).div_ceil(256).min(16 * self.sm_count() as u64) as u32;
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.stream()?.launch_builder(f);
         b.arg(&xp).arg(&hp).arg(&nl).arg(&bf16);
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
@@ -387,7 +380,7 @@ impl CudaDevice {
             "cuFuncSetAttribute({name}, {smem} bytes shared)"
         )))?;
         let (wp, xp, yp, acc) = (w.ptr(), xh.ptr(), y.ptr(), acc as i32);
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.stream()?.launch_builder(f);
         let gt = ty.id() as i32;
         b.arg(&wp)
             .arg(&xp)
@@ -459,7 +452,7 @@ impl CudaDevice {
             base + lay.tiles,
             base + lay.n_tiles,
         );
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.stream()?.launch_builder(f);
         b.arg(&ip)
             .arg(&na)
             .arg(&ne)
@@ -710,7 +703,7 @@ impl CudaDevice {
             base + lay.tiles,
             base + lay.n_tiles,
         );
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.stream()?.launch_builder(f);
         if fused {
             b.arg(&up);
         }

@@ -215,7 +215,7 @@ impl PinnedTier {
     /// After a group's copies: the compute stream waits for them.
     pub(crate) fn copies_done(&self, dev: &CudaDevice) -> Result<(), CudaError> {
         dev.record_on(&self.copied, &self.copy)?;
-        dev.wait_on(dev.stream(), &self.copied)
+        dev.wait_on(dev.stream()?, &self.copied)
     }
 
     /// After a prefetch's copies: recorded, the compute stream waits only at
@@ -225,7 +225,7 @@ impl PinnedTier {
     }
 
     pub(crate) fn await_prefetch(&self, dev: &CudaDevice) -> Result<(), CudaError> {
-        dev.wait_on(dev.stream(), &self.prefetched)
+        dev.wait_on(dev.stream()?, &self.prefetched)
     }
 
     /// The group being issued reads `slot`.
@@ -247,7 +247,7 @@ impl PinnedTier {
             .iter()
             .find(|(g, _)| *g == self.group)
             .ok_or_else(|| err("group event"))?;
-        dev.record_on(&ev.1, dev.stream())?;
+        dev.record_on(&ev.1, dev.stream()?)?;
         self.group += 1;
         Ok(())
     }

@@ -1,11 +1,14 @@
-//! The CUDA backend on cudarc with dynamic loading (it builds with no toolkit; libcuda and
-//! libnvrtc are opened at run time): device open (context + stream), one device allocation
-//! per planned arena with bounds-checked views, copies, events, NVRTC-compiled kernels cached
-//! on disk; one launcher per kernel (`launch`, `gemm`, `flash`), the seam's ops on them
-//! (`forward`), weight binding (`bind`), the stage a pipeline drives (`stage`) and start-up
-//! (`start`).
+//! The GPU engine: the CUDA backend on cudarc with dynamic loading (it builds with no
+//! toolkit; libcuda and libnvrtc are opened at run time), and with the `hip` feature the same
+//! engine on AMD GPUs — a `CudaDevice` runs on either runtime (`runtime`: launches, copies,
+//! events, graphs dispatched by vendor). Device open (context + stream), one device
+//! allocation per planned arena with bounds-checked views, copies, events, NVRTC- or
+//! hiprtc-compiled kernels cached on disk; one launcher per kernel (`launch`, `gemm`,
+//! `flash`), the seam's ops on them (`forward`), weight binding (`bind`), the stage a
+//! pipeline drives (`stage`) and start-up (`start`).
 //! Invariant: no call here sizes memory from what is free, every launch's views are checked
-//! against the op's shape first, and a missing CUDA library is an error, never a panic.
+//! against the op's shape first, and a missing CUDA or HIP library is an error, never a
+//! panic.
 
 pub mod arena;
 pub mod bind;
@@ -23,12 +26,15 @@ pub mod options;
 pub mod pinned;
 pub mod probe;
 pub mod quants;
+pub mod runtime;
 pub mod stage;
 pub mod start;
 
 pub use arena::{arena_allocations, DeviceArena, DeviceView};
+pub use runtime::{GpuEvent, Vendor};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
+use runtime::{CudaRt, Runtime};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -72,6 +78,19 @@ pub enum CudaError {
     Shape { op: &'static str, detail: String },
     #[error("a CUDA library panicked while {what}: {message}")]
     Panic { what: &'static str, message: String },
+    #[cfg(feature = "hip")]
+    #[error(transparent)]
+    Hip(#[from] crate::backend::hip::HipError),
+    #[error("{what} is CUDA-only, but GPU {ordinal} is an AMD GPU under HIP; the engine takes the portable kernels there (a CUDA-only path was asked for: report it as a bug)")]
+    CudaOnly { what: &'static str, ordinal: usize },
+    #[error("the plan is for AMD GPUs, but this strata-exec was built without the `hip` feature: rebuild with `cargo build --release -p strata-exec --features hip`")]
+    HipNotBuilt,
+    #[error("HIP device {ordinal} ({name}) runs wave{wave}: the engine's launch geometry is written for 32-wide waves (RDNA GPUs such as gfx1100 and gfx1201); CDNA/wave64 GPUs are not supported by the engine yet (`strata-exec probe` still measures them)")]
+    Wave {
+        ordinal: usize,
+        name: String,
+        wave: u32,
+    },
 }
 
 pub(crate) fn drv(what: impl Into<String>) -> impl FnOnce(DriverError) -> CudaError {
@@ -154,17 +173,20 @@ fn pod_bytes_mut<T: Pod>(s: &mut [T]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
 }
 
-/// One opened CUDA device: its context, the compute stream and every kernel, compiled for
-/// its architecture (or read from the on-disk cache).
+/// One opened GPU: on CUDA its context, the compute stream and every kernel, compiled for its
+/// architecture (or read from the on-disk cache); on HIP the opened `HipDevice` with the
+/// same (see `runtime`). The name stays `CudaDevice` for the code written against it.
 pub struct CudaDevice {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    rt: Runtime,
     ordinal: usize,
     name: String,
+    /// Compute capability; (0, 0) on HIP.
     cc: (i32, i32),
+    /// NVRTC's version; (0, 0) on HIP.
     nvrtc: (i32, i32),
     cache_dir: Option<PathBuf>,
-    functions: HashMap<&'static str, CudaFunction>,
+    /// Multiprocessors (CUDA SMs, HIP compute units).
+    sm: usize,
     /// How many modules came from the disk cache rather than NVRTC at open.
     pub modules_from_cache: usize,
 }
@@ -218,28 +240,30 @@ impl CudaDevice {
                 functions.insert(e, f);
             }
         }
+        let sm = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_or(132, |n| n.max(1) as usize);
         Ok(Self {
-            ctx,
-            stream,
+            rt: Runtime::Cuda(CudaRt {
+                ctx,
+                stream,
+                functions,
+            }),
             ordinal,
             name,
             cc,
             nvrtc,
             cache_dir,
-            functions,
+            sm,
             modules_from_cache,
         })
     }
 
-    /// The CUDA ordinal this device was opened as.
+    /// The ordinal this device was opened as (CUDA's or HIP's).
     pub fn ordinal(&self) -> usize {
         self.ordinal
-    }
-
-    /// The device's context (the primary context of its ordinal, shared by every
-    /// `CudaDevice` opened on that ordinal).
-    pub(crate) fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
     }
 
     /// The device's name as the driver reports it.
@@ -247,17 +271,21 @@ impl CudaDevice {
         &self.name
     }
 
-    /// The device's compute capability (major, minor).
+    /// The device's compute capability (major, minor); (0, 0) on HIP.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.cc
     }
 
-    /// The architecture the kernels were compiled for, e.g. `sm_90`.
+    /// The architecture the kernels were compiled for, e.g. `sm_90` or `gfx1201`.
     pub fn arch(&self) -> String {
-        compile::arch_name(self.cc)
+        match &self.rt {
+            Runtime::Cuda(_) => compile::arch_name(self.cc),
+            #[cfg(feature = "hip")]
+            Runtime::Hip(h) => h.arch(),
+        }
     }
 
-    /// NVRTC's version as (major, minor).
+    /// NVRTC's version as (major, minor); (0, 0) on HIP.
     pub fn nvrtc_version(&self) -> (i32, i32) {
         self.nvrtc
     }
@@ -267,40 +295,50 @@ impl CudaDevice {
         self.cache_dir.as_deref()
     }
 
+    /// The device's number of multiprocessors (CUDA SMs, HIP compute units).
+    pub(crate) fn sm_count(&self) -> usize {
+        self.sm
+    }
+
     /// Total device memory in bytes.
     pub fn total_mem(&self) -> Result<u64, CudaError> {
-        let b = self.ctx.total_mem().map_err(drv("cuDeviceTotalMem"))?;
-        Ok(b as u64)
+        match &self.rt {
+            Runtime::Cuda(c) => Ok(c.ctx.total_mem().map_err(drv("cuDeviceTotalMem"))? as u64),
+            #[cfg(feature = "hip")]
+            Runtime::Hip(h) => Ok(h.info().total_bytes),
+        }
     }
 
-    /// The compute stream every op is launched on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// The CUDA compute stream every op is launched on (CUDA only: the engine's own
+    /// launches and copies go through the vendor-neutral methods of `runtime`).
+    pub fn stream(&self) -> Result<&Arc<CudaStream>, CudaError> {
+        Ok(&self.cuda("the CUDA stream")?.stream)
     }
 
-    /// The loaded kernel `name` (public so op tests can launch a kernel directly).
+    /// The loaded CUDA kernel `name` (CUDA only; launches go through `launch::launch!`).
     pub fn function(&self, name: &str) -> Result<&CudaFunction, CudaError> {
-        self.functions
+        self.cuda("a CUDA function handle")?
+            .functions
             .get(name)
             .ok_or_else(|| CudaError::UnknownKernel(name.to_string()))
     }
 
     /// One device allocation of exactly `size` bytes for the planned arena `name`.
     pub fn alloc_arena(&self, name: &str, size: u64) -> Result<DeviceArena, CudaError> {
-        DeviceArena::new(&self.ctx, name, size)
+        match &self.rt {
+            Runtime::Cuda(c) => DeviceArena::new(&c.ctx, name, size),
+            #[cfg(feature = "hip")]
+            Runtime::Hip(h) => Ok(DeviceArena::hip(h.alloc_arena(name, size)?)),
+        }
     }
 
     /// Copies `src` to `dst` (whose length must equal `src`'s byte size) and waits.
     pub fn htod<T: Pod>(&self, src: &[T], dst: DeviceView<'_>) -> Result<(), CudaError> {
         let bytes = pod_bytes(src);
         dst.expect_len("htod", bytes.len() as u64)?;
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         // SAFETY: dst is a checked view of a live arena holding exactly bytes.len() bytes; the
         // host slice outlives the copy because we synchronize the stream before returning.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst.ptr(), bytes, self.stream.cu_stream())
-        }
-        .map_err(drv("cuMemcpyHtoDAsync"))?;
+        unsafe { self.htod_raw("htod", dst.ptr(), bytes) }?;
         self.synchronize()
     }
 
@@ -308,61 +346,80 @@ impl CudaDevice {
     pub fn dtoh<T: Pod>(&self, src: DeviceView<'_>, dst: &mut [T]) -> Result<(), CudaError> {
         let bytes = pod_bytes_mut(dst);
         src.expect_len("dtoh", bytes.len() as u64)?;
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        // SAFETY: src is a checked view of exactly bytes.len() bytes; the host buffer stays
-        // borrowed until the stream is synchronized below.
-        unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(bytes, src.ptr(), self.stream.cu_stream())
-        }
-        .map_err(drv("cuMemcpyDtoHAsync"))?;
-        self.synchronize()
+        // SAFETY: src is a checked view of exactly bytes.len() bytes; dtoh_raw waits.
+        unsafe { self.dtoh_raw("dtoh", src.ptr(), bytes) }
     }
 
     /// Sets every byte of `dst` to `value` (asynchronous on the stream).
     pub fn memset(&self, dst: DeviceView<'_>, value: u8) -> Result<(), CudaError> {
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        // SAFETY: dst is a checked view of a live arena; exactly dst.len() bytes are written.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(
-                dst.ptr(),
-                value,
-                dst.len() as usize,
-                self.stream.cu_stream(),
-            )
+        match &self.rt {
+            Runtime::Cuda(c) => {
+                c.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+                // SAFETY: dst is a checked view of a live arena; exactly dst.len() bytes are
+                // written.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(
+                        dst.ptr(),
+                        value,
+                        dst.len() as usize,
+                        c.stream.cu_stream(),
+                    )
+                }
+                .map_err(drv("cuMemsetD8Async"))
+            }
+            #[cfg(feature = "hip")]
+            Runtime::Hip(h) => {
+                let len = dst.len() as usize;
+                // SAFETY: dst is a checked view of a live arena of this device.
+                unsafe { h.memset_raw_async(dst.ptr(), len, value, h.stream()) }?;
+                Ok(())
+            }
         }
-        .map_err(drv("cuMemsetD8Async"))
     }
 
-    /// Makes this device's context current on the calling thread.
+    /// Makes this device's context current on the calling thread (HIP's calls make their
+    /// device current themselves).
     pub(crate) fn ctx_bind(&self) -> Result<(), CudaError> {
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(drv("cuCtxSetCurrent"))
+        match &self.rt {
+            Runtime::Cuda(c) => c.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent")),
+            #[cfg(feature = "hip")]
+            Runtime::Hip(_) => Ok(()),
+        }
     }
 
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.stream
-            .synchronize()
-            .map_err(drv("cuStreamSynchronize"))
+        match &self.rt {
+            Runtime::Cuda(c) => c.stream.synchronize().map_err(drv("cuStreamSynchronize")),
+            #[cfg(feature = "hip")]
+            Runtime::Hip(h) => Ok(h.stream().synchronize()?),
+        }
     }
 
-    /// A new stream of this context (for copies that overlap compute).
+    /// A new CUDA stream of this context (for copies that overlap compute; CUDA only).
     pub fn new_stream(&self) -> Result<Arc<CudaStream>, CudaError> {
-        self.ctx.new_stream().map_err(drv("cuStreamCreate"))
+        self.cuda("a second CUDA stream")?
+            .ctx
+            .new_stream()
+            .map_err(drv("cuStreamCreate"))
     }
 
-    /// Pins `bytes` of host memory (one planned chunk): an error when the driver refuses
-    /// (a memlock limit, `ulimit -l`, or no memory it can lock).
+    /// Pins `bytes` of host memory (one planned chunk; CUDA only, a HIP device answers with
+    /// an error and the caller falls back to the mapped file): an error when the driver
+    /// refuses (a memlock limit, `ulimit -l`, or no memory it can lock).
     pub fn alloc_pinned(&self, bytes: u64) -> Result<pinned::PinnedHost, CudaError> {
+        self.cuda("pinned host chunks")?;
         self.ctx_bind()?;
         pinned::PinnedHost::new(bytes)
     }
 
-    /// A new event without timing, for ordering work between this device's streams.
+    /// A new event without timing, for ordering work between this device's streams (CUDA
+    /// only).
     pub fn new_sync_event(&self) -> Result<CudaEvent, CudaError> {
-        self.ctx.new_event(None).map_err(drv("cuEventCreate"))
+        self.cuda("an event between streams")?
+            .ctx
+            .new_event(None)
+            .map_err(drv("cuEventCreate"))
     }
 
     /// Records `ev` on `stream` (the work queued there so far).
@@ -404,15 +461,5 @@ impl CudaDevice {
         // copy (this function's contract), so the driver's DMA reads it asynchronously.
         unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr(), bytes, stream.cu_stream()) }
             .map_err(drv("cuMemcpyHtoDAsync(pinned)"))
-    }
-
-    /// Records a timing-capable event on the compute stream.
-    pub fn record_event(&self) -> Result<CudaEvent, CudaError> {
-        let ev = self
-            .ctx
-            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(drv("cuEventCreate"))?;
-        ev.record(&self.stream).map_err(drv("cuEventRecord"))?;
-        Ok(ev)
     }
 }

@@ -6,10 +6,10 @@
 //! decoder, `cols` is a multiple of 32 and a whole number of blocks, every view holds what
 //! the kernel touches, and every row id is inside the table.
 
-use super::launch::{bad, int};
-use super::{drv, CudaDevice, CudaError, DeviceView};
+use super::launch::{arg_ptr, bad, int};
+use super::{CudaDevice, CudaError, DeviceView};
 use crate::quant;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use strata_schemas::ggml::GgmlType;
 
 /// Threads per block of both kernels.
@@ -67,16 +67,7 @@ impl CudaDevice {
             int(OP, "rows out", n)?,
         );
         int(OP, "cols * rows out", cols * n)?;
-        let f = self.function("dequant_rows")?;
         let (wp, op) = (w.ptr(), out.ptr());
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&wp)
-            .arg(&ti)
-            .arg(&rbi)
-            .arg(&ip)
-            .arg(&op)
-            .arg(&ci)
-            .arg(&ni);
         let cfg = LaunchConfig {
             grid_dim: (ni as u32, 1, 1),
             block_dim: (BLOCK, 1, 1),
@@ -84,8 +75,21 @@ impl CudaDevice {
         };
         // SAFETY: w holds `rows` rows of rb bytes, every id (when given) is < rows and the
         // device ids equal the host ones (the caller uploads them); out holds n rows of cols.
-        unsafe { b.launch(cfg) }.map_err(drv("launch dequant_rows"))?;
-        Ok(())
+        unsafe {
+            self.launch_raw(
+                "dequant_rows",
+                cfg,
+                &mut [
+                    arg_ptr(&wp),
+                    arg_ptr(&ti),
+                    arg_ptr(&rbi),
+                    arg_ptr(&ip),
+                    arg_ptr(&op),
+                    arg_ptr(&ci),
+                    arg_ptr(&ni),
+                ],
+            )
+        }
     }
 
     /// `y[r] = W_r · x` for one token: W `rows × cols` of any type the CPU reference decodes,
@@ -113,7 +117,6 @@ impl CudaDevice {
             int(OP, "rows", rows)?,
             int(OP, "cols", cols)?,
         );
-        let f = self.function("mv_any")?;
         let warps = BLOCK as usize / 32;
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(warps) as u32, 1, 1),
@@ -121,18 +124,23 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let (wp, xp, yp) = (w.ptr(), x.ptr(), y.ptr());
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&wp)
-            .arg(&ti)
-            .arg(&rbi)
-            .arg(&xp)
-            .arg(&yp)
-            .arg(&ri)
-            .arg(&ci);
         // SAFETY: w holds `rows` rows of rb bytes of ty, x holds cols floats, y rows floats;
         // the kernel skips warps past the last row.
-        unsafe { b.launch(cfg) }.map_err(drv("launch mv_any"))?;
-        Ok(())
+        unsafe {
+            self.launch_raw(
+                "mv_any",
+                cfg,
+                &mut [
+                    arg_ptr(&wp),
+                    arg_ptr(&ti),
+                    arg_ptr(&rbi),
+                    arg_ptr(&xp),
+                    arg_ptr(&yp),
+                    arg_ptr(&ri),
+                    arg_ptr(&ci),
+                ],
+            )
+        }
     }
 }
 

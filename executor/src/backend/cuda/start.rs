@@ -1,5 +1,6 @@
-//! Starting a plan on CUDA GPUs: every check that needs no GPU ([`preflight`]), the GPUs
-//! opened and their free memory checked against the arenas planned onto them, one arena per
+//! Starting a plan on GPUs: every check that needs no GPU ([`preflight`]), the GPUs opened
+//! (CUDA for `nvidia` plans, HIP for `amd` ones: [`plan_vendor`]) and their free memory
+//! checked against the arenas planned onto them, one arena per
 //! planned device, the weights uploaded, each stage's working buffers bound from the plan's
 //! scratch by name, its KV geometry checked against its `kv_cache` region, the model bound on
 //! it, and the hand-offs between stages chosen — a [`CudaEngine`], the pipeline over CUDA
@@ -15,7 +16,7 @@ use super::launch::{kty, ATT_MAX_D, ATT_MAX_GROUP};
 use super::options::CudaOptions;
 use super::pinned::PinnedHost;
 use super::stage::{CudaStage, KvGeo, LinGeo, RunFlags, Span};
-use super::{CudaDevice, CudaError, DeviceArena};
+use super::{CudaDevice, CudaError, DeviceArena, Vendor};
 use crate::backend::cpu::{Rope, Yarn};
 use crate::backend::WorkBuf;
 use crate::engine::EngineInfo;
@@ -269,10 +270,23 @@ fn bytes_per_gpu(
 
 /// Device memory (free, total) of `dev` now.
 pub(crate) fn mem_info(dev: &CudaDevice) -> Result<(u64, u64), CudaError> {
-    dev.ctx_bind()?;
-    let (free, total) =
-        cudarc::driver::result::mem_get_info().map_err(super::drv("cuMemGetInfo"))?;
-    Ok((free as u64, total as u64))
+    dev.mem_info()
+}
+
+/// The runtime the engine opens for the plan: HIP when its devices are `amd`, else CUDA (as
+/// before HIP: `--backend cuda` runs a plan of any other vendor on CUDA GPUs); a plan that
+/// mixes `amd` devices with others is refused, naming a device of each.
+pub fn plan_vendor(plan: &Plan) -> Result<Vendor, CudaEngineError> {
+    let amd = plan.devices.iter().find(|d| d.vendor == "amd");
+    let other = plan.devices.iter().find(|d| d.vendor != "amd");
+    match (amd, other) {
+        (Some(a), Some(o)) => Err(plan_err(format!(
+            "the plan mixes vendors: device {} is `amd` (HIP) but device {} is `{}`; one engine runs one vendor's GPUs: re-plan with a probe of one vendor's devices",
+            a.index, o.index, o.vendor
+        ))),
+        (Some(_), None) => Ok(Vendor::Amd),
+        _ => Ok(Vendor::Nvidia),
+    }
 }
 
 /// Check `host` against `plan` and the GPUs, allocate the planned arenas, upload the weights
@@ -283,12 +297,13 @@ pub fn start_cuda(
     opts: CudaOptions,
 ) -> Result<CudaEngine, CudaEngineError> {
     let pf = preflight(plan, host.as_ref(), &opts)?;
+    let vendor = plan_vendor(plan)?;
     let host: Arc<dyn HostModel> = Arc::from(host);
     let s = &plan.serve;
     let (n_slots, ctx) = (s.batch as usize, s.max_context as usize);
     let d = pf.d;
 
-    let devs = open_gpus(plan, &opts)?;
+    let devs = open_gpus(plan, vendor, &opts)?;
     let mapped = opts.device_map.is_some();
     let dev_of = |i: usize| if mapped { i } else { 0 };
     let planned: u64 = plan.devices.iter().map(|dp| dp.arena_bytes).sum();
@@ -318,7 +333,7 @@ pub fn start_cuda(
         pf: &pf,
         host: &host,
         mapped,
-        pdl: opts.pdl && !opts.profile && devs.iter().all(|d| d.compute_capability().0 >= 9),
+        pdl: opts.pdl && !opts.profile && devs.iter().all(|d| d.pdl_capable()),
         n_slots,
         ctx,
     };
@@ -359,14 +374,18 @@ pub fn start_cuda(
         .map_err(|e| CudaEngineError::Plan(e.to_string()))
 }
 
-/// The GPUs: one device object for every stage, or one per stage (`--device-map`), once
-/// each GPU's free memory is seen to hold the arenas planned onto it.
-fn open_gpus(plan: &Plan, opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, CudaEngineError> {
+/// The GPUs (of `vendor`'s runtime): one device object for every stage, or one per stage
+/// (`--device-map`), once each GPU's free memory is seen to hold the arenas planned onto it.
+fn open_gpus(
+    plan: &Plan,
+    vendor: Vendor,
+    opts: &CudaOptions,
+) -> Result<Vec<Arc<CudaDevice>>, CudaEngineError> {
     let devs: Vec<Arc<CudaDevice>> = match &opts.device_map {
-        None => vec![Arc::new(CudaDevice::open(opts.gpu)?)],
+        None => vec![Arc::new(CudaDevice::open_vendor(vendor, opts.gpu)?)],
         Some(map) => map
             .iter()
-            .map(|&o| CudaDevice::open(o).map(Arc::new))
+            .map(|&o| CudaDevice::open_vendor(vendor, o).map(Arc::new))
             .collect::<Result<_, _>>()?,
     };
     let mapped = opts.device_map.is_some();
@@ -465,7 +484,11 @@ impl Start<'_> {
         let flags = RunFlags {
             graphs: opts.graphs && !opts.profile && xcache.is_none(),
             pdl: self.pdl,
-            gemm: opts.prefill_gemm && pf.gemm && has(WorkBuf::Xh) && has(WorkBuf::Yd),
+            gemm: opts.prefill_gemm
+                && pf.gemm
+                && has(WorkBuf::Xh)
+                && has(WorkBuf::Yd)
+                && dev.tensor_cores(),
             fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
         };
         let binder = Binder::new(plan, dp, host.clone(), &layout);
@@ -630,11 +653,11 @@ pub fn standalone_stage(
         dev.htod(&tmp[..], arena.view(placed[&t.name], data.len() as u64)?)?;
     }
     let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
-    let pdl = opts.pdl && !opts.profile && dev.compute_capability().0 >= 9;
+    let pdl = opts.pdl && !opts.profile && dev.pdl_capable();
     let flags = RunFlags {
         graphs: opts.graphs && !opts.profile,
         pdl,
-        gemm: opts.prefill_gemm && s.pass.gemm,
+        gemm: opts.prefill_gemm && s.pass.gemm && dev.tensor_cores(),
         fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
     };
     let binder = Binder::of_placed(host.clone(), placed, &layout);

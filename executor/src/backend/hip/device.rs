@@ -210,6 +210,19 @@ pub struct HipPinned {
 unsafe impl Send for HipPinned {}
 
 impl HipPinned {
+    /// The buffer's host address (for copies queued on a stream).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr holds len bytes from hipHostMalloc, zeroed at allocation.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
@@ -657,15 +670,25 @@ impl HipDevice {
         value: u8,
         stream: &HipStream,
     ) -> Result<(), HipError> {
-        self.bind()?;
         // SAFETY: dst is a checked view of a live arena; exactly dst.len() bytes are written.
+        unsafe { self.memset_raw_async(dst.ptr(), dst.len() as usize, value, stream) }
+    }
+
+    /// Queues setting `len` bytes from device address `dst` to `value` on `stream`.
+    ///
+    /// # Safety
+    /// `[dst, dst + len)` must lie in a live allocation of this device.
+    pub unsafe fn memset_raw_async(
+        &self,
+        dst: u64,
+        len: usize,
+        value: u8,
+        stream: &HipStream,
+    ) -> Result<(), HipError> {
+        self.bind()?;
+        // SAFETY: the caller's contract.
         check(self.api, "hipMemsetAsync", unsafe {
-            (self.api.memset_async)(
-                dst.ptr() as *mut c_void,
-                value as i32,
-                dst.len() as usize,
-                stream.raw,
-            )
+            (self.api.memset_async)(dst as *mut c_void, value as i32, len, stream.raw)
         })
     }
 
@@ -748,24 +771,37 @@ impl HipDevice {
         stream: &HipStream,
         record: impl FnOnce() -> Result<(), HipError>,
     ) -> Result<HipGraph, HipError> {
+        self.begin_capture(stream)?;
+        let recorded = record();
+        let graph = self.end_capture(stream);
+        recorded?;
+        graph
+    }
+
+    /// Starts capturing what is queued on `stream` (thread-local mode); every begin must be
+    /// followed by [`HipDevice::end_capture`], also when recording failed, so the stream is
+    /// usable again.
+    pub fn begin_capture(&self, stream: &HipStream) -> Result<(), HipError> {
         self.bind()?;
         // SAFETY: stream is live and not capturing.
         check(self.api, "hipStreamBeginCapture", unsafe {
             (self.api.stream_begin_capture)(stream.raw, ffi::CAPTURE_MODE_THREAD_LOCAL)
-        })?;
-        let recorded = record();
+        })
+    }
+
+    /// Ends the capture begun on `stream` and instantiates what it recorded.
+    pub fn end_capture(&self, stream: &HipStream) -> Result<HipGraph, HipError> {
+        self.bind()?;
         let mut graph: ffi::Graph = std::ptr::null_mut();
-        // SAFETY: ends the capture begun above (also after a failed record, so the stream is
-        // usable again); graph is a valid out-pointer.
-        let ended = check(self.api, "hipStreamEndCapture", unsafe {
+        // SAFETY: ends a capture begun on this stream; graph is a valid out-pointer.
+        check(self.api, "hipStreamEndCapture", unsafe {
             (self.api.stream_end_capture)(stream.raw, &mut graph)
-        });
-        if let Err(e) = recorded.and(ended) {
-            if !graph.is_null() {
-                // SAFETY: graph came from the capture and is not used again.
-                let _ = unsafe { (self.api.graph_destroy)(graph) };
-            }
-            return Err(e);
+        })?;
+        if graph.is_null() {
+            return Err(HipError::Shape {
+                op: "capture",
+                detail: "HIP graph capture produced no graph".into(),
+            });
         }
         let mut exec: ffi::GraphExec = std::ptr::null_mut();
         let mut log = vec![0u8; 1024];
@@ -788,6 +824,61 @@ impl HipDevice {
             return Err(e);
         }
         Ok(HipGraph { graph, exec })
+    }
+
+    /// Queues a copy of `bytes` bytes between raw addresses on `stream`; `kind` is a
+    /// `ffi::memcpy_kind` (`DEFAULT` lets the runtime tell host, device and peer apart).
+    ///
+    /// # Safety
+    /// Both ranges must be live memory of at least `bytes` bytes of the kinds `kind` names
+    /// until the stream has passed the copy (host memory: pinned, or pageable that the
+    /// caller keeps alive until the stream is synchronized).
+    pub unsafe fn copy_raw_async(
+        &self,
+        what: &str,
+        dst: *mut c_void,
+        src: *const c_void,
+        bytes: usize,
+        kind: i32,
+        stream: &HipStream,
+    ) -> Result<(), HipError> {
+        self.bind()?;
+        // SAFETY: the caller's contract.
+        check(self.api, format!("hipMemcpyAsync({what})"), unsafe {
+            (self.api.memcpy_async)(dst, src, bytes, kind, stream.raw)
+        })
+    }
+
+    /// Lets this device read `peer`'s memory directly (already enabled is fine).
+    pub fn enable_peer_access(&self, peer: usize) -> Result<(), HipError> {
+        self.bind()?;
+        // SAFETY: plain call on an enumerated peer ordinal.
+        let r = unsafe { (self.api.device_enable_peer_access)(peer as i32, 0) };
+        if r == ffi::ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check(
+            self.api,
+            format!(
+                "hipDeviceEnablePeerAccess(GPU {} reading GPU {peer})",
+                self.info.ordinal
+            ),
+            r,
+        )
+    }
+
+    /// `len` bytes of zeroed page-locked host memory pinned for every device (hand-offs
+    /// between GPUs).
+    pub fn alloc_pinned_portable(&self, len: usize) -> Result<HipPinned, HipError> {
+        self.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let what = format!("hipHostMalloc(portable) of {len} bytes");
+        // SAFETY: p is a valid out-pointer; the buffer is owned by the returned value.
+        let r = unsafe { (self.api.host_malloc)(&mut p, len.max(1), ffi::HOST_MALLOC_PORTABLE) };
+        check(self.api, what, r)?;
+        // SAFETY: p holds at least len bytes just allocated.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0, len) };
+        Ok(HipPinned { ptr: p.cast(), len })
     }
 }
 

@@ -45,6 +45,9 @@ pub mod memcpy_kind {
     pub const HOST_TO_DEVICE: i32 = 1;
     pub const DEVICE_TO_HOST: i32 = 2;
     pub const DEVICE_TO_DEVICE: i32 = 3;
+    /// The runtime infers the direction from the addresses (unified addressing): also
+    /// between two devices.
+    pub const DEFAULT: i32 = 4;
 }
 
 /// `hipStreamNonBlocking`: the stream does not synchronize with the null stream.
@@ -53,6 +56,10 @@ pub const STREAM_NON_BLOCKING: u32 = 1;
 pub const EVENT_DEFAULT: u32 = 0;
 /// `hipHostMallocDefault`.
 pub const HOST_MALLOC_DEFAULT: u32 = 0;
+/// `hipHostMallocPortable`: pinned for every device, not only the current one.
+pub const HOST_MALLOC_PORTABLE: u32 = 1;
+/// `hipErrorPeerAccessAlreadyEnabled`.
+pub const ERROR_PEER_ACCESS_ALREADY_ENABLED: HipResult = 704;
 /// `hipStreamCaptureModeThreadLocal`: other threads' unsafe calls do not break a capture.
 pub const CAPTURE_MODE_THREAD_LOCAL: i32 = 1;
 /// `hipErrorNoDevice`.
@@ -201,6 +208,7 @@ api_table! {
         device_total_mem = "hipDeviceTotalMem": fn(*mut usize, c_int) -> HipResult;
         mem_get_info = "hipMemGetInfo": fn(*mut usize, *mut usize) -> HipResult;
         device_can_access_peer = "hipDeviceCanAccessPeer": fn(*mut c_int, c_int, c_int) -> HipResult;
+        device_enable_peer_access = "hipDeviceEnablePeerAccess": fn(c_int, c_uint) -> HipResult;
         device_synchronize = "hipDeviceSynchronize": fn() -> HipResult;
         malloc = "hipMalloc": fn(*mut *mut c_void, usize) -> HipResult;
         free = "hipFree": fn(*mut c_void) -> HipResult;

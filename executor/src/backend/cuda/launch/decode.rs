@@ -14,14 +14,9 @@ use strata_schemas::ggml::GgmlType;
 
 /// `dq_spin`: keeps the GPU busy for `ns` nanoseconds (the profiler's spacer).
 pub fn spin(l: &Launcher<'_>, ns: i64) -> Result<(), CudaError> {
-    use cudarc::driver::PushKernelArg;
-    let f = l.dev.function("dq_spin")?;
-    let mut b = l.dev.stream().launch_builder(f);
-    b.arg(&ns);
+    let mut args = [super::arg_ptr(&ns)];
     // SAFETY: dq_spin takes one integer and touches no memory.
-    unsafe { b.launch(cfg((1, 1, 1), 1, 0)) }
-        .map_err(crate::backend::cuda::drv("launch dq_spin"))?;
-    Ok(())
+    unsafe { l.dev.launch_raw("dq_spin", cfg((1, 1, 1), 1, 0), &mut args) }
 }
 
 /// `rmsnorm_f32`: `out[i] = RMSNorm(x[i] (+ res[i])) * w` over `n` rows of `e`; `h_out`

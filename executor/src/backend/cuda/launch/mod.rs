@@ -2,8 +2,9 @@
 //! backend's ops and by the GPU tests alike. Each takes bounds-checked views of the memory the
 //! kernel touches, checks them (bytes and alignment) and the scalar arguments against the
 //! kernel's limits, then queues the launch on the device's stream — with programmatic
-//! dependent launch when the [`Launcher`] asks for it and the kernel is PDL-aware, and timed
-//! when profiling.
+//! dependent launch when the [`Launcher`] asks for it and the kernel is PDL-aware (CUDA
+//! only), and timed when profiling. One `launch!` path for both vendors: the arguments go as
+//! a `void**` array to `cuLaunchKernel` or `hipModuleLaunchKernel` (`CudaDevice::launch_raw`).
 //! Invariant: nothing is launched with a view smaller than the kernel will touch, and no
 //! launcher reads anything back from the device, so every launch can be captured in a graph.
 
@@ -11,8 +12,8 @@ pub mod attention;
 pub mod decode;
 pub mod linear;
 
-use super::{CudaDevice, CudaError, DeviceView};
-use cudarc::driver::{CudaEvent, LaunchConfig};
+use super::{CudaDevice, CudaError, DeviceView, GpuEvent};
+use cudarc::driver::LaunchConfig;
 use strata_schemas::ggml::GgmlType;
 
 use strata_kernels::consts as kc;
@@ -126,7 +127,7 @@ impl Mat<'_> {
 pub type ProfTotals = std::collections::BTreeMap<(bool, &'static str), (u64, f64)>;
 
 /// Events recorded around each launch of a profiled pass.
-pub type Prof = std::cell::RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>;
+pub type Prof = std::cell::RefCell<Vec<(&'static str, GpuEvent, GpuEvent)>>;
 
 /// How launches are queued on one device.
 #[derive(Clone, Copy)]
@@ -154,7 +155,7 @@ impl<'a> Launcher<'a> {
     /// When profiling: a 40 us spin kernel, then the start event. The spin keeps the GPU busy
     /// while the host queues the kernel and its end event, so the pair times the kernel alone
     /// and not the host's launch latency (which CUDA graphs hide in real decode steps).
-    fn prof_start(&self) -> Result<Option<CudaEvent>, CudaError> {
+    fn prof_start(&self) -> Result<Option<GpuEvent>, CudaError> {
         if self.prof.is_none() {
             return Ok(None);
         }
@@ -162,7 +163,7 @@ impl<'a> Launcher<'a> {
         Ok(Some(self.dev.record_event()?))
     }
 
-    fn prof_end(&self, label: &'static str, e0: Option<CudaEvent>) -> Result<(), CudaError> {
+    fn prof_end(&self, label: &'static str, e0: Option<GpuEvent>) -> Result<(), CudaError> {
         if let (Some(p), Some(e0)) = (self.prof, e0) {
             let e1 = self.dev.record_event()?;
             p.borrow_mut().push((label, e0, e1));
@@ -198,32 +199,48 @@ pub fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
     }
 }
 
+/// The scalar types kernels take, passed by address in a launch's `void**` array (a
+/// `DeviceView` or any other struct is refused at compile time: pass `view.ptr()`).
+pub trait KernelArg: Copy {}
+impl KernelArg for i32 {}
+impl KernelArg for u32 {}
+impl KernelArg for i64 {}
+impl KernelArg for u64 {}
+impl KernelArg for f32 {}
+
+/// The address of one kernel argument, for a launch's parameter array.
+#[doc(hidden)]
+pub fn arg_ptr<T: KernelArg>(v: &T) -> *mut std::ffi::c_void {
+    v as *const T as *mut std::ffi::c_void
+}
+
 /// Launch kernel `$name` through launcher `$l` with `$cfg` and the argument references in
-/// order (profiled under `$label`, default the kernel's name).
+/// order (profiled under `$label`, default the kernel's name). The parameter array is built
+/// inside the launch call's own expression, so every argument (temporaries included) lives
+/// until the driver has read it.
 macro_rules! launch {
     ($l:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {
         launch!($l, $name => $name, $cfg; $($arg),*)
     };
     ($l:expr, $name:expr => $label:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
-        use cudarc::driver::PushKernelArg;
+        use $crate::backend::cuda::launch::arg_ptr;
         let l: &$crate::backend::cuda::launch::Launcher<'_> = $l;
-        let f = l.dev.function($name)?;
         let e0 = l.timed_start()?;
         if l.pdl && strata_kernels::pdl_aware($name) {
-            let mut params = [$( $arg as *const _ as *mut std::ffi::c_void ),*];
+            let f = l.dev.function($name)?;
             // SAFETY: each entry points at a live argument value of the kernel's parameter
             // type (the launcher checked every buffer against what the kernel touches); the
             // kernel is PDL-aware (`strata_kernels::pdl_aware`), so it touches nothing but
             // weights before waiting for the kernel ahead.
-            unsafe { $crate::backend::cuda::launch::launch_pdl(l.dev, f, $cfg, &mut params) }
-                .map_err($crate::backend::cuda::drv(format!("cuLaunchKernelEx {}", $name)))?;
+            unsafe {
+                $crate::backend::cuda::launch::launch_pdl(l.dev, f, $cfg, &mut [$(arg_ptr($arg)),*])
+            }
+            .map_err($crate::backend::cuda::drv(format!("cuLaunchKernelEx {}", $name)))?;
         } else {
-            let mut b = l.dev.stream().launch_builder(f);
-            $( b.arg($arg); )*
-            // SAFETY: every pointer argument addresses a view the launcher checked against
-            // the bytes the kernel reads or writes for these shapes.
-            unsafe { b.launch($cfg) }
-                .map_err($crate::backend::cuda::drv(format!("launch {}", $name)))?;
+            // SAFETY: each entry points at a live argument value of the kernel's parameter
+            // type, in order; every pointer argument addresses a view the launcher checked
+            // against the bytes the kernel reads or writes for these shapes.
+            unsafe { l.dev.launch_raw($name, $cfg, &mut [$(arg_ptr($arg)),*]) }?;
         }
         l.timed_end($label, e0)?;
         Ok::<(), $crate::backend::cuda::CudaError>(())
@@ -234,13 +251,13 @@ pub(crate) use launch;
 impl Launcher<'_> {
     /// The start event of a profiled launch (see [`Launcher::timed`]).
     #[doc(hidden)]
-    pub fn timed_start(&self) -> Result<Option<CudaEvent>, CudaError> {
+    pub fn timed_start(&self) -> Result<Option<GpuEvent>, CudaError> {
         self.prof_start()
     }
 
     /// The end event of a profiled launch.
     #[doc(hidden)]
-    pub fn timed_end(&self, label: &'static str, e0: Option<CudaEvent>) -> Result<(), CudaError> {
+    pub fn timed_end(&self, label: &'static str, e0: Option<GpuEvent>) -> Result<(), CudaError> {
         self.prof_end(label, e0)
     }
 }
@@ -259,7 +276,12 @@ pub unsafe fn launch_pdl(
     params: &mut [*mut std::ffi::c_void],
 ) -> Result<(), cudarc::driver::DriverError> {
     use cudarc::driver::sys;
-    dev.stream().context().bind_to_thread()?;
+    let Ok(stream) = dev.stream() else {
+        return Err(cudarc::driver::DriverError(
+            sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
+        ));
+    };
+    stream.context().bind_to_thread()?;
     // SAFETY: an all-zero launch attribute is a valid value of this plain C union.
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -272,7 +294,7 @@ pub unsafe fn launch_pdl(
         blockDimY: c.block_dim.1,
         blockDimZ: c.block_dim.2,
         sharedMemBytes: c.shared_mem_bytes,
-        hStream: dev.stream().cu_stream(),
+        hStream: stream.cu_stream(),
         attrs: &mut attr,
         numAttrs: 1,
     };

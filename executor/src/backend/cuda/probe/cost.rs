@@ -250,7 +250,7 @@ fn capture(
     dev: &CudaDevice,
     f: &mut dyn FnMut() -> Result<(), CudaError>,
 ) -> Result<CudaGraph, CudaError> {
-    let stream = dev.stream();
+    let stream = dev.stream()?;
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(drv("cuStreamBeginCapture"))?;
@@ -282,8 +282,8 @@ pub(super) fn graph_ms(
         graph.launch().map_err(drv("cuGraphLaunch"))?;
     }
     let end = dev.record_event()?;
-    end.synchronize().map_err(drv("cuEventSynchronize"))?;
-    let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))? as f64;
+    end.synchronize()?;
+    let ms = start.elapsed_ms(&end)? as f64;
     positive(ms / reps as f64)
 }
 
@@ -300,8 +300,8 @@ pub(super) fn stream_ms(
         f()?;
     }
     let end = dev.record_event()?;
-    end.synchronize().map_err(drv("cuEventSynchronize"))?;
-    let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))? as f64;
+    end.synchronize()?;
+    let ms = start.elapsed_ms(&end)? as f64;
     positive(ms / reps as f64)
 }
 

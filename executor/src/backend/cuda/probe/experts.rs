@@ -241,7 +241,7 @@ pub fn prefill_experts(dev: &CudaDevice, reps: usize) -> Result<f64, CudaError> 
 /// memory into device memory on the stream, as a slot is filled, cycling through
 /// [`HOST_BYTES`] of host memory.
 pub fn miss_copies(dev: &CudaDevice) -> Result<f64, CudaError> {
-    dev.stream()
+    dev.stream()?
         .context()
         .bind_to_thread()
         .map_err(drv("cuCtxSetCurrent"))?;
@@ -257,7 +257,7 @@ pub fn miss_copies(dev: &CudaDevice) -> Result<f64, CudaError> {
             // Vec; a pageable source is staged by the driver before the call returns, and
             // the arena outlives the copy (the caller synchronizes before dropping it).
             unsafe {
-                cudarc::driver::result::memcpy_htod_async(d.ptr(), src, dev.stream().cu_stream())
+                cudarc::driver::result::memcpy_htod_async(d.ptr(), src, dev.stream()?.cu_stream())
             }
             .map_err(drv("cuMemcpyHtoDAsync(pageable expert matrix)"))?;
         }

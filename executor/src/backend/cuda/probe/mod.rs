@@ -412,7 +412,7 @@ fn blas_step(dev: &CudaDevice) -> Result<cudarc::cublas::CudaBlas, CudaError> {
     let a = dev.alloc_arena("probe-gemm-a", bytes)?;
     let c = dev.alloc_arena("probe-gemm-c", bytes)?;
     dev.memset(a.all(), 0)?;
-    let blas = cudarc::cublas::CudaBlas::new(dev.stream().clone()).map_err(blas_err)?;
+    let blas = cudarc::cublas::CudaBlas::new(dev.stream()?.clone()).map_err(blas_err)?;
     let (alpha, beta) = (1.0f32, 0.0f32);
     let op = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
     // SAFETY: a and c are live arenas of n*n f32 each on this context; the product reads a
@@ -524,7 +524,7 @@ impl Drop for Pinned {
 
 /// Times `H2D_REPEATS` copies of a pinned `H2D_BYTES` buffer with events on the stream.
 fn h2d_step(dev: &CudaDevice) -> Result<f64, CudaError> {
-    dev.stream()
+    dev.stream()?
         .context()
         .bind_to_thread()
         .map_err(drv("cuCtxSetCurrent"))?;
@@ -537,7 +537,7 @@ fn h2d_step(dev: &CudaDevice) -> Result<f64, CudaError> {
             cudarc::driver::result::memcpy_htod_async(
                 arena.all().ptr(),
                 host.as_slice(),
-                dev.stream().cu_stream(),
+                dev.stream()?.cu_stream(),
             )
         }
         .map_err(drv("cuMemcpyHtoDAsync"))
@@ -549,8 +549,8 @@ fn h2d_step(dev: &CudaDevice) -> Result<f64, CudaError> {
         copy()?;
     }
     let end = dev.record_event()?;
-    end.synchronize().map_err(drv("cuEventSynchronize"))?;
-    let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))? as f64;
+    end.synchronize()?;
+    let ms = start.elapsed_ms(&end)? as f64;
     gbps(H2D_BYTES * H2D_REPEATS as u64, ms)
 }
 
@@ -567,7 +567,7 @@ fn d2d_step(dev: &CudaDevice) -> Result<f64, CudaError> {
                 dst.all().ptr(),
                 src.all().ptr(),
                 D2D_BYTES as usize,
-                dev.stream().cu_stream(),
+                dev.stream()?.cu_stream(),
             )
         }
         .map_err(drv("cuMemcpyDtoDAsync"))
@@ -579,8 +579,8 @@ fn d2d_step(dev: &CudaDevice) -> Result<f64, CudaError> {
         copy()?;
     }
     let end = dev.record_event()?;
-    end.synchronize().map_err(drv("cuEventSynchronize"))?;
-    let ms = start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))? as f64;
+    end.synchronize()?;
+    let ms = start.elapsed_ms(&end)? as f64;
     gbps(2 * D2D_BYTES * D2D_REPEATS as u64, ms)
 }
 
