@@ -98,6 +98,7 @@ fn backends(
         att_splits: att_splits(s.ctx),
         slots: s.slots,
         gemm: true,
+        mtp: false,
     };
     let w: &'static MemWeights = Box::leak(Box::new(s.weights.clone()));
     let rope = Rope::new(d.n_rot, d.rope_theta, None);

@@ -1,0 +1,211 @@
+//! MTP speculative decoding on the CPU engine from a plan: a random tiny Qwen3-Next GGUF with
+//! its MTP block (`blk.4.nextn.*`) planned with `--mtp --spec N` gives, for N = 1..4, exactly
+//! the greedy tokens of the same model planned without speculation; drafts forced to agree
+//! are all accepted; drafts forced to disagree at every position roll the KV and the linear
+//! state back so the output still does not change; two slots speculating in turn do not
+//! disturb each other.
+
+mod common;
+
+use common::{cpu_probe, tiny_qwen3next_hp};
+use std::path::Path;
+use strata_exec::engine::Engine;
+use strata_exec::exec::{start_cpu, CpuEngine, EngineOptions};
+use strata_exec::load::GgufModel;
+use strata_plan::solve::{solve, Outcome, PlanRequest};
+use strata_schemas::arch::QuantRecipe;
+use strata_schemas::gguf::random::{write_random_model, RandomOptions};
+use strata_schemas::plan::{Plan, RegionKind};
+use strata_schemas::serve::ServeSettings;
+
+const CTX: u64 = 64;
+
+fn model(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("next-mtp.gguf");
+    let mut hp = tiny_qwen3next_hp();
+    hp.nextn_predict_layers = 1;
+    let recipe = QuantRecipe::preset("F32").unwrap();
+    let opts = RandomOptions {
+        name: "tiny next mtp".into(),
+        ..Default::default()
+    };
+    write_random_model(&path, "qwen3next", &hp, &recipe, 9, opts).unwrap();
+    path
+}
+
+/// One cpu device, 2 slots of `CTX` cells, ubatch 8, speculating `spec` drafts (0: none).
+fn plan(path: &Path, spec: u32) -> Plan {
+    let inv = strata_plan::model::load_model(path).unwrap();
+    let probe = cpu_probe(1);
+    let settings = ServeSettings {
+        max_context: CTX,
+        batch: 2,
+        ubatch: 8,
+        mtp: spec > 0,
+        spec,
+        pinned_chunk_mib: 1,
+        ..ServeSettings::default()
+    };
+    let req = PlanRequest {
+        inventory: &inv,
+        model_source: path.display().to_string(),
+        probe: &probe,
+        probe_source: "test probe".into(),
+        settings: &settings,
+        profile: None,
+        vision: None,
+    };
+    match solve(&req).unwrap() {
+        Outcome::Planned(p) => *p,
+        Outcome::Infeasible(i) => panic!("infeasible: {:?}", i.reasons),
+    }
+}
+
+fn start(path: &Path, plan: &Plan) -> CpuEngine {
+    start_cpu(
+        plan,
+        Box::new(GgufModel::open(path).unwrap()),
+        EngineOptions::default(),
+    )
+    .unwrap()
+}
+
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..11u32).map(|i| (i * 53 + 7 + seed * 13) % 128).collect()
+}
+
+/// Prefill `p` into `slot` (ubatch 8) and return the first greedy pick.
+fn prefill(e: &mut CpuEngine, slot: usize, p: &[u32]) -> u32 {
+    let mut last = Vec::new();
+    for chunk in p.chunks(8) {
+        last = e.prefill(slot, chunk, true).unwrap().unwrap().to_vec();
+    }
+    common::argmax(&last)
+}
+
+/// `n` greedy tokens after `p` without speculation.
+fn plain(e: &mut CpuEngine, slot: usize, p: &[u32], n: usize) -> Vec<u32> {
+    let mut out = vec![prefill(e, slot, p)];
+    let mut tok = [0u32];
+    while out.len() < n {
+        e.decode_greedy(&[(slot, *out.last().unwrap())], &mut tok)
+            .unwrap();
+        out.push(tok[0]);
+    }
+    out
+}
+
+/// `n` greedy tokens after `p` by speculative steps; `forced(done)` gives the drafts to force
+/// when the output holds `done` tokens.
+fn speculative(
+    e: &mut CpuEngine,
+    slot: usize,
+    p: &[u32],
+    n: usize,
+    forced: &dyn Fn(usize) -> Option<Vec<u32>>,
+) -> Vec<u32> {
+    let mut out = vec![prefill(e, slot, p)];
+    let mut buf = vec![0u32; e.spec_tokens() + 1];
+    while out.len() < n {
+        let f = forced(out.len());
+        let got = e
+            .decode_spec_greedy(slot, *out.last().unwrap(), f.as_deref(), &mut buf)
+            .unwrap();
+        assert!((1..=buf.len()).contains(&got));
+        out.extend_from_slice(&buf[..got]);
+    }
+    out.truncate(n);
+    out
+}
+
+#[test]
+fn greedy_speculation_gives_the_tokens_of_plain_decoding_for_n_1_to_4() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let n = 40;
+    let base = plan(&path, 0);
+    let mut plain_engine = start(&path, &base);
+    assert_eq!(plain_engine.spec_tokens(), 0);
+    let want: Vec<Vec<u32>> = (0..2)
+        .map(|s| {
+            plain_engine.reset_slot(0);
+            plain(&mut plain_engine, 0, &prompt(s), n)
+        })
+        .collect();
+    for spec in 1..=4u32 {
+        let p = plan(&path, spec);
+        let dp = &p.devices[0];
+        assert!(dp.holds_mtp && dp.region_bytes(RegionKind::Mtp) > 0);
+        assert!(
+            dp.region_bytes(RegionKind::LinearState)
+                >= (1 + spec as u64) * base.devices[0].region_bytes(RegionKind::LinearState) - 64,
+            "the linear state region holds the checkpoints"
+        );
+        let mut e = start(&path, &p);
+        assert_eq!(e.spec_tokens(), spec as usize);
+        // Two slots in turn: each step of one slot between the other's.
+        let p0 = prompt(0);
+        let p1 = prompt(1);
+        let mut out = [vec![prefill(&mut e, 0, &p0)], vec![prefill(&mut e, 1, &p1)]];
+        let mut buf = vec![0u32; spec as usize + 1];
+        while out.iter().any(|o| o.len() < n) {
+            for (s, o) in out.iter_mut().enumerate() {
+                if o.len() < n {
+                    let got = e
+                        .decode_spec_greedy(s, *o.last().unwrap(), None, &mut buf)
+                        .unwrap();
+                    o.extend_from_slice(&buf[..got]);
+                }
+            }
+        }
+        for (s, o) in out.iter_mut().enumerate() {
+            o.truncate(n);
+            assert_eq!(o, &want[s], "spec {spec}, slot {s}");
+        }
+        let st = e.stats().speculation;
+        assert!(st.steps > 0 && st.drafted >= st.steps && st.accepted <= st.drafted);
+    }
+}
+
+#[test]
+fn forced_drafts_are_all_accepted_and_wrong_ones_roll_back_at_every_position() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let n = 33;
+    let mut base = start(&path, &plan(&path, 0));
+    let want = plain(&mut base, 0, &prompt(2), n + 8);
+    let spec = 4usize;
+    let mut e = start(&path, &plan(&path, spec as u32));
+
+    // Drafts equal to what the model will pick: every one accepted.
+    let oracle = |done: usize| Some(want[done..done + spec].to_vec());
+    let got = speculative(&mut e, 0, &prompt(2), n, &oracle);
+    assert_eq!(got, want[..n]);
+    let st = e.stats().speculation;
+    assert!(st.drafted > 0);
+    assert_eq!(
+        st.accepted, st.drafted,
+        "forced agreement accepts every draft"
+    );
+
+    // Drafts wrong from position `k` on (k cycling 0..spec): each step keeps k drafts and
+    // rolls back the rest; the output is still plain greedy decoding's.
+    e.reset_slot(0);
+    let before = e.stats().speculation;
+    let wrong_from = |done: usize| {
+        let k = done % spec;
+        let mut d = want[done..done + spec].to_vec();
+        for t in &mut d[k..] {
+            *t = (*t + 1) % 128;
+        }
+        Some(d)
+    };
+    let got = speculative(&mut e, 0, &prompt(2), n, &wrong_from);
+    assert_eq!(got, want[..n], "rollback left a trace");
+    let st = e.stats().speculation;
+    let (drafted, accepted) = (st.drafted - before.drafted, st.accepted - before.accepted);
+    assert!(
+        accepted > 0 && accepted < drafted,
+        "{accepted} of {drafted}"
+    );
+}
