@@ -209,3 +209,50 @@ fn forced_drafts_are_all_accepted_and_wrong_ones_roll_back_at_every_position() {
         "{accepted} of {drafted}"
     );
 }
+
+/// `strata-exec PLAN --format json` with the plan's MTP block and without: the same tokens,
+/// and a `speculation` object (drafted, accepted) only with it; `--spec-oracle` accepts every
+/// draft and reproduces the run without speculation.
+#[test]
+fn run_json_reports_speculation_and_the_oracle_mode_accepts_every_draft() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let run = |spec: u32, more: &[&str]| -> serde_json::Value {
+        let plan_path = dir.path().join(format!("spec{spec}.plan"));
+        strata_schemas::planfile::write_plan(&plan(&path, spec), &plan_path).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata-exec"))
+            .arg(&plan_path)
+            .arg("--model")
+            .arg(&path)
+            .args(["--prompt-tokens", "5,17,99,3,42", "-n", "24"])
+            .args(["--format", "json", "-q"])
+            .args(more)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "spec {spec} {more:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let plain = run(0, &[]);
+    assert!(plain.get("speculation").is_none());
+    let spec = run(3, &[]);
+    assert_eq!(spec["generated_token_ids"], plain["generated_token_ids"]);
+    let s = &spec["speculation"];
+    assert_eq!(s["spec"], 3);
+    let (drafted, accepted) = (
+        s["drafted"].as_u64().unwrap(),
+        s["accepted"].as_u64().unwrap(),
+    );
+    assert!(drafted > 0 && accepted <= drafted, "{s}");
+    let oracle = run(3, &["--spec-oracle"]);
+    assert_eq!(oracle["generated_token_ids"], plain["generated_token_ids"]);
+    let o = &oracle["speculation"];
+    assert!(o["drafted"].as_u64().unwrap() > 0);
+    assert_eq!(o["accepted"], o["drafted"], "{o}");
+    assert_eq!(o["oracle"]["identical"], true);
+    // 23 decoded tokens in steps of up to 4: at most 6 steps (the last may be cut short).
+    assert!(o["steps"].as_u64().unwrap() <= 6, "{o}");
+}
