@@ -255,4 +255,32 @@ fn run_json_reports_speculation_and_the_oracle_mode_accepts_every_draft() {
     assert_eq!(o["oracle"]["identical"], true);
     // 23 decoded tokens in steps of up to 4: at most 6 steps (the last may be cut short).
     assert!(o["steps"].as_u64().unwrap() <= 6, "{o}");
+
+    // `bench` decodes by speculative steps too and reports their counts per combination.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata-exec"))
+        .arg("bench")
+        .arg(dir.path().join("spec3.plan"))
+        .arg("--model")
+        .arg(&path)
+        .args([
+            "-p", "4", "-n", "12", "-b", "1,2", "-r", "1", "--format", "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        let s = &r["speculation"];
+        assert_eq!(s["spec"], 3, "{r}");
+        assert!(s["drafted"].as_u64().unwrap() > 0, "{r}");
+        assert!(s["accepted"].as_u64() <= s["drafted"].as_u64(), "{r}");
+    }
 }
