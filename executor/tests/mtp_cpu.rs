@@ -3,9 +3,12 @@
 //! the greedy tokens of the same model planned without speculation; drafts forced to agree
 //! are all accepted; drafts forced to disagree at every position roll the KV and the linear
 //! state back so the output still does not change; two slots speculating in turn do not
-//! disturb each other.
+//! disturb each other; `run`, `bench` and the server (several requests over two slots, and
+//! `/metrics`) give the same tokens with speculation as without.
 
 mod common;
+#[path = "serve_common/mod.rs"]
+mod serve_common;
 
 use common::{cpu_probe, tiny_qwen3next_hp};
 use std::path::Path;
@@ -283,4 +286,52 @@ fn run_json_reports_speculation_and_the_oracle_mode_accepts_every_draft() {
         assert!(s["drafted"].as_u64().unwrap() > 0, "{r}");
         assert!(s["accepted"].as_u64() <= s["drafted"].as_u64(), "{r}");
     }
+}
+
+/// `strata-exec PLAN --serve` with speculation and without: concurrent greedy completions
+/// over two slots (one request queued) give the same tokens, and `/metrics` counts the drafts.
+#[test]
+fn the_server_speculates_per_slot_with_the_tokens_of_plain_decoding() {
+    use serde_json::json;
+    use serve_common::exec::ExecServer;
+    use serve_common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let bodies: Vec<serde_json::Value> = (0..3u32)
+        .map(|i| {
+            let p: Vec<u32> = prompt(i)[..5 + i as usize].to_vec();
+            json!({"prompt": p, "max_tokens": 18, "temperature": 0})
+        })
+        .collect();
+    let serve = |spec: u32| -> (Vec<String>, f64) {
+        let plan_path = dir.path().join(format!("serve{spec}.plan"));
+        strata_schemas::planfile::write_plan(&plan(&path, spec), &plan_path).unwrap();
+        let s = ExecServer::start(&plan_path, &[]);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (a, b, c) = tokio::join!(
+                s.post_json("/v1/completions", &bodies[0]),
+                s.post_json("/v1/completions", &bodies[1]),
+                s.post_json("/v1/completions", &bodies[2]),
+            );
+            let texts = [a, b, c]
+                .iter()
+                .map(|r| {
+                    assert_eq!(r.status, 200, "{}", r.text());
+                    let j = r.json();
+                    assert_eq!(j["usage"]["completion_tokens"], 18, "{j}");
+                    j["choices"][0]["text"].as_str().unwrap().to_string()
+                })
+                .collect();
+            (texts, s.metric("strata_spec_draft_tokens_total").await)
+        })
+    };
+    let (plain, drafted0) = serve(0);
+    assert_eq!(drafted0, 0.0);
+    let (spec, drafted) = serve(2);
+    assert_eq!(spec, plain);
+    assert!(drafted > 0.0, "no drafts counted on /metrics");
 }
