@@ -335,3 +335,28 @@ fn the_server_speculates_per_slot_with_the_tokens_of_plain_decoding() {
     assert_eq!(spec, plain);
     assert!(drafted > 0.0, "no drafts counted on /metrics");
 }
+
+/// The MTP block of a transformers checkpoint (`mtp.*`, the tiny-qwen3next reference folder)
+/// loads from the folder and speculates with the tokens of plain decoding.
+#[test]
+fn an_hf_folder_with_mtp_tensors_speculates() {
+    use strata_exec::load::SafetensorsModel;
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next/base");
+    let start_hf = |spec: u32| -> CpuEngine {
+        let p = plan(&dir, spec);
+        start_cpu(
+            &p,
+            Box::new(SafetensorsModel::open(&dir).unwrap()),
+            EngineOptions::default(),
+        )
+        .unwrap()
+    };
+    let mut base = start_hf(0);
+    let want = plain(&mut base, 0, &prompt(3), 30);
+    let mut e = start_hf(2);
+    assert_eq!(e.spec_tokens(), 2);
+    let got = speculative(&mut e, 0, &prompt(3), 30, &|_| None);
+    assert_eq!(got, want);
+    assert!(e.stats().speculation.drafted > 0);
+}
