@@ -161,6 +161,28 @@ pub trait Engine: Send {
         self.decode_greedy(&[(slot, token)], &mut out[..1])?;
         Ok(1)
     }
+    /// [`Engine::decode_spec_greedy`] for a sampled request: the drafts are drawn from the
+    /// MTP block's distribution and accepted by the speculative sampling rule, so each token
+    /// has the distribution `draw`'s settings give the model's own logits (not the same
+    /// tokens as a plain sampled run: the randomness is used differently). `forced` drafts
+    /// count as certain. Engines that do not speculate run one plain sampled step.
+    fn decode_spec_sample(
+        &mut self,
+        slot: usize,
+        token: u32,
+        draw: &crate::sampler::Draw,
+        forced: Option<&[u32]>,
+        out: &mut [u32],
+    ) -> Result<usize, EngineError> {
+        let _ = forced;
+        if out.is_empty() {
+            return Err(EngineError::Request(
+                "decode_spec_sample: no room for the step's tokens".into(),
+            ));
+        }
+        self.decode_sample(&[(slot, token)], std::slice::from_ref(draw), &mut out[..1])?;
+        Ok(1)
+    }
     /// Forget `slot`'s context so it can take a new request.
     fn reset_slot(&mut self, slot: usize);
     /// Which prefixes of a slot's context [`Engine::truncate_slot`] can keep.

@@ -375,7 +375,27 @@ where
             self.decode_greedy(&[(slot, token)], &mut out[..1])?;
             return Ok(1);
         }
-        self.spec_step_greedy(slot, token, forced, out)
+        self.spec_step(slot, token, None, forced, out)
+    }
+
+    fn decode_spec_sample(
+        &mut self,
+        slot: usize,
+        token: u32,
+        draw: &Draw,
+        forced: Option<&[u32]>,
+        out: &mut [u32],
+    ) -> Result<usize, EngineError> {
+        if self.mtp.is_none() {
+            if out.is_empty() {
+                return Err(EngineError::Request(
+                    "decode_spec_sample: no room for the step's tokens".into(),
+                ));
+            }
+            self.decode_sample(&[(slot, token)], std::slice::from_ref(draw), &mut out[..1])?;
+            return Ok(1);
+        }
+        self.spec_step(slot, token, Some(draw), forced, out)
     }
 
     fn prefix_reuse(&self) -> PrefixReuse {

@@ -1,7 +1,7 @@
 //! `strata-exec PLAN`: generate from a prompt (text through the model's tokenizer, or token
 //! ids) once and print the tokens and their text (text or JSON).
-//! With a plan that speculates (`--mtp --spec N`) greedy runs decode by MTP speculative steps,
-//! whose tokens are those of plain greedy decoding; `--spec-oracle` (a test mode) first decodes
+//! With a plan that speculates (`--mtp --spec N`) runs decode by MTP speculative steps: greedy
+//! ones give the tokens of plain greedy decoding, sampled ones the same distribution; `--spec-oracle` (a test mode) first decodes
 //! without speculation, then again with every draft forced to that run's tokens.
 //! Invariant: the prompt is tokenized and checked against the vocabulary and the planned
 //! context before the first token is computed; the run itself allocates nothing per token.
@@ -111,7 +111,7 @@ pub fn main(cli: RunArgs) {
             g.reference = Some(Box::new(reference));
             return Ok(g);
         }
-        let mode = if engine.spec_tokens() > 0 && greedy {
+        let mode = if engine.spec_tokens() > 0 {
             Decoding::Speculative { forced: None }
         } else {
             Decoding::Plain
@@ -235,7 +235,12 @@ fn generate(
                     Decoding::Speculative { forced } => {
                         // The drafts forced for the next positions (a test mode).
                         let f = forced.map(|f| &f[out.len().min(f.len())..]);
-                        engine.decode_spec_greedy(0, next, f, &mut tok)?
+                        let draw = sampler.next_draw();
+                        if draw.is_greedy() {
+                            engine.decode_spec_greedy(0, next, f, &mut tok)?
+                        } else {
+                            engine.decode_spec_sample(0, next, &draw, f, &mut tok)?
+                        }
                     }
                 };
                 for &t in &tok[..got] {

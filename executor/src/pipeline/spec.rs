@@ -1,7 +1,11 @@
 //! MTP speculative decoding on a [`Pipeline`]: the MTP block's catch-up after every main pass
 //! (its KV for the positions just computed, from the main model's hidden states and the next
 //! tokens), drafting with the block, one verify pass of the pending token and its drafts, the
-//! greedy acceptance rule, and the rollback of what rejected drafts left behind.
+//! greedy acceptance rule, and the rollback of what rejected drafts left behind. Sampled
+//! requests use the speculative sampling rule (Leviathan et al. 2023; Chen et al. 2023): draft
+//! `d ~ q`, accept with probability `min(1, p(d) / q(d))`, else draw from `max(0, p - q)`
+//! renormalised, so every emitted token has the target distribution `p` (the request's
+//! temperature, top-k and top-p applied to both).
 //! Invariant: after every pass a slot's MTP KV holds the pairs (hidden of position p, token
 //! p + 1) for every position before its last, and `hidden` holds the main model's hidden state
 //! of its last position, so a step drafts from exactly what plain decoding would have seen;
@@ -12,6 +16,18 @@ use super::{internal, last, Pipeline, StageOf};
 use crate::backend::{Stage, StepKind, WorkBuf};
 use crate::engine::{EngineError, SpecStats};
 use crate::model::{Forward, MtpInput};
+use crate::sampler::{probs_into, sample_into, uniform, Draw};
+
+/// The draw of draft `j` of a step whose draw is `d` (its own noise key).
+fn draft_draw(d: &Draw, j: usize) -> Draw {
+    Draw {
+        key: d
+            .key
+            .wrapping_add((j as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .rotate_left(17),
+        ..*d
+    }
+}
 
 /// A pipeline's speculation state: the plan's draft count, each slot's last main hidden
 /// state, host staging (allocated at start-up, sized by the planned pass) and the counters.
@@ -30,6 +46,10 @@ pub(super) struct MtpState {
     mpos: Vec<u32>,
     drafts: Vec<u32>,
     picks: Vec<u32>,
+    /// Sampled steps: each draft's distribution (`spec x vocab`), the target's, scratch.
+    q: Vec<f32>,
+    p: Vec<f32>,
+    cand: Vec<(u32, u32)>,
     pub(super) stats: SpecStats,
 }
 
@@ -61,6 +81,9 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             mpos: Vec::with_capacity(t),
             drafts: vec![0; spec],
             picks: vec![0; spec + 1],
+            q: vec![0.0; spec * self.info.n_vocab],
+            p: vec![0.0; self.info.n_vocab],
+            cand: Vec::with_capacity(self.info.n_vocab),
             stats: SpecStats::default(),
         });
         Ok(self)
@@ -152,6 +175,7 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
         token: u32,
         nd: usize,
         forced: Option<&[u32]>,
+        draw: Option<&Draw>,
     ) -> Result<(), EngineError> {
         let v = self.info.n_vocab;
         let mut t = token;
@@ -179,28 +203,99 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
                 MtpInput::Chained
             };
             self.mtp_pass(StepKind::Decode, 1, input, true)?;
-            let mut pick = [0u32];
             let logits = &mut self.logits;
-            last(&mut self.stages)
-                .backend
-                .pick_greedy(&mut logits[..v], &mut pick)
-                .map_err(internal)?;
-            t = forced.map_or(pick[0], |f| f[j]);
-            if let Some(m) = self.mtp.as_mut() {
-                m.drafts[j] = t;
-            }
+            let backend = &mut last(&mut self.stages).backend;
+            let m = self.mtp.as_mut().ok_or_else(|| internal("no MTP block"))?;
+            t = match draw {
+                None => {
+                    let mut pick = [0u32];
+                    backend
+                        .pick_greedy(&mut logits[..v], &mut pick)
+                        .map_err(internal)?;
+                    forced.map_or(pick[0], |f| f[j])
+                }
+                Some(d) => {
+                    // Drawn on the host, keeping the draft's distribution q for the rule (a
+                    // forced draft is certain: q one-hot on it).
+                    backend.read_logits(1, &mut logits[..v]).map_err(internal)?;
+                    let q = &mut m.q[j * v..(j + 1) * v];
+                    let dj = draft_draw(d, j);
+                    let pick = forced
+                        .map_or_else(|| sample_into(&logits[..v], &dj, &mut m.cand), |f| f[j]);
+                    if forced.is_some() {
+                        q.fill(0.0);
+                        q[pick as usize] = 1.0;
+                    } else {
+                        probs_into(&logits[..v], &dj, &mut m.cand, q);
+                    }
+                    pick
+                }
+            };
+            m.drafts[j] = t;
         }
         Ok(())
     }
 
-    /// [`crate::engine::Engine::decode_spec_greedy`] on a pipeline with an MTP block.
-    pub(super) fn spec_step_greedy(
+    /// The speculative sampling rule over the verify pass's `nd + 1` logit rows (read back):
+    /// `picks[..=k]` get the accepted drafts and the step's own token; returns k.
+    fn accept_sampled(&mut self, nd: usize, d: &Draw) -> Result<usize, EngineError> {
+        let v = self.info.n_vocab;
+        let logits = &mut self.logits;
+        last(&mut self.stages)
+            .backend
+            .read_logits(nd + 1, &mut logits[..(nd + 1) * v])
+            .map_err(internal)?;
+        let m = self.mtp.as_mut().ok_or_else(|| internal("no MTP block"))?;
+        for j in 0..nd {
+            let row = &logits[j * v..(j + 1) * v];
+            probs_into(row, d, &mut m.cand, &mut m.p);
+            let q = &m.q[j * v..(j + 1) * v];
+            let dj = m.drafts[j] as usize;
+            let (pd, qd) = (m.p[dj] as f64, q[dj] as f64);
+            let coin = uniform(d.key, 2 * j as u32);
+            if qd > 0.0 && coin * qd < pd {
+                m.picks[j] = m.drafts[j];
+                continue;
+            }
+            // Rejected: draw from max(0, p - q), renormalised (p itself when that is empty).
+            let mut total = 0f64;
+            for (pi, qi) in m.p.iter_mut().zip(q) {
+                *pi = (*pi - qi).max(0.0);
+                total += *pi as f64;
+            }
+            if total <= 0.0 {
+                probs_into(row, d, &mut m.cand, &mut m.p);
+                total = m.p.iter().map(|&x| x as f64).sum();
+            }
+            let target = uniform(d.key, 2 * j as u32 + 1) * total;
+            let mut acc = 0f64;
+            let mut pick = crate::sampler::argmax(&m.p);
+            for (i, &pi) in m.p.iter().enumerate() {
+                acc += pi as f64;
+                if pi > 0.0 && acc > target {
+                    pick = i as u32;
+                    break;
+                }
+            }
+            m.picks[j] = pick;
+            return Ok(j);
+        }
+        let bonus = draft_draw(d, nd + 1000);
+        m.picks[nd] = sample_into(&logits[nd * v..(nd + 1) * v], &bonus, &mut m.cand);
+        Ok(nd)
+    }
+
+    /// [`crate::engine::Engine::decode_spec_greedy`] (no `draw`, or a greedy one) and
+    /// [`crate::engine::Engine::decode_spec_sample`] on a pipeline with an MTP block.
+    pub(super) fn spec_step(
         &mut self,
         slot: usize,
         token: u32,
+        draw: Option<&Draw>,
         forced: Option<&[u32]>,
         out: &mut [u32],
     ) -> Result<usize, EngineError> {
+        let draw = draw.filter(|d| !d.is_greedy());
         self.check_slot(slot, 1)?;
         self.check_tokens(std::iter::once(token).chain(forced.into_iter().flatten().copied()))?;
         let (spec, has_hidden) = match &self.mtp {
@@ -222,14 +317,18 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             self.decode_pass(&[(slot, token)])?;
             let v = self.info.n_vocab;
             let logits = &mut self.logits;
-            last(&mut self.stages)
-                .backend
-                .pick_greedy(&mut logits[..v], &mut out[..1])
-                .map_err(internal)?;
+            let backend = &mut last(&mut self.stages).backend;
+            match draw {
+                None => backend.pick_greedy(&mut logits[..v], &mut out[..1]),
+                Some(d) => {
+                    backend.pick_sample(std::slice::from_ref(d), &mut logits[..v], &mut out[..1])
+                }
+            }
+            .map_err(internal)?;
             self.lens[slot] += 1;
             return Ok(1);
         }
-        self.draft(slot, len, token, nd, forced)?;
+        self.draft(slot, len, token, nd, forced, draw)?;
         // Verify the pending token and the drafts in one pass.
         let m = self.mtp.as_ref().ok_or_else(|| internal("no MTP block"))?;
         self.tok.clear();
@@ -240,14 +339,20 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
         self.pos.clear();
         self.pos.extend((0..=nd).map(|i| (len + i as u64) as u32));
         self.pass(StepKind::Verify, nd + 1, Some((0, nd + 1)))?;
-        let v = self.info.n_vocab;
+        let k = match draw {
+            Some(d) => self.accept_sampled(nd, d)?,
+            None => {
+                let v = self.info.n_vocab;
+                let m = self.mtp.as_mut().ok_or_else(|| internal("no MTP block"))?;
+                let logits = &mut self.logits;
+                last(&mut self.stages)
+                    .backend
+                    .pick_greedy(&mut logits[..(nd + 1) * v], &mut m.picks[..nd + 1])
+                    .map_err(internal)?;
+                (0..nd).take_while(|&j| m.picks[j] == m.drafts[j]).count()
+            }
+        };
         let m = self.mtp.as_mut().ok_or_else(|| internal("no MTP block"))?;
-        let logits = &mut self.logits;
-        last(&mut self.stages)
-            .backend
-            .pick_greedy(&mut logits[..(nd + 1) * v], &mut m.picks[..nd + 1])
-            .map_err(internal)?;
-        let k = (0..nd).take_while(|&j| m.picks[j] == m.drafts[j]).count();
         out[..k + 1].copy_from_slice(&m.picks[..k + 1]);
         m.stats.steps += 1;
         m.stats.drafted += nd as u64;

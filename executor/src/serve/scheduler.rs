@@ -657,9 +657,10 @@ impl Sched {
     }
 
     /// With an engine that speculates (MTP), one speculative step for each decoding slot
-    /// whose request is greedy and picked on the device: the engine drafts and verifies that
-    /// slot's tokens in one pass and returns the ones plain greedy decoding would give, each
-    /// delivered as a sampled token (the rest dropped once the request ends).
+    /// whose request is picked without host-side logits: the engine drafts and verifies that
+    /// slot's tokens in one pass (greedy: the tokens plain decoding gives; sampled: the
+    /// speculative sampling rule), each delivered as a sampled token (the rest dropped once
+    /// the request ends).
     fn spec_steps(&mut self) {
         self.stepped.fill(false);
         if self.engine.spec_tokens() == 0 {
@@ -669,18 +670,24 @@ impl Sched {
             let Some(a) = self.slots[slot].as_ref() else {
                 continue;
             };
-            let t = a.sampler.params().temperature;
-            let greedy = t <= 0.0 || t.is_nan();
-            if a.phase != Phase::Decode || !greedy || on_host(a) {
+            if a.phase != Phase::Decode || on_host(a) {
                 continue;
             }
             let (id, index, tok) = (a.job.id, a.job.index, a.last);
             self.stepped[slot] = true;
+            let draw = match self.slots[slot].as_mut() {
+                Some(a) => a.sampler.next_draw(),
+                None => continue,
+            };
             let t0 = Instant::now();
-            let got = match self
-                .engine
-                .decode_spec_greedy(slot, tok, None, &mut self.spec_out)
-            {
+            let res = if draw.is_greedy() {
+                self.engine
+                    .decode_spec_greedy(slot, tok, None, &mut self.spec_out)
+            } else {
+                self.engine
+                    .decode_spec_sample(slot, tok, &draw, None, &mut self.spec_out)
+            };
+            let got = match res {
                 Ok(n) => n,
                 Err(e) => {
                     self.finish(slot, Event::Error(engine_msg(&e)));
