@@ -417,3 +417,33 @@ fn sampled_speculation_keeps_the_token_frequencies() {
         }
     }
 }
+
+/// The draft length adapts per slot: after a step whose drafts all failed the next drafts
+/// one token, after a fully accepted step it grows back, up to the plan's N.
+#[test]
+fn the_draft_length_follows_acceptance() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let mut base = start(&path, &plan(&path, 0));
+    let want = plain(&mut base, 0, &prompt(5), 40);
+    let mut e = start(&path, &plan(&path, 4));
+    let mut buf = [0u32; 5];
+    let first = prefill(&mut e, 0, &prompt(5));
+    assert_eq!(first, want[0]);
+    let (mut done, mut next) = (1usize, first);
+    let mut drafted = Vec::new();
+    // Three steps of wrong drafts, then drafts that agree.
+    for step in 0..8 {
+        let mut d = want[done..done + 4].to_vec();
+        if step < 3 {
+            d.iter_mut().for_each(|t| *t = (*t + 1) % 128);
+        }
+        let before = e.stats().speculation.drafted;
+        let got = e.decode_spec_greedy(0, next, Some(&d), &mut buf).unwrap();
+        drafted.push(e.stats().speculation.drafted - before);
+        assert_eq!(&buf[..got], &want[done..done + got]);
+        done += got;
+        next = buf[got - 1];
+    }
+    assert_eq!(drafted, [4, 1, 1, 1, 2, 3, 4, 4], "drafts per step");
+}

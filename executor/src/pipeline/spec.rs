@@ -5,7 +5,10 @@
 //! requests use the speculative sampling rule (Leviathan et al. 2023; Chen et al. 2023): draft
 //! `d ~ q`, accept with probability `min(1, p(d) / q(d))`, else draw from `max(0, p - q)`
 //! renormalised, so every emitted token has the target distribution `p` (the request's
-//! temperature, top-k and top-p applied to both).
+//! temperature, top-k and top-p applied to both). The draft length adapts per slot: a step
+//! drafts one more token than the previous step accepted (all accepted: one more than it
+//! drafted), between 1 and the plan's N, so a slot whose drafts keep failing verifies two
+//! tokens a step instead of N + 1.
 //! Invariant: after every pass a slot's MTP KV holds the pairs (hidden of position p, token
 //! p + 1) for every position before its last, and `hidden` holds the main model's hidden state
 //! of its last position, so a step drafts from exactly what plain decoding would have seen;
@@ -37,6 +40,8 @@ pub(super) struct MtpState {
     /// Per slot: the main model's hidden state of its last position (`e` floats each).
     hidden: Vec<f32>,
     has_hidden: Vec<bool>,
+    /// Per slot: drafts its next step makes (1..=spec).
+    n_cur: Vec<usize>,
     /// Rows of `x` read back after a pass, and the MTP pass's hidden rows (`max_tok x e`).
     rows: Vec<f32>,
     mh: Vec<f32>,
@@ -74,6 +79,7 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             e,
             hidden: vec![0.0; slots * e],
             has_hidden: vec![false; slots],
+            n_cur: vec![spec; slots],
             rows: vec![0.0; t * e],
             mh: vec![0.0; t * e],
             mtok: Vec::with_capacity(t),
@@ -94,6 +100,9 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
         if let Some(m) = self.mtp.as_mut() {
             if let Some(h) = m.has_hidden.get_mut(slot) {
                 *h = false;
+            }
+            if let Some(n) = m.n_cur.get_mut(slot) {
+                *n = m.spec;
             }
         }
     }
@@ -299,7 +308,7 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
         self.check_slot(slot, 1)?;
         self.check_tokens(std::iter::once(token).chain(forced.into_iter().flatten().copied()))?;
         let (spec, has_hidden) = match &self.mtp {
-            Some(m) => (m.spec, m.has_hidden[slot]),
+            Some(m) => (m.n_cur[slot].clamp(1, m.spec), m.has_hidden[slot]),
             None => return Err(internal("no MTP block")),
         };
         let len = self.lens[slot];
@@ -354,6 +363,8 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
         };
         let m = self.mtp.as_mut().ok_or_else(|| internal("no MTP block"))?;
         out[..k + 1].copy_from_slice(&m.picks[..k + 1]);
+        let next = if k == nd { nd + 1 } else { k + 1 };
+        m.n_cur[slot] = next.min(m.spec);
         m.stats.steps += 1;
         m.stats.drafted += nd as u64;
         m.stats.accepted += k as u64;
