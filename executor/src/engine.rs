@@ -26,6 +26,17 @@ pub struct EngineStats {
     pub expert_bytes_streamed: u64,
     /// Context cells in use, per slot.
     pub kv_cells_in_use: Vec<u64>,
+    /// Speculative decoding (MTP drafts) since start-up.
+    pub speculation: SpecStats,
+}
+
+/// Speculative decoding counters: steps run, draft tokens proposed, and those the model
+/// accepted (each step also emits one token of its own after the accepted drafts).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    pub steps: u64,
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 /// Which prefixes of a slot's context an engine can keep ([`Engine::truncate_slot`]).
@@ -120,6 +131,57 @@ pub trait Engine: Send {
         let logits = self.decode(batch)?;
         crate::sampler::sample_rows(logits, v, &draws[..n], &mut out[..n]);
         Ok(())
+    }
+    /// Draft tokens per speculative step ([`Engine::decode_spec_greedy`]): the plan's
+    /// `--spec` where the engine runs the model's MTP block; 0 when it does not speculate.
+    fn spec_tokens(&self) -> usize {
+        0
+    }
+    /// One greedy speculative step of `slot`, whose last picked token `token` is not yet in
+    /// its context: the MTP block drafts up to [`Engine::spec_tokens`] tokens, one pass
+    /// verifies `token` and the drafts, and `out` gets the drafts the model agrees with
+    /// followed by the model's own next pick (the tokens plain greedy decoding would give);
+    /// returns how many (1 ..= spec + 1). The slot's context then holds `token` and the
+    /// accepted drafts. `forced` (a test mode): draft these tokens instead of the block's
+    /// picks (the block still runs, so a step costs the same). Engines that do not speculate
+    /// run one plain greedy step.
+    fn decode_spec_greedy(
+        &mut self,
+        slot: usize,
+        token: u32,
+        forced: Option<&[u32]>,
+        out: &mut [u32],
+    ) -> Result<usize, EngineError> {
+        let _ = forced;
+        if out.is_empty() {
+            return Err(EngineError::Request(
+                "decode_spec_greedy: no room for the step's tokens".into(),
+            ));
+        }
+        self.decode_greedy(&[(slot, token)], &mut out[..1])?;
+        Ok(1)
+    }
+    /// [`Engine::decode_spec_greedy`] for a sampled request: the drafts are drawn from the
+    /// MTP block's distribution and accepted by the speculative sampling rule, so each token
+    /// has the distribution `draw`'s settings give the model's own logits (not the same
+    /// tokens as a plain sampled run: the randomness is used differently). `forced` drafts
+    /// count as certain. Engines that do not speculate run one plain sampled step.
+    fn decode_spec_sample(
+        &mut self,
+        slot: usize,
+        token: u32,
+        draw: &crate::sampler::Draw,
+        forced: Option<&[u32]>,
+        out: &mut [u32],
+    ) -> Result<usize, EngineError> {
+        let _ = forced;
+        if out.is_empty() {
+            return Err(EngineError::Request(
+                "decode_spec_sample: no room for the step's tokens".into(),
+            ));
+        }
+        self.decode_sample(&[(slot, token)], std::slice::from_ref(draw), &mut out[..1])?;
+        Ok(1)
     }
     /// Forget `slot`'s context so it can take a new request.
     fn reset_slot(&mut self, slot: usize);

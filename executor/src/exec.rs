@@ -23,7 +23,7 @@ use crate::pipeline::{Pipeline, PipelineShape, StageOf};
 use strata_schemas::dims::Dims;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::inventory::HParams;
-use strata_schemas::plan::{DevicePlan, Plan, RegionKind};
+use strata_schemas::plan::{DevicePlan, Placement, Plan, RegionKind};
 use strata_schemas::workset::{self, BackendKind, WorkBuf};
 
 /// Why an engine did not start. Every message names the plan, file or numbers.
@@ -88,14 +88,59 @@ pub fn planned_buffers(dp: &DevicePlan) -> Result<Vec<(WorkBuf, u64, u64)>, Stri
         .collect()
 }
 
+/// The resident window of the MTP block's KV (`need` bytes): in `dp`'s `mtp` region, after
+/// the block's weights (the planner reserves `slots x resident cells` there).
+fn mtp_kv_window(
+    plan: &Plan,
+    binding: &Binding,
+    dp: &DevicePlan,
+    need: u64,
+) -> Result<&'static mut [u8], StartError> {
+    let r = dp.region(RegionKind::Mtp).ok_or_else(|| {
+        StartError::Plan(format!(
+            "device {} holds the MTP block but no mtp region: re-plan with this strata-plan",
+            dp.index
+        ))
+    })?;
+    let (lo, hi) = (r.offset, r.offset + r.bytes);
+    let weights_end = plan
+        .tensors
+        .iter()
+        .filter_map(|t| match t.placement {
+            Placement::Device { device, offset }
+                if device == dp.index && (lo..hi).contains(&offset) =>
+            {
+                Some(offset + t.bytes)
+            }
+            _ => None,
+        })
+        .max()
+        .unwrap_or(lo);
+    let start = weights_end.div_ceil(64) * 64;
+    if start + need > hi {
+        return Err(StartError::Plan(format!(
+            "device {}: the mtp region [{lo}, {hi}) holds the block's weights up to {weights_end} and no room for its {need} bytes of KV: re-plan with this strata-plan",
+            dp.index
+        )));
+    }
+    let view = binding.arena_view(dp.index, start, need)?;
+    // SAFETY: the window lies in the mtp region past every tensor placed there (checked
+    // above), so no weight view overlaps it, and only this stage's MTP KV touches it; the
+    // binding outlives the stage.
+    Ok(unsafe { view.slice_mut() })
+}
+
 /// The KV caches of one stage: per slot a resident window of `kv_cache`, the other cells in
-/// the device's `kv_spill` chunks.
+/// the device's `kv_spill` chunks; with `gm` (the MTP block's layer) a second set, its
+/// resident window in the `mtp` region and its spilled cells the tail of each planned spill
+/// cell (the main layers first, as the planner sizes them).
 fn stage_kv(
     plan: &Plan,
     binding: &Binding,
     dp: &DevicePlan,
     g: KvGeom,
-) -> Result<Vec<KvCache<'static>>, StartError> {
+    gm: Option<KvGeom>,
+) -> Result<(Vec<KvCache<'static>>, Vec<KvCache<'static>>), StartError> {
     let s = &plan.serve;
     let (n_slots, ctx) = (s.batch as usize, s.max_context as usize);
     let resident = (s.kv_resident.min(s.max_context)) as usize;
@@ -113,12 +158,18 @@ fn stage_kv(
     // by the planner's verifier and `Binding::allocate`), and only this stage's caches touch
     // it; the binding outlives them (the pipeline drops its stages first).
     let mut kv_rest: &'static mut [u8] = unsafe { kv_view.slice_mut() };
+    let mcell = gm.map_or(0, |m| m.cell_bytes());
     let mut spill_cells: Vec<&'static mut [u8]> = Vec::new();
+    let mut mtp_spill: Vec<&'static mut [u8]> = Vec::new();
     for ch in binding.chunk_views(dp.index, "kv_spill") {
         // SAFETY: each chunk is its own allocation, used only by this stage.
         let c: &'static mut [u8] = unsafe { ch.slice_mut() };
-        if cell > 0 {
-            spill_cells.extend(c.chunks_exact_mut(cell));
+        if cell + mcell > 0 {
+            for both in c.chunks_exact_mut(cell + mcell) {
+                let (main, mtp) = both.split_at_mut(cell);
+                spill_cells.push(main);
+                mtp_spill.push(mtp);
+            }
         }
     }
     let spill_per_slot = ctx - resident;
@@ -137,7 +188,19 @@ fn stage_kv(
         let cells: Vec<&'static mut [u8]> = spill_iter.by_ref().take(spill_per_slot).collect();
         caches.push(KvCache::split(g, resident, mine, cells).map_err(backend_err)?);
     }
-    Ok(caches)
+    let Some(gm) = gm else {
+        return Ok((caches, Vec::new()));
+    };
+    let mut window = mtp_kv_window(plan, binding, dp, (n_slots * resident * mcell) as u64)?;
+    let mut spill_iter = mtp_spill.into_iter();
+    let mut mtp = Vec::with_capacity(n_slots);
+    for _ in 0..n_slots {
+        let (mine, rest) = std::mem::take(&mut window).split_at_mut(resident * mcell);
+        window = rest;
+        let cells: Vec<&'static mut [u8]> = spill_iter.by_ref().take(spill_per_slot).collect();
+        mtp.push(KvCache::split(gm, resident, mine, cells).map_err(backend_err)?);
+    }
+    Ok((caches, mtp))
 }
 
 /// The expert cache of a stage whose layers have experts: its planned slots over the
@@ -263,13 +326,20 @@ pub fn start_cpu(
         let (full, lin) = qwen3next::layer_counts(&hp, dp.layer_first, dp.layer_end);
         debug_assert_eq!(full + lin, n_layer);
         let g = KvGeom::new(&d, kv_ty, full, s.max_context as usize).map_err(backend_err)?;
-        let kv = stage_kv(plan, &binding, dp, g)?;
+        let speculate = dp.holds_mtp && s.spec > 0;
+        let gm = if speculate {
+            Some(KvGeom::new(&d, kv_ty, 1, s.max_context as usize).map_err(backend_err)?)
+        } else {
+            None
+        };
+        let (kv, mtp_kv) = stage_kv(plan, &binding, dp, g, gm)?;
         let lin_state = if lin > 0 {
             let view = binding.region_view(dp.index, RegionKind::LinearState)?;
             // SAFETY: the linear_state region is disjoint from the arena's other regions and
             // only this stage touches it; the binding outlives the stage.
             let region: &'static mut [u8] = unsafe { view.slice_mut() };
-            LinearState::bind(region, &d, lin, s.batch as usize).map_err(backend_err)?
+            let ckpts = if s.mtp { s.spec as usize } else { 0 };
+            LinearState::bind(region, &d, lin, s.batch as usize, ckpts).map_err(backend_err)?
         } else {
             LinearState::owned(&d, 0, 0)
         };
@@ -284,12 +354,14 @@ pub fn start_cpu(
             cache,
             dp.work_pass.tokens as usize,
         )
-        .with_linear_state(lin_state);
+        .with_linear_state(lin_state)
+        .with_mtp_kv(mtp_kv);
         let spec = StageSpec {
             layer_first: dp.layer_first,
             layer_end: dp.layer_end,
             embedding: dp.holds_embedding,
             head: dp.holds_head,
+            mtp: dp.holds_mtp && s.spec > 0,
         };
         let model =
             AnyModel::bind(&inv.arch, &mut backend, &d, &hp, spec).map_err(|e| match e {
@@ -319,7 +391,14 @@ pub fn start_cpu(
     };
     keep.push(Box::new(binding));
     keep.push(Box::new(host));
-    Pipeline::new(info, stages, shape, keep).map_err(|e| StartError::Plan(e.to_string()))
+    let p =
+        Pipeline::new(info, stages, shape, keep).map_err(|e| StartError::Plan(e.to_string()))?;
+    let speculate = plan.devices.last().is_some_and(|dp| dp.holds_mtp) && s.spec > 0;
+    if !speculate {
+        return Ok(p);
+    }
+    p.with_mtp(s.spec as usize, d.e)
+        .map_err(|e| StartError::Plan(e.to_string()))
 }
 
 /// The shape of a plan-less CPU engine.
@@ -347,7 +426,7 @@ pub fn standalone_cpu<'a>(
     s: Standalone,
 ) -> Result<Pipeline<CpuStage<'a>, Qwen3Moe<CpuStage<'a>>>, StartError> {
     let d = qwen3moe::check_dims(hp)?;
-    standalone(hp, &d, qwen3moe::ARCH, src, name, s, Ok, Qwen3Moe::bind)
+    standalone(hp, &d, qwen3moe::ARCH, src, name, s, 0, Ok, Qwen3Moe::bind)
 }
 
 /// A Qwen3-Next model over `src` on the CPU with no plan, as [`standalone_cpu`]: one stage,
@@ -358,10 +437,34 @@ pub fn standalone_next<'a>(
     name: &str,
     s: Standalone,
 ) -> Result<Pipeline<CpuStage<'a>, Qwen3Next<CpuStage<'a>>>, StartError> {
+    standalone_next_mtp(hp, src, name, s, 0)
+}
+
+/// [`standalone_next`] drafting `spec` tokens per step with the model's MTP block
+/// (`blk.{n_layer}.*`; 0 = no MTP): the block's KV layer after the main ones, `spec`
+/// linear-state checkpoints per slot.
+pub fn standalone_next_mtp<'a>(
+    hp: &HParams,
+    src: &'a (dyn WeightSource + Sync),
+    name: &str,
+    s: Standalone,
+    spec: usize,
+) -> Result<Pipeline<CpuStage<'a>, Qwen3Next<CpuStage<'a>>>, StartError> {
     let d = qwen3next::check_dims(hp)?;
-    let (_, lin) = qwen3next::layer_counts(hp, 0, hp.n_layer);
+    let (full, lin) = qwen3next::layer_counts(hp, 0, hp.n_layer);
+    if spec > 0 && (hp.nextn_predict_layers == 0 || full + 1 > d.n_layer) {
+        return Err(StartError::Model(ModelError::HParam {
+            key: "nextn_predict_layers",
+            reason: format!(
+                "speculation needs the model's MTP block and a KV layer for it ({} MTP blocks, {full} of {} layers full attention)",
+                hp.nextn_predict_layers, d.n_layer
+            ),
+        }));
+    }
     let slots = s.slots;
-    let with_state = |b: CpuStage<'a>| Ok(b.with_linear_state(LinearState::owned(&d, lin, slots)));
+    let with_state = |b: CpuStage<'a>| {
+        Ok(b.with_linear_state(LinearState::owned_with_checkpoints(&d, lin, slots, spec)))
+    };
     standalone(
         hp,
         &d,
@@ -369,13 +472,15 @@ pub fn standalone_next<'a>(
         src,
         name,
         s,
+        spec,
         with_state,
         Qwen3Next::bind,
     )
 }
 
 /// The plan-less one-stage CPU pipeline of architecture `arch`: the backend sized for `s`,
-/// adjusted by `prepare` (state an architecture adds), the model bound on it by `bind`.
+/// adjusted by `prepare` (state an architecture adds), the model bound on it by `bind`;
+/// drafting `spec` tokens per step with the MTP block when `spec > 0`.
 #[allow(clippy::too_many_arguments)]
 fn standalone<'a, M>(
     hp: &HParams,
@@ -384,6 +489,7 @@ fn standalone<'a, M>(
     src: &'a (dyn WeightSource + Sync),
     name: &str,
     s: Standalone,
+    spec: usize,
     prepare: impl FnOnce(CpuStage<'a>) -> Result<CpuStage<'a>, StartError>,
     bind: impl FnOnce(
         &mut CpuStage<'a>,
@@ -395,19 +501,24 @@ fn standalone<'a, M>(
 where
     M: crate::model::Forward<CpuStage<'a>>,
 {
-    let logit_rows = s.slots.max(1);
+    let logit_rows = s.slots.max(1) * (1 + spec);
     let pass = workset::Pass {
-        tokens: s.max_tok.max(s.slots),
+        tokens: s.max_tok.max(s.slots * (1 + spec)),
         logit_rows,
         att_splits: 1,
         slots: s.slots,
         gemm: false,
+        mtp: spec > 0,
     };
     let rope = Rope::new(d.n_rot, d.rope_theta, s.yarn);
     let backend = CpuStage::standalone(*d, arch, src, rope, s.slots, s.ctx, s.kv, &pass)
         .map_err(backend_err)?;
     let mut backend = prepare(backend)?;
-    let model = bind(&mut backend, d, hp, StageSpec::whole(hp.n_layer)).map_err(|e| match e {
+    let stage = StageSpec {
+        mtp: spec > 0,
+        ..StageSpec::whole(hp.n_layer)
+    };
+    let model = bind(&mut backend, d, hp, stage).map_err(|e| match e {
         crate::backend::cpu::CpuError::Model(m) => StartError::Model(m),
         other => backend_err(other),
     })?;
@@ -424,7 +535,12 @@ where
         allocations: 0,
         allocated_bytes: 0,
     };
-    Pipeline::new(info, vec![StageOf { backend, model }], shape, Vec::new())
+    let p = Pipeline::new(info, vec![StageOf { backend, model }], shape, Vec::new())
+        .map_err(|e: EngineError| StartError::Plan(e.to_string()))?;
+    if spec == 0 {
+        return Ok(p);
+    }
+    p.with_mtp(spec, d.e)
         .map_err(|e: EngineError| StartError::Plan(e.to_string()))
 }
 

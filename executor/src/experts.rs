@@ -111,6 +111,11 @@ impl LruPolicy {
             .then(|| ((layer - self.layer_first) * self.n_expert + expert) as usize)
     }
 
+    /// Whether the policy covers `layer`'s experts.
+    pub fn covers(&self, layer: u32) -> bool {
+        (self.layer_first..self.layer_end).contains(&layer)
+    }
+
     pub fn n_slots(&self) -> usize {
         self.owner.len()
     }

@@ -2,7 +2,8 @@
 //! each a backend [`Stage`] with its part of the model bound ([`Forward`]), driven a pass at a
 //! time: prefill in chunks of the planned pass, decode of several slots together, hidden
 //! states handed from stage to stage, the head on the last, tokens picked where the backend
-//! can (on its device) or from the logits on the host.
+//! can (on its device) or from the logits on the host; with an MTP block, speculative steps
+//! (`spec`).
 //! Invariant: every request is checked (slot, context, tokens, batch) before any op runs, so
 //! a refused request leaves every slot as it was; a pass allocates nothing; slot lengths are
 //! the pipeline's, advanced only after a pass succeeded and cut back only by `truncate_slot`
@@ -17,6 +18,8 @@ use crate::model::Forward;
 use crate::routing::RoutingTally;
 use crate::sampler::Draw;
 use strata_schemas::profile::ExpertProfile;
+
+mod spec;
 
 /// One planned device: its backend and the part of the model bound on it.
 pub struct StageOf<B, M> {
@@ -41,6 +44,8 @@ pub struct Pipeline<B: Stage, M: Forward<B>> {
     pos: Vec<u32>,
     allocations: u64,
     allocated_bytes: u64,
+    /// MTP speculation, when the plan asks for it ([`Pipeline::with_mtp`]).
+    mtp: Option<spec::MtpState>,
     /// What the stages borrow (arenas, the mapped model file), dropped after them.
     #[allow(dead_code)]
     keep: Vec<Box<dyn std::any::Any + Send>>,
@@ -101,6 +106,7 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             pos: Vec::with_capacity(shape.max_tok),
             allocations: shape.allocations,
             allocated_bytes: shape.allocated_bytes,
+            mtp: None,
             info,
             stages,
             keep,
@@ -227,6 +233,7 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             } else {
                 last(&mut self.stages).backend.sync().map_err(internal)?;
             }
+            self.mtp_catch_up(c)?;
             self.lens[slot] += c as u64;
         }
         Ok(())
@@ -258,7 +265,8 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             self.slot.push(slot as u32);
             self.pos.push(self.lens[slot] as u32);
         }
-        self.pass(StepKind::Decode, n, Some((0, n)))
+        self.pass(StepKind::Decode, n, Some((0, n)))?;
+        self.mtp_catch_up(n)
     }
 
     fn advance(&mut self, batch: &[(usize, u32)]) {
@@ -344,6 +352,50 @@ where
         if let Some(l) = self.lens.get_mut(slot) {
             *l = 0;
         }
+        self.mtp_reset(slot);
+    }
+
+    fn spec_tokens(&self) -> usize {
+        self.mtp.as_ref().map_or(0, |m| m.spec)
+    }
+
+    fn decode_spec_greedy(
+        &mut self,
+        slot: usize,
+        token: u32,
+        forced: Option<&[u32]>,
+        out: &mut [u32],
+    ) -> Result<usize, EngineError> {
+        if self.mtp.is_none() {
+            if out.is_empty() {
+                return Err(EngineError::Request(
+                    "decode_spec_greedy: no room for the step's tokens".into(),
+                ));
+            }
+            self.decode_greedy(&[(slot, token)], &mut out[..1])?;
+            return Ok(1);
+        }
+        self.spec_step(slot, token, None, forced, out)
+    }
+
+    fn decode_spec_sample(
+        &mut self,
+        slot: usize,
+        token: u32,
+        draw: &Draw,
+        forced: Option<&[u32]>,
+        out: &mut [u32],
+    ) -> Result<usize, EngineError> {
+        if self.mtp.is_none() {
+            if out.is_empty() {
+                return Err(EngineError::Request(
+                    "decode_spec_sample: no room for the step's tokens".into(),
+                ));
+            }
+            self.decode_sample(&[(slot, token)], std::slice::from_ref(draw), &mut out[..1])?;
+            return Ok(1);
+        }
+        self.spec_step(slot, token, Some(draw), forced, out)
     }
 
     fn prefix_reuse(&self) -> PrefixReuse {
@@ -391,6 +443,7 @@ where
             expert_misses: misses,
             expert_bytes_streamed: streamed,
             kv_cells_in_use: self.lens.clone(),
+            speculation: self.mtp.as_ref().map(|m| m.stats).unwrap_or_default(),
         }
     }
 

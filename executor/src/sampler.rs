@@ -164,6 +164,30 @@ pub fn sample_into(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> u32 
         return argmax(logits);
     }
     let t = d.temperature;
+    let Some((thr, max)) = kept(logits, d, cand) else {
+        return argmax(logits);
+    };
+    let mut best = (f32::NEG_INFINITY, u32::MAX);
+    for c in cand.iter() {
+        if c.0 < thr {
+            continue;
+        }
+        let s = (logits[c.1 as usize] - max) / t + gumbel(d.key, c.1);
+        if s > best.0 || (s == best.0 && c.1 < best.1) {
+            best = (s, c.1);
+        }
+    }
+    if best.1 == u32::MAX {
+        argmax(logits)
+    } else {
+        best.1
+    }
+}
+
+/// The kept set of a (non-greedy) draw: fills `cand` with the finite logits' (order key, id)
+/// and returns the smallest kept key and the largest logit; `None` when no logit is finite.
+fn kept(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> Option<(u32, f32)> {
+    let t = d.temperature;
     cand.clear();
     cand.extend(
         logits
@@ -173,7 +197,7 @@ pub fn sample_into(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> u32 
             .map(|(i, v)| (order_key(*v), i as u32)),
     );
     if cand.is_empty() {
-        return argmax(logits);
+        return None;
     }
     let k = d.top_k as usize;
     let need_sort = (k > 0 && k < cand.len()) || d.top_p < 1.0;
@@ -203,21 +227,40 @@ pub fn sample_into(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>) -> u32 
             }
         }
     }
-    let mut best = (f32::NEG_INFINITY, u32::MAX);
-    for c in cand.iter() {
-        if c.0 < thr {
-            continue;
-        }
-        let s = (logits[c.1 as usize] - max) / t + gumbel(d.key, c.1);
-        if s > best.0 || (s == best.0 && c.1 < best.1) {
-            best = (s, c.1);
-        }
-    }
-    if best.1 == u32::MAX {
-        argmax(logits)
+    Some((thr, max))
+}
+
+/// The distribution [`sample_into`] draws from under `d` (its temperature, top-k and top-p;
+/// the key does not matter): `out[i]` the probability of token i (one-hot on the argmax for
+/// a greedy draw). The speculative sampling rule compares these (`pipeline/spec.rs`).
+pub fn probs_into(logits: &[f32], d: &Draw, cand: &mut Vec<(u32, u32)>, out: &mut [f32]) {
+    out.fill(0.0);
+    let kept_set = if d.is_greedy() {
+        None
     } else {
-        best.1
+        kept(logits, d, cand)
+    };
+    let Some((thr, max)) = kept_set else {
+        if let Some(o) = out.get_mut(argmax(logits) as usize) {
+            *o = 1.0;
+        }
+        return;
+    };
+    let mut total = 0f64;
+    for c in cand.iter().filter(|c| c.0 >= thr) {
+        let w = ((logits[c.1 as usize] - max) / d.temperature).exp();
+        out[c.1 as usize] = w;
+        total += w as f64;
     }
+    let inv = (1.0 / total.max(f64::MIN_POSITIVE)) as f32;
+    out.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// A uniform draw in [0, 1) from `key` and a stream index `i` (the speculative sampling
+/// rule's coins).
+pub fn uniform(key: u64, i: u32) -> f64 {
+    let z = mix64(key ^ mix64((i as u64 + 1).wrapping_mul(GOLDEN)));
+    (z >> 11) as f64 * (1.0 / 9_007_199_254_740_992.0)
 }
 
 /// [`argmax`] of consecutive rows of `n_vocab` logits into `out` (as many rows as the

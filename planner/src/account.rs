@@ -218,6 +218,7 @@ impl<'a> Sizing<'a> {
             att_splits: workset::att_splits(self.ctx as usize),
             slots: slots as usize,
             gemm: backend == BackendKind::Gpu,
+            mtp: last && self.mtp,
         };
         let f32_norms = self
             .inv
@@ -297,7 +298,14 @@ impl<'a> Sizing<'a> {
             RegionKind::KvCache,
             align(slots * resident * f.kv_cell_range(a, b)),
         ));
-        regions.push((RegionKind::LinearState, align(slots * f.linear_range(a, b))));
+        // With MTP speculation each slot also keeps its linear state after each of the first
+        // `spec` tokens of a verify pass, so rejected drafts can be rolled back
+        // (executor/src/backend/cpu/linear_state.rs).
+        let checkpoints = if self.mtp { self.spec } else { 0 };
+        regions.push((
+            RegionKind::LinearState,
+            align(slots * (1 + checkpoints) * f.linear_range(a, b)),
+        ));
         let per_slot = per_slot_session_bytes(&self.inv.arch, hp, self.spec as u32);
         regions.push((RegionKind::SlotSessions, align(slots * per_slot)));
         let scratch = self.scratch(dev, u64::from(b - a), slots, resident, last).0;

@@ -292,6 +292,7 @@ fn check_workset(plan: &Plan, inv: &ModelInventory) {
             att_splits: w.att_splits as usize,
             slots: w.slots as usize,
             gemm: w.gemm,
+            mtp: d.holds_mtp,
         };
         let n_layer = (d.layer_end - d.layer_first) as usize;
         let region = d.region_bytes(RegionKind::Scratch);

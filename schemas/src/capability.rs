@@ -89,7 +89,8 @@ pub const TABLE: [Capability; 3] = [
     Capability {
         backend: Backend::Cpu,
         missing: None,
-        // qwen3next: the gated DeltaNet hybrid (model/qwen3next.rs), without its MTP block.
+        // qwen3next: the gated DeltaNet hybrid (model/qwen3next.rs) with its MTP block
+        // (speculative decoding, pipeline/spec.rs).
         archs: &["qwen3moe", "qwen3next"],
         // Every type the reference decodes (quant::SUPPORTED).
         weight_types: crate::quant::SUPPORTED,
@@ -97,7 +98,7 @@ pub const TABLE: [Capability; 3] = [
         vendors: &["cpu"],
         host_experts: true,
         kv_spill: true,
-        mtp: false,
+        mtp: true,
         vision: false,
         dense_ffn_layers: true,
         layer_split: true,

@@ -141,6 +141,11 @@ work_bufs! {
     /// The shared expert's rows: CPU its gate, up, down and partial rows and per-token gate
     /// scalars; GPU its gate, up and down rows (tokens x (2 x shared width + hidden)).
     ShScratch = "sh_scratch",
+    /// MTP draft block (Qwen3-Next `--mtp`): the hidden states it drafts from (f32, tokens x
+    /// hidden), and its `eh_proj` input, the normed embedding then the normed hidden state
+    /// side by side (f32, tokens x 2 x hidden). Only in a pass with `mtp`.
+    MtpHidden = "mtp_hidden",
+    MtpCat = "mtp_cat",
 }
 
 /// Tokens per chunk of the chunked gated delta rule (HF's and llama.cpp's 64).
@@ -160,6 +165,8 @@ pub struct Pass {
     /// Prefill through the tensor-core products (their 16-bit inputs, sorted MoE tiles and
     /// per-assignment outputs).
     pub gemm: bool,
+    /// The stage runs the MTP draft block (its `mtp_hidden` and `mtp_cat` buffers).
+    pub mtp: bool,
 }
 
 /// Whether this build's executor has a forward pass for `arch` with these parameters on
@@ -289,6 +296,10 @@ pub fn buffers(
         (Lin, f * t * u(d.lin_v())),
     ];
     let mut out: Vec<(WorkBuf, u64)> = shared.to_vec();
+    if p.mtp {
+        // Listed only when asked for, so plans without MTP keep their exact buffer list.
+        out.extend([(MtpHidden, f * t * u(d.e)), (MtpCat, 2 * f * t * u(d.e))]);
+    }
     match backend {
         BackendKind::Cpu => {
             let widest = [
@@ -442,6 +453,7 @@ mod tests {
             att_splits: 64,
             slots: 1,
             gemm: true,
+            mtp: false,
         };
         const MIB: u64 = 1 << 20;
         let b: std::collections::BTreeMap<_, _> = buffers(BackendKind::Gpu, &a3b(), 48, true, &p)
@@ -490,6 +502,7 @@ mod tests {
             att_splits: 3,
             slots: 2,
             gemm: true,
+            mtp: false,
         };
         for be in [BackendKind::Cpu, BackendKind::Gpu] {
             let list = buffers(be, &a3b(), 2, false, &p);
@@ -531,7 +544,7 @@ mod tests {
         ) {
             let d = a3b();
             let be = if cpu { BackendKind::Cpu } else { BackendKind::Gpu };
-            let p = Pass { tokens, logit_rows: slots, att_splits: splits, slots, gemm };
+            let p = Pass { tokens, logit_rows: slots, att_splits: splits, slots, gemm, mtp: false };
             let base = buffers(be, &d, 4, false, &p);
             let bigger = [
                 Pass { tokens: tokens + more, ..p },

@@ -28,6 +28,11 @@ pub enum StepKind {
     Prefill,
     /// One token for each of several distinct slots.
     Decode,
+    /// A speculative step's verify pass: one slot's token and its drafts (positions
+    /// ascending). Linear attention runs token by token (as decode does, so the result is
+    /// the same as decoding them one at a time) and keeps the slot's state after each of the
+    /// first tokens, so [`Stage::rollback_linear`] can drop the rejected ones.
+    Verify,
 }
 
 /// The attention op of one layer: per-head RMSNorm of Q and K (when the model has it),
@@ -177,6 +182,15 @@ pub trait Ops {
         a: &LinearAttention<Self::Vector>,
         n: usize,
     ) -> Result<(), Self::Error>;
+    /// `out[i] = [a[i], b[i]]`: two rows of the hidden width side by side (the MTP block's
+    /// `eh_proj` input).
+    fn concat_rows(
+        &mut self,
+        a: WorkBuf,
+        b: WorkBuf,
+        out: WorkBuf,
+        n: usize,
+    ) -> Result<(), Self::Error>;
     /// See [`SharedFfn`].
     fn shared_expert(
         &mut self,
@@ -259,6 +273,11 @@ pub trait Stage: Ops {
     /// Copy the first `out.len()` elements of working buffer `b` out, after every queued op is
     /// done.
     fn read_buf(&mut self, b: WorkBuf, out: &mut [f32]) -> Result<(), Self::Error>;
+    /// After a [`StepKind::Verify`] pass of `slot`, set its linear-attention state to what it
+    /// was after the pass's token `keep` (0-based; the tokens after it were rejected drafts).
+    /// `keep` below the number of checkpoints the backend keeps per slot. Stages without
+    /// linear attention have nothing to roll back; backends that cannot checkpoint refuse.
+    fn rollback_linear(&mut self, slot: usize, keep: usize) -> Result<(), Self::Error>;
     /// Expert cache counters (hits, misses) since start-up.
     fn expert_counters(&self) -> (u64, u64) {
         (0, 0)

@@ -1,5 +1,8 @@
 //! `strata-exec PLAN`: generate from a prompt (text through the model's tokenizer, or token
 //! ids) once and print the tokens and their text (text or JSON).
+//! With a plan that speculates (`--mtp --spec N`) runs decode by MTP speculative steps: greedy
+//! ones give the tokens of plain greedy decoding, sampled ones the same distribution; `--spec-oracle` (a test mode) first decodes
+//! without speculation, then again with every draft forced to that run's tokens.
 //! Invariant: the prompt is tokenized and checked against the vocabulary and the planned
 //! context before the first token is computed; the run itself allocates nothing per token.
 
@@ -52,6 +55,11 @@ pub struct RunArgs {
     /// position.
     #[arg(long)]
     pub logits: bool,
+    /// Test mode for a plan that speculates: decode once without speculation, then again with
+    /// the MTP drafts forced to that run's tokens (every draft agrees), and report both
+    /// decode speeds; greedy only.
+    #[arg(long, hide = true)]
+    pub spec_oracle: bool,
     #[command(flatten)]
     pub serve: super::serve::ServeArgs,
 }
@@ -63,6 +71,17 @@ struct Generated {
     rows: Vec<f32>,
     prefill_s: f64,
     decode_s: f64,
+    /// `--spec-oracle`: the run without speculation (its tokens are the forced drafts).
+    reference: Option<Box<Generated>>,
+}
+
+/// How a run decodes.
+#[derive(Clone, Copy)]
+enum Decoding<'a> {
+    /// One token per step.
+    Plain,
+    /// MTP speculative steps (greedy), drafts forced to `forced`'s tokens when given.
+    Speculative { forced: Option<&'a [u32]> },
 }
 
 pub fn main(cli: RunArgs) {
@@ -79,7 +98,27 @@ pub fn main(cli: RunArgs) {
         (Some(t), false) => t.eos_ids(),
         _ => &[],
     };
-    let g = match generate(&cli, engine.as_mut(), &prompt, eos) {
+    let greedy = cli.temperature <= 0.0;
+    if cli.spec_oracle && (engine.spec_tokens() == 0 || !greedy) {
+        fail("--spec-oracle needs a plan that speculates (strata-plan --mtp --spec N) and greedy decoding (--temperature 0)");
+    }
+    let run = |engine: &mut dyn Engine| -> Result<Generated, EngineError> {
+        if cli.spec_oracle {
+            let reference = generate(&cli, engine, &prompt, eos, Decoding::Plain)?;
+            engine.reset_slot(0);
+            let forced = Some(&reference.out[..]);
+            let mut g = generate(&cli, engine, &prompt, eos, Decoding::Speculative { forced })?;
+            g.reference = Some(Box::new(reference));
+            return Ok(g);
+        }
+        let mode = if engine.spec_tokens() > 0 {
+            Decoding::Speculative { forced: None }
+        } else {
+            Decoding::Plain
+        };
+        generate(&cli, engine, &prompt, eos, mode)
+    };
+    let g = match run(engine.as_mut()) {
         Ok(v) => v,
         Err(e) => {
             eprintln!(
@@ -148,6 +187,7 @@ fn generate(
     engine: &mut dyn Engine,
     prompt: &[u32],
     eos: &[u32],
+    mode: Decoding,
 ) -> Result<Generated, EngineError> {
     let info = engine.info().clone();
     let n = cli.n.min((info.max_context - prompt.len() as u64) as usize);
@@ -184,14 +224,34 @@ fn generate(
                 return Err(broken("the last prompt position".into()));
             }
             out.push(next);
-            let mut tok = [0u32];
+            let mut tok = vec![0u32; engine.spec_tokens() + 1];
             while out.len() < n && !eos.contains(&next) {
-                engine.decode_sample(&[(0, next)], &[sampler.next_draw()], &mut tok)?;
-                next = tok[0];
-                if next == NON_FINITE {
-                    return Err(broken(format!("generated token {}", out.len() + 1)));
+                let got = match mode {
+                    Decoding::Plain => {
+                        let draw = [sampler.next_draw()];
+                        engine.decode_sample(&[(0, next)], &draw, &mut tok[..1])?;
+                        1
+                    }
+                    Decoding::Speculative { forced } => {
+                        // The drafts forced for the next positions (a test mode).
+                        let f = forced.map(|f| &f[out.len().min(f.len())..]);
+                        let draw = sampler.next_draw();
+                        if draw.is_greedy() {
+                            engine.decode_spec_greedy(0, next, f, &mut tok)?
+                        } else {
+                            engine.decode_spec_sample(0, next, &draw, f, &mut tok)?
+                        }
+                    }
+                };
+                for &t in &tok[..got] {
+                    if t == NON_FINITE {
+                        return Err(broken(format!("generated token {}", out.len() + 1)));
+                    }
+                    if out.len() < n && !eos.contains(&next) {
+                        out.push(t);
+                        next = t;
+                    }
                 }
-                out.push(next);
             }
         }
         let decode_s = td.elapsed().as_secs_f64();
@@ -200,6 +260,7 @@ fn generate(
             rows,
             prefill_s,
             decode_s,
+            reference: None,
         })
     })
 }
@@ -241,6 +302,9 @@ fn report(
             "allocations": engine.allocations(),
             "allocated_bytes": engine.allocated_bytes(),
         });
+        if engine.spec_tokens() > 0 {
+            j["speculation"] = speculation_json(engine, g);
+        }
         if cli.logits {
             let v = engine.info().n_vocab;
             j["prompt_logits"] =
@@ -275,6 +339,39 @@ fn report(
         engine.allocations(),
         engine.allocated_bytes()
     );
+    if engine.spec_tokens() > 0 {
+        let s = stats.speculation;
+        eprintln!(
+            "strata-exec: speculation (--spec {}): {} steps, {} of {} drafts accepted",
+            engine.spec_tokens(),
+            s.steps,
+            s.accepted,
+            s.drafted
+        );
+    }
+}
+
+/// The `speculation` object of `run --format json`: the plan's drafts per step, the steps,
+/// drafted and accepted counts since start-up; with `--spec-oracle` the reference run's
+/// decode speed and whether its tokens equal the speculative run's.
+fn speculation_json(engine: &dyn Engine, g: &Generated) -> serde_json::Value {
+    let s = engine.stats().speculation;
+    let mut j = serde_json::json!({
+        "spec": engine.spec_tokens(),
+        "steps": s.steps,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "acceptance": s.accepted as f64 / (s.drafted as f64).max(1.0),
+        "accepted_per_step": s.accepted as f64 / (s.steps as f64).max(1.0),
+    });
+    if let Some(r) = &g.reference {
+        let steps = r.out.len().saturating_sub(1) as f64;
+        j["oracle"] = serde_json::json!({
+            "reference_decode_tok_s": steps / r.decode_s.max(1e-9),
+            "identical": r.out == g.out,
+        });
+    }
+    j
 }
 
 /// The tokenizer for this run: `--tokenizer PATH`, else the model's own (`None` when the

@@ -4,7 +4,7 @@
 
 use super::qwen3moe::{self, Qwen3Moe, StageSpec};
 use super::qwen3next::{self, Qwen3Next};
-use super::{Forward, ModelError};
+use super::{Forward, ModelError, MtpInput};
 use crate::backend::{Bind, Ops};
 use strata_schemas::dims::Dims;
 use strata_schemas::inventory::HParams;
@@ -70,6 +70,26 @@ impl<B: Ops> Forward<B> for AnyModel<B> {
         match self {
             Self::Qwen3Moe(m) => m.recurrent(),
             Self::Qwen3Next(m) => m.recurrent(),
+        }
+    }
+
+    fn holds_mtp(&self) -> bool {
+        match self {
+            Self::Qwen3Moe(m) => m.holds_mtp(),
+            Self::Qwen3Next(m) => m.holds_mtp(),
+        }
+    }
+
+    fn mtp(
+        &self,
+        b: &mut B,
+        n: usize,
+        input: MtpInput,
+        head: Option<(usize, usize)>,
+    ) -> Result<(), B::Error> {
+        match self {
+            Self::Qwen3Moe(m) => m.mtp(b, n, input, head),
+            Self::Qwen3Next(m) => m.mtp(b, n, input, head),
         }
     }
 }

@@ -41,6 +41,15 @@ pub enum ModelError {
     HParam { key: &'static str, reason: String },
 }
 
+/// Where the hidden states an MTP pass drafts from (the `mtp_hidden` buffer) come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MtpInput {
+    /// The main model's last stage (`x` after its last block, before the output norm).
+    Main,
+    /// The MTP block's own output (`x` after the block, before its head norm): chained drafts.
+    Chained,
+}
+
 /// A model's forward pass over one stage of a pipeline (its layers, and the embedding and
 /// head where the stage holds them), as a pipeline drives it.
 pub trait Forward<B: Ops> {
@@ -57,6 +66,25 @@ pub trait Forward<B: Ops> {
     /// (linear attention), so a slot's context cannot be cut back to a shorter prefix.
     fn recurrent(&self) -> bool {
         false
+    }
+    /// Whether this stage holds the MTP draft block (bound when the plan speculates).
+    fn holds_mtp(&self) -> bool {
+        false
+    }
+    /// The MTP draft block over the `n` tokens of a pass whose inputs are uploaded (token i is
+    /// `x_{t+1}`, `mtp_hidden` row i the hidden state of position t, the pass position t):
+    /// its output hidden states are left in `x`, and with `head` the draft logits of rows
+    /// `first..first + rows` in the logits buffer's rows `0..rows`. Nothing on a stage
+    /// without the block (see [`Forward::holds_mtp`]).
+    fn mtp(
+        &self,
+        b: &mut B,
+        n: usize,
+        input: MtpInput,
+        head: Option<(usize, usize)>,
+    ) -> Result<(), B::Error> {
+        let _ = (b, n, input, head);
+        Ok(())
     }
 }
 

@@ -23,6 +23,8 @@ pub struct StageSpec {
     pub layer_end: u32,
     pub embedding: bool,
     pub head: bool,
+    /// Bind the MTP draft block (`blk.{n_layer}.*`, Qwen3-Next) on this stage (the last).
+    pub mtp: bool,
 }
 
 impl StageSpec {
@@ -33,6 +35,7 @@ impl StageSpec {
             layer_end: n_layer,
             embedding: true,
             head: true,
+            mtp: false,
         }
     }
 }

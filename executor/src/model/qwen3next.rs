@@ -5,12 +5,18 @@
 //! `attn_q`, QK-norm, partial RoPE, GQA, `sigmoid(gate)` before `attn_output`), then a
 //! post-attention RMSNorm, the top-k MoE and the sigmoid-gated shared expert; the output norm
 //! and head. Norm weights are the GGUF ones (llama.cpp's converter stores HF's `1 + w`).
+//! The MTP draft block (`blk.{n_layer}.*` with its `nextn.*` tensors, bound when the stage
+//! speculates) runs as vLLM's `qwen3_next_mtp` does: `eh_proj([enorm(embed(x_{t+1})),
+//! hnorm(h_t)])` (embedding first), where `h_t` is the final-normed hidden state (the main
+//! model's `output_norm`, or the block's own `shared_head_norm` when drafts are chained), then
+//! one gated-full-attention MoE block with its own KV layer, `shared_head_norm` and the head.
 //! Invariant: every tensor is bound and every shape checked in [`Qwen3Next::bind`] before the
-//! first pass; the MTP block (issue 18) is not bound.
+//! first pass; the main blocks and the MTP block run through the one [`block`] function.
 
 use super::qwen3moe::StageSpec;
 use super::{Forward, ModelError};
 use crate::backend::{Attention, Bind, LinearAttention, Ops, Route, SharedFfn, WorkBuf};
+use crate::model::MtpInput;
 use strata_schemas::dims::Dims;
 use strata_schemas::inventory::{HParams, LayerKind};
 
@@ -119,10 +125,24 @@ struct Layer<B: Ops> {
     shared: SharedFfn<B::Mat, B::Vector>,
 }
 
+/// The MTP draft block (see the module docs).
+struct MtpBlock<B: Ops> {
+    embd: B::Mat,
+    enorm: B::Vector,
+    hnorm: B::Vector,
+    eh_proj: B::Mat,
+    /// The main model's final norm (the hidden states it drafts from are taken before it).
+    out_norm: B::Vector,
+    layer: Layer<B>,
+    head_norm: B::Vector,
+    head: B::Mat,
+}
+
 /// One stage of a Qwen3-Next model bound on a backend.
 pub struct Qwen3Next<B: Ops> {
     ends: super::Ends<B>,
     layers: Vec<Layer<B>>,
+    mtp: Option<MtpBlock<B>>,
 }
 
 /// The full-attention and linear-attention layer counts of `[first, end)`.
@@ -133,143 +153,210 @@ pub fn layer_counts(hp: &HParams, first: u32, end: u32) -> (usize, usize) {
     ((end - first) as usize - lin, lin)
 }
 
+fn bind_full<B: Bind>(b: &mut B, d: &Dims, l: u32, kv_layer: usize) -> Result<Mixer<B>, B::Error> {
+    let n = |s: &str| format!("blk.{l}.{s}.weight");
+    Ok(Mixer::Full {
+        kv_layer,
+        q: b.matrix(&n("attn_q"), d.q_proj(), d.e)?,
+        k: b.matrix(&n("attn_k"), d.k_out(), d.e)?,
+        v: b.matrix(&n("attn_v"), d.v_out(), d.e)?,
+        o: b.matrix(&n("attn_output"), d.e, d.att_out())?,
+        q_norm: b.vector(&n("attn_q_norm"), d.hd)?,
+        k_norm: b.vector(&n("attn_k_norm"), d.hd)?,
+    })
+}
+
+fn bind_linear<B: Bind>(
+    b: &mut B,
+    d: &Dims,
+    l: u32,
+    lin_layer: usize,
+) -> Result<Mixer<B>, B::Error> {
+    let n = |s: &str| format!("blk.{l}.{s}.weight");
+    Ok(Mixer::Linear {
+        lin_layer,
+        qkv: b.matrix(&n("attn_qkv"), d.lin_qkv(), d.e)?,
+        z: b.matrix(&n("attn_gate"), d.lin_v(), d.e)?,
+        ba: b.matrix(&n("ssm_ba"), 2 * d.lin_v_heads, d.e)?,
+        conv: b.table(&n("ssm_conv1d"), d.lin_qkv(), d.conv_k)?,
+        dt_bias: b.vector(&format!("blk.{l}.ssm_dt.bias"), d.lin_v_heads)?,
+        ssm_a: b.vector(&format!("blk.{l}.ssm_a"), d.lin_v_heads)?,
+        norm: b.vector(&n("ssm_norm"), d.lin_hv)?,
+        out: b.matrix(&n("ssm_out"), d.e, d.lin_v())?,
+    })
+}
+
+/// Block `l` (a main block or the MTP block) around its mixer: norms, router, experts and
+/// the shared expert.
+fn bind_layer<B: Bind>(b: &mut B, d: &Dims, l: u32, mixer: Mixer<B>) -> Result<Layer<B>, B::Error> {
+    let n = |s: &str| format!("blk.{l}.{s}.weight");
+    let sh = d.n_ff_shexp;
+    Ok(Layer {
+        index: l,
+        attn_norm: b.vector(&n("attn_norm"), d.e)?,
+        mixer,
+        post_norm: b.vector(&n("post_attention_norm"), d.e)?,
+        router: b.matrix(&n("ffn_gate_inp"), d.n_expert, d.e)?,
+        experts: b.experts_of(l)?,
+        shared: SharedFfn {
+            gate_inp: b.vector(&n("ffn_gate_inp_shexp"), d.e)?,
+            gate: b.matrix(&n("ffn_gate_shexp"), sh, d.e)?,
+            up: b.matrix(&n("ffn_up_shexp"), sh, d.e)?,
+            down: b.matrix(&n("ffn_down_shexp"), d.e, sh)?,
+        },
+    })
+}
+
+/// The MTP block `blk.{n_layer}` with its own KV layer `kv_layer`: its embedding and head
+/// are `nextn.embed_tokens` / `nextn.shared_head_head` when the file has them, else the main
+/// model's (Qwen3-Next shares them).
+fn bind_mtp<B: Bind>(
+    b: &mut B,
+    d: &Dims,
+    hp: &HParams,
+    kv_layer: usize,
+) -> Result<MtpBlock<B>, B::Error> {
+    let l = hp.n_layer;
+    let x = |s: &str| format!("blk.{l}.nextn.{s}.weight");
+    let embd = if b.has(&x("embed_tokens")) {
+        x("embed_tokens")
+    } else {
+        "token_embd.weight".into()
+    };
+    let head = if b.has(&x("shared_head_head")) {
+        x("shared_head_head")
+    } else if b.has("output.weight") || !hp.tied_embeddings {
+        "output.weight".into()
+    } else {
+        "token_embd.weight".into()
+    };
+    let mixer = bind_full(b, d, l, kv_layer)?;
+    Ok(MtpBlock {
+        embd: b.matrix(&embd, d.vocab, d.e)?,
+        enorm: b.vector(&x("enorm"), d.e)?,
+        hnorm: b.vector(&x("hnorm"), d.e)?,
+        eh_proj: b.matrix(&x("eh_proj"), d.e, 2 * d.e)?,
+        out_norm: b.vector("output_norm.weight", d.e)?,
+        layer: bind_layer(b, d, l, mixer)?,
+        head_norm: b.vector(&x("shared_head_norm"), d.e)?,
+        head: b.matrix(&head, d.vocab, d.e)?,
+    })
+}
+
 impl<B: Bind> Qwen3Next<B> {
-    /// Bind every tensor of `stage` on `b` (the dims checked by [`check_dims`]).
+    /// Bind every tensor of `stage` on `b` (the dims checked by [`check_dims`]); the MTP
+    /// block's attention is the stage's KV layer after its main full-attention layers.
     pub fn bind(b: &mut B, d: &Dims, hp: &HParams, stage: StageSpec) -> Result<Self, B::Error> {
         let ends = super::Ends::bind(b, d, hp, stage.embedding, stage.head)?;
         let (mut kv_layer, mut lin_layer) = (0, 0);
         let mut layers = Vec::with_capacity((stage.layer_end - stage.layer_first) as usize);
         for l in stage.layer_first..stage.layer_end {
-            let n = |s: &str| format!("blk.{l}.{s}.weight");
             let mixer = match hp.layer_kind(l) {
                 LayerKind::LinearAttention => {
-                    let m = Mixer::Linear {
-                        lin_layer,
-                        qkv: b.matrix(&n("attn_qkv"), d.lin_qkv(), d.e)?,
-                        z: b.matrix(&n("attn_gate"), d.lin_v(), d.e)?,
-                        ba: b.matrix(&n("ssm_ba"), 2 * d.lin_v_heads, d.e)?,
-                        conv: b.table(&n("ssm_conv1d"), d.lin_qkv(), d.conv_k)?,
-                        dt_bias: b.vector(&format!("blk.{l}.ssm_dt.bias"), d.lin_v_heads)?,
-                        ssm_a: b.vector(&format!("blk.{l}.ssm_a"), d.lin_v_heads)?,
-                        norm: b.vector(&n("ssm_norm"), d.lin_hv)?,
-                        out: b.matrix(&n("ssm_out"), d.e, d.lin_v())?,
-                    };
                     lin_layer += 1;
-                    m
+                    bind_linear(b, d, l, lin_layer - 1)?
                 }
                 _ => {
-                    let m = Mixer::Full {
-                        kv_layer,
-                        q: b.matrix(&n("attn_q"), d.q_proj(), d.e)?,
-                        k: b.matrix(&n("attn_k"), d.k_out(), d.e)?,
-                        v: b.matrix(&n("attn_v"), d.v_out(), d.e)?,
-                        o: b.matrix(&n("attn_output"), d.e, d.att_out())?,
-                        q_norm: b.vector(&n("attn_q_norm"), d.hd)?,
-                        k_norm: b.vector(&n("attn_k_norm"), d.hd)?,
-                    };
                     kv_layer += 1;
-                    m
+                    bind_full(b, d, l, kv_layer - 1)?
                 }
             };
-            let sh = d.n_ff_shexp;
-            layers.push(Layer {
-                index: l,
-                attn_norm: b.vector(&n("attn_norm"), d.e)?,
-                mixer,
-                post_norm: b.vector(&n("post_attention_norm"), d.e)?,
-                router: b.matrix(&n("ffn_gate_inp"), d.n_expert, d.e)?,
-                experts: b.experts_of(l)?,
-                shared: SharedFfn {
-                    gate_inp: b.vector(&n("ffn_gate_inp_shexp"), d.e)?,
-                    gate: b.matrix(&n("ffn_gate_shexp"), sh, d.e)?,
-                    up: b.matrix(&n("ffn_up_shexp"), sh, d.e)?,
-                    down: b.matrix(&n("ffn_down_shexp"), d.e, sh)?,
-                },
-            });
+            layers.push(bind_layer(b, d, l, mixer)?);
         }
-        Ok(Self { ends, layers })
+        let mtp = if stage.mtp {
+            Some(bind_mtp(b, d, hp, kv_layer)?)
+        } else {
+            None
+        };
+        Ok(Self { ends, layers, mtp })
     }
+}
+
+/// One block over the `n` tokens of the pass: its norm, mixer, the routed and the shared
+/// experts, each adding into `x`.
+fn block<B: Ops>(b: &mut B, l: &Layer<B>, n: usize) -> Result<(), B::Error> {
+    use WorkBuf::*;
+    b.rms_norm(X, 0, l.attn_norm, Xn, n)?;
+    match &l.mixer {
+        Mixer::Full {
+            kv_layer,
+            q,
+            k,
+            v,
+            o,
+            q_norm,
+            k_norm,
+        } => {
+            b.project(Xn, &[(*q, Qg), (*k, K), (*v, V)], n)?;
+            b.split_query_gate(Qg, Q, Gate, n)?;
+            b.attention(
+                &Attention {
+                    kv_layer: *kv_layer,
+                    q: Q,
+                    k: K,
+                    v: V,
+                    q_norm: Some(*q_norm),
+                    k_norm: Some(*k_norm),
+                    out: Att,
+                },
+                n,
+            )?;
+            b.sigmoid_gate(Att, Gate, n)?;
+            b.project_add(*o, Att, X, n)?;
+        }
+        Mixer::Linear {
+            lin_layer,
+            qkv,
+            z,
+            ba,
+            conv,
+            dt_bias,
+            ssm_a,
+            norm,
+            out,
+        } => {
+            b.project(Xn, &[(*qkv, Qkv), (*z, Z), (*ba, Ba)], n)?;
+            b.linear_attention(
+                &LinearAttention {
+                    lin_layer: *lin_layer,
+                    qkv: Qkv,
+                    z: Z,
+                    ba: Ba,
+                    conv: *conv,
+                    dt_bias: *dt_bias,
+                    ssm_a: *ssm_a,
+                    norm: *norm,
+                    out: Lin,
+                },
+                n,
+            )?;
+            b.project_add(*out, Lin, X, n)?;
+        }
+    }
+    // The routed experts and the shared expert both read xn (the post-attention norm of x
+    // before either adds into it): the route op writes xn, the experts add into x, and the
+    // shared expert reads the same xn.
+    b.route(
+        &Route {
+            x: X,
+            norm: l.post_norm,
+            router: l.router,
+            xn: Xn,
+            ids: Ids,
+            wts: Wts,
+        },
+        n,
+    )?;
+    b.experts(l.index, &l.experts, Xn, Ids, Wts, X, n)?;
+    b.shared_expert(&l.shared, Xn, X, n)
 }
 
 impl<B: Ops> Forward<B> for Qwen3Next<B> {
     fn forward(&self, b: &mut B, n: usize) -> Result<(), B::Error> {
-        use WorkBuf::*;
         b.pass_start(n)?;
         self.ends.embed(b, n)?;
         for l in &self.layers {
-            b.rms_norm(X, 0, l.attn_norm, Xn, n)?;
-            match &l.mixer {
-                Mixer::Full {
-                    kv_layer,
-                    q,
-                    k,
-                    v,
-                    o,
-                    q_norm,
-                    k_norm,
-                } => {
-                    b.project(Xn, &[(*q, Qg), (*k, K), (*v, V)], n)?;
-                    b.split_query_gate(Qg, Q, Gate, n)?;
-                    b.attention(
-                        &Attention {
-                            kv_layer: *kv_layer,
-                            q: Q,
-                            k: K,
-                            v: V,
-                            q_norm: Some(*q_norm),
-                            k_norm: Some(*k_norm),
-                            out: Att,
-                        },
-                        n,
-                    )?;
-                    b.sigmoid_gate(Att, Gate, n)?;
-                    b.project_add(*o, Att, X, n)?;
-                }
-                Mixer::Linear {
-                    lin_layer,
-                    qkv,
-                    z,
-                    ba,
-                    conv,
-                    dt_bias,
-                    ssm_a,
-                    norm,
-                    out,
-                } => {
-                    b.project(Xn, &[(*qkv, Qkv), (*z, Z), (*ba, Ba)], n)?;
-                    b.linear_attention(
-                        &LinearAttention {
-                            lin_layer: *lin_layer,
-                            qkv: Qkv,
-                            z: Z,
-                            ba: Ba,
-                            conv: *conv,
-                            dt_bias: *dt_bias,
-                            ssm_a: *ssm_a,
-                            norm: *norm,
-                            out: Lin,
-                        },
-                        n,
-                    )?;
-                    b.project_add(*out, Lin, X, n)?;
-                }
-            }
-            // The routed experts and the shared expert both read xn (the post-attention norm
-            // of x before either adds into it): the route op writes xn, the experts add into
-            // x, and the shared expert reads the same xn.
-            b.route(
-                &Route {
-                    x: X,
-                    norm: l.post_norm,
-                    router: l.router,
-                    xn: Xn,
-                    ids: Ids,
-                    wts: Wts,
-                },
-                n,
-            )?;
-            b.experts(l.index, &l.experts, Xn, Ids, Wts, X, n)?;
-            b.shared_expert(&l.shared, Xn, X, n)?;
+            block(b, l, n)?;
         }
         Ok(())
     }
@@ -286,6 +373,41 @@ impl<B: Ops> Forward<B> for Qwen3Next<B> {
         self.layers
             .iter()
             .any(|l| matches!(l.mixer, Mixer::Linear { .. }))
+    }
+
+    fn holds_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    fn mtp(
+        &self,
+        b: &mut B,
+        n: usize,
+        input: MtpInput,
+        head: Option<(usize, usize)>,
+    ) -> Result<(), B::Error> {
+        use WorkBuf::*;
+        let Some(m) = &self.mtp else {
+            return Ok(());
+        };
+        b.pass_start(n)?;
+        // The hidden states' final norm: the main model's, or the block's own when chained.
+        let final_norm = match input {
+            MtpInput::Main => m.out_norm,
+            MtpInput::Chained => m.head_norm,
+        };
+        b.rms_norm(MtpHidden, 0, final_norm, Xn, n)?;
+        b.rms_norm(Xn, 0, m.hnorm, X, n)?;
+        b.embed(m.embd, Xn, n)?;
+        b.rms_norm(Xn, 0, m.enorm, MtpHidden, n)?;
+        b.concat_rows(MtpHidden, X, MtpCat, n)?;
+        b.project(MtpCat, &[(m.eh_proj, X)], n)?;
+        block(b, &m.layer, n)?;
+        if let Some((first, rows)) = head {
+            b.rms_norm(X, first, m.head_norm, Xn, rows)?;
+            b.project(Xn, &[(m.head, Logits)], rows)?;
+        }
+        Ok(())
     }
 }
 

@@ -78,6 +78,10 @@ pub struct Shared {
     pub expert_hits: AtomicU64,
     pub expert_misses: AtomicU64,
     pub expert_bytes_streamed: AtomicU64,
+    /// MTP speculation reported by the engine: steps, drafted and accepted tokens.
+    pub spec_steps: AtomicU64,
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
     pub slots: Mutex<Vec<SlotView>>,
     /// Notified once when loading failed, so the server stops instead of idling.
     pub load_failed: tokio::sync::Notify,
@@ -191,6 +195,9 @@ impl Default for Shared {
             expert_hits: AtomicU64::new(0),
             expert_misses: AtomicU64::new(0),
             expert_bytes_streamed: AtomicU64::new(0),
+            spec_steps: AtomicU64::new(0),
+            spec_drafted: AtomicU64::new(0),
+            spec_accepted: AtomicU64::new(0),
             slots: Mutex::new(Vec::new()),
             load_failed: tokio::sync::Notify::new(),
         }
@@ -317,6 +324,24 @@ impl Shared {
                 "counter",
                 "Bytes of expert weights copied host to device for expert cache misses",
                 g(&self.expert_bytes_streamed),
+            ),
+            (
+                "spec_steps_total",
+                "counter",
+                "MTP speculative decoding steps",
+                g(&self.spec_steps),
+            ),
+            (
+                "spec_draft_tokens_total",
+                "counter",
+                "Tokens drafted by the MTP block",
+                g(&self.spec_drafted),
+            ),
+            (
+                "spec_accepted_tokens_total",
+                "counter",
+                "Drafted tokens the model accepted",
+                g(&self.spec_accepted),
             ),
         ]
     }

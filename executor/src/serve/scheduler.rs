@@ -307,6 +307,10 @@ struct Sched {
     /// Per slot: `clock` when it was last admitted into or released.
     last_used: Vec<u64>,
     clock: u64,
+    /// MTP speculation: the tokens of one slot's speculative step, and which slots took one
+    /// this round (they sit out the batched step).
+    spec_out: Vec<u32>,
+    stepped: Vec<bool>,
 }
 
 impl Sched {
@@ -335,7 +339,6 @@ impl Sched {
                 .collect();
         }
         Self {
-            engine,
             rx,
             shared,
             stop,
@@ -354,6 +357,9 @@ impl Sched {
             cached: (0..n).map(|_| Vec::new()).collect(),
             last_used: vec![0; n],
             clock: 0,
+            spec_out: vec![0; engine.spec_tokens() + 1],
+            stepped: vec![false; n],
+            engine,
         }
     }
 
@@ -650,11 +656,78 @@ impl Sched {
         }
     }
 
+    /// With an engine that speculates (MTP), one speculative step for each decoding slot
+    /// whose request is picked without host-side logits: the engine drafts and verifies that
+    /// slot's tokens in one pass (greedy: the tokens plain decoding gives; sampled: the
+    /// speculative sampling rule), each delivered as a sampled token (the rest dropped once
+    /// the request ends).
+    fn spec_steps(&mut self) {
+        self.stepped.fill(false);
+        if self.engine.spec_tokens() == 0 {
+            return;
+        }
+        for slot in 0..self.slots.len() {
+            let Some(a) = self.slots[slot].as_ref() else {
+                continue;
+            };
+            if a.phase != Phase::Decode || on_host(a) {
+                continue;
+            }
+            let (id, index, tok) = (a.job.id, a.job.index, a.last);
+            self.stepped[slot] = true;
+            let draw = match self.slots[slot].as_mut() {
+                Some(a) => a.sampler.next_draw(),
+                None => continue,
+            };
+            let t0 = Instant::now();
+            let res = if draw.is_greedy() {
+                self.engine
+                    .decode_spec_greedy(slot, tok, None, &mut self.spec_out)
+            } else {
+                self.engine
+                    .decode_spec_sample(slot, tok, &draw, None, &mut self.spec_out)
+            };
+            let got = match res {
+                Ok(n) => n,
+                Err(e) => {
+                    self.finish(slot, Event::Error(engine_msg(&e)));
+                    continue;
+                }
+            };
+            let rate = got as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+            let old = self.shared.tokens_per_s();
+            let new = if old == 0.0 {
+                rate
+            } else {
+                0.9 * old + 0.1 * rate
+            };
+            self.shared.tokens_per_s.store(new.to_bits(), Relaxed);
+            // The slot's context now holds `tok` and the accepted drafts.
+            self.cached[slot].push(tok);
+            let accepted = &self.spec_out[..got - 1];
+            self.cached[slot].extend_from_slice(accepted);
+            for i in 0..got {
+                let same = self.slots[slot]
+                    .as_ref()
+                    .is_some_and(|a| a.job.id == id && a.job.index == index);
+                if !same {
+                    break;
+                }
+                let t = self.spec_out[i];
+                self.after_sample(slot, t, None);
+            }
+        }
+    }
+
     /// One decode step over every decoding slot.
     fn decode_step(&mut self) {
+        self.spec_steps();
         self.batch.clear();
         self.batch_slot.clear();
         for (i, s) in self.slots.iter().enumerate() {
+            if self.stepped[i] {
+                continue;
+            }
             if let Some(a) = s.as_ref().filter(|a| a.phase == Phase::Decode) {
                 self.batch.push((i, a.last));
                 self.batch_slot.push(i);
@@ -758,6 +831,10 @@ impl Sched {
         self.shared
             .expert_bytes_streamed
             .store(stats.expert_bytes_streamed, Relaxed);
+        let s = stats.speculation;
+        self.shared.spec_steps.store(s.steps, Relaxed);
+        self.shared.spec_drafted.store(s.drafted, Relaxed);
+        self.shared.spec_accepted.store(s.accepted, Relaxed);
         let Ok(mut views) = self.shared.slots.lock() else {
             return;
         };

@@ -98,6 +98,8 @@ fn backends(
         att_splits: att_splits(s.ctx),
         slots: s.slots,
         gemm: true,
+        // The MTP block's buffers too (concat_rows reads and writes them).
+        mtp: true,
     };
     let w: &'static MemWeights = Box::leak(Box::new(s.weights.clone()));
     let rope = Rope::new(d.n_rot, d.rope_theta, None);
@@ -317,6 +319,55 @@ fn rms_norm_rows_and_offsets() {
         }
     }
     eprintln!("PASS rms_norm: worst {worst:.2e} of the RMS (tol 1e-5)");
+}
+
+/// `concat_rows` (the MTP block's `eh_proj` input): two rows of the hidden width side by side,
+/// exactly, for one and several tokens; nothing written past the rows.
+#[test]
+fn concat_rows_side_by_side() {
+    let Some(dev) = gpu("concat_rows") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(5);
+    for e in [64usize, 96] {
+        let s = Setup {
+            hp: hp(e as u64, 4, 2, 16, 8, 2, 32),
+            weights: MemWeights::new(),
+            slots: 1,
+            ctx: 64,
+            kv: KvType::F16,
+            tokens: 20,
+        };
+        let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::default());
+        for n in [1usize, 5, 19] {
+            let (a, b) = (
+                rand_vec(&mut rng, n * e, 2.0),
+                rand_vec(&mut rng, n * e, 2.0),
+            );
+            fill(&mut cpu, WorkBuf::MtpHidden, &a, 0);
+            fill(&mut gpu, WorkBuf::MtpHidden, &a, 0);
+            fill(&mut cpu, WorkBuf::X, &b, 0);
+            fill(&mut gpu, WorkBuf::X, &b, 0);
+            fill(&mut gpu, WorkBuf::MtpCat, &vec![f32::NAN; 2 * n * e], TAIL);
+            let (h, x, c) = (WorkBuf::MtpHidden, WorkBuf::X, WorkBuf::MtpCat);
+            ok(cpu.concat_rows(h, x, c, n), "cpu");
+            ok(gpu.concat_rows(h, x, c, n), "gpu");
+            let want = read(&mut cpu, c, 2 * n * e);
+            assert_eq!(
+                &want[..e],
+                &a[..e],
+                "cpu: the first half is the first input"
+            );
+            assert_eq!(
+                &want[e..2 * e],
+                &b[..e],
+                "cpu: the second half is the second"
+            );
+            let got = read(&mut gpu, c, 2 * n * e + TAIL);
+            compare(&format!("concat_rows e={e} n={n}"), &got, &want, 0.0);
+        }
+    }
+    eprintln!("PASS concat_rows: exact");
 }
 
 /// The shapes of one weight type's product checks: the type, the V projection's partner

@@ -2,9 +2,12 @@
 //! state (`(conv_k - 1) x conv channels` f32, token-major, row 0 the oldest input) then the
 //! recurrent state (`value heads x head_v x head_k` f32), slot after slot, exactly the bytes
 //! the plan's `linear_state` region holds for the stage (`slots x layers x
-//! HParams::linear_state_bytes_per_layer`).
+//! HParams::linear_state_bytes_per_layer`), then, with MTP speculation, `checkpoints` copies
+//! of each slot's state (the state after each of the first tokens of a verify pass, so
+//! rejected drafts can be rolled back; the planner sizes the region `1 + spec` times).
 //! Invariant: a slot's state is what its sequence's tokens so far left there; nothing else
 //! writes it, and it is zeroed when the slot starts a new sequence (a token at position 0).
+//! A checkpoint is only read back ([`LinearState::restore`]) by the step that wrote it.
 
 use strata_schemas::dims::Dims;
 
@@ -19,12 +22,13 @@ pub fn layer_floats(d: &Dims) -> (usize, usize) {
 /// Why linear state could not be bound.
 #[derive(Debug, thiserror::Error)]
 pub enum LinearStateError {
-    #[error("the linear_state region holds {got} bytes but {slots} slots x {layers} linear layers need {need}: re-plan with this strata-plan")]
+    #[error("the linear_state region holds {got} bytes but {slots} slots x {layers} linear layers x {copies} copies (1 + MTP checkpoints) need {need}: re-plan with this strata-plan")]
     Size {
         got: u64,
         need: u64,
         slots: usize,
         layers: usize,
+        copies: usize,
     },
     #[error("the linear_state region is not 4-byte aligned")]
     Align,
@@ -42,6 +46,8 @@ pub struct LinearState<'a> {
     rec: usize,
     layers: usize,
     slots: usize,
+    /// Checkpoints kept per slot (the plan's `--spec`; 0 without speculation).
+    checkpoints: usize,
 }
 
 impl<'a> LinearState<'a> {
@@ -51,25 +57,40 @@ impl<'a> LinearState<'a> {
 
     /// Zeroed state owned here (plan-less engines).
     pub fn owned(d: &Dims, layers: usize, slots: usize) -> Self {
+        Self::owned_with_checkpoints(d, layers, slots, 0)
+    }
+
+    /// Zeroed state owned here with `checkpoints` copies per slot (plan-less engines that
+    /// speculate).
+    pub fn owned_with_checkpoints(
+        d: &Dims,
+        layers: usize,
+        slots: usize,
+        checkpoints: usize,
+    ) -> Self {
         let (conv, rec) = layer_floats(d);
+        let floats = (1 + checkpoints) * slots * layers * (conv + rec);
         Self {
-            store: Store::Owned(vec![0.0; slots * layers * (conv + rec)]),
+            store: Store::Owned(vec![0.0; floats]),
             conv,
             rec,
             layers,
             slots,
+            checkpoints,
         }
     }
 
-    /// State in a planned region (its first bytes; the rest is alignment padding).
+    /// State (and `checkpoints` copies per slot) in a planned region (its first bytes; the
+    /// rest is alignment padding).
     pub fn bind(
         region: &'a mut [u8],
         d: &Dims,
         layers: usize,
         slots: usize,
+        checkpoints: usize,
     ) -> Result<Self, LinearStateError> {
         let (conv, rec) = layer_floats(d);
-        let floats = slots * layers * (conv + rec);
+        let floats = (1 + checkpoints) * slots * layers * (conv + rec);
         let need = 4 * floats as u64;
         if (region.len() as u64) < need {
             return Err(LinearStateError::Size {
@@ -77,6 +98,7 @@ impl<'a> LinearState<'a> {
                 need,
                 slots,
                 layers,
+                copies: 1 + checkpoints,
             });
         }
         // SAFETY: any 4 initialized bytes are a valid f32; align_to_mut only yields a
@@ -93,6 +115,7 @@ impl<'a> LinearState<'a> {
             rec,
             layers,
             slots,
+            checkpoints,
         })
     }
 
@@ -126,6 +149,47 @@ impl<'a> LinearState<'a> {
         let at = slot * per + layer * one;
         let s = &mut self.all()[at..at + one];
         Some(s.split_at_mut(conv))
+    }
+
+    /// Linear layers held.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// Checkpoints kept per slot.
+    pub fn checkpoints(&self) -> usize {
+        self.checkpoints
+    }
+
+    /// Where checkpoint `j` of `slot`'s `layer` starts.
+    fn checkpoint_at(&self, slot: usize, j: usize, layer: usize) -> usize {
+        let per = self.per_slot();
+        self.slots * per + (slot * self.checkpoints + j) * per + layer * (self.conv + self.rec)
+    }
+
+    /// Copy `layer`'s live state of `slot` into its checkpoint `j`; false (nothing copied)
+    /// outside the slots, layers or checkpoints.
+    pub fn save(&mut self, slot: usize, layer: usize, j: usize) -> bool {
+        if slot >= self.slots || layer >= self.layers || j >= self.checkpoints {
+            return false;
+        }
+        let one = self.conv + self.rec;
+        let live = slot * self.per_slot() + layer * one;
+        let at = self.checkpoint_at(slot, j, layer);
+        self.all().copy_within(live..live + one, at);
+        true
+    }
+
+    /// Set every layer's state of `slot` to its checkpoint `j`; false (nothing copied)
+    /// outside the slots or checkpoints.
+    pub fn restore(&mut self, slot: usize, j: usize) -> bool {
+        if slot >= self.slots || j >= self.checkpoints {
+            return false;
+        }
+        let per = self.per_slot();
+        let at = self.checkpoint_at(slot, j, 0);
+        self.all().copy_within(at..at + per, slot * per);
+        true
     }
 }
 
@@ -197,7 +261,35 @@ mod tests {
         let mut buf = vec![0u32; 10];
         // SAFETY: u32 storage viewed as bytes, same length in bytes.
         let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, 40) };
-        let e = LinearState::bind(bytes, &d, 1, 1).err().unwrap();
+        let e = LinearState::bind(bytes, &d, 1, 1, 0).err().unwrap();
         assert!(e.to_string().contains("re-plan"), "{e}");
+    }
+
+    #[test]
+    fn a_checkpoint_restores_every_layer_of_its_slot_only() {
+        let d = next_dims();
+        let mut s = LinearState::owned_with_checkpoints(&d, 2, 2, 3);
+        let fill = |s: &mut LinearState, v: f32| {
+            for slot in 0..2 {
+                for l in 0..2 {
+                    let (c, r) = s.layer(slot, l).unwrap();
+                    c.fill(v + slot as f32);
+                    r.fill(v + slot as f32 + 0.5);
+                }
+            }
+        };
+        fill(&mut s, 10.0);
+        for l in 0..2 {
+            assert!(s.save(0, l, 1) && s.save(1, l, 1));
+        }
+        fill(&mut s, 20.0);
+        assert!(s.restore(0, 1));
+        for l in 0..2 {
+            let (c, r) = s.layer(0, l).unwrap();
+            assert!(c.iter().all(|&v| v == 10.0) && r.iter().all(|&v| v == 10.5));
+            let (c, _) = s.layer(1, l).unwrap();
+            assert!(c.iter().all(|&v| v == 21.0), "slot 1 is untouched");
+        }
+        assert!(!s.save(0, 0, 3) && !s.restore(2, 0) && !s.restore(0, 3));
     }
 }

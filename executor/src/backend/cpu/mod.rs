@@ -96,6 +96,9 @@ pub struct CpuStage<'a> {
     vectors: Vec<Vec<f32>>,
     scratch: Scratch<'a>,
     kv: Vec<KvCache<'a>>,
+    /// Each slot's KV of the MTP block, when it lives apart from `kv` (a plan puts it in the
+    /// `mtp` region): KV layer `kv[0].n_layer + i` is its layer `i`.
+    mtp_kv: Vec<KvCache<'a>>,
     /// Each slot's linear-attention state (no layers for models without linear attention).
     lin: LinearState<'a>,
     cache: Option<CpuExpertCache<'a>>,
@@ -107,6 +110,8 @@ pub struct CpuStage<'a> {
     pos: Vec<u32>,
     /// Per token of the pass, the cells it sees (`pos + 1`).
     n_ctx: Vec<u32>,
+    /// The kind of the uploaded pass.
+    kind: StepKind,
     max_tok: usize,
 }
 
@@ -133,6 +138,7 @@ impl<'a> CpuStage<'a> {
             vectors: Vec::new(),
             scratch,
             kv,
+            mtp_kv: Vec::new(),
             lin: LinearState::owned(&d, 0, 0),
             cache,
             tally: RoutingTally::new(d.n_layer, d.n_expert, d.k),
@@ -140,6 +146,7 @@ impl<'a> CpuStage<'a> {
             slot: Vec::with_capacity(max_tok),
             pos: Vec::with_capacity(max_tok),
             n_ctx: Vec::with_capacity(max_tok),
+            kind: StepKind::Prefill,
             max_tok,
         }
     }
@@ -174,6 +181,12 @@ impl<'a> CpuStage<'a> {
             None,
             pass.tokens,
         ))
+    }
+
+    /// The stage with `kv` as its slots' MTP-block KV (see the field).
+    pub fn with_mtp_kv(mut self, kv: Vec<KvCache<'a>>) -> Self {
+        self.mtp_kv = kv;
+        self
     }
 
     /// The stage with `lin` as its slots' linear-attention state.
@@ -331,16 +344,22 @@ impl<'a> Ops for CpuStage<'a> {
         if let Some(w) = a.k_norm {
             ops::rmsnorm_heads_inplace(&mut k[..n * kw], &self.vectors[w.0], d.eps)?;
         }
+        let n_main = self.kv.first().map_or(0, |c| c.geom().n_layer);
+        let (caches, layer) = if a.kv_layer >= n_main && !self.mtp_kv.is_empty() {
+            (&mut self.mtp_kv, a.kv_layer - n_main)
+        } else {
+            (&mut self.kv, a.kv_layer)
+        };
         for t in 0..n {
             let p = self.pos[t];
             self.rope.apply(&mut q[t * qw..(t + 1) * qw], d.hd, p)?;
             self.rope.apply(&mut k[t * kw..(t + 1) * kw], d.hd, p)?;
             let s = self.slot[t] as usize;
-            let kv = self.kv.get_mut(s).ok_or_else(|| {
+            let kv = caches.get_mut(s).ok_or_else(|| {
                 CpuError::Other(format!("slot {s} has no KV cache on this stage"))
             })?;
             kv.write(
-                a.kv_layer,
+                layer,
                 p as usize,
                 &k[t * kw..(t + 1) * kw],
                 &v[t * vw..(t + 1) * vw],
@@ -355,8 +374,8 @@ impl<'a> Ops for CpuStage<'a> {
         let scale = 1.0 / (d.hd as f32).sqrt();
         kv::attention(
             shape,
-            &self.kv,
-            a.kv_layer,
+            caches,
+            layer,
             &self.slot[..n],
             &self.n_ctx[..n],
             q,
@@ -548,7 +567,8 @@ impl<'a> Ops for CpuStage<'a> {
 
     /// Tokens run in runs of consecutive tokens of one slot (a prefill pass is one run, a
     /// decode pass one run per slot): the chunked rule for runs longer than one token, the
-    /// recurrent step otherwise.
+    /// recurrent step otherwise. A verify pass runs each token alone (so it computes what
+    /// decoding them one by one would) and checkpoints the state after each but the last.
     fn linear_attention(
         &mut self,
         a: &LinearAttention<CpuVector>,
@@ -592,33 +612,51 @@ impl<'a> Ops for CpuStage<'a> {
             while t1 < n && self.slot[t1] == slot {
                 t1 += 1;
             }
-            let len = t1 - t0;
-            let (cs, rs) = self.lin.layer(slot as usize, a.lin_layer).ok_or_else(|| {
-                CpuError::Other(format!(
-                    "slot {slot} has no state for linear layer {} on this stage",
-                    a.lin_layer
-                ))
-            })?;
-            if self.pos[t0] == 0 {
-                // A new sequence in this slot: this layer starts from zero state (the other
-                // layers clear theirs when their op sees the same token).
-                cs.fill(0.0);
-                rs.fill(0.0);
-            }
-            let rows = &mut conv_out[t0 * c..t1 * c];
-            conv::conv1d_silu(&qkv[t0 * c..t1 * c], len, c, conv_w, d.conv_k, cs, rows)?;
-            delta_net::l2norm_qk_inplace(shape, rows, len, 1e-6)?;
-            let inp = delta_net::DeltaInputs {
-                qkv: rows,
-                g: &g[t0 * nv..t1 * nv],
-                beta: &beta[t0 * nv..t1 * nv],
-                n_tok: len,
-            };
-            let o = &mut dout[t0 * vd..t1 * vd];
-            if len > 1 {
-                delta_net::delta_rule_chunked(shape, inp, chunk, rs, dsc, o)?;
+            let step = if self.kind == StepKind::Verify {
+                1
             } else {
-                delta_net::delta_rule_recurrent(shape, inp, rs, o)?;
+                t1 - t0
+            };
+            let mut s0 = t0;
+            while s0 < t1 {
+                let s1 = (s0 + step).min(t1);
+                let len = s1 - s0;
+                let (cs, rs) = self.lin.layer(slot as usize, a.lin_layer).ok_or_else(|| {
+                    CpuError::Other(format!(
+                        "slot {slot} has no state for linear layer {} on this stage",
+                        a.lin_layer
+                    ))
+                })?;
+                if self.pos[s0] == 0 {
+                    // A new sequence in this slot: this layer starts from zero state (the
+                    // other layers clear theirs when their op sees the same token).
+                    cs.fill(0.0);
+                    rs.fill(0.0);
+                }
+                let rows = &mut conv_out[s0 * c..s1 * c];
+                conv::conv1d_silu(&qkv[s0 * c..s1 * c], len, c, conv_w, d.conv_k, cs, rows)?;
+                delta_net::l2norm_qk_inplace(shape, rows, len, 1e-6)?;
+                let inp = delta_net::DeltaInputs {
+                    qkv: rows,
+                    g: &g[s0 * nv..s1 * nv],
+                    beta: &beta[s0 * nv..s1 * nv],
+                    n_tok: len,
+                };
+                let o = &mut dout[s0 * vd..s1 * vd];
+                if len > 1 {
+                    delta_net::delta_rule_chunked(shape, inp, chunk, rs, dsc, o)?;
+                } else {
+                    delta_net::delta_rule_recurrent(shape, inp, rs, o)?;
+                }
+                let j = s1 - 1 - t0;
+                if step == 1 && s1 < t1 && !self.lin.save(slot as usize, a.lin_layer, j) {
+                    return Err(CpuError::Other(format!(
+                        "a verify pass of {} tokens for slot {slot}, but the stage keeps {} linear-state checkpoints per slot (the plan's --spec)",
+                        t1 - t0,
+                        self.lin.checkpoints()
+                    )));
+                }
+                s0 = s1;
             }
             t0 = t1;
         }
@@ -629,6 +667,24 @@ impl<'a> Ops for CpuStage<'a> {
             d.eps,
             &mut out[..n * vd],
         )?;
+        Ok(())
+    }
+
+    fn concat_rows(
+        &mut self,
+        a: WorkBuf,
+        b: WorkBuf,
+        out: WorkBuf,
+        n: usize,
+    ) -> Result<(), CpuError> {
+        let e = self.d.e;
+        let [xa, xb, y]: [&mut [f32]; 3] =
+            self.scratch
+                .words([(a, n * e), (b, n * e), (out, 2 * n * e)])?;
+        for (i, row) in y[..2 * n * e].chunks_exact_mut(2 * e).enumerate() {
+            row[..e].copy_from_slice(&xa[i * e..(i + 1) * e]);
+            row[e..].copy_from_slice(&xb[i * e..(i + 1) * e]);
+        }
         Ok(())
     }
 
@@ -707,7 +763,13 @@ impl<'a> Bind for CpuStage<'a> {
     fn experts_of(&mut self, layer: u32) -> Result<CpuExperts<'a>, CpuError> {
         let n = |p: &str| format!("blk.{layer}.ffn_{p}_exps.weight");
         let (e, f) = (self.d.e, self.d.f);
-        if self.cache.is_some() {
+        // The MTP block's experts (a layer past the cache's range) are read where the plan
+        // placed them, in the `mtp` region.
+        if self
+            .cache
+            .as_ref()
+            .is_some_and(|c| c.policy().covers(layer))
+        {
             return Ok(CpuExperts::Cache);
         }
         Ok(CpuExperts::Stacks(
@@ -725,7 +787,7 @@ impl<'a> Bind for CpuStage<'a> {
 impl Stage for CpuStage<'_> {
     fn upload_inputs(
         &mut self,
-        _kind: StepKind,
+        kind: StepKind,
         tokens: &[u32],
         slots: &[u32],
         pos: &[u32],
@@ -756,6 +818,7 @@ impl Stage for CpuStage<'_> {
         self.pos.extend_from_slice(pos);
         self.n_ctx.clear();
         self.n_ctx.extend(pos.iter().map(|p| p + 1));
+        self.kind = kind;
         Ok(())
     }
 
@@ -796,6 +859,20 @@ impl Stage for CpuStage<'_> {
     fn read_buf(&mut self, b: WorkBuf, out: &mut [f32]) -> Result<(), CpuError> {
         let [x]: [&mut [f32]; 1] = self.scratch.words([(b, out.len())])?;
         out.copy_from_slice(&x[..out.len()]);
+        Ok(())
+    }
+
+    fn rollback_linear(&mut self, slot: usize, keep: usize) -> Result<(), CpuError> {
+        if self.lin.layers() == 0 {
+            return Ok(());
+        }
+        if !self.lin.restore(slot, keep) {
+            return Err(CpuError::Other(format!(
+                "rollback of slot {slot} to verify token {keep}: the stage keeps {} linear-state checkpoints of {} slots (the plan's --spec and --batch)",
+                self.lin.checkpoints(),
+                self.lin.slots()
+            )));
+        }
         Ok(())
     }
 

@@ -734,6 +734,33 @@ impl Ops for CudaStage {
         linear::delta_rule(&l, heads, inp, slots(layer + lin.conv), tok, out, d.eps)
     }
 
+    /// Two device-to-device copies per row (the MTP block's `eh_proj` input, a handful of
+    /// rows per draft step).
+    fn concat_rows(
+        &mut self,
+        a: WorkBuf,
+        b: WorkBuf,
+        out: WorkBuf,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let (row, n) = (4 * self.d.e as u64, n as u64);
+        let (va, vb) = (self.buf_at(a, 0, n * row)?, self.buf_at(b, 0, n * row)?);
+        let vo = self.buf_at(out, 0, 2 * n * row)?;
+        let (pa, pb, po) = (va.ptr(), vb.ptr(), vo.ptr());
+        for i in 0..n {
+            for (src, half) in [(pa + i * row, 0), (pb + i * row, row)] {
+                // SAFETY: both ranges lie inside the bound views checked above (row i of an
+                // n-row buffer, and half of row i of the 2n-row output), live arenas of this
+                // device; the copy is ordered on the stage's stream like every op.
+                unsafe {
+                    self.dev
+                        .dtod_raw("concat_rows", po + 2 * i * row + half, src, row as usize)
+                }?;
+            }
+        }
+        Ok(())
+    }
+
     /// gate and up products into the `sh_scratch` rows, SwiGLU, the down product, then the
     /// sigmoid-gated add into `y`.
     fn shared_expert(

@@ -543,6 +543,15 @@ impl Stage for CudaStage {
         self.dev.htod(data, v)
     }
 
+    fn rollback_linear(&mut self, slot: usize, keep: usize) -> Result<(), CudaError> {
+        Err(CudaError::Shape {
+            op: "rollback_linear",
+            detail: format!(
+                "slot {slot} to verify token {keep}: the CUDA backend keeps no linear-state checkpoints yet, so MTP speculation (--spec) runs on the CPU backend only: re-plan without --spec for CUDA"
+            ),
+        })
+    }
+
     fn read_buf(&mut self, b: WorkBuf, out: &mut [f32]) -> Result<(), CudaError> {
         let v = self.buf_at(b, 0, 4 * out.len() as u64)?;
         self.dev.dtoh(v, out)

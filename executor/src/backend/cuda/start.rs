@@ -126,6 +126,12 @@ pub fn preflight(
         }
     }
     let s = &plan.serve;
+    if s.spec > 0 {
+        return Err(plan_err(format!(
+            "the plan speculates (--spec {}); MTP speculative decoding is not in the CUDA engine yet: re-plan without --spec (--mtp alone keeps the block's memory) or run with --backend cpu",
+            s.spec
+        )));
+    }
     if s.kv_resident < s.max_context {
         return Err(plan_err(format!(
             "the plan keeps {} of {} KV cells per slot on the GPU; KV spill to host memory is not in the CUDA engine yet: re-plan with --kv-resident {} or run with --backend cpu",
@@ -170,6 +176,7 @@ pub fn preflight(
             att_splits: w.att_splits as usize,
             slots: w.slots as usize,
             gemm: w.gemm,
+            mtp: dp.holds_mtp,
         };
         let n_layer = (dp.layer_end - dp.layer_first) as usize;
         for (b, need) in workset::buffers(BackendKind::Gpu, &d, n_layer, true, &pass) {
@@ -521,6 +528,8 @@ impl Start<'_> {
             layer_end: dp.layer_end,
             embedding: dp.holds_embedding,
             head: dp.holds_head,
+            // MTP speculation runs on the CPU backend only so far (refused at start-up).
+            mtp: false,
         };
         let hp = &host.inventory().hparams;
         let (_, lin) = qwen3next::layer_counts(hp, dp.layer_first, dp.layer_end);

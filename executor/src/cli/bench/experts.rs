@@ -115,12 +115,14 @@ mod tests {
             expert_misses: 4,
             expert_bytes_streamed: 1 << 20,
             kv_cells_in_use: vec![],
+            ..EngineStats::default()
         };
         let b = EngineStats {
             expert_hits: 40,
             expert_misses: 14,
             expert_bytes_streamed: 5 << 20,
             kv_cells_in_use: vec![3],
+            ..EngineStats::default()
         };
         let c = ExpertCounts::between(&a, &b, 2, 0.5);
         assert_eq!(

@@ -1,6 +1,7 @@
 //! One timed repetition of a bench combination: `batch` sequences, each in its own slot,
 //! first fill `depth` cells (untimed), then prefill `prompt` tokens (timed), then all decode
-//! `n_gen` steps together (timed).
+//! `n_gen` steps together (timed). With a plan that speculates (MTP), greedy decode runs by
+//! speculative steps, slot after slot, until each sequence has `n_gen` tokens.
 //! Invariant: measures only; every timed step includes bringing the logits (or the picked
 //! tokens) back to the host, and slots `0..batch` are reset before the repetition.
 
@@ -106,6 +107,18 @@ pub fn rep(
         .collect();
     let mut next = vec![0u32; c.batch];
     let t1 = Instant::now();
+    if e.spec_tokens() > 0 && sampling.temperature <= 0.0 {
+        speculate(e, &mut batch, c.n_gen)?;
+        let secs = t1.elapsed().as_secs_f64().max(1e-12);
+        let b2 = e.stats().expert_bytes_streamed;
+        return Ok(Sample {
+            pp,
+            tg: (c.n_gen * c.batch) as f64 / secs,
+            tg_seq: c.n_gen as f64 / secs,
+            pp_streamed: b1.saturating_sub(b0),
+            tg_streamed: b2.saturating_sub(b1),
+        });
+    }
     for _ in 0..c.n_gen {
         // Picked by the engine (on the device where it can).
         if sampling.temperature > 0.0 {
@@ -128,6 +141,26 @@ pub fn rep(
         pp_streamed: b1.saturating_sub(b0),
         tg_streamed: b2.saturating_sub(b1),
     })
+}
+
+/// Greedy speculative steps for every `(slot, pending token)` of `batch`, slot after slot,
+/// until each has `n_gen` tokens (a last step may give a few more; they are not counted).
+fn speculate(e: &mut dyn Engine, batch: &mut [(usize, u32)], n_gen: usize) -> Result<(), String> {
+    let mut out = vec![0u32; e.spec_tokens() + 1];
+    let mut done = vec![0usize; batch.len()];
+    while done.iter().any(|&d| d < n_gen) {
+        for (b, d) in batch.iter_mut().zip(done.iter_mut()) {
+            if *d >= n_gen {
+                continue;
+            }
+            let got = e
+                .decode_spec_greedy(b.0, b.1, None, &mut out)
+                .map_err(|e| e.to_string())?;
+            b.1 = out[got - 1];
+            *d += got;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

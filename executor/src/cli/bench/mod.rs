@@ -215,10 +215,29 @@ pub fn main(args: BenchArgs) {
             test_label("tg", c.n_gen, c, ""),
             xc.text()
         ));
+        let (s0, s1) = (stats0.speculation, engine.stats().speculation);
+        let spec = (engine.spec_tokens() > 0).then(|| {
+            let (drafted, accepted) = (s1.drafted - s0.drafted, s1.accepted - s0.accepted);
+            expert_lines.push(format!(
+                "{}: speculation (--spec {}): {accepted} of {drafted} drafts accepted in {} steps",
+                test_label("tg", c.n_gen, c, ""),
+                engine.spec_tokens(),
+                s1.steps - s0.steps
+            ));
+            serde_json::json!({
+                "spec": engine.spec_tokens(),
+                "steps": s1.steps - s0.steps,
+                "drafted": drafted,
+                "accepted": accepted,
+            })
+        });
         let pred = predicted(&plan, c, ubatch);
         if args.format == "json" {
             let mut j = json_row(&args, &plan, &lead, c, &rates, pred, engine.as_ref());
             j["experts"] = xc.json();
+            if let Some(s) = spec {
+                j["speculation"] = s;
+            }
             if let Some(m) = &memory {
                 j["device_memory"] = m
                     .iter()
