@@ -653,7 +653,7 @@ async fn respond(
                 log.error = Some(e.message.clone());
             }
         }
-        reqlog::log(&app.opts.log, &log);
+        reqlog::log(&log);
         let (choices, usage) = res?;
         let body = if chat {
             openai::chat_body(&meta, &choices, usage)
@@ -689,7 +689,7 @@ async fn respond(
         include_usage: gen.include_usage,
         queue,
         over: false,
-        log: Some((app.clone(), log)),
+        log: Some(log),
         arrived: s.arrived,
         first: None,
     };
@@ -714,23 +714,20 @@ fn count_rejected<T>(
             .ready
             .get()
             .map_or("-".to_string(), |rd| model_name(app, rd).to_string());
-        reqlog::log(
-            &app.opts.log,
-            &RequestLog {
-                id: "-".into(),
-                endpoint: endpoint(chat),
-                model,
-                status: e.status,
-                prompt_tokens: 0,
-                completion_tokens: 0,
-                ttft_ms: None,
-                total_ms: ms(arrived.elapsed()),
-                finish: "rejected".into(),
-                n: 0,
-                stream: false,
-                error: Some(e.message.clone()),
-            },
-        );
+        reqlog::log(&RequestLog {
+            id: "-".into(),
+            endpoint: endpoint(chat),
+            model,
+            status: e.status,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            ttft_ms: None,
+            total_ms: ms(arrived.elapsed()),
+            finish: "rejected".into(),
+            n: 0,
+            stream: false,
+            error: Some(e.message.clone()),
+        });
     }
     r
 }

@@ -59,8 +59,6 @@ pub struct ServeOptions {
     pub body_timeout: Duration,
     /// What one chat-template render may spend.
     pub template: template::TemplateLimits,
-    /// The request log's format and level (`--log-format`, `RUST_LOG`).
-    pub log: reqlog::LogConfig,
     /// How chat output's `<think>` blocks are returned (`--reasoning-format`).
     pub reasoning_format: reasoning::ReasoningFormat,
     /// Reuse of each slot's context by the next request (`--no-prefix-cache`).
@@ -83,7 +81,6 @@ impl Default for ServeOptions {
             conn: conn::ConnLimits::default(),
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),
-            log: reqlog::LogConfig::default(),
             reasoning_format: reasoning::ReasoningFormat::default(),
             prefix_cache: scheduler::PrefixCache::default(),
         }

@@ -853,7 +853,7 @@ fn engine_msg(e: &EngineError) -> String {
     match e {
         EngineError::Request(m) => m.clone(),
         EngineError::Internal(m) => {
-            eprintln!("strata-exec serve: engine failure: {m}");
+            tracing::error!(target: "strata_exec::serve", "engine failure: {m}");
             format!("engine failure: {m}")
         }
     }
