@@ -282,7 +282,7 @@ async fn metrics(State(app): AppState) -> Response {
     (
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         app.shared.prometheus(),
     )
