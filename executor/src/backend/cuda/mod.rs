@@ -316,6 +316,24 @@ impl CudaDevice {
         self.synchronize()
     }
 
+    /// Copies `src` into `dst` on the device (same length; asynchronous on the stream, so
+    /// every later op on it sees the bytes).
+    pub fn dtod(&self, src: DeviceView<'_>, dst: DeviceView<'_>) -> Result<(), CudaError> {
+        dst.expect_len("dtod", src.len())?;
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: both are checked views of live arenas of this context, of equal length; the
+        // copy is ordered on the stream every pass runs on.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.ptr(),
+                src.ptr(),
+                src.len() as usize,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(drv("cuMemcpyDtoDAsync"))
+    }
+
     /// Sets every byte of `dst` to `value` (asynchronous on the stream).
     pub fn memset(&self, dst: DeviceView<'_>, value: u8) -> Result<(), CudaError> {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
