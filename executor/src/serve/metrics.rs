@@ -27,6 +27,8 @@ pub struct Ready {
     pub template: Option<ChatTemplate>,
     /// Token ids that end a generation.
     pub eos: Arc<[u32]>,
+    /// The compiler of `response_format` grammars, or why there is none.
+    pub grammars: Result<Arc<super::structured::Grammars>, super::structured::StructuredError>,
 }
 
 /// A slot's state as `/slots` and `/metrics` show it.
@@ -63,6 +65,8 @@ pub struct Shared {
     pub queued: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Prompt tokens a choice of an `n > 1` request took by copying the first choice's slot.
+    pub prompt_tokens_copied: AtomicU64,
     /// Sequences that reused at least one cached prompt token.
     pub prefix_hits: AtomicU64,
     /// Prompt tokens taken from slots' caches instead of prefilled.
@@ -189,6 +193,7 @@ impl Default for Shared {
             queued: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
+            prompt_tokens_copied: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_reused_tokens: AtomicU64::new(0),
             prefix_prompt_tokens: AtomicU64::new(0),
@@ -237,6 +242,7 @@ impl Shared {
             ("requests_queued", "Requests waiting for a slot", Gauge, g(&self.queued)),
             ("prompt_tokens", "Prompt tokens prefilled", Counter, g(&self.prompt_tokens)),
             ("generated_tokens", "Tokens generated", Counter, g(&self.generated_tokens)),
+            ("prompt_tokens_copied", "Prompt tokens a later choice of an n > 1 request took by copying the first choice's context instead of prefilling", Counter, g(&self.prompt_tokens_copied)),
             ("prefix_cache_hits", "Sequences that reused at least one prompt token cached in their slot", Counter, g(&self.prefix_hits)),
             ("prefix_cache_reused_tokens", "Prompt tokens taken from a slot's prefix cache instead of prefilled", Counter, g(&self.prefix_reused_tokens)),
             ("prefix_cache_prompt_tokens", "Prompt tokens of every sequence admitted into a slot (reused or prefilled)", Counter, g(&self.prefix_prompt_tokens)),

@@ -19,6 +19,7 @@ pub mod reqlog;
 pub mod scheduler;
 pub mod script_engine;
 pub mod stream;
+pub mod structured;
 pub mod template;
 pub mod test_engine;
 pub mod tools;
@@ -140,11 +141,19 @@ pub(crate) fn make_ready(
             );
         }
     }
+    let tokenizer = tok.map(Arc::new);
+    // The grammar compiler for `response_format`; a tokenizer it cannot use only makes
+    // structured-output requests fail (with this reason), not the server.
+    let grammars = match &tokenizer {
+        None => Err(structured::StructuredError::NoTokenizer),
+        Some(t) => structured::Grammars::new(t.clone(), info.n_vocab, &eos).map(Arc::new),
+    };
     Ok(Ready {
         info: info.clone(),
-        tokenizer: tok.map(Arc::new),
+        tokenizer,
         template,
         eos: eos.into(),
+        grammars,
     })
 }
 
