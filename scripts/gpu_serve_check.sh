@@ -12,7 +12,7 @@
 # extra flag); tests/data/tiny-chat-moe is the small one:
 #   strata-plan --model tests/data/tiny-chat-moe --hardware plans/hardware/h200.toml \
 #       --max-context 256 --batch 2 --ubatch 8 -o tiny-chat-h200.plan
-# Needs python3 with the `openai` package (pip install openai).
+# Needs python3 with the `openai` and `jsonschema` packages (pip install openai jsonschema).
 set -euo pipefail
 
 if [ $# -lt 3 ]; then

@@ -197,6 +197,14 @@ pub trait Engine: Send {
         let _ = (slot, n);
         false
     }
+    /// Make slot `to` hold a copy of slot `from`'s context (KV cells and recurrent state),
+    /// so `to` continues `from`'s sequence (the `n` choices of one prompt prefill it once).
+    /// `Ok(false)` where the engine cannot (the caller then prefills `to` itself); `to`'s old
+    /// context is not to be used after either answer.
+    fn copy_slot(&mut self, from: usize, to: usize) -> Result<bool, EngineError> {
+        let _ = (from, to);
+        Ok(false)
+    }
     /// Cells of `slot`'s context in use.
     fn slot_len(&self, slot: usize) -> u64;
     fn stats(&self) -> EngineStats;

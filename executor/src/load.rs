@@ -592,8 +592,8 @@ impl HostModel for MemModel {
 }
 
 /// Load progress of `total` bytes labelled `what` on stderr, when asked for: a bar on a
-/// terminal, else a log line at each tenth and at the end (so a server's log shows how far
-/// loading is).
+/// terminal, else a `tracing` info line (target `strata_exec::load`) at each tenth and at
+/// the end (so a server's log, text or JSON, shows how far loading is).
 pub fn progress_bar(progress: bool, total: u64, what: &str) -> Progress {
     let hidden = Progress {
         bar: indicatif::ProgressBar::hidden(),
@@ -650,8 +650,9 @@ impl Progress {
             let tenths = (l.done.get() * 10).checked_div(l.total).unwrap_or(10);
             if tenths > l.tenths.get() && tenths < 10 {
                 l.tenths.set(tenths);
-                eprintln!(
-                    "strata-exec: {} {}% ({} of {} MiB, {:.1} s)",
+                tracing::info!(
+                    target: "strata_exec::load",
+                    "{} {}% ({} of {} MiB, {:.1} s)",
                     l.what,
                     tenths * 10,
                     l.done.get() >> 20,
@@ -666,8 +667,9 @@ impl Progress {
     pub fn finish_and_clear(&self) {
         self.bar.finish_and_clear();
         if let Some(l) = &self.lines {
-            eprintln!(
-                "strata-exec: {} done: {} MiB in {:.1} s",
+            tracing::info!(
+                target: "strata_exec::load",
+                "{} done: {} MiB in {:.1} s",
                 l.what,
                 l.done.get() >> 20,
                 l.t0.elapsed().as_secs_f64()

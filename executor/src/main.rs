@@ -39,6 +39,13 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
+    // One log subscriber for every command (load progress and the server's log go through
+    // it); `--log-format` is a serve flag, text otherwise.
+    let format = match &cli.cmd {
+        None if cli.run.serve.serve => cli.run.serve.log_format.into(),
+        _ => strata_exec::serve::reqlog::LogFormat::Text,
+    };
+    strata_exec::serve::reqlog::init(format);
     match cli.cmd {
         Some(Cmd::Bench(a)) => cli::bench::main(a),
         Some(Cmd::Probe(a)) => cli::probe::main(a),

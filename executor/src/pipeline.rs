@@ -426,6 +426,30 @@ where
         ok
     }
 
+    fn copy_slot(&mut self, from: usize, to: usize) -> Result<bool, EngineError> {
+        let n = self.lens.len();
+        if from == to || from >= n || to >= n {
+            return Ok(false);
+        }
+        let cells = self.lens[from] as usize;
+        for st in self.stages.iter_mut() {
+            match st.backend.copy_slot(from, to, cells) {
+                Ok(true) => {}
+                Ok(false) => {
+                    // A stage that cannot copy (none today mixes): nothing usable in `to`.
+                    self.lens[to] = 0;
+                    return Ok(false);
+                }
+                Err(e) => {
+                    self.lens[to] = 0;
+                    return Err(internal(e));
+                }
+            }
+        }
+        self.lens[to] = cells as u64;
+        Ok(true)
+    }
+
     fn slot_len(&self, slot: usize) -> u64 {
         self.lens.get(slot).copied().unwrap_or(0)
     }

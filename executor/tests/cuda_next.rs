@@ -222,3 +222,43 @@ fn tiny_qwen3next_references_where_the_kernels_take_them() {
         eprintln!("SKIP: no tiny-qwen3next reference fits the CUDA kernels' shapes (see above); the random models of random_qwen3next_matches_the_cpu_engine cover the ops");
     }
 }
+
+/// `Engine::copy_slot` on the CUDA engine (device-to-device copies of every full-attention
+/// layer's first cells and of the linear-attention state): slot 1, holding another sequence,
+/// given slot 0's context decodes exactly as slot 0 does, on one planned device and on a
+/// layer split over two (each stage copies its own layers).
+#[test]
+fn copy_slot_on_the_gpu_continues_the_sequence() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let hp = tiny_hp();
+    let path = dir.path().join("next-copy.gguf");
+    let opts = RandomOptions {
+        name: "tiny next".into(),
+        ..Default::default()
+    };
+    let q = QuantRecipe::preset("F32").unwrap();
+    write_random_model(&path, "qwen3next", &hp, &q, 17, opts).unwrap();
+    let v = hp.n_vocab as usize;
+    for (what, a) in [
+        ("one device", ask(true, 1, None)),
+        ("two devices", ask(true, 2, Some(vec![2]))),
+    ] {
+        let mut g = cuda_engine(&path, &a);
+        let p = prompt(23, 7);
+        let row = g.prefill_all(0, &p).unwrap()[(p.len() - 1) * v..].to_vec();
+        g.prefill_all(1, &prompt(9, 3)).unwrap();
+        assert!(g.copy_slot(0, 1).unwrap(), "{what}");
+        assert_eq!(g.slot_len(1), 23, "{what}");
+        let mut t = argmax(&row);
+        for step in 0..4 {
+            let l = g.decode(&[(0, t), (1, t)]).unwrap().to_vec();
+            let r = max_rel(&l[v..], &l[..v]);
+            assert!(r < 1e-6, "{what} step {step}: the copy differs by {r}");
+            t = argmax(&l[..v]);
+        }
+        eprintln!("PASS {what}: a copied slot decodes as its original");
+    }
+}

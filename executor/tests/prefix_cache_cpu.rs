@@ -165,3 +165,30 @@ fn qwen3next_keeps_only_the_whole_context_and_continuing_it_equals_a_whole_prefi
     let r = max_rel(&a[..v], &a[v..]);
     assert!(r < 1e-4, "the decode after differs by {r}");
 }
+
+/// `Engine::copy_slot`, the `n`-choices half: a slot given a copy of another's context (KV
+/// cells and, for Qwen3-Next, the conv and recurrent state) decodes exactly as the original,
+/// whatever it held before; a slot onto itself or outside the engine is refused.
+#[test]
+fn copy_slot_continues_the_sequence_for_both_architectures() {
+    for arch in ["qwen3moe", "qwen3next"] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut e = engine(dir.path(), arch);
+        let v = e.info().n_vocab;
+        let prompt = toks(19, 37, 5);
+        let row = prefill(e.as_mut(), 0, &prompt);
+        // Slot 1 holds an unrelated context first: the copy must replace all of it.
+        prefill(e.as_mut(), 1, &toks(23, 3, 1));
+        assert!(e.copy_slot(0, 1).unwrap(), "{arch}");
+        assert_eq!(e.slot_len(1), 19, "{arch}");
+        let mut t = strata_exec::sampler::argmax(&row);
+        for step in 0..4 {
+            let a = e.decode(&[(0, t), (1, t)]).unwrap().to_vec();
+            let r = max_rel(&a[v..], &a[..v]);
+            assert!(r <= 1e-6, "{arch} step {step}: the copy differs by {r}");
+            t = strata_exec::sampler::argmax(&a[..v]);
+        }
+        assert!(!e.copy_slot(0, 0).unwrap(), "{arch}: onto itself");
+        assert!(!e.copy_slot(0, 9).unwrap(), "{arch}: no such slot");
+    }
+}

@@ -354,3 +354,90 @@ async fn too_large_n_and_top_logprobs_are_400s_naming_the_field() {
     }
     s.stop().await;
 }
+
+/// `n` choices prefill the prompt once: the later choices copy the first one's context
+/// (`Engine::copy_slot`), so /metrics counts the prompt's tokens prefilled once and copied
+/// `n - 1` times, and greedy choices are identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_prefill_the_prompt_once_and_copy_it() {
+    let _serial = SERIAL.lock().await;
+    let s = TestServer::start(cfg(3), ServeOptions::default()).await;
+    let (p0, c0) = (
+        s.metric("strata_prompt_tokens_total").await,
+        s.metric("strata_prompt_tokens_copied_total").await,
+    );
+    let body = json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "n": 3,
+                      "cache_prompt": false});
+    let v = post_ok(&s, "/v1/completions", &body).await;
+    let texts: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts.len(), 3);
+    assert!(
+        texts.iter().all(|t| *t == texts[0]),
+        "greedy choices differ: {v}"
+    );
+    let n = PROMPT.len() as f64;
+    assert_eq!(
+        s.metric("strata_prompt_tokens_total").await - p0,
+        n,
+        "the prompt is prefilled once"
+    );
+    assert_eq!(
+        s.metric("strata_prompt_tokens_copied_total").await - c0,
+        2.0 * n,
+        "and copied into the other two slots"
+    );
+    let mut one = body.clone();
+    one["n"] = json!(1);
+    let w = post_ok(&s, "/v1/completions", &one).await;
+    assert_eq!(
+        w["choices"][0]["text"], texts[0],
+        "n = 1 gives the same text"
+    );
+    wait_idle(&s, std::time::Duration::from_secs(10)).await;
+    s.stop().await;
+}
+
+/// The same with the real CPU engine over a tiny Qwen3-Next (its linear-attention state is
+/// copied with the KV): three greedy choices equal one greedy answer, the prompt prefilled
+/// once.
+#[test]
+fn qwen3next_n_choices_copy_the_linear_state() {
+    use common::exec::{write_plan, ExecServer};
+    let model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next/base");
+    let dir = tempfile::tempdir().unwrap();
+    let plan = write_plan(dir.path(), &model, 3, 64, 8);
+    let s = ExecServer::start(&plan, &["--no-prefix-cache"]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let prompt: Vec<u32> = (0..19).map(|i| (i * 37 + 5) % 100).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "n": 3});
+    let p0 = rt.block_on(s.metric("strata_prompt_tokens_total"));
+    let r = rt.block_on(s.post_json("/v1/completions", &body));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let toks: Vec<Value> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].clone())
+        .collect();
+    assert_eq!(
+        rt.block_on(s.metric("strata_prompt_tokens_total")) - p0,
+        19.0,
+        "prefilled once"
+    );
+    let mut one = body.clone();
+    one["n"] = json!(1);
+    let w = rt.block_on(s.post_json("/v1/completions", &one)).json();
+    for (i, t) in toks.iter().enumerate() {
+        assert_eq!(*t, w["choices"][0]["text"], "choice {i}: {v}");
+    }
+}

@@ -303,7 +303,7 @@ async fn info_endpoints_and_chat_template() {
     assert!(metrics
         .header("content-type")
         .unwrap()
-        .starts_with("text/plain"));
+        .starts_with("application/openmetrics-text; version=1.0.0"));
     let text = metrics.text();
     for fam in [
         "strata_requests_running",

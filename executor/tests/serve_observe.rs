@@ -210,7 +210,7 @@ fn load_progress_is_logged_when_stderr_is_not_a_terminal() {
     assert!(out.status.success(), "{err}");
     assert!(
         err.lines()
-            .any(|l| l.starts_with("strata-exec: loading done: ") && l.ends_with(" s")),
+            .any(|l| l.contains(" INFO strata_exec::load: loading done: ") && l.ends_with(" s")),
         "{err}"
     );
 }

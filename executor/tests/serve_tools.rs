@@ -462,3 +462,24 @@ fn real_binary_renders_tools_and_kwargs() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+/// An engine that cannot copy a slot (the scripted one keeps the trait's default) still
+/// serves `n` choices: each prefills the prompt itself, and /metrics counts no copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_prefill_each_where_the_engine_cannot_copy_a_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok_dir = tokenizer_with(dir.path(), &qwen3_template());
+    let s = script_server(&tok_dir, &["Hello", " there"], ServeOptions::default()).await;
+    let p0 = s.metric("strata_prompt_tokens_total").await;
+    let body = json!({"prompt": "Say hi", "max_tokens": 8, "temperature": 0, "n": 2});
+    let r = s.post_json("/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    for c in v["choices"].as_array().unwrap() {
+        assert_eq!(c["text"], "Hello there", "{v}");
+    }
+    let p = v["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(s.metric("strata_prompt_tokens_total").await - p0, 2.0 * p);
+    assert_eq!(s.metric("strata_prompt_tokens_copied_total").await, 0.0);
+    s.stop().await;
+}

@@ -265,6 +265,14 @@ pub trait Stage: Ops {
         crate::sampler::sample_rows(&scratch[..rows * v], v, &draws[..rows], out);
         Ok(())
     }
+    /// Copy slot `from`'s first `cells` context cells (every KV layer of this stage) and its
+    /// whole linear-attention state into slot `to`, so `to` continues `from`'s sequence from
+    /// position `cells` (`n` choices of one prompt prefilled once). `Ok(false)`, with nothing
+    /// written, where this backend cannot (the caller prefills instead).
+    fn copy_slot(&mut self, from: usize, to: usize, cells: usize) -> Result<bool, Self::Error> {
+        let _ = (from, to, cells);
+        Ok(false)
+    }
     /// Wait for everything queued.
     fn sync(&mut self) -> Result<(), Self::Error>;
     /// Copy `data` into working buffer `b` from its first element (op checks and debugging;

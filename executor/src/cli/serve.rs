@@ -10,7 +10,7 @@ use std::time::Duration;
 use strata_exec::serve::conn::ConnLimits;
 use strata_exec::serve::defaults::SamplingDefaults;
 use strata_exec::serve::reasoning::ReasoningFormat;
-use strata_exec::serve::reqlog::{level_from, LogConfig, LogFormat};
+use strata_exec::serve::reqlog::LogFormat;
 use strata_exec::serve::scheduler::PrefixCache;
 use strata_exec::serve::template::TemplateLimits;
 use strata_exec::serve::{serve_with_loader_blocking, ServeOptions};
@@ -160,6 +160,15 @@ pub enum LogFormatArg {
     Json,
 }
 
+impl From<LogFormatArg> for LogFormat {
+    fn from(f: LogFormatArg) -> Self {
+        match f {
+            LogFormatArg::Text => LogFormat::Text,
+            LogFormatArg::Json => LogFormat::Json,
+        }
+    }
+}
+
 /// `secs` as a duration for `flag`, or an error naming the flag and the range.
 /// OpenAI's defaults, then the model folder's generation_config.json, then the flags
 /// (each checked against the range a request may give).
@@ -276,13 +285,6 @@ pub fn main(args: RunArgs) -> ! {
             fuel: s.template_fuel,
             max_output_bytes: s.template_max_bytes as usize,
             max_time: seconds("template-timeout", s.template_timeout, 3600.0),
-        },
-        log: LogConfig {
-            format: match s.log_format {
-                LogFormatArg::Text => LogFormat::Text,
-                LogFormatArg::Json => LogFormat::Json,
-            },
-            level: level_from(std::env::var("RUST_LOG").ok().as_deref()),
         },
         prefix_cache: PrefixCache {
             enabled: !s.no_prefix_cache,

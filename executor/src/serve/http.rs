@@ -282,7 +282,7 @@ async fn metrics(State(app): AppState) -> Response {
     (
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         app.shared.prometheus(),
     )
@@ -507,13 +507,23 @@ fn start(
             ),
         ));
     }
+    // Compiled before anything is queued, so a schema llguidance rejects is a 400.
+    let constraint = match &gen.response_format {
+        None => None,
+        Some(f) => {
+            let g = r.grammars.as_ref().map_err(|e| ApiError::from(e.clone()))?;
+            Some(g.compile(f).map_err(ApiError::from)?)
+        }
+    };
     let (tx, rx) = unbounded_channel();
     let id = app.next_id.fetch_add(1, Relaxed);
     let mut ended_by_stop = Vec::with_capacity(gen.n as usize);
+    let mut jobs = Vec::with_capacity(gen.n as usize);
     for index in 0..gen.n as usize {
         let flag = Arc::new(AtomicBool::new(false));
         // Each choice its own stream of draws: seed, seed+1, ...; the prompt is prefilled
-        // into each choice's slot (its KV copied by recomputation, not shared).
+        // once and its context copied into the other choices' slots (the scheduler's
+        // followers), or prefilled into each where the engine cannot copy.
         let mut sampling = gen.sampling;
         sampling.seed = sampling.seed.wrapping_add(index as u64);
         let job = Job {
@@ -529,11 +539,13 @@ fn start(
             arrived,
             ended_by_stop: flag.clone(),
             cache_prompt: gen.cache_prompt,
+            constraint: constraint.as_ref().map(|c| Box::new(c.fork())),
         };
-        // On an error the jobs already queued see a closed channel and are dropped.
-        submit_error(app, r, app.sched.submit(job))?;
+        jobs.push(job);
         ended_by_stop.push(flag);
     }
+    // One queue entry for the whole request, so its choices are admitted together.
+    submit_error(app, r, app.sched.submit_group(jobs))?;
     Ok(Started {
         rx,
         ended_by_stop,
@@ -653,7 +665,7 @@ async fn respond(
                 log.error = Some(e.message.clone());
             }
         }
-        reqlog::log(&app.opts.log, &log);
+        reqlog::log(&log);
         let (choices, usage) = res?;
         let body = if chat {
             openai::chat_body(&meta, &choices, usage)
@@ -689,7 +701,7 @@ async fn respond(
         include_usage: gen.include_usage,
         queue,
         over: false,
-        log: Some((app.clone(), log)),
+        log: Some(log),
         arrived: s.arrived,
         first: None,
     };
@@ -714,23 +726,20 @@ fn count_rejected<T>(
             .ready
             .get()
             .map_or("-".to_string(), |rd| model_name(app, rd).to_string());
-        reqlog::log(
-            &app.opts.log,
-            &RequestLog {
-                id: "-".into(),
-                endpoint: endpoint(chat),
-                model,
-                status: e.status,
-                prompt_tokens: 0,
-                completion_tokens: 0,
-                ttft_ms: None,
-                total_ms: ms(arrived.elapsed()),
-                finish: "rejected".into(),
-                n: 0,
-                stream: false,
-                error: Some(e.message.clone()),
-            },
-        );
+        reqlog::log(&RequestLog {
+            id: "-".into(),
+            endpoint: endpoint(chat),
+            model,
+            status: e.status,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            ttft_ms: None,
+            total_ms: ms(arrived.elapsed()),
+            finish: "rejected".into(),
+            n: 0,
+            stream: false,
+            error: Some(e.message.clone()),
+        });
     }
     r
 }

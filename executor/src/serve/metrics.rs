@@ -1,12 +1,20 @@
 //! Server state shared between the HTTP tasks and the scheduler thread: readiness, counters,
-//! latency and size histograms, per-slot views, and their Prometheus text rendering.
+//! latency and size histograms (`prometheus-client`'s), per-slot views, and their exposition
+//! through a `prometheus-client` registry (OpenMetrics text, every name `strata_`-prefixed).
+//! Counters and gauges are plain atomics here, read into the registry at each scrape by one
+//! collector: a new one is a field and a row of [`Shared::scalars`].
 //! Invariant: the scheduler is the only writer of slot views and token counters; HTTP tasks
 //! only read them (or bump request counters), so a scrape never blocks a decode step for
 //! longer than one short mutex hold.
 
 use crate::engine::EngineInfo;
 use crate::tokenizer::Tokenizer;
-use std::fmt::Write as _;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -19,6 +27,8 @@ pub struct Ready {
     pub template: Option<ChatTemplate>,
     /// Token ids that end a generation.
     pub eos: Arc<[u32]>,
+    /// The compiler of `response_format` grammars, or why there is none.
+    pub grammars: Result<Arc<super::structured::Grammars>, super::structured::StructuredError>,
 }
 
 /// A slot's state as `/slots` and `/metrics` show it.
@@ -55,6 +65,8 @@ pub struct Shared {
     pub queued: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Prompt tokens a choice of an `n > 1` request took by copying the first choice's slot.
+    pub prompt_tokens_copied: AtomicU64,
     /// Sequences that reused at least one cached prompt token.
     pub prefix_hits: AtomicU64,
     /// Prompt tokens taken from slots' caches instead of prefilled.
@@ -109,62 +121,65 @@ pub const TOKEN_BUCKETS: &[f64] = &[
     50000.0, 100000.0, 200000.0, 500000.0, 1000000.0,
 ];
 
-/// A Prometheus histogram with fixed bounds, updated without locks.
-pub struct Histogram {
-    bounds: &'static [f64],
-    /// Observations per bucket (not cumulative); the last is above every bound.
-    counts: Vec<AtomicU64>,
-    /// Sum of observations, f64 bits.
-    sum: AtomicU64,
-}
+/// A Prometheus histogram with fixed bounds (`prometheus-client`'s, lock-free), which
+/// ignores non-finite observations.
+#[derive(Debug, Clone)]
+pub struct Histogram(prometheus_client::metrics::histogram::Histogram);
 
 impl Histogram {
     pub fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum: AtomicU64::new(0f64.to_bits()),
-        }
+        Self(prometheus_client::metrics::histogram::Histogram::new(
+            bounds.iter().copied(),
+        ))
     }
 
     pub fn observe(&self, v: f64) {
-        if !v.is_finite() {
-            return;
+        if v.is_finite() {
+            self.0.observe(v);
         }
-        let i = self.bounds.partition_point(|&b| b < v);
-        self.counts[i].fetch_add(1, Relaxed);
-        let _ = self.sum.fetch_update(Relaxed, Relaxed, |b| {
-            Some((f64::from_bits(b) + v).to_bits())
-        });
     }
+}
 
-    pub fn count(&self) -> u64 {
-        self.counts.iter().map(|c| c.load(Relaxed)).sum()
-    }
+/// The value of a counter or gauge read at scrape time.
+#[derive(Debug, Clone, Copy)]
+enum Value {
+    Int(u64),
+    Float(f64),
+}
 
-    /// The family `strata_{name}` in the text format: cumulative buckets, sum, count.
-    fn render(&self, o: &mut String, name: &str, help: &str) {
-        let _ = writeln!(
-            o,
-            "# HELP strata_{name} {help}\n# TYPE strata_{name} histogram"
-        );
-        let mut acc = 0u64;
-        for (i, c) in self.counts.iter().enumerate() {
-            acc += c.load(Relaxed);
-            match self.bounds.get(i) {
-                Some(b) => {
-                    let _ = writeln!(o, "strata_{name}_bucket{{le=\"{b}\"}} {acc}");
-                }
-                None => {
-                    let _ = writeln!(o, "strata_{name}_bucket{{le=\"+Inf\"}} {acc}");
-                }
+/// One counter or gauge: name after `strata_` (a counter's without its `_total`, which the
+/// encoder adds), help, kind, value.
+type Scalar = (&'static str, &'static str, MetricType, Value);
+
+/// The counters, gauges and per-slot KV cells as read at one scrape.
+#[derive(Debug)]
+struct Snapshot {
+    scalars: Vec<Scalar>,
+    kv_cells: Vec<(usize, u64)>,
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for &(name, help, kind, v) in &self.scalars {
+            let m = enc.encode_descriptor(name, help, None, kind)?;
+            match (kind, v) {
+                (MetricType::Counter, Value::Int(x)) => ConstCounter::new(x).encode(m)?,
+                (MetricType::Counter, Value::Float(x)) => ConstCounter::new(x).encode(m)?,
+                (_, Value::Int(x)) => ConstGauge::new(x as i64).encode(m)?,
+                (_, Value::Float(x)) => ConstGauge::new(x).encode(m)?,
             }
         }
-        let _ = writeln!(
-            o,
-            "strata_{name}_sum {}\nstrata_{name}_count {acc}",
-            f64::from_bits(self.sum.load(Relaxed))
-        );
+        let mut m = enc.encode_descriptor(
+            "kv_cells_in_use",
+            "KV cells in use per slot",
+            None,
+            MetricType::Gauge,
+        )?;
+        for &(slot, cells) in &self.kv_cells {
+            let labels = [("slot", slot.to_string())];
+            ConstGauge::new(cells as i64).encode(m.encode_family(&labels)?)?;
+        }
+        Ok(())
     }
 }
 
@@ -182,6 +197,7 @@ impl Default for Shared {
             queued: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
+            prompt_tokens_copied: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_reused_tokens: AtomicU64::new(0),
             prefix_prompt_tokens: AtomicU64::new(0),
@@ -218,143 +234,38 @@ impl Shared {
         f64::from_bits(self.tokens_per_s.load(Relaxed))
     }
 
-    /// Every counter and gauge but the per-slot ones: (name after `strata_`, kind, help,
-    /// value).
-    fn scalars(&self) -> Vec<(&'static str, &'static str, &'static str, String)> {
-        let g = |a: &AtomicU64| a.load(Relaxed).to_string();
+    /// Every counter and gauge but the per-slot ones.
+    fn scalars(&self) -> Vec<Scalar> {
+        use MetricType::{Counter, Gauge};
+        let g = |a: &AtomicU64| Value::Int(a.load(Relaxed));
         vec![
-            (
-                "ready",
-                "gauge",
-                "1 once the model is loaded",
-                u8::from(self.ready.get().is_some()).to_string(),
-            ),
-            (
-                "requests_total",
-                "counter",
-                "Generation requests received",
-                g(&self.requests_total),
-            ),
-            (
-                "requests_rejected_total",
-                "counter",
-                "Requests refused before running (4xx, queue full)",
-                g(&self.requests_rejected),
-            ),
-            (
-                "requests_finished_total",
-                "counter",
-                "Requests that completed",
-                g(&self.requests_finished),
-            ),
-            (
-                "requests_cancelled_total",
-                "counter",
-                "Requests whose client went away",
-                g(&self.requests_cancelled),
-            ),
-            (
-                "requests_failed_total",
-                "counter",
-                "Requests that failed inside the engine",
-                g(&self.requests_failed),
-            ),
-            (
-                "requests_running",
-                "gauge",
-                "Requests holding a slot",
-                g(&self.running),
-            ),
-            (
-                "requests_queued",
-                "gauge",
-                "Requests waiting for a slot",
-                g(&self.queued),
-            ),
-            (
-                "prompt_tokens_total",
-                "counter",
-                "Prompt tokens prefilled",
-                g(&self.prompt_tokens),
-            ),
-            (
-                "generated_tokens_total",
-                "counter",
-                "Tokens generated",
-                g(&self.generated_tokens),
-            ),
-            (
-                "prefix_cache_hits_total",
-                "counter",
-                "Sequences that reused at least one prompt token cached in their slot",
-                g(&self.prefix_hits),
-            ),
-            (
-                "prefix_cache_reused_tokens_total",
-                "counter",
-                "Prompt tokens taken from a slot's prefix cache instead of prefilled",
-                g(&self.prefix_reused_tokens),
-            ),
-            (
-                "prefix_cache_prompt_tokens_total",
-                "counter",
-                "Prompt tokens of every sequence admitted into a slot (reused or prefilled)",
-                g(&self.prefix_prompt_tokens),
-            ),
-            (
-                "tokens_per_second",
-                "gauge",
-                "Recent decode throughput over all slots",
-                format!("{:.3}", self.tokens_per_s()),
-            ),
-            (
-                "expert_cache_hits_total",
-                "counter",
-                "Expert cache hits reported by the engine",
-                g(&self.expert_hits),
-            ),
-            (
-                "expert_cache_misses_total",
-                "counter",
-                "Expert cache misses reported by the engine",
-                g(&self.expert_misses),
-            ),
-            (
-                "expert_bytes_streamed_total",
-                "counter",
-                "Bytes of expert weights copied host to device for expert cache misses",
-                g(&self.expert_bytes_streamed),
-            ),
-            (
-                "spec_steps_total",
-                "counter",
-                "MTP speculative decoding steps",
-                g(&self.spec_steps),
-            ),
-            (
-                "spec_draft_tokens_total",
-                "counter",
-                "Tokens drafted by the MTP block",
-                g(&self.spec_drafted),
-            ),
-            (
-                "spec_accepted_tokens_total",
-                "counter",
-                "Drafted tokens the model accepted",
-                g(&self.spec_accepted),
-            ),
+            ("ready", "1 once the model is loaded", Gauge, Value::Int(u64::from(self.ready.get().is_some()))),
+            ("requests", "Generation requests received", Counter, g(&self.requests_total)),
+            ("requests_rejected", "Requests refused before running (4xx, queue full)", Counter, g(&self.requests_rejected)),
+            ("requests_finished", "Requests that completed", Counter, g(&self.requests_finished)),
+            ("requests_cancelled", "Requests whose client went away", Counter, g(&self.requests_cancelled)),
+            ("requests_failed", "Requests that failed inside the engine", Counter, g(&self.requests_failed)),
+            ("requests_running", "Requests holding a slot", Gauge, g(&self.running)),
+            ("requests_queued", "Requests waiting for a slot", Gauge, g(&self.queued)),
+            ("prompt_tokens", "Prompt tokens prefilled", Counter, g(&self.prompt_tokens)),
+            ("generated_tokens", "Tokens generated", Counter, g(&self.generated_tokens)),
+            ("prompt_tokens_copied", "Prompt tokens a later choice of an n > 1 request took by copying the first choice's context instead of prefilling", Counter, g(&self.prompt_tokens_copied)),
+            ("prefix_cache_hits", "Sequences that reused at least one prompt token cached in their slot", Counter, g(&self.prefix_hits)),
+            ("prefix_cache_reused_tokens", "Prompt tokens taken from a slot's prefix cache instead of prefilled", Counter, g(&self.prefix_reused_tokens)),
+            ("prefix_cache_prompt_tokens", "Prompt tokens of every sequence admitted into a slot (reused or prefilled)", Counter, g(&self.prefix_prompt_tokens)),
+            ("tokens_per_second", "Recent decode throughput over all slots", Gauge, Value::Float(self.tokens_per_s())),
+            ("expert_cache_hits", "Expert cache hits reported by the engine", Counter, g(&self.expert_hits)),
+            ("expert_cache_misses", "Expert cache misses reported by the engine", Counter, g(&self.expert_misses)),
+            ("expert_bytes_streamed", "Bytes of expert weights copied host to device for expert cache misses", Counter, g(&self.expert_bytes_streamed)),
+            ("spec_steps", "MTP speculative decoding steps", Counter, g(&self.spec_steps)),
+            ("spec_draft_tokens", "Tokens drafted by the MTP block", Counter, g(&self.spec_drafted)),
+            ("spec_accepted_tokens", "Drafted tokens the model accepted", Counter, g(&self.spec_accepted)),
         ]
     }
 
-    /// Prometheus text exposition of every metric.
+    /// OpenMetrics text exposition of every metric (ends with `# EOF`).
     pub fn prometheus(&self) -> String {
-        let mut o = String::with_capacity(2048);
-        for (name, kind, help, v) in self.scalars() {
-            let _ = writeln!(
-                o,
-                "# HELP strata_{name} {help}\n# TYPE strata_{name} {kind}\nstrata_{name} {v}"
-            );
-        }
+        let mut r = Registry::with_prefix("strata");
         for (h, name, help) in [
             (
                 &self.ttft,
@@ -387,16 +298,15 @@ impl Shared {
                 "Generated tokens of each finished sequence",
             ),
         ] {
-            h.render(&mut o, name, help);
+            r.register(name, help, h.0.clone());
         }
-        let _ = writeln!(o, "# HELP strata_kv_cells_in_use KV cells in use per slot\n# TYPE strata_kv_cells_in_use gauge");
-        for s in self.slots() {
-            let _ = writeln!(
-                o,
-                "strata_kv_cells_in_use{{slot=\"{}\"}} {}",
-                s.id, s.kv_cells
-            );
-        }
+        r.register_collector(Box::new(Snapshot {
+            scalars: self.scalars(),
+            kv_cells: self.slots().iter().map(|s| (s.id, s.kv_cells)).collect(),
+        }));
+        let mut o = String::with_capacity(4096);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut o, &r);
         o
     }
 }
@@ -418,6 +328,10 @@ mod tests {
         assert!(t.contains("strata_requests_total 3\n"), "{t}");
         assert!(t.contains("strata_kv_cells_in_use{slot=\"1\"} 17\n"), "{t}");
         assert!(t.contains("strata_ready 0\n"));
+        // OpenMetrics from the prometheus-client encoder: counters typed under their name
+        // without `_total`, the exposition closed by `# EOF`.
+        assert!(t.contains("# TYPE strata_requests counter\n"), "{t}");
+        assert!(t.ends_with("# EOF\n"), "{t}");
         for line in t.lines().filter(|l| !l.starts_with('#')) {
             let (_, v) = line.rsplit_once(' ').unwrap();
             assert!(v.parse::<f64>().is_ok(), "{line}");

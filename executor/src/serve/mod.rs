@@ -19,6 +19,7 @@ pub mod reqlog;
 pub mod scheduler;
 pub mod script_engine;
 pub mod stream;
+pub mod structured;
 pub mod template;
 pub mod test_engine;
 pub mod tools;
@@ -59,8 +60,6 @@ pub struct ServeOptions {
     pub body_timeout: Duration,
     /// What one chat-template render may spend.
     pub template: template::TemplateLimits,
-    /// The request log's format and level (`--log-format`, `RUST_LOG`).
-    pub log: reqlog::LogConfig,
     /// How chat output's `<think>` blocks are returned (`--reasoning-format`).
     pub reasoning_format: reasoning::ReasoningFormat,
     /// Reuse of each slot's context by the next request (`--no-prefix-cache`).
@@ -83,7 +82,6 @@ impl Default for ServeOptions {
             conn: conn::ConnLimits::default(),
             body_timeout: Duration::from_secs(30),
             template: template::TemplateLimits::default(),
-            log: reqlog::LogConfig::default(),
             reasoning_format: reasoning::ReasoningFormat::default(),
             prefix_cache: scheduler::PrefixCache::default(),
         }
@@ -143,11 +141,19 @@ pub(crate) fn make_ready(
             );
         }
     }
+    let tokenizer = tok.map(Arc::new);
+    // The grammar compiler for `response_format`; a tokenizer it cannot use only makes
+    // structured-output requests fail (with this reason), not the server.
+    let grammars = match &tokenizer {
+        None => Err(structured::StructuredError::NoTokenizer),
+        Some(t) => structured::Grammars::new(t.clone(), info.n_vocab, &eos).map(Arc::new),
+    };
     Ok(Ready {
         info: info.clone(),
-        tokenizer: tok.map(Arc::new),
+        tokenizer,
         template,
         eos: eos.into(),
+        grammars,
     })
 }
 

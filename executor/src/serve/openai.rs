@@ -84,6 +84,8 @@ pub struct GenParams {
     /// `cache_prompt` (llama-server's): false = prefill the whole prompt, reusing no
     /// slot's cached prefix. Default true.
     pub cache_prompt: bool,
+    /// `response_format` other than text: the output is constrained to it.
+    pub response_format: Option<super::structured::ResponseFormat>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -383,9 +385,7 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
         }
     }
     let cache_prompt = o.bool("cache_prompt")?.unwrap_or(true);
-    o.unsupported_unless("response_format", |v| {
-        v.get("type").and_then(Value::as_str) == Some("text")
-    })?;
+    let response_format = super::structured::parse_response_format(o.get("response_format"))?;
     o.unsupported_unless("best_of", |v| v.as_i64() == Some(1))?;
     o.unsupported_unless("echo", |v| v == &Value::Bool(false))?;
     o.unsupported_unless("suffix", |v| v.as_str() == Some(""))?;
@@ -404,6 +404,7 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
         logprobs,
         n,
         cache_prompt,
+        response_format,
     })
 }
 

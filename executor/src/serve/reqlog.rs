@@ -1,106 +1,48 @@
-//! The server's request log: one line on stderr per finished generation request (id, model,
-//! endpoint, status, prompt and completion tokens, time to first token, total time, finish
-//! reason), as text or JSON (`--log-format`), filtered by a `RUST_LOG`-style level
-//! (`info` by default; `RUST_LOG=warn` keeps only failed requests, `off` none).
-//! Invariant: a line is one `write` of one line (never interleaved with another), the JSON
-//! form is one valid JSON object per line, and logging never fails a request.
+//! The server's log through `tracing`: the subscriber (`tracing-subscriber`'s `fmt`, text or
+//! JSON by `--log-format`, levels from `RUST_LOG` through its `EnvFilter`, `info` when unset)
+//! and the request log, one event per finished generation request under [`TARGET`] (id,
+//! model, endpoint, status, prompt and completion tokens, time to first token, total time,
+//! finish reason). `RUST_LOG=warn` keeps only failed (5xx) requests, `off` none.
+//! Invariant: a log line is one write of one line (the subscriber's), the JSON form is one
+//! valid JSON object per line, and logging never fails a request.
 
-use serde_json::json;
-use std::io::Write as _;
+use strata_schemas::text::for_terminal;
+use tracing_subscriber::filter::{EnvFilter, LevelFilter};
 
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LogFormat {
-    /// `2026-01-02T03:04:05.678Z  INFO strata_exec::serve::request: key=value ...`
+    /// `2026-01-02T03:04:05.678901Z  INFO strata_exec::serve::request: request finished key=value ...`
     #[default]
     Text,
-    /// `{"timestamp": ..., "level": "INFO", "target": ..., "fields": {...}}`
+    /// `{"timestamp": ..., "level": "INFO", "fields": {"message": ..., ...}, "target": ...}`
     Json,
-}
-
-/// Log levels, most severe first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Level {
-    Off,
-    Error,
-    Warn,
-    Info,
-    Debug,
-    Trace,
-}
-
-impl Level {
-    fn parse(s: &str) -> Option<Self> {
-        Some(match s.trim().to_ascii_lowercase().as_str() {
-            "off" => Level::Off,
-            "error" => Level::Error,
-            "warn" | "warning" => Level::Warn,
-            "info" => Level::Info,
-            "debug" => Level::Debug,
-            "trace" => Level::Trace,
-            _ => return None,
-        })
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Level::Off => "OFF",
-            Level::Error => "ERROR",
-            Level::Warn => "WARN",
-            Level::Info => "INFO",
-            Level::Debug => "DEBUG",
-            Level::Trace => "TRACE",
-        }
-    }
 }
 
 /// The target request lines are logged under.
 pub const TARGET: &str = "strata_exec::serve::request";
 
-/// The most verbose level logged for [`TARGET`], from a `RUST_LOG` value: comma-separated
-/// directives `LEVEL` or `TARGET=LEVEL`; the longest target that prefixes ours wins over a
-/// bare level; unknown levels are skipped. Empty or nothing that applies: `info`.
-pub fn level_from(rust_log: Option<&str>) -> Level {
-    let mut bare = None;
-    let mut best: Option<(usize, Level)> = None;
-    for d in rust_log.unwrap_or("").split(',').map(str::trim) {
-        match d.split_once('=') {
-            None => {
-                if let Some(l) = Level::parse(d) {
-                    bare = Some(l);
-                }
-            }
-            Some((target, l)) => {
-                let target = target.trim();
-                let applies = TARGET == target
-                    || TARGET
-                        .strip_prefix(target)
-                        .is_some_and(|rest| rest.starts_with("::"));
-                if let (true, Some(l)) = (applies, Level::parse(l)) {
-                    if best.is_none_or(|(n, _)| target.len() >= n) {
-                        best = Some((target.len(), l));
-                    }
-                }
-            }
-        }
-    }
-    best.map(|(_, l)| l).or(bare).unwrap_or(Level::Info)
+/// The `RUST_LOG` filter: its directives, or `info` for everything when unset (invalid
+/// directives are skipped, as `tracing-subscriber` does).
+pub fn filter_from(rust_log: Option<&str>) -> EnvFilter {
+    EnvFilter::builder()
+        .with_default_directive(LevelFilter::INFO.into())
+        .parse_lossy(rust_log.unwrap_or(""))
 }
 
-/// Where request lines go and which are kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LogConfig {
-    pub format: LogFormat,
-    pub level: Level,
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        Self {
-            format: LogFormat::Text,
-            level: Level::Info,
-        }
-    }
+/// Install the process's log subscriber on stderr: `format`, filtered by `RUST_LOG` (the
+/// one environment variable read, as every `tracing` program does). Colours only on a
+/// terminal. A second call keeps the first subscriber.
+pub fn init(format: LogFormat) {
+    let filter = filter_from(std::env::var("RUST_LOG").ok().as_deref());
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => b.with_ansi(ansi).try_init(),
+        LogFormat::Json => b.json().with_ansi(false).try_init(),
+    };
 }
 
 /// One finished request.
@@ -126,127 +68,69 @@ pub struct RequestLog {
 
 impl RequestLog {
     /// Failures the server should look at (5xx) are warnings; the rest info.
-    pub fn level(&self) -> Level {
+    pub fn level(&self) -> tracing::Level {
         if self.status >= 500 {
-            Level::Warn
+            tracing::Level::WARN
         } else {
-            Level::Info
-        }
-    }
-
-    /// The line (without its newline) in `format`, stamped `now`.
-    pub fn line(&self, format: LogFormat, now: std::time::SystemTime) -> String {
-        let ts = rfc3339(now);
-        let ms = |x: f64| (x * 1000.0).round() / 1000.0;
-        match format {
-            LogFormat::Json => json!({
-                "timestamp": ts,
-                "level": self.level().name(),
-                "target": TARGET,
-                "fields": {
-                    "message": "request finished",
-                    "id": self.id, "endpoint": self.endpoint, "model": self.model,
-                    "status": self.status, "prompt_tokens": self.prompt_tokens,
-                    "completion_tokens": self.completion_tokens,
-                    "ttft_ms": self.ttft_ms.map(ms), "total_ms": ms(self.total_ms),
-                    "finish_reason": self.finish, "n": self.n, "stream": self.stream,
-                    "error": self.error,
-                },
-            })
-            .to_string(),
-            LogFormat::Text => {
-                let ttft = self
-                    .ttft_ms
-                    .map_or("-".to_string(), |t| format!("{:.1}", t));
-                let mut s = format!(
-                    "{ts} {:>5} {TARGET}: request finished id={} endpoint={} model={} status={} prompt_tokens={} completion_tokens={} ttft_ms={ttft} total_ms={:.1} finish_reason={} n={} stream={}",
-                    self.level().name(),
-                    self.id,
-                    self.endpoint,
-                    strata_schemas::text::for_terminal(&self.model),
-                    self.status,
-                    self.prompt_tokens,
-                    self.completion_tokens,
-                    self.total_ms,
-                    self.finish,
-                    self.n,
-                    self.stream
-                );
-                if let Some(e) = &self.error {
-                    s.push_str(&format!(
-                        " error={:?}",
-                        strata_schemas::text::for_terminal(e)
-                    ));
-                }
-                s
-            }
+            tracing::Level::INFO
         }
     }
 }
 
-/// Write `r`'s line to stderr when `cfg` keeps its level.
-pub fn log(cfg: &LogConfig, r: &RequestLog) {
-    if r.level() > cfg.level {
-        return;
+/// Log `r` as one event under [`TARGET`] (times in milliseconds, rounded to microseconds).
+pub fn log(r: &RequestLog) {
+    let ms = |x: f64| (x * 1000.0).round() / 1000.0;
+    let ttft = r.ttft_ms.map(ms);
+    let error = r.error.as_deref().map(for_terminal);
+    let model = for_terminal(&r.model);
+    macro_rules! emit {
+        ($lvl:ident) => {
+            tracing::$lvl!(
+                target: TARGET,
+                id = %r.id,
+                endpoint = %r.endpoint,
+                model = %model,
+                status = r.status,
+                prompt_tokens = r.prompt_tokens,
+                completion_tokens = r.completion_tokens,
+                ttft_ms = ttft,
+                total_ms = ms(r.total_ms),
+                finish_reason = %r.finish,
+                n = r.n,
+                stream = r.stream,
+                error = error.as_deref(),
+                "request finished"
+            )
+        };
     }
-    let mut line = r.line(cfg.format, std::time::SystemTime::now());
-    line.push('\n');
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-}
-
-/// `now` as RFC 3339 UTC with milliseconds.
-pub fn rfc3339(now: std::time::SystemTime) -> String {
-    let d = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let secs = d.as_secs();
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60,
-        d.subsec_millis()
-    )
+    if r.level() == tracing::Level::WARN {
+        emit!(warn);
+    } else {
+        emit!(info);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::{Duration, UNIX_EPOCH};
+    use std::sync::{Arc, Mutex};
 
-    #[test]
-    fn rust_log_directives_pick_the_level() {
-        assert_eq!(level_from(None), Level::Info);
-        assert_eq!(level_from(Some("")), Level::Info);
-        assert_eq!(level_from(Some("warn")), Level::Warn);
-        assert_eq!(level_from(Some("off")), Level::Off);
-        assert_eq!(level_from(Some("error,strata_exec=debug")), Level::Debug);
-        assert_eq!(
-            level_from(Some("strata_exec=debug,strata_exec::serve=warn")),
-            Level::Warn
-        );
-        assert_eq!(level_from(Some("hyper=trace")), Level::Info);
-        assert_eq!(level_from(Some("strata_exec::serve::req=off")), Level::Info);
-        assert_eq!(level_from(Some("bogus")), Level::Info);
+    /// A writer into a shared buffer, for a subscriber scoped to one test.
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
-    #[test]
-    fn lines_in_both_formats() {
-        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
-        let t = UNIX_EPOCH + Duration::from_millis(1_709_251_199_123);
-        assert_eq!(rfc3339(t), "2024-02-29T23:59:59.123Z");
-        let r = RequestLog {
+    fn sample() -> RequestLog {
+        RequestLog {
             id: "cmpl-1".into(),
             endpoint: "/v1/completions",
             model: "m".into(),
@@ -259,18 +143,80 @@ mod tests {
             n: 1,
             stream: false,
             error: None,
-        };
-        let text = r.line(LogFormat::Text, t);
-        assert!(text.starts_with("2024-02-29T23:59:59.123Z  INFO strata_exec::serve::request: request finished id=cmpl-1 "), "{text}");
+        }
+    }
+
+    /// What `r` logs with `format` under the `RUST_LOG` value `rust_log`.
+    fn logged(format: LogFormat, rust_log: &str, r: &RequestLog) -> String {
+        let buf = Buf::default();
+        let w = buf.clone();
+        let b = tracing_subscriber::fmt()
+            .with_env_filter(filter_from(Some(rust_log)))
+            .with_writer(move || w.clone())
+            .with_ansi(false);
+        match format {
+            LogFormat::Text => tracing::subscriber::with_default(b.finish(), || log(r)),
+            LogFormat::Json => tracing::subscriber::with_default(b.json().finish(), || log(r)),
+        }
+        let out = buf.0.lock().unwrap().clone();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn lines_in_both_formats() {
+        let r = sample();
+        let text = logged(LogFormat::Text, "", &r);
+        assert_eq!(text.lines().count(), 1, "{text}");
         assert!(
-            text.contains(" ttft_ms=1.3") && text.contains(" finish_reason=stop"),
+            text.contains("Z  INFO strata_exec::serve::request: request finished id=cmpl-1 "),
             "{text}"
         );
-        let v: serde_json::Value = serde_json::from_str(&r.line(LogFormat::Json, t)).unwrap();
+        assert!(
+            text.contains(" ttft_ms=1.26") && text.contains(" finish_reason=stop"),
+            "{text}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&logged(LogFormat::Json, "", &r)).unwrap();
         assert_eq!(v["level"], "INFO");
+        assert_eq!(v["target"], TARGET);
+        assert_eq!(v["fields"]["message"], "request finished");
         assert_eq!(v["fields"]["completion_tokens"], 4);
         assert_eq!(v["fields"]["ttft_ms"], 1.26);
-        let bad = RequestLog { status: 500, ..r };
-        assert_eq!(bad.level(), Level::Warn);
+        assert_eq!(v["fields"]["stream"], false);
+        assert!(v["fields"].get("error").is_none(), "{v}");
+        let bad = RequestLog {
+            status: 500,
+            error: Some("boom".into()),
+            ..r
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&logged(LogFormat::Json, "", &bad)).unwrap();
+        assert_eq!(v["level"], "WARN");
+        assert_eq!(v["fields"]["error"], "boom");
+    }
+
+    #[test]
+    fn rust_log_directives_pick_what_is_logged() {
+        let ok = sample();
+        let bad = RequestLog {
+            status: 503,
+            ..sample()
+        };
+        assert!(
+            !logged(LogFormat::Text, "", &ok).is_empty(),
+            "info by default"
+        );
+        assert!(logged(LogFormat::Text, "warn", &ok).is_empty());
+        assert!(!logged(LogFormat::Text, "warn", &bad).is_empty());
+        assert!(logged(LogFormat::Text, "off", &bad).is_empty());
+        assert!(!logged(LogFormat::Text, "error,strata_exec=debug", &ok).is_empty());
+        assert!(logged(
+            LogFormat::Text,
+            "strata_exec=debug,strata_exec::serve=warn",
+            &ok
+        )
+        .is_empty());
+        // As everywhere with `tracing`: directives for other targets only leave ours off.
+        assert!(logged(LogFormat::Text, "hyper=trace", &ok).is_empty());
+        assert!(!logged(LogFormat::Text, "hyper=trace,info", &ok).is_empty());
     }
 }

@@ -2,7 +2,11 @@
 //! slots with continuous batching. Each turn it admits queued requests into free slots,
 //! drops requests whose client went away, runs one planned-`ubatch` prefill chunk for the
 //! oldest prefilling request, then one decode step for every decoding slot together.
-//! A request with `n` choices is `n` jobs (one slot each) sharing one event channel.
+//! A request with `n` choices is `n` jobs (one slot each) sharing one event channel, queued
+//! as one entry and admitted together: the first prefills the prompt, the others wait as its
+//! followers and, when its last prompt chunk ran, get its context copied into their slots
+//! (`Engine::copy_slot`: KV and recurrent state) and draw their first token from its logits,
+//! so the prompt is prefilled once (an engine that cannot copy prefills each).
 //! Prefix cache (llama-server's `cache_prompt`, by slot affinity): a slot keeps its context
 //! when its request ends, with the token ids it holds; a new job goes to the free slot whose
 //! held tokens share the longest prefix with its prompt (ties: least recently used), which is
@@ -17,6 +21,7 @@
 
 use super::logit_proc::{self, History, LogitProc};
 use super::metrics::{Ready, Shared, SlotView};
+use super::structured::Constraint;
 use crate::engine::{Engine, EngineError, PrefixReuse};
 use crate::sampler::{Draw, Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
@@ -71,6 +76,15 @@ pub struct Job {
     pub ended_by_stop: Arc<AtomicBool>,
     /// Whether this job may reuse a slot's cached prefix (the request's `cache_prompt`).
     pub cache_prompt: bool,
+    /// `response_format`'s grammar: every row is masked to what it allows (and picked on
+    /// the host, like a non-neutral `proc`).
+    pub constraint: Option<Box<Constraint>>,
+}
+
+/// Whether `b` may take `a`'s prompt context instead of prefilling (the same request and
+/// prompt).
+fn same_prompt(a: &Job, b: &Job) -> bool {
+    a.id == b.id && a.prompt == b.prompt
 }
 
 /// The prefix cache's settings (`--no-prefix-cache`, `--prefix-cache-min`).
@@ -157,7 +171,7 @@ pub type ReadyHook = Box<dyn FnOnce(&Ready) + Send + 'static>;
 /// The HTTP side's handle on the scheduler.
 #[derive(Clone)]
 pub struct SchedulerHandle {
-    tx: SyncSender<Job>,
+    tx: SyncSender<Vec<Job>>,
     shared: Arc<Shared>,
     stop: Arc<Stop>,
 }
@@ -172,14 +186,21 @@ struct Stop {
 impl SchedulerHandle {
     /// Queue a job; refused when the queue is full or the server is stopping.
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        self.submit_group(vec![job])
+    }
+
+    /// Queue the jobs of one request (its `n` choices) as one entry: they are admitted
+    /// together, so the first can prefill for all.
+    pub fn submit_group(&self, jobs: Vec<Job>) -> Result<(), SubmitError> {
         if self.stop.requested.load(Relaxed) {
             return Err(SubmitError::ShuttingDown);
         }
-        self.shared.queued.fetch_add(1, Relaxed);
-        match self.tx.try_send(job) {
+        let n = jobs.len() as u64;
+        self.shared.queued.fetch_add(n, Relaxed);
+        match self.tx.try_send(jobs) {
             Ok(()) => Ok(()),
             Err(e) => {
-                self.shared.queued.fetch_sub(1, Relaxed);
+                self.shared.queued.fetch_sub(n, Relaxed);
                 Err(match e {
                     TrySendError::Full(_) => SubmitError::QueueFull,
                     TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
@@ -213,6 +234,11 @@ struct Active {
     history: History,
     /// When this sequence's last token was sampled (inter-token latency).
     last_at: Option<Instant>,
+    /// While prefilling: the slot whose prompt context this one will copy instead of
+    /// prefilling (a later choice of the same request).
+    follows: Option<usize>,
+    /// Why the request's grammar failed, when [`pick_host`] said [`GRAMMAR_FAILED`].
+    failed: Option<String>,
 }
 
 /// Start the scheduler thread: it runs `loader`, publishes readiness into `shared`, then
@@ -226,7 +252,7 @@ pub fn spawn(
     prefix: PrefixCache,
     on_ready: ReadyHook,
 ) -> std::io::Result<(SchedulerHandle, std::thread::JoinHandle<()>)> {
-    let (tx, rx) = mpsc::sync_channel::<Job>(queue);
+    let (tx, rx) = mpsc::sync_channel::<Vec<Job>>(queue);
     let stop = Arc::new(Stop::default());
     let handle = SchedulerHandle {
         tx,
@@ -283,7 +309,9 @@ pub fn spawn(
 
 struct Sched {
     engine: Box<dyn Engine>,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Vec<Job>>,
+    /// Jobs received (whole requests) but not yet admitted, in order.
+    pending: std::collections::VecDeque<Job>,
     shared: Arc<Shared>,
     stop: Arc<Stop>,
     slots: Vec<Option<Active>>,
@@ -298,6 +326,8 @@ struct Sched {
     max_context: u64,
     /// One row of logits, for host-side processing.
     row: Vec<f32>,
+    /// The last prompt position's logits of a leader, for its followers' first tokens.
+    first_row: Vec<f32>,
     cand: Vec<(u32, u32)>,
     prefix: PrefixCache,
     /// What the engine can keep of a slot's context.
@@ -316,7 +346,7 @@ struct Sched {
 impl Sched {
     fn new(
         engine: Box<dyn Engine>,
-        rx: mpsc::Receiver<Job>,
+        rx: mpsc::Receiver<Vec<Job>>,
         shared: Arc<Shared>,
         stop: Arc<Stop>,
         prefix: PrefixCache,
@@ -340,6 +370,7 @@ impl Sched {
         }
         Self {
             rx,
+            pending: std::collections::VecDeque::new(),
             shared,
             stop,
             slots: (0..n).map(|_| None).collect(),
@@ -351,6 +382,7 @@ impl Sched {
             ubatch: info.ubatch.max(1),
             max_context: info.max_context,
             row: Vec::with_capacity(info.n_vocab),
+            first_row: Vec::new(),
             cand: Vec::new(),
             prefix,
             reuse,
@@ -443,7 +475,14 @@ impl Sched {
             self.shared.requests_cancelled.fetch_add(1, Relaxed);
             return;
         }
-        let reuse = if job.cache_prompt {
+        // A later choice of a request whose first is still prefilling follows it: a fresh
+        // slot, filled by a copy once the prompt is in.
+        let follows = self.slots.iter().position(|s| {
+            s.as_ref().is_some_and(|a| {
+                a.phase == Phase::Prefill && a.follows.is_none() && same_prompt(&a.job, &job)
+            })
+        });
+        let reuse = if job.cache_prompt && follows.is_none() {
             self.reuse
         } else {
             PrefixReuse::None
@@ -469,6 +508,7 @@ impl Sched {
                 .send((job.index, Event::Error("no free slot".into())));
             return;
         };
+        let keep = if follows.is_some() { 0 } else { keep };
         let keep = if keep > 0 && self.engine.truncate_slot(slot, keep as u64) {
             self.cached[slot].truncate(keep);
             self.shared.prefix_hits.fetch_add(1, Relaxed);
@@ -501,6 +541,8 @@ impl Sched {
             last: 0,
             sampler,
             last_at: None,
+            failed: None,
+            follows,
         });
     }
 
@@ -518,6 +560,10 @@ impl Sched {
             } else {
                 // Admit into free slots; block briefly only when there is nothing to run.
                 while self.slots.iter().any(|s| s.is_none()) {
+                    if let Some(job) = self.pending.pop_front() {
+                        self.admit(job);
+                        continue;
+                    }
                     let got = if self.n_active() == 0 {
                         match self.rx.recv_timeout(Duration::from_millis(50)) {
                             Ok(j) => Some(j),
@@ -534,7 +580,7 @@ impl Sched {
                         }
                     };
                     match got {
-                        Some(job) => self.admit(job),
+                        Some(jobs) => self.pending.extend(jobs),
                         None => break,
                     }
                 }
@@ -564,15 +610,17 @@ impl Sched {
         }
     }
 
-    /// One `ubatch` chunk of the oldest prefilling request.
+    /// One `ubatch` chunk of the oldest prefilling request (not a follower); after its last
+    /// chunk, its followers get its context and their first tokens.
     fn prefill_step(&mut self) {
+        self.orphan_followers();
         let Some(slot) = self
             .slots
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
                 s.as_ref()
-                    .filter(|a| a.phase == Phase::Prefill)
+                    .filter(|a| a.phase == Phase::Prefill && a.follows.is_none())
                     .map(|a| (a.job.id, i))
             })
             .min()
@@ -580,6 +628,13 @@ impl Sched {
         else {
             return;
         };
+        let followers: Vec<usize> = (0..self.slots.len())
+            .filter(|&f| {
+                self.slots[f]
+                    .as_ref()
+                    .is_some_and(|b| b.follows == Some(slot))
+            })
+            .collect();
         let Some(a) = self.slots[slot].as_mut() else {
             return;
         };
@@ -609,22 +664,87 @@ impl Sched {
                     );
                     return;
                 };
-                let tok = if !on_host(a) {
-                    a.sampler.sample(logits)
-                } else {
-                    let d = a.sampler.next_draw();
-                    pick_host(a, logits, &d, &mut self.row, &mut self.cand)
-                };
-                if tok == crate::sampler::NON_FINITE {
-                    let msg = crate::sampler::non_finite_message("the last prompt position");
-                    self.finish(slot, Event::Error(msg));
-                    return;
+                if !followers.is_empty() {
+                    self.first_row.clear();
+                    self.first_row.extend_from_slice(logits);
                 }
-                let lp = token_logprobs(a, logits, tok);
-                let ttft = a.job.arrived.elapsed();
-                self.shared.ttft.observe(ttft.as_secs_f64());
-                a.phase = Phase::Decode;
-                self.after_sample(slot, tok, lp);
+                match first_pick(a, logits, &mut self.row, &mut self.cand) {
+                    Err(msg) => self.finish(slot, Event::Error(msg)),
+                    Ok((tok, lp)) => {
+                        // Copies first: ending the leader may reset its slot.
+                        self.start_followers(slot, &followers);
+                        self.first_token(slot, tok, lp);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `slot` drew its first token `tok`: it decodes from now on.
+    fn first_token(&mut self, slot: usize, tok: u32, lp: Option<Box<TokenLogprobs>>) {
+        if let Some(a) = self.slots[slot].as_mut() {
+            self.shared
+                .ttft
+                .observe(a.job.arrived.elapsed().as_secs_f64());
+            a.phase = Phase::Decode;
+        }
+        self.after_sample(slot, tok, lp);
+    }
+
+    /// The leader `leader` has prefilled the prompt (its last row in `first_row`): copy its
+    /// context into each follower's slot and draw the follower's first token from that row.
+    /// A follower whose copy the engine refuses prefills the prompt itself.
+    fn start_followers(&mut self, leader: usize, followers: &[usize]) {
+        let row = std::mem::take(&mut self.first_row);
+        for &f in followers {
+            let copied = match self.engine.copy_slot(leader, f) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(target: "strata_exec::serve", "copying slot {leader} to {f} failed, prefilling instead: {e}");
+                    false
+                }
+            };
+            if !copied {
+                self.reset(f);
+                if let Some(b) = self.slots[f].as_mut() {
+                    b.follows = None;
+                }
+                continue;
+            }
+            self.cached[f] = self.cached[leader].clone();
+            let Some(b) = self.slots[f].as_mut() else {
+                continue;
+            };
+            b.follows = None;
+            b.fed = b.job.prompt.len();
+            self.shared
+                .prompt_tokens_copied
+                .fetch_add(b.fed as u64, Relaxed);
+            match first_pick(b, &row, &mut self.row, &mut self.cand) {
+                Err(msg) => self.finish(f, Event::Error(msg)),
+                Ok((tok, lp)) => self.first_token(f, tok, lp),
+            }
+        }
+        self.first_row = row;
+    }
+
+    /// Followers whose leader is gone (failed, cancelled) or past its prompt prefill their
+    /// prompt themselves.
+    fn orphan_followers(&mut self) {
+        for f in 0..self.slots.len() {
+            let Some((l, id)) = self.slots[f]
+                .as_ref()
+                .and_then(|b| b.follows.map(|l| (l, b.job.id)))
+            else {
+                continue;
+            };
+            let alive = self.slots.get(l).and_then(|s| s.as_ref()).is_some_and(|a| {
+                a.phase == Phase::Prefill && a.follows.is_none() && a.job.id == id
+            });
+            if !alive {
+                if let Some(b) = self.slots[f].as_mut() {
+                    b.follows = None;
+                }
             }
         }
     }
@@ -647,6 +767,12 @@ impl Sched {
         if a.job.eos.contains(&tok) {
             self.finish(slot, Event::Done { eos: true });
             return;
+        }
+        if let Some(c) = a.job.constraint.as_mut() {
+            if let Err(e) = c.advance(tok) {
+                self.finish(slot, Event::Error(e));
+                return;
+            }
         }
         a.last = tok;
         let _ = a.job.events.send((a.job.index, Event::Token(tok, lp)));
@@ -764,11 +890,11 @@ impl Sched {
                         let Some(&slot) = self.batch_slot.get(k) else {
                             break;
                         };
-                        if let Some(a) = self.slots[slot].as_ref() {
+                        if let Some(a) = self.slots[slot].as_mut() {
                             let tok =
                                 pick_host(a, row, &self.draws[k], &mut self.row, &mut self.cand);
                             self.sampled[k] = tok;
-                            if tok != crate::sampler::NON_FINITE {
+                            if tok != crate::sampler::NON_FINITE && tok != GRAMMAR_FAILED {
                                 self.lps[k] = token_logprobs(a, row, tok);
                             }
                         }
@@ -815,6 +941,12 @@ impl Sched {
                     self.slots[slot].as_ref().map_or(0, |a| a.generated + 1)
                 );
                 self.finish(slot, Event::Error(crate::sampler::non_finite_message(&at)));
+            } else if tok == GRAMMAR_FAILED {
+                let msg = self.slots[slot]
+                    .as_mut()
+                    .and_then(|a| a.failed.take())
+                    .unwrap_or_default();
+                self.finish(slot, Event::Error(msg));
             } else {
                 let lp = self.lps[k].take();
                 self.after_sample(slot, tok, lp);
@@ -875,7 +1007,11 @@ impl Sched {
                 self.finish(slot, Event::Error("the server is shutting down".into()));
             }
         }
-        while let Ok(job) = self.rx.try_recv() {
+        let mut queued: Vec<Job> = self.pending.drain(..).collect();
+        while let Ok(jobs) = self.rx.try_recv() {
+            queued.extend(jobs);
+        }
+        for job in queued {
             self.shared.queued.fetch_sub(1, Relaxed);
             let _ = job.events.send((
                 job.index,
@@ -895,9 +1031,37 @@ fn observe_end(shared: &Shared, a: &Active, eos: bool) {
     shared.generation_len.observe(sent as f64);
 }
 
+/// `a`'s first token from the last prompt position's raw logits, with its
+/// log-probabilities when asked; the error a request ends with when the row is not finite
+/// or the grammar failed.
+fn first_pick(
+    a: &mut Active,
+    logits: &[f32],
+    row: &mut Vec<f32>,
+    cand: &mut Vec<(u32, u32)>,
+) -> Result<(u32, Option<Box<TokenLogprobs>>), String> {
+    let tok = if !on_host(a) {
+        a.sampler.sample(logits)
+    } else {
+        let d = a.sampler.next_draw();
+        pick_host(a, logits, &d, row, cand)
+    };
+    if tok == crate::sampler::NON_FINITE {
+        return Err(crate::sampler::non_finite_message(
+            "the last prompt position",
+        ));
+    }
+    if tok == GRAMMAR_FAILED {
+        return Err(a.failed.take().unwrap_or_default());
+    }
+    Ok((tok, token_logprobs(a, logits, tok)))
+}
+
 /// Whether `a`'s rows are picked on the host (its logits read back from the device).
+/// Constrained requests are too: llguidance computes each step's mask on the CPU, and the
+/// masked row is drawn by the same host code as the processed ones (no device mask kernel).
 fn on_host(a: &Active) -> bool {
-    !a.job.proc.is_neutral() || a.job.logprobs.is_some()
+    !a.job.proc.is_neutral() || a.job.logprobs.is_some() || a.job.constraint.is_some()
 }
 
 /// The log-probabilities of `tok` in the raw row `logits`, when `a` asked for them.
@@ -908,10 +1072,12 @@ fn token_logprobs(a: &Active, logits: &[f32], tok: u32) -> Option<Box<TokenLogpr
 }
 
 /// Pick `a`'s next token from its raw logits `logits` on the host: the row is checked,
-/// copied into `row`, processed by the request's [`LogitProc`], then drawn with `d` by the
-/// same algorithm the engines use.
+/// copied into `row`, masked by the request's grammar (first, so the other cuts work on
+/// what the grammar allows), processed by its [`LogitProc`], then drawn with `d` by the
+/// same algorithm the engines use. [`GRAMMAR_FAILED`] with the reason kept in `a` when the
+/// grammar cannot give a mask.
 fn pick_host(
-    a: &Active,
+    a: &mut Active,
     logits: &[f32],
     d: &Draw,
     row: &mut Vec<f32>,
@@ -922,15 +1088,24 @@ fn pick_host(
     }
     row.clear();
     row.extend_from_slice(logits);
+    if let Some(c) = a.job.constraint.as_mut() {
+        if let Err(e) = c.mask(row) {
+            a.failed = Some(e);
+            return GRAMMAR_FAILED;
+        }
+    }
     logit_proc::apply(&a.job.proc, &a.history, d.temperature, row);
     crate::sampler::sample_into(row, d, cand)
 }
+
+/// What [`pick_host`] returns when the request's grammar failed (reason in `Active::failed`).
+const GRAMMAR_FAILED: u32 = u32::MAX - 2;
 
 fn engine_msg(e: &EngineError) -> String {
     match e {
         EngineError::Request(m) => m.clone(),
         EngineError::Internal(m) => {
-            eprintln!("strata-exec serve: engine failure: {m}");
+            tracing::error!(target: "strata_exec::serve", "engine failure: {m}");
             format!("engine failure: {m}")
         }
     }

@@ -287,7 +287,7 @@ pub(super) struct StreamState {
     /// `[DONE]` is queued; nothing follows.
     pub(super) over: bool,
     /// This request's log line, written once when the stream ends (or is dropped).
-    pub(super) log: Option<(Arc<App>, RequestLog)>,
+    pub(super) log: Option<RequestLog>,
     pub(super) arrived: Instant,
     pub(super) first: Option<Instant>,
 }
@@ -351,7 +351,7 @@ impl StreamState {
     }
 
     pub(super) fn write_log(&mut self, status: u16, finish: String, error: Option<String>) {
-        let Some((app, mut l)) = self.log.take() else {
+        let Some(mut l) = self.log.take() else {
             return;
         };
         l.status = status;
@@ -360,7 +360,7 @@ impl StreamState {
         l.completion_tokens = self.outs.iter().map(|o| o.tokens).sum();
         l.ttft_ms = self.first.map(|t| ms(t - self.arrived));
         l.total_ms = ms(self.arrived.elapsed());
-        reqlog::log(&app.opts.log, &l);
+        reqlog::log(&l);
     }
 
     pub(super) fn end_with(&mut self, last: Option<SseEvent>, error: Option<String>) {

@@ -744,11 +744,11 @@ mod tests {
             })
             .collect();
         // Python's json.dumps spacing, `<` kept (minijinja's own tojson would write \u003c);
-        // keys sorted (serde_json's map).
+        // keys in the request's order (as Python's dicts; serde_json's `preserve_order`).
         let want = concat!(
             "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n",
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
-            r#"{"function": {"description": "Weather <now>", "name": "get_weather", "parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}}, "type": "function"}"#,
+            r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather <now>", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}"#,
             "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
             "<|im_start|>user\nWeather in Paris?<|im_end|>\n",
             "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n",
@@ -852,6 +852,6 @@ mod tests {
             text.starts_with("<|im_start|>system\n# Tools") && text.ends_with(tail),
             "{text}"
         );
-        assert!(text.contains(r#"{"function": {"name": "f"}, "type": "function"}"#));
+        assert!(text.contains(r#"{"type": "function", "function": {"name": "f"}}"#));
     }
 }

@@ -189,6 +189,10 @@ impl Engine for TinyEngine {
         self.inner.truncate_slot(slot, n)
     }
 
+    fn copy_slot(&mut self, from: usize, to: usize) -> Result<bool, EngineError> {
+        self.inner.copy_slot(from, to)
+    }
+
     fn stats(&self) -> EngineStats {
         self.inner.stats()
     }
@@ -267,6 +271,22 @@ mod tests {
         assert_eq!(a.slot_len(1), 12);
         let mut b = TinyEngine::new(&cfg).unwrap();
         assert_eq!(run(&mut b, 0), x);
+        // A slot copied from another continues its sequence: the same logits and picks as
+        // the original from the copied position on.
+        a.reset_slot(0);
+        a.reset_slot(1);
+        let l0 = a.prefill(0, &prompt[..4], true).unwrap().unwrap().to_vec();
+        assert!(a.copy_slot(0, 1).unwrap());
+        assert_eq!(a.slot_len(1), 4);
+        let t = crate::sampler::argmax(&l0);
+        let v = a.info().n_vocab;
+        let rows = a.decode(&[(0, t), (1, t)]).unwrap().to_vec();
+        assert_eq!(
+            rows[..v],
+            rows[v..2 * v],
+            "the copy decodes as the original"
+        );
+        assert!(!a.copy_slot(1, 1).unwrap(), "a slot onto itself is refused");
         assert!(
             a.prefill(0, &[1; 5], true).is_err(),
             "chunks beyond ubatch are refused"

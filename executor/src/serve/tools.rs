@@ -240,7 +240,7 @@ mod tests {
             &[
                 (
                     "a",
-                    r#"{"n":{"m":[1,{"k":null}]},"q":"}{ </tool \" <tool_call>"}"#,
+                    r#"{"q":"}{ </tool \" <tool_call>","n":{"m":[1,{"k":null}]}}"#,
                 ),
                 ("b", r#"{"x": 1}"#),
             ],

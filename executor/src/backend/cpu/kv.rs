@@ -177,6 +177,31 @@ impl<'a> KvCache<'a> {
         }
     }
 
+    /// Copy cells `[0, cells)` of every layer from `src` (a cache of the same geometry).
+    pub fn copy_prefix_from(&mut self, src: &KvCache<'_>, cells: usize) -> Result<(), KvError> {
+        let g = self.g;
+        if src.g != g || src.n_res != self.n_res || cells > g.n_cells {
+            return Err(KvError(format!(
+                "cannot copy {cells} cells between KV caches of different shapes ({} and {} cells)",
+                src.g.n_cells, g.n_cells
+            )));
+        }
+        let res = cells.min(self.n_res);
+        let (krb, vrb, n_res) = (g.krb, g.vrb, self.n_res);
+        let (from, to) = (src.buf.bytes(), self.buf.bytes_mut());
+        for l in 0..g.n_layer {
+            let base = l * n_res * (krb + vrb);
+            let (k, v) = (base, base + n_res * krb);
+            to[k..k + res * krb].copy_from_slice(&from[k..k + res * krb]);
+            to[v..v + res * vrb].copy_from_slice(&from[v..v + res * vrb]);
+        }
+        for c in 0..cells.saturating_sub(n_res) {
+            let n = g.cell_bytes();
+            self.spill[c][..n].copy_from_slice(&src.spill[c][..n]);
+        }
+        Ok(())
+    }
+
     /// Store layer `l`'s K and V rows of one token at `cell`.
     pub fn write(&mut self, l: usize, cell: usize, k: &[f32], v: &[f32]) -> Result<(), OpError> {
         let g = self.g;

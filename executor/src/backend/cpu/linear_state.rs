@@ -139,6 +139,17 @@ impl<'a> LinearState<'a> {
         }
     }
 
+    /// Copy every layer's state of slot `from` over slot `to`'s (false outside the stage).
+    pub fn copy_slot(&mut self, from: usize, to: usize) -> bool {
+        if from >= self.slots || to >= self.slots {
+            return false;
+        }
+        let per = self.per_slot();
+        self.all()
+            .copy_within(from * per..(from + 1) * per, to * per);
+        true
+    }
+
     /// (conv state, recurrent state) of `layer` of `slot`, or `None` outside the stage.
     pub fn layer(&mut self, slot: usize, layer: usize) -> Option<(&mut [f32], &mut [f32])> {
         if slot >= self.slots || layer >= self.layers {

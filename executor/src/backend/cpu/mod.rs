@@ -846,6 +846,25 @@ impl Stage for CpuStage<'_> {
         Ok(())
     }
 
+    fn copy_slot(&mut self, from: usize, to: usize, cells: usize) -> Result<bool, CpuError> {
+        if from == to || from >= self.kv.len() || to >= self.kv.len() {
+            return Ok(false);
+        }
+        let (src, dst) = if from < to {
+            let (a, b) = self.kv.split_at_mut(to);
+            (&a[from], &mut b[0])
+        } else {
+            let (a, b) = self.kv.split_at_mut(from);
+            (&b[0], &mut a[to])
+        };
+        dst.copy_prefix_from(src, cells)
+            .map_err(|e| CpuError::Other(e.0))?;
+        if self.lin.slots() > 0 && !self.lin.copy_slot(from, to) {
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
     fn sync(&mut self) -> Result<(), CpuError> {
         Ok(())
     }

@@ -350,6 +350,15 @@ impl CudaDevice {
         unsafe { self.dtoh_raw("dtoh", src.ptr(), bytes) }
     }
 
+    /// Copies `src` into `dst` on the device (same length; asynchronous on the stream, so
+    /// every later op on it sees the bytes).
+    pub fn dtod(&self, src: DeviceView<'_>, dst: DeviceView<'_>) -> Result<(), CudaError> {
+        dst.expect_len("dtod", src.len())?;
+        // SAFETY: both are checked views of live arenas of this device, of equal length; the
+        // copy is ordered on the stream every pass runs on.
+        unsafe { self.dtod_raw("dtod", dst.ptr(), src.ptr(), src.len() as usize) }
+    }
+
     /// Sets every byte of `dst` to `value` (asynchronous on the stream).
     pub fn memset(&self, dst: DeviceView<'_>, value: u8) -> Result<(), CudaError> {
         match &self.rt {

@@ -534,6 +534,40 @@ impl Stage for CudaStage {
         self.back_u32(s.out, out)
     }
 
+    fn copy_slot(&mut self, from: usize, to: usize, cells: usize) -> Result<bool, CudaError> {
+        let (kv, lin) = (self.kv.clone(), self.lin);
+        if from == to || from >= self.slots || to >= self.slots || cells as u64 > kv.cells {
+            return Ok(false);
+        }
+        // Device-to-device copies on the compute stream: per full-attention layer the first
+        // `cells` K rows and V rows, then the slot's whole linear-attention state.
+        let span = kv.cells * kv.row_bytes;
+        let layers = if span == 0 {
+            0
+        } else {
+            kv.slot_bytes / (2 * span)
+        };
+        let n = cells as u64 * kv.row_bytes;
+        let slot_at = |s: usize| kv.region.off + s as u64 * kv.slot_bytes;
+        for l in 0..layers as usize {
+            let (k, v) = kv.layer(l);
+            for off in [k, v] {
+                if n > 0 {
+                    let src = self.view(slot_at(from) + off, n)?;
+                    let dst = self.view(slot_at(to) + off, n)?;
+                    self.dev.dtod(src, dst)?;
+                }
+            }
+        }
+        if lin.layers > 0 {
+            let b = 4 * lin.slot_floats() as u64;
+            let src = self.view(lin.region.off + from as u64 * b, b)?;
+            let dst = self.view(lin.region.off + to as u64 * b, b)?;
+            self.dev.dtod(src, dst)?;
+        }
+        Ok(true)
+    }
+
     fn sync(&mut self) -> Result<(), CudaError> {
         self.dev.synchronize()
     }
