@@ -399,7 +399,14 @@ pub fn write_random_tensors(
         n => n,
     };
     let mut s = w.begin()?;
-    stream_random(&mut s, seed, threads, opts.random_blocks, &file, opts.routing)?;
+    stream_random(
+        &mut s,
+        seed,
+        threads,
+        opts.random_blocks,
+        &file,
+        opts.routing,
+    )?;
     s.finish()
 }
 

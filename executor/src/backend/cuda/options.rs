@@ -150,7 +150,11 @@ mod tests {
         assert!(KernelOptions::parse(&["attn-chunk=0".into()]).is_err());
         let o = KernelOptions::parse(&["no-staging".into(), "host-pick".into()]).unwrap();
         assert!(!o.stage_inputs && o.host_pick && !o.expert_lfu && !o.q4k_lanes);
-        assert!(KernelOptions::parse(&["q4k-lanes".into()]).unwrap().q4k_lanes);
+        assert!(
+            KernelOptions::parse(&["q4k-lanes".into()])
+                .unwrap()
+                .q4k_lanes
+        );
         assert!(
             KernelOptions::parse(&["expert-lfu".into()])
                 .unwrap()
