@@ -96,8 +96,9 @@ pub struct PlanArgs {
     /// read their input from global memory), host-pick (greedy and sampled tokens picked on
     /// the host from the logits), expert-lfu (on plans with experts outside VRAM, the expert
     /// cache replaces the least frequently used expert and keeps the profile's hottest
-    /// pinned, instead of LRU), q4k-lanes (one-token Q4_K products on the K-quant kernels'
-    /// lane mapping, as Q5_K, Q6_K and IQ3_S run). Every variant gives the same tokens.
+    /// pinned, instead of LRU), q4k-own (one-token Q4_K products on Q4_K's own kernels instead
+    /// of the K-quant lane mapping that Q5_K, Q6_K and IQ3_S share). Every variant gives the
+    /// same tokens.
     #[arg(long, value_delimiter = ',', value_name = "OPT,OPT,...")]
     pub kernel_options: Vec<String>,
     /// Time every kernel launch with events (decode graphs and programmatic dependent launch

@@ -137,7 +137,8 @@ pub struct Launcher<'a> {
     pub pdl: bool,
     /// When profiling: every launch's label with events recorded around it.
     pub prof: Option<&'a Prof>,
-    /// One-token Q4_K products on the `_kq` kernels ([`KernelOptions::q4k_lanes`](super::options::KernelOptions)).
+    /// One-token Q4_K products on the `_kq` kernels ([`KernelOptions::q4k_lanes`](super::options::KernelOptions));
+    /// `Launcher::new` (tests, probes) keeps Q4_K's own kernels.
     pub q4k_lanes: bool,
 }
 
