@@ -10,12 +10,11 @@ mod common;
 #[path = "serve_common/mod.rs"]
 mod serve_common;
 
-use common::{cpu_probe, tiny_qwen3next_hp};
+use common::{cpu_probe, solved, tiny_qwen3next_hp};
 use std::path::Path;
 use strata_exec::engine::Engine;
 use strata_exec::exec::{start_cpu, CpuEngine, EngineOptions};
 use strata_exec::load::GgufModel;
-use strata_plan::solve::{solve, Outcome, PlanRequest};
 use strata_schemas::arch::QuantRecipe;
 use strata_schemas::gguf::random::{write_random_model, RandomOptions};
 use strata_schemas::plan::{Plan, RegionKind};
@@ -49,19 +48,7 @@ fn plan(path: &Path, spec: u32) -> Plan {
         pinned_chunk_mib: 1,
         ..ServeSettings::default()
     };
-    let req = PlanRequest {
-        inventory: &inv,
-        model_source: path.display().to_string(),
-        probe: &probe,
-        probe_source: "test probe".into(),
-        settings: &settings,
-        profile: None,
-        vision: None,
-    };
-    match solve(&req).unwrap() {
-        Outcome::Planned(p) => *p,
-        Outcome::Infeasible(i) => panic!("infeasible: {:?}", i.reasons),
-    }
+    solved(&inv, path, &probe, "test probe", &settings)
 }
 
 fn start(path: &Path, plan: &Plan) -> CpuEngine {

@@ -194,12 +194,24 @@ pub fn plan_inventory(
         rope_scaling,
         ..ServeSettings::default()
     };
+    solved(inv, src, &probe, "test probe", &settings)
+}
+
+/// The plan of `inv` (read from `src`) for `probe` with `settings`, no profile or vision
+/// encoder; panics naming the reasons when the planner finds it infeasible.
+pub fn solved(
+    inv: &strata_schemas::inventory::ModelInventory,
+    src: &Path,
+    probe: &HardwareProbe,
+    probe_source: &str,
+    settings: &ServeSettings,
+) -> Plan {
     let req = PlanRequest {
         inventory: inv,
         model_source: src.display().to_string(),
-        probe: &probe,
-        probe_source: "test probe".into(),
-        settings: &settings,
+        probe,
+        probe_source: probe_source.into(),
+        settings,
         profile: None,
         vision: None,
     };
@@ -415,19 +427,7 @@ pub fn plan_folder_ctx(
         pinned_chunk_mib: 1,
         ..ServeSettings::default()
     };
-    let req = PlanRequest {
-        inventory: &inv,
-        model_source: dir.display().to_string(),
-        probe: &probe,
-        probe_source: "test probe".into(),
-        settings: &settings,
-        profile: None,
-        vision: None,
-    };
-    match solve(&req).unwrap() {
-        Outcome::Planned(p) => *p,
-        Outcome::Infeasible(i) => panic!("infeasible: {:?}", i.reasons),
-    }
+    solved(&inv, dir, &probe, "test probe", &settings)
 }
 
 /// A tiny Qwen3-Next: four blocks (every 2nd full attention), hidden 64, 16-wide heads,
@@ -485,17 +485,5 @@ pub fn amd_plan(variant: &str, n: usize, split: Option<Vec<u32>>) -> Plan {
         pinned_chunk_mib: 1,
         ..ServeSettings::default()
     };
-    let req = PlanRequest {
-        inventory: &inv,
-        model_source: dir.display().to_string(),
-        probe: &probe,
-        probe_source: "test probe (AMD)".into(),
-        settings: &settings,
-        profile: None,
-        vision: None,
-    };
-    match solve(&req).unwrap() {
-        Outcome::Planned(p) => *p,
-        Outcome::Infeasible(i) => panic!("infeasible: {:?}", i.reasons),
-    }
+    solved(&inv, &dir, &probe, "test probe (AMD)", &settings)
 }
