@@ -497,30 +497,17 @@ fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
         let mut mv = start(false);
         assert!(!mv.grouped_prefill());
         let mut c = cpu_on_gguf(name, &gguf, &ask);
-        let v = tc.info().n_vocab;
-        let vocab = hp.n_vocab as u32;
-        let prompt: Vec<u32> = (0..53).map(|i| (i * 37 + 11) % vocab).collect();
-        let (mut lt, mut lm, mut lc) = (Vec::new(), Vec::new(), Vec::new());
-        for chunk in prompt.chunks(32) {
-            lt.extend_from_slice(tc.prefill_all(0, chunk).unwrap());
-            lm.extend_from_slice(mv.prefill_all(0, chunk).unwrap());
-            lc.extend_from_slice(c.prefill_all(0, chunk).unwrap());
-        }
-        let (p_tc, p_mv) = (rel_err(&lt, &lc, v), rel_err(&lm, &lc, v));
+        let ThreeWay {
+            p_tc,
+            p_mv,
+            d_tc,
+            d_mv,
+            prefill_differs,
+        } = three_way(&mut tc, &mut mv, &mut c, hp.n_vocab as u32);
         assert!(
-            lt != lm,
+            prefill_differs,
             "{name}: tensor-core and matvec prefill logits are bit-identical; was the tensor-core path taken?"
         );
-        let (mut d_tc, mut d_mv) = (0f64, 0f64);
-        let mut tok = argmax(&lc[lc.len() - v..]);
-        for _ in 0..10 {
-            let gt = tc.decode(&[(0, tok)]).unwrap().to_vec();
-            let gm = mv.decode(&[(0, tok)]).unwrap().to_vec();
-            let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
-            d_tc = d_tc.max(rel_err(&gt, &cl, v));
-            d_mv = d_mv.max(rel_err(&gm, &cl, v));
-            tok = argmax(&cl);
-        }
         eprintln!(
             "{name} (attention {attn_ty}, experts Q4_K): 53-token prefill vs CPU: tensor-core path {p_tc:e}, matvec path {p_mv:e}; 10 decode steps after it: {d_tc:e} / {d_mv:e}"
         );
@@ -587,6 +574,52 @@ fn llama_quantized_files_match_the_cpu_engine() {
     assert!(bad.is_empty(), "{}", bad.join("; "));
 }
 
+/// Relative logit errors against the CPU engine of the default (tensor-core prefill) engine
+/// and the matrix-vector engine (`p_*`: a 53-token prefill, `d_*`: the worst of the 10 greedy
+/// decode steps after it), and whether the two GPU engines' prefill logits differ at all.
+struct ThreeWay {
+    p_tc: f64,
+    p_mv: f64,
+    d_tc: f64,
+    d_mv: f64,
+    prefill_differs: bool,
+}
+
+/// Slot 0 of `tc`, `mv` and `c`: a 53-token prompt of ids below `vocab` prefilled in
+/// ubatches of 32, then 10 decode steps fed the CPU engine's greedy picks.
+fn three_way(
+    tc: &mut CudaEngine,
+    mv: &mut CudaEngine,
+    c: &mut strata_exec::exec::CpuEngine,
+    vocab: u32,
+) -> ThreeWay {
+    let v = tc.info().n_vocab;
+    let prompt: Vec<u32> = (0..53).map(|i| (i * 37 + 11) % vocab).collect();
+    let (mut lt, mut lm, mut lc) = (Vec::new(), Vec::new(), Vec::new());
+    for chunk in prompt.chunks(32) {
+        lt.extend_from_slice(tc.prefill_all(0, chunk).unwrap());
+        lm.extend_from_slice(mv.prefill_all(0, chunk).unwrap());
+        lc.extend_from_slice(c.prefill_all(0, chunk).unwrap());
+    }
+    let (mut d_tc, mut d_mv) = (0f64, 0f64);
+    let mut tok = argmax(&lc[lc.len() - v..]);
+    for _ in 0..10 {
+        let gt = tc.decode(&[(0, tok)]).unwrap().to_vec();
+        let gm = mv.decode(&[(0, tok)]).unwrap().to_vec();
+        let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
+        d_tc = d_tc.max(rel_err(&gt, &cl, v));
+        d_mv = d_mv.max(rel_err(&gm, &cl, v));
+        tok = argmax(&cl);
+    }
+    ThreeWay {
+        p_tc: rel_err(&lt, &lc, v),
+        p_mv: rel_err(&lm, &lc, v),
+        d_tc,
+        d_mv,
+        prefill_differs: lt != lm,
+    }
+}
+
 /// One quantizer mix `gguf` (which holds a `marker` tensor) on the default CUDA engine and on
 /// its matrix-vector path against the CPU engine: a 53-token prefill in ubatches of 32, then
 /// 10 greedy decode steps. Failures are pushed onto `bad`.
@@ -628,26 +661,13 @@ fn mix_matches_the_cpu_engine(
     };
     let (mut tc, mut mv) = (start(true), start(false));
     let mut c = cpu_on_gguf(&name, gguf, &ask);
-    let v = tc.info().n_vocab;
-    let vocab = inv.hparams.n_vocab as u32;
-    let prompt: Vec<u32> = (0..53).map(|i| (i * 37 + 11) % vocab).collect();
-    let (mut lt, mut lm, mut lc) = (Vec::new(), Vec::new(), Vec::new());
-    for chunk in prompt.chunks(32) {
-        lt.extend_from_slice(tc.prefill_all(0, chunk).unwrap());
-        lm.extend_from_slice(mv.prefill_all(0, chunk).unwrap());
-        lc.extend_from_slice(c.prefill_all(0, chunk).unwrap());
-    }
-    let (p_tc, p_mv) = (rel_err(&lt, &lc, v), rel_err(&lm, &lc, v));
-    let (mut d_tc, mut d_mv) = (0f64, 0f64);
-    let mut tok = argmax(&lc[lc.len() - v..]);
-    for _ in 0..10 {
-        let gt = tc.decode(&[(0, tok)]).unwrap().to_vec();
-        let gm = mv.decode(&[(0, tok)]).unwrap().to_vec();
-        let cl = c.decode(&[(0, tok)]).unwrap().to_vec();
-        d_tc = d_tc.max(rel_err(&gt, &cl, v));
-        d_mv = d_mv.max(rel_err(&gm, &cl, v));
-        tok = argmax(&cl);
-    }
+    let ThreeWay {
+        p_tc,
+        p_mv,
+        d_tc,
+        d_mv,
+        ..
+    } = three_way(&mut tc, &mut mv, &mut c, inv.hparams.n_vocab as u32);
     eprintln!(
         "{preset} ({types:?}): 53-token prefill vs CPU: default engine {p_tc:e}, matvec engine {p_mv:e}; 10 decode steps after it: {d_tc:e} / {d_mv:e}"
     );
