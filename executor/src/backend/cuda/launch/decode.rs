@@ -309,23 +309,31 @@ pub fn qkv(
     stage: bool,
 ) -> Result<(), CudaError> {
     const OP: &str = "qkv";
-    let ty = mats[0].check(OP)?;
     let cols = mats[0].cols;
+    let mut tys = [0i32; 3];
+    for ((m, y), t) in mats.iter().zip(&outs).zip(tys.iter_mut()) {
+        *t = m.check(OP)?;
+        y.expect(OP, "y", f32s(n * m.rows), 4)?;
+    }
     if !qkv_fuses(mats.map(|m| (m.ty, m.cols))) {
         return Err(bad(
             OP,
             "Q, K and V must share their columns and their type, or all be K-quants (use three products)".into(),
         ));
     }
-    let mut tys = [ty; 3];
-    for ((m, y), t) in mats.iter().zip(&outs).zip(tys.iter_mut()) {
-        *t = m.check(OP)?;
-        y.expect(OP, "y", f32s(n * m.rows), 4)?;
-    }
+    let ty = tys[0];
     let mixed = tys.iter().any(|t| *t != ty);
     x.expect(OP, "x", f32s(n * cols), 4)?;
     let rows = (mats[0].rows + mats[1].rows + mats[2].rows) as u32;
     let (n32, no_norm, eps) = (int(OP, "n", n)?, 0u64, 0f32);
+    let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
+    let (rq, rk, rv, c) = (
+        mats[0].rows as i32,
+        mats[1].rows as i32,
+        mats[2].rows as i32,
+        cols as i32,
+    );
+    let (xp, yq, yk, yv) = (x.ptr(), outs[0].ptr(), outs[1].ptr(), outs[2].ptr());
     if !mixed && rows_kernel(n, mats[0].ty) {
         let total = int(OP, "rows", mats.iter().map(|m| m.rows).sum())? as usize;
         if total == 0 {
@@ -338,14 +346,6 @@ pub fn qkv(
             8 => "dq_rows_qkv8",
             _ => "dq_rows_qkv16",
         };
-        let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
-        let (rq, rk, rv, c) = (
-            mats[0].rows as i32,
-            mats[1].rows as i32,
-            mats[2].rows as i32,
-            cols as i32,
-        );
-        let (xp, yq, yk, yv) = (x.ptr(), outs[0].ptr(), outs[1].ptr(), outs[2].ptr());
         return launch!(l, name, cfg(grid, block, smem);
             &wq, &wk, &wv, &ty, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv, &n32, &wc);
     }
@@ -353,14 +353,6 @@ pub fn qkv(
     let kq = kq_fast(l, mats[0].ty) || mixed;
     if kq {
         let name = if n == 1 { "dq_qkv1_kq" } else { "dq_qkv8_kq" };
-        let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
-        let (rq, rk, rv, c) = (
-            mats[0].rows as i32,
-            mats[1].rows as i32,
-            mats[2].rows as i32,
-            cols as i32,
-        );
-        let (xp, yq, yk, yv) = (x.ptr(), outs[0].ptr(), outs[1].ptr(), outs[2].ptr());
         let (tq, tk, tv) = (tys[0], tys[1], tys[2]);
         return launch!(l, name, cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, 0);
             &wq, &wk, &wv, &tq, &tk, &tv, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv,
@@ -373,14 +365,6 @@ pub fn qkv(
         (false, true) => "dq_qkv8_any",
     };
     let smem = xs_bytes(stage, n, mats[0].ty, cols);
-    let (wq, wk, wv) = (mats[0].w.ptr(), mats[1].w.ptr(), mats[2].w.ptr());
-    let (rq, rk, rv, c) = (
-        mats[0].rows as i32,
-        mats[1].rows as i32,
-        mats[2].rows as i32,
-        cols as i32,
-    );
-    let (xp, yq, yk, yv) = (x.ptr(), outs[0].ptr(), outs[1].ptr(), outs[2].ptr());
     launch!(l, name, cfg((rows.div_ceil(DQ_WARPS), chunks, 1), 32 * DQ_WARPS, smem);
         &wq, &wk, &wv, &ty, &rq, &rk, &rv, &c, &xp, &no_norm, &eps, &yq, &yk, &yv, &n32)
 }
