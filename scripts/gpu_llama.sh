@@ -9,7 +9,10 @@
 # pp512 / tg128 on each large file with llama-bench (-fa 1 -ngl 99) and strata-exec bench
 # (planned for plans/hardware/h200.toml), then prints one table.
 #
-# usage: scripts/gpu_llama.sh [build|files|fixtures|bench|all] [OUTDIR]   (default: all, $OUT or /tmp)
+# usage: scripts/gpu_llama.sh [build|files|fixtures|bench|all] [OUTDIR] [ARCH]
+#   (default: all, $OUT or /tmp, qwen3moe). ARCH qwen3next writes and benches one random
+#   Qwen3-Next-80B-A3B-shaped IQ3_S file instead (~33 GB: the disk holds it or the two 30B
+#   files, not both, so run `rm -f /tmp/gpu_llama/*.gguf` between the two).
 # Binaries: target/gpu/ (scripts/build_gpu.sh on the dev box; carry target/gpu and
 # llama.cpp-src with the device tool). Every stage keeps what it made under /tmp/gpu_llama
 # and skips it when it is there, so a call cut short by the time limit resumes where it
@@ -20,6 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 out=${2:-${OUT:-/tmp}}
+arch=${3:-qwen3moe}
 bin=$PWD/target/gpu
 src=$PWD/llama.cpp-src
 work=/tmp/gpu_llama
@@ -55,17 +59,23 @@ fi
 q4km=$work/q30-q4_k_m.gguf
 iq3s=$work/q30-iq3_s.gguf
 fix=$work/fixtures
+# "PRESET:FILE" pairs of the files stage; the bench stage benches the same files.
+case "$arch" in
+qwen3moe) pairs="Q4_K_M:$q4km IQ3_S:$iq3s" ;;
+qwen3next) pairs="IQ3_S:$work/next80-iq3_s.gguf" ;;
+*) fail "ARCH is qwen3moe or qwen3next, not $arch" ;;
+esac
 
 if [ "$what" = files ] || [ "$what" = all ]; then
     stage "model files"
     # Both mixes straight from our writer (llama-quantize's per-tensor types, valid random
     # blocks: --random-blocks skips the quantizer search that made a 30B write take >10 min).
-    for pair in "Q4_K_M:$q4km" "IQ3_S:$iq3s"; do
+    for pair in $pairs; do
         preset=${pair%%:*}
         f=${pair#*:}
         [ -f "$f" ] && continue
         t0=$(date +%s)
-        "$bin/strata-gguf" random --arch qwen3moe --preset "$preset" --random-blocks \
+        "$bin/strata-gguf" random --arch "$arch" --preset "$preset" --random-blocks \
             --vocab-from tests/data/tiny-chat-moe --out "$f.partial" >"$work/random_$preset.log" 2>&1 ||
             fail "strata-gguf random $preset" "$work/random_$preset.log"
         mv "$f.partial" "$f"
@@ -104,7 +114,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         echo "| file | engine | pp512 tok/s | tg128 tok/s |"
         echo "| --- | --- | --- | --- |"
     } >"$table"
-    for m in "$q4km" "$iq3s"; do
+    for pair in $pairs; do
+        m=${pair#*:}
         [ -f "$m" ] || { echo "no $m: run the files stage first"; continue; }
         name=$(basename "$m" .gguf)
         stage "llama-bench $name"

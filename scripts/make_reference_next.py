@@ -8,7 +8,7 @@ one thread, fixed seed) in a few seconds.
 
 Usage:
     python3 scripts/make_reference_next.py --out tests/data/tiny-qwen3next
-    # options: --seed N (default 20250817), --variants base,interval2,odd
+    # options: --seed N (default 20250817), --variants base,interval2,odd,cuda
 
 For each variant it writes OUT/<variant>/ with:
   config.json        transformers' Qwen3NextConfig, plus `full_attention_interval` (the hub
@@ -93,6 +93,13 @@ VARIANTS = {
         layers=3, interval=3, hidden=48, heads=3, kv_heads=1, head_dim=24,
         nk=3, nv=6, dk=12, conv=3, experts=5, top_k=3, ff_exp=20, ff_shexp=12,
         mtp=False, long=False,
+    ),
+    # The shapes the CUDA kernels take (hidden and expert widths multiples of 32): 2 linear +
+    # 2 full attention, 8 experts top-2 of width 32, an MTP block, the long prompt.
+    "cuda": dict(
+        layers=4, interval=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
+        nk=2, nv=4, dk=16, conv=4, experts=8, top_k=2, ff_exp=32, ff_shexp=32,
+        mtp=True, long=True,
     ),
 }
 
@@ -464,8 +471,10 @@ def main():
         if n not in VARIANTS:
             fail(f"--variants: unknown variant `{n}` (known: {', '.join(VARIANTS)})")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
-    for i, n in enumerate(names):
-        run_variant(args.out, n, args.seed + i)
+    # Each variant's seed is its place in VARIANTS, so a subset (--variants cuda) rebuilds
+    # exactly what the full run writes for it.
+    for n in names:
+        run_variant(args.out, n, args.seed + list(VARIANTS).index(n))
     total = 0
     for root, _, files in os.walk(args.out):
         total += sum(os.path.getsize(os.path.join(root, f)) for f in files)

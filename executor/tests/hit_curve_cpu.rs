@@ -44,8 +44,7 @@ fn hp() -> HParams {
 }
 
 fn model() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("strata-hitcurve-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
+    let d = common::run_dir("hitcurve");
     let path = d.join("skewed-q8.gguf");
     let opts = RandomOptions {
         threads: 1,

@@ -49,8 +49,7 @@ fn hp() -> HParams {
 }
 
 fn model() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("strata-predict-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
+    let d = common::run_dir("predict");
     let path = d.join("moe-q8.gguf");
     let recipe = QuantRecipe::preset("Q8_0").unwrap();
     let opts = RandomOptions {
@@ -181,38 +180,45 @@ fn cpu_predictions_are_within_a_factor_of_three_of_the_engine() {
     let mut e = start_cpu(&p4, Box::new(GgufModel::open(&path).unwrap()), opts).unwrap();
     let prompt: Vec<u32> = (0..16).map(|i| (i * 37 % 1024) as u32).collect();
 
-    // Warm up, then prefill one ubatch on each slot (the first timed).
-    e.prefill(0, &prompt, true).unwrap();
-    e.reset_slot(0);
-    let t = Instant::now();
-    e.prefill(0, &prompt, true).unwrap();
-    within(
-        "prefill of 16 tokens",
-        p4.prefill_seconds(16, 16),
-        t.elapsed().as_secs_f64(),
-    );
-    for s in 1..4 {
-        e.prefill(s, &prompt, true).unwrap();
-    }
+    // Each figure is the best of three runs, as the coefficients are: a busy machine slows
+    // single runs of either side, not the best of several.
+    e.prefill(0, &prompt, true).unwrap(); // warm-up
+    let measured = best(3, || {
+        e.reset_slot(0);
+        e.prefill(0, &prompt, true).unwrap();
+    });
+    within("prefill of 16 tokens", p4.prefill_seconds(16, 16), measured);
 
     // Decode at one slot: 16 steps from 16 cells.
-    let mut tok = [0u32];
-    let t = Instant::now();
-    for _ in 0..16 {
-        e.decode_greedy(&[(0, tok[0])], &mut tok).unwrap();
+    let mut measured = f64::INFINITY;
+    for _ in 0..3 {
+        e.reset_slot(0);
+        e.prefill(0, &prompt, true).unwrap();
+        let mut tok = [0u32];
+        let t = Instant::now();
+        for _ in 0..16 {
+            e.decode_greedy(&[(0, tok[0])], &mut tok).unwrap();
+        }
+        measured = measured.min(t.elapsed().as_secs_f64());
     }
-    let measured = t.elapsed().as_secs_f64();
     let predicted: f64 = (16..32).map(|c| p1.decode_step_seconds(1, c)).sum();
     within("16 decode steps at batch 1", predicted, measured);
 
-    // Decode all four slots together: 8 steps.
-    let mut toks = [0u32; 4];
-    let t = Instant::now();
-    for _ in 0..8 {
-        let batch: Vec<(usize, u32)> = (0..4).map(|s| (s, toks[s])).collect();
-        e.decode_greedy(&batch, &mut toks).unwrap();
+    // Decode all four slots together: 8 steps from 16 cells each.
+    let mut measured4 = f64::INFINITY;
+    for _ in 0..3 {
+        for s in 0..4 {
+            e.reset_slot(s);
+            e.prefill(s, &prompt, true).unwrap();
+        }
+        let mut toks = [0u32; 4];
+        let t = Instant::now();
+        for _ in 0..8 {
+            let batch: Vec<(usize, u32)> = (0..4).map(|s| (s, toks[s])).collect();
+            e.decode_greedy(&batch, &mut toks).unwrap();
+        }
+        measured4 = measured4.min(t.elapsed().as_secs_f64());
     }
-    let measured4 = t.elapsed().as_secs_f64();
-    let predicted4: f64 = (20..28).map(|c| p4.decode_step_seconds(4, c)).sum();
+    let predicted4: f64 = (16..24).map(|c| p4.decode_step_seconds(4, c)).sum();
     within("8 decode steps at batch 4", predicted4, measured4);
 }

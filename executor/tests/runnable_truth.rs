@@ -71,9 +71,7 @@ fn tiny_next() -> HParams {
 }
 
 fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("strata-runnable-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::run_dir("runnable")
 }
 
 /// Write a random model (types the quantizers do not produce are zero blocks); one writer at

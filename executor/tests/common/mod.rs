@@ -34,13 +34,39 @@ pub fn source(variant: &str) -> PathBuf {
         .join(variant)
 }
 
+/// This test process's own folder `NAME-PID` under cargo's per-target temporary folder
+/// (`target/tmp`, removed by `cargo clean`), never the system's: the folders of earlier runs
+/// whose process has exited are removed first, so repeated runs do not pile up copies of the
+/// models they write.
+pub fn run_dir(name: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let me = std::process::id();
+    if let Ok(entries) = std::fs::read_dir(root) {
+        for e in entries.flatten() {
+            let file = e.file_name();
+            let pid = file
+                .to_str()
+                .and_then(|f| f.strip_prefix(name)?.strip_prefix('-')?.parse::<u32>().ok());
+            // A process that is gone has no /proc entry (Linux; elsewhere nothing is removed).
+            if let Some(pid) = pid {
+                let gone =
+                    cfg!(target_os = "linux") && !Path::new("/proc").join(pid.to_string()).exists();
+                if pid != me && gone {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    }
+    let d = root.join(format!("{name}-{me}"));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
 /// A runnable copy of a reference folder: transformers 5 saved `config.json` without
 /// `architectures` and with `num_local_experts` / `rope_parameters`, which the folder reader
 /// does not read yet, so the copy adds the older keys.
 pub fn data(variant: &str) -> PathBuf {
-    let dir = std::env::temp_dir()
-        .join(format!("strata-exec-test-{}", std::process::id()))
-        .join(variant);
+    let dir = run_dir("tiny-qwen3moe").join(variant);
     if dir.join("model.safetensors").exists() {
         return dir;
     }
