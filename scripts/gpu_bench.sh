@@ -7,7 +7,9 @@
 # (offload: the all-resident plan with --no-graphs (decode without graphs, no cache), then
 # the Q8_0 file planned for 24 and 12 GiB cards (plans/hardware/h200.toml with its VRAM cut),
 # each plan's host expert tier and notes, then bench pp512/tg128: the expert cache's misses
-# from the pinned tier on the copy stream, PCIe bytes per prefill and per decode step.)
+# from the pinned tier on the copy stream, PCIe bytes per prefill and per decode step; each
+# budget with --miss-policy stream, cpu and auto: decode misses copied, computed on the CPU,
+# or as the plan's cost model chose.)
 # (predict: write the skewed-routing Q8_0 file, probe this machine, profile the file's routing
 # (counts and LRU reuse curve), plan it all resident and for 24 and 12 GiB cards (the probe
 # with its VRAM cut) with and without --expert-profile, bench each plan: the plan's predictions
@@ -189,10 +191,14 @@ if [ "$what" = offload ] || [ "$what" = all ]; then
             plans/hardware/h200.toml >/tmp/h200-${gib}g.toml
         echo "== ${gib} GiB card: plan"
         $bin/strata-plan --hardware /tmp/h200-${gib}g.toml --model $m --max-context 4096 --batch 1 \
-            -o /tmp/q30-${gib}g.plan | grep -iE "host|expert|predict|note" | head -12 | tee -a "$out/offload.txt"
-        echo "== ${gib} GiB card: strata-exec bench"
-        /usr/bin/time -f "wall %e s, max RSS %M KB" $bin/strata-exec bench /tmp/q30-${gib}g.plan \
-            -p 512 -n 128 -r 3 2>&1 | grep -vE "^\s*rep " | tee -a "$out/offload.txt"
+            -o /tmp/q30-${gib}g.plan | grep -iE "host|expert|miss policy|predict|note" | head -14 | tee -a "$out/offload.txt"
+        # The hybrid miss path: every decode miss streamed, every one on the CPU (nproc
+        # threads), and the plan's own choice, on the same plan.
+        for policy in stream cpu auto; do
+            echo "== ${gib} GiB card: strata-exec bench --miss-policy $policy ($(nproc) CPU threads)"
+            /usr/bin/time -f "wall %e s, max RSS %M KB" $bin/strata-exec bench /tmp/q30-${gib}g.plan \
+                -p 512 -n 128 -r 3 --miss-policy $policy 2>&1 | grep -vE "^\s*rep " | tee -a "$out/offload.txt"
+        done
     done
 fi
 if [ "$what" = torch ] || [ "$what" = all ]; then

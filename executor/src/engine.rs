@@ -21,7 +21,10 @@ pub struct EngineInfo {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStats {
     pub expert_hits: u64,
+    /// Misses copied into the cache (streamed).
     pub expert_misses: u64,
+    /// Misses computed on the host CPU instead (the CUDA engine's hybrid path).
+    pub expert_misses_cpu: u64,
     /// Bytes of expert weights copied host -> device for misses (PCIe traffic).
     pub expert_bytes_streamed: u64,
     /// Context cells in use, per slot.

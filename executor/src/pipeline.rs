@@ -455,16 +455,18 @@ where
     }
 
     fn stats(&self) -> EngineStats {
-        let (mut hits, mut misses, mut streamed) = (0, 0, 0);
+        let (mut hits, mut misses, mut streamed, mut cpu) = (0, 0, 0, 0);
         for st in &self.stages {
             let (h, m) = st.backend.expert_counters();
             hits += h;
             misses += m;
             streamed += st.backend.expert_bytes_streamed();
+            cpu += st.backend.expert_misses_cpu();
         }
         EngineStats {
             expert_hits: hits,
             expert_misses: misses,
+            expert_misses_cpu: cpu,
             expert_bytes_streamed: streamed,
             kv_cells_in_use: self.lens.clone(),
             speculation: self.mtp.as_ref().map(|m| m.stats).unwrap_or_default(),

@@ -96,6 +96,41 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
         err.contains("--device-map") && err.contains("CPU backend"),
         "{err}"
     );
+
+    // A forced miss policy for a plan the CPU backend runs (it computes every expert on the
+    // CPU anyway): refused, naming the flag; `auto` runs.
+    let out = exe()
+        .arg(&plan_path)
+        .arg("--model")
+        .arg(data("base"))
+        .args(["--prompt-tokens", "1,2", "-n", "2", "--miss-policy", "cpu"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--miss-policy") && err.contains("CPU backend"),
+        "{err}"
+    );
+    let out = exe()
+        .arg(&plan_path)
+        .arg("--model")
+        .arg(data("base"))
+        .args(["--prompt-tokens", "1,2", "-n", "2", "--miss-policy", "auto"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // --help documents the three values.
+    let out = exe().arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("--miss-policy") && help.contains("stream") && help.contains("cpu"),
+        "{help}"
+    );
 }
 
 fn json_run(args: &[&str]) -> serde_json::Value {

@@ -5,7 +5,10 @@
 //! conversion of a streamed miss) on every miss path: the plan's pinned host expert tier with
 //! its copy stream (as planned, and re-chunked so experts of one layer straddle chunks) and
 //! the mapped file (the plan without the tier); with LRU and with LFU over a pinned hot set,
-//! the counters see the misses, and the router's picks are counted.
+//! the counters see the misses, and the router's picks are counted. The hybrid miss path
+//! (`--miss-policy cpu`, and the plan's own choice): decode misses computed on the CPU while
+//! the GPU computes the hits give the resident run's greedy tokens, logits within the f32
+//! tolerance of a GPU-vs-CPU comparison (the CPU sums in another order).
 //! The plans are checked without a GPU; the runs need one: without it they print SKIP and
 //! return (on the GPU machine: `cargo test -p strata-exec --release --test cuda_offload --
 //! --test-threads=1 --nocapture`).
@@ -15,7 +18,7 @@
 mod common;
 
 use common::*;
-use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
+use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions, MissOverride};
 use strata_exec::backend::cuda::start::{preflight, start_cuda};
 use strata_exec::engine::Engine;
 use strata_exec::load::open_model;
@@ -339,5 +342,85 @@ fn replacement_keeps_the_tokens_over_a_long_decode() {
             s.expert_hits,
             s.expert_misses
         );
+    }
+}
+
+/// The hybrid miss path: with half the experts and with the minimum working set in VRAM,
+/// `--miss-policy cpu` computes decode misses on the CPU (from the mapped file, every core)
+/// while the GPU computes the hits, `stream` copies every miss, `auto` takes the plan's
+/// choice. Every policy gives the all-resident run's greedy tokens; the logits stay within
+/// 1e-4 of the largest (the bound of the GPU-vs-CPU engine comparison in cuda_engine.rs:
+/// only the summation order differs), `stream` bit for bit; `cpu` computes decode misses on
+/// the CPU (prefill passes still stream theirs) and `stream` computes none there.
+#[test]
+fn cpu_computed_misses_match_the_all_resident_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference("base");
+    let prompts = prompts(&r);
+    let gpu = gpu_present();
+    for ty in [GgmlType::F32, GgmlType::Q8_0] {
+        let gguf = dir.path().join(format!("tiny-hybrid-{ty}.gguf"));
+        strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &gguf, ty, None).unwrap();
+        let full = gpu_plan(&gguf, ExpertCache::Auto);
+        let n_all = full.model.n_layer as u64 * full.model.n_expert;
+        let plans = [
+            (
+                "half the experts",
+                gpu_plan(&gguf, ExpertCache::Slots(n_all / 2)),
+            ),
+            ("minimum working set", gpu_plan(&gguf, ExpertCache::Off)),
+        ];
+        for (name, p) in &plans {
+            assert!(tiers(p).0 > 0, "{ty} {name}: experts stay in host memory");
+            eprintln!(
+                "{ty} {name}: the plan's miss policy is {}",
+                p.devices[0].cost.miss_policy()
+            );
+        }
+        if !gpu {
+            eprintln!("SKIP: {ty}: no GPU, the hybrid runs are not checked");
+            continue;
+        }
+        let mut want =
+            start_cuda(&full, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+        let reference: Vec<_> = prompts.iter().map(|pr| run(&mut want, pr, 8)).collect();
+        for (name, p) in &plans {
+            for policy in [MissOverride::Stream, MissOverride::Cpu, MissOverride::Plan] {
+                let opts = CudaOptions {
+                    miss_policy: policy,
+                    ..CudaOptions::default()
+                };
+                let mut g = start_cuda(p, open_model(&gguf).unwrap(), opts).unwrap();
+                let mut worst = 0f32;
+                let mut decode_misses = 0u64;
+                for (pi, pr) in prompts.iter().enumerate() {
+                    let before = g.stats();
+                    let (gl, gt) = run(&mut g, pr, 8);
+                    let (wl, wt) = &reference[pi];
+                    assert_eq!(&gt, wt, "{ty} {name} {policy:?} prompt {pi}: greedy tokens");
+                    let e = max_rel(&gl, wl);
+                    worst = worst.max(e);
+                    assert!(e < 1e-4, "{ty} {name} {policy:?} prompt {pi}: {e}");
+                    if policy == MissOverride::Stream {
+                        assert!(gl == *wl, "{ty} {name} stream prompt {pi}: bit for bit");
+                    }
+                    let after = g.stats();
+                    decode_misses += after.expert_misses_cpu - before.expert_misses_cpu;
+                }
+                let s = g.stats();
+                eprintln!(
+                    "{ty} {name} {policy:?}: worst {worst:e} of the largest logit; {} hits, {} misses streamed, {} on the CPU",
+                    s.expert_hits, s.expert_misses, s.expert_misses_cpu
+                );
+                match policy {
+                    MissOverride::Stream => assert_eq!(s.expert_misses_cpu, 0, "{ty} {name}"),
+                    MissOverride::Cpu => assert!(
+                        decode_misses > 0,
+                        "{ty} {name}: cpu computed decode misses on the CPU"
+                    ),
+                    MissOverride::Plan => {}
+                }
+            }
+        }
     }
 }

@@ -126,6 +126,8 @@ fn measure() -> CostProbe {
         expert_gbps: None,
         expert_pass_gbps: None,
         expert_gemm_tflops: None,
+        host_matvec_gbps: None,
+        host_expert_latency_us: None,
     }
 }
 

@@ -41,6 +41,12 @@ const PREFILL_ACT_ROWS: f64 = 10.0;
 /// Ops (parallel sections) of a CPU decode layer: norms, projections, attention, router, and
 /// gate/up/down per expert used (add `3 x n_expert_used`).
 const CPU_LAYER_OPS: f64 = 8.0;
+/// Default host expert matvec rate (GB/s of expert bytes, every core): a guess for a
+/// desktop's dual-channel DDR5 or a server share; `host_matvec_gbps` replaces it.
+const HOST_MATVEC_GBPS: f64 = 40.0;
+/// Default fixed cost of a decode layer computing misses on the CPU (µs): two small reads
+/// back, one upload and a launch, the thread pool's wake-up; `host_expert_latency_us`.
+const HOST_EXPERT_LATENCY_US: f64 = 40.0;
 
 /// Coefficients of one device in SI units, and which of them were defaults.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,8 +68,15 @@ pub struct Coefficients {
     pub expert_bps: f64,
     pub expert_pass_bps: f64,
     pub expert_gemm_flops: f64,
+    /// The hybrid miss path: expert bytes per second the host CPU's products read from host
+    /// memory, and a decode layer's fixed cost when it computes any miss there.
+    pub host_matvec_bps: f64,
+    pub host_layer_s: f64,
     /// Probe keys that took the default.
     pub defaulted: Vec<&'static str>,
+    /// Host keys of the miss path that took the default (a guess only where the device
+    /// misses).
+    pub host_defaulted: Vec<&'static str>,
 }
 
 impl Coefficients {
@@ -114,8 +127,24 @@ impl Coefficients {
             expert_bps: product_gbps * 1e9,
             expert_pass_bps: product_gbps * 1e9,
             expert_gemm_flops: gemm_tflops * 1e12,
+            host_matvec_bps: 0.0,
+            host_layer_s: 0.0,
             defaulted: Vec::new(),
+            host_defaulted: Vec::new(),
         };
+        let mut host_defaulted = Vec::new();
+        let mut host = |key: &'static str, v: Option<f64>, default: f64| {
+            v.unwrap_or_else(|| {
+                host_defaulted.push(key);
+                default
+            })
+        };
+        out.host_matvec_bps = host("host_matvec_gbps", c.host_matvec_gbps, HOST_MATVEC_GBPS) * 1e9;
+        out.host_layer_s = host(
+            "host_expert_latency_us",
+            c.host_expert_latency_us,
+            HOST_EXPERT_LATENCY_US,
+        ) * 1e-6;
         if !cpu {
             // Expert defaults (H200, BENCHMARKS.md "Predictions"): the decode pair 17 µs
             // plus bytes at 45% of the datasheet bandwidth, a 256-token group at 25%; the
@@ -126,7 +155,11 @@ impl Coefficients {
             out.expert_gemm_flops =
                 get("expert_gemm_tflops", c.expert_gemm_tflops, gemm_tflops) * 1e12;
         }
-        Self { defaulted, ..out }
+        Self {
+            defaulted,
+            host_defaulted,
+            ..out
+        }
     }
 
     /// Whether any coefficient is a default (the prediction is a guess).
@@ -265,6 +298,9 @@ pub fn device_cost(
             1.0
         },
         expert_miss_s: expert_bytes / c.host_expert_bps,
+        host_expert_s: expert_bytes / c.host_matvec_bps,
+        host_layer_s: c.host_layer_s,
+        cpu_misses_per_token: 0,
         kv_cell_s: kv_cell / c.attention_bps,
         kv_host_cell_s: kv_cell / (dev.h2d() * 1e9),
         kv_resident: share.kv_resident,
@@ -277,6 +313,37 @@ pub fn device_cost(
         prefill_token_s: layers * (PREFILL_ACT_ROWS + 2.0 * k) * row_bytes / c.product_bps,
         prefill_cell_s: attn_layers * facts.attn_cell_flops as f64 / c.prefill_attention_flops,
     }
+}
+
+/// The miss policy of a GPU device (the hybrid path): how many of a decode layer's misses
+/// per token its host CPU computes while the device computes the hits and streams the rest,
+/// the count in `0..=n_expert_used` whose decode step at batch 1 and empty context the cost
+/// model finds shortest (the smallest on ties, so streaming wins a draw; but a count that
+/// already covers the expected misses becomes `n_expert_used`, every miss, since a token's
+/// misses vary about their mean). Nothing to choose where nothing misses.
+pub fn choose_miss_policy(cost: &DeviceCost) -> u32 {
+    if cost.expert_layers == 0 || cost.hit_rate >= 1.0 || cost.n_expert_used == 0 {
+        return 0;
+    }
+    let at = |n: u32| {
+        DeviceCost {
+            cpu_misses_per_token: n,
+            ..cost.clone()
+        }
+        .decode_step_seconds(1, 0)
+    };
+    let mut best = (f64::INFINITY, 0);
+    for n in 0..=cost.n_expert_used {
+        let t = at(n);
+        if t < best.0 {
+            best = (t, n);
+        }
+    }
+    let all = cost.n_expert_used;
+    if best.1 > 0 && at(all) <= best.0 * (1.0 + 1e-9) {
+        return all;
+    }
+    best.1
 }
 
 #[cfg(test)]
@@ -326,12 +393,90 @@ mod tests {
             expert_gbps: Some(2000.0),
             expert_pass_gbps: Some(1000.0),
             expert_gemm_tflops: Some(60.0),
+            host_matvec_gbps: None,
+            host_expert_latency_us: None,
         });
         let c = Coefficients::of(&d);
         assert!(!c.guessed(), "{:?}", c.defaulted);
         assert_eq!(c.product_bps, 3000e9);
         assert_eq!(c.gemm_flops, 100e12);
         assert_eq!(c.host_expert_pinned_bps, 52e9);
+    }
+
+    /// The 30B Q8_0 model on an H200 whose cache holds about a third of the expert uses,
+    /// misses copied at `link_gbps` and computed on the host at `host_gbps`.
+    fn offload_cost(link_gbps: f64, host_gbps: f64) -> DeviceCost {
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let mut dev = h200();
+        dev.cost = Some(CostProbe {
+            host_expert_gbps: Some(link_gbps),
+            host_matvec_gbps: Some(host_gbps),
+            host_expert_latency_us: Some(40.0),
+            ..CostProbe::default()
+        });
+        let share = DeviceShare {
+            cached_mass: 0.3,
+            experts_covered: false,
+            ..whole(&facts, true)
+        };
+        device_cost(&facts, &dev, &Coefficients::of(&dev), &share)
+    }
+
+    #[test]
+    fn the_miss_policy_computes_on_the_cpu_when_the_link_is_slow_and_streams_when_fast() {
+        use strata_schemas::plan::MissPolicy;
+        let k = offload_cost(1.0, 1.0).n_expert_used;
+        // A slow link (a PCIe 3 x4 riser) beside a fast host: every miss on the CPU.
+        let mut slow = offload_cost(3.0, 80.0);
+        slow.cpu_misses_per_token = choose_miss_policy(&slow);
+        assert_eq!(slow.miss_policy(), MissPolicy::Cpu, "{slow:?}");
+        assert_eq!(slow.cpu_misses_per_token, k);
+        // A fast link beside a slow host: every miss streamed.
+        let mut fast = offload_cost(200.0, 5.0);
+        fast.cpu_misses_per_token = choose_miss_policy(&fast);
+        assert_eq!(fast.miss_policy(), MissPolicy::Stream, "{fast:?}");
+        // Comparable rates: both links at once, a split that beats either alone.
+        let mut even = offload_cost(55.0, 55.0);
+        let n = choose_miss_policy(&even);
+        assert!(n > 0 && n < k, "split expected, got {n} of {k}");
+        let at = |c: &DeviceCost, n: u32| {
+            DeviceCost {
+                cpu_misses_per_token: n,
+                ..c.clone()
+            }
+            .decode_step_seconds(1, 0)
+        };
+        assert!(at(&even, n) < at(&even, 0) && at(&even, n) < at(&even, k));
+        even.cpu_misses_per_token = n;
+        assert_eq!(even.miss_policy(), MissPolicy::Split(n));
+        // Every expert resident: nothing to choose.
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let dev = h200();
+        let all = device_cost(&facts, &dev, &Coefficients::of(&dev), &whole(&facts, true));
+        assert_eq!(choose_miss_policy(&all), 0);
+        assert_eq!(all.miss_policy(), MissPolicy::None);
+    }
+
+    #[test]
+    fn host_keys_are_guesses_apart_from_the_device_keys() {
+        let mut d = h200();
+        let c = Coefficients::of(&d);
+        assert_eq!(
+            c.host_defaulted,
+            vec!["host_matvec_gbps", "host_expert_latency_us"]
+        );
+        assert!(!c.defaulted.contains(&"host_matvec_gbps"));
+        d.cost = Some(CostProbe {
+            host_matvec_gbps: Some(90.0),
+            host_expert_latency_us: Some(25.0),
+            ..CostProbe::default()
+        });
+        let c = Coefficients::of(&d);
+        assert!(c.host_defaulted.is_empty());
+        assert_eq!(c.host_matvec_bps, 90e9);
+        assert!((c.host_layer_s - 25e-6).abs() < 1e-12);
     }
 
     /// BENCHMARKS.md: the Qwen3-30B-A3B-shaped Q8_0 model on one H200, everything resident:

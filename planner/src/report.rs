@@ -9,7 +9,9 @@ use crate::solve::Infeasible;
 use crate::units::bytes as gib;
 use serde_json::{json, Map, Value};
 use strata_schemas::capability::{runnable, Runnable};
-use strata_schemas::plan::{DecodePoint, DeviceCost, Placement, Plan, RegionKind, PINNED_EXPERTS};
+use strata_schemas::plan::{
+    DecodePoint, DeviceCost, MissPolicy, Placement, Plan, RegionKind, PINNED_EXPERTS,
+};
 
 /// `{"cpu": true, "cuda": ["reason", ...], "hip": [...]}`.
 pub fn runnable_json(r: &Runnable) -> Value {
@@ -85,6 +87,13 @@ pub fn notes(plan: &Plan) -> Vec<String> {
     }
     if plan.predicted.guessed {
         out.push("the predicted speeds are guesses: the probe has no measured [device.cost] coefficients (defaults calibrated on the H200); `strata-exec probe` measures them".into());
+        if plan
+            .devices
+            .iter()
+            .any(|d| d.cost.miss_policy() != MissPolicy::None)
+        {
+            out.push("the miss policy rests on the host keys `host_matvec_gbps` and `host_expert_latency_us` of [device.cost], which `strata-exec probe` does not measure yet (defaults 40 GB/s and 40 us); `strata-exec bench --miss-policy cpu` shows this host's figure".into());
+        }
     }
     out
 }
@@ -111,6 +120,9 @@ fn cost_json(c: &DeviceCost) -> Value {
         "expert_read_per_use": c.expert_read_per_use,
         "hit_rate": c.hit_rate,
         "expert_miss_s": c.expert_miss_s,
+        "host_expert_s": c.host_expert_s,
+        "host_layer_s": c.host_layer_s,
+        "cpu_misses_per_token": c.cpu_misses_per_token,
         "kv_cell_s": c.kv_cell_s,
         "kv_host_cell_s": c.kv_host_cell_s,
         "row_s": c.row_s,
@@ -146,6 +158,7 @@ pub fn plan_json(plan: &Plan) -> Value {
                 "regions": regions,
                 "expert_cache_slots": d.expert_cache_slots,
                 "expert_slot_bytes": d.expert_slot_bytes,
+                "miss_policy": d.cost.miss_policy().to_string(),
                 "slots": plan.serve.batch,
                 "holds": {
                     "embedding": d.holds_embedding,
@@ -423,6 +436,19 @@ fn device_text(d: &strata_schemas::plan::DevicePlan) -> String {
             "; free memory assumed, see notes"
         }
     ));
+    let policy = d.cost.miss_policy();
+    if policy != MissPolicy::None {
+        o.push_str(&format!(
+            "    {:<16} {:>12}   ({})\n",
+            "miss policy",
+            policy.to_string(),
+            match policy {
+                MissPolicy::Cpu => "every missed expert computed on the host CPU beside the device's products".to_string(),
+                MissPolicy::Split(n) => format!("up to {n} missed expert(s) a token per layer computed on the host CPU, the rest copied into the cache"),
+                _ => "every missed expert copied into the cache".to_string(),
+            }
+        ));
+    }
     o
 }
 

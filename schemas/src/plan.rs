@@ -335,6 +335,16 @@ pub struct DeviceCost {
     pub hit_rate: f64,
     /// Extra time of one expert missed by the cache (host-to-device copy, disk share).
     pub expert_miss_s: f64,
+    /// One missed expert computed on the host CPU instead, for one token (its bytes over the
+    /// host's expert matvec rate), and the fixed cost of a decode layer that computes any
+    /// there (the picks and rows down, the partial sum up, one more launch).
+    pub host_expert_s: f64,
+    pub host_layer_s: f64,
+    /// The miss policy (the hybrid path): at most this many of a decode layer's misses per
+    /// token are computed on the host CPU, in parallel with the device's products; the
+    /// rest are streamed into the cache. 0: stream every miss; `n_expert_used` or more:
+    /// compute every miss on the CPU. See [`DeviceCost::miss_policy`].
+    pub cpu_misses_per_token: u32,
     /// One cell of one slot's KV read in device memory, and streamed from host memory.
     pub kv_cell_s: f64,
     pub kv_host_cell_s: f64,
@@ -371,7 +381,67 @@ pub fn distinct_experts(e: u32, k: u32, tokens: u64) -> f64 {
     f64::from(e) * (1.0 - p)
 }
 
+/// How a device serves the experts its cache misses in a decode step (the plan's choice,
+/// from the cost model; `strata-exec --miss-policy` may override it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissPolicy {
+    /// Every expert is in a cache slot: nothing misses.
+    None,
+    /// Every miss is copied into a cache slot and computed on the device.
+    Stream,
+    /// Every miss is computed on the host CPU from host memory.
+    Cpu,
+    /// Up to this many misses per token of a layer on the CPU, the rest streamed.
+    Split(u32),
+}
+
+impl std::fmt::Display for MissPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MissPolicy::None => write!(f, "none"),
+            MissPolicy::Stream => write!(f, "stream"),
+            MissPolicy::Cpu => write!(f, "cpu"),
+            MissPolicy::Split(n) => write!(f, "split {n}"),
+        }
+    }
+}
+
 impl DeviceCost {
+    /// The miss policy these terms record.
+    pub fn miss_policy(&self) -> MissPolicy {
+        if self.expert_layers == 0 || self.hit_rate >= 1.0 {
+            MissPolicy::None
+        } else if self.cpu_misses_per_token == 0 {
+            MissPolicy::Stream
+        } else if self.cpu_misses_per_token >= self.n_expert_used {
+            MissPolicy::Cpu
+        } else {
+            MissPolicy::Split(self.cpu_misses_per_token)
+        }
+    }
+
+    /// Extra seconds of a decode step of `batch` rows from the misses (`misses`: the step's
+    /// streamed cost if every miss were copied) beside the expert products (`exp`, every
+    /// layer's): per layer, the streamed misses copy before the products, and the CPU's
+    /// misses compute while the copies and products run; only what the CPU takes beyond
+    /// them adds.
+    fn miss_seconds(&self, batch: u64, exp: f64, misses: f64) -> f64 {
+        if self.expert_layers == 0 || misses <= 0.0 || self.expert_miss_s <= 0.0 {
+            return misses;
+        }
+        let layers = f64::from(self.expert_layers);
+        // Misses per layer of the step.
+        let m = misses / layers / self.expert_miss_s;
+        let cpu = m.min((u64::from(self.cpu_misses_per_token) * batch) as f64);
+        let stream_s = (m - cpu) * self.expert_miss_s;
+        let cpu_s = if cpu > 0.0 {
+            self.host_layer_s + cpu * self.host_expert_s
+        } else {
+            0.0
+        };
+        layers * (stream_s + (cpu_s - stream_s - exp / layers).max(0.0))
+    }
+
     /// Expert-product and expert-miss seconds for `tokens` rows: (reads, misses).
     fn experts(&self, tokens: u64, per_use: bool) -> (f64, f64) {
         if self.expert_layers == 0 {
@@ -395,6 +465,7 @@ impl DeviceCost {
         let b = u64::from(batch.max(1));
         let reads = b.div_ceil(u64::from(self.rows_per_read.max(1))) as f64;
         let (exp, miss) = self.experts(b, self.expert_read_per_use);
+        let miss = self.miss_seconds(b, exp, miss);
         let memory = reads * self.dense_read_s + exp;
         let compute = b as f64 * (self.token_compute_s + self.head_compute_s);
         let in_vram = context.min(self.kv_resident) as f64;

@@ -147,6 +147,16 @@ pub struct CostProbe {
     /// Prefill's grouped expert products (tensor cores on a GPU), TFLOP/s.
     #[serde(default)]
     pub expert_gemm_tflops: Option<f64>,
+    /// The hybrid miss path (a GPU device's missed experts computed on the host CPU): expert
+    /// bytes per second the host's expert products read from host memory with every core
+    /// (the rate a miss computes at on the CPU), and the fixed time of a decode layer that
+    /// computes any there (picks and rows down, the partial sum up, the thread pool's
+    /// wake-up). Host figures, kept per device beside the other miss keys; not measured by
+    /// `strata-exec probe` yet (see [`CostProbe::host_entries`]).
+    #[serde(default)]
+    pub host_matvec_gbps: Option<f64>,
+    #[serde(default)]
+    pub host_expert_latency_us: Option<f64>,
 }
 
 impl CostProbe {
@@ -170,7 +180,18 @@ impl CostProbe {
         ]
     }
 
-    /// Whether every key is present (the prediction then rests on measurements only).
+    /// The host keys of the hybrid miss path, which `strata-exec probe` does not measure
+    /// (a probe is complete without them; a plan whose device has misses takes their
+    /// defaults as guesses).
+    pub fn host_entries(&self) -> [(&'static str, Option<f64>); 2] {
+        [
+            ("host_matvec_gbps", self.host_matvec_gbps),
+            ("host_expert_latency_us", self.host_expert_latency_us),
+        ]
+    }
+
+    /// Whether every key `strata-exec probe` measures is present (the prediction then rests
+    /// on measurements only, misses aside).
     pub fn complete(&self) -> bool {
         self.entries().iter().all(|(_, v)| v.is_some())
     }
@@ -319,7 +340,11 @@ impl HardwareProbe {
                     }
                 }
             }
-            for (name, v) in d.cost.iter().flat_map(|c| c.entries()) {
+            let keys = d
+                .cost
+                .iter()
+                .flat_map(|c| c.entries().into_iter().chain(c.host_entries()));
+            for (name, v) in keys {
                 if let Some(v) = v {
                     if !(v.is_finite() && v >= 0.0) {
                         return Err(bad(k(&format!("cost.{name}")), "must be a number >= 0"));

@@ -290,6 +290,11 @@ pub trait Stage: Ops {
     fn expert_counters(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// Expert-cache misses computed on the host CPU instead of streamed (the hybrid path)
+    /// since start-up.
+    fn expert_misses_cpu(&self) -> u64 {
+        0
+    }
     /// Bytes of expert weights copied from host memory into the device's cache for misses
     /// since start-up.
     fn expert_bytes_streamed(&self) -> u64 {

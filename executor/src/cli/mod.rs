@@ -48,6 +48,17 @@ pub enum Handoff {
     Host,
 }
 
+/// How a GPU stage serves the experts its cache misses in a decode step (the hybrid path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MissPolicyArg {
+    /// What the plan chose (`miss policy` in its report: stream, cpu or split N).
+    Auto,
+    /// Copy every miss into a cache slot and compute it on the GPU.
+    Stream,
+    /// Compute every miss on the CPU from host memory while the GPU computes the hits.
+    Cpu,
+}
+
 /// The options every command that runs a plan takes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlanArgs {
@@ -101,6 +112,14 @@ pub struct PlanArgs {
     /// same tokens.
     #[arg(long, value_delimiter = ',', value_name = "OPT,OPT,...")]
     pub kernel_options: Vec<String>,
+    /// On plans with experts outside VRAM (CUDA): where a decode step's missed experts are
+    /// computed. auto takes the plan's choice (its report's `miss policy`); stream copies
+    /// every miss into the expert cache; cpu computes every miss on the host CPU (every
+    /// core, from the mapped model file) while the GPU computes the hits, and adds its sum
+    /// into the layer's output. For measuring one against the other; the tokens agree
+    /// within the products' f32 tolerance.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub miss_policy: MissPolicyArg,
     /// Time every kernel launch with events (decode graphs and programmatic dependent launch
     /// off) and print the totals per kernel on stderr at exit.
     #[arg(long)]
@@ -140,6 +159,9 @@ pub fn backend_for(plan: &Plan, args: &PlanArgs) -> Backend {
     };
     if b == Backend::Cpu && args.device_map.is_some() {
         fail("--device-map maps planned devices onto CUDA GPUs, but this plan runs on the CPU backend: drop --device-map, or pass --backend cuda for a plan made for NVIDIA devices");
+    }
+    if b == Backend::Cpu && args.miss_policy != MissPolicyArg::Auto {
+        fail("--miss-policy chooses how the CUDA engine's expert cache serves its misses, but this plan runs on the CPU backend (which computes every expert on the CPU): drop --miss-policy, or pass --backend cuda for a plan made for NVIDIA devices");
     }
     if b == Backend::Cpu && (!args.kernel_options.is_empty() || args.profile) {
         fail("--kernel-options and --profile choose and time CUDA kernel launches, but this plan runs on the CPU backend: drop them, or pass --backend cuda for a plan made for NVIDIA devices");
@@ -223,7 +245,7 @@ pub fn cuda_options(
     args: &PlanArgs,
 ) -> strata_exec::backend::cuda::options::CudaOptions {
     use strata_exec::backend::cuda::handoff::HandoffPolicy;
-    use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
+    use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions, MissOverride};
     CudaOptions {
         gpu: args.gpu.unwrap_or(0),
         device_map: device_map(plan, args),
@@ -238,6 +260,11 @@ pub fn cuda_options(
         pdl: !args.no_pdl,
         profile: args.profile,
         kernels: KernelOptions::parse(&args.kernel_options).unwrap_or_else(|e| fail(e)),
+        miss_policy: match args.miss_policy {
+            MissPolicyArg::Auto => MissOverride::Plan,
+            MissPolicyArg::Stream => MissOverride::Stream,
+            MissPolicyArg::Cpu => MissOverride::Cpu,
+        },
     }
 }
 

@@ -961,6 +961,9 @@ impl Sched {
             .expert_misses
             .store(stats.expert_misses, Relaxed);
         self.shared
+            .expert_misses_cpu
+            .store(stats.expert_misses_cpu, Relaxed);
+        self.shared
             .expert_bytes_streamed
             .store(stats.expert_bytes_streamed, Relaxed);
         let s = stats.speculation;

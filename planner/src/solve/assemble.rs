@@ -415,6 +415,10 @@ impl Solver<'_> {
             * 1e9;
         for b in &mut built {
             b.plan.cost.expert_miss_s += disk_share * b.expert_bytes / disk;
+            // The hybrid miss path runs on the CUDA engine's expert cache.
+            if b.plan.vendor == Vendor::Nvidia.as_str() {
+                b.plan.cost.cpu_misses_per_token = crate::cost::choose_miss_policy(&b.plan.cost);
+            }
         }
         let (cached, mass) = built.iter().fold((0.0, 0.0), |(h, t), b| {
             (h + b.cached_mass, t + b.total_mass)
@@ -612,8 +616,12 @@ impl Solver<'_> {
             .devices
             .iter()
             .zip(&self.coefficients)
-            .filter(|(_, c)| c.guessed())
-            .map(|(d, _)| d.index.to_string())
+            .zip(devices)
+            .filter(|((_, c), p)| {
+                let misses = p.cost.miss_policy() != strata_schemas::plan::MissPolicy::None;
+                c.guessed() || (misses && !c.host_defaulted.is_empty())
+            })
+            .map(|((d, _), _)| d.index.to_string())
             .collect();
         let mut basis = format!(
             "cost model per device: launches x latency, weight and KV bytes over achieved bandwidth, flops over achieved throughput (the larger of bytes and flops per step), expert misses x expert bytes over host-to-device bandwidth; decode at {batch} slot(s), prefill in passes of {ub} tokens; MTP speculation not counted"

@@ -11,7 +11,9 @@
 //! is ordered after every kernel that may read the slot, and the products of a group of
 //! tokens, queued after its copies, read all of its experts from their slots. The router's
 //! picks are read back to the host with a synchronisation once per MoE layer and pass (the
-//! only one), so decode passes of such a stage are not captured in CUDA graphs. When the plan
+//! only one; the hybrid path, `hybrid.rs`, reads the pass's `xn` and `wts` rows right after
+//! it, the stream idle), so decode passes of such a stage are not captured in CUDA graphs.
+//! A decode miss the hybrid path computes on the CPU fills no slot and evicts nothing. When the plan
 //! pins a host expert tier for the stage (`host_tier.rs`), a miss is one DMA of a whole slot
 //! from pinned memory on a copy stream, ordered by events (a group's copies overlap the
 //! previous group's products; the compute stream waits for them before the group's
@@ -21,6 +23,7 @@
 
 use super::forward::Grouped;
 use super::host_tier::PinnedTier;
+use super::hybrid::HostHalf;
 use super::launch::decode::{self, ExpertTable};
 use super::pinned::PinnedHost;
 use super::stage::CudaStage;
@@ -53,6 +56,14 @@ pub struct ExpertCounters {
     pub misses_streamed: u64,
     /// Bytes copied host -> device for misses (seeding at start-up not counted).
     pub bytes_streamed: u64,
+}
+
+/// What the hybrid path needs at start-up: the misses per token the plan's policy (or
+/// `--miss-policy`) sends to the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CacheOptions {
+    pub lfu: bool,
+    pub cpu_per_token: u32,
 }
 
 /// One layer served through the cache.
@@ -96,6 +107,8 @@ pub(crate) struct CudaExpertCache {
     /// computed), and which of its experts that fetch brought in.
     prefetch_layer: Option<u32>,
     prefetched: Vec<bool>,
+    /// The hybrid path's host half (`hybrid.rs`).
+    hybrid: HostHalf,
 }
 
 impl CudaExpertCache {
@@ -113,7 +126,7 @@ impl CudaExpertCache {
         arena_base: u64,
         d: &Dims,
         max_tok: usize,
-        lfu: bool,
+        opts: CacheOptions,
     ) -> Result<Option<Self>, CudaError> {
         let (n_layer, n_expert, k) = (d.n_layer, d.n_expert, d.k);
         // Layers whose stacks stay in host memory; when the plan's resident experts cover
@@ -162,7 +175,7 @@ impl CudaExpertCache {
             &dp.resident_experts,
         )
         .map_err(|e| err(format!("device {}: {e}", dp.index)))?;
-        if lfu {
+        if opts.lfu {
             // A quarter of the slots (at least two tokens' picks) take the misses; the rest
             // keep the profile's hottest experts for good.
             let unpinned = (slots as usize / 4).max(2 * k).min(slots as usize);
@@ -192,6 +205,11 @@ impl CudaExpertCache {
             used: Vec::with_capacity(n_expert),
             prefetch_layer: None,
             prefetched: vec![false; n_expert],
+            hybrid: HostHalf::new(
+                opts.cpu_per_token,
+                (max_tok, (plan.serve.batch as usize).clamp(1, max_tok)),
+                (d.e, d.f, k, n_expert),
+            )?,
         }))
     }
 
@@ -244,6 +262,11 @@ impl CudaExpertCache {
 
     pub(crate) fn hits_misses(&self) -> (u64, u64) {
         (self.policy.hits, self.policy.misses)
+    }
+
+    /// Misses computed on the host CPU (the hybrid path) since start-up.
+    pub(crate) fn misses_cpu(&self) -> u64 {
+        self.hybrid.computed
     }
 
     /// Wait for every copy the copy stream has queued (before the arena goes).
@@ -356,6 +379,10 @@ impl CudaStage {
         if let Some(t) = c.tier.as_mut() {
             t.synchronised();
         }
+        // The hybrid path reads the pass's rows now, while the stream is idle.
+        if c.hybrid.per_token > 0 && self.kind != StepKind::Prefill {
+            self.hybrid_rows(&mut c.hybrid, n, [xn, wts])?;
+        }
         // This layer's products read what a prefetch copied; a prefetch of another layer
         // (a pass that stopped before it) is waited on too, since its slots now count as
         // filled.
@@ -390,10 +417,21 @@ impl CudaStage {
                     "one token of layer {layer} needs {need} experts outside the pinned slots but the expert cache leaves {budget} slots for them: re-plan with a larger --expert-cache"
                 )));
             }
+            let grouped = self.grouped_experts(g, [ty, ty_up, ty_down]);
+            // The hybrid path: a decode group's misses, up to the policy's count, on the CPU.
+            let host_cap = if grouped || self.kind == StepKind::Prefill {
+                0
+            } else {
+                c.hybrid.cap(g)
+            };
             c.policy.begin_group();
-            let r = self.fetch_group(c, li, layer, &group);
+            let r = self.fetch_group(c, li, layer, &group, host_cap);
+            let stand_in = group.iter().copied().find(|x| !c.hybrid.takes(*x));
             c.group = group;
-            r?;
+            if let Err(e) = r {
+                c.hybrid.clear();
+                return Err(e);
+            }
             let l = c.layers[li]
                 .as_mut()
                 .ok_or_else(|| err("layer not bound"))?;
@@ -413,7 +451,7 @@ impl CudaStage {
                 e,
             };
             let lch = self.launcher();
-            if self.grouped_experts(g, [ty, ty_up, ty_down]) {
+            if grouped {
                 // A prefill group: the grouped tensor-core products, reading every expert of
                 // the group from its slot through the table just written.
                 let src = Grouped::Table { off: l.table_off };
@@ -425,13 +463,19 @@ impl CudaStage {
                 t0 += g;
                 continue;
             }
-            let row = |b: WorkBuf, width: usize| {
-                self.buf_at(b, (4 * t0 * width) as u64, (4 * g * width) as u64)
-            };
-            let (xv, iv, wv, yv) = (row(xn, e)?, row(ids, k)?, row(wts, k)?, row(y, e)?);
-            let h = self.buf_at(WorkBuf::H, 0, (4 * g * k * f) as u64)?;
-            decode::moe_gate_up(&lch, table, iv, k, xv, h, g, stage_in)?;
-            decode::moe_down(&lch, table, iv, wv, k, h, yv, g)?;
+            let mats = l.mats;
+            let hybrid = !c.hybrid.experts.is_empty();
+            let r = self.decode_group(c, table, (t0, g), [xn, ids, wts, y], stage_in, stand_in);
+            if hybrid {
+                let r = r.and_then(|()| {
+                    let host = c.host.clone();
+                    self.hybrid_finish(&mut c.hybrid, host.as_ref(), layer, &mats, (t0, g), y)
+                });
+                c.hybrid.clear();
+                r?;
+            } else {
+                r?;
+            }
             if let Some(t) = c.tier.as_mut() {
                 t.group_done(&self.dev)?;
             }
@@ -443,6 +487,37 @@ impl CudaStage {
 }
 
 impl CudaStage {
+    /// The decode products of a group (`g` tokens from `t0`) through the layer's table; when
+    /// the hybrid path takes some of its picks, those are first pointed at `stand_in` with
+    /// weight 0 on the device (and no launch runs when the host takes them all).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_group(
+        &self,
+        c: &mut CudaExpertCache,
+        table: ExpertTable<'_>,
+        (t0, g): (usize, usize),
+        [xn, ids, wts, y]: [WorkBuf; 4],
+        stage_in: bool,
+        stand_in: Option<u32>,
+    ) -> Result<(), CudaError> {
+        let (e, f, k) = (self.d.e, self.d.f, self.d.k);
+        if !c.hybrid.experts.is_empty() {
+            let picks = &c.ids[t0 * k..(t0 + g) * k];
+            let bufs = [ids, wts];
+            if !self.hybrid_prepare(&mut c.hybrid, picks, (t0, g), bufs, stand_in)? {
+                return Ok(());
+            }
+        }
+        let row = |b: WorkBuf, width: usize| {
+            self.buf_at(b, (4 * t0 * width) as u64, (4 * g * width) as u64)
+        };
+        let (xv, iv, wv, yv) = (row(xn, e)?, row(ids, k)?, row(wts, k)?, row(y, e)?);
+        let h = self.buf_at(WorkBuf::H, 0, (4 * g * k * f) as u64)?;
+        let lch = self.launcher();
+        decode::moe_gate_up(&lch, table, iv, k, xv, h, g, stage_in)?;
+        decode::moe_down(&lch, table, iv, wv, k, h, yv, g)
+    }
+
     /// Look up every expert of a group (`group`, distinct) and bring its misses into slots:
     /// from the pinned tier on the copy stream (ordered after the slots' last readers, the
     /// compute stream then waiting for the copies), or from the mapped file on the compute
@@ -453,15 +528,25 @@ impl CudaStage {
         li: usize,
         layer: u32,
         group: &[u32],
+        host_cap: usize,
     ) -> Result<(), CudaError> {
         let ne = self.d.n_expert;
         c.misses.clear();
         c.used.clear();
+        c.hybrid.clear();
         for &x in group {
             if x as usize >= ne {
                 return Err(err(format!(
                     "the router of layer {layer} picked expert {x} of {ne}"
                 )));
+            }
+            // A miss the hybrid path takes: computed on the CPU, no slot filled or evicted.
+            if c.hybrid.experts.len() < host_cap
+                && c.policy.slot_of(layer, x).is_none()
+                && !c.prefetched[x as usize]
+            {
+                c.hybrid.take(x);
+                continue;
             }
             let slot = match c.policy.lookup(layer, x).map_err(err)? {
                 Lookup::Hit { slot } if c.prefetched[x as usize] => {

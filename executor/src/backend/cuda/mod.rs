@@ -19,6 +19,7 @@ pub mod forward;
 pub mod gemm;
 pub mod handoff;
 pub mod host_tier;
+pub mod hybrid;
 pub mod launch;
 pub mod layout;
 pub mod memlock;

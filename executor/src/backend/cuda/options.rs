@@ -1,5 +1,6 @@
 //! The CUDA backend's start-up options: the documented flags of `strata-exec` (`--gpu`,
-//! `--device-map`, `--handoff`, `--no-graphs`, `--no-prefill-gemm`, `--no-pdl`, `--profile`)
+//! `--device-map`, `--handoff`, `--no-graphs`, `--no-prefill-gemm`, `--no-pdl`, `--profile`,
+//! `--miss-policy`)
 //! and the launch variants of `--kernel-options` (for comparing a fused or staged kernel with
 //! the launches it replaces), parsed once at start-up.
 //! Invariant: nothing here is read from the environment, and every variant computes the same
@@ -92,6 +93,30 @@ impl KernelOptions {
     }
 }
 
+/// Where a stage's decode misses are computed (`--miss-policy`): the plan's choice, or one
+/// of the two paths for every miss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MissOverride {
+    /// The plan's `cpu_misses_per_token` (its report's `miss policy`).
+    #[default]
+    Plan,
+    /// Copy every miss into a cache slot.
+    Stream,
+    /// Compute every miss on the host CPU.
+    Cpu,
+}
+
+impl MissOverride {
+    /// Misses per token of a decode layer computed on the CPU, given the plan's count.
+    pub fn cpu_per_token(self, planned: u32) -> u32 {
+        match self {
+            MissOverride::Plan => planned,
+            MissOverride::Stream => 0,
+            MissOverride::Cpu => u32::MAX,
+        }
+    }
+}
+
 /// Start-up options of the CUDA engine.
 #[derive(Debug, Clone)]
 pub struct CudaOptions {
@@ -118,6 +143,8 @@ pub struct CudaOptions {
     /// when the engine is dropped.
     pub profile: bool,
     pub kernels: KernelOptions,
+    /// Where decode misses of the expert cache are computed (the hybrid path).
+    pub miss_policy: MissOverride,
 }
 
 impl Default for CudaOptions {
@@ -132,6 +159,7 @@ impl Default for CudaOptions {
             pdl: true,
             profile: false,
             kernels: KernelOptions::default(),
+            miss_policy: MissOverride::Plan,
         }
     }
 }

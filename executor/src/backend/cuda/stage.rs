@@ -595,6 +595,10 @@ impl Stage for CudaStage {
         self.xcache.as_ref().map_or((0, 0), |c| c.hits_misses())
     }
 
+    fn expert_misses_cpu(&self) -> u64 {
+        self.xcache.as_ref().map_or(0, |c| c.misses_cpu())
+    }
+
     fn expert_bytes_streamed(&self) -> u64 {
         self.xcache
             .as_ref()

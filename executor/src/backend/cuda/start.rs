@@ -486,7 +486,10 @@ impl Start<'_> {
             arena.all().ptr(),
             &d,
             pf.max_tok,
-            opts.kernels.expert_lfu,
+            super::expert_cache::CacheOptions {
+                lfu: opts.kernels.expert_lfu,
+                cpu_per_token: opts.miss_policy.cpu_per_token(dp.cost.cpu_misses_per_token),
+            },
         )?;
         let flags = RunFlags {
             graphs: opts.graphs && !opts.profile && xcache.is_none(),

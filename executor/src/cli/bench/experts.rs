@@ -12,7 +12,7 @@ pub(super) struct ExpertCounts {
     reps: usize,
     hits: u64,
     misses_streamed: u64,
-    /// Misses computed on the CPU from host memory (the hybrid path; none in this build).
+    /// Misses computed on the CPU from host memory (the hybrid path).
     misses_cpu: u64,
     bytes_streamed: u64,
     /// Of those, the bytes of the prefills and of the decode steps (`steps` a rep).
@@ -33,7 +33,7 @@ impl ExpertCounts {
             reps,
             hits: b.expert_hits.saturating_sub(a.expert_hits),
             misses_streamed: b.expert_misses.saturating_sub(a.expert_misses),
-            misses_cpu: 0,
+            misses_cpu: b.expert_misses_cpu.saturating_sub(a.expert_misses_cpu),
             bytes_streamed: b
                 .expert_bytes_streamed
                 .saturating_sub(a.expert_bytes_streamed),
@@ -113,6 +113,7 @@ mod tests {
         let a = EngineStats {
             expert_hits: 10,
             expert_misses: 4,
+            expert_misses_cpu: 1,
             expert_bytes_streamed: 1 << 20,
             kv_cells_in_use: vec![],
             ..EngineStats::default()
@@ -120,22 +121,26 @@ mod tests {
         let b = EngineStats {
             expert_hits: 40,
             expert_misses: 14,
+            expert_misses_cpu: 7,
             expert_bytes_streamed: 5 << 20,
             kv_cells_in_use: vec![3],
             ..EngineStats::default()
         };
         let c = ExpertCounts::between(&a, &b, 2, 0.5);
         assert_eq!(
-            (c.hits, c.misses_streamed, c.bytes_streamed),
-            (30, 10, 4 << 20)
+            (c.hits, c.misses_streamed, c.misses_cpu, c.bytes_streamed),
+            (30, 10, 6, 4 << 20)
         );
-        assert_eq!(c.hit_rate(), Some(0.75));
+        assert_eq!(c.hit_rate(), Some(30.0 / 46.0));
         let t = c.text();
         assert!(
-            t.contains("15 hits") && t.contains("5 misses") && t.contains("2.0 MiB"),
+            t.contains("15 hits")
+                && t.contains("5 misses")
+                && t.contains("2.0 MiB")
+                && t.contains("3 computed on the CPU"),
             "{t}"
         );
-        assert_eq!(c.json()["hit_rate"], 0.75);
+        assert_eq!(c.json()["misses_cpu"], 6);
         // 1 MiB in the prefills and 3 MiB over 2 reps x 4 decode steps.
         let c = c.with_pcie(1 << 20, 3 << 20, 4);
         assert_eq!(c.pcie(), ((1 << 19) as f64, (3 << 17) as f64));

@@ -74,6 +74,23 @@ fn predicted(plan: &strata_schemas::plan::Plan, c: &Combo, ubatch: usize) -> (f6
     (rate(p as f64, pp), rate((c.n_gen * c.batch) as f64, tg))
 }
 
+/// `plan` with each GPU device's miss policy as `policy` says (its prediction then prices
+/// that policy): stream none on the CPU, cpu every miss, auto the plan's own.
+fn with_miss_policy(
+    plan: &strata_schemas::plan::Plan,
+    policy: super::MissPolicyArg,
+) -> strata_schemas::plan::Plan {
+    let mut p = plan.clone();
+    for d in p.devices.iter_mut().filter(|d| d.vendor != "cpu") {
+        d.cost.cpu_misses_per_token = match policy {
+            super::MissPolicyArg::Auto => d.cost.cpu_misses_per_token,
+            super::MissPolicyArg::Stream => 0,
+            super::MissPolicyArg::Cpu => d.cost.n_expert_used,
+        };
+    }
+    p
+}
+
 /// Every combination of the lists, in llama-bench's order (prompt, then generation, then
 /// batch, then depth), after checking each fits the plan's slots and context.
 fn combos(args: &BenchArgs, slots: usize, ctx: usize) -> Result<Vec<Combo>, String> {
@@ -152,6 +169,8 @@ pub fn main(args: BenchArgs) {
         seed: 0,
     };
     let (plan, model) = open_plan(&args.plan, &args.common);
+    // The prediction of the miss policy this run uses (`--miss-policy` may override the plan's).
+    let forced = with_miss_policy(&plan, args.common.miss_policy);
     let combos = combos(
         &args,
         plan.serve.batch as usize,
@@ -231,7 +250,7 @@ pub fn main(args: BenchArgs) {
                 "accepted": accepted,
             })
         });
-        let pred = predicted(&plan, c, ubatch);
+        let pred = predicted(&forced, c, ubatch);
         if args.format == "json" {
             let mut j = json_row(&args, &plan, &lead, c, &rates, pred, engine.as_ref());
             j["experts"] = xc.json();
