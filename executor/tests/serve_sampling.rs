@@ -225,3 +225,42 @@ async fn server_defaults_fill_the_fields_a_request_leaves_out() {
     );
     s.stop().await;
 }
+
+/// `ignore_eos`: with the end-of-sequence token forced by `logit_bias`, a request stops at
+/// once (`finish_reason` "stop", no tokens); with `ignore_eos` the same request runs to
+/// `max_tokens` ("length"); with `response_format` it is a 400 naming both fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ignore_eos_runs_past_the_end_of_sequence_token() {
+    let _serial = SERIAL.lock().await;
+    let tok = Tokenizer::from_file(std::path::Path::new(TOK_DIR)).unwrap();
+    let cfg = TinyConfig {
+        n_vocab: tok.vocab_size() as u64,
+        n_slots: 1,
+        ..Default::default()
+    };
+    let eos = *tok
+        .eos_ids()
+        .first()
+        .expect("the test tokenizer has an EOS token");
+    let s = TestServer::start(cfg, ServeOptions::default()).await;
+    let body = |ignore: bool| {
+        json!({"prompt": PROMPT, "max_tokens": MAX, "temperature": 0,
+               "logit_bias": {eos.to_string(): 100}, "ignore_eos": ignore})
+    };
+    let r = s.post_json("/v1/completions", &body(false)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 0, "{v}");
+    let r = s.post_json("/v1/completions", &body(true)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], MAX, "{v}");
+    let mut bad = body(true);
+    bad["response_format"] = json!({"type": "json_object"});
+    let r = s.post_json("/v1/completions", &bad).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("ignore_eos") && r.text().contains("response_format"));
+    s.stop().await;
+}

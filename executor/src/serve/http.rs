@@ -534,7 +534,11 @@ fn start(
             sampling,
             proc: gen.proc.clone(),
             logprobs: gen.logprobs,
-            eos: r.eos.clone(),
+            eos: if gen.ignore_eos {
+                Arc::from([])
+            } else {
+                r.eos.clone()
+            },
             events: tx.clone(),
             arrived,
             ended_by_stop: flag.clone(),

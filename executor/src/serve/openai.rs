@@ -86,6 +86,9 @@ pub struct GenParams {
     pub cache_prompt: bool,
     /// `response_format` other than text: the output is constrained to it.
     pub response_format: Option<super::structured::ResponseFormat>,
+    /// `ignore_eos` (vLLM's and llama-server's): an end-of-sequence token does not end the
+    /// sequence, so it runs to `max_tokens` or a `stop` string (load tests, benchmarks).
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -386,6 +389,13 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
     }
     let cache_prompt = o.bool("cache_prompt")?.unwrap_or(true);
     let response_format = super::structured::parse_response_format(o.get("response_format"))?;
+    let ignore_eos = o.bool("ignore_eos")?.unwrap_or(false);
+    if ignore_eos && response_format.is_some() {
+        return Err(ApiError::param(
+            "invalid_value",
+            "`ignore_eos` with `response_format`: a constrained output ends where its grammar ends; leave one of them out".to_string(),
+        ));
+    }
     o.unsupported_unless("best_of", |v| v.as_i64() == Some(1))?;
     o.unsupported_unless("echo", |v| v == &Value::Bool(false))?;
     o.unsupported_unless("suffix", |v| v.as_str() == Some(""))?;
@@ -405,6 +415,7 @@ fn gen_params(o: &Obj, d: &SamplingDefaults, chat: bool) -> Result<GenParams, Ap
         n,
         cache_prompt,
         response_format,
+        ignore_eos,
     })
 }
 
