@@ -117,7 +117,9 @@ pub const TABLE: [Capability; 3] = [
         kv_types: &["f16", "q8_0"],
         vendors: &["nvidia"],
         host_experts: true,
-        kv_spill: false,
+        // Cells past --kv-resident in mapped pinned chunks, read and written in place by the
+        // KV kernels (backend/cuda/kv_spill.rs).
+        kv_spill: true,
         mtp: false,
         vision: false,
         dense_ffn_layers: false,
@@ -148,7 +150,8 @@ pub const TABLE: [Capability; 3] = [
         kv_types: &["f16", "q8_0"],
         vendors: &["amd"],
         host_experts: true,
-        kv_spill: false,
+        // The same mapped chunks (hipHostMalloc mapped + hipHostGetDevicePointer).
+        kv_spill: true,
         mtp: false,
         vision: false,
         dense_ffn_layers: false,
@@ -512,7 +515,6 @@ mod tests {
             "TQ1_0 of tensor `blk.0.ffn_up_exps.weight` and 1 more",
             "KV type `f32`",
             "device 1 is vendor `amd`",
-            "kv_spill: 4096 of 65536",
             "MTP",
             "vision",
             "dense-FFN layers: 1 of 48",
@@ -520,9 +522,16 @@ mod tests {
         ] {
             assert!(all.contains(needle), "missing `{needle}` in:\n{all}");
         }
-        // CUDA serves host experts through its expert cache; a backend without them names
-        // the region.
+        // CUDA serves host experts through its expert cache and spilled KV from mapped
+        // pinned chunks; a backend without them names the region.
         assert!(!all.contains("experts_host"), "{all}");
+        assert!(!all.contains("kv_spill"), "{all}");
+        let no_spill = Capability {
+            kv_spill: false,
+            ..*capability(Backend::Cuda)
+        };
+        let why = check(&no_spill, &w).unwrap_err().join("\n");
+        assert!(why.contains("kv_spill: 4096 of 65536"), "{why}");
         let no_host = Capability {
             host_experts: false,
             ..*capability(Backend::Cuda)
