@@ -250,6 +250,17 @@ mod tests {
     }
 
     #[test]
+    fn the_capability_table_knows_the_kernels_chunk_limit() {
+        use strata_schemas::capability::{capability, Backend};
+        for b in [Backend::Cuda, Backend::Hip] {
+            assert_eq!(
+                capability(b).kv_spill_chunks_max,
+                Some(KVH_MAX_CHUNKS as u64)
+            );
+        }
+    }
+
+    #[test]
     fn nothing_spills_when_the_window_is_the_context() {
         assert_eq!(SpillLayout::new(vec![], 2, 128, 128, 64).unwrap(), None);
     }
