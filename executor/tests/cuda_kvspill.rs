@@ -5,7 +5,8 @@
 //! every slot past it: the logits equal the all-resident plan's within the KV type's bound
 //! (only the attention kernels' summation order differs: the resident plan runs the fused
 //! decode attention and the tensor-core prefill) with the same greedy tokens, and equal bit for
-//! bit whatever the chunking of the spilled cells (7 cells a chunk against the planned one).
+//! bit whatever the chunking of the spilled cells (7 cells a chunk against the planned one);
+//! a slot copied by `copy_slot` (spilled cells included) continues as its source does.
 //! The plans are checked without a GPU; the runs need one: without it they print SKIP and
 //! return (on the GPU machine: `cargo test -p strata-exec --release --test cuda_kvspill --
 //! --test-threads=1 --nocapture`).
@@ -146,6 +147,24 @@ fn scenario(e: &mut CudaEngine, steps: usize) -> (Vec<f32>, Vec<u32>) {
     (logits, tokens)
 }
 
+/// After [`scenario`]: slot 0 (every cell past the window written) copied into slot 2 by
+/// `copy_slot` (its VRAM cells on the device, its spilled cells on the host), then both
+/// decode the same token: the two rows are equal bit for bit.
+fn copy_continues_the_slot(e: &mut CudaEngine, what: &str) {
+    let v = e.info().n_vocab;
+    assert!(
+        e.slot_len(0) > WINDOW,
+        "{what}: slot 0 reaches past the window"
+    );
+    assert!(e.copy_slot(0, 2).unwrap(), "{what}: copy_slot refused");
+    assert_eq!(e.slot_len(2), e.slot_len(0));
+    let l = e.decode(&[(0, 7), (2, 7)]).unwrap();
+    assert!(
+        l[..v] == l[v..2 * v],
+        "{what}: the copied slot continues alike"
+    );
+}
+
 #[test]
 fn spilled_kv_equals_the_all_resident_run() {
     let dir = tempfile::tempdir().unwrap();
@@ -200,6 +219,7 @@ fn spilled_kv_equals_the_all_resident_run() {
             assert!(err < bound, "{kv:?} {what}: {err} (bound {bound})");
             assert_eq!(t, want_t, "{kv:?} {what}: greedy tokens");
             runs.push(l);
+            copy_continues_the_slot(&mut g, &format!("{kv:?} {what}"));
         }
         assert!(
             runs[0] == runs[1],
