@@ -149,7 +149,7 @@ fn scenario(e: &mut CudaEngine, steps: usize) -> (Vec<f32>, Vec<u32>) {
 
 /// After [`scenario`]: slot 0 (every cell past the window written) copied into slot 2 by
 /// `copy_slot` (its VRAM cells on the device, its spilled cells on the host), then both
-/// decode the same token: the two rows are equal bit for bit.
+/// decode the same token: the two rows agree (within 1e-5 of the largest logit).
 fn copy_continues_the_slot(e: &mut CudaEngine, what: &str) {
     let v = e.info().n_vocab;
     assert!(
@@ -159,9 +159,11 @@ fn copy_continues_the_slot(e: &mut CudaEngine, what: &str) {
     assert!(e.copy_slot(0, 2).unwrap(), "{what}: copy_slot refused");
     assert_eq!(e.slot_len(2), e.slot_len(0));
     let l = e.decode(&[(0, 7), (2, 7)]).unwrap();
+    // The same cells and position; only the rows' places in the batch differ.
+    let err = max_rel(&l[v..2 * v], &l[..v]);
     assert!(
-        l[..v] == l[v..2 * v],
-        "{what}: the copied slot continues alike"
+        err < 1e-5,
+        "{what}: the copied slot's row is {err} off its source's"
     );
 }
 
