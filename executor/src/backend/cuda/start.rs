@@ -139,6 +139,10 @@ pub fn preflight(
     };
     let kv_row_bytes = crate::quant::row_bytes(kv_gg, d.k_out())
         .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
+    // The cells beyond --kv-resident: every device's kv_spill chunks hold them as laid out.
+    for dp in &plan.devices {
+        spill_layout(plan, dp, host, kv_row_bytes)?;
+    }
     let layouts = plan
         .devices
         .iter()
@@ -393,9 +397,8 @@ pub fn start_cuda(
         .map_err(|e| CudaEngineError::Plan(e.to_string()))
 }
 
-/// The KV cells of planned device `dp` beyond `--kv-resident`: its planned `kv_spill` chunks
-/// checked against this engine's layout, then pinned and mapped on `dev` (None when the plan
-/// keeps every cell in VRAM).
+/// The KV cells of planned device `dp` beyond `--kv-resident`, pinned and mapped on `dev`
+/// (None when the plan keeps every cell in VRAM).
 fn pin_kv_spill(
     plan: &Plan,
     dp: &DevicePlan,
@@ -403,6 +406,21 @@ fn pin_kv_spill(
     host: &dyn HostModel,
     pf: &Preflight,
 ) -> Result<Option<KvSpill>, CudaEngineError> {
+    match spill_layout(plan, dp, host, pf.kv_row_bytes)? {
+        None => Ok(None),
+        Some(y) => Ok(Some(KvSpill::pin(dev, y)?)),
+    }
+}
+
+/// Where planned device `dp`'s KV cells beyond `--kv-resident` lie in its planned `kv_spill`
+/// chunks (KV rows of `row_bytes`), or why the chunks do not hold them as this engine lays
+/// them out.
+fn spill_layout(
+    plan: &Plan,
+    dp: &DevicePlan,
+    host: &dyn HostModel,
+    row_bytes: u64,
+) -> Result<Option<SpillLayout>, CudaEngineError> {
     let s = &plan.serve;
     let chunks: Vec<u64> = plan
         .host
@@ -413,14 +431,10 @@ fn pin_kv_spill(
         .collect();
     let hp = &host.inventory().hparams;
     let (full, _) = qwen3next::layer_counts(hp, dp.layer_first, dp.layer_end);
-    let main_cell = 2 * full as u64 * pf.kv_row_bytes;
+    let main_cell = 2 * full as u64 * row_bytes;
     let resident = s.kv_resident.min(s.max_context);
-    let layout = SpillLayout::new(chunks, s.batch as u64, s.max_context, resident, main_cell)
-        .map_err(|e| plan_err(format!("device {}: {e}", dp.index)))?;
-    match layout {
-        None => Ok(None),
-        Some(y) => Ok(Some(KvSpill::pin(dev, y)?)),
-    }
+    SpillLayout::new(chunks, s.batch as u64, s.max_context, resident, main_cell)
+        .map_err(|e| plan_err(format!("device {}: {e}", dp.index)))
 }
 
 /// The GPUs (of `vendor`'s runtime): one device object for every stage, or one per stage
