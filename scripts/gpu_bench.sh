@@ -3,7 +3,9 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|offload|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|offload|kvspill|all] [OUTDIR]
+# (kvspill: the Q8_0 file at a 32k context all resident and with --kv-resident 4096, decode
+# bench at depths 0, 8192 and 16384: spilled KV read over PCIe against VRAM.)
 # (offload: the all-resident plan with --no-graphs (decode without graphs, no cache), then
 # the Q8_0 file planned for 24 and 12 GiB cards (plans/hardware/h200.toml with its VRAM cut),
 # each plan's host expert tier and notes, then bench pp512/tg128: the expert cache's misses
@@ -38,7 +40,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
-    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_sample-* $bin/cuda_offload-*; do
+    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_sample-* $bin/cuda_offload-* $bin/cuda_kvspill-*; do
         [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error|TIME" | head -60
@@ -199,6 +201,20 @@ if [ "$what" = offload ] || [ "$what" = all ]; then
             /usr/bin/time -f "wall %e s, max RSS %M KB" $bin/strata-exec bench /tmp/q30-${gib}g.plan \
                 -p 512 -n 128 -r 3 --miss-policy $policy 2>&1 | grep -vE "^\s*rep " | tee -a "$out/offload.txt"
         done
+    done
+fi
+if [ "$what" = kvspill ] || [ "$what" = all ]; then
+    m=/tmp/q30-q8_0.gguf
+    [ -f $m ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $m >/dev/null
+    # Decode at depth with every KV cell in VRAM, then with 4096 cells a slot in VRAM and the
+    # rest in mapped pinned host memory (read over PCIe by the attention kernels).
+    for res in 32768 4096; do
+        $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 32768 \
+            --batch 1 --kv-resident $res -o /tmp/q30-kv$res.plan | grep -iE "kv|pinned" | head -6 |
+            tee -a "$out/kvspill.txt"
+        echo "== --kv-resident $res: strata-exec bench" | tee -a "$out/kvspill.txt"
+        $bin/strata-exec bench /tmp/q30-kv$res.plan -p 512 -n 64 -d 0,8192,16384 -r 3 -q 2>&1 |
+            grep -E "\| cuda|error" | tee -a "$out/kvspill.txt"
     done
 fi
 if [ "$what" = torch ] || [ "$what" = all ]; then

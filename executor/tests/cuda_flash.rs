@@ -30,6 +30,7 @@ use rand::{rngs::StdRng, SeedableRng};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 use strata_exec::backend::cuda::flash::{self, PrefillAttn, KV_TY_F16, KV_TY_F32, KV_TY_Q8_0};
+use strata_exec::backend::cuda::kv_spill::KvHostArg;
 use strata_exec::backend::cuda::{CudaDevice, DeviceArena};
 use strata_exec::quant;
 use strata_schemas::ggml::GgmlType;
@@ -125,6 +126,7 @@ fn setup<'a>(d: &CudaDevice, c: &Carve<'a>, cs: &Case, seed: u64) -> Setup<'a> {
         scale: 1.0 / (cs.hd as f32).sqrt(),
         n_tok: cs.n_tok,
         out: out.ptr(),
+        host: KvHostArg::none(),
     };
     Setup { a, out, q, k, v }
 }
@@ -357,6 +359,7 @@ fn fa_prefill_rejects_what_it_cannot_run() {
         scale: 1.0,
         n_tok: 4,
         out: 0,
+        host: KvHostArg::none(),
     };
     // SAFETY: each call is rejected by the shape checks before anything is launched.
     let e = unsafe { flash::launch_fa_prefill(d, &a) }.unwrap_err();

@@ -42,16 +42,19 @@ __device__ __forceinline__ void dq_store_seg(const float* src, u8* dst, int kv_t
 }
 
 // KV store: token t's K and V rows (width floats each) into cell pos[t] of slot slot[t]:
-// K row at kv + slot*slot_bytes + k_off + pos*row_bytes, V likewise at v_off. F16, F32 or
-// Q8_0 (width a multiple of 32). grid: n_tok; block: 128.
+// K row at kv + slot*slot_bytes + k_off + pos*row_bytes, V likewise at v_off, or in host
+// memory for a cell past kh's VRAM window. F16, F32 or Q8_0 (width a multiple of 32).
+// grid: n_tok; block: 128.
 ST_KERNEL void dq_kv_store(const float* k, const float* v, u8* kv, const int* slot,
                            const int* pos, long slot_bytes, long k_off, long v_off,
-                           long row_bytes, int kv_ty, int width) {
+                           long row_bytes, int kv_ty, int width, const ST_GRID_CONST KvHost kh) {
     st_pdl_enter();
     const int t = blockIdx.x;
-    u8* base = kv + (long)slot[t] * slot_bytes + (long)pos[t] * row_bytes;
-    dq_store_seg(k + (long)t * width, base + k_off, kv_ty, 0, width);
-    dq_store_seg(v + (long)t * width, base + v_off, kv_ty, 0, width);
+    u8* base = kv + (long)slot[t] * slot_bytes;
+    u8* kr = (u8*)kvh_row(base + k_off, row_bytes, kh, slot[t], pos[t], kh.k_off);
+    u8* vr = (u8*)kvh_row(base + v_off, row_bytes, kh, slot[t], pos[t], kh.v_off);
+    dq_store_seg(k + (long)t * width, kr, kv_ty, 0, width);
+    dq_store_seg(v + (long)t * width, vr, kv_ty, 0, width);
 }
 
 // QK-norm + RoPE of Q and K and the KV store in one launch: block (h, t) with h < n_head
@@ -65,7 +68,7 @@ ST_KERNEL void dq_rope_store(float* q, float* k, const float* v, const float* q_
                              const float* inv_freq, float attn_factor, int n_head,
                              int n_head_kv, int hd, int n_rot, u8* kv, const int* slot,
                              long slot_bytes, long k_off, long v_off, long row_bytes,
-                             int kv_ty) {
+                             int kv_ty, const ST_GRID_CONST KvHost kh) {
     st_pdl_enter();
     __shared__ float red[32];
     __shared__ float sh[1024];
@@ -76,15 +79,17 @@ ST_KERNEL void dq_rope_store(float* q, float* k, const float* v, const float* q_
                           attn_factor, hd, n_rot, sh, red);
         return;
     }
-    u8* cell = kv + (long)slot[t] * slot_bytes + (long)pos[t] * row_bytes;
+    u8* base = kv + (long)slot[t] * slot_bytes;
     if (h < n_head + n_head_kv) {
-        const int kh = h - n_head;
-        float* x = k + ((long)t * n_head_kv + kh) * hd;
+        const int kvh = h - n_head;
+        float* x = k + ((long)t * n_head_kv + kvh) * hd;
         st_head_norm_rope(x, k_norm, eps, p, inv_freq, attn_factor, hd, n_rot, sh, red);
-        dq_store_seg(x, cell + k_off, kv_ty, kh * hd, hd);
+        u8* kr = (u8*)kvh_row(base + k_off, row_bytes, kh, slot[t], pos[t], kh.k_off);
+        dq_store_seg(x, kr, kv_ty, kvh * hd, hd);
     } else {
         const int vh = h - n_head - n_head_kv;
-        dq_store_seg(v + ((long)t * n_head_kv + vh) * hd, cell + v_off, kv_ty, vh * hd, hd);
+        u8* vr = (u8*)kvh_row(base + v_off, row_bytes, kh, slot[t], pos[t], kh.v_off);
+        dq_store_seg(v + ((long)t * n_head_kv + vh) * hd, vr, kv_ty, vh * hd, hd);
     }
 }
 
@@ -111,9 +116,12 @@ __device__ __forceinline__ void da_softmax_step(float* s, int n, float* ml, floa
 // Decode attention over per-slot KV, split over the context, one block per (KV head, split,
 // token) serving all G = n_head / n_head_kv query heads that share the KV head, so each K and
 // V row is read once per step rather than G times. Token t reads slot slot[t]'s layer at
-// kv + slot*slot_bytes + k_off / v_off. Its n_ctx[t] cells are cut into gridDim.y splits of
-// da_chunk(n_ctx[t], gridDim.y) cells (computed on the device, so a graph captured once
-// spreads any context over all its splits), walked in sub-chunks of DA_SUB cells: DA_TPC
+// kv + slot*slot_bytes + k_off / v_off, its cells past kh's VRAM window from host memory
+// (a split may hold both kinds: each split is a partial softmax over its cells wherever they
+// live, and dq_attn_combine's merge is the flash-decoding one). Its n_ctx[t] cells are cut
+// into gridDim.y splits of da_chunk(n_ctx[t], gridDim.y) cells (computed on the device, so a
+// graph captured once spreads any context over all its splits), walked in sub-chunks of
+// DA_SUB cells: DA_TPC
 // threads score one cell (their dims interleaved, reduced by shuffles), one warp per head
 // runs the online softmax, then each thread accumulates P.V for its own dims (V rows read
 // coalesced). Writes the split's unnormalised output and (max, sum); splits past the context
@@ -131,7 +139,7 @@ __device__ __forceinline__ int da_chunk(int ctx, int n_split) {
 ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const int* n_ctx,
                            long slot_bytes, long k_off, long v_off, int kv_ty, int n_head,
                            int n_head_kv, int hd, long row_bytes, float scale, float* part_o,
-                           float* part_ms) {
+                           float* part_ms, const ST_GRID_CONST KvHost kh) {
     st_pdl_enter();
     __shared__ __align__(16) float qs[DA_MAXG * ATT_MAX_D];
     __shared__ float ps[DA_MAXG][DA_SUB];
@@ -169,8 +177,10 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
     const int warp = threadIdx.x / ST_WARP;
     const int cc = threadIdx.x / DA_TPC, part = threadIdx.x % DA_TPC;
     // F16 rows read 8 halves at a time when every address involved is 16-byte aligned.
+    const unsigned long long host_al =
+        kh.per_slot > 0 ? (unsigned long long)(kh.cell_bytes | kh.k_off) : 0ull;
     const bool vec = kv_ty == ST_TY_F16 && hd % (8 * DA_TPC) == 0 &&
-                     (((unsigned long long)kb | (unsigned long long)row_bytes |
+                     (((unsigned long long)kb | (unsigned long long)row_bytes | host_al |
                        (unsigned long long)(kvh * hd * 2)) & 15) == 0;
     float acc[DA_DIMS][DA_MAXG];
 #pragma unroll
@@ -185,7 +195,7 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
 #pragma unroll
         for (int g = 0; g < DA_MAXG; ++g) sc[g] = 0.0f;
         if (cc < nc) {
-            const u8* kr = kb + (long)(s0 + cc) * row_bytes;
+            const u8* kr = kvh_row(kb, row_bytes, kh, slot[t], s0 + cc, kh.k_off);
             if (vec) {
                 const uint4* k4 = (const uint4*)(kr + (long)kvh * hd * 2);
                 for (int j = part; j < hd / 8; j += DA_TPC) {
@@ -240,7 +250,8 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
                     if (g < G) acc[i][g] *= cf[g];
 #pragma unroll 8
                 for (int c = 0; c < nc; ++c) {
-                    const float vv = att_elem(vb + (long)(s0 + c) * row_bytes, kv_ty, kvh * hd + d);
+                    const u8* vr = kvh_row(vb, row_bytes, kh, slot[t], s0 + c, kh.v_off);
+                    const float vv = att_elem(vr, kv_ty, kvh * hd + d);
 #pragma unroll
                     for (int g = 0; g < DA_MAXG; ++g)
                         if (g < G) acc[i][g] += ps[g][c] * vv;
@@ -626,7 +637,7 @@ ST_KERNEL void dq_ctx_from_pos(const int* pos, int* n_ctx, int n_tok) {
 ST_KERNEL void dq_attn_prefill(const float* q, const u8* kv, const int* slot, const int* pos,
                                long slot_bytes, long k_off, long v_off, int kv_ty, int n_head,
                                int n_head_kv, int hd, long row_bytes, float scale, int kt,
-                               int n_tok, float* out) {
+                               int n_tok, float* out, const ST_GRID_CONST KvHost kh) {
     st_pdl_enter();
     extern __shared__ float sm[];
     const int ld = hd + 1;
@@ -663,8 +674,9 @@ ST_KERNEL void dq_attn_prefill(const float* q, const u8* kv, const int* slot, co
             const int c = i / hd, d = i % hd;
             float kvk = 0.0f, kvv = 0.0f;
             if (c0 + c < cmax) {
-                kvk = att_elem(kb + (long)(c0 + c) * row_bytes, kv_ty, kvh * hd + d);
-                kvv = att_elem(vb + (long)(c0 + c) * row_bytes, kv_ty, kvh * hd + d);
+                const int s = slot[0];
+                kvk = att_elem(kvh_row(kb, row_bytes, kh, s, c0 + c, kh.k_off), kv_ty, kvh * hd + d);
+                kvv = att_elem(kvh_row(vb, row_bytes, kh, s, c0 + c, kh.v_off), kv_ty, kvh * hd + d);
             }
             ks[c * ld + d] = kvk;
             vs[c * ld + d] = kvv;

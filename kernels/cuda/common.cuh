@@ -264,6 +264,39 @@ __device__ __forceinline__ float st_row_elem(const u8* row, int ty, long i) {
 // from the generated prelude).
 #define ATT_WARPS 4
 
+// KV cells beyond the VRAM window (`--kv-resident`): cells [0, resident) of a slot live in
+// its VRAM rows; cell c >= resident is spilled cell i = slot * per_slot + (c - resident) of
+// the device's pinned host chunks, mapped into the device's address space: cell i % per_chunk
+// of chunk i / per_chunk, each cell cell_bytes long and holding every KV layer of the stage
+// (layer l's K row at 2 l row_bytes, its V row next), this launch's layer's rows at k_off /
+// v_off. per_slot 0: nothing spilled (resident is the whole context). Passed by value; CUDA
+// (sm_70 on) reads it in place (__grid_constant__: no per-thread copy of the table), HIP
+// copies it.
+struct KvHost {
+    unsigned long long chunk[KVH_MAX_CHUNKS];
+    long cell_bytes;
+    long k_off;
+    long v_off;
+    int resident;
+    int per_slot;
+    int per_chunk;
+    int pad;
+};
+#if defined(ST_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+#define ST_GRID_CONST __grid_constant__
+#else
+#define ST_GRID_CONST
+#endif
+
+// The K (or V: base and host_off the V ones) row of cell c of slot slot: base + c * row_bytes
+// in the VRAM window, else the spilled cell's row in host memory.
+__device__ __forceinline__ const u8* kvh_row(const u8* base, long row_bytes, const KvHost& h,
+                                             int slot, int c, long host_off) {
+    if (c < h.resident) return base + (long)c * row_bytes;
+    const long i = (long)slot * h.per_slot + (c - h.resident);
+    return (const u8*)h.chunk[i / h.per_chunk] + (i % h.per_chunk) * h.cell_bytes + host_off;
+}
+
 __device__ __forceinline__ float att_elem(const u8* row, int ty, int i) {
     if (ty == ST_TY_F16) return st_h2f(st_ld_u16(row + 2 * i));
     if (ty == ST_TY_F32) return ((const float*)row)[i];

@@ -55,6 +55,9 @@ pub const FA_BKV: usize = 64;
 pub const FA_WARPS: u32 = 4;
 /// Largest conv width (taps) of the Gated DeltaNet's conv (`lin_conv_silu`).
 pub const LIN_MAX_CONV: usize = 16;
+/// Most pinned `kv_spill` chunks of one device the KV kernels address (`KvHost`'s table,
+/// passed by value: 8 bytes a chunk of the 4 KiB kernel parameter space).
+pub const KVH_MAX_CHUNKS: usize = 128;
 
 /// Every shared constant as (name, value), in prelude order.
 pub fn all() -> Vec<(&'static str, String)> {
@@ -86,6 +89,7 @@ pub fn all() -> Vec<(&'static str, String)> {
         ("FA_BKV", FA_BKV.to_string()),
         ("FA_WARPS", FA_WARPS.to_string()),
         ("LIN_MAX_CONV", LIN_MAX_CONV.to_string()),
+        ("KVH_MAX_CHUNKS", KVH_MAX_CHUNKS.to_string()),
     ]
 }
 

@@ -63,6 +63,9 @@ pub struct Capability {
     pub host_experts: bool,
     /// KV cells beyond `--kv-resident` in pinned host memory (`kv_spill` chunks).
     pub kv_spill: bool,
+    /// Most `kv_spill` chunks of one device it addresses (the GPU kernels' chunk table,
+    /// `strata_kernels::consts::KVH_MAX_CHUNKS`); `None`: no limit.
+    pub kv_spill_chunks_max: Option<u64>,
     /// The MTP draft head (`--mtp`).
     pub mtp: bool,
     /// The vision tower (`--vision`).
@@ -98,6 +101,7 @@ pub const TABLE: [Capability; 3] = [
         vendors: &["cpu"],
         host_experts: true,
         kv_spill: true,
+        kv_spill_chunks_max: None,
         mtp: true,
         vision: false,
         dense_ffn_layers: true,
@@ -117,7 +121,10 @@ pub const TABLE: [Capability; 3] = [
         kv_types: &["f16", "q8_0"],
         vendors: &["nvidia"],
         host_experts: true,
-        kv_spill: false,
+        // Cells past --kv-resident in mapped pinned chunks, read and written in place by the
+        // KV kernels (backend/cuda/kv_spill.rs).
+        kv_spill: true,
+        kv_spill_chunks_max: Some(128),
         mtp: false,
         vision: false,
         dense_ffn_layers: false,
@@ -148,7 +155,9 @@ pub const TABLE: [Capability; 3] = [
         kv_types: &["f16", "q8_0"],
         vendors: &["amd"],
         host_experts: true,
-        kv_spill: false,
+        // The same mapped chunks (hipHostMalloc mapped + hipHostGetDevicePointer).
+        kv_spill: true,
+        kv_spill_chunks_max: Some(128),
         mtp: false,
         vision: false,
         dense_ffn_layers: false,
@@ -194,6 +203,8 @@ pub struct Workload {
     pub host_experts: (u64, u64),
     /// (cells per slot in VRAM, cells per slot) when KV spills to host memory.
     pub kv_spill: Option<(u64, u64)>,
+    /// The most `kv_spill` chunks the plan pins for one device.
+    pub kv_spill_chunks: u64,
     pub mtp: bool,
     pub vision: bool,
     /// (dense-FFN layers, main layers).
@@ -234,6 +245,17 @@ impl Workload {
                 .collect(),
             host_experts: (all - resident, all),
             kv_spill: (s.kv_resident < s.max_context).then_some((s.kv_resident, s.max_context)),
+            kv_spill_chunks: plan
+                .devices
+                .iter()
+                .map(|d| {
+                    let mine = |c: &&crate::plan::PinnedChunk| {
+                        c.device == d.index && c.purpose == "kv_spill"
+                    };
+                    plan.host.pinned_chunks.iter().filter(mine).count() as u64
+                })
+                .max()
+                .unwrap_or(0),
             mtp: s.mtp,
             vision: s.vision,
             dense_ffn_layers: (plan.model.dense_ffn_layers, plan.model.n_layer),
@@ -356,6 +378,11 @@ pub fn check(cap: &Capability, w: &Workload) -> Result<(), Vec<String>> {
         if !cap.kv_spill {
             why.push(format!(
                 "region kv_spill: {resident} of {ctx} KV cells per slot in VRAM (keeps every cell in VRAM: --kv-resident {ctx})"
+            ));
+        } else if let Some(max) = cap.kv_spill_chunks_max.filter(|m| w.kv_spill_chunks > *m) {
+            why.push(format!(
+                "region kv_spill: {} pinned chunks on one device, the kernels address at most {max} (fewer chunks: a larger --pinned-chunk-mib or --kv-resident)",
+                w.kv_spill_chunks
             ));
         }
     }
@@ -512,7 +539,6 @@ mod tests {
             "TQ1_0 of tensor `blk.0.ffn_up_exps.weight` and 1 more",
             "KV type `f32`",
             "device 1 is vendor `amd`",
-            "kv_spill: 4096 of 65536",
             "MTP",
             "vision",
             "dense-FFN layers: 1 of 48",
@@ -520,9 +546,23 @@ mod tests {
         ] {
             assert!(all.contains(needle), "missing `{needle}` in:\n{all}");
         }
-        // CUDA serves host experts through its expert cache; a backend without them names
-        // the region.
+        // CUDA serves host experts through its expert cache and spilled KV from mapped
+        // pinned chunks; a backend without them names the region.
         assert!(!all.contains("experts_host"), "{all}");
+        assert!(!all.contains("kv_spill"), "{all}");
+        let no_spill = Capability {
+            kv_spill: false,
+            ..*capability(Backend::Cuda)
+        };
+        let why = check(&no_spill, &w).unwrap_err().join("\n");
+        assert!(why.contains("kv_spill: 4096 of 65536"), "{why}");
+        // More spill chunks on one device than the kernels' table holds.
+        w.kv_spill_chunks = 129;
+        let why = check(capability(Backend::Cuda), &w).unwrap_err().join("\n");
+        assert!(
+            why.contains("129 pinned chunks") && why.contains("--pinned-chunk-mib"),
+            "{why}"
+        );
         let no_host = Capability {
             host_experts: false,
             ..*capability(Backend::Cuda)

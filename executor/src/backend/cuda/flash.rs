@@ -8,6 +8,7 @@
 //! ascending), though neither kernel relies on it. Every launch's scalars are checked here;
 //! the addresses are the caller's promise (hence `unsafe`).
 
+use super::kv_spill::KvHostArg;
 use super::launch::{arg_ptr, bad, int};
 use super::{drv, CudaDevice, CudaError};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -79,6 +80,9 @@ pub struct PrefillAttn {
     pub n_tok: usize,
     /// f32 `n_tok × n_head × hd`.
     pub out: u64,
+    /// The slot's cells past the VRAM window (`KvHostArg::none()` when all are in VRAM):
+    /// only `dq_attn_prefill` reads them.
+    pub host: KvHostArg,
 }
 
 /// The checked kernel scalars shared by both kernels.
@@ -175,6 +179,12 @@ pub unsafe fn launch_fa_prefill(dev: &CudaDevice, a: &PrefillAttn) -> Result<(),
     if (a.q | a.out) % 16 != 0 {
         return Err(bad(OP, "q and out must be 16-byte aligned".into()));
     }
+    if a.host.spills() {
+        return Err(bad(
+            OP,
+            "fa_prefill reads every cell from VRAM; a slot with cells beyond --kv-resident in host memory needs dq_attn_prefill".into(),
+        ));
+    }
     if a.n_tok == 0 {
         return Ok(());
     }
@@ -261,19 +271,23 @@ pub unsafe fn launch_dq_attn_prefill(dev: &CudaDevice, a: &PrefillAttn) -> Resul
                 arg_ptr(&kt),
                 arg_ptr(&s.n_tok),
                 arg_ptr(&a.out),
+                arg_ptr(&a.host),
             ],
         )
     }
 }
 
 /// Prefill attention by the fastest kernel that applies: `fa_prefill` when the device has
-/// the tensor-core modules (CUDA), [`fa_prefill_supported`] holds and `q`, `out` are 16-byte
-/// aligned, else `dq_attn_prefill`.
+/// the tensor-core modules (CUDA), [`fa_prefill_supported`] holds, `q`, `out` are 16-byte
+/// aligned and every cell is in VRAM, else `dq_attn_prefill` (which reads a slot's cells
+/// beyond `--kv-resident` from host memory in place: the simple, correct choice for a plan
+/// that spills, at CUDA-core speed).
 ///
 /// # Safety
 /// As [`launch_fa_prefill`].
 pub unsafe fn attn_prefill(dev: &CudaDevice, a: &PrefillAttn) -> Result<(), CudaError> {
     if dev.tensor_cores()
+        && !a.host.spills()
         && fa_prefill_supported(a.hd, a.n_head, a.n_head_kv)
         && (a.q | a.out) % 16 == 0
     {

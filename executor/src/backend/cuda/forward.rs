@@ -11,6 +11,7 @@
 
 use super::flash::{self, PrefillAttn};
 use super::gemm::{gemm_col_multiple, ExpertSource, GemmTile, MoeInput, MOE_DEFAULT_TILE};
+use super::kv_spill::KvHostArg;
 use super::launch::attention::{self, Heads, KvLayer, Splits};
 use super::launch::decode::{self, ExpertTable, FusedTopk, InNorm};
 use super::launch::linear;
@@ -346,9 +347,18 @@ impl CudaStage {
             row_bytes: self.kv.row_bytes,
             cells: self.kv.cells,
             ty: self.kv.ty,
+            host: self.kv.host_arg(l),
             slot,
             pos,
         })
+    }
+
+    /// Whether every token of the `n`-token pass being issued sits in the VRAM window (so its
+    /// attention reads no spilled cell).
+    fn below_window(&self, n: usize) -> bool {
+        let m = self.max_tok;
+        let w = self.kv.cells as i64;
+        self.host_in[m..m + n].iter().all(|&p| (p as i64) < w)
     }
 
     fn splits(&self) -> Result<Splits<'_>, CudaError> {
@@ -534,6 +544,12 @@ impl Ops for CudaStage {
             scale: 1.0 / (d.hd as f32).sqrt(),
             n_tok: n,
             out: out.ptr(),
+            // A pass whose cells all lie in the VRAM window keeps the tensor-core kernel.
+            host: if self.below_window(n) {
+                KvHostArg::none()
+            } else {
+                kv.host
+            },
         };
         // SAFETY: q and out hold n tokens' heads (views checked above), the slot's layer of
         // KV lies in the stage's region (checked by `KvLayer`'s geometry at binding and the

@@ -20,6 +20,7 @@ pub mod gemm;
 pub mod handoff;
 pub mod host_tier;
 pub mod hybrid;
+pub mod kv_spill;
 pub mod launch;
 pub mod layout;
 pub mod memlock;
@@ -421,6 +422,29 @@ impl CudaDevice {
         self.cuda("pinned host chunks")?;
         self.ctx_bind()?;
         pinned::PinnedHost::new(bytes)
+    }
+
+    /// Pins `bytes` of host memory mapped into this device's address space (one planned
+    /// `kv_spill` chunk): an error when the driver refuses (a memlock limit, `ulimit -l`, or
+    /// no memory it can lock).
+    pub fn alloc_pinned_mapped(&self, bytes: u64) -> Result<pinned::MappedHost, CudaError> {
+        match &self.rt {
+            Runtime::Cuda(_) => {
+                self.ctx_bind()?;
+                Ok(pinned::MappedHost::Cuda(pinned::PinnedHost::new_mapped(
+                    bytes,
+                )?))
+            }
+            #[cfg(feature = "hip")]
+            Runtime::Hip(h) => {
+                let n = usize::try_from(bytes).map_err(|_| CudaError::Shape {
+                    op: "pinned host memory",
+                    detail: format!("{bytes} bytes do not fit this host's address space"),
+                })?;
+                let (p, d) = h.alloc_pinned_mapped(n)?;
+                Ok(pinned::MappedHost::Hip(p, d))
+            }
+        }
     }
 
     /// A new event without timing, for ordering work between this device's streams (CUDA

@@ -7,6 +7,7 @@
 //! its own arena; a captured graph is replayed only for the token count it was captured for.
 
 use super::handoff::Link;
+use super::kv_spill::{KvHostArg, KvSpill};
 use super::launch::decode::{self, PickScratch};
 use super::launch::{Launcher, Prof, ProfTotals, SAMPLE_MAX_VOCAB};
 use super::options::KernelOptions;
@@ -30,15 +31,20 @@ pub(crate) struct Span {
     pub bytes: u64,
 }
 
-/// The KV region of a stage: per slot, per KV layer, `cells` K rows then `cells` V rows.
+/// The KV region of a stage: per slot, per KV layer, `cells` K rows then `cells` V rows
+/// (the VRAM window); a slot's cells past it in the pinned chunks `host` addresses.
 #[derive(Debug, Clone)]
 pub(crate) struct KvGeo {
     pub region: Span,
     pub slot_bytes: u64,
     pub row_bytes: u64,
+    /// Cells of a slot in VRAM (the whole context unless the plan spills).
     pub cells: u64,
     /// Kernel type code (F16 1, Q8_0 3).
     pub ty: i32,
+    /// The spilled cells' kernel argument (layer 0's offsets), `KvHostArg::none()` when
+    /// nothing spills.
+    pub host: KvHostArg,
 }
 
 impl KvGeo {
@@ -46,6 +52,16 @@ impl KvGeo {
     pub fn layer(&self, l: usize) -> (u64, u64) {
         let span = self.cells * self.row_bytes;
         (2 * l as u64 * span, (2 * l as u64 + 1) * span)
+    }
+
+    /// The kernels' `KvHost` for KV layer `l`.
+    pub fn host_arg(&self, l: usize) -> KvHostArg {
+        let mut a = self.host;
+        if a.spills() {
+            a.k_off = (2 * l as u64 * self.row_bytes) as i64;
+            a.v_off = ((2 * l as u64 + 1) * self.row_bytes) as i64;
+        }
+        a
     }
 }
 
@@ -140,6 +156,9 @@ pub struct CudaStage {
     pub(crate) binder: Option<super::bind::Binder>,
     /// The expert cache, when the plan serves some of this stage's experts from host memory.
     pub(crate) xcache: Option<super::expert_cache::CudaExpertCache>,
+    /// The pinned, mapped chunks of the KV cells past the VRAM window (`kv.host` addresses
+    /// them), when the plan spills.
+    pub(crate) kv_spill: Option<KvSpill>,
 }
 
 impl CudaStage {
@@ -180,6 +199,7 @@ impl CudaStage {
             prof_totals: ProfTotals::new(),
             link_in: None,
             xcache: None,
+            kv_spill: None,
             binder: Some(binder),
         }
     }
@@ -536,9 +556,16 @@ impl Stage for CudaStage {
 
     fn copy_slot(&mut self, from: usize, to: usize, cells: usize) -> Result<bool, CudaError> {
         let (kv, lin) = (self.kv.clone(), self.lin);
-        if from == to || from >= self.slots || to >= self.slots || cells as u64 > kv.cells {
+        let ctx = kv.cells + self.kv_spill.as_ref().map_or(0, |s| s.layout.per_slot);
+        if from == to || from >= self.slots || to >= self.slots || cells as u64 > ctx {
             return Ok(false);
         }
+        if let Some(sp) = self.kv_spill.as_mut() {
+            // The spilled cells on the host, once every kernel queued so far has passed.
+            self.dev.synchronize()?;
+            sp.copy_cells(from as u64, to as u64, cells as u64);
+        }
+        let cells = cells.min(kv.cells as usize);
         // Device-to-device copies on the compute stream: per full-attention layer the first
         // `cells` K rows and V rows, then the slot's whole linear-attention state.
         let span = kv.cells * kv.row_bytes;

@@ -12,6 +12,7 @@ use super::bind::{upload_weights, Binder};
 use super::expert_cache::CudaExpertCache;
 use super::handoff::Link;
 use super::host_tier;
+use super::kv_spill::{KvHostArg, KvSpill, SpillLayout};
 use super::launch::{kty, ATT_MAX_D, ATT_MAX_GROUP};
 use super::options::CudaOptions;
 use super::pinned::PinnedHost;
@@ -132,18 +133,16 @@ pub fn preflight(
             s.spec
         )));
     }
-    if s.kv_resident < s.max_context {
-        return Err(plan_err(format!(
-            "the plan keeps {} of {} KV cells per slot on the GPU; KV spill to host memory is not in the CUDA engine yet: re-plan with --kv-resident {} or run with --backend cpu",
-            s.kv_resident, s.max_context, s.max_context
-        )));
-    }
     let kv_gg = s.kv.ggml();
     let kv_ty = match s.kv {
         KvType::F16 | KvType::Q8_0 => kty(kv_gg).unwrap_or(1),
     };
     let kv_row_bytes = crate::quant::row_bytes(kv_gg, d.k_out())
         .map_err(|e| plan_err(format!("KV rows: {e}")))? as u64;
+    // The cells beyond --kv-resident: every device's kv_spill chunks hold them as laid out.
+    for dp in &plan.devices {
+        spill_layout(plan, dp, host, kv_row_bytes)?;
+    }
     let layouts = plan
         .devices
         .iter()
@@ -320,6 +319,18 @@ pub fn start_cuda(
     for (i, dp) in plan.devices.iter().enumerate() {
         arenas.push(devs[dev_of(i)].alloc_arena(&format!("device {}", dp.index), dp.arena_bytes)?);
     }
+    // The planned KV cells beyond --kv-resident: pinned, mapped chunks (an error when the
+    // driver refuses: the plan's KV has nowhere else to go).
+    let mut spills = Vec::with_capacity(plan.devices.len());
+    for (i, dp) in plan.devices.iter().enumerate() {
+        spills.push(pin_kv_spill(
+            plan,
+            dp,
+            &devs[dev_of(i)],
+            host.as_ref(),
+            &pf,
+        )?);
+    }
     // The planned pinned host expert tiers (None where the plan pins none or the driver
     // refused: those stages copy misses from the mapped file).
     let mut tiers: Vec<_> = plan
@@ -347,10 +358,12 @@ pub fn start_cuda(
     let mut stages: Vec<StageOf<CudaStage, AnyModel<CudaStage>>> =
         Vec::with_capacity(plan.devices.len());
     for ((i, dp), arena) in plan.devices.iter().enumerate().zip(arenas) {
-        let kv = start.kv_geo(dp)?;
+        let spill = spills[i].take();
+        let kv = start.kv_geo(dp, spill.as_ref())?;
         let pinned = tiers[i].take();
         let (mut st, model) =
             start.bind_stage(i, dp, devs[dev_of(i)].clone(), arena, kv, pinned)?;
+        st.kv_spill = spill;
         if i > 0 {
             st.link_in = Some(start.link_in(dp, &stages[i - 1].backend, &st)?);
         }
@@ -368,8 +381,11 @@ pub fn start_cuda(
     };
     let (chunks, pinned) = stages
         .iter()
-        .filter_map(|s| s.backend.xcache.as_ref())
-        .map(|c| c.pinned_chunks())
+        .flat_map(|s| {
+            let b = &s.backend;
+            let x = b.xcache.as_ref().map(|c| c.pinned_chunks());
+            x.into_iter().chain(b.kv_spill.as_ref().map(|k| k.pinned()))
+        })
         .fold((0, 0), |(n, b), (cn, cb)| (n + cn, b + cb));
     let shape = PipelineShape {
         max_tok: pf.max_tok,
@@ -379,6 +395,46 @@ pub fn start_cuda(
     };
     Pipeline::new(info, stages, shape, vec![Box::new(host)])
         .map_err(|e| CudaEngineError::Plan(e.to_string()))
+}
+
+/// The KV cells of planned device `dp` beyond `--kv-resident`, pinned and mapped on `dev`
+/// (None when the plan keeps every cell in VRAM).
+fn pin_kv_spill(
+    plan: &Plan,
+    dp: &DevicePlan,
+    dev: &CudaDevice,
+    host: &dyn HostModel,
+    pf: &Preflight,
+) -> Result<Option<KvSpill>, CudaEngineError> {
+    match spill_layout(plan, dp, host, pf.kv_row_bytes)? {
+        None => Ok(None),
+        Some(y) => Ok(Some(KvSpill::pin(dev, y)?)),
+    }
+}
+
+/// Where planned device `dp`'s KV cells beyond `--kv-resident` lie in its planned `kv_spill`
+/// chunks (KV rows of `row_bytes`), or why the chunks do not hold them as this engine lays
+/// them out.
+fn spill_layout(
+    plan: &Plan,
+    dp: &DevicePlan,
+    host: &dyn HostModel,
+    row_bytes: u64,
+) -> Result<Option<SpillLayout>, CudaEngineError> {
+    let s = &plan.serve;
+    let chunks: Vec<u64> = plan
+        .host
+        .pinned_chunks
+        .iter()
+        .filter(|c| c.device == dp.index && c.purpose == "kv_spill")
+        .map(|c| c.bytes)
+        .collect();
+    let hp = &host.inventory().hparams;
+    let (full, _) = qwen3next::layer_counts(hp, dp.layer_first, dp.layer_end);
+    let main_cell = 2 * full as u64 * row_bytes;
+    let resident = s.kv_resident.min(s.max_context);
+    SpillLayout::new(chunks, s.batch as u64, s.max_context, resident, main_cell)
+        .map_err(|e| plan_err(format!("device {}: {e}", dp.index)))
 }
 
 /// The GPUs (of `vendor`'s runtime): one device object for every stage, or one per stage
@@ -428,17 +484,18 @@ struct Start<'a> {
 
 impl Start<'_> {
     /// The KV geometry of planned device `dp`, once its `kv_cache` region is seen to hold
-    /// every slot's cells of its full-attention layers (all of them but Qwen3-Next's
-    /// linear-attention layers).
-    fn kv_geo(&self, dp: &DevicePlan) -> Result<KvGeo, CudaEngineError> {
-        let (pf, ctx, n_slots) = (self.pf, self.ctx, self.n_slots);
+    /// every slot's VRAM window of cells of its full-attention layers (all of them but
+    /// Qwen3-Next's linear-attention layers); the cells past it in `spill`.
+    fn kv_geo(&self, dp: &DevicePlan, spill: Option<&KvSpill>) -> Result<KvGeo, CudaEngineError> {
+        let (pf, n_slots) = (self.pf, self.n_slots);
+        let ctx = spill.map_or(self.ctx as u64, |s| s.layout.resident);
         let hp = &self.host.inventory().hparams;
         let (full, _) = qwen3next::layer_counts(hp, dp.layer_first, dp.layer_end);
         let n_layer = full as u64;
         let kvr = dp
             .region(RegionKind::KvCache)
             .ok_or_else(|| plan_err(format!("device {} has no kv_cache region", dp.index)))?;
-        let slot_bytes = 2 * ctx as u64 * pf.kv_row_bytes * n_layer;
+        let slot_bytes = 2 * ctx * pf.kv_row_bytes * n_layer;
         if kvr.bytes < slot_bytes * n_slots as u64 {
             return Err(plan_err(format!(
                 "device {}: kv_cache holds {} bytes but {n_slots} slots x {n_layer} full-attention layers x {ctx} cells need {}",
@@ -454,8 +511,9 @@ impl Start<'_> {
             },
             slot_bytes,
             row_bytes: pf.kv_row_bytes,
-            cells: ctx as u64,
+            cells: ctx,
             ty: pf.kv_ty,
+            host: spill.map_or_else(KvHostArg::none, |s| s.arg(0, pf.kv_row_bytes)),
         })
     }
 
@@ -499,7 +557,10 @@ impl Start<'_> {
                 && has(WorkBuf::Xh)
                 && has(WorkBuf::Yd)
                 && dev.tensor_cores(),
-            fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
+            // The fused attention reads every cell from VRAM.
+            fused_attention: opts.kernels.fused_attention
+                && attn_fusable(&d, &kv)
+                && !kv.host.spills(),
         };
         let binder = Binder::new(plan, dp, host.clone(), &layout);
         let mut st = CudaStage::new(
@@ -642,6 +703,7 @@ pub fn standalone_stage(
         row_bytes,
         cells: s.ctx as u64,
         ty: kty(kv_gg).unwrap_or(1),
+        host: KvHostArg::none(),
     };
     at += al(kv.region.bytes);
     let (conv, rec) = crate::backend::cpu::linear_state::layer_floats(&d);

@@ -577,6 +577,30 @@ impl HipDevice {
         Ok(HipPinned { ptr: p.cast(), len })
     }
 
+    /// `len` bytes of zeroed page-locked host memory pinned for every device and mapped into
+    /// their address space, with its device address (KV cells beyond `--kv-resident`, which
+    /// kernels read and write in place).
+    pub fn alloc_pinned_mapped(&self, len: usize) -> Result<(HipPinned, u64), HipError> {
+        self.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let flags = ffi::HOST_MALLOC_PORTABLE | ffi::HOST_MALLOC_MAPPED;
+        // SAFETY: p is a valid out-pointer; the buffer is owned by the value made below.
+        let r = unsafe { (self.api.host_malloc)(&mut p, len.max(1), flags) };
+        check(self.api, format!("hipHostMalloc(mapped) of {len} bytes"), r)?;
+        // SAFETY: p holds at least len bytes just allocated.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0, len) };
+        let buf = HipPinned { ptr: p.cast(), len };
+        let mut d: *mut c_void = std::ptr::null_mut();
+        // SAFETY: p is a live mapped allocation; the call writes one device address into d.
+        let r = unsafe { (self.api.host_get_device_pointer)(&mut d, p, 0) };
+        check(
+            self.api,
+            format!("hipHostGetDevicePointer of {len} bytes"),
+            r,
+        )?;
+        Ok((buf, d as u64))
+    }
+
     /// Queues a copy of `src` into `dst` (equal lengths) on `stream`.
     ///
     /// # Safety

@@ -58,6 +58,9 @@ pub const EVENT_DEFAULT: u32 = 0;
 pub const HOST_MALLOC_DEFAULT: u32 = 0;
 /// `hipHostMallocPortable`: pinned for every device, not only the current one.
 pub const HOST_MALLOC_PORTABLE: u32 = 1;
+/// `hipHostMallocMapped`: also mapped into the devices' address space
+/// (`hipHostGetDevicePointer`).
+pub const HOST_MALLOC_MAPPED: u32 = 2;
 /// `hipErrorPeerAccessAlreadyEnabled`.
 pub const ERROR_PEER_ACCESS_ALREADY_ENABLED: HipResult = 704;
 /// `hipStreamCaptureModeThreadLocal`: other threads' unsafe calls do not break a capture.
@@ -214,6 +217,7 @@ api_table! {
         free = "hipFree": fn(*mut c_void) -> HipResult;
         host_malloc = "hipHostMalloc": fn(*mut *mut c_void, usize, c_uint) -> HipResult;
         host_free = "hipHostFree": fn(*mut c_void) -> HipResult;
+        host_get_device_pointer = "hipHostGetDevicePointer": fn(*mut *mut c_void, *mut c_void, c_uint) -> HipResult;
         memcpy_async = "hipMemcpyAsync": fn(*mut c_void, *const c_void, usize, c_int, Stream) -> HipResult;
         memset_async = "hipMemsetAsync": fn(*mut c_void, c_int, usize, Stream) -> HipResult;
         stream_create = "hipStreamCreateWithFlags": fn(*mut Stream, c_uint) -> HipResult;

@@ -2,10 +2,12 @@
 //! `dq_rope_store`, `dq_kv_store`, `dq_attn_fused`, `dq_attn_gqa` + `dq_attn_combine`. (The
 //! prefill attention kernels' launchers are in `flash`.)
 //! Invariant: a slot's KV lies at `kv + slot * slot_bytes`; layer `l`'s K rows at `k_off`,
-//! V rows at `v_off`, `cells` rows of `row_bytes` each inside the slot; every launch checks
-//! that geometry against the views it is given.
+//! V rows at `v_off`, `cells` rows of `row_bytes` each inside the slot (the VRAM window), the
+//! slot's cells past it where `host` (pinned chunks mapped into the device) says; every launch
+//! checks that geometry against the views it is given.
 
 use super::{bad, cfg, f32s, int, launch, Launcher, ATT_MAX_D, ATT_MAX_GROUP, ATT_MAX_SPLIT};
+use crate::backend::cuda::kv_spill::KvHostArg;
 use crate::backend::cuda::{CudaError, DeviceView};
 
 /// One layer of every slot's KV, and the step's per-token slots and positions.
@@ -21,6 +23,9 @@ pub struct KvLayer<'a> {
     pub cells: u64,
     /// Kernel type code of the rows (F16 1, Q8_0 3, F32 0).
     pub ty: i32,
+    /// The slots' cells past `cells` (this layer's rows in the pinned `kv_spill` chunks);
+    /// [`KvHostArg::none`] when every cell is in VRAM.
+    pub host: KvHostArg,
     /// `n` i32 slots and positions of the step's tokens.
     pub slot: DeviceView<'a>,
     pub pos: DeviceView<'a>,
@@ -133,7 +138,7 @@ pub fn rope_store(
     let blocks = (h.n_head + 2 * h.n_head_kv) as u32;
     launch!(l, "dq_rope_store", cfg((blocks, int(OP, "n", n)? as u32, 1), 128, 0);
         &qp, &kp, &vp, &qn, &kn, &h.eps, &pp, &fp, &h.attn_factor, &nh, &nkv, &hd, &nr,
-        &kvp, &sp, &sb, &ko, &vo, &rb, &kv.ty)
+        &kvp, &sp, &sb, &ko, &vo, &rb, &kv.ty, &kv.host)
 }
 
 /// `dq_kv_store`: K and V rows of `n` tokens (`width` elements each) into each token's slot
@@ -153,7 +158,7 @@ pub fn kv_store(
     let (kp, vp, kvp, sp, pp) = (k.ptr(), v.ptr(), kv.kv.ptr(), kv.slot.ptr(), kv.pos.ptr());
     let w = int(OP, "width", width)?;
     launch!(l, "dq_kv_store", cfg((int(OP, "n", n)? as u32, 1, 1), 128, 0);
-        &kp, &vp, &kvp, &sp, &pp, &sb, &ko, &vo, &rb, &kv.ty, &w)
+        &kp, &vp, &kvp, &sp, &pp, &sb, &ko, &vo, &rb, &kv.ty, &w, &kv.host)
 }
 
 /// Split-KV partials and the merge of the splits.
@@ -204,6 +209,12 @@ pub fn attn_fused(
     const OP: &str = "attn_fused";
     let (nh, nkv, hd, nr) = h.check(OP)?;
     let g = h.n_head / h.n_head_kv;
+    if kv.host.spills() {
+        return Err(bad(
+            OP,
+            "the fused attention reads every cell from VRAM but this plan keeps some beyond --kv-resident in host memory: run attn_decode (the stage turns fusion off for such plans)".into(),
+        ));
+    }
     if kv.ty != 1 || h.hd % 8 != 0 || h.hd > 128 || 128 % g != 0 || kv.row_bytes % 16 != 0 {
         return Err(bad(
             OP,
@@ -263,7 +274,8 @@ pub fn attn_decode(
     let (po, pm, op) = (sp.part_o.ptr(), sp.part_ms.ptr(), out.ptr());
     let nt = int(OP, "n", n)? as u32;
     launch!(l, "dq_attn_gqa", cfg((h.n_head_kv as u32, sp.n as u32, nt), 128, 0);
-        &qp, &kvp, &slp, &cp, &sb, &ko, &vo, &kv.ty, &nh, &nkv, &hd, &rb, &scale, &po, &pm)?;
+        &qp, &kvp, &slp, &cp, &sb, &ko, &vo, &kv.ty, &nh, &nkv, &hd, &rb, &scale, &po, &pm,
+        &kv.host)?;
     launch!(l, "dq_attn_combine", cfg((h.n_head as u32, nt, 1), 128, 0);
         &po, &pm, &cp, &nh, &hd, &ns, &op)
 }

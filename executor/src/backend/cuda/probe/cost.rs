@@ -8,6 +8,7 @@
 //! are allocated at once, and everything is freed on return.
 
 use crate::backend::cuda::flash::{attn_prefill, PrefillAttn, KV_TY_F16};
+use crate::backend::cuda::kv_spill::KvHostArg;
 use crate::backend::cuda::launch::attention::{attn_decode, Heads, KvLayer, Splits};
 use crate::backend::cuda::launch::decode::{mv, rmsnorm, spin};
 use crate::backend::cuda::launch::{Launcher, Mat, ATT_MAX_SPLIT};
@@ -445,6 +446,7 @@ fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
                     row_bytes,
                     cells,
                     ty: KV_TY_F16,
+                    host: KvHostArg::none(),
                     slot: ints.view(0, 4)?,
                     pos: ints.view(4, 4)?,
                 };
@@ -526,6 +528,7 @@ fn prefill_attention(dev: &CudaDevice) -> Result<f64, CudaError> {
         scale: 1.0 / (HD as f32).sqrt(),
         n_tok: PREFILL_TOK,
         out: out.all().ptr(),
+        host: KvHostArg::none(),
     };
     let ms = stream_ms(dev, REPS, &mut || {
         // SAFETY: q and out hold n_tok x n_head x hd f32; slot is one i32 (0) and pos n_tok
