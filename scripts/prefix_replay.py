@@ -5,6 +5,11 @@ first sampled token) with the prefix-cache counters: each turn sends every earli
 the answers, and a new user message, greedy, as a chat client does. Standard library only.
 
     python3 scripts/prefix_replay.py --url http://127.0.0.1:8080 [--turns 8] [--max-tokens 16]
+        [--elide-answers]
+
+`--elide-answers` sends a fixed stand-in back instead of each answer (a client that strips or
+edits replies): the next prompt then shares the previous prompt but not the answer, so a
+Qwen3-Next server can hit only its slots' prefix checkpoints.
 
 Run it once against a server started normally and once against one started with
 `--no-prefix-cache`; the answers' digest must be the same (the cache does not change greedy
@@ -50,6 +55,8 @@ def main():
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--user-words", type=int, default=60)
+    ap.add_argument("--elide-answers", action="store_true",
+                    help="send '(answer elided)' back instead of each answer")
     a = ap.parse_args()
     m0 = get(a.url + "/metrics")
     messages, answers, walls, prompts = [], [], [], []
@@ -62,7 +69,8 @@ def main():
         text = r["choices"][0]["message"]["content"]
         prompts.append(r["usage"]["prompt_tokens"])
         answers.append(text)
-        messages.append({"role": "assistant", "content": text})
+        sent = "(answer elided)" if a.elide_answers else text
+        messages.append({"role": "assistant", "content": sent})
     m1 = get(a.url + "/metrics")
     d = lambda n: metric(m1, n) - metric(m0, n)
     n = d("strata_time_to_first_token_seconds_count")
@@ -73,6 +81,7 @@ def main():
         "mean_ttft_ms": round(ttft * 1e3, 3),
         "mean_request_ms": round(sum(walls) / len(walls) * 1e3, 3),
         "prefix_cache_hits": d("strata_prefix_cache_hits_total"),
+        "checkpoint_hits": d("strata_prefix_cache_checkpoint_hits_total"),
         "reused_tokens": d("strata_prefix_cache_reused_tokens_total"),
         "prefilled_tokens": d("strata_prompt_tokens_total"),
         "answers_sha256": hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16],

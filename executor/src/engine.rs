@@ -49,8 +49,9 @@ pub enum PrefixReuse {
     None,
     /// Any prefix (a KV cache: the cells past it are simply overwritten).
     Any,
-    /// Only the whole context (recurrent state, such as Qwen3-Next's linear attention,
-    /// summarises every token so far and cannot be rewound).
+    /// Only the whole context, or the position of the slot's prefix checkpoint
+    /// ([`Engine::prefix_checkpoint`]): recurrent state, such as Qwen3-Next's linear
+    /// attention, summarises every token so far and is rewound only to a saved copy.
     Whole,
 }
 
@@ -195,10 +196,27 @@ pub trait Engine: Send {
     /// Keep the first `n` cells of `slot`'s context and forget the rest, so the next
     /// prefill continues the sequence from position `n` (a prefix cache). Returns false, and
     /// leaves the slot as it was, when the engine cannot (see [`Engine::prefix_reuse`]) or
-    /// `n` is beyond the slot's length.
+    /// `n` is beyond the slot's length. With [`PrefixReuse::Whole`], `n` is the slot's length
+    /// or its [`Engine::prefix_checkpoint`] (the state is restored from the checkpoint; a
+    /// restore that fails inside the engine leaves the slot empty and returns false).
     fn truncate_slot(&mut self, slot: usize, n: u64) -> bool {
         let _ = (slot, n);
         false
+    }
+    /// Save `slot`'s recurrent state at its current length as its prefix checkpoint (the
+    /// plan's `prefix_checkpoint` region), replacing the one before, so
+    /// [`Engine::truncate_slot`] can later rewind the slot to this position. `Ok(false)`,
+    /// and no checkpoint, where the engine keeps none (no recurrent state, or a plan made
+    /// with `--no-prefix-checkpoint`).
+    fn save_prefix_checkpoint(&mut self, slot: usize) -> Result<bool, EngineError> {
+        let _ = slot;
+        Ok(false)
+    }
+    /// The position `slot`'s prefix checkpoint was saved at, while it is valid (cleared when
+    /// the slot is reset or copied over).
+    fn prefix_checkpoint(&self, slot: usize) -> Option<u64> {
+        let _ = slot;
+        None
     }
     /// Make slot `to` hold a copy of slot `from`'s context (KV cells and recurrent state),
     /// so `to` continues `from`'s sequence (the `n` choices of one prompt prefill it once).

@@ -339,7 +339,17 @@ pub fn start_cpu(
             // only this stage touches it; the binding outlives the stage.
             let region: &'static mut [u8] = unsafe { view.slice_mut() };
             let ckpts = if s.mtp { s.spec as usize } else { 0 };
-            LinearState::bind(region, &d, lin, s.batch as usize, ckpts).map_err(backend_err)?
+            let st =
+                LinearState::bind(region, &d, lin, s.batch as usize, ckpts).map_err(backend_err)?;
+            if s.prefix_checkpoint {
+                let view = binding.region_view(dp.index, RegionKind::PrefixCheckpoint)?;
+                // SAFETY: the prefix_checkpoint region is disjoint from the arena's other
+                // regions and only this stage touches it; the binding outlives the stage.
+                let region: &'static mut [u8] = unsafe { view.slice_mut() };
+                st.with_prefix_region(region).map_err(backend_err)?
+            } else {
+                st
+            }
         } else {
             LinearState::owned(&d, 0, 0)
         };
@@ -463,7 +473,8 @@ pub fn standalone_next_mtp<'a>(
     }
     let slots = s.slots;
     let with_state = |b: CpuStage<'a>| {
-        Ok(b.with_linear_state(LinearState::owned_with_checkpoints(&d, lin, slots, spec)))
+        let st = LinearState::owned_with_checkpoints(&d, lin, slots, spec).with_owned_prefix();
+        Ok(b.with_linear_state(st))
     };
     standalone(
         hp,

@@ -7,7 +7,9 @@
 //! Invariant: every request is checked (slot, context, tokens, batch) before any op runs, so
 //! a refused request leaves every slot as it was; a pass allocates nothing; slot lengths are
 //! the pipeline's, advanced only after a pass succeeded and cut back only by `truncate_slot`
-//! (to a prefix the model can keep).
+//! (to a prefix the model can keep); a slot's `ckpt` position, when set, is at most its
+//! length and its prefix checkpoint holds the linear state after exactly that many of its
+//! tokens (set by `save_prefix_checkpoint`, cleared by `reset_slot` and `copy_slot`).
 
 use crate::backend::{Stage, StepKind, WorkBuf};
 use crate::engine::EngineStats;
@@ -33,6 +35,8 @@ pub struct Pipeline<B: Stage, M: Forward<B>> {
     // Dropped before `keep`, whose contents the stages may borrow.
     stages: Vec<StageOf<B, M>>,
     lens: Vec<u64>,
+    /// Per slot: the position its linear-state prefix checkpoint was saved at.
+    ckpt: Vec<Option<u64>>,
     /// Tokens one pass carries (prefill chunks are split to it).
     max_tok: usize,
     /// Rows of logits the head computes per pass.
@@ -97,6 +101,7 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
         let v = info.n_vocab;
         Ok(Self {
             lens: vec![0; info.n_slots],
+            ckpt: vec![None; info.n_slots],
             max_tok: shape.max_tok,
             logit_rows: shape.logit_rows,
             logits: vec![0.0; shape.logit_rows * v],
@@ -274,6 +279,22 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             self.lens[slot] += 1;
         }
     }
+
+    /// Set `slot`'s linear state (every stage) and MTP hidden state back to its prefix
+    /// checkpoint. A stage that fails or keeps none leaves the slot half restored: it is
+    /// emptied (length 0, no checkpoint) and false returned.
+    fn restore_prefix_checkpoint(&mut self, slot: usize) -> bool {
+        for st in self.stages.iter_mut() {
+            if !matches!(st.backend.restore_linear_checkpoint(slot), Ok(true)) {
+                self.lens[slot] = 0;
+                self.ckpt[slot] = None;
+                self.mtp_reset(slot);
+                return false;
+            }
+        }
+        self.mtp_restore_checkpoint(slot);
+        true
+    }
 }
 
 impl<B, M> Engine for Pipeline<B, M>
@@ -352,6 +373,9 @@ where
         if let Some(l) = self.lens.get_mut(slot) {
             *l = 0;
         }
+        if let Some(c) = self.ckpt.get_mut(slot) {
+            *c = None;
+        }
         self.mtp_reset(slot);
     }
 
@@ -408,22 +432,45 @@ where
 
     fn truncate_slot(&mut self, slot: usize, n: u64) -> bool {
         let reuse = self.prefix_reuse();
-        let Some(len) = self.lens.get_mut(slot) else {
+        let Some(&len) = self.lens.get(slot) else {
             return false;
         };
         // Positions (and so which KV cells a pass reads and writes) come from `lens` with
         // every pass, on every backend: shortening it is enough for a KV cache, whose
         // cells past `n` the next pass overwrites before any reads them. Recurrent state
-        // has no cells to drop, so only the whole context can be kept.
+        // has no cells to drop: the whole context is kept as it is, or the state is set back
+        // to the slot's prefix checkpoint when `n` is the position it was saved at.
         let ok = match reuse {
-            PrefixReuse::Any => n <= *len,
-            PrefixReuse::Whole => n == *len,
-            PrefixReuse::None => false,
+            PrefixReuse::Any => n <= len,
+            PrefixReuse::Whole if n == len => true,
+            PrefixReuse::Whole if n > 0 && self.ckpt[slot] == Some(n) => {
+                self.restore_prefix_checkpoint(slot)
+            }
+            PrefixReuse::Whole | PrefixReuse::None => false,
         };
         if ok {
-            *len = n;
+            self.lens[slot] = n;
         }
         ok
+    }
+
+    fn save_prefix_checkpoint(&mut self, slot: usize) -> Result<bool, EngineError> {
+        if self.prefix_reuse() != PrefixReuse::Whole || slot >= self.lens.len() {
+            return Ok(false);
+        }
+        self.ckpt[slot] = None;
+        for st in self.stages.iter_mut() {
+            if !st.backend.save_linear_checkpoint(slot).map_err(internal)? {
+                return Ok(false);
+            }
+        }
+        self.mtp_save_checkpoint(slot);
+        self.ckpt[slot] = Some(self.lens[slot]);
+        Ok(true)
+    }
+
+    fn prefix_checkpoint(&self, slot: usize) -> Option<u64> {
+        self.ckpt.get(slot).copied().flatten()
     }
 
     fn copy_slot(&mut self, from: usize, to: usize) -> Result<bool, EngineError> {
@@ -432,6 +479,7 @@ where
             return Ok(false);
         }
         let cells = self.lens[from] as usize;
+        self.ckpt[to] = None;
         for st in self.stages.iter_mut() {
             match st.backend.copy_slot(from, to, cells) {
                 Ok(true) => {}

@@ -3,8 +3,9 @@
 //! qwen3next GGUFs at shapes the CUDA kernels take (F32 and Q8_0 weights) planned for NVIDIA
 //! devices give the CPU engine's logits for prefill passes of 1 to 32 tokens (the tensor-core
 //! prefill included), decode steps with the slots' linear state (replayed as CUDA graphs) and
-//! two slots decoding together, a slot reused for a new sequence, and a layer split over two
-//! planned devices on one GPU equal to one device; then the transformers references of
+//! two slots decoding together, a slot reused for a new sequence, a slot rewound to its
+//! prefix checkpoint, and a layer split over two planned devices on one GPU equal to one
+//! device; then the transformers references of
 //! `tests/data/tiny-qwen3next` run on CUDA wherever their shapes fit the kernels.
 //! Needs a CUDA GPU: without one every test prints SKIP and returns (run them on the GPU
 //! machine: `cargo test -p strata-exec --release --test cuda_next -- --test-threads=1
@@ -260,5 +261,70 @@ fn copy_slot_on_the_gpu_continues_the_sequence() {
             t = argmax(&l[..v]);
         }
         eprintln!("PASS {what}: a copied slot decodes as its original");
+    }
+}
+
+/// The prefix checkpoint on the CUDA engine (device-to-device copies of each stage's linear
+/// state into the plan's `prefix_checkpoint` region and back): a slot saved at the end of its
+/// prompt, decoded on, rewound to the checkpoint and given a new continuation gives the
+/// logits of the new prompt prefilled whole in the other slot, twice from one checkpoint, on
+/// one planned device and on a layer split over two.
+#[test]
+fn prefix_checkpoint_on_the_gpu_rewinds_the_linear_state() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let hp = tiny_hp();
+    let path = dir.path().join("next-ckpt.gguf");
+    let opts = RandomOptions {
+        name: "tiny next".into(),
+        ..Default::default()
+    };
+    let q = QuantRecipe::preset("F32").unwrap();
+    write_random_model(&path, "qwen3next", &hp, &q, 19, opts).unwrap();
+    let v = hp.n_vocab as usize;
+    for (what, a) in [
+        ("one device", ask(true, 1, None)),
+        ("two devices", ask(true, 2, Some(vec![2]))),
+    ] {
+        let mut g = cuda_engine(&path, &a);
+        let old = prompt(21, 7);
+        g.prefill_all(0, &old).unwrap();
+        assert!(
+            g.save_prefix_checkpoint(0).unwrap(),
+            "{what}: the plan places a checkpoint"
+        );
+        assert_eq!(g.prefix_checkpoint(0), Some(21), "{what}");
+        for t in [3, 5, 7] {
+            g.decode(&[(0, t)]).unwrap();
+        }
+        assert!(
+            !g.truncate_slot(0, 20),
+            "{what}: only the checkpoint's position"
+        );
+        for round in 0..2u32 {
+            assert!(g.truncate_slot(0, 21), "{what} round {round}");
+            let mut new = old.clone();
+            new.extend(prompt(6 + round as usize, 11 + round));
+            let got = g.prefill_all(0, &new[21..]).unwrap();
+            let got = got[got.len() - v..].to_vec();
+            g.reset_slot(1);
+            let want = g.prefill_all(1, &new).unwrap();
+            let want = want[want.len() - v..].to_vec();
+            // Each within 1e-3 of the CPU engine (the F32 tolerance above), so within 2e-3 of
+            // each other: a pass of 21 then 6 tokens against one of 27.
+            let r = max_rel(&got, &want);
+            assert!(r < 2e-3, "{what} round {round}: differs by {r}");
+            let l = g.decode(&[(0, 42), (1, 42)]).unwrap().to_vec();
+            let r = max_rel(&l[..v], &l[v..]);
+            assert!(
+                r < 2e-3,
+                "{what} round {round}: the decode after differs by {r}"
+            );
+        }
+        eprintln!(
+            "PASS {what}: a slot rewound to its prefix checkpoint continues as a whole prefill"
+        );
     }
 }

@@ -1,8 +1,9 @@
 //! `Engine::truncate_slot` on the CPU pipeline, the prefix cache's engine half: keeping a
 //! prefix of a slot's context and prefilling the rest of a new prompt gives the logits of
 //! prefilling the new prompt whole, for Qwen3-MoE (any prefix: a KV cache) and Qwen3-Next
-//! (only the whole context: its linear state cannot be rewound, so shorter cuts are refused
-//! and leave the slot as it was).
+//! (the whole context, or the position of the slot's prefix checkpoint, where its linear
+//! state is restored from the plan's `prefix_checkpoint` region; other cuts are refused and
+//! leave the slot as it was).
 
 mod common;
 
@@ -13,6 +14,7 @@ use strata_exec::load::GgufModel;
 use strata_schemas::arch::QuantRecipe;
 use strata_schemas::gguf::random::{write_random_model, RandomOptions};
 use strata_schemas::inventory::{HParams, SsmParams};
+use strata_schemas::plan::RegionKind;
 use strata_schemas::serve::ExpertCache;
 
 fn hp(next: bool) -> HParams {
@@ -58,6 +60,18 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 
 /// A CPU engine over a random model of `arch` (2 slots, 64 cells, prefill chunks of 8).
 fn engine(dir: &std::path::Path, arch: &str) -> Box<dyn Engine> {
+    engine_on(dir, arch, 1, None, true)
+}
+
+/// [`engine`] over `devices` planned CPU devices split at `split`, with or without the plan's
+/// prefix checkpoint (as `strata-plan --no-prefix-checkpoint` plans it).
+fn engine_on(
+    dir: &std::path::Path,
+    arch: &str,
+    devices: usize,
+    split: Option<Vec<u32>>,
+    checkpoint: bool,
+) -> Box<dyn Engine> {
     let path = dir.join(format!("{arch}.gguf"));
     let recipe = QuantRecipe::preset("F32").unwrap();
     let opts = RandomOptions {
@@ -65,7 +79,13 @@ fn engine(dir: &std::path::Path, arch: &str) -> Box<dyn Engine> {
         ..Default::default()
     };
     write_random_model(&path, arch, &hp(arch == "qwen3next"), &recipe, 11, opts).unwrap();
-    let plan = plan_folder_ctx(&path, 1, None, ExpertCache::Off, None, 64);
+    let mut plan = plan_folder_ctx(&path, devices, split, ExpertCache::Off, None, 64);
+    let linear = plan
+        .devices
+        .iter()
+        .any(|d| d.region_bytes(RegionKind::LinearState) > 0);
+    assert_eq!(plan.serve.prefix_checkpoint, linear, "{arch}");
+    plan.serve.prefix_checkpoint &= checkpoint;
     Box::new(
         start_cpu(
             &plan,
@@ -164,6 +184,84 @@ fn qwen3next_keeps_only_the_whole_context_and_continuing_it_equals_a_whole_prefi
     let a = e.decode(&[(0, 42), (1, 42)]).unwrap().to_vec();
     let r = max_rel(&a[..v], &a[v..]);
     assert!(r < 1e-4, "the decode after differs by {r}");
+}
+
+/// The prefix checkpoint: a Qwen3-Next slot saved at the end of its prompt and decoded on
+/// rewinds to exactly that position (and no other), and prefilling a different continuation
+/// from there gives the logits of prefilling the new prompt whole, again and again from the
+/// same checkpoint, on one planned device and on a layer split over two (each stage restores
+/// its own layers); a reset or a copy over the slot forgets it, and a plan without the
+/// checkpoint region keeps none.
+#[test]
+fn qwen3next_rewinds_to_its_prefix_checkpoint_and_continuing_equals_a_whole_prefill() {
+    let v = 128;
+    for (what, devices, split) in [("one device", 1, None), ("two devices", 2, Some(vec![2]))] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut e = engine_on(dir.path(), "qwen3next", devices, split, true);
+        let old = toks(13, 37, 5);
+        prefill(e.as_mut(), 0, &old);
+        assert_eq!(e.prefix_checkpoint(0), None, "{what}: none before a save");
+        assert!(e.save_prefix_checkpoint(0).unwrap(), "{what}");
+        assert_eq!(e.prefix_checkpoint(0), Some(13), "{what}");
+        for t in [9, 17, 33] {
+            e.decode(&[(0, t)]).unwrap();
+        }
+        assert_eq!(e.slot_len(0), 16);
+        assert!(
+            !e.truncate_slot(0, 12),
+            "{what}: only the checkpoint's position"
+        );
+        assert!(
+            !e.truncate_slot(0, 14),
+            "{what}: only the checkpoint's position"
+        );
+        assert_eq!(e.slot_len(0), 16);
+        for round in 0..3u32 {
+            assert!(e.truncate_slot(0, 13), "{what} round {round}");
+            assert_eq!(e.slot_len(0), 13);
+            let mut new = old.clone();
+            new.extend(toks(9 + round, 11, 3 + round));
+            let got = prefill(e.as_mut(), 0, &new[13..]);
+            e.reset_slot(1);
+            let want = prefill(e.as_mut(), 1, &new);
+            // Chunks of 8 over 13 + 9 tokens against 8 over 22: the chunked delta rule's
+            // blocks differ, equal up to rounding (as the whole-context test above).
+            let r = max_rel(&got, &want);
+            assert!(r < 1e-4, "{what} round {round}: differs by {r}");
+            let a = e.decode(&[(0, 42), (1, 42)]).unwrap().to_vec();
+            let r = max_rel(&a[..v], &a[v..]);
+            assert!(
+                r < 1e-4,
+                "{what} round {round}: the decode after differs by {r}"
+            );
+            assert_eq!(
+                e.prefix_checkpoint(0),
+                Some(13),
+                "{what}: rewinding keeps it"
+            );
+        }
+        // Copying over a slot or resetting it forgets its checkpoint.
+        assert!(e.save_prefix_checkpoint(1).unwrap());
+        assert!(e.copy_slot(0, 1).unwrap());
+        assert_eq!(e.prefix_checkpoint(1), None, "{what}");
+        e.reset_slot(0);
+        assert_eq!(e.prefix_checkpoint(0), None, "{what}");
+        prefill(e.as_mut(), 0, &old);
+        assert!(
+            !e.truncate_slot(0, 5),
+            "{what}: no checkpoint after a reset"
+        );
+    }
+    // A plan without the region (`--no-prefix-checkpoint`) saves nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = engine_on(dir.path(), "qwen3next", 1, None, false);
+    prefill(e.as_mut(), 0, &toks(13, 37, 5));
+    assert!(!e.save_prefix_checkpoint(0).unwrap());
+    assert_eq!(e.prefix_checkpoint(0), None);
+    // Nor does a KV-cache model, which needs none.
+    let mut e = engine(dir.path(), "qwen3moe");
+    prefill(e.as_mut(), 0, &toks(13, 37, 5));
+    assert!(!e.save_prefix_checkpoint(0).unwrap());
 }
 
 /// `Engine::copy_slot`, the `n`-choices half: a slot given a copy of another's context (KV

@@ -38,6 +38,9 @@ pub struct Sizing<'a> {
     pub vram_reserve: u64,
     pub n_devices: usize,
     pub expert_cache: ExpertCache,
+    /// One checkpoint of each slot's linear state for the prefix cache (not
+    /// `--no-prefix-checkpoint`; only devices with linear layers place one).
+    pub prefix_checkpoint: bool,
     scratch: RefCell<ScratchMemo>,
 }
 
@@ -142,8 +145,15 @@ impl<'a> Sizing<'a> {
             vram_reserve,
             n_devices,
             expert_cache,
+            prefix_checkpoint: false,
             scratch: RefCell::new(BTreeMap::new()),
         }
+    }
+
+    /// The same sizing with (or without) a prefix checkpoint of each slot's linear state.
+    pub fn with_prefix_checkpoint(mut self, on: bool) -> Self {
+        self.prefix_checkpoint = on;
+        self
     }
 
     /// Tokens one forward step carries at most: a prefill ubatch or every slot's decode rows.
@@ -306,6 +316,15 @@ impl<'a> Sizing<'a> {
             RegionKind::LinearState,
             align(slots * (1 + checkpoints) * f.linear_range(a, b)),
         ));
+        // The prefix cache's checkpoint: one more copy of each slot's linear state, saved at
+        // the end of each prompt so a later prompt sharing it rewinds the slot there
+        // (executor/src/backend/cpu/linear_state.rs, `save_prefix`).
+        if self.prefix_checkpoint && f.linear_range(a, b) > 0 {
+            regions.push((
+                RegionKind::PrefixCheckpoint,
+                align(slots * f.linear_range(a, b)),
+            ));
+        }
         let per_slot = per_slot_session_bytes(&self.inv.arch, hp, self.spec as u32);
         regions.push((RegionKind::SlotSessions, align(slots * per_slot)));
         let scratch = self.scratch(dev, u64::from(b - a), slots, resident, last).0;

@@ -137,6 +137,11 @@ struct PlanArgs {
     /// Draft tokens per step (implies --mtp).
     #[arg(long, value_name = "N", help_heading = "Serve")]
     spec: Option<u32>,
+    /// Place no prefix checkpoint: models with linear attention (Qwen3-Next) otherwise get
+    /// one more copy of each slot's linear state, so the server's prefix cache can rewind a
+    /// slot to the end of its last prompt (the report's notes say what it costs).
+    #[arg(long, help_heading = "Serve")]
+    no_prefix_checkpoint: bool,
     /// Plan the vision tower: from an mmproj .gguf, or the descriptor's [vision] section when
     /// no path is given.
     #[arg(long, value_name = "MMPROJ", num_args = 0..=1, help_heading = "Serve")]
@@ -301,6 +306,9 @@ fn settings(a: &PlanArgs) -> Result<ServeSettings, Fail> {
     }
     if let Some(v) = a.spec {
         s.spec = v;
+    }
+    if a.no_prefix_checkpoint {
+        s.prefix_checkpoint = false;
     }
     if let Some(v) = &a.vision {
         s.vision = Some(v.clone());

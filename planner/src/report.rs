@@ -85,6 +85,7 @@ pub fn notes(plan: &Plan) -> Vec<String> {
             ));
         }
     }
+    out.extend(prefix_checkpoint_notes(plan));
     if plan.predicted.guessed {
         out.push("the predicted speeds are guesses: the probe has no measured [device.cost] coefficients (defaults calibrated on the H200); `strata-exec probe` measures them".into());
         if plan
@@ -96,6 +97,31 @@ pub fn notes(plan: &Plan) -> Vec<String> {
         }
     }
     out
+}
+
+/// What the prefix checkpoint costs on each device that places one, or that it is off.
+fn prefix_checkpoint_notes(plan: &Plan) -> Vec<String> {
+    let slots = u64::from(plan.serve.batch.max(1));
+    let linear = plan
+        .devices
+        .iter()
+        .any(|d| d.region_bytes(RegionKind::LinearState) > 0);
+    if linear && !plan.serve.prefix_checkpoint {
+        return vec!["prefix checkpoint off (--no-prefix-checkpoint): the server's prefix cache reuses a slot of this model (linear attention) only when a new prompt extends the slot's whole context".into()];
+    }
+    plan.devices
+        .iter()
+        .filter(|d| d.region_bytes(RegionKind::PrefixCheckpoint) > 0)
+        .map(|d| {
+            let b = d.region_bytes(RegionKind::PrefixCheckpoint);
+            format!(
+                "device {}: prefix_checkpoint {} ({} a slot x {slots}): each slot's linear state at the end of its last prompt, so the server's prefix cache can rewind the slot there; --no-prefix-checkpoint frees it",
+                d.index,
+                gib(b),
+                gib(b / slots)
+            )
+        })
+        .collect()
 }
 
 fn point_json(p: &DecodePoint) -> Value {

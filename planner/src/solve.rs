@@ -283,7 +283,8 @@ fn solver<'a>(
         s.vram_reserve_mib * MIB,
         devices.len(),
         s.expert_cache,
-    );
+    )
+    .with_prefix_checkpoint(s.prefix_checkpoint);
     Solver {
         req,
         facts,
@@ -773,5 +774,82 @@ mod tests {
             }
             Outcome::Infeasible(i) => panic!("{}", crate::report::infeasible_text(&i)),
         }
+    }
+
+    /// The prefix checkpoint: on the 80B Qwen3-Next one more copy of each slot's linear state
+    /// (DESIGN.md's worked ~75 MB a slot) per device that holds linear layers, in its own
+    /// region that the verifier checked, said in the notes; none with
+    /// `--no-prefix-checkpoint`, and none for Qwen3-MoE (no linear state).
+    #[test]
+    fn a_prefix_checkpoint_is_one_copy_of_each_slots_linear_state() {
+        let inv = inventory("qwen3next", qwen3next_hparams(), "IQ3_S");
+        let probe = probe(&[(96 * G, 640.0), (96 * G, 640.0)], 63 * G, 58 * G);
+        let on = ServeSettings {
+            max_context: 8192,
+            batch: 3,
+            ..Default::default()
+        };
+        let off = ServeSettings {
+            prefix_checkpoint: false,
+            ..on.clone()
+        };
+        let planned = |s: &ServeSettings| match run(&inv, &probe, s) {
+            Outcome::Planned(p) => *p,
+            Outcome::Infeasible(i) => panic!("{}", crate::report::infeasible_text(&i)),
+        };
+        let (p_on, p_off) = (planned(&on), planned(&off));
+        assert!(p_on.serve.prefix_checkpoint && !p_off.serve.prefix_checkpoint);
+        assert_eq!(p_on.devices.len(), 2);
+        let per_slot = |p: &Plan| -> u64 {
+            p.devices
+                .iter()
+                .map(|d| d.region_bytes(RegionKind::PrefixCheckpoint))
+                .sum::<u64>()
+                / 3
+        };
+        let linear = |p: &Plan| -> u64 {
+            p.devices
+                .iter()
+                .map(|d| d.region_bytes(RegionKind::LinearState))
+                .sum()
+        };
+        // Planned = used: the linear state of 3 slots, give or take each region's alignment.
+        let want = 36 * inv.hparams.linear_state_bytes_per_layer();
+        assert!(want > 75_000_000 && want < 80_000_000, "{want}");
+        assert!(per_slot(&p_on) >= want && per_slot(&p_on) < want + 4096);
+        assert!(linear(&p_on) >= 3 * want && linear(&p_on) < 3 * want + 8192);
+        assert_eq!(per_slot(&p_off), 0);
+        assert_eq!(linear(&p_off), linear(&p_on));
+        for d in &p_on.devices {
+            assert!(
+                d.region(RegionKind::PrefixCheckpoint).is_some(),
+                "device {}",
+                d.index
+            );
+            crate::verify::verify_device(d).unwrap();
+        }
+        let notes = crate::report::notes(&p_on).join("\n");
+        assert!(
+            notes.contains("prefix_checkpoint") && notes.contains("--no-prefix-checkpoint"),
+            "{notes}"
+        );
+        assert!(crate::report::notes(&p_off)
+            .join("\n")
+            .contains("prefix checkpoint off"));
+        assert!(
+            crate::report::plan_json(&p_on)["devices"][0]["regions"]["prefix_checkpoint"]
+                .as_u64()
+                .is_some_and(|b| b > 0)
+        );
+        // No linear attention: no checkpoint, whatever was asked.
+        let moe = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let Outcome::Planned(p) = run(&moe, &probe, &on) else {
+            panic!("qwen3moe fits two 96 GB cards")
+        };
+        assert!(!p.serve.prefix_checkpoint);
+        assert!(p
+            .devices
+            .iter()
+            .all(|d| d.region(RegionKind::PrefixCheckpoint).is_none()));
     }
 }

@@ -26,10 +26,13 @@ pub enum RegionKind {
     Mtp,
     Vision,
     ExpertCache,
+    /// One copy per slot of the slot's linear-attention state (Qwen3-Next), saved at the end
+    /// of each prompt so the prefix cache can rewind a slot to it.
+    PrefixCheckpoint,
 }
 
 impl RegionKind {
-    pub const ALL: [RegionKind; 13] = [
+    pub const ALL: [RegionKind; 14] = [
         RegionKind::RuntimeReserve,
         RegionKind::UserReserve,
         RegionKind::DenseWeights,
@@ -43,6 +46,7 @@ impl RegionKind {
         RegionKind::Mtp,
         RegionKind::Vision,
         RegionKind::ExpertCache,
+        RegionKind::PrefixCheckpoint,
     ];
 
     /// The report's key.
@@ -61,6 +65,7 @@ impl RegionKind {
             RegionKind::Mtp => "mtp",
             RegionKind::Vision => "vision",
             RegionKind::ExpertCache => "expert_cache",
+            RegionKind::PrefixCheckpoint => "prefix_checkpoint",
         }
     }
 
@@ -556,6 +561,10 @@ pub struct PlanServe {
     pub ubatch: u32,
     pub mtp: bool,
     pub spec: u32,
+    /// Each device with linear-attention layers holds a `prefix_checkpoint` region (one copy
+    /// of each slot's linear state); false for models without linear attention and with
+    /// `--no-prefix-checkpoint`.
+    pub prefix_checkpoint: bool,
     pub vision: bool,
     pub vram_reserve_bytes: u64,
     pub expert_cache: ExpertCache,

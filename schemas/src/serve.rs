@@ -154,6 +154,9 @@ pub struct ServeSettings {
     pub mtp: bool,
     /// `--spec N`: draft tokens per step (implies `--mtp`); 0 = no speculation.
     pub spec: u32,
+    /// Not `--no-prefix-checkpoint`: models with linear attention get one checkpoint of each
+    /// slot's linear state, so the server's prefix cache can rewind a slot to its last prompt.
+    pub prefix_checkpoint: bool,
     /// `--vision [mmproj.gguf]`: plan the vision tower; `Some(None)` = from the descriptor.
     pub vision: Option<Option<String>>,
     /// `--vram-reserve-mib`: left untouched on every device.
@@ -182,6 +185,7 @@ impl Default for ServeSettings {
             ubatch: 512,
             mtp: false,
             spec: 0,
+            prefix_checkpoint: true,
             vision: None,
             vram_reserve_mib: 0,
             expert_cache: ExpertCache::Auto,
@@ -205,6 +209,7 @@ pub struct ServeToml {
     pub ubatch: Option<u32>,
     pub mtp: Option<bool>,
     pub spec: Option<u32>,
+    pub no_prefix_checkpoint: Option<bool>,
     /// `true` = from the descriptor; a string = an mmproj file.
     pub vision: Option<toml::Value>,
     pub vram_reserve_mib: Option<u64>,
@@ -269,6 +274,9 @@ impl ServeToml {
         }
         if let Some(v) = self.spec {
             s.spec = v;
+        }
+        if let Some(v) = self.no_prefix_checkpoint {
+            s.prefix_checkpoint = !v;
         }
         match &self.vision {
             None => {}

@@ -286,6 +286,20 @@ pub trait Stage: Ops {
     /// `keep` below the number of checkpoints the backend keeps per slot. Stages without
     /// linear attention have nothing to roll back; backends that cannot checkpoint refuse.
     fn rollback_linear(&mut self, slot: usize, keep: usize) -> Result<(), Self::Error>;
+    /// Save `slot`'s linear-attention state into its prefix checkpoint (the plan's
+    /// `prefix_checkpoint` region), after every op queued before. `Ok(true)` also on a stage
+    /// without linear layers (nothing to keep); `Ok(false)`, nothing written, where this stage
+    /// keeps no prefix checkpoint.
+    fn save_linear_checkpoint(&mut self, slot: usize) -> Result<bool, Self::Error> {
+        let _ = slot;
+        Ok(false)
+    }
+    /// Set `slot`'s linear-attention state to its prefix checkpoint (whatever the last
+    /// [`Stage::save_linear_checkpoint`] of the slot saved); the same answers.
+    fn restore_linear_checkpoint(&mut self, slot: usize) -> Result<bool, Self::Error> {
+        let _ = slot;
+        Ok(false)
+    }
     /// Expert cache counters (hits, misses) since start-up.
     fn expert_counters(&self) -> (u64, u64) {
         (0, 0)

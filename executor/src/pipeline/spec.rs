@@ -40,6 +40,10 @@ pub(super) struct MtpState {
     /// Per slot: the main model's hidden state of its last position (`e` floats each).
     hidden: Vec<f32>,
     has_hidden: Vec<bool>,
+    /// Per slot: `hidden` as it was at the slot's prefix checkpoint (`Engine::truncate_slot`
+    /// rewinds to it).
+    ck_hidden: Vec<f32>,
+    ck_has_hidden: Vec<bool>,
     /// Per slot: drafts its next step makes (1..=spec).
     n_cur: Vec<usize>,
     /// Rows of `x` read back after a pass, and the MTP pass's hidden rows (`max_tok x e`).
@@ -79,6 +83,8 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             e,
             hidden: vec![0.0; slots * e],
             has_hidden: vec![false; slots],
+            ck_hidden: vec![0.0; slots * e],
+            ck_has_hidden: vec![false; slots],
             n_cur: vec![spec; slots],
             rows: vec![0.0; t * e],
             mh: vec![0.0; t * e],
@@ -103,6 +109,29 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             }
             if let Some(n) = m.n_cur.get_mut(slot) {
                 *n = m.spec;
+            }
+        }
+    }
+
+    /// Keep `slot`'s MTP hidden state with the prefix checkpoint being saved.
+    pub(super) fn mtp_save_checkpoint(&mut self, slot: usize) {
+        if let Some(m) = self.mtp.as_mut() {
+            if slot < m.has_hidden.len() {
+                let r = slot * m.e..(slot + 1) * m.e;
+                m.ck_hidden[r.clone()].copy_from_slice(&m.hidden[r]);
+                m.ck_has_hidden[slot] = m.has_hidden[slot];
+            }
+        }
+    }
+
+    /// Set `slot`'s MTP hidden state to what its prefix checkpoint kept (the MTP KV cells
+    /// before the checkpoint are the ones its tokens wrote; later ones are overwritten first).
+    pub(super) fn mtp_restore_checkpoint(&mut self, slot: usize) {
+        if let Some(m) = self.mtp.as_mut() {
+            if slot < m.has_hidden.len() {
+                let r = slot * m.e..(slot + 1) * m.e;
+                m.hidden[r.clone()].copy_from_slice(&m.ck_hidden[r]);
+                m.has_hidden[slot] = m.ck_has_hidden[slot];
             }
         }
     }

@@ -71,6 +71,8 @@ pub struct Shared {
     pub prefix_hits: AtomicU64,
     /// Prompt tokens taken from slots' caches instead of prefilled.
     pub prefix_reused_tokens: AtomicU64,
+    /// Of `prefix_hits`: recurrent slots rewound to their prefix checkpoint.
+    pub prefix_checkpoint_hits: AtomicU64,
     /// Prompt tokens of every sequence admitted into a slot (reused or prefilled).
     pub prefix_prompt_tokens: AtomicU64,
     /// Decode throughput, tokens/s, smoothed; f64 bits.
@@ -201,6 +203,7 @@ impl Default for Shared {
             prompt_tokens_copied: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_reused_tokens: AtomicU64::new(0),
+            prefix_checkpoint_hits: AtomicU64::new(0),
             prefix_prompt_tokens: AtomicU64::new(0),
             tokens_per_s: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BUCKETS),
@@ -254,6 +257,7 @@ impl Shared {
             ("prompt_tokens_copied", "Prompt tokens a later choice of an n > 1 request took by copying the first choice's context instead of prefilling", Counter, g(&self.prompt_tokens_copied)),
             ("prefix_cache_hits", "Sequences that reused at least one prompt token cached in their slot", Counter, g(&self.prefix_hits)),
             ("prefix_cache_reused_tokens", "Prompt tokens taken from a slot's prefix cache instead of prefilled", Counter, g(&self.prefix_reused_tokens)),
+            ("prefix_cache_checkpoint_hits", "Of the prefix cache hits, slots with recurrent state (Qwen3-Next) rewound to their prefix checkpoint", Counter, g(&self.prefix_checkpoint_hits)),
             ("prefix_cache_prompt_tokens", "Prompt tokens of every sequence admitted into a slot (reused or prefilled)", Counter, g(&self.prefix_prompt_tokens)),
             ("tokens_per_second", "Recent decode throughput over all slots", Gauge, Value::Float(self.tokens_per_s())),
             ("expert_cache_hits", "Expert cache hits reported by the engine", Counter, g(&self.expert_hits)),

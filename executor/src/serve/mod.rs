@@ -14,6 +14,7 @@ pub mod logit_proc;
 pub mod logprobs;
 pub mod metrics;
 pub mod openai;
+pub mod prefix;
 pub mod reasoning;
 pub mod reqlog;
 pub mod scheduler;

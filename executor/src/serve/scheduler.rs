@@ -21,6 +21,7 @@
 
 use super::logit_proc::{self, History, LogitProc};
 use super::metrics::{Ready, Shared, SlotView};
+pub use super::prefix::{common_prefix, pick_slot, reusable, reusable_to, FreeSlot, PrefixCache};
 use super::structured::Constraint;
 use crate::engine::{Engine, EngineError, PrefixReuse};
 use crate::sampler::{Draw, Sampler, SamplingParams};
@@ -85,72 +86,6 @@ pub struct Job {
 /// prompt).
 fn same_prompt(a: &Job, b: &Job) -> bool {
     a.id == b.id && a.prompt == b.prompt
-}
-
-/// The prefix cache's settings (`--no-prefix-cache`, `--prefix-cache-min`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefixCache {
-    /// Keep each slot's context after its request for the next one to reuse.
-    pub enabled: bool,
-    /// Fewest matching prompt tokens worth reusing (shorter matches are prefilled anew).
-    pub min_tokens: usize,
-}
-
-impl Default for PrefixCache {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            min_tokens: 1,
-        }
-    }
-}
-
-/// Leading tokens `a` and `b` share.
-pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-/// How many of `cached` (the tokens a slot's context holds) a job with `prompt` can keep:
-/// never the whole prompt (the last prompt token is always prefilled, for its logits), only
-/// what the engine can cut back to (`reuse`), and 0 below `min` tokens.
-pub fn reusable(cached: &[u32], prompt: &[u32], reuse: PrefixReuse, min: usize) -> usize {
-    let lcp = common_prefix(cached, prompt).min(prompt.len().saturating_sub(1));
-    let keep = match reuse {
-        PrefixReuse::None => 0,
-        PrefixReuse::Any => lcp,
-        PrefixReuse::Whole if lcp == cached.len() => lcp,
-        PrefixReuse::Whole => 0,
-    };
-    if keep < min.max(1) {
-        0
-    } else {
-        keep
-    }
-}
-
-/// A free slot as [`pick_slot`] sees it.
-#[derive(Debug, Clone, Copy)]
-pub struct FreeSlot<'a> {
-    pub slot: usize,
-    /// The tokens its context holds.
-    pub cached: &'a [u32],
-    /// When it was last admitted into or released (larger = more recent).
-    pub last_used: u64,
-}
-
-/// The free slot to run `prompt` in and how many of its cached tokens to keep: the longest
-/// reusable prefix, ties (no match included) to the least recently used slot, then the
-/// lowest id. `None` when no slot is free.
-pub fn pick_slot<'a>(
-    free: impl IntoIterator<Item = FreeSlot<'a>>,
-    prompt: &[u32],
-    reuse: PrefixReuse,
-    min: usize,
-) -> Option<(usize, usize)> {
-    free.into_iter()
-        .map(|f| (f, reusable(f.cached, prompt, reuse, min)))
-        .min_by_key(|(f, keep)| (std::cmp::Reverse(*keep), f.last_used, f.slot))
-        .map(|(f, keep)| (f.slot, keep))
 }
 
 /// Why a job was not queued.
@@ -500,6 +435,7 @@ impl Sched {
                     &[]
                 },
                 last_used: self.last_used[i],
+                checkpoint: engine.prefix_checkpoint(i).map(|c| c as usize),
             });
         let Some((slot, keep)) = pick_slot(free, &job.prompt, reuse, self.prefix.min_tokens) else {
             // Not reached: admit runs only while a slot is free.
@@ -509,9 +445,13 @@ impl Sched {
             return;
         };
         let keep = if follows.is_some() { 0 } else { keep };
+        let whole = keep == self.cached[slot].len();
         let keep = if keep > 0 && self.engine.truncate_slot(slot, keep as u64) {
             self.cached[slot].truncate(keep);
             self.shared.prefix_hits.fetch_add(1, Relaxed);
+            if self.reuse == PrefixReuse::Whole && !whole {
+                self.shared.prefix_checkpoint_hits.fetch_add(1, Relaxed);
+            }
             self.shared
                 .prefix_reused_tokens
                 .fetch_add(keep as u64, Relaxed);
@@ -671,12 +611,26 @@ impl Sched {
                 match first_pick(a, logits, &mut self.row, &mut self.cand) {
                     Err(msg) => self.finish(slot, Event::Error(msg)),
                     Ok((tok, lp)) => {
+                        self.save_checkpoint(slot);
                         // Copies first: ending the leader may reset its slot.
                         self.start_followers(slot, &followers);
                         self.first_token(slot, tok, lp);
                     }
                 }
             }
+        }
+    }
+
+    /// `slot` holds its whole prompt and nothing after it: save its recurrent state as the
+    /// slot's prefix checkpoint (engines with [`PrefixReuse::Whole`], cache on), so a later
+    /// prompt that shares this one but not the reply (a chat client re-rendering the answer,
+    /// a regenerated or edited turn) rewinds the slot here instead of prefilling anew.
+    fn save_checkpoint(&mut self, slot: usize) {
+        if self.reuse != PrefixReuse::Whole {
+            return;
+        }
+        if let Err(e) = self.engine.save_prefix_checkpoint(slot) {
+            tracing::warn!(target: "strata_exec::serve", "saving slot {slot}'s prefix checkpoint failed (the next request prefills anew): {e}");
         }
     }
 
@@ -712,6 +666,7 @@ impl Sched {
                 continue;
             }
             self.cached[f] = self.cached[leader].clone();
+            self.save_checkpoint(f);
             let Some(b) = self.slots[f].as_mut() else {
                 continue;
             };
@@ -1111,69 +1066,5 @@ fn engine_msg(e: &EngineError) -> String {
             tracing::error!(target: "strata_exec::serve", "engine failure: {m}");
             format!("engine failure: {m}")
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn free<'a>(slots: &'a [(usize, &'a [u32], u64)]) -> impl Iterator<Item = FreeSlot<'a>> {
-        slots.iter().map(|&(slot, cached, last_used)| FreeSlot {
-            slot,
-            cached,
-            last_used,
-        })
-    }
-
-    #[test]
-    fn common_prefix_counts_leading_matches() {
-        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4]), 2);
-        assert_eq!(common_prefix(&[1, 2], &[1, 2, 3]), 2);
-        assert_eq!(common_prefix(&[], &[1]), 0);
-        assert_eq!(common_prefix(&[5], &[1]), 0);
-    }
-
-    #[test]
-    fn reusable_leaves_the_last_prompt_token_and_respects_the_engine() {
-        use PrefixReuse::*;
-        // The whole prompt cached: its last token is prefilled again for its logits.
-        assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3], Any, 1), 2);
-        assert_eq!(reusable(&[1, 2, 3, 4, 5], &[1, 2, 3], Any, 1), 2);
-        // A divergence: the common part only.
-        assert_eq!(reusable(&[1, 2, 9, 9], &[1, 2, 3, 4], Any, 1), 2);
-        // Recurrent state: only a prompt that extends everything cached.
-        assert_eq!(reusable(&[1, 2, 9, 9], &[1, 2, 3, 4], Whole, 1), 0);
-        assert_eq!(reusable(&[1, 2], &[1, 2, 3, 4], Whole, 1), 2);
-        assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3], Whole, 1), 0);
-        // Below the minimum, off, or nothing cached: nothing.
-        assert_eq!(reusable(&[1, 2], &[1, 2, 3, 4], Any, 3), 0);
-        assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3, 4], Any, 3), 3);
-        assert_eq!(reusable(&[1, 2], &[1, 2, 3], None, 1), 0);
-        assert_eq!(reusable(&[], &[1, 2, 3], Any, 1), 0);
-        assert_eq!(reusable(&[], &[1, 2, 3], Whole, 1), 0);
-        assert_eq!(reusable(&[1], &[1], Any, 1), 0);
-    }
-
-    #[test]
-    fn pick_slot_takes_the_longest_prefix_then_the_least_recently_used() {
-        use PrefixReuse::*;
-        let p = [1, 2, 3, 4, 5];
-        let a: &[u32] = &[1, 2, 3, 9];
-        let b: &[u32] = &[1, 2, 3, 4];
-        let c: &[u32] = &[7];
-        let slots = [(0, a, 5), (1, b, 9), (2, c, 1)];
-        assert_eq!(pick_slot(free(&slots), &p, Any, 1), Some((1, 4)));
-        // Cache off for the request: the least recently used slot, nothing kept.
-        assert_eq!(pick_slot(free(&slots), &p, None, 1), Some((2, 0)));
-        // Equal matches: the least recently used wins; then the lowest id.
-        let slots = [(3, a, 7), (1, a, 4), (0, c, 0)];
-        assert_eq!(pick_slot(free(&slots), &p, Any, 1), Some((1, 3)));
-        let slots = [(3, c, 2), (1, c, 2)];
-        assert_eq!(pick_slot(free(&slots), &p, Any, 1), Some((1, 0)));
-        // Recurrent engines skip a slot they would have to rewind.
-        let slots = [(0, a, 0), (1, &[1, 2][..], 9)];
-        assert_eq!(pick_slot(free(&slots), &p, Whole, 1), Some((1, 2)));
-        assert_eq!(pick_slot(free(&[]), &p, Any, 1), Option::None);
     }
 }

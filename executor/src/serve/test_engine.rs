@@ -193,6 +193,14 @@ impl Engine for TinyEngine {
         self.inner.copy_slot(from, to)
     }
 
+    fn save_prefix_checkpoint(&mut self, slot: usize) -> Result<bool, EngineError> {
+        self.inner.save_prefix_checkpoint(slot)
+    }
+
+    fn prefix_checkpoint(&self, slot: usize) -> Option<u64> {
+        self.inner.prefix_checkpoint(slot)
+    }
+
     fn stats(&self) -> EngineStats {
         self.inner.stats()
     }

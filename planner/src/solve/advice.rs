@@ -139,7 +139,8 @@ impl Solver<'_> {
                     self.sizing.vram_reserve,
                     self.sizing.n_devices,
                     self.sizing.expert_cache,
-                ),
+                )
+                .with_prefix_checkpoint(self.sizing.prefix_checkpoint),
                 oracle: ExpertOracle::new(self.facts, self.req.profile),
                 devices: self.devices.clone(),
                 ctx,

@@ -684,6 +684,8 @@ impl Solver<'_> {
             ubatch: s.ubatch,
             mtp: self.sizing.mtp,
             spec: s.spec,
+            prefix_checkpoint: self.sizing.prefix_checkpoint
+                && self.facts.linear_state.iter().any(|b| *b > 0),
             vision: self.sizing.vision.is_some(),
             vram_reserve_bytes: s.vram_reserve_mib * MIB,
             expert_cache: s.expert_cache,

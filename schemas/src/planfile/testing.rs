@@ -140,6 +140,7 @@ fn sample_serve() -> PlanServe {
         ubatch: 512,
         mtp: true,
         spec: 2,
+        prefix_checkpoint: true,
         vision: false,
         vram_reserve_bytes: 512 << 20,
         expert_cache: crate::serve::ExpertCache::Auto,

@@ -4,10 +4,14 @@
 //! the plan's `linear_state` region holds for the stage (`slots x layers x
 //! HParams::linear_state_bytes_per_layer`), then, with MTP speculation, `checkpoints` copies
 //! of each slot's state (the state after each of the first tokens of a verify pass, so
-//! rejected drafts can be rolled back; the planner sizes the region `1 + spec` times).
+//! rejected drafts can be rolled back; the planner sizes the region `1 + spec` times). The
+//! prefix cache's checkpoint (one more copy of each slot's state, the plan's
+//! `prefix_checkpoint` region) lives in its own store.
 //! Invariant: a slot's state is what its sequence's tokens so far left there; nothing else
 //! writes it, and it is zeroed when the slot starts a new sequence (a token at position 0).
-//! A checkpoint is only read back ([`LinearState::restore`]) by the step that wrote it.
+//! A speculation checkpoint is only read back ([`LinearState::restore`]) by the step that
+//! wrote it; a prefix checkpoint ([`LinearState::save_prefix`]) by whoever tracks which
+//! position it was saved at (the pipeline).
 
 use strata_schemas::dims::Dims;
 
@@ -32,11 +36,50 @@ pub enum LinearStateError {
     },
     #[error("the linear_state region is not 4-byte aligned")]
     Align,
+    #[error("the prefix_checkpoint region holds {got} bytes but {slots} slots x {layers} linear layers need {need} (4-byte aligned): re-plan with this strata-plan")]
+    PrefixSize {
+        got: u64,
+        need: u64,
+        slots: usize,
+        layers: usize,
+    },
 }
 
 enum Store<'a> {
     Owned(Vec<f32>),
     Borrowed(&'a mut [f32]),
+}
+
+impl Store<'_> {
+    fn floats(&mut self) -> &mut [f32] {
+        match self {
+            Store::Owned(v) => v,
+            Store::Borrowed(s) => s,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Store::Owned(v) => v.len(),
+            Store::Borrowed(s) => s.len(),
+        }
+    }
+}
+
+/// `floats` f32 at the start of `region`, zeroed; `None` when it is short or misaligned.
+fn bind_floats(region: &mut [u8], floats: usize) -> Option<&mut [f32]> {
+    if (region.len() as u64) < 4 * floats as u64 {
+        return None;
+    }
+    // SAFETY: any 4 initialized bytes are a valid f32; align_to_mut only yields a correctly
+    // aligned middle part, which is checked to be the whole prefix needed.
+    let (head, mid, _) = unsafe { region.align_to_mut::<f32>() };
+    if !head.is_empty() || mid.len() < floats {
+        return None;
+    }
+    let mid = &mut mid[..floats];
+    mid.fill(0.0);
+    Some(mid)
 }
 
 /// The linear state of every slot of a stage.
@@ -48,6 +91,8 @@ pub struct LinearState<'a> {
     slots: usize,
     /// Checkpoints kept per slot (the plan's `--spec`; 0 without speculation).
     checkpoints: usize,
+    /// The prefix cache's checkpoint of each slot (empty when the plan places none).
+    prefix: Store<'a>,
 }
 
 impl<'a> LinearState<'a> {
@@ -77,7 +122,29 @@ impl<'a> LinearState<'a> {
             layers,
             slots,
             checkpoints,
+            prefix: Store::Owned(Vec::new()),
         }
+    }
+
+    /// The same state with a prefix checkpoint of each slot owned here (plan-less engines).
+    pub fn with_owned_prefix(mut self) -> Self {
+        self.prefix = Store::Owned(vec![0.0; self.slots * self.per_slot()]);
+        self
+    }
+
+    /// The same state with each slot's prefix checkpoint in a planned `prefix_checkpoint`
+    /// region (its first bytes; the rest is alignment padding).
+    pub fn with_prefix_region(mut self, region: &'a mut [u8]) -> Result<Self, LinearStateError> {
+        let floats = self.slots * self.per_slot();
+        let got = region.len() as u64;
+        let mid = bind_floats(region, floats).ok_or(LinearStateError::PrefixSize {
+            got,
+            need: 4 * floats as u64,
+            slots: self.slots,
+            layers: self.layers,
+        })?;
+        self.prefix = Store::Borrowed(mid);
+        Ok(self)
     }
 
     /// State (and `checkpoints` copies per slot) in a planned region (its first bytes; the
@@ -101,14 +168,7 @@ impl<'a> LinearState<'a> {
                 copies: 1 + checkpoints,
             });
         }
-        // SAFETY: any 4 initialized bytes are a valid f32; align_to_mut only yields a
-        // correctly aligned middle part, which is checked to be the whole prefix needed.
-        let (head, mid, _) = unsafe { region.align_to_mut::<f32>() };
-        if !head.is_empty() || mid.len() < floats {
-            return Err(LinearStateError::Align);
-        }
-        let mid = &mut mid[..floats];
-        mid.fill(0.0);
+        let mid = bind_floats(region, floats).ok_or(LinearStateError::Align)?;
         Ok(Self {
             store: Store::Borrowed(mid),
             conv,
@@ -116,14 +176,12 @@ impl<'a> LinearState<'a> {
             layers,
             slots,
             checkpoints,
+            prefix: Store::Owned(Vec::new()),
         })
     }
 
     fn all(&mut self) -> &mut [f32] {
-        match &mut self.store {
-            Store::Owned(v) => v,
-            Store::Borrowed(s) => s,
-        }
+        self.store.floats()
     }
 
     /// Slots held.
@@ -200,6 +258,36 @@ impl<'a> LinearState<'a> {
         let per = self.per_slot();
         let at = self.checkpoint_at(slot, j, 0);
         self.all().copy_within(at..at + per, slot * per);
+        true
+    }
+
+    /// Whether each slot has a prefix checkpoint (and there is state to keep).
+    pub fn has_prefix(&self) -> bool {
+        let need = self.slots * self.per_slot();
+        need > 0 && self.prefix.len() >= need
+    }
+
+    /// Copy every layer's live state of `slot` into its prefix checkpoint; false (nothing
+    /// copied) outside the slots or without prefix checkpoints.
+    pub fn save_prefix(&mut self, slot: usize) -> bool {
+        if slot >= self.slots || !self.has_prefix() {
+            return false;
+        }
+        let per = self.per_slot();
+        let r = slot * per..(slot + 1) * per;
+        self.prefix.floats()[r.clone()].copy_from_slice(&self.store.floats()[r]);
+        true
+    }
+
+    /// Set every layer's state of `slot` to its prefix checkpoint; false (nothing copied)
+    /// outside the slots or without prefix checkpoints.
+    pub fn restore_prefix(&mut self, slot: usize) -> bool {
+        if slot >= self.slots || !self.has_prefix() {
+            return false;
+        }
+        let per = self.per_slot();
+        let r = slot * per..(slot + 1) * per;
+        self.store.floats()[r.clone()].copy_from_slice(&self.prefix.floats()[r]);
         true
     }
 }
@@ -302,5 +390,59 @@ mod tests {
             assert!(c.iter().all(|&v| v == 21.0), "slot 1 is untouched");
         }
         assert!(!s.save(0, 0, 3) && !s.restore(2, 0) && !s.restore(0, 3));
+    }
+
+    #[test]
+    fn a_prefix_checkpoint_restores_its_slot_only_and_needs_its_region() {
+        let d = next_dims();
+        let mut s = LinearState::owned(&d, 2, 2);
+        assert!(!s.save_prefix(0), "no prefix checkpoints without a store");
+        let per = 2 * {
+            let (c, r) = layer_floats(&d);
+            c + r
+        };
+        let mut short = vec![0u32; 2 * per - 1];
+        // SAFETY: u32 storage viewed as bytes, same length in bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(short.as_mut_ptr() as *mut u8, 4 * short.len())
+        };
+        let e = LinearState::owned(&d, 2, 2)
+            .with_prefix_region(bytes)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("prefix_checkpoint"), "{e}");
+        let mut buf = vec![0u32; 2 * per];
+        // SAFETY: as above.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, 4 * buf.len()) };
+        let mut s2 = LinearState::owned(&d, 2, 2)
+            .with_prefix_region(bytes)
+            .unwrap();
+        for s in [
+            &mut s2,
+            &mut LinearState::owned(&d, 2, 2).with_owned_prefix(),
+        ] {
+            let fill = |s: &mut LinearState, v: f32| {
+                for slot in 0..2 {
+                    for l in 0..2 {
+                        let (c, r) = s.layer(slot, l).unwrap();
+                        c.fill(v + slot as f32);
+                        r.fill(v + slot as f32 + 0.5);
+                    }
+                }
+            };
+            fill(s, 10.0);
+            assert!(s.save_prefix(1));
+            fill(s, 20.0);
+            assert!(s.restore_prefix(1));
+            for l in 0..2 {
+                let (c, r) = s.layer(1, l).unwrap();
+                assert!(c.iter().all(|&v| v == 11.0) && r.iter().all(|&v| v == 11.5));
+                let (c, _) = s.layer(0, l).unwrap();
+                assert!(c.iter().all(|&v| v == 20.0), "slot 0 is untouched");
+            }
+            assert!(!s.save_prefix(2) && !s.restore_prefix(2));
+        }
+        let _ = s;
     }
 }

@@ -896,6 +896,14 @@ impl Stage for CpuStage<'_> {
         Ok(())
     }
 
+    fn save_linear_checkpoint(&mut self, slot: usize) -> Result<bool, CpuError> {
+        Ok(self.lin.layers() == 0 || self.lin.save_prefix(slot))
+    }
+
+    fn restore_linear_checkpoint(&mut self, slot: usize) -> Result<bool, CpuError> {
+        Ok(self.lin.layers() == 0 || self.lin.restore_prefix(slot))
+    }
+
     fn expert_counters(&self) -> (u64, u64) {
         self.cache.as_ref().map_or((0, 0), |c| c.counters())
     }

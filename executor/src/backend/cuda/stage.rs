@@ -76,6 +76,9 @@ pub(crate) struct LinGeo {
     /// Floats of one layer's conv and recurrent state of one slot.
     pub conv: usize,
     pub rec: usize,
+    /// The plan's `prefix_checkpoint` region: one more copy of each slot's state, in the
+    /// same layout (none when the plan places no prefix checkpoint).
+    pub prefix: Option<Span>,
 }
 
 impl LinGeo {
@@ -88,6 +91,7 @@ impl LinGeo {
             layers,
             conv,
             rec,
+            prefix: None,
         };
         let need = 4 * (slots * g.slot_floats()) as u64;
         if region.bytes < need || region.off % 16 != 0 {
@@ -105,6 +109,23 @@ impl LinGeo {
     /// Floats of one slot's state (every linear layer of the stage).
     pub fn slot_floats(&self) -> usize {
         self.layers * (self.conv + self.rec)
+    }
+
+    /// The same geometry with each slot's prefix checkpoint at `region`; an error naming the
+    /// sizes when the region is short.
+    pub fn with_prefix(mut self, slots: usize, region: Span) -> Result<Self, CudaError> {
+        let need = 4 * (slots * self.slot_floats()) as u64;
+        if region.bytes < need || region.off % 16 != 0 {
+            return Err(CudaError::Shape {
+                op: "bind",
+                detail: format!(
+                    "the prefix_checkpoint region holds {} bytes at offset {} but {slots} slots x {} linear layers need {need} (16-byte aligned): re-plan with this build's strata-plan",
+                    region.bytes, region.off, self.layers
+                ),
+            });
+        }
+        self.prefix = Some(region);
+        Ok(self)
     }
 }
 
@@ -207,11 +228,36 @@ impl CudaStage {
     /// Bind the slots' linear-attention state to `lin` and zero it.
     pub(crate) fn set_linear_state(&mut self, lin: LinGeo) -> Result<(), CudaError> {
         if lin.layers > 0 {
-            let v = self.view(lin.region.off, 4 * (self.slots * lin.slot_floats()) as u64)?;
-            self.dev.memset(v, 0)?;
+            let bytes = 4 * (self.slots * lin.slot_floats()) as u64;
+            for off in std::iter::once(lin.region.off).chain(lin.prefix.map(|p| p.off)) {
+                let v = self.view(off, bytes)?;
+                self.dev.memset(v, 0)?;
+            }
         }
         self.lin = lin;
         Ok(())
+    }
+
+    /// Copy `slot`'s linear-attention state into its prefix checkpoint (`save`) or back: one
+    /// device-to-device copy on the compute stream, after every pass queued before it.
+    /// `Ok(true)` on a stage without linear layers, `Ok(false)` without a checkpoint region.
+    fn prefix_checkpoint_copy(&mut self, slot: usize, save: bool) -> Result<bool, CudaError> {
+        let lin = self.lin;
+        if lin.layers == 0 {
+            return Ok(true);
+        }
+        let Some(ck) = lin.prefix else {
+            return Ok(false);
+        };
+        if slot >= self.slots {
+            return Ok(false);
+        }
+        let b = 4 * lin.slot_floats() as u64;
+        let live = self.view(lin.region.off + slot as u64 * b, b)?;
+        let copy = self.view(ck.off + slot as u64 * b, b)?;
+        let (src, dst) = if save { (live, copy) } else { (copy, live) };
+        self.dev.dtod(src, dst)?;
+        Ok(true)
     }
 
     /// The device this stage runs on.
@@ -602,6 +648,14 @@ impl Stage for CudaStage {
     fn write_buf(&mut self, b: WorkBuf, data: &[f32]) -> Result<(), CudaError> {
         let v = self.buf_at(b, 0, 4 * data.len() as u64)?;
         self.dev.htod(data, v)
+    }
+
+    fn save_linear_checkpoint(&mut self, slot: usize) -> Result<bool, CudaError> {
+        self.prefix_checkpoint_copy(slot, true)
+    }
+
+    fn restore_linear_checkpoint(&mut self, slot: usize) -> Result<bool, CudaError> {
+        self.prefix_checkpoint_copy(slot, false)
     }
 
     fn rollback_linear(&mut self, slot: usize, keep: usize) -> Result<(), CudaError> {

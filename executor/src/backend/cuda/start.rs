@@ -608,7 +608,21 @@ impl Start<'_> {
                 off: r.offset,
                 bytes: r.bytes,
             };
-            st.set_linear_state(LinGeo::new(&d, lin, self.n_slots, region)?)?;
+            let mut geo = LinGeo::new(&d, lin, self.n_slots, region)?;
+            if self.plan.serve.prefix_checkpoint {
+                let r = dp.region(RegionKind::PrefixCheckpoint).ok_or_else(|| {
+                    plan_err(format!(
+                        "device {} holds {lin} linear-attention layers and the plan asks for a prefix checkpoint but has no prefix_checkpoint region: re-plan with this build's strata-plan",
+                        dp.index
+                    ))
+                })?;
+                let span = Span {
+                    off: r.offset,
+                    bytes: r.bytes,
+                };
+                geo = geo.with_prefix(self.n_slots, span)?;
+            }
+            st.set_linear_state(geo)?;
         }
         let inv = host.inventory();
         let model = AnyModel::bind(&inv.arch, &mut st, &d, &inv.hparams, spec)?;
