@@ -109,7 +109,8 @@ pub const TABLE: [Capability; 3] = [
         backend: Backend::Cuda,
         missing: None,
         // qwen3next: its linear-attention, gated-attention and shared-expert ops on
-        // kernels/cuda/linear.cu (without its MTP block).
+        // kernels/cuda/linear.cu, with its MTP block (speculative decoding: verify passes
+        // checkpoint the linear state in the kernels, rollback copies one back).
         archs: &["qwen3moe", "qwen3next"],
         // Every type the reference decodes: F32/F16/BF16/Q8_0/Q4_K on dedicated kernels, the
         // rest on quants.cuh's decoders (launch::kty).
@@ -118,7 +119,7 @@ pub const TABLE: [Capability; 3] = [
         vendors: &["nvidia"],
         host_experts: true,
         kv_spill: false,
-        mtp: false,
+        mtp: true,
         vision: false,
         dense_ffn_layers: false,
         layer_split: true,
@@ -513,16 +514,20 @@ mod tests {
             "KV type `f32`",
             "device 1 is vendor `amd`",
             "kv_spill: 4096 of 65536",
-            "MTP",
             "vision",
             "dense-FFN layers: 1 of 48",
             "head dims K 128 / V 64",
         ] {
             assert!(all.contains(needle), "missing `{needle}` in:\n{all}");
         }
-        // CUDA serves host experts through its expert cache; a backend without them names
-        // the region.
-        assert!(!all.contains("experts_host"), "{all}");
+        // CUDA serves host experts through its expert cache and runs the MTP block; a
+        // backend without them names them.
+        assert!(
+            !all.contains("experts_host") && !all.contains("MTP"),
+            "{all}"
+        );
+        let hip = check(capability(Backend::Hip), &w).unwrap_err().join("\n");
+        assert!(hip.contains("MTP"), "{hip}");
         let no_host = Capability {
             host_experts: false,
             ..*capability(Backend::Cuda)
