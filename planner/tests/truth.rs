@@ -90,14 +90,15 @@ fn the_readme_plan_says_no_backend_runs_it_and_strict_refuses_it() {
     let j = json_of(&run(&with(README_FIRST, &["--format", "json"])));
     assert_eq!(j["feasible"], true);
     for (b, needles) in [
-        // The CPU engine runs the MTP block (speculative decoding); CUDA does not yet.
+        // The CPU and CUDA engines run the MTP block (speculative decoding).
         ("cpu", &["vendor `amd`", "vision"][..]),
-        ("cuda", &["vendor `amd`", "MTP", "vision"][..]),
+        ("cuda", &["vendor `amd`", "vision"][..]),
     ] {
         let r = reasons(&j, b).join("\n");
         for needle in needles {
             assert!(r.contains(needle), "{b} lacks `{needle}`:\n{r}");
         }
+        assert!(!r.contains("MTP"), "{b} runs the MTP block:\n{r}");
     }
     // Both engines read every ggml type the CPU reference decodes (IQ3_S, Q6_K included).
     for b in ["cpu", "cuda"] {
@@ -390,7 +391,7 @@ fn model_info_says_which_backend_runs_the_model() {
         "plans/models/qwen3-next-80b-a3b-q4_k_m.toml",
     ]));
     assert!(t.contains("runnable by this build's strata-exec"), "{t}");
-    // Qwen3-Next runs on the CUDA engine too (its MTP block is not used).
+    // Qwen3-Next runs on the CUDA engine too (its MTP block included).
     assert!(
         t.lines()
             .any(|l| l.trim_start().starts_with("cuda") && l.contains("yes")),
