@@ -3,9 +3,14 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|offload|kvspill|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|offload|kvspill|spec|all] [OUTDIR]
 # (kvspill: the Q8_0 file at a 32k context all resident and with --kv-resident 4096, decode
 # bench at depths 0, 8192 and 16384: spilled KV read over PCIe against VRAM.)
+# (spec, not part of all: MTP speculation on the Qwen3-Next-80B-shaped Q4_K_M file (random
+# blocks, one MTP block, ~48 GB written to /tmp) planned for the H200 with --mtp --spec 1..4;
+# `strata-exec --spec-oracle` decodes 256 tokens plainly, then again with every draft forced
+# right: the speed at full acceptance beside plain decode, one JSON line per N in
+# OUTDIR/spec.jsonl.)
 # (offload: the all-resident plan with --no-graphs (decode without graphs, no cache), then
 # the Q8_0 file planned for 24 and 12 GiB cards (plans/hardware/h200.toml with its VRAM cut),
 # each plan's host expert tier and notes, then bench pp512/tg128: the expert cache's misses
@@ -40,7 +45,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
-    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_sample-* $bin/cuda_offload-* $bin/cuda_kvspill-*; do
+    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_mtp-* $bin/cuda_sample-* $bin/cuda_offload-* $bin/cuda_kvspill-*; do
         [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error|TIME" | head -60
@@ -215,6 +220,21 @@ if [ "$what" = kvspill ] || [ "$what" = all ]; then
         echo "== --kv-resident $res: strata-exec bench" | tee -a "$out/kvspill.txt"
         $bin/strata-exec bench /tmp/q30-kv$res.plan -p 512 -n 64 -d 0,8192,16384 -r 3 -q 2>&1 |
             grep -E "\| cuda|error" | tee -a "$out/kvspill.txt"
+    done
+fi
+if [ "$what" = spec ]; then
+    m=/tmp/next-q4km-mtp.gguf
+    if [ ! -f $m ]; then
+        echo "== writing the random Qwen3-Next Q4_K_M model with its MTP block"
+        /usr/bin/time -f "%e s" $bin/strata-gguf random --arch qwen3next --preset Q4_K_M --mtp 1 \
+            --random-blocks --out $m 2>&1 | tail -2
+    fi
+    for n in 1 2 3 4; do
+        echo "== --mtp --spec $n, --spec-oracle"
+        $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 \
+            --batch 1 --mtp --spec $n -o /tmp/next-spec$n.plan | head -3
+        $bin/strata-exec /tmp/next-spec$n.plan --prompt-tokens 1,2,3,4,5,6,7,8 -n 256 \
+            --spec-oracle --format json -q 2>&1 | tee -a "$out/spec.jsonl"
     done
 fi
 if [ "$what" = torch ] || [ "$what" = all ]; then

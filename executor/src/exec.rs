@@ -88,19 +88,15 @@ pub fn planned_buffers(dp: &DevicePlan) -> Result<Vec<(WorkBuf, u64, u64)>, Stri
         .collect()
 }
 
-/// The resident window of the MTP block's KV (`need` bytes): in `dp`'s `mtp` region, after
-/// the block's weights (the planner reserves `slots x resident cells` there).
-fn mtp_kv_window(
-    plan: &Plan,
-    binding: &Binding,
-    dp: &DevicePlan,
-    need: u64,
-) -> Result<&'static mut [u8], StartError> {
+/// The arena offset of the resident window of the MTP block's KV (`need` bytes): in `dp`'s
+/// `mtp` region, after the block's weights, 64-byte aligned (the planner reserves `slots x
+/// resident cells` there). Every backend places the block's KV by this rule.
+pub fn mtp_kv_offset(plan: &Plan, dp: &DevicePlan, need: u64) -> Result<u64, String> {
     let r = dp.region(RegionKind::Mtp).ok_or_else(|| {
-        StartError::Plan(format!(
+        format!(
             "device {} holds the MTP block but no mtp region: re-plan with this strata-plan",
             dp.index
-        ))
+        )
     })?;
     let (lo, hi) = (r.offset, r.offset + r.bytes);
     let weights_end = plan
@@ -118,11 +114,22 @@ fn mtp_kv_window(
         .unwrap_or(lo);
     let start = weights_end.div_ceil(64) * 64;
     if start + need > hi {
-        return Err(StartError::Plan(format!(
+        return Err(format!(
             "device {}: the mtp region [{lo}, {hi}) holds the block's weights up to {weights_end} and no room for its {need} bytes of KV: re-plan with this strata-plan",
             dp.index
-        )));
+        ));
     }
+    Ok(start)
+}
+
+/// The resident window of the MTP block's KV (`need` bytes, at [`mtp_kv_offset`]).
+fn mtp_kv_window(
+    plan: &Plan,
+    binding: &Binding,
+    dp: &DevicePlan,
+    need: u64,
+) -> Result<&'static mut [u8], StartError> {
+    let start = mtp_kv_offset(plan, dp, need).map_err(StartError::Plan)?;
     let view = binding.arena_view(dp.index, start, need)?;
     // SAFETY: the window lies in the mtp region past every tensor placed there (checked
     // above), so no weight view overlaps it, and only this stage's MTP KV touches it; the

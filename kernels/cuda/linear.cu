@@ -9,7 +9,11 @@
 // position 0 starts it from zero. Runs are consecutive tokens of one slot (the CPU's rule);
 // a pass holds at most one run per slot (one prefill, or decode of distinct slots); only
 // the block at a run's first token works, so the launch shape depends only on the token
-// count (graph replay) and slots and positions are read from device memory.
+// count (graph replay) and slots and positions are read from device memory. With n_ckpt > 0
+// (an MTP verify pass) the conv and delta rule also write the slot's state after each of the
+// run's first min(n_ckpt, len - 1) tokens into its checkpoints (checkpoint j of slot s at
+// ckpt + (s * n_ckpt + j) * slot_stride + layer_off floats: the CPU backend's LinearState
+// layout), so a rejected draft is undone by copying one back.
 
 // LIN_MAX_CONV (consts.rs): the largest conv width (taps) lin_conv_silu takes.
 
@@ -49,11 +53,14 @@ ST_KERNEL void lin_sigmoid_gate(float* x, const float* __restrict__ gate, long t
 // The causal depthwise conv1d + SiLU of n tokens of `ch` channels (qkv: n x ch; w: ch x k taps,
 // the last tap on the current token), each run over its slot's conv state ((k - 1) x ch f32,
 // row 0 the oldest input, at state + slot * slot_stride + layer_off floats), which it rolls
-// forward; out: n x ch. grid: (ceil(ch / blockDim.x), n); block: any. One thread per channel.
+// forward; out: n x ch; the conv state after each of the first tokens into the checkpoints
+// when n_ckpt > 0 (see above). grid: (ceil(ch / blockDim.x), n); block: any. One thread per
+// channel.
 ST_KERNEL void lin_conv_silu(const float* __restrict__ qkv, const float* __restrict__ w,
                              float* state, const u32* __restrict__ pos,
                              const u32* __restrict__ slot, float* __restrict__ out, int n, int ch,
-                             int k, long slot_stride, long layer_off) {
+                             int k, long slot_stride, long layer_off, float* __restrict__ ckpt,
+                             int n_ckpt) {
     const int t0 = blockIdx.y;
     int t1;
     if (!lin_run(slot, t0, n, &t1)) return;
@@ -73,6 +80,11 @@ ST_KERNEL void lin_conv_silu(const float* __restrict__ qkv, const float* __restr
         float acc = 0.0f;
         for (int i = 0; i < k; ++i) acc += tap[i] * in(t + i);
         out[(long)(t0 + t) * ch + c] = lin_silu(acc);
+        if (t < n_ckpt && t + 1 < len) {
+            // The state after token t: the hist inputs ending with it.
+            float* ck = ckpt + ((long)slot[t0] * n_ckpt + t) * slot_stride + layer_off;
+            for (int r = 0; r < hist; ++r) ck[(long)r * ch + c] = in(t + 1 + r);
+        }
     }
     // Keep the last hist inputs: row r takes input len + r, which (when still in the state)
     // is a later row than r, not yet overwritten.
@@ -86,15 +98,16 @@ ST_KERNEL void lin_conv_silu(const float* __restrict__ qkv, const float* __restr
 // of dk, at state + slot * slot_stride + layer_off floats, head after head), then
 // out = norm * o / rms(o) * silu(z) over the head's dv values.
 // conv: n x (2 nk dk + nv dv) (all q heads, all k heads, all v heads); ba: n x 2 nv;
-// z, out: n x nv x dv. grid: (nv, n); block: a multiple of the warp size; dynamic shared
-// memory (2 dk + dv) floats.
+// z, out: n x nv x dv; the head's state after each of the first tokens into the checkpoints
+// when n_ckpt > 0 (see above). grid: (nv, n); block: a multiple of the warp size; dynamic
+// shared memory (2 dk + dv) floats.
 ST_KERNEL void lin_delta_rule(const float* __restrict__ conv, const float* __restrict__ ba,
                               const float* __restrict__ z, const float* __restrict__ dt_bias,
                               const float* __restrict__ ssm_a, const float* __restrict__ norm,
                               float* state, const u32* __restrict__ pos,
                               const u32* __restrict__ slot, float* __restrict__ out, int n,
                               int nk, int nv, int dk, int dv, long slot_stride, long layer_off,
-                              float eps) {
+                              float eps, float* __restrict__ ckpt, int n_ckpt) {
     extern __shared__ float lin_sm[];
     __shared__ float red[32];
     const int t0 = blockIdx.y, h = blockIdx.x;
@@ -134,6 +147,12 @@ ST_KERNEL void lin_delta_rule(const float* __restrict__ conv, const float* __res
         const float beta = lin_sigmoid(bar[j_in]);
         const float decay = expf(ssm_a[h] * lin_softplus(bar[r + j_in] + dt_bias[h]));
         const float* v = row + 2 * kd + (long)h * dv;
+        // The checkpoint this token's state is kept in (none past the first n_ckpt tokens,
+        // nor for the run's last).
+        float* ck = (t - t0 < n_ckpt && t + 1 < t1)
+                        ? ckpt + ((long)slot[t0] * n_ckpt + (t - t0)) * slot_stride + layer_off +
+                              (long)h * dv * dk
+                        : nullptr;
         __syncthreads();
         for (int j = warp; j < dv; j += nw) {
             float* sr = S + (long)j * dk;
@@ -145,6 +164,7 @@ ST_KERNEL void lin_delta_rule(const float* __restrict__ conv, const float* __res
             for (int i = lane; i < dk; i += ST_WARP) {
                 const float s = sr[i] * decay + ks[i] * d;
                 sr[i] = s;
+                if (ck) ck[(long)j * dk + i] = s;
                 acc += s * qs[i];
             }
             acc = st_warp_sum(acc);
@@ -167,6 +187,17 @@ ST_KERNEL void lin_swiglu(float* g, const float* __restrict__ u, long total) {
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long)gridDim.x * blockDim.x)
         g[i] = lin_silu(g[i]) * u[i];
+}
+
+// out[t] = [a[t], b[t]] over n rows of e (the MTP block's eh_proj input), one launch rather
+// than copies (a captured draft graph then holds kernels only). grid-stride over n x 2e.
+ST_KERNEL void lin_concat_rows(const float* __restrict__ a, const float* __restrict__ b,
+                               float* __restrict__ out, int e, long total) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long)gridDim.x * blockDim.x) {
+        const long t = i / (2 * e), c = i % (2 * e);
+        out[i] = c < e ? a[t * e + c] : b[t * e + c - e];
+    }
 }
 
 // The shared expert's gated add of token blockIdx.x: y += sigmoid(gate_inp . xn) * d over rows

@@ -170,6 +170,7 @@ const RAW: &[Raw] = &[
             "lin_delta_rule",
             "lin_swiglu",
             "lin_shared_add",
+            "lin_concat_rows",
         ],
         pdl_aware: &[],
         cuda_only: false,

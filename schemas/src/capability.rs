@@ -68,6 +68,9 @@ pub struct Capability {
     pub kv_spill_chunks_max: Option<u64>,
     /// The MTP draft head (`--mtp`).
     pub mtp: bool,
+    /// The MTP draft head in a plan whose KV spills past `--kv-resident` (the block's cells
+    /// past the window live in the spill chunks' tail).
+    pub mtp_kv_spill: bool,
     /// The vision tower (`--vision`).
     pub vision: bool,
     /// Main layers with a dense FFN instead of routed experts.
@@ -103,6 +106,7 @@ pub const TABLE: [Capability; 3] = [
         kv_spill: true,
         kv_spill_chunks_max: None,
         mtp: true,
+        mtp_kv_spill: true,
         vision: false,
         dense_ffn_layers: true,
         layer_split: true,
@@ -113,7 +117,8 @@ pub const TABLE: [Capability; 3] = [
         backend: Backend::Cuda,
         missing: None,
         // qwen3next: its linear-attention, gated-attention and shared-expert ops on
-        // kernels/cuda/linear.cu (without its MTP block).
+        // kernels/cuda/linear.cu, with its MTP block (speculative decoding: verify passes
+        // checkpoint the linear state in the kernels, rollback copies one back).
         archs: &["qwen3moe", "qwen3next"],
         // Every type the reference decodes: F32/F16/BF16/Q8_0/Q4_K on dedicated kernels, the
         // rest on quants.cuh's decoders (launch::kty).
@@ -125,7 +130,9 @@ pub const TABLE: [Capability; 3] = [
         // KV kernels (backend/cuda/kv_spill.rs).
         kv_spill: true,
         kv_spill_chunks_max: Some(128),
-        mtp: false,
+        mtp: true,
+        // The MTP block's KV stays in VRAM (start.rs's mtp_kv_geo).
+        mtp_kv_spill: false,
         vision: false,
         dense_ffn_layers: false,
         layer_split: true,
@@ -159,6 +166,7 @@ pub const TABLE: [Capability; 3] = [
         kv_spill: true,
         kv_spill_chunks_max: Some(128),
         mtp: false,
+        mtp_kv_spill: false,
         vision: false,
         dense_ffn_layers: false,
         layer_split: true,
@@ -388,6 +396,10 @@ pub fn check(cap: &Capability, w: &Workload) -> Result<(), Vec<String>> {
     }
     if w.mtp && !cap.mtp {
         why.push("the MTP draft head (--mtp/--spec)".into());
+    } else if let Some((resident, ctx)) = w.kv_spill.filter(|_| w.mtp && !cap.mtp_kv_spill) {
+        why.push(format!(
+            "the MTP draft head with KV past --kv-resident ({resident} of {ctx} cells per slot in VRAM): its KV is kept in VRAM only (--kv-resident {ctx}, or no --mtp)"
+        ));
     }
     if w.vision && !cap.vision {
         why.push("the vision tower (--vision)".into());
@@ -539,7 +551,7 @@ mod tests {
             "TQ1_0 of tensor `blk.0.ffn_up_exps.weight` and 1 more",
             "KV type `f32`",
             "device 1 is vendor `amd`",
-            "MTP",
+            "MTP draft head with KV past --kv-resident (4096 of 65536",
             "vision",
             "dense-FFN layers: 1 of 48",
             "head dims K 128 / V 64",
@@ -563,6 +575,19 @@ mod tests {
             why.contains("129 pinned chunks") && why.contains("--pinned-chunk-mib"),
             "{why}"
         );
+        // CUDA runs the MTP block when the KV stays in VRAM; HIP does not run it.
+        let resident = Workload {
+            kv_spill: None,
+            ..w.clone()
+        };
+        let why = check(capability(Backend::Cuda), &resident)
+            .unwrap_err()
+            .join("\n");
+        assert!(!why.contains("MTP"), "{why}");
+        let hip = check(capability(Backend::Hip), &resident)
+            .unwrap_err()
+            .join("\n");
+        assert!(hip.contains("MTP"), "{hip}");
         let no_host = Capability {
             host_experts: false,
             ..*capability(Backend::Cuda)

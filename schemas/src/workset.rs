@@ -361,9 +361,13 @@ pub fn buffers(
                 // One u32 per token for the router's top-k, then one per token and KV head
                 // for the decode attention's merge of its splits.
                 (Counters, 4 * t * (1 + u(d.n_head_kv))),
-                // Per decoding slot: ARGMAX_BLOCKS (value, index) pairs, a counter and the
-                // chosen token.
-                (Argmax, dec * (ARGMAX_BLOCKS * 8 + 8)),
+                // Per picked row (every decoding slot's, and an MTP verify pass's N + 1 rows
+                // of a slot): ARGMAX_BLOCKS (value, index) pairs, a counter and the chosen
+                // token.
+                (
+                    Argmax,
+                    dec.max(p.logit_rows as u64) * (ARGMAX_BLOCKS * 8 + 8),
+                ),
                 (Draws, dec * DRAW_BYTES),
                 (
                     Xh,

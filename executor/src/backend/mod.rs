@@ -28,6 +28,12 @@ pub enum StepKind {
     Prefill,
     /// One token for each of several distinct slots.
     Decode,
+    /// The MTP block's draft pass: one token for each of several distinct slots through the
+    /// block alone (what `Decode` is to the main layers), `chained` when it drafts from the
+    /// block's own last hidden state rather than the main model's (another final norm). A
+    /// backend that records decode passes per token count records each of these apart, since
+    /// they issue other ops.
+    Draft { chained: bool },
     /// A speculative step's verify pass: one slot's token and its drafts (positions
     /// ascending). Linear attention runs token by token (as decode does, so the result is
     /// the same as decoding them one at a time) and keeps the slot's state after each of the
@@ -229,8 +235,8 @@ pub trait Stage: Ops {
         pos: &[u32],
     ) -> Result<(), Self::Error>;
     /// Run one pass of `kind` over `n` tokens: `forward` issues its ops. A backend may record
-    /// the ops of a decode pass once per `n` and replay them (CUDA graphs); `forward` must
-    /// then issue the same ops for the same `n`.
+    /// the ops of a decode or draft pass once per (`kind`, `n`) and replay them (CUDA
+    /// graphs); `forward` must then issue the same ops for the same `kind` and `n`.
     fn run(
         &mut self,
         kind: StepKind,

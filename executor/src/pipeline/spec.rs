@@ -240,7 +240,8 @@ impl<B: Stage, M: Forward<B>> Pipeline<B, M> {
             } else {
                 MtpInput::Chained
             };
-            self.mtp_pass(StepKind::Decode, 1, input, true)?;
+            let kind = StepKind::Draft { chained: j > 0 };
+            self.mtp_pass(kind, 1, input, true)?;
             let logits = &mut self.logits;
             let backend = &mut last(&mut self.stages).backend;
             let m = self.mtp.as_mut().ok_or_else(|| internal("no MTP block"))?;

@@ -336,18 +336,30 @@ impl CudaStage {
         })
     }
 
+    /// KV layer `l` of the stage: one of its main full-attention layers, or (the one after
+    /// them) the MTP block's, in its own window of the `mtp` region.
     fn kv_layer(&self, l: usize) -> Result<KvLayer<'_>, CudaError> {
         let [_, pos, slot] = self.inputs()?;
-        let (k_off, v_off) = self.kv.layer(l);
+        let (geo, l) = match &self.mtp_kv {
+            Some(m) if l == self.kv.layers() => (m, 0),
+            _ => (&self.kv, l),
+        };
+        if l >= geo.layers() {
+            return Err(shape(
+                "attention",
+                format!("KV layer {l} on a stage holding {} KV layers", geo.layers()),
+            ));
+        }
+        let (k_off, v_off) = geo.layer(l);
         Ok(KvLayer {
-            kv: self.view(self.kv.region.off, self.kv.region.bytes)?,
-            slot_bytes: self.kv.slot_bytes,
+            kv: self.view(geo.region.off, geo.region.bytes)?,
+            slot_bytes: geo.slot_bytes,
             k_off,
             v_off,
-            row_bytes: self.kv.row_bytes,
-            cells: self.kv.cells,
-            ty: self.kv.ty,
-            host: self.kv.host_arg(l),
+            row_bytes: geo.row_bytes,
+            cells: geo.cells,
+            ty: geo.ty,
+            host: geo.host_arg(l),
             slot,
             pos,
         })
@@ -471,7 +483,7 @@ impl Ops for CudaStage {
         let k = self.rows(a.k, n, d.k_out())?;
         let v = self.rows(a.v, n, d.v_out())?;
         let out = self.rows(a.out, n, d.att_out())?;
-        if self.kind == StepKind::Decode && self.flags.fused_attention {
+        if self.decoding() && self.flags.fused_attention {
             // The attention's counters follow the router's (one per token of the pass).
             let m = 4 * self.max_tok as u64;
             let counters = self.buf_at(WorkBuf::Counters, m, 4 * (n * d.n_head_kv) as u64)?;
@@ -524,7 +536,7 @@ impl Ops for CudaStage {
         } else {
             attention::rope_store(&l, h, q, k, v, kv, n)?;
         }
-        if self.kind == StepKind::Decode {
+        if self.decoding() {
             let n_ctx = self.buf(WorkBuf::NCtx)?;
             return attention::attn_decode(&l, h, q, kv, n_ctx, self.splits()?, out, n);
         }
@@ -575,10 +587,8 @@ impl Ops for CudaStage {
             decode::rmsnorm(&l, x, None, None, norm, xn, d.e, d.eps, n)?;
             self.router_prefill(&l, w, n)?;
         } else if w.ty == GgmlType::F32 && d.e % 4 == 0 {
-            let fused = self.kind == StepKind::Decode
-                && self.opts.fused_topk
-                && d.n_expert <= 32 * 8
-                && d.k <= 32;
+            let fused =
+                self.decoding() && self.opts.fused_topk && d.n_expert <= 32 * 8 && d.k <= 32;
             let topk = if fused {
                 Some(FusedTopk {
                     counters: self.buf_at(WorkBuf::Counters, 0, 4 * n as u64)?,
@@ -692,7 +702,9 @@ impl Ops for CudaStage {
 
     /// The conv over each slot's conv state, then the delta rule (gates, q/k norms, the
     /// recurrent rule token by token, the gated norm) over its recurrent state, both reading
-    /// slots and positions on the device.
+    /// slots and positions on the device. Every pass runs the recurrent rule token by token,
+    /// so a verify pass computes what decoding its tokens one at a time would; it also keeps
+    /// the state after each token but the last in the slot's checkpoints.
     fn linear_attention(
         &mut self,
         a: &crate::backend::LinearAttention<CVec>,
@@ -713,13 +725,32 @@ impl Ops for CudaStage {
         let (c, vd) = (d.lin_qkv(), d.lin_v());
         let [_, pos, slot] = self.inputs()?;
         let tok = linear::Tokens { pos, slot, n };
-        let state = self.view(lin.region.off, 4 * (self.slots * lin.slot_floats()) as u64)?;
+        let live = 4 * (self.slots * lin.slot_floats()) as u64;
+        let state = self.view(lin.region.off, live)?;
+        // A verify pass keeps the state after each of its first tokens (but the last) in the
+        // slot's checkpoints, for `rollback_linear`.
+        let ckpt = if self.kind == StepKind::Verify {
+            if n > lin.checkpoints + 1 {
+                return Err(shape(
+                    "linear_attention",
+                    format!(
+                        "a verify pass of {n} tokens, but the stage keeps {} linear-state checkpoints per slot (the plan's --spec)",
+                        lin.checkpoints
+                    ),
+                ));
+            }
+            let v = self.view(lin.region.off + live, live * lin.checkpoints as u64)?;
+            Some((v, lin.checkpoints))
+        } else {
+            None
+        };
         let layer = a.lin_layer * (lin.conv + lin.rec);
         let slots = |layer_off| linear::LinSlots {
             state,
             slots: self.slots,
             slot_stride: lin.slot_floats(),
             layer_off,
+            ckpt,
         };
         let conv_out = self.rows(WorkBuf::ConvOut, n, c)?;
         linear::conv_silu(
@@ -750,8 +781,8 @@ impl Ops for CudaStage {
         linear::delta_rule(&l, heads, inp, slots(layer + lin.conv), tok, out, d.eps)
     }
 
-    /// Two device-to-device copies per row (the MTP block's `eh_proj` input, a handful of
-    /// rows per draft step).
+    /// One launch of `lin_concat_rows` (the MTP block's `eh_proj` input), so a captured draft
+    /// pass holds kernels only.
     fn concat_rows(
         &mut self,
         a: WorkBuf,
@@ -759,22 +790,10 @@ impl Ops for CudaStage {
         out: WorkBuf,
         n: usize,
     ) -> Result<(), CudaError> {
-        let (row, n) = (4 * self.d.e as u64, n as u64);
-        let (va, vb) = (self.buf_at(a, 0, n * row)?, self.buf_at(b, 0, n * row)?);
-        let vo = self.buf_at(out, 0, 2 * n * row)?;
-        let (pa, pb, po) = (va.ptr(), vb.ptr(), vo.ptr());
-        for i in 0..n {
-            for (src, half) in [(pa + i * row, 0), (pb + i * row, row)] {
-                // SAFETY: both ranges lie inside the bound views checked above (row i of an
-                // n-row buffer, and half of row i of the 2n-row output), live arenas of this
-                // device; the copy is ordered on the stage's stream like every op.
-                unsafe {
-                    self.dev
-                        .dtod_raw("concat_rows", po + 2 * i * row + half, src, row as usize)
-                }?;
-            }
-        }
-        Ok(())
+        let e = self.d.e;
+        let (va, vb) = (self.rows(a, n, e)?, self.rows(b, n, e)?);
+        let vo = self.rows(out, n, 2 * e)?;
+        linear::concat_rows(&self.launcher(), va, vb, vo, e, n)
     }
 
     /// gate and up products into the `sh_scratch` rows, SwiGLU, the down product, then the

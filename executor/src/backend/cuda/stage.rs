@@ -63,11 +63,23 @@ impl KvGeo {
         }
         a
     }
+
+    /// KV layers a slot holds.
+    pub fn layers(&self) -> usize {
+        let span = self.cells * self.row_bytes;
+        if span == 0 {
+            0
+        } else {
+            (self.slot_bytes / (2 * span)) as usize
+        }
+    }
 }
 
 /// The linear-attention state region of a stage (Qwen3-Next): per slot, per linear layer of
-/// the stage, the conv state then the recurrent state (f32), the layout of the CPU backend's
-/// `LinearState` and exactly the bytes the plan's `linear_state` region holds for it.
+/// the stage, the conv state then the recurrent state (f32), then, with MTP speculation,
+/// `checkpoints` copies of each slot's state (copy `j` of slot `s` the `s * checkpoints + j`th
+/// after the live states) — the layout of the CPU backend's `LinearState` and exactly the
+/// bytes the plan's `linear_state` region holds for it.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct LinGeo {
     pub region: Span,
@@ -79,12 +91,20 @@ pub(crate) struct LinGeo {
     /// The plan's `prefix_checkpoint` region: one more copy of each slot's state, in the
     /// same layout (none when the plan places no prefix checkpoint).
     pub prefix: Option<Span>,
+    /// Checkpoints kept per slot (the plan's `--spec` with `--mtp`; 0 without).
+    pub checkpoints: usize,
 }
 
 impl LinGeo {
-    /// The geometry of `layers` linear layers of `d` for `slots` slots at `region`; an error
-    /// naming the sizes when the region is short.
-    pub fn new(d: &Dims, layers: usize, slots: usize, region: Span) -> Result<Self, CudaError> {
+    /// The geometry of `layers` linear layers of `d` for `slots` slots with `checkpoints`
+    /// copies each at `region`; an error naming the sizes when the region is short.
+    pub fn new(
+        d: &Dims,
+        layers: usize,
+        slots: usize,
+        checkpoints: usize,
+        region: Span,
+    ) -> Result<Self, CudaError> {
         let (conv, rec) = crate::backend::cpu::linear_state::layer_floats(d);
         let g = Self {
             region,
@@ -92,18 +112,25 @@ impl LinGeo {
             conv,
             rec,
             prefix: None,
+            checkpoints,
         };
-        let need = 4 * (slots * g.slot_floats()) as u64;
+        let need = 4 * ((1 + checkpoints) * slots * g.slot_floats()) as u64;
         if region.bytes < need || region.off % 16 != 0 {
             return Err(CudaError::Shape {
                 op: "bind",
                 detail: format!(
-                    "the linear_state region holds {} bytes at offset {} but {slots} slots x {layers} linear layers need {need} (16-byte aligned): re-plan with this build's strata-plan",
-                    region.bytes, region.off
+                    "the linear_state region holds {} bytes at offset {} but {slots} slots x {layers} linear layers x {} copies (1 + MTP checkpoints) need {need} (16-byte aligned): re-plan with this build's strata-plan",
+                    region.bytes, region.off, 1 + checkpoints
                 ),
             });
         }
         Ok(g)
+    }
+
+    /// Byte offset (in the arena) of checkpoint `j` of `slot` among `slots` slots.
+    pub fn checkpoint_off(&self, slots: usize, slot: usize, j: usize) -> u64 {
+        let per = 4 * self.slot_floats() as u64;
+        self.region.off + (slots + slot * self.checkpoints + j) as u64 * per
     }
 
     /// Floats of one slot's state (every linear layer of the stage).
@@ -159,6 +186,9 @@ pub struct CudaStage {
     pub(crate) flags: RunFlags,
     pub(crate) attn_factor: f32,
     pub(crate) kv: KvGeo,
+    /// The MTP block's KV (one layer, in the plan's `mtp` region), when the stage speculates:
+    /// the stage's KV layer after its main full-attention layers.
+    pub(crate) mtp_kv: Option<KvGeo>,
     /// Each slot's linear-attention state (no layers for models without linear attention).
     pub(crate) lin: LinGeo,
     pub(crate) max_tok: usize,
@@ -167,7 +197,9 @@ pub struct CudaStage {
     /// The pass being issued.
     pub(crate) kind: StepKind,
     pub(crate) host_in: Vec<i32>,
-    graphs: HashMap<usize, Graph>,
+    /// Captured passes by (kind, token count): decode passes and the MTP block's two kinds of
+    /// draft pass, which issue different ops for the same count.
+    graphs: HashMap<(StepKind, usize), Graph>,
     pub(crate) prof: Option<Prof>,
     prof_totals: ProfTotals,
     /// The hand-off into this stage (none on the first).
@@ -209,6 +241,7 @@ impl CudaStage {
             flags,
             attn_factor,
             kv,
+            mtp_kv: None,
             lin: LinGeo::default(),
             max_tok,
             att_splits,
@@ -285,13 +318,19 @@ impl CudaStage {
         self.flags.gemm
     }
 
+    /// Whether the pass being issued is one token per slot on the decode kernels (a decode
+    /// pass, or the MTP block's draft pass).
+    pub(crate) fn decoding(&self) -> bool {
+        matches!(self.kind, StepKind::Decode | StepKind::Draft { .. })
+    }
+
     /// Launchers for the pass being issued: programmatic dependent launch in decode passes
     /// only (measured on the H200: decode 224 -> 233 tok/s with it; prefill passes lost 4%
     /// with it, so they launch in strict order).
     pub(crate) fn launcher(&self) -> Launcher<'_> {
         Launcher {
             dev: &self.dev,
-            pdl: self.flags.pdl && self.kind == StepKind::Decode,
+            pdl: self.flags.pdl && self.decoding(),
             prof: self.prof.as_ref(),
             q4k_lanes: self.opts.q4k_lanes,
         }
@@ -342,17 +381,21 @@ impl CudaStage {
         ])
     }
 
-    /// The pick buffers for `rows` rows: per slot ARGMAX_BLOCKS partial values and as many
-    /// indices, then a counter and the chosen token per slot.
+    /// The pick buffers for `rows` rows: per row ARGMAX_BLOCKS partial values and as many
+    /// indices, then a counter and the chosen token per row, for as many rows as the planned
+    /// `argmax` buffer holds (every slot's, and with MTP speculation a verify pass's).
     fn pick_scratch(&self, rows: usize) -> Result<PickScratch<'_>, CudaError> {
         let nb = ARGMAX_BLOCKS;
-        let slots = self.slots as u64;
-        if rows as u64 > slots {
+        let held = self.buf(WorkBuf::Argmax)?.len() / (nb * 8 + 8);
+        if rows as u64 > held {
             return Err(CudaError::Shape {
                 op: "pick",
-                detail: format!("{rows} rows for {slots} slots"),
+                detail: format!(
+                    "{rows} rows but the plan's `argmax` buffer holds {held}: re-plan with this build's strata-plan"
+                ),
             });
         }
+        let slots = held;
         let a = WorkBuf::Argmax;
         let (pv, pi) = (0, slots * nb * 4);
         let cnt = pi + slots * nb * 4;
@@ -392,7 +435,7 @@ impl CudaStage {
             return Ok(());
         };
         self.dev.synchronize()?;
-        let decode = self.kind == StepKind::Decode;
+        let decode = self.decoding();
         for (name, e0, e1) in p.borrow_mut().drain(..) {
             let ms = e0.elapsed_ms(&e1)? as f64;
             let t = self.prof_totals.entry((decode, name)).or_insert((0, 0.0));
@@ -480,8 +523,9 @@ impl Stage for CudaStage {
         forward: &mut dyn FnMut(&mut Self) -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
         self.kind = kind;
-        if kind == StepKind::Decode && self.flags.graphs && self.prof.is_none() {
-            if !self.graphs.contains_key(&n) {
+        let key = (kind, n);
+        if self.decoding() && self.flags.graphs && self.prof.is_none() {
+            if !self.graphs.contains_key(&key) {
                 let g = match self.capture(forward) {
                     Ok(g) => g,
                     Err(e) if self.flags.pdl => {
@@ -504,9 +548,9 @@ impl Stage for CudaStage {
                     }
                     Err(e) => return Err(e),
                 };
-                self.graphs.insert(n, g);
+                self.graphs.insert(key, g);
             }
-            return self.dev.launch_graph(&self.graphs[&n].0);
+            return self.dev.launch_graph(&self.graphs[&key].0);
         }
         forward(self)?;
         self.prof_collect()
@@ -611,24 +655,20 @@ impl Stage for CudaStage {
             self.dev.synchronize()?;
             sp.copy_cells(from as u64, to as u64, cells as u64);
         }
-        let cells = cells.min(kv.cells as usize);
-        // Device-to-device copies on the compute stream: per full-attention layer the first
-        // `cells` K rows and V rows, then the slot's whole linear-attention state.
-        let span = kv.cells * kv.row_bytes;
-        let layers = if span == 0 {
-            0
-        } else {
-            kv.slot_bytes / (2 * span)
-        };
-        let n = cells as u64 * kv.row_bytes;
-        let slot_at = |s: usize| kv.region.off + s as u64 * kv.slot_bytes;
-        for l in 0..layers as usize {
-            let (k, v) = kv.layer(l);
-            for off in [k, v] {
-                if n > 0 {
-                    let src = self.view(slot_at(from) + off, n)?;
-                    let dst = self.view(slot_at(to) + off, n)?;
-                    self.dev.dtod(src, dst)?;
+        // Device-to-device copies on the compute stream: per full-attention layer (the MTP
+        // block's too) the first `cells` K rows and V rows held in VRAM, then the slot's
+        // whole linear-attention state.
+        for geo in std::iter::once(&kv).chain(self.mtp_kv.as_ref()) {
+            let n = cells.min(geo.cells as usize) as u64 * geo.row_bytes;
+            let slot_at = |s: usize| geo.region.off + s as u64 * geo.slot_bytes;
+            for l in 0..geo.layers() {
+                let (k, v) = geo.layer(l);
+                for off in [k, v] {
+                    if n > 0 {
+                        let src = self.view(slot_at(from) + off, n)?;
+                        let dst = self.view(slot_at(to) + off, n)?;
+                        self.dev.dtod(src, dst)?;
+                    }
                 }
             }
         }
@@ -658,13 +698,26 @@ impl Stage for CudaStage {
         self.prefix_checkpoint_copy(slot, false)
     }
 
+    /// One device-to-device copy on the compute stream: the slot's checkpoint `keep` (every
+    /// linear layer of the stage) over its live state.
     fn rollback_linear(&mut self, slot: usize, keep: usize) -> Result<(), CudaError> {
-        Err(CudaError::Shape {
-            op: "rollback_linear",
-            detail: format!(
-                "slot {slot} to verify token {keep}: the CUDA backend keeps no linear-state checkpoints yet, so MTP speculation (--spec) runs on the CPU backend only: re-plan without --spec for CUDA"
-            ),
-        })
+        let lin = self.lin;
+        if lin.layers == 0 {
+            return Ok(());
+        }
+        if slot >= self.slots || keep >= lin.checkpoints {
+            return Err(CudaError::Shape {
+                op: "rollback_linear",
+                detail: format!(
+                    "rollback of slot {slot} to verify token {keep}: the stage keeps {} linear-state checkpoints of {} slots (the plan's --spec and --batch)",
+                    lin.checkpoints, self.slots
+                ),
+            });
+        }
+        let b = 4 * lin.slot_floats() as u64;
+        let src = self.view(lin.checkpoint_off(self.slots, slot, keep), b)?;
+        let dst = self.view(lin.region.off + slot as u64 * b, b)?;
+        self.dev.dtod(src, dst)
     }
 
     fn read_buf(&mut self, b: WorkBuf, out: &mut [f32]) -> Result<(), CudaError> {
@@ -741,6 +794,7 @@ mod tests {
             &d,
             2,
             3,
+            0,
             Span {
                 off: 256,
                 bytes: need,
@@ -753,7 +807,7 @@ mod tests {
             off: 256,
             bytes: need - 4,
         };
-        let e = LinGeo::new(&d, 2, 3, short).unwrap_err().to_string();
+        let e = LinGeo::new(&d, 2, 3, 0, short).unwrap_err().to_string();
         assert!(
             e.contains("re-plan") && e.contains(&need.to_string()),
             "{e}"
@@ -762,6 +816,28 @@ mod tests {
             off: 260,
             bytes: need,
         };
-        assert!(LinGeo::new(&d, 2, 3, odd).is_err());
+        assert!(LinGeo::new(&d, 2, 3, 0, odd).is_err());
+        // Two checkpoints per slot: three copies of every slot's state, the checkpoints after
+        // the live states in the CPU backend's order (slot-major).
+        let three = Span {
+            off: 256,
+            bytes: 3 * need,
+        };
+        assert!(LinGeo::new(
+            &d,
+            2,
+            3,
+            2,
+            Span {
+                off: 256,
+                bytes: 3 * need - 4
+            }
+        )
+        .is_err());
+        let g = LinGeo::new(&d, 2, 3, 2, three).unwrap();
+        let per = 2 * per_layer;
+        assert_eq!(g.checkpoint_off(3, 0, 0), 256 + 3 * per);
+        assert_eq!(g.checkpoint_off(3, 1, 1), 256 + (3 + 3) * per);
+        assert_eq!(g.checkpoint_off(3, 2, 1) + per, 256 + 3 * need);
     }
 }

@@ -128,10 +128,7 @@ pub fn preflight(
     }
     let s = &plan.serve;
     if s.spec > 0 {
-        return Err(plan_err(format!(
-            "the plan speculates (--spec {}); MTP speculative decoding is not in the CUDA engine yet: re-plan without --spec (--mtp alone keeps the block's memory) or run with --backend cpu",
-            s.spec
-        )));
+        check_spec(plan)?;
     }
     let kv_gg = s.kv.ggml();
     let kv_ty = match s.kv {
@@ -219,6 +216,25 @@ pub fn preflight(
     })
 }
 
+/// A plan that speculates (`--spec N`): its last device holds the MTP block, and its devices
+/// are NVIDIA's (the HIP path has never run a verify pass or a rollback on AMD hardware).
+fn check_spec(plan: &Plan) -> Result<(), CudaEngineError> {
+    let s = &plan.serve;
+    if !plan.devices.last().is_some_and(|dp| dp.holds_mtp) {
+        return Err(plan_err(format!(
+            "the plan speculates (--spec {}) but its last device holds no MTP block: re-plan with --mtp --spec {}",
+            s.spec, s.spec
+        )));
+    }
+    if plan_vendor(plan)? == Vendor::Amd {
+        return Err(plan_err(format!(
+            "the plan speculates (--spec {}); MTP speculative decoding runs on NVIDIA GPUs and the CPU only (never yet run on AMD): re-plan without --spec (--mtp alone keeps the block's memory) or run with --backend cpu",
+            s.spec
+        )));
+    }
+    Ok(())
+}
+
 /// The Gated DeltaNet shapes the linear-attention kernels take (`launch::linear`).
 fn check_linear(d: &Dims) -> Result<(), CudaEngineError> {
     use super::launch::linear::LIN_MAX_CONV;
@@ -240,8 +256,12 @@ fn check_linear(d: &Dims) -> Result<(), CudaEngineError> {
 
 /// Whether `dq_attn_fused` can serve a stage: F16 KV, head dims a multiple of 8 up to 128,
 /// an even rotation, query groups dividing 128 up to 16, every KV row, slot and layer offset
-/// 16-byte aligned (its 16-byte loads).
-fn attn_fusable(d: &Dims, kv: &KvGeo) -> bool {
+/// 16-byte aligned (its 16-byte loads) — of the main layers' KV and the MTP block's.
+fn attn_fusable(d: &Dims, kv: &KvGeo, mtp_kv: Option<&KvGeo>) -> bool {
+    one_kv_fusable(d, kv) && mtp_kv.is_none_or(|m| one_kv_fusable(d, m))
+}
+
+fn one_kv_fusable(d: &Dims, kv: &KvGeo) -> bool {
     let g = d.n_head / d.n_head_kv.max(1);
     let a16 = |v: u64| v % 16 == 0;
     kv.ty == 1
@@ -393,7 +413,12 @@ pub fn start_cuda(
         allocations: plan.devices.len() as u64 + chunks,
         allocated_bytes: planned + pinned,
     };
-    Pipeline::new(info, stages, shape, vec![Box::new(host)])
+    let p = Pipeline::new(info, stages, shape, vec![Box::new(host)])
+        .map_err(|e| CudaEngineError::Plan(e.to_string()))?;
+    if s.spec == 0 {
+        return Ok(p);
+    }
+    p.with_mtp(s.spec as usize, d.e)
         .map_err(|e| CudaEngineError::Plan(e.to_string()))
 }
 
@@ -517,6 +542,30 @@ impl Start<'_> {
         })
     }
 
+    /// The MTP block's KV on planned device `dp` (main layers' KV `kv`): one layer of every
+    /// slot's cells, in the `mtp` region after the block's weights (`exec::mtp_kv_offset`,
+    /// the CPU engine's rule), slot after slot, K rows then V rows.
+    fn mtp_kv_geo(&self, dp: &DevicePlan, kv: &KvGeo) -> Result<KvGeo, CudaEngineError> {
+        if kv.host.spills() {
+            // The block's cells past the window would need the spill layout's MTP tail.
+            return Err(plan_err(format!(
+                "device {} keeps KV past --kv-resident in host memory and the plan runs the MTP block; the CUDA engine holds the block's KV in VRAM only: re-plan without --kv-resident (or a window of the whole context) or without --mtp, or run with --backend cpu",
+                dp.index
+            )));
+        }
+        let slot_bytes = 2 * kv.cells * kv.row_bytes;
+        let bytes = slot_bytes * self.n_slots as u64;
+        let off = crate::exec::mtp_kv_offset(self.plan, dp, bytes).map_err(plan_err)?;
+        Ok(KvGeo {
+            region: Span { off, bytes },
+            slot_bytes,
+            row_bytes: kv.row_bytes,
+            cells: kv.cells,
+            ty: kv.ty,
+            host: KvHostArg::none(),
+        })
+    }
+
     /// Stage `i` (planned device `dp`) on `dev` in `arena`: its expert cache, run flags,
     /// zeroed counters and RoPE table, and the model's layers bound on it.
     fn bind_stage(
@@ -532,6 +581,12 @@ impl Start<'_> {
         let d = pf.d;
         let layout = pf.layouts[i].clone();
         let has = |b: WorkBuf| layout.get(&b).is_some_and(|s| s.bytes > 0);
+        let speculate = dp.holds_mtp && plan.serve.spec > 0;
+        let mtp_kv = if speculate {
+            Some(self.mtp_kv_geo(dp, &kv)?)
+        } else {
+            None
+        };
         // Experts served from host memory: the cache reads each MoE layer's picks back with a
         // host synchronisation, which a captured graph cannot hold, so those decode passes
         // run uncaptured.
@@ -559,7 +614,7 @@ impl Start<'_> {
                 && dev.tensor_cores(),
             // The fused attention reads every cell from VRAM.
             fused_attention: opts.kernels.fused_attention
-                && attn_fusable(&d, &kv)
+                && attn_fusable(&d, &kv, mtp_kv.as_ref())
                 && !kv.host.spills(),
         };
         let binder = Binder::new(plan, dp, host.clone(), &layout);
@@ -579,6 +634,7 @@ impl Start<'_> {
             binder,
         );
         st.xcache = xcache;
+        st.mtp_kv = mtp_kv;
         // The zero-between-launches counters start at zero; the RoPE table is uploaded.
         for b in [WorkBuf::Counters, WorkBuf::Argmax] {
             let v = st.buf(b)?;
@@ -592,8 +648,7 @@ impl Start<'_> {
             layer_end: dp.layer_end,
             embedding: dp.holds_embedding,
             head: dp.holds_head,
-            // MTP speculation runs on the CPU backend only so far (refused at start-up).
-            mtp: false,
+            mtp: speculate,
         };
         let hp = &host.inventory().hparams;
         let (_, lin) = qwen3next::layer_counts(hp, dp.layer_first, dp.layer_end);
@@ -608,7 +663,14 @@ impl Start<'_> {
                 off: r.offset,
                 bytes: r.bytes,
             };
-            let mut geo = LinGeo::new(&d, lin, self.n_slots, region)?;
+            // With MTP speculation every slot keeps `spec` checkpoints of its state, on every
+            // stage (each rolls its own layers back), as the planner sized the region.
+            let ckpts = if self.plan.serve.mtp {
+                self.plan.serve.spec as usize
+            } else {
+                0
+            };
+            let mut geo = LinGeo::new(&d, lin, self.n_slots, ckpts, region)?;
             if self.plan.serve.prefix_checkpoint {
                 let r = dp.region(RegionKind::PrefixCheckpoint).ok_or_else(|| {
                     plan_err(format!(
@@ -746,7 +808,7 @@ pub fn standalone_stage(
         graphs: opts.graphs && !opts.profile,
         pdl,
         gemm: opts.prefill_gemm && s.pass.gemm && dev.tensor_cores(),
-        fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv),
+        fused_attention: opts.kernels.fused_attention && attn_fusable(&d, &kv, None),
     };
     let binder = Binder::of_placed(host.clone(), placed, &layout);
     let mut st = CudaStage::new(
@@ -769,7 +831,7 @@ pub fn standalone_stage(
         st.device().memset(v, 0)?;
     }
     if lin > 0 {
-        st.set_linear_state(LinGeo::new(&d, lin, s.slots, lin_region)?)?;
+        st.set_linear_state(LinGeo::new(&d, lin, s.slots, 0, lin_region)?)?;
     }
     let inv_freq = rope.inv_freq();
     let v = st.buf_at(WorkBuf::InvFreq, 0, 4 * inv_freq.len() as u64)?;

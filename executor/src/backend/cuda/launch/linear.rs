@@ -1,10 +1,12 @@
 //! Launchers of Qwen3-Next's kernels (`kernels/cuda/linear.cu`): the gated attention's
 //! query/gate split and sigmoid gate, the Gated DeltaNet's conv and delta rule over each
-//! slot's linear state, and the shared expert's SwiGLU and gated add — one function per
+//! slot's linear state, the shared expert's SwiGLU and gated add, and the MTP block's row
+//! concatenation — one function per
 //! kernel, each checking its views against what the kernel touches for the given shape.
 //! Invariant: activations are row-major f32 (`n x width`), slots and positions u32 per token
-//! (read on the device, so a launch depends only on the token count), and the state view
-//! holds every slot's state at the stride given.
+//! (read on the device, so a launch depends only on the token count), the state view holds
+//! every slot's state at the stride given, and a checkpoint view (MTP verify passes) every
+//! slot's checkpoints at that stride.
 
 use super::{bad, cfg, f32s, int, launch, Launcher};
 use crate::backend::cuda::{CudaError, DeviceView};
@@ -69,6 +71,10 @@ pub struct LinSlots<'a> {
     pub slot_stride: usize,
     /// Floats from a slot's state to this op's part of the layer.
     pub layer_off: usize,
+    /// Where the state after each of a run's first tokens is kept (an MTP verify pass):
+    /// `checkpoints` copies per slot, copy `j` of slot `s` at float `(s * checkpoints + j) *
+    /// slot_stride` of the view; `None` in every other pass.
+    pub ckpt: Option<(DeviceView<'a>, usize)>,
 }
 
 impl LinSlots<'_> {
@@ -84,7 +90,23 @@ impl LinSlots<'_> {
         }
         self.state
             .expect(op, "linear state", f32s(self.slots * self.slot_stride), 4)?;
+        if let Some((v, c)) = self.ckpt {
+            v.expect(
+                op,
+                "linear-state checkpoints",
+                f32s(self.slots * c * self.slot_stride),
+                4,
+            )?;
+        }
         Ok(())
+    }
+
+    /// The checkpoints' address and count per slot (0 and 0 when none are kept).
+    fn ckpt_args(&self) -> (u64, i32) {
+        match self.ckpt {
+            Some((v, c)) if c > 0 => (v.ptr(), c as i32),
+            _ => (0, 0),
+        }
     }
 }
 
@@ -107,7 +129,8 @@ impl Tokens<'_> {
 /// `lin_conv_silu`: the causal depthwise conv1d + SiLU of `tok.n` tokens of `ch` channels
 /// (`qkv` and `out` `n x ch`, `w` `ch x k`), each run of one slot's consecutive tokens over
 /// and rolling that slot's conv state (`(k - 1) x ch` floats at `st`), zero for a run starting
-/// at position 0. A pass holds at most one run per slot.
+/// at position 0, keeping the state after each of a run's first tokens in `st.ckpt` when
+/// given. A pass holds at most one run per slot.
 #[allow(clippy::too_many_arguments)]
 pub fn conv_silu(
     l: &Launcher<'_>,
@@ -145,9 +168,10 @@ pub fn conv_silu(
     );
     let (n32, ch32, k32) = (int(OP, "n", n)?, int(OP, "channels", ch)?, k as i32);
     let (stride, off) = (st.slot_stride as i64, st.layer_off as i64);
+    let (ckp, nck) = st.ckpt_args();
     let grid = ((ch as u32).div_ceil(128), n32 as u32, 1);
     launch!(l, "lin_conv_silu", cfg(grid, 128, 0);
-        &xp, &wp, &sp, &pp, &slp, &op, &n32, &ch32, &k32, &stride, &off)
+        &xp, &wp, &sp, &pp, &slp, &op, &n32, &ch32, &k32, &stride, &off, &ckp, &nck)
 }
 
 /// The head shape of a gated delta net layer.
@@ -185,7 +209,8 @@ pub struct DeltaIn<'a> {
 /// `lin_delta_rule`: per value head and run of one slot's consecutive tokens, the gates, the
 /// q/k l2-norm, the gated delta rule over the slot's recurrent state (`nv x dv x dk` floats at
 /// `st`, zero for a run starting at position 0), then `out = norm * RMSNorm(o) * silu(z)`
-/// (`n x nv dv`). A pass holds at most one run per slot.
+/// (`n x nv dv`), keeping the state after each of a run's first tokens in `st.ckpt` when
+/// given. A pass holds at most one run per slot.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule(
     l: &Launcher<'_>,
@@ -247,10 +272,11 @@ pub fn delta_rule(
         int(OP, "value head dim", h.dv)?,
     );
     let (stride, off) = (st.slot_stride as i64, st.layer_off as i64);
+    let (ckp, nck) = st.ckpt_args();
     let grid = (nv as u32, n32 as u32, 1);
     launch!(l, "lin_delta_rule", cfg(grid, DELTA_THREADS, smem as u32);
         &cp, &bp, &zp, &dp, &ap, &np, &sp, &pp, &slp, &op,
-        &n32, &nk, &nv, &dk, &dv, &stride, &off, &eps)
+        &n32, &nk, &nv, &dk, &dv, &stride, &off, &eps, &ckp, &nck)
 }
 
 /// `lin_swiglu`: `g = silu(g) * u` over `total` values.
@@ -265,6 +291,28 @@ pub fn swiglu(
     u.expect(OP, "u", f32s(total), 4)?;
     let (gp, up, t) = (g.ptr(), u.ptr(), total as i64);
     launch!(l, "lin_swiglu", cfg((blocks(total), 1, 1), 256, 0); &gp, &up, &t)
+}
+
+/// `lin_concat_rows`: `out[t] = [a[t], b[t]]` over `n` rows of `e` (`out` rows of `2 e`).
+pub fn concat_rows(
+    l: &Launcher<'_>,
+    a: DeviceView<'_>,
+    b: DeviceView<'_>,
+    out: DeviceView<'_>,
+    e: usize,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "concat_rows";
+    a.expect(OP, "a", f32s(n * e), 4)?;
+    b.expect(OP, "b", f32s(n * e), 4)?;
+    out.expect(OP, "out", f32s(2 * n * e), 4)?;
+    if n == 0 || e == 0 {
+        return Ok(());
+    }
+    let (ap, bp, op) = (a.ptr(), b.ptr(), out.ptr());
+    let (e32, total) = (int(OP, "e", e)?, (2 * n * e) as i64);
+    launch!(l, "lin_concat_rows", cfg((blocks(2 * n * e), 1, 1), 256, 0);
+        &ap, &bp, &op, &e32, &total)
 }
 
 /// `lin_shared_add`: `y[t] += sigmoid(gate_inp . xn[t]) * d[t]` over `n` rows of `e`.

@@ -1,0 +1,377 @@
+//! MTP speculative decoding on the CUDA engine from a plan: a random tiny Qwen3-Next GGUF with
+//! its MTP block (`blk.4.nextn.*`, widths the CUDA kernels take) planned for an NVIDIA device
+//! with `--mtp --spec N` gives, for N = 1..4, exactly the greedy tokens of the same model
+//! planned without speculation on the same GPU (two slots speculating in turn); drafts forced
+//! to agree are all accepted; drafts forced wrong from every position roll the linear state
+//! back so the output does not change; after an all-rejected step the next logits are plain
+//! decoding's (they are not when the rejected drafts' state is kept, which the test checks
+//! too, so it fails if `rollback_linear` does nothing); the CUDA engine drafts what the CPU
+//! engine drafts (the same acceptance counts); `run --spec-oracle --format json` on the GPU
+//! accepts every draft. The plan's capability verdict and start-up checks run without a GPU.
+//! Needs a CUDA GPU: without one every other test prints SKIP and returns (run them on the GPU
+//! machine: `cargo test -p strata-exec --release --test cuda_mtp -- --test-threads=1
+//! --nocapture`).
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{argmax, cpu_probe, gpu_probe, max_rel, solved, tiny_qwen3next_hp};
+use std::path::{Path, PathBuf};
+use strata_exec::backend::cuda::options::CudaOptions;
+use strata_exec::backend::cuda::start::{start_cuda, CudaEngine};
+use strata_exec::engine::Engine;
+use strata_exec::exec::{start_cpu, EngineOptions};
+use strata_exec::load::open_model;
+use strata_schemas::arch::QuantRecipe;
+use strata_schemas::gguf::random::{write_random_model, RandomOptions};
+use strata_schemas::plan::{Plan, RegionKind};
+use strata_schemas::serve::{ExpertCache, ServeSettings};
+
+const CTX: u64 = 96;
+
+fn gpu_present() -> bool {
+    if let Err(e) = strata_exec::backend::cuda::check_libraries() {
+        eprintln!("SKIP: {e}");
+        return false;
+    }
+    match strata_exec::backend::cuda::CudaDevice::open(0) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP: no CUDA device: {e}");
+            false
+        }
+    }
+}
+
+/// The tiny Qwen3-Next of the other CUDA tests (hidden 64, expert width 32) with one MTP
+/// block; every expert routed, so the verify pass's rounding cannot flip a routing choice.
+fn model(dir: &Path) -> PathBuf {
+    let path = dir.join("next-mtp.gguf");
+    let mut hp = tiny_qwen3next_hp();
+    hp.nextn_predict_layers = 1;
+    hp.n_expert = 4;
+    hp.n_expert_used = 4;
+    let recipe = QuantRecipe::preset("F32").unwrap();
+    let opts = RandomOptions {
+        name: "tiny next mtp".into(),
+        ..Default::default()
+    };
+    write_random_model(&path, "qwen3next", &hp, &recipe, 9, opts).unwrap();
+    path
+}
+
+/// One device (NVIDIA, or CPU when `!gpu`), 2 slots of `CTX` cells, ubatch 8, every expert
+/// in VRAM, speculating `spec` drafts (0: none).
+fn plan(path: &Path, spec: u32, gpu: bool) -> Plan {
+    let inv = strata_plan::model::load_model(path).unwrap();
+    let probe = if gpu { gpu_probe(1) } else { cpu_probe(1) };
+    let settings = ServeSettings {
+        max_context: CTX,
+        batch: 2,
+        ubatch: 8,
+        mtp: spec > 0,
+        spec,
+        expert_cache: ExpertCache::Off,
+        pinned_chunk_mib: 1,
+        ..ServeSettings::default()
+    };
+    solved(&inv, path, &probe, "test probe", &settings)
+}
+
+fn start(path: &Path, spec: u32) -> CudaEngine {
+    start_cuda(
+        &plan(path, spec, true),
+        open_model(path).unwrap(),
+        CudaOptions::default(),
+    )
+    .unwrap()
+}
+
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..11u32).map(|i| (i * 53 + 7 + seed * 13) % 128).collect()
+}
+
+/// Prefill `p` into `slot` (ubatch 8) and return the first greedy pick.
+fn prefill(e: &mut dyn Engine, slot: usize, p: &[u32]) -> u32 {
+    let mut last = Vec::new();
+    for chunk in p.chunks(8) {
+        last = e.prefill(slot, chunk, true).unwrap().unwrap().to_vec();
+    }
+    argmax(&last)
+}
+
+/// `n` greedy tokens after `p` without speculation.
+fn plain(e: &mut dyn Engine, slot: usize, p: &[u32], n: usize) -> Vec<u32> {
+    let mut out = vec![prefill(e, slot, p)];
+    let mut tok = [0u32];
+    while out.len() < n {
+        e.decode_greedy(&[(slot, *out.last().unwrap())], &mut tok)
+            .unwrap();
+        out.push(tok[0]);
+    }
+    out
+}
+
+/// `n` greedy tokens of both slots by speculative steps taken in turn (slot 0, slot 1, ...).
+fn speculative_pair(e: &mut dyn Engine, n: usize) -> [Vec<u32>; 2] {
+    let mut out = [
+        vec![prefill(e, 0, &prompt(0))],
+        vec![prefill(e, 1, &prompt(1))],
+    ];
+    let mut buf = vec![0u32; e.spec_tokens() + 1];
+    while out.iter().any(|o| o.len() < n) {
+        for (s, o) in out.iter_mut().enumerate() {
+            if o.len() < n {
+                let got = e
+                    .decode_spec_greedy(s, *o.last().unwrap(), None, &mut buf)
+                    .unwrap();
+                assert!((1..=buf.len()).contains(&got));
+                o.extend_from_slice(&buf[..got]);
+            }
+        }
+    }
+    out.iter_mut().for_each(|o| o.truncate(n));
+    out
+}
+
+/// `n` greedy tokens after `p` by speculative steps; `forced(done)` gives the drafts to force
+/// when the output holds `done` tokens.
+fn speculative(
+    e: &mut CudaEngine,
+    p: &[u32],
+    n: usize,
+    forced: &dyn Fn(usize) -> Vec<u32>,
+) -> Vec<u32> {
+    let mut out = vec![prefill(e, 0, p)];
+    let mut buf = vec![0u32; e.spec_tokens() + 1];
+    while out.len() < n {
+        let f = forced(out.len());
+        let got = e
+            .decode_spec_greedy(0, *out.last().unwrap(), Some(&f), &mut buf)
+            .unwrap();
+        out.extend_from_slice(&buf[..got]);
+    }
+    out.truncate(n);
+    out
+}
+
+/// Without a GPU too: a plan for an NVIDIA device with `--mtp --spec 4` is runnable on CUDA
+/// by the capability table and passes every start-up check that needs no GPU (its working
+/// buffers, the `argmax` rows of a verify pass included).
+#[test]
+fn a_speculating_plan_passes_the_cuda_preflight() {
+    use strata_exec::backend::cuda::start::preflight;
+    use strata_schemas::capability::{runnable, Backend};
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let p = plan(&path, 4, true);
+    assert!(p.devices[0].holds_mtp);
+    assert_eq!(
+        runnable(&p).of(Backend::Cuda),
+        &Ok(()),
+        "the capability table runs MTP on CUDA"
+    );
+    let host = open_model(&path).unwrap();
+    let pf = preflight(&p, host.as_ref(), &CudaOptions::default()).unwrap();
+    assert!(
+        pf.max_tok >= 5 && pf.logit_rows >= 5,
+        "a verify pass of 4 drafts fits"
+    );
+}
+
+#[test]
+fn greedy_speculation_on_cuda_gives_the_tokens_of_plain_decoding_for_n_1_to_4() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let n = 40;
+    let base_plan = plan(&path, 0, true);
+    let mut base = start(&path, 0);
+    assert_eq!(base.spec_tokens(), 0);
+    let want: Vec<Vec<u32>> = (0..2)
+        .map(|s| plain(&mut base, s, &prompt(s as u32), n))
+        .collect();
+    for spec in 1..=4u32 {
+        let p = plan(&path, spec, true);
+        let dp = &p.devices[0];
+        assert!(dp.holds_mtp && dp.region_bytes(RegionKind::Mtp) > 0);
+        let one = base_plan.devices[0].region_bytes(RegionKind::LinearState);
+        assert!(
+            dp.region_bytes(RegionKind::LinearState) >= (1 + spec as u64) * one - 4 * 256,
+            "the linear state region holds the checkpoints"
+        );
+        let mut e = start(&path, spec);
+        assert_eq!(e.spec_tokens(), spec as usize);
+        let got = speculative_pair(&mut e, n);
+        for (s, o) in got.iter().enumerate() {
+            assert_eq!(o, &want[s], "spec {spec}, slot {s}");
+        }
+        let st = e.stats().speculation;
+        assert!(st.steps > 0 && st.drafted >= st.steps && st.accepted <= st.drafted);
+        eprintln!(
+            "spec {spec}: {} steps, {} drafted, {} accepted",
+            st.steps, st.drafted, st.accepted
+        );
+    }
+}
+
+#[test]
+fn forced_drafts_on_cuda_are_all_accepted_and_wrong_ones_roll_back_at_every_position() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let n = 33;
+    let want = plain(&mut start(&path, 0), 0, &prompt(2), n + 8);
+    let spec = 4usize;
+    let mut e = start(&path, spec as u32);
+
+    let oracle = |done: usize| want[done..done + spec].to_vec();
+    let got = speculative(&mut e, &prompt(2), n, &oracle);
+    assert_eq!(got, want[..n]);
+    let st = e.stats().speculation;
+    assert!(st.drafted > 0);
+    assert_eq!(
+        st.accepted, st.drafted,
+        "forced agreement accepts every draft"
+    );
+
+    // Drafts wrong from position `k` on (k cycling 0..spec): each step keeps k drafts and
+    // rolls the linear state back to its checkpoint after the last kept token.
+    e.reset_slot(0);
+    let before = e.stats().speculation;
+    let wrong_from = |done: usize| {
+        let k = done % spec;
+        let mut d = want[done..done + spec].to_vec();
+        for t in &mut d[k..] {
+            *t = (*t + 1) % 128;
+        }
+        d
+    };
+    let got = speculative(&mut e, &prompt(2), n, &wrong_from);
+    assert_eq!(got, want[..n], "rollback left a trace");
+    let st = e.stats().speculation;
+    let (drafted, accepted) = (st.drafted - before.drafted, st.accepted - before.accepted);
+    assert!(
+        accepted > 0 && accepted < drafted,
+        "{accepted} of {drafted}"
+    );
+}
+
+/// After a step whose four drafts are all rejected, the next decode step's logits are plain
+/// decoding's; and the rejected drafts did change the linear state (an engine that verifies
+/// them and keeps them, i.e. decodes them, gives other logits), so without the rollback this
+/// test fails.
+#[test]
+fn an_all_rejected_step_leaves_the_logits_of_plain_decoding() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let p = prompt(6);
+    let mut base = start(&path, 0);
+    let t0 = prefill(&mut base, 0, &p);
+    let mut t1 = [0u32];
+    base.decode_greedy(&[(0, t0)], &mut t1).unwrap();
+    let want = base.decode(&[(0, t1[0])]).unwrap().to_vec();
+
+    let mut e = start(&path, 4);
+    assert_eq!(prefill(&mut e, 0, &p), t0);
+    // Drafts that cannot be the model's pick after t0 (t1 is): all rejected.
+    let wrong: Vec<u32> = (1..=4).map(|i| (t1[0] + i) % 128).collect();
+    let mut buf = [0u32; 5];
+    let got = e.decode_spec_greedy(0, t0, Some(&wrong), &mut buf).unwrap();
+    assert_eq!(got, 1, "every draft rejected");
+    assert_eq!(buf[0], t1[0]);
+    let after = e.decode(&[(0, t1[0])]).unwrap().to_vec();
+    let r = max_rel(&after, &want);
+    assert!(r < 1e-3, "logits after the rollback differ by {r}");
+
+    // What keeping the rejected drafts' state would have given: the state after t0 and the
+    // first wrong draft, then t1 at the next position.
+    let mut kept = start(&path, 0);
+    prefill(&mut kept, 0, &p);
+    kept.decode(&[(0, t0)]).unwrap();
+    kept.decode(&[(0, wrong[0])]).unwrap();
+    let polluted = kept.decode(&[(0, t1[0])]).unwrap().to_vec();
+    let r = max_rel(&polluted, &want);
+    assert!(
+        r > 1e-2,
+        "a rejected draft's state changes the logits by only {r}: the test cannot see a missing rollback"
+    );
+}
+
+/// The MTP head on CUDA drafts what the CPU engine's drafts: the same greedy run of both slots
+/// gives the same speculation counts on both engines (and the same tokens).
+#[test]
+fn cuda_drafts_what_the_cpu_engine_drafts() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let n = 40;
+    let mut cpu = start_cpu(
+        &plan(&path, 3, false),
+        open_model(&path).unwrap(),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let mut gpu = start(&path, 3);
+    let want = speculative_pair(&mut cpu, n);
+    let got = speculative_pair(&mut gpu, n);
+    assert_eq!(got, want);
+    let (c, g) = (cpu.stats().speculation, gpu.stats().speculation);
+    assert_eq!(
+        (g.steps, g.drafted, g.accepted),
+        (c.steps, c.drafted, c.accepted),
+        "CUDA's speculation counts differ from the CPU engine's"
+    );
+}
+
+/// The `strata-exec` binary: beside this test binary (`scripts/build_gpu.sh`'s `target/gpu`
+/// on the GPU machine), else the one cargo built with it.
+fn strata_exec_bin() -> PathBuf {
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join("strata-exec")))
+        .filter(|p| p.is_file());
+    beside.unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_strata-exec")))
+}
+
+/// `strata-exec PLAN --spec-oracle --format json` on the GPU: every draft accepted, the tokens
+/// of the run without speculation.
+#[test]
+fn run_spec_oracle_on_cuda_accepts_every_draft() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let plan_path = dir.path().join("spec4.plan");
+    strata_schemas::planfile::write_plan(&plan(&path, 4, true), &plan_path).unwrap();
+    let out = std::process::Command::new(strata_exec_bin())
+        .arg(&plan_path)
+        .arg("--model")
+        .arg(&path)
+        .args(["--prompt-tokens", "5,17,99,3,42", "-n", "40"])
+        .args(["--format", "json", "-q", "--spec-oracle"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let o = &j["speculation"];
+    assert_eq!(o["spec"], 4, "{j}");
+    assert!(o["drafted"].as_u64().unwrap() > 0, "{o}");
+    assert_eq!(o["accepted"], o["drafted"], "{o}");
+    assert_eq!(o["oracle"]["identical"], true, "{o}");
+}
