@@ -22,20 +22,6 @@ use strata_exec::sampler::{sample_with, Draw, Sampler, SamplingParams};
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::serve::KvType;
 
-fn gpu_present() -> bool {
-    if let Err(e) = strata_exec::backend::cuda::check_libraries() {
-        eprintln!("SKIP: {e}");
-        return false;
-    }
-    match strata_exec::backend::cuda::CudaDevice::open(0) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIP: no CUDA device: {e}");
-            false
-        }
-    }
-}
-
 fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine {
     cuda_with(variant, ask, gguf, CudaOptions::default())
 }

@@ -26,20 +26,6 @@ use strata_schemas::serve::KvType;
 /// Cells per slot in VRAM in the spilling plans.
 const WINDOW: u64 = 40;
 
-fn gpu_present() -> bool {
-    if let Err(e) = strata_exec::backend::cuda::check_libraries() {
-        eprintln!("SKIP: {e}");
-        return false;
-    }
-    match strata_exec::backend::cuda::CudaDevice::open(0) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIP: no CUDA device: {e}");
-            false
-        }
-    }
-}
-
 /// A random Q8_0 Qwen3-MoE of two layers, 8 query heads over 2 KV heads of 128 (the
 /// tensor-core prefill's head size), written into `dir`.
 fn model(dir: &std::path::Path) -> std::path::PathBuf {

@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::{argmax, cpu_probe, gpu_probe, max_rel, solved, tiny_qwen3next_hp};
+use common::{argmax, cpu_probe, gpu_present, gpu_probe, max_rel, solved, tiny_qwen3next_hp};
 use std::path::{Path, PathBuf};
 use strata_exec::backend::cuda::options::CudaOptions;
 use strata_exec::backend::cuda::start::{start_cuda, CudaEngine};
@@ -29,20 +29,6 @@ use strata_schemas::plan::{Plan, RegionKind};
 use strata_schemas::serve::{ExpertCache, ServeSettings};
 
 const CTX: u64 = 96;
-
-fn gpu_present() -> bool {
-    if let Err(e) = strata_exec::backend::cuda::check_libraries() {
-        eprintln!("SKIP: {e}");
-        return false;
-    }
-    match strata_exec::backend::cuda::CudaDevice::open(0) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIP: no CUDA device: {e}");
-            false
-        }
-    }
-}
 
 /// The tiny Qwen3-Next of the other CUDA tests (hidden 64, expert width 32) with one MTP
 /// block; every expert routed, so the verify pass's rounding cannot flip a routing choice.

@@ -29,20 +29,6 @@ use strata_schemas::gguf::random::{write_random_model, RandomOptions};
 use strata_schemas::inventory::HParams;
 use strata_schemas::serve::ExpertCache;
 
-fn gpu_present() -> bool {
-    if let Err(e) = strata_exec::backend::cuda::check_libraries() {
-        eprintln!("SKIP: {e}");
-        return false;
-    }
-    match strata_exec::backend::cuda::CudaDevice::open(0) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIP: no CUDA device: {e}");
-            false
-        }
-    }
-}
-
 /// Four blocks (every 2nd full attention), widths the CUDA kernels take (hidden and expert
 /// widths multiples of 32), 16-wide linear heads (value heads twice the key heads), conv 4,
 /// 4 experts all routed.

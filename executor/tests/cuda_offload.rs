@@ -27,20 +27,6 @@ use strata_schemas::ggml::GgmlType;
 use strata_schemas::plan::{PinnedChunk, Placement, Plan, RegionKind, PINNED_EXPERTS};
 use strata_schemas::serve::ExpertCache;
 
-fn gpu_present() -> bool {
-    if let Err(e) = strata_exec::backend::cuda::check_libraries() {
-        eprintln!("SKIP: {e}");
-        return false;
-    }
-    match strata_exec::backend::cuda::CudaDevice::open(0) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIP: no CUDA device: {e}");
-            false
-        }
-    }
-}
-
 /// A GPU plan of `model` (a GGUF converted from the `base` reference) with `cache`.
 fn gpu_plan(model: &std::path::Path, cache: ExpertCache) -> Plan {
     let inv = strata_plan::model::load_model(model).unwrap();

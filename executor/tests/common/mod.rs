@@ -513,3 +513,20 @@ pub fn amd_plan(variant: &str, n: usize, split: Option<Vec<u32>>) -> Plan {
     };
     solved(&inv, &dir, &probe, "test probe (AMD)", &settings)
 }
+
+/// Whether a CUDA GPU is here: the driver libraries load and device 0 opens. Without one it
+/// prints why (`SKIP: ...`) so a GPU test that returns early says so loudly.
+#[cfg(feature = "cuda")]
+pub fn gpu_present() -> bool {
+    if let Err(e) = strata_exec::backend::cuda::check_libraries() {
+        eprintln!("SKIP: {e}");
+        return false;
+    }
+    match strata_exec::backend::cuda::CudaDevice::open(0) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP: no CUDA device: {e}");
+            false
+        }
+    }
+}
