@@ -50,6 +50,11 @@ fn model(dir: &Path) -> PathBuf {
 /// One device (NVIDIA, or CPU when `!gpu`), 2 slots of `CTX` cells, ubatch 8, every expert
 /// in VRAM, speculating `spec` drafts (0: none).
 fn plan(path: &Path, spec: u32, gpu: bool) -> Plan {
+    plan_resident(path, spec, gpu, CTX)
+}
+
+/// [`plan`] with `resident` cells of each slot in VRAM, the rest in pinned host chunks.
+fn plan_resident(path: &Path, spec: u32, gpu: bool, resident: u64) -> Plan {
     let inv = strata_plan::model::load_model(path).unwrap();
     let probe = if gpu { gpu_probe(1) } else { cpu_probe(1) };
     let settings = ServeSettings {
@@ -60,6 +65,7 @@ fn plan(path: &Path, spec: u32, gpu: bool) -> Plan {
         spec,
         expert_cache: ExpertCache::Off,
         pinned_chunk_mib: 1,
+        kv_resident: (resident < CTX).then_some(resident),
         ..ServeSettings::default()
     };
     solved(&inv, path, &probe, "test probe", &settings)
@@ -360,4 +366,50 @@ fn run_spec_oracle_on_cuda_accepts_every_draft() {
     assert!(o["drafted"].as_u64().unwrap() > 0, "{o}");
     assert_eq!(o["accepted"], o["drafted"], "{o}");
     assert_eq!(o["oracle"]["identical"], true, "{o}");
+}
+
+/// The MTP block over KV that spills: with 24 of 96 cells a slot in VRAM, the main layers'
+/// and the block's cells past the window live in the pinned chunks (the block's rows the tail
+/// of each spilled cell). Greedy `--spec 4` over two slots gives plain decoding's tokens on
+/// the same plan, past the window. Without a GPU, the plan's spill and the start-up checks.
+#[test]
+fn speculation_over_spilled_kv_gives_the_tokens_of_plain_decoding() {
+    use strata_exec::backend::cuda::start::preflight;
+    const WINDOW: u64 = 24;
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let p = plan_resident(&path, 4, true, WINDOW);
+    assert_eq!(p.serve.kv_resident, WINDOW);
+    assert!(
+        p.devices[0].holds_mtp
+            && p.host
+                .pinned_chunks
+                .iter()
+                .any(|c| c.device == 0 && c.purpose == "kv_spill"),
+        "the plan spills KV and holds the MTP block"
+    );
+    let host = open_model(&path).unwrap();
+    preflight(&p, host.as_ref(), &CudaOptions::default()).unwrap();
+    if !gpu_present() {
+        return;
+    }
+    let n = 40; // 11 prompt tokens + 40: every slot passes the window
+    let mut base = start_cuda(
+        &plan_resident(&path, 0, true, WINDOW),
+        open_model(&path).unwrap(),
+        CudaOptions::default(),
+    )
+    .unwrap();
+    let want: Vec<Vec<u32>> = (0..2)
+        .map(|s| plain(&mut base, s, &prompt(s as u32), n))
+        .collect();
+    let mut e = start_cuda(&p, open_model(&path).unwrap(), CudaOptions::default()).unwrap();
+    let got = speculative_pair(&mut e, n);
+    for (s, o) in got.iter().enumerate() {
+        assert_eq!(o, &want[s], "slot {s} over spilled KV");
+    }
+    eprintln!(
+        "PASS speculation over spilled KV: {:?}",
+        e.stats().speculation
+    );
 }

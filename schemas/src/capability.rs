@@ -68,9 +68,6 @@ pub struct Capability {
     pub kv_spill_chunks_max: Option<u64>,
     /// The MTP draft head (`--mtp`).
     pub mtp: bool,
-    /// The MTP draft head in a plan whose KV spills past `--kv-resident` (the block's cells
-    /// past the window live in the spill chunks' tail).
-    pub mtp_kv_spill: bool,
     /// The vision tower (`--vision`).
     pub vision: bool,
     /// Main layers with a dense FFN instead of routed experts.
@@ -106,7 +103,6 @@ pub const TABLE: [Capability; 3] = [
         kv_spill: true,
         kv_spill_chunks_max: None,
         mtp: true,
-        mtp_kv_spill: true,
         vision: false,
         dense_ffn_layers: true,
         layer_split: true,
@@ -131,8 +127,6 @@ pub const TABLE: [Capability; 3] = [
         kv_spill: true,
         kv_spill_chunks_max: Some(128),
         mtp: true,
-        // The MTP block's KV stays in VRAM (start.rs's mtp_kv_geo).
-        mtp_kv_spill: false,
         vision: false,
         dense_ffn_layers: false,
         layer_split: true,
@@ -166,7 +160,6 @@ pub const TABLE: [Capability; 3] = [
         kv_spill: true,
         kv_spill_chunks_max: Some(128),
         mtp: false,
-        mtp_kv_spill: false,
         vision: false,
         dense_ffn_layers: false,
         layer_split: true,
@@ -396,10 +389,6 @@ pub fn check(cap: &Capability, w: &Workload) -> Result<(), Vec<String>> {
     }
     if w.mtp && !cap.mtp {
         why.push("the MTP draft head (--mtp/--spec)".into());
-    } else if let Some((resident, ctx)) = w.kv_spill.filter(|_| w.mtp && !cap.mtp_kv_spill) {
-        why.push(format!(
-            "the MTP draft head with KV past --kv-resident ({resident} of {ctx} cells per slot in VRAM): its KV is kept in VRAM only (--kv-resident {ctx}, or no --mtp)"
-        ));
     }
     if w.vision && !cap.vision {
         why.push("the vision tower (--vision)".into());
@@ -551,7 +540,6 @@ mod tests {
             "TQ1_0 of tensor `blk.0.ffn_up_exps.weight` and 1 more",
             "KV type `f32`",
             "device 1 is vendor `amd`",
-            "MTP draft head with KV past --kv-resident (4096 of 65536",
             "vision",
             "dense-FFN layers: 1 of 48",
             "head dims K 128 / V 64",
@@ -575,18 +563,9 @@ mod tests {
             why.contains("129 pinned chunks") && why.contains("--pinned-chunk-mib"),
             "{why}"
         );
-        // CUDA runs the MTP block when the KV stays in VRAM; HIP does not run it.
-        let resident = Workload {
-            kv_spill: None,
-            ..w.clone()
-        };
-        let why = check(capability(Backend::Cuda), &resident)
-            .unwrap_err()
-            .join("\n");
-        assert!(!why.contains("MTP"), "{why}");
-        let hip = check(capability(Backend::Hip), &resident)
-            .unwrap_err()
-            .join("\n");
+        // CUDA runs the MTP block, over spilled KV too; HIP does not run it.
+        assert!(!all.contains("MTP"), "{all}");
+        let hip = check(capability(Backend::Hip), &w).unwrap_err().join("\n");
         assert!(hip.contains("MTP"), "{hip}");
         let no_host = Capability {
             host_experts: false,

@@ -54,12 +54,14 @@ impl KvGeo {
         (2 * l as u64 * span, (2 * l as u64 + 1) * span)
     }
 
-    /// The kernels' `KvHost` for KV layer `l`.
+    /// The kernels' `KvHost` for KV layer `l`: `host` holds layer 0's K and V offsets inside
+    /// a spilled cell (0 and one row for the main layers; past them for the MTP block's).
     pub fn host_arg(&self, l: usize) -> KvHostArg {
         let mut a = self.host;
         if a.spills() {
-            a.k_off = (2 * l as u64 * self.row_bytes) as i64;
-            a.v_off = ((2 * l as u64 + 1) * self.row_bytes) as i64;
+            let past = (2 * l as u64 * self.row_bytes) as i64;
+            a.k_off += past;
+            a.v_off += past;
         }
         a
     }

@@ -546,12 +546,22 @@ impl Start<'_> {
     /// slot's cells, in the `mtp` region after the block's weights (`exec::mtp_kv_offset`,
     /// the CPU engine's rule), slot after slot, K rows then V rows.
     fn mtp_kv_geo(&self, dp: &DevicePlan, kv: &KvGeo) -> Result<KvGeo, CudaEngineError> {
-        if kv.host.spills() {
-            // The block's cells past the window would need the spill layout's MTP tail.
-            return Err(plan_err(format!(
-                "device {} keeps KV past --kv-resident in host memory and the plan runs the MTP block; the CUDA engine holds the block's KV in VRAM only: re-plan without --kv-resident (or a window of the whole context) or without --mtp, or run with --backend cpu",
-                dp.index
-            )));
+        // Past the window the block's K and V rows are the tail of each spilled cell, after
+        // the main layers' rows (the planner's cells; the CPU engine's `stage_kv` split).
+        let mut host = kv.host;
+        if host.spills() {
+            let main_cell = (2 * kv.layers() as u64 * kv.row_bytes) as i64;
+            host.k_off = main_cell;
+            host.v_off = main_cell + kv.row_bytes as i64;
+            if host.v_off + kv.row_bytes as i64 > host.cell_bytes {
+                return Err(plan_err(format!(
+                    "device {}: its kv_spill cells hold {} bytes, no room after the {} KV layers' {main_cell} for the MTP block's K and V rows of {} bytes: re-plan with this build's strata-plan",
+                    dp.index,
+                    host.cell_bytes,
+                    kv.layers(),
+                    kv.row_bytes
+                )));
+            }
         }
         let slot_bytes = 2 * kv.cells * kv.row_bytes;
         let bytes = slot_bytes * self.n_slots as u64;
@@ -562,7 +572,7 @@ impl Start<'_> {
             row_bytes: kv.row_bytes,
             cells: kv.cells,
             ty: kv.ty,
-            host: KvHostArg::none(),
+            host,
         })
     }
 
