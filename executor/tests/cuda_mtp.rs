@@ -16,7 +16,8 @@
 
 mod common;
 
-use common::{argmax, cpu_probe, gpu_present, gpu_probe, max_rel, solved, tiny_qwen3next_hp};
+use common::spec::{plain, prefill, prompt, speculative_pair};
+use common::{cpu_probe, gpu_present, gpu_probe, max_rel, solved, tiny_qwen3next_hp};
 use std::path::{Path, PathBuf};
 use strata_exec::backend::cuda::options::CudaOptions;
 use strata_exec::backend::cuda::start::{start_cuda, CudaEngine};
@@ -78,74 +79,6 @@ fn start(path: &Path, spec: u32) -> CudaEngine {
         CudaOptions::default(),
     )
     .unwrap()
-}
-
-fn prompt(seed: u32) -> Vec<u32> {
-    (0..11u32).map(|i| (i * 53 + 7 + seed * 13) % 128).collect()
-}
-
-/// Prefill `p` into `slot` (ubatch 8) and return the first greedy pick.
-fn prefill(e: &mut dyn Engine, slot: usize, p: &[u32]) -> u32 {
-    let mut last = Vec::new();
-    for chunk in p.chunks(8) {
-        last = e.prefill(slot, chunk, true).unwrap().unwrap().to_vec();
-    }
-    argmax(&last)
-}
-
-/// `n` greedy tokens after `p` without speculation.
-fn plain(e: &mut dyn Engine, slot: usize, p: &[u32], n: usize) -> Vec<u32> {
-    let mut out = vec![prefill(e, slot, p)];
-    let mut tok = [0u32];
-    while out.len() < n {
-        e.decode_greedy(&[(slot, *out.last().unwrap())], &mut tok)
-            .unwrap();
-        out.push(tok[0]);
-    }
-    out
-}
-
-/// `n` greedy tokens of both slots by speculative steps taken in turn (slot 0, slot 1, ...).
-fn speculative_pair(e: &mut dyn Engine, n: usize) -> [Vec<u32>; 2] {
-    let mut out = [
-        vec![prefill(e, 0, &prompt(0))],
-        vec![prefill(e, 1, &prompt(1))],
-    ];
-    let mut buf = vec![0u32; e.spec_tokens() + 1];
-    while out.iter().any(|o| o.len() < n) {
-        for (s, o) in out.iter_mut().enumerate() {
-            if o.len() < n {
-                let got = e
-                    .decode_spec_greedy(s, *o.last().unwrap(), None, &mut buf)
-                    .unwrap();
-                assert!((1..=buf.len()).contains(&got));
-                o.extend_from_slice(&buf[..got]);
-            }
-        }
-    }
-    out.iter_mut().for_each(|o| o.truncate(n));
-    out
-}
-
-/// `n` greedy tokens after `p` by speculative steps; `forced(done)` gives the drafts to force
-/// when the output holds `done` tokens.
-fn speculative(
-    e: &mut CudaEngine,
-    p: &[u32],
-    n: usize,
-    forced: &dyn Fn(usize) -> Vec<u32>,
-) -> Vec<u32> {
-    let mut out = vec![prefill(e, 0, p)];
-    let mut buf = vec![0u32; e.spec_tokens() + 1];
-    while out.len() < n {
-        let f = forced(out.len());
-        let got = e
-            .decode_spec_greedy(0, *out.last().unwrap(), Some(&f), &mut buf)
-            .unwrap();
-        out.extend_from_slice(&buf[..got]);
-    }
-    out.truncate(n);
-    out
 }
 
 /// Without a GPU too: a plan for an NVIDIA device with `--mtp --spec 4` is runnable on CUDA
@@ -221,37 +154,7 @@ fn forced_drafts_on_cuda_are_all_accepted_and_wrong_ones_roll_back_at_every_posi
     let want = plain(&mut start(&path, 0), 0, &prompt(2), n + 8);
     let spec = 4usize;
     let mut e = start(&path, spec as u32);
-
-    let oracle = |done: usize| want[done..done + spec].to_vec();
-    let got = speculative(&mut e, &prompt(2), n, &oracle);
-    assert_eq!(got, want[..n]);
-    let st = e.stats().speculation;
-    assert!(st.drafted > 0);
-    assert_eq!(
-        st.accepted, st.drafted,
-        "forced agreement accepts every draft"
-    );
-
-    // Drafts wrong from position `k` on (k cycling 0..spec): each step keeps k drafts and
-    // rolls the linear state back to its checkpoint after the last kept token.
-    e.reset_slot(0);
-    let before = e.stats().speculation;
-    let wrong_from = |done: usize| {
-        let k = done % spec;
-        let mut d = want[done..done + spec].to_vec();
-        for t in &mut d[k..] {
-            *t = (*t + 1) % 128;
-        }
-        d
-    };
-    let got = speculative(&mut e, &prompt(2), n, &wrong_from);
-    assert_eq!(got, want[..n], "rollback left a trace");
-    let st = e.stats().speculation;
-    let (drafted, accepted) = (st.drafted - before.drafted, st.accepted - before.accepted);
-    assert!(
-        accepted > 0 && accepted < drafted,
-        "{accepted} of {drafted}"
-    );
+    common::spec::forced_drafts_accept_and_roll_back(&mut e, &want, spec, n);
 }
 
 /// After a step whose four drafts are all rejected, the next decode step's logits are plain

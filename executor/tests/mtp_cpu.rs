@@ -10,6 +10,7 @@ mod common;
 #[path = "serve_common/mod.rs"]
 mod serve_common;
 
+use common::spec::{plain, prefill, prompt, speculative};
 use common::{cpu_probe, solved, tiny_qwen3next_hp};
 use std::path::Path;
 use strata_exec::engine::Engine;
@@ -58,54 +59,6 @@ fn start(path: &Path, plan: &Plan) -> CpuEngine {
         EngineOptions::default(),
     )
     .unwrap()
-}
-
-fn prompt(seed: u32) -> Vec<u32> {
-    (0..11u32).map(|i| (i * 53 + 7 + seed * 13) % 128).collect()
-}
-
-/// Prefill `p` into `slot` (ubatch 8) and return the first greedy pick.
-fn prefill(e: &mut CpuEngine, slot: usize, p: &[u32]) -> u32 {
-    let mut last = Vec::new();
-    for chunk in p.chunks(8) {
-        last = e.prefill(slot, chunk, true).unwrap().unwrap().to_vec();
-    }
-    common::argmax(&last)
-}
-
-/// `n` greedy tokens after `p` without speculation.
-fn plain(e: &mut CpuEngine, slot: usize, p: &[u32], n: usize) -> Vec<u32> {
-    let mut out = vec![prefill(e, slot, p)];
-    let mut tok = [0u32];
-    while out.len() < n {
-        e.decode_greedy(&[(slot, *out.last().unwrap())], &mut tok)
-            .unwrap();
-        out.push(tok[0]);
-    }
-    out
-}
-
-/// `n` greedy tokens after `p` by speculative steps; `forced(done)` gives the drafts to force
-/// when the output holds `done` tokens.
-fn speculative(
-    e: &mut CpuEngine,
-    slot: usize,
-    p: &[u32],
-    n: usize,
-    forced: &dyn Fn(usize) -> Option<Vec<u32>>,
-) -> Vec<u32> {
-    let mut out = vec![prefill(e, slot, p)];
-    let mut buf = vec![0u32; e.spec_tokens() + 1];
-    while out.len() < n {
-        let f = forced(out.len());
-        let got = e
-            .decode_spec_greedy(slot, *out.last().unwrap(), f.as_deref(), &mut buf)
-            .unwrap();
-        assert!((1..=buf.len()).contains(&got));
-        out.extend_from_slice(&buf[..got]);
-    }
-    out.truncate(n);
-    out
 }
 
 #[test]
@@ -166,38 +119,7 @@ fn forced_drafts_are_all_accepted_and_wrong_ones_roll_back_at_every_position() {
     let want = plain(&mut base, 0, &prompt(2), n + 8);
     let spec = 4usize;
     let mut e = start(&path, &plan(&path, spec as u32));
-
-    // Drafts equal to what the model will pick: every one accepted.
-    let oracle = |done: usize| Some(want[done..done + spec].to_vec());
-    let got = speculative(&mut e, 0, &prompt(2), n, &oracle);
-    assert_eq!(got, want[..n]);
-    let st = e.stats().speculation;
-    assert!(st.drafted > 0);
-    assert_eq!(
-        st.accepted, st.drafted,
-        "forced agreement accepts every draft"
-    );
-
-    // Drafts wrong from position `k` on (k cycling 0..spec): each step keeps k drafts and
-    // rolls back the rest; the output is still plain greedy decoding's.
-    e.reset_slot(0);
-    let before = e.stats().speculation;
-    let wrong_from = |done: usize| {
-        let k = done % spec;
-        let mut d = want[done..done + spec].to_vec();
-        for t in &mut d[k..] {
-            *t = (*t + 1) % 128;
-        }
-        Some(d)
-    };
-    let got = speculative(&mut e, 0, &prompt(2), n, &wrong_from);
-    assert_eq!(got, want[..n], "rollback left a trace");
-    let st = e.stats().speculation;
-    let (drafted, accepted) = (st.drafted - before.drafted, st.accepted - before.accepted);
-    assert!(
-        accepted > 0 && accepted < drafted,
-        "{accepted} of {drafted}"
-    );
+    common::spec::forced_drafts_accept_and_roll_back(&mut e, &want, spec, n);
 }
 
 /// `strata-exec PLAN --format json` with the plan's MTP block and without: the same tokens,

@@ -2,6 +2,8 @@
 //! reference models made with the planner library, and the reference data.
 #![allow(dead_code)]
 
+pub mod spec;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use strata_exec::exec::{start_cpu, CpuEngine, EngineOptions};
