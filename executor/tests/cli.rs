@@ -21,11 +21,19 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
     let plan_path = dir.path().join("tiny.plan");
     strata_schemas::planfile::write_plan(&p, &plan_path).unwrap();
     let toks: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
-    let out = exe()
-        .arg(&plan_path)
-        .arg("--model")
-        .arg(data("base"))
-        .args([
+    // The plan run on reference model `variant` with `args`.
+    let run = |variant: &str, args: &[&str]| {
+        exe()
+            .arg(&plan_path)
+            .arg("--model")
+            .arg(data(variant))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(
+        "base",
+        &[
             "--prompt-tokens",
             &toks.join(","),
             "-n",
@@ -34,9 +42,8 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
             "json",
             "--logits",
             "-q",
-        ])
-        .output()
-        .unwrap();
+        ],
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -53,13 +60,7 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
     assert_eq!(j["allocations"], 1 + p.host.pinned_chunks.len() as u64);
 
     // A text prompt without a tokenizer.
-    let out = exe()
-        .arg(&plan_path)
-        .arg("--model")
-        .arg(data("base"))
-        .args(["--prompt", "hello"])
-        .output()
-        .unwrap();
+    let out = run("base", &["--prompt", "hello"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -68,13 +69,7 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
     );
 
     // Another model than the plan's.
-    let out = exe()
-        .arg(&plan_path)
-        .arg("--model")
-        .arg(data("nonorm"))
-        .args(["--prompt-tokens", "1,2"])
-        .output()
-        .unwrap();
+    let out = run("nonorm", &["--prompt-tokens", "1,2"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -83,13 +78,7 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
     );
 
     // A device map for a plan the CPU backend runs.
-    let out = exe()
-        .arg(&plan_path)
-        .arg("--model")
-        .arg(data("base"))
-        .args(["--prompt-tokens", "1,2", "--device-map", "0,0"])
-        .output()
-        .unwrap();
+    let out = run("base", &["--prompt-tokens", "1,2", "--device-map", "0,0"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -99,26 +88,20 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
 
     // A forced miss policy for a plan the CPU backend runs (it computes every expert on the
     // CPU anyway): refused, naming the flag; `auto` runs.
-    let out = exe()
-        .arg(&plan_path)
-        .arg("--model")
-        .arg(data("base"))
-        .args(["--prompt-tokens", "1,2", "-n", "2", "--miss-policy", "cpu"])
-        .output()
-        .unwrap();
+    let out = run(
+        "base",
+        &["--prompt-tokens", "1,2", "-n", "2", "--miss-policy", "cpu"],
+    );
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("--miss-policy") && err.contains("CPU backend"),
         "{err}"
     );
-    let out = exe()
-        .arg(&plan_path)
-        .arg("--model")
-        .arg(data("base"))
-        .args(["--prompt-tokens", "1,2", "-n", "2", "--miss-policy", "auto"])
-        .output()
-        .unwrap();
+    let out = run(
+        "base",
+        &["--prompt-tokens", "1,2", "-n", "2", "--miss-policy", "auto"],
+    );
     assert!(
         out.status.success(),
         "{}",
