@@ -94,6 +94,63 @@ pub fn host_threads() -> usize {
     rayon::current_num_threads()
 }
 
+/// The host half's cost on this machine, for the probe's `host_matvec_gbps` and
+/// `host_expert_latency_us`: [`host_experts`] over Q8_0 experts of `e x f` (gate, up and down
+/// of distinct experts, a working set of `ws_experts` so the weights come from memory, not
+/// cache), timed for each count of one-token picks in `picks` (best of `reps`). Returns
+/// (bytes of expert weights read, seconds) per count, for a line fit: the slope's inverse is
+/// the rate, the intercept the fixed cost of a call (the pool's wake-up and the sections).
+pub fn time_host_experts(
+    (e, f): (usize, usize),
+    ws_experts: usize,
+    picks: &[usize],
+    reps: usize,
+) -> Result<Vec<(f64, f64)>, OpError> {
+    let ty = strata_schemas::ggml::GgmlType::Q8_0;
+    let per = quant::row_bytes(ty, e)? * f; // gate or up; down is the same size
+    let most = picks.iter().copied().max().unwrap_or(0);
+    let n = ws_experts.max(most).max(1);
+    // Valid Q8_0 blocks: a scale of 1/64 (f16 0x2400) and small signed values.
+    let block: Vec<u8> = [0x00u8, 0x24]
+        .into_iter()
+        .chain((0..32).map(|i| (i as i8 - 16) as u8))
+        .collect();
+    let weights: Vec<u8> = block.iter().copied().cycle().take(3 * n * per).collect();
+    let mats: Vec<[Matrix<'_>; 3]> = (0..n)
+        .map(|x| {
+            let m = |k: usize, rows: usize, cols: usize| {
+                let at = (3 * x + k) * per;
+                Matrix::new(ty, cols, rows, &weights[at..at + per])
+            };
+            Ok([m(0, f, e)?, m(1, f, e)?, m(2, e, f)?])
+        })
+        .collect::<Result<_, OpError>>()?;
+    let xn = vec![0.25f32; e];
+    let mut h = vec![0f32; most * f];
+    let mut out = vec![0f32; e];
+    let mut next = 0usize; // rotate through the working set
+    let mut rows = Vec::with_capacity(picks.len());
+    for &k in picks {
+        let mut best = f64::INFINITY;
+        for _ in 0..reps.max(1) {
+            let chosen: Vec<[Matrix<'_>; 3]> = (0..k).map(|i| mats[(next + i) % n]).collect();
+            next = (next + k) % n;
+            let p: Vec<HostPick> = (0..k)
+                .map(|i| HostPick {
+                    token: 0,
+                    expert: i as u32,
+                    weight: 1.0 / k as f32,
+                })
+                .collect();
+            let t = std::time::Instant::now();
+            host_experts(&chosen, &p, &xn, 1, (e, f), &mut h[..k * f], &mut out)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        rows.push(((3 * k * per) as f64, best));
+    }
+    Ok(rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +252,19 @@ mod tests {
         let xn = [0.0; 4];
         assert!(host_experts(&mats, &picks, &xn, 2, (2, 2), &mut h, &mut out).is_err());
         assert!(host_experts(&mats, &picks[..1], &xn, 2, (2, 2), &mut h[..1], &mut out).is_err());
+    }
+
+    /// The timing helper reads what it says: more picks take longer on the whole, and the
+    /// fitted rate is a positive, finite number of bytes a second.
+    #[test]
+    fn the_host_rate_timing_gives_a_usable_line() {
+        let rows = time_host_experts((256, 128), 24, &[1, 4, 16], 3).unwrap();
+        assert_eq!(rows.len(), 3);
+        assert!(rows.windows(2).all(|w| w[1].0 > w[0].0));
+        assert!(rows.iter().all(|r| r.1 > 0.0 && r.1.is_finite()));
+        let (x0, y0) = rows[0];
+        let (x2, y2) = rows[2];
+        let rate = (x2 - x0) / (y2 - y0).max(1e-9);
+        assert!(rate.is_finite() && rate > 0.0, "{rows:?}");
     }
 }

@@ -61,6 +61,8 @@ pub struct CostMeasure {
     pub expert_gbps: Option<f64>,
     pub expert_pass_gbps: Option<f64>,
     pub expert_gemm_tflops: Option<f64>,
+    pub host_matvec_gbps: Option<f64>,
+    pub host_expert_latency_us: Option<f64>,
     /// How each value was measured, by key, for the probe file's `#` lines.
     pub how: Vec<(&'static str, String)>,
     /// Why a key is absent.
@@ -204,6 +206,44 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
                 "one whole {}x{} Q8_0 expert (gate, up, down) a copy from pinned host memory on a copy stream, as the pinned host expert tier fills a slot", super::experts::F, super::experts::E)));
         }
         Err(e) => fail(&mut m, "host_expert_pinned_gbps", e.to_string()),
+    }
+    // The hybrid miss path's host half, on this machine's CPU (no device involved): the
+    // same products `hybrid.rs` runs, over a working set of 64 experts (~300 MB).
+    let counts = [1usize, 2, 4, 8];
+    let host = crate::backend::cpu::host_experts::time_host_experts(
+        (super::experts::E, super::experts::F),
+        64,
+        &counts,
+        5,
+    );
+    match host.map(|rows| fit_line(&rows)) {
+        Ok(Some((lat, slope))) if slope > 0.0 => {
+            let g = 1.0 / slope / 1e9;
+            let lat_us = (lat * 1e6).max(0.0);
+            progress(&format!(
+                "cost: misses on the CPU {lat_us:.1} µs + bytes at {g:.1} GB/s ({} threads)",
+                crate::backend::cpu::host_experts::host_threads()
+            ));
+            m.host_matvec_gbps = Some(g);
+            m.host_expert_latency_us = Some(lat_us);
+            m.how.push(("host_matvec_gbps", format!(
+                "line fit of the hybrid path's host products (gate, up, SiLU, down of {:?} one-token picks of distinct {}x{} Q8_0 experts, {} threads) against the expert bytes read: 1 / slope",
+                counts, super::experts::F, super::experts::E, crate::backend::cpu::host_experts::host_threads())));
+            m.how.push((
+                "host_expert_latency_us",
+                "the same fit: intercept (the thread pool's sections; the device-side rows down, sum up and launch are not in it)".into(),
+            ));
+        }
+        Ok(_) => fail(
+            &mut m,
+            "host_matvec_gbps, host_expert_latency_us",
+            "the host products' times did not grow with the bytes read".into(),
+        ),
+        Err(e) => fail(
+            &mut m,
+            "host_matvec_gbps, host_expert_latency_us",
+            e.to_string(),
+        ),
     }
     match super::experts::decode_experts(dev) {
         Ok((lat, g, pass)) => {
@@ -581,6 +621,8 @@ pub fn cost_toml(m: &CostMeasure) -> String {
         ("expert_gbps", m.expert_gbps),
         ("expert_pass_gbps", m.expert_pass_gbps),
         ("expert_gemm_tflops", m.expert_gemm_tflops),
+        ("host_matvec_gbps", m.host_matvec_gbps),
+        ("host_expert_latency_us", m.host_expert_latency_us),
     ];
     let mut out = String::new();
     if keys.iter().all(|(_, v)| v.is_none()) {
