@@ -270,24 +270,28 @@ impl<'a> LinearState<'a> {
     /// Copy every layer's live state of `slot` into its prefix checkpoint; false (nothing
     /// copied) outside the slots or without prefix checkpoints.
     pub fn save_prefix(&mut self, slot: usize) -> bool {
-        if slot >= self.slots || !self.has_prefix() {
-            return false;
-        }
-        let per = self.per_slot();
-        let r = slot * per..(slot + 1) * per;
-        self.prefix.floats()[r.clone()].copy_from_slice(&self.store.floats()[r]);
-        true
+        self.copy_prefix(slot, true)
     }
 
     /// Set every layer's state of `slot` to its prefix checkpoint; false (nothing copied)
     /// outside the slots or without prefix checkpoints.
     pub fn restore_prefix(&mut self, slot: usize) -> bool {
+        self.copy_prefix(slot, false)
+    }
+
+    /// `slot`'s live state into its prefix checkpoint (`save`) or back.
+    fn copy_prefix(&mut self, slot: usize, save: bool) -> bool {
         if slot >= self.slots || !self.has_prefix() {
             return false;
         }
         let per = self.per_slot();
         let r = slot * per..(slot + 1) * per;
-        self.store.floats()[r.clone()].copy_from_slice(&self.prefix.floats()[r]);
+        let (live, copy) = (self.store.floats(), self.prefix.floats());
+        if save {
+            copy[r.clone()].copy_from_slice(&live[r]);
+        } else {
+            live[r.clone()].copy_from_slice(&copy[r]);
+        }
         true
     }
 }
