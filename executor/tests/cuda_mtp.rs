@@ -24,8 +24,7 @@ use strata_exec::backend::cuda::start::{start_cuda, CudaEngine};
 use strata_exec::engine::Engine;
 use strata_exec::exec::{start_cpu, EngineOptions};
 use strata_exec::load::open_model;
-use strata_schemas::arch::QuantRecipe;
-use strata_schemas::gguf::random::{write_random_model, RandomOptions};
+use strata_schemas::inventory::HParams;
 use strata_schemas::plan::{Plan, RegionKind};
 use strata_schemas::serve::{ExpertCache, ServeSettings};
 
@@ -34,18 +33,12 @@ const CTX: u64 = 96;
 /// The tiny Qwen3-Next of the other CUDA tests (hidden 64, expert width 32) with one MTP
 /// block; every expert routed, so the verify pass's rounding cannot flip a routing choice.
 fn model(dir: &Path) -> PathBuf {
-    let path = dir.join("next-mtp.gguf");
-    let mut hp = tiny_qwen3next_hp();
-    hp.nextn_predict_layers = 1;
-    hp.n_expert = 4;
-    hp.n_expert_used = 4;
-    let recipe = QuantRecipe::preset("F32").unwrap();
-    let opts = RandomOptions {
-        name: "tiny next mtp".into(),
-        ..Default::default()
+    let hp = HParams {
+        n_expert: 4,
+        n_expert_used: 4,
+        ..tiny_qwen3next_hp()
     };
-    write_random_model(&path, "qwen3next", &hp, &recipe, 9, opts).unwrap();
-    path
+    common::spec::mtp_model(dir, hp)
 }
 
 /// One device (NVIDIA, or CPU when `!gpu`), 2 slots of `CTX` cells, ubatch 8, every expert

@@ -16,24 +16,13 @@ use std::path::Path;
 use strata_exec::engine::Engine;
 use strata_exec::exec::{start_cpu, CpuEngine, EngineOptions};
 use strata_exec::load::GgufModel;
-use strata_schemas::arch::QuantRecipe;
-use strata_schemas::gguf::random::{write_random_model, RandomOptions};
 use strata_schemas::plan::{Plan, RegionKind};
 use strata_schemas::serve::ServeSettings;
 
 const CTX: u64 = 64;
 
 fn model(dir: &Path) -> std::path::PathBuf {
-    let path = dir.join("next-mtp.gguf");
-    let mut hp = tiny_qwen3next_hp();
-    hp.nextn_predict_layers = 1;
-    let recipe = QuantRecipe::preset("F32").unwrap();
-    let opts = RandomOptions {
-        name: "tiny next mtp".into(),
-        ..Default::default()
-    };
-    write_random_model(&path, "qwen3next", &hp, &recipe, 9, opts).unwrap();
-    path
+    common::spec::mtp_model(dir, tiny_qwen3next_hp())
 }
 
 /// One cpu device, 2 slots of `CTX` cells, ubatch 8, speculating `spec` drafts (0: none).

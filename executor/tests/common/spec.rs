@@ -2,7 +2,27 @@
 //! `cuda_mtp`): the same prompt, prefill chunking and draft forcing, so the CPU and CUDA
 //! suites check one behaviour. Invariant: each returns exactly `n` tokens.
 
+use std::path::{Path, PathBuf};
 use strata_exec::engine::Engine;
+use strata_schemas::arch::QuantRecipe;
+use strata_schemas::gguf::random::{write_random_model, RandomOptions};
+use strata_schemas::inventory::HParams;
+
+/// An F32 random Qwen3-Next of `hp` with one MTP block, `next-mtp.gguf` in `dir` (seed 9).
+pub fn mtp_model(dir: &Path, hp: HParams) -> PathBuf {
+    let path = dir.join("next-mtp.gguf");
+    let hp = HParams {
+        nextn_predict_layers: 1,
+        ..hp
+    };
+    let recipe = QuantRecipe::preset("F32").unwrap();
+    let opts = RandomOptions {
+        name: "tiny next mtp".into(),
+        ..Default::default()
+    };
+    write_random_model(&path, "qwen3next", &hp, &recipe, 9, opts).unwrap();
+    path
+}
 
 /// Eleven prompt tokens over a vocabulary of 128, different for each `seed`.
 pub fn prompt(seed: u32) -> Vec<u32> {
