@@ -7,6 +7,8 @@
 //! last prompt) can hit.
 #[path = "serve_common/mod.rs"]
 mod common;
+#[path = "common/mod.rs"]
+mod exec_common;
 
 use common::exec::*;
 use common::*;
@@ -14,7 +16,7 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use strata_schemas::arch::QuantRecipe;
 use strata_schemas::gguf::random::{write_random_model, RandomOptions};
-use strata_schemas::inventory::{HParams, SsmParams};
+use strata_schemas::inventory::HParams;
 
 fn block<F: std::future::Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
@@ -131,34 +133,9 @@ fn a_multi_turn_chat_gives_the_same_greedy_answers_with_and_without_the_prefix_c
 /// the tiny-chat tokenizer's 400 tokens, planned for 2 slots of 512 cells, prefill chunks of 8.
 fn next_plan(dir: &Path) -> PathBuf {
     let hp = HParams {
-        n_layer: 4,
-        n_embd: 64,
         n_vocab: 400,
         n_ctx_train: 4096,
-        n_head: 4,
-        n_head_kv: 2,
-        head_dim_k: 16,
-        head_dim_v: 16,
-        n_ff: 0,
-        n_expert: 8,
-        n_expert_used: 2,
-        n_ff_exp: 32,
-        n_ff_shexp: 32,
-        n_leading_dense: 0,
-        full_attention_interval: Some(2),
-        ssm: Some(SsmParams {
-            conv_kernel: 4,
-            state_size: 16,
-            group_count: 2,
-            time_step_rank: 4,
-            inner_size: 64,
-        }),
-        nextn_predict_layers: 0,
-        rope_theta: 10_000.0,
-        rope_dim: Some(4),
-        rms_eps: 1e-6,
-        norm_topk_prob: true,
-        tied_embeddings: false,
+        ..exec_common::tiny_qwen3next_hp()
     };
     let gguf = dir.join("tiny-next.gguf");
     let opts = RandomOptions {
