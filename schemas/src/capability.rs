@@ -159,7 +159,9 @@ pub const TABLE: [Capability; 3] = [
         // The same mapped chunks (hipHostMalloc mapped + hipHostGetDevicePointer).
         kv_spill: true,
         kv_spill_chunks_max: Some(128),
-        mtp: false,
+        // The CUDA stage's verify, rollback and draft passes: the same code and kernels
+        // (linear.cu's checkpoint outputs compile under hiprtc in CI); never yet run on AMD.
+        mtp: true,
         vision: false,
         dense_ffn_layers: false,
         layer_split: true,
@@ -563,10 +565,16 @@ mod tests {
             why.contains("129 pinned chunks") && why.contains("--pinned-chunk-mib"),
             "{why}"
         );
-        // CUDA runs the MTP block, over spilled KV too; HIP does not run it.
+        // CUDA and HIP run the MTP block, over spilled KV too; a backend without it names it.
         assert!(!all.contains("MTP"), "{all}");
         let hip = check(capability(Backend::Hip), &w).unwrap_err().join("\n");
-        assert!(hip.contains("MTP"), "{hip}");
+        assert!(!hip.contains("MTP"), "{hip}");
+        let no_mtp = Capability {
+            mtp: false,
+            ..*capability(Backend::Hip)
+        };
+        let why = check(&no_mtp, &w).unwrap_err().join("\n");
+        assert!(why.contains("the MTP draft head (--mtp/--spec)"), "{why}");
         let no_host = Capability {
             host_experts: false,
             ..*capability(Backend::Cuda)

@@ -216,20 +216,15 @@ pub fn preflight(
     })
 }
 
-/// A plan that speculates (`--spec N`): its last device holds the MTP block, and its devices
-/// are NVIDIA's (the HIP path has never run a verify pass or a rollback on AMD hardware).
+/// A plan that speculates (`--spec N`): its last device holds the MTP block. On AMD devices
+/// the verify, rollback and draft passes are the CUDA stage's own (never yet run on AMD
+/// hardware, as the rest of the HIP path).
 fn check_spec(plan: &Plan) -> Result<(), CudaEngineError> {
     let s = &plan.serve;
     if !plan.devices.last().is_some_and(|dp| dp.holds_mtp) {
         return Err(plan_err(format!(
             "the plan speculates (--spec {}) but its last device holds no MTP block: re-plan with --mtp --spec {}",
             s.spec, s.spec
-        )));
-    }
-    if plan_vendor(plan)? == Vendor::Amd {
-        return Err(plan_err(format!(
-            "the plan speculates (--spec {}); MTP speculative decoding runs on NVIDIA GPUs and the CPU only (never yet run on AMD): re-plan without --spec (--mtp alone keeps the block's memory) or run with --backend cpu",
-            s.spec
         )));
     }
     Ok(())
