@@ -21,6 +21,8 @@ For each variant it writes OUT/<variant>/ with:
                      Qwen3NextForCausalLM has no MTP module: it ignores `mtp.*` on load, so no
                      MTP reference logits are recorded)
   reference.json     {"prompts": [[ids]], "logits": [[[vocab floats] per position]],
+                      "logits_kv_f16": the same with K and V rounded to float16 as they
+                      enter the cache (what an engine with an f16 KV cache computes),
                       "greedy": [[16 ids]], "greedy_cached": [[16 ids]],
                       "hidden_states": {"prompt": 1, "layers": [[[n_embd] per position]]},
                       "hparams": {...}, "layer_types": [...], "rope": {...},
@@ -364,6 +366,38 @@ def capture_hidden(model, prompt):
     return seen
 
 
+def logits_with_f16_kv(model, prompts):
+    """Every prompt's logits with the full-attention layers' K (after QK-norm and RoPE) and V
+    rounded to float16 as they enter the cache, as the engines store a plan's f16 KV: the
+    reference an engine's f32 arithmetic over an f16 cache matches to float noise (the plain
+    float32 logits differ from it by that rounding alone, up to ~4e-4 of the largest logit
+    on these models)."""
+    mod = sys.modules[type(model).__module__]
+    rope = getattr(mod, "apply_rotary_pos_emb", None)
+    if rope is None:
+        fail(f"{mod.__name__} has no apply_rotary_pos_emb to round K at: this transformers "
+             "version builds attention differently")
+
+    def rope_then_round(q, k, *a, **kw):
+        q, k = rope(q, k, *a, **kw)
+        return q, k.to(torch.float16).to(torch.float32)
+
+    hooks = [m.self_attn.v_proj.register_forward_hook(
+                 lambda _m, _i, out: out.to(torch.float16).to(torch.float32))
+             for m in model.model.layers if hasattr(m, "self_attn")]
+    if not hooks:
+        fail("no full-attention layer found to round V in")
+    mod.apply_rotary_pos_emb = rope_then_round
+    try:
+        with torch.no_grad():
+            return [rows(model(input_ids=torch.tensor([p]), use_cache=False).logits[0]
+                         .to(torch.float32)) for p in prompts]
+    finally:
+        mod.apply_rotary_pos_emb = rope
+        for h in hooks:
+            h.remove()
+
+
 def load_back(d):
     try:
         m = Qwen3NextForCausalLM.from_pretrained(d, dtype=torch.float32,
@@ -424,6 +458,7 @@ def run_variant(out_dir, name, seed):
                       file=sys.stderr)
             print(f"[{name}] prompt {i} ({len(prompt)} tokens): greedy {greedy[-1]}", flush=True)
         hidden = capture_hidden(model, PROMPTS[1])
+    logits_f16kv = logits_with_f16_kv(model, prompts)
 
     # The folder must load back into transformers and give the same logits bit for bit.
     back = load_back(d)
@@ -441,6 +476,7 @@ def run_variant(out_dir, name, seed):
         "variant": name,
         "prompts": prompts,
         "logits": logits_all,
+        "logits_kv_f16": logits_f16kv,
         "greedy": greedy,
         "greedy_cached": cached,
         "hidden_states": {"prompt": 1, "layers": hidden},
@@ -480,7 +516,7 @@ def main():
         total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
     print(f"wrote {args.out}: {total / 1e6:.2f} MB")
     if total > 2_500_000:
-        print("warning: output is over 2.5 MB; keep test data small", file=sys.stderr)
+        print("warning: output is over 5 MB; keep test data small", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -71,16 +71,17 @@ fn a_random_qwen3next_gguf_runs_from_a_plan_and_decode_equals_recompute() {
 /// The transformers references (scripts/make_reference_next.py, committed in
 /// tests/data/tiny-qwen3next): each HF folder run directly (its converted tensors built on
 /// load) and converted to GGUF (F32, as `strata-gguf convert` writes it), each on the CPU
-/// engine, with the logits of every prompt position within 3e-4 of the largest reference
-/// logit, and the greedy continuation (with the KV cache and the linear state) token for
-/// token.
+/// engine, with the logits of every prompt position within 1e-4 of the largest logit of
+/// transformers run with an f16 cache (1e-3 of its plain float32 run), and the greedy
+/// continuation (with the KV cache and the linear state) token for token. The `cuda`
+/// variant has the shapes the CUDA kernels take (`cuda_next` runs it there).
 #[test]
 fn tiny_qwen3next_references_match_from_the_folder_and_after_conversion() {
     let root =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
     let tmp = tempfile::tempdir().unwrap();
     let mut runs = 0;
-    for variant in ["base", "interval2", "odd"] {
+    for variant in ["base", "interval2", "odd", "cuda"] {
         let dir = root.join(variant);
         let r: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
@@ -95,13 +96,15 @@ fn tiny_qwen3next_references_match_from_the_folder_and_after_conversion() {
                 Box::new(GgufModel::open(path).unwrap())
             };
             let mut e = start_cpu(&plan, model, EngineOptions::default()).unwrap();
-            // Tolerance: 3e-4 of the largest logit. Both sides are f32, but the chunked delta
-            // rule sums in another order than transformers' (measured: 1.1e-4 at worst).
-            check_references(&format!("{variant} ({kind})"), &mut e, &r, 3e-4);
+            // Tolerance: 1e-4 of the largest logit from transformers with an f16 cache. Both
+            // are f32 elsewhere (typically 1e-6 apart), but where the two f32 paths differ in
+            // the last bit an f16 rounding of a K or V element can flip by one ulp (measured:
+            // 4.2e-5 on interval2's third prompt).
+            check_references(&format!("{variant} ({kind})"), &mut e, &r, 1e-4);
             runs += 1;
         }
     }
-    assert_eq!(runs, 6);
+    assert_eq!(runs, 8);
 }
 
 /// Every tensor a Qwen3-Next folder gives the engine (1:1 from the mmap, converted on load,
@@ -112,7 +115,7 @@ fn the_folder_loader_gives_the_converters_bytes_for_every_tensor() {
     let root =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
     let tmp = tempfile::tempdir().unwrap();
-    for variant in ["base", "interval2", "odd"] {
+    for variant in ["base", "interval2", "odd", "cuda"] {
         let dir = root.join(variant);
         let gguf = tmp.path().join(format!("{variant}.gguf"));
         convert_hf_folder(&dir, &gguf, GgmlType::F32, None).unwrap();

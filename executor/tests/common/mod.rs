@@ -283,27 +283,40 @@ pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Every prompt of a transformers reference (`reference.json` of tests/data/tiny-qwen3next)
-/// on `e`: the logits of every position within `tol` of the largest reference logit, then
-/// the greedy continuation with the cache and the linear state, token for token.
+/// on `e`, whose KV cache is f16: the logits of every position within `tol` of the largest
+/// reference logit of `logits_kv_f16` (transformers with K and V rounded to f16 as they enter
+/// the cache, as the engines store them) and within 1e-3 of the plain float32 `logits` (that
+/// rounding alone moves them by up to 4.3e-4 on these models), then the greedy continuation
+/// with the cache and the linear state, token for token.
 pub fn check_references(what: &str, e: &mut dyn strata_exec::engine::Engine, r: &Value, tol: f32) {
     let v = e.info().n_vocab;
     let ub = e.info().ubatch;
-    for (i, ids) in prompts(r).iter().enumerate() {
-        let want: Vec<f32> = r["logits"][i]
+    let rows = |key: &str, i: usize| -> Vec<f32> {
+        r[key][i]
             .as_array()
-            .unwrap()
+            .unwrap_or_else(|| panic!("{what}: reference.json lacks `{key}` (regenerate it with scripts/make_reference_next.py)"))
             .iter()
             .flat_map(|row| row.as_array().unwrap().iter())
             .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
+            .collect()
+    };
+    for (i, ids) in prompts(r).iter().enumerate() {
         e.reset_slot(0);
         let mut got = Vec::new();
         for chunk in ids.chunks(ub) {
             got.extend_from_slice(e.prefill_all(0, chunk).unwrap());
         }
         assert_eq!(got.len(), ids.len() * v);
-        let rel = max_rel(&got, &want);
-        assert!(rel < tol, "{what} prompt {i}: logits differ by {rel}");
+        let rel = max_rel(&got, &rows("logits_kv_f16", i));
+        assert!(
+            rel < tol,
+            "{what} prompt {i}: logits differ from the f16-KV reference by {rel}"
+        );
+        let rel32 = max_rel(&got, &rows("logits", i));
+        assert!(
+            rel32 < 1e-3,
+            "{what} prompt {i}: logits differ from the float32 reference by {rel32}"
+        );
         let greedy: Vec<u32> = r["greedy_cached"][i]
             .as_array()
             .unwrap()
@@ -322,7 +335,7 @@ pub fn check_references(what: &str, e: &mut dyn strata_exec::engine::Engine, r: 
         }
         assert_eq!(out, greedy, "{what} prompt {i}: greedy continuation");
         eprintln!(
-            "PASS {what} prompt {i}: {} positions within {rel:.2e}, {} greedy tokens",
+            "PASS {what} prompt {i}: {} positions within {rel:.2e} (f16-KV reference; {rel32:.2e} of the float32 one), {} greedy tokens",
             ids.len(),
             out.len()
         );

@@ -940,7 +940,7 @@ mod next_tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen3next");
         let d = tmp();
         let mut n = 0;
-        for variant in ["base", "interval2", "odd"] {
+        for variant in ["base", "interval2", "odd", "cuda"] {
             let dir = root.join(variant);
             let r: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap())
@@ -955,6 +955,6 @@ mod next_tests {
             check_f32_conversion(&dir, &out, &read_values(&dir));
             n += 1;
         }
-        assert_eq!(n, 3);
+        assert_eq!(n, 4);
     }
 }
