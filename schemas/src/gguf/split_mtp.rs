@@ -98,12 +98,7 @@ pub fn split_mtp(
     for t in &g.tensors {
         match in_block(t) {
             (_, Some(true)) => to_mtp.push(t),
-            (role, None)
-                if matches!(
-                    role,
-                    TensorRole::Embedding | TensorRole::OutputNorm | TensorRole::Head
-                ) =>
-            {
+            (TensorRole::Embedding | TensorRole::OutputNorm | TensorRole::Head, None) => {
                 to_main.push(t);
                 to_mtp.push(t);
             }
