@@ -206,7 +206,13 @@ pub fn merge_mtp_file(
         nextn_predict_layers: mtp.hparams.nextn_predict_layers,
         ..main.hparams.clone()
     };
-    if let Some((key, found, expected)) = first_difference(&mtp.hparams, &hparams) {
+    // Whether the file carries its own `output` copy says nothing about the model: the block
+    // uses the main model's head.
+    let own = HParams {
+        tied_embeddings: hparams.tied_embeddings,
+        ..mtp.hparams.clone()
+    };
+    if let Some((key, found, expected)) = first_difference(&own, &hparams) {
         return Err(MtpFileError::HParam {
             file,
             main: main_name,

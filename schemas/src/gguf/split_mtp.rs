@@ -290,6 +290,14 @@ mod tests {
         assert!(e.to_string().contains("`rms_eps`"), "{e}");
         assert!(e.to_string().contains(&file.path), "{e}");
 
+        // A file without its own head copy (it reads as tied) still fits: the block uses the
+        // main model's head.
+        let mut headless = file.clone();
+        headless.tensors.retain(|t| t.name != "output.weight");
+        headless.hparams.tied_embeddings = true;
+        let merged = merge_mtp_file(&main_inv, &headless).unwrap();
+        assert_eq!(merged.fingerprint(), whole_inv.fingerprint());
+
         let mut short = file.clone();
         short
             .tensors
