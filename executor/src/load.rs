@@ -1,10 +1,15 @@
 //! Weights from the model file to their planned places: the host view of a model (a GGUF
-//! file mmapped, or a Hugging Face safetensors folder), the copy of every `Device`-placed
+//! file mmapped, or a Hugging Face safetensors folder, with an MTP-only GGUF beside it where
+//! the plan names one: `load/mtp_file.rs`), the copy of every `Device`-placed
 //! tensor into its arena offset (with progress: a bar on a terminal, log lines otherwise),
 //! and the weight source a stage reads from its arena.
 //! Invariant: a tensor is copied only to the `[offset, offset + bytes)` its placement names,
 //! after checking that the host bytes have exactly the planned size and fit the arena;
 //! routed-expert stacks placed `HostExperts` stay in host memory (the expert cache reads them).
+
+mod mtp_file;
+
+pub use mtp_file::{open_planned, MtpFileLoadError, WithMtpFile};
 
 use crate::bind::{BindError, Binding};
 use crate::model::{WeightSource, WeightView};
@@ -30,6 +35,8 @@ pub enum LoadError {
     Missing { name: String, path: String },
     #[error(transparent)]
     Bind(#[from] BindError),
+    #[error(transparent)]
+    MtpFile(#[from] MtpFileLoadError),
 }
 
 /// A model as host memory: its inventory and every tensor's bytes (GGUF layout).
@@ -76,7 +83,7 @@ impl GgufModel {
     }
 
     /// Map the parts of an already-read header `g` and index its tensors.
-    fn from_header(
+    pub(crate) fn from_header(
         path: &Path,
         inv: ModelInventory,
         g: &strata_schemas::gguf::GgufFile,

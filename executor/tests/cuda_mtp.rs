@@ -7,7 +7,8 @@
 //! decoding's (they are not when the rejected drafts' state is kept, which the test checks
 //! too, so it fails if `rollback_linear` does nothing); the CUDA engine drafts what the CPU
 //! engine drafts (the same acceptance counts); `run --spec-oracle --format json` on the GPU
-//! accepts every draft. The plan's capability verdict and start-up checks run without a GPU.
+//! accepts every draft; the block read from an MTP-only file (two files) speculates as the
+//! single file's does. The plan's capability verdict and start-up checks run without a GPU.
 //! Needs a CUDA GPU: without one every other test prints SKIP and returns (run them on the GPU
 //! machine: `cargo test -p strata-exec --release --test cuda_mtp -- --test-threads=1
 //! --nocapture`).
@@ -51,7 +52,13 @@ fn plan(path: &Path, spec: u32, gpu: bool) -> Plan {
 fn plan_resident(path: &Path, spec: u32, gpu: bool, resident: u64) -> Plan {
     let inv = strata_plan::model::load_model(path).unwrap();
     let probe = if gpu { gpu_probe(1) } else { cpu_probe(1) };
-    let settings = ServeSettings {
+    solved(&inv, path, &probe, "test probe", &settings(spec, resident))
+}
+
+/// 2 slots of `CTX` cells, ubatch 8, every expert in VRAM, `resident` cells of each slot in
+/// VRAM, speculating `spec` drafts (0: none).
+fn settings(spec: u32, resident: u64) -> ServeSettings {
+    ServeSettings {
         max_context: CTX,
         batch: 2,
         ubatch: 8,
@@ -61,8 +68,7 @@ fn plan_resident(path: &Path, spec: u32, gpu: bool, resident: u64) -> Plan {
         pinned_chunk_mib: 1,
         kv_resident: (resident < CTX).then_some(resident),
         ..ServeSettings::default()
-    };
-    solved(&inv, path, &probe, "test probe", &settings)
+    }
 }
 
 fn start(path: &Path, spec: u32) -> CudaEngine {
@@ -308,4 +314,54 @@ fn speculation_over_spilled_kv_gives_the_tokens_of_plain_decoding() {
         "PASS speculation over spilled KV: {:?}",
         e.stats().speculation
     );
+}
+
+/// The MTP block read from llama.cpp's MTP-only file (the model split by `split_mtp`, planned
+/// as `strata-plan --model MAIN --mtp-model MTP` plans it): the CUDA engine binds it from the
+/// second file and speculates with the single file's tokens and draft counts.
+#[test]
+fn the_block_from_an_mtp_only_file_drafts_on_cuda_what_the_single_file_drafts() {
+    use strata_plan::solve::{solve, Outcome, PlanRequest};
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let (main, mtp) = (
+        dir.path().join("main.gguf"),
+        dir.path().join("mtp-main.gguf"),
+    );
+    strata_schemas::gguf::split_mtp::split_mtp(&path, &main, &mtp).unwrap();
+    let n = 40;
+    let mut single = start(&path, 3);
+    let want = speculative_pair(&mut single, n);
+
+    let (inv, file) = strata_plan::model::load_model_with_mtp(&main, Some(&mtp)).unwrap();
+    let probe = gpu_probe(1);
+    let s = settings(3, CTX);
+    let req = PlanRequest {
+        inventory: &inv,
+        model_source: main.display().to_string(),
+        probe: &probe,
+        probe_source: "test probe".into(),
+        settings: &s,
+        profile: None,
+        vision: None,
+        mtp_file: file,
+    };
+    let Outcome::Planned(p) = solve(&req).unwrap() else {
+        panic!("the two-file model does not fit");
+    };
+    assert!(p.model.mtp_file.is_some() && p.devices[0].holds_mtp);
+    let host = strata_exec::load::open_planned(&p, &main, None).unwrap();
+    let mut two = start_cuda(&p, host, CudaOptions::default()).unwrap();
+    assert_eq!(two.spec_tokens(), 3);
+    let got = speculative_pair(&mut two, n);
+    assert_eq!(got, want);
+    let (a, b) = (single.stats().speculation, two.stats().speculation);
+    assert_eq!(
+        (b.steps, b.drafted, b.accepted),
+        (a.steps, a.drafted, a.accepted)
+    );
+    assert!(b.drafted > 0);
 }

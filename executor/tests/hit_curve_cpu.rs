@@ -75,6 +75,7 @@ fn plan(model: &Path, cache: ExpertCache, profile: Option<&ExpertProfile>) -> Pl
         settings: &s,
         profile,
         vision: None,
+        mtp_file: None,
     };
     match solve(&req).unwrap() {
         Outcome::Planned(p) => *p,

@@ -53,6 +53,7 @@ fn plan_model(model: &Path, kv: KvType) -> Plan {
         settings: &settings,
         profile: None,
         vision: None,
+        mtp_file: None,
     };
     match solve(&req).unwrap() {
         Outcome::Planned(p) => *p,

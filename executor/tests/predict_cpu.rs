@@ -151,6 +151,7 @@ fn plan(model: &std::path::Path, cost: CostProbe, batch: u32) -> Plan {
         settings: &s,
         profile: None,
         vision: None,
+        mtp_file: None,
     };
     match solve(&req).unwrap() {
         Outcome::Planned(p) => *p,

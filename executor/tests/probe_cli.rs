@@ -93,6 +93,7 @@ fn probe_file_has_this_hosts_memory_and_plans() {
         settings: &settings,
         profile: None,
         vision: None,
+        mtp_file: None,
     };
     match solve(&req) {
         Ok(Outcome::Planned(p)) => assert!(!p.devices.is_empty(), "a plan with no devices"),

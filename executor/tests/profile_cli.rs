@@ -111,6 +111,7 @@ fn profile_counts_the_picks_and_replans_the_cache_round_trip() {
         settings: &settings,
         profile: Some(&prof),
         vision: None,
+        mtp_file: None,
     };
     let tuned = match solve(&req).unwrap() {
         Outcome::Planned(p) => *p,

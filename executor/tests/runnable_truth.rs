@@ -102,6 +102,7 @@ fn plan(model: &Path, probe: &HardwareProbe, s: &ServeSettings) -> Plan {
         settings: s,
         profile: None,
         vision: None,
+        mtp_file: None,
     };
     match solve(&req).unwrap() {
         Outcome::Planned(p) => *p,

@@ -116,6 +116,7 @@ fn plan_entry(
         settings,
         profile: None,
         vision: None,
+        mtp_file: None,
     };
     let outcome = solve(&req).map_err(|e| format!("{hw}/{model}/{preset}: {e}"))?;
     Ok(match outcome {

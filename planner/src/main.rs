@@ -22,6 +22,9 @@ Examples:
       --max-context 1048576 --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 262144 \\
       --kv q8_0 --kv-resident 32768 --batch 4 --mtp --spec 4 --vision --vram-reserve-mib 500 \\
       -o seed000.plan
+  # A main GGUF without its MTP block plus llama.cpp's MTP-only file (convert --mtp):
+  strata-plan --hardware probe.toml --model Qwen3-Next.gguf --mtp-model mtp-Qwen3-Next.gguf \
+      --spec 3 -o next.plan
   # Print the report of a plan file again, as JSON:
   strata-plan inspect seed000.plan --format json
   # Regenerate and check the shipped catalogue (every GPU probe x model x preset):
@@ -131,6 +134,12 @@ struct PlanArgs {
     /// Tokens per prefill step; sizes the scratch [default: 512].
     #[arg(long, value_name = "TOKENS", help_heading = "Serve")]
     ubatch: Option<u32>,
+    /// The MTP-only GGUF llama.cpp's `convert_hf_to_gguf.py --mtp` writes (mtp-<name>.gguf),
+    /// for a --model without its MTP block (converted with --no-mtp): its block is planned in
+    /// the mtp region and the plan records both files (implies --mtp).
+    #[arg(long, value_name = "MTP.gguf")]
+    mtp_model: Option<PathBuf>,
+
     /// Load the MTP (next-n) draft head.
     #[arg(long, help_heading = "Serve")]
     mtp: bool,
@@ -301,7 +310,7 @@ fn settings(a: &PlanArgs) -> Result<ServeSettings, Fail> {
     if let Some(v) = a.ubatch {
         s.ubatch = v;
     }
-    if a.mtp {
+    if a.mtp || a.mtp_model.is_some() {
         s.mtp = true;
     }
     if let Some(v) = a.spec {
@@ -362,7 +371,9 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
     })?;
     let probe = HardwareProbe::from_file(hw).map_err(|e| Fail::Bad(e.to_string()))?;
     let s = settings(a)?;
-    let inventory = strata_plan::model::load_model(model_path).map_err(Fail::Bad)?;
+    let (inventory, mtp_file) =
+        strata_plan::model::load_model_with_mtp(model_path, a.mtp_model.as_deref())
+            .map_err(Fail::Bad)?;
     let profile = match &s.expert_profile {
         Some(p) => Some(
             strata_schemas::profile::read_profile(std::path::Path::new(p))
@@ -385,6 +396,7 @@ fn plan(a: &PlanArgs) -> Result<ExitCode, Fail> {
         settings: &s,
         profile: profile.as_ref(),
         vision: vision.as_ref(),
+        mtp_file,
     };
     let outcome = solve(&req).map_err(|e| Fail::Bad(e.to_string()))?;
     match outcome {

@@ -201,7 +201,7 @@ pub fn plan_json(plan: &Plan) -> Value {
         .collect();
     let h = &plan.host;
     let s = &plan.serve;
-    json!({
+    let mut v = json!({
         "feasible": true,
         "degraded": !plan.degradations.is_empty(),
         "runnable": runnable_json(&runnable(plan)),
@@ -270,7 +270,12 @@ pub fn plan_json(plan: &Plan) -> Value {
             "basis": plan.predicted.basis,
         },
         "notes": notes(plan),
-    })
+    });
+    // Only two-file models carry the key, so single-file reports read as before.
+    if let Some(m) = &plan.model.mtp_file {
+        v["model"]["mtp_file"] = json!({ "source": m.source, "fingerprint": m.fingerprint });
+    }
+    v
 }
 
 /// The JSON report when no plan fits.
@@ -333,6 +338,12 @@ pub fn plan_text(plan: &Plan) -> String {
             format!("runnable on {}", backends.join(", "))
         }
     ));
+    if let Some(m) = &plan.model.mtp_file {
+        o.push_str(&format!(
+            "  model: {} with its MTP block from {} (fingerprint {})\n",
+            plan.model.source, m.source, m.fingerprint
+        ));
+    }
     o.push_str(&format!(
         "  serve: {} slot(s) x {} cells ({} in VRAM per slot), kv {}, ubatch {}, mtp {}{}, vision {}, split {}\n",
         s.batch,

@@ -71,6 +71,9 @@ pub struct PlanRequest<'a> {
     pub profile: Option<&'a ExpertProfile>,
     /// The vision tower, already resolved from `--vision mmproj.gguf` or the descriptor.
     pub vision: Option<&'a VisionSpec>,
+    /// The MTP-only file `inventory`'s MTP block was merged from (`--mtp-model`), recorded in
+    /// the plan beside the model.
+    pub mtp_file: Option<strata_schemas::plan::PlanMtpFile>,
 }
 
 /// A bad request: exit 1.
@@ -683,6 +686,7 @@ mod tests {
             } else {
                 None
             },
+            mtp_file: None,
         };
         solve(&req).unwrap()
     }

@@ -350,6 +350,7 @@ proptest! {
             settings: &s,
             profile: None,
             vision: None,
+            mtp_file: None,
         };
         match solve(&req) {
             Ok(Outcome::Planned(plan)) => {
@@ -426,6 +427,7 @@ proptest! {
                 settings: &s,
                 profile,
                 vision: None,
+                mtp_file: None,
             };
             match solve(&req) {
                 Ok(Outcome::Planned(plan)) => plan,

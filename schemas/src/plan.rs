@@ -524,6 +524,9 @@ pub struct PlanModel {
     pub fingerprint: String,
     /// Where it came from (path as given).
     pub source: String,
+    /// The MTP-only GGUF the MTP block loads from (`strata-plan --mtp-model`), when the main
+    /// model has no MTP block of its own; `fingerprint` above then covers both files.
+    pub mtp_file: Option<PlanMtpFile>,
     pub n_layer: u32,
     pub n_expert: u64,
     pub n_expert_used: u64,
@@ -532,6 +535,18 @@ pub struct PlanModel {
     pub dense_ffn_layers: u32,
     /// The shapes kernels constrain (see `capability`).
     pub shape: ModelShape,
+}
+
+/// A second model file holding only the MTP block (llama.cpp's `convert_hf_to_gguf.py --mtp`
+/// output), planned beside the main model.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct PlanMtpFile {
+    /// Path as given to `--mtp-model`.
+    pub source: String,
+    /// `ModelInventory::fingerprint` of that file alone (its hyperparameters and every
+    /// tensor it holds), so a changed MTP file is named as such at start-up.
+    pub fingerprint: String,
 }
 
 /// Model dimensions a backend's kernels may constrain.

@@ -330,3 +330,107 @@ fn random_vocab_from_writes_the_tokenizer_keys_padded_to_the_vocabulary() {
         "{err}"
     );
 }
+
+/// `split-mtp`: a Qwen3-Next with its MTP block splits into llama.cpp's `--no-mtp` main file
+/// and its `--mtp` file (keys and tensors as the converter names them); a model without an MTP
+/// block exits 1 naming the file.
+#[test]
+fn split_mtp_writes_the_main_and_the_mtp_only_file() {
+    let d = tempfile::tempdir().unwrap();
+    let whole = d.path().join("next.gguf");
+    let shape = [
+        "--layers",
+        "4",
+        "--embd",
+        "64",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--experts",
+        "4",
+        "--experts-used",
+        "2",
+        "--ff-exp",
+        "32",
+        "--ff-shexp",
+        "32",
+        "--vocab",
+        "64",
+        "--ssm-state",
+        "16",
+        "--ssm-groups",
+        "2",
+        "--ssm-heads",
+        "4",
+        "--ssm-inner",
+        "64",
+    ];
+    let o = bin()
+        .args([
+            "random",
+            "--arch",
+            "qwen3next",
+            "--preset",
+            "F32",
+            "--mtp",
+            "1",
+        ])
+        .args(shape)
+        .arg("--out")
+        .arg(&whole)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (main, mtp) = (d.path().join("main.gguf"), d.path().join("mtp-next.gguf"));
+    let split = |input: &std::path::Path| {
+        bin()
+            .arg("split-mtp")
+            .arg(input)
+            .arg("--main-out")
+            .arg(&main)
+            .arg("--mtp-out")
+            .arg(&mtp)
+            .output()
+            .unwrap()
+    };
+    let o = split(&whole);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = read_gguf(&main).unwrap();
+    assert_eq!(m.get_u64("qwen3next.block_count").unwrap(), Some(4));
+    assert!(m.get("qwen3next.nextn_predict_layers").is_none());
+    assert!(m.tensors.iter().all(|t| !t.name.starts_with("blk.4.")));
+    let x = read_gguf(&mtp).unwrap();
+    assert_eq!(x.get_u64("qwen3next.block_count").unwrap(), Some(5));
+    assert_eq!(
+        x.get_u64("qwen3next.nextn_predict_layers").unwrap(),
+        Some(1)
+    );
+    let names: Vec<&str> = x.tensors.iter().map(|t| t.name.as_str()).collect();
+    for n in [
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+        "blk.4.nextn.eh_proj.weight",
+        "blk.4.nextn.enorm.weight",
+        "blk.4.nextn.hnorm.weight",
+        "blk.4.nextn.shared_head_norm.weight",
+        "blk.4.attn_q.weight",
+        "blk.4.ffn_down_exps.weight",
+    ] {
+        assert!(names.contains(&n), "{n} not in {names:?}");
+    }
+    assert!(names
+        .iter()
+        .all(|n| !n.starts_with("blk.") || n.starts_with("blk.4.")));
+    // The main file has no block to split off.
+    let o = split(&main);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("main.gguf") && err.contains("no MTP block"),
+        "{err}"
+    );
+}

@@ -66,6 +66,10 @@ pub struct PlanArgs {
     /// was made from.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The MTP-only GGUF (llama.cpp's `convert_hf_to_gguf.py --mtp` output) of a plan made
+    /// with `strata-plan --mtp-model`; default: the path the plan was made with.
+    #[arg(long, value_name = "MTP.gguf")]
+    pub mtp_model: Option<PathBuf>,
     /// Backend: auto picks CUDA when the plan's devices are NVIDIA GPUs, else the CPU.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
@@ -181,7 +185,8 @@ pub fn try_start_engine(
     model: &Path,
     args: &PlanArgs,
 ) -> Result<Box<dyn Engine>, String> {
-    let host = strata_exec::load::open_model(model).map_err(|e| e.to_string())?;
+    let host = strata_exec::load::open_planned(plan, model, args.mtp_model.as_deref())
+        .map_err(|e| e.to_string())?;
     let broken = strata_exec::load::non_finite_weights(&*host);
     if !broken.is_empty() {
         let msg = strata_exec::load::non_finite_summary(&broken);

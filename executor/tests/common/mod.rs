@@ -242,6 +242,7 @@ pub fn solved(
         settings,
         profile: None,
         vision: None,
+        mtp_file: None,
     };
     match solve(&req).unwrap() {
         Outcome::Planned(p) => *p,

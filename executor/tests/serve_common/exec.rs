@@ -66,6 +66,7 @@ pub fn write_plan(dir: &Path, model: &Path, slots: u32, ctx: u64, ubatch: u32) -
         settings: &settings,
         profile: None,
         vision: None,
+        mtp_file: None,
     };
     let plan = match solve(&req).unwrap() {
         Outcome::Planned(p) => *p,

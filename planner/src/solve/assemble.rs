@@ -658,6 +658,7 @@ impl Solver<'_> {
             name: inv.name.clone(),
             fingerprint: inv.fingerprint(),
             source: self.req.model_source.clone(),
+            mtp_file: self.req.mtp_file.clone(),
             n_layer: hp.n_layer,
             n_expert: hp.n_expert,
             n_expert_used: hp.n_expert_used,

@@ -9,9 +9,11 @@ pub mod hf_sources;
 pub mod metadata;
 pub mod mmproj;
 pub mod model;
+pub mod mtp_file;
 pub mod quantize;
 pub mod random;
 pub mod read;
+pub mod split_mtp;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod write;

@@ -173,48 +173,80 @@ pub fn inventory_from_gguf(g: &GgufFile) -> Result<ModelInventory, GgufModelErro
         source,
     };
 
+    let mut tensors = tensor_infos(g)?;
+    let m = Meta { g, arch: &arch };
+    let hp = m.hparams(&tensors)?;
+
+    if is_fully_checked(&arch) {
+        check_and_sort(&arch, &hp, &mut tensors).map_err(layout)?;
+    } else {
+        m.check_planning(&hp, &tensors)?;
+        sort_canonical(&mut tensors, &BTreeMap::new());
+    }
+    Ok(ModelInventory {
+        name: model_name(g)?,
+        arch,
+        hparams: hp,
+        tensors,
+        vision: None,
+    })
+}
+
+/// Every tensor record of `g` as a [`TensorInfo`] (role and block from [`arch::classify`],
+/// `file_offset` relative to its part's data section), in file order.
+pub(crate) fn tensor_infos(g: &GgufFile) -> Result<Vec<TensorInfo>, GgufModelError> {
     let mut tensors = Vec::with_capacity(g.tensors.len());
     for t in &g.tensors {
         let (role, layer) = arch::classify(&t.name);
         let mut info = TensorInfo::new(t.name.clone(), t.dims.clone(), t.ggml_type, role, layer)
-            .map_err(layout)?;
+            .map_err(|source| GgufModelError::Layout {
+                file: g.path.clone(),
+                source,
+            })?;
         info.file_offset = Some(t.offset);
         tensors.push(info);
     }
+    Ok(tensors)
+}
 
-    let m = Meta { g, arch: &arch };
-    let hp = m.hparams(&tensors)?;
+/// The hyperparameters of `g`, an `arch` file whose tensors are `tensors` (see the module
+/// docs for the mapping); nothing is checked against the tensor table but `token_embd`.
+pub(crate) fn hparams_of(
+    g: &GgufFile,
+    arch: &str,
+    tensors: &[TensorInfo],
+) -> Result<HParams, GgufModelError> {
+    Meta { g, arch }.hparams(tensors)
+}
 
-    let canonical: BTreeMap<String, usize> = if is_fully_checked(&arch) {
-        arch::validate_hparams(&arch, &hp).map_err(layout)?;
-        arch::check_tensors(&arch, &hp, &tensors).map_err(layout)?;
-        arch::canonical_dims(&arch, &hp, &mut tensors).map_err(layout)?;
-        arch::expected_shapes(&arch, &hp)
-            .map_err(layout)?
-            .into_iter()
-            .enumerate()
-            .map(|(i, (name, _))| (name, i))
-            .collect()
-    } else {
-        m.check_planning(&hp, &tensors)?;
-        BTreeMap::new()
-    };
-    sort_canonical(&mut tensors, &canonical);
-
-    let name = match g.get_str("general.name")? {
+/// `general.name`, else the file's stem.
+pub(crate) fn model_name(g: &GgufFile) -> Result<String, GgufModelError> {
+    Ok(match g.get_str("general.name")? {
         Some(n) if !n.trim().is_empty() => n.to_string(),
         _ => Path::new(&g.path)
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into()),
-    };
-    Ok(ModelInventory {
-        arch,
-        name,
-        hparams: hp,
-        tensors,
-        vision: None,
     })
+}
+
+/// For a fully checked architecture: the hyperparameters valid, every tensor present with its
+/// shape (trailing 1s canonicalised), then the canonical order.
+pub(crate) fn check_and_sort(
+    arch: &str,
+    hp: &HParams,
+    tensors: &mut [TensorInfo],
+) -> Result<(), InventoryError> {
+    arch::validate_hparams(arch, hp)?;
+    arch::check_tensors(arch, hp, tensors)?;
+    arch::canonical_dims(arch, hp, tensors)?;
+    let canonical: BTreeMap<String, usize> = arch::expected_shapes(arch, hp)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, _))| (name, i))
+        .collect();
+    sort_canonical(tensors, &canonical);
+    Ok(())
 }
 
 /// Canonical order: embedding, blocks in order (canonical tensors first, in spec order, then

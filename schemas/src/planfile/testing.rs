@@ -112,6 +112,10 @@ fn sample_model() -> PlanModel {
         name: "Sample-80B-A3B".into(),
         fingerprint: "0123456789abcdef0123456789abcdef".into(),
         source: "/models/sample.gguf".into(),
+        mtp_file: Some(PlanMtpFile {
+            source: "/models/mtp-sample.gguf".into(),
+            fingerprint: "fedcba9876543210fedcba9876543210".into(),
+        }),
         n_layer: 48,
         n_expert: 512,
         n_expert_used: 10,

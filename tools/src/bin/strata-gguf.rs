@@ -1,6 +1,7 @@
 //! `strata-gguf`: writes GGUF model files for tests and benchmarks — random weights at any
 //! shape in llama.cpp's layout (`random`), a converted Hugging Face folder (`convert`), or a
-//! requantized copy of any GGUF Strata reads (`quantize`).
+//! requantized copy of any GGUF Strata reads (`quantize`), or a model split into its main
+//! file and llama.cpp's MTP-only file (`split-mtp`).
 //! Invariant: every tensor table comes from `strata_schemas::arch` (directly or through a
 //! descriptor), so what this writes is what the planner synthesizes; errors name the flag or
 //! file and exit 1 (clap usage errors exit 2).
@@ -19,6 +20,7 @@ use strata_schemas::gguf::quantize::{quantize_gguf, QuantTarget, QuantizeOptions
 use strata_schemas::gguf::random::{
     write_random_model, write_random_tensors, RandomOptions, Routing,
 };
+use strata_schemas::gguf::split_mtp::split_mtp;
 use strata_schemas::gguf::write::{ProgressFn, WriteSummary};
 use strata_schemas::inventory::HParams;
 
@@ -64,6 +66,26 @@ enum Cmd {
     /// OUT.partial and renamed when complete. Example:
     /// `strata-gguf quantize Qwen3-30B-A3B-IQ3_S.gguf q8.gguf --type Q8_0`
     Quantize(QuantizeArgs),
+    /// Split a GGUF that holds its MTP block into the two files llama.cpp's converter writes
+    /// for the same checkpoint: the main model as `convert_hf_to_gguf.py --no-mtp` writes it
+    /// (block_count = n_layer, no nextn_predict_layers, no blk.{n_layer}.*) and the MTP-only
+    /// file as `--mtp` writes it (all metadata, the MTP block's tensors plus token_embd,
+    /// output_norm and output). Bytes are copied unchanged. Example:
+    /// `strata-gguf split-mtp next.gguf --main-out next-main.gguf --mtp-out mtp-next.gguf`,
+    /// then `strata-plan --model next-main.gguf --mtp-model mtp-next.gguf --spec 3 ...`
+    SplitMtp(SplitMtpArgs),
+}
+
+#[derive(Args)]
+struct SplitMtpArgs {
+    /// Input GGUF with its MTP block (nextn_predict_layers > 0).
+    input: PathBuf,
+    /// The main model without the MTP block.
+    #[arg(long, value_name = "MAIN.gguf")]
+    main_out: PathBuf,
+    /// The MTP-only file.
+    #[arg(long, value_name = "MTP.gguf")]
+    mtp_out: PathBuf,
 }
 
 #[derive(Args)]
@@ -448,12 +470,19 @@ fn run_quantize(a: QuantizeArgs) -> Result<WriteSummary, String> {
     Ok(rep.summary)
 }
 
+fn run_split_mtp(a: SplitMtpArgs) -> Result<WriteSummary, String> {
+    let (main, mtp) = split_mtp(&a.input, &a.main_out, &a.mtp_out).map_err(|e| e.to_string())?;
+    report(&main);
+    Ok(mtp)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Random(a) => run_random(a),
         Cmd::Convert(a) => run_convert(a),
         Cmd::Quantize(a) => run_quantize(a),
+        Cmd::SplitMtp(a) => run_split_mtp(a),
     };
     match res {
         Ok(s) => {

@@ -179,7 +179,8 @@ pub fn main(args: BenchArgs) {
     .unwrap_or_else(|e| fail(e));
     let backend = backend_for(&plan, &args.common);
     // (Only the CUDA engine takes the opened model here; the others open it themselves.)
-    let host = strata_exec::load::open_model(&model).unwrap_or_else(|e| fail(e));
+    let host = strata_exec::load::open_planned(&plan, &model, args.common.mtp_model.as_deref())
+        .unwrap_or_else(|e| fail(e));
     let size_bytes: u64 = host.inventory().tensors.iter().map(|t| t.bytes).sum();
     let params: u64 = host
         .inventory()
