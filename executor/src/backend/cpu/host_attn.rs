@@ -2,7 +2,7 @@
 //! token, the partial softmax of its query heads over its slot's cells past the VRAM window,
 //! read straight from the GPU engine's pinned `kv_spill` chunks (F32, F16 or Q8_0 rows,
 //! dequantised as the CPU backend's KV is), on rayon's pool while the device attends the
-//! window. The device's flash-decoding combine merges this partial with its own splits.
+//! window; a token's cells are cut into pieces so a batch of one keeps every core busy. The device's flash-decoding combine merges this partial with its own splits.
 //! Invariant: a partial is exactly what `dq_attn_gqa` writes for a split — the maximum `m` of
 //! the scaled scores, `l = sum exp(s - m)` and the unnormalised `o = sum exp(s - m) v` — over
 //! cells `[resident, n_ctx)` in increasing order; a token with no such cell gets
@@ -72,12 +72,19 @@ impl SpilledCells<'_> {
     }
 }
 
+/// Bytes of `f32` scratch [`host_partials`] needs for `n_tok` tokens in `pieces` pieces.
+pub fn scratch_len(n_tok: usize, n_head: usize, hd: usize, pieces: usize) -> usize {
+    n_tok * n_head * pieces.max(1) * (hd + 2)
+}
+
 /// The host partials of `slot.len()` decoding tokens: token `t` (query rows `q`, `n_tok x
 /// n_head x hd`, already normed and rotated) attends cells `[resident, n_ctx[t])` of slot
 /// `slot[t]`; `o` gets `n_tok x n_head x hd` unnormalised outputs and `ms` `n_tok x n_head`
-/// (max, sum) pairs. Query head `h` reads KV head `h / (n_head / n_head_kv)`; each (token,
-/// KV head) is one task, which reads each of its cells' K and V rows once for the group's
-/// heads (online softmax in f32).
+/// (max, sum) pairs. Query head `h` reads KV head `h / (n_head / n_head_kv)`. Each token's
+/// cells are cut into `pieces` runs so that a batch of one still keeps every core busy: a
+/// task is one (token, KV head, piece), which reads each of its cells' K and V rows once for
+/// the group's heads (online softmax in f32) into `scratch` ([`scratch_len`]); the pieces
+/// are then merged as the device's combine merges splits.
 #[allow(clippy::too_many_arguments)]
 pub fn host_partials(
     cells: &SpilledCells<'_>,
@@ -86,10 +93,13 @@ pub fn host_partials(
     n_ctx: &[u32],
     q: &[f32],
     scale: f32,
+    pieces: usize,
+    scratch: &mut [f32],
     o: &mut [f32],
     ms: &mut [f32],
 ) -> Result<(), OpError> {
     let n = slot.len();
+    let pieces = pieces.max(1);
     if n_head_kv == 0 || n_head % n_head_kv != 0 || hd == 0 {
         return Err(OpError::Shape {
             op: OP,
@@ -114,6 +124,7 @@ pub fn host_partials(
     need("q", n * n_head * hd, q.len())?;
     need("o", n * n_head * hd, o.len())?;
     need("ms", n * n_head * 2, ms.len())?;
+    need("scratch", scratch_len(n, n_head, hd, pieces), scratch.len())?;
     let slots = slot.iter().map(|&s| s as usize + 1).max().unwrap_or(0);
     cells.check(slots, n_head_kv * hd)?;
     for (t, &c) in n_ctx[..n].iter().enumerate() {
@@ -126,42 +137,110 @@ pub fn host_partials(
         }
     }
     let g = n_head / n_head_kv;
-    let (ty, re) = (cells.ty, n_head_kv * hd);
+    let per = g * (hd + 2);
+    let scratch = &mut scratch[..n * n_head_kv * pieces * per];
+    scratch
+        .par_chunks_mut(per)
+        .enumerate()
+        .try_for_each(|(task, part)| {
+            let (t, kvh, p) = (
+                task / (n_head_kv * pieces),
+                task / pieces % n_head_kv,
+                task % pieces,
+            );
+            let (w, end) = (cells.resident, (n_ctx[t] as usize).max(cells.resident));
+            let len = end - w;
+            let run = (w + p * len / pieces, w + (p + 1) * len / pieces);
+            let q0 = (t * n_head + kvh * g) * hd;
+            let (og, mg) = part.split_at_mut(g * hd);
+            attend(
+                cells,
+                (kvh, hd, g, n_head_kv * hd),
+                slot[t] as usize,
+                run,
+                &q[q0..q0 + g * hd],
+                scale,
+                og,
+                mg,
+            )
+        })?;
+    // Merge each (token, KV head)'s pieces into its heads' partials.
+    let scratch = &*scratch;
     o[..n * n_head * hd]
         .par_chunks_mut(g * hd)
         .zip(ms[..n * n_head * 2].par_chunks_mut(g * 2))
         .enumerate()
-        .try_for_each(|(task, (og, mg))| {
-            let (t, kvh) = (task / n_head_kv, task % n_head_kv);
-            let s = slot[t] as usize;
-            let qg = &q[(t * n_head + kvh * g) * hd..(t * n_head + (kvh + 1) * g) * hd];
-            og.fill(0.0);
-            for m in mg.chunks_mut(2) {
-                m[0] = f32::NEG_INFINITY;
-                m[1] = 0.0;
-            }
-            for c in cells.resident..n_ctx[t] as usize {
-                let (kr, vr) = (cells.row(s, c, cells.k_off), cells.row(s, c, cells.v_off));
-                for h in 0..g {
-                    let sc =
-                        quant::dot_range(ty, kr, re, kvh * hd, &qg[h * hd..(h + 1) * hd])? * scale;
-                    let (m, l) = (mg[2 * h], mg[2 * h + 1]);
-                    let oh = &mut og[h * hd..(h + 1) * hd];
-                    let mn = m.max(sc);
-                    if mn > m {
-                        // A new maximum: what was summed so far is rescaled to it.
-                        let r = (m - mn).exp();
-                        oh.iter_mut().for_each(|x| *x *= r);
-                        mg[2 * h + 1] = l * r;
-                        mg[2 * h] = mn;
+        .for_each(|(task, (og, mg))| {
+            let parts = &scratch[task * pieces * per..(task + 1) * pieces * per];
+            for h in 0..g {
+                let m_of = |p: usize| parts[p * per + g * hd + 2 * h];
+                let mm = (0..pieces).map(m_of).fold(f32::NEG_INFINITY, f32::max);
+                let oh = &mut og[h * hd..(h + 1) * hd];
+                oh.fill(0.0);
+                let mut l = 0.0f32;
+                if mm > f32::NEG_INFINITY {
+                    for p in 0..pieces {
+                        let (m, base) = (m_of(p), p * per);
+                        if m == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let wt = (m - mm).exp();
+                        l += wt * parts[base + g * hd + 2 * h + 1];
+                        let src = &parts[base + h * hd..base + (h + 1) * hd];
+                        for (x, y) in oh.iter_mut().zip(src) {
+                            *x += wt * y;
+                        }
                     }
-                    let p = (sc - mn).exp();
-                    mg[2 * h + 1] += p;
-                    quant::axpy_range(ty, vr, re, kvh * hd, p, oh)?;
                 }
+                mg[2 * h] = mm;
+                mg[2 * h + 1] = l;
             }
-            Ok::<(), quant::QuantError>(())
-        })?;
+        });
+    Ok(())
+}
+
+/// One task: the `g` query heads `qg` of KV head `kvh` over cells `[a, b)` of `slot` (rows
+/// of `re` values), into `og` (`g x hd` unnormalised outputs) and `mg` (`g` (max, sum)
+/// pairs).
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    cells: &SpilledCells<'_>,
+    (kvh, hd, g, re): (usize, usize, usize, usize),
+    slot: usize,
+    (a, b): (usize, usize),
+    qg: &[f32],
+    scale: f32,
+    og: &mut [f32],
+    mg: &mut [f32],
+) -> Result<(), quant::QuantError> {
+    let ty = cells.ty;
+    og.fill(0.0);
+    for m in mg.chunks_mut(2) {
+        m[0] = f32::NEG_INFINITY;
+        m[1] = 0.0;
+    }
+    for c in a..b {
+        let (kr, vr) = (
+            cells.row(slot, c, cells.k_off),
+            cells.row(slot, c, cells.v_off),
+        );
+        for h in 0..g {
+            let sc = quant::dot_range(ty, kr, re, kvh * hd, &qg[h * hd..(h + 1) * hd])? * scale;
+            let (m, l) = (mg[2 * h], mg[2 * h + 1]);
+            let oh = &mut og[h * hd..(h + 1) * hd];
+            let mn = m.max(sc);
+            if mn > m {
+                // A new maximum: what was summed so far is rescaled to it.
+                let r = (m - mn).exp();
+                oh.iter_mut().for_each(|x| *x *= r);
+                mg[2 * h + 1] = l * r;
+                mg[2 * h] = mn;
+            }
+            let p = (sc - mn).exp();
+            mg[2 * h + 1] += p;
+            quant::axpy_range(ty, vr, re, kvh * hd, p, oh)?;
+        }
+    }
     Ok(())
 }
 
@@ -256,15 +335,23 @@ mod tests {
 
     /// Window partials (reference) merged with the host partials over the pinned-chunk
     /// layout equal the CPU backend's whole attention over the same rows, for F16 and Q8_0
-    /// KV, GQA groups of 1, 2 and 4, several windows (none, most, all spilled) and chunk
-    /// sizes, two slots and tokens of different lengths.
+    /// KV, GQA groups of 1, 2 and 4, several windows (none, most, all spilled), chunk sizes
+    /// and pieces a token's cells are cut into, two slots and tokens of different lengths.
     #[test]
     fn window_and_host_partials_merge_to_the_whole_attention() {
         let (ctx, slots, layers) = (70usize, 2usize, 2usize);
         for ty in [GgmlType::F16, GgmlType::Q8_0] {
             for (nh, nkv, hd) in [(4, 4, 32), (4, 2, 32), (8, 2, 64)] {
                 for (w, per_chunk) in [(0usize, 7usize), (16, 5), (40, 64), (69, 3)] {
-                    check_case(ty, (nh, nkv, hd), (ctx, slots, layers), (w, per_chunk));
+                    for pieces in [1, 3, 8] {
+                        check_case(
+                            ty,
+                            (nh, nkv, hd),
+                            (ctx, slots, layers),
+                            (w, per_chunk),
+                            pieces,
+                        );
+                    }
                 }
             }
         }
@@ -275,6 +362,7 @@ mod tests {
         (nh, nkv, hd): (usize, usize, usize),
         (ctx, slots, layers): (usize, usize, usize),
         (w, per_chunk): (usize, usize),
+        pieces: usize,
     ) {
         let d = dims(nh, nkv, hd);
         let g = KvGeom::new(&d, ty, layers, ctx).unwrap();
@@ -340,6 +428,7 @@ mod tests {
         let q: Vec<f32> = (0..n * nh * hd).map(|i| (i as f32 * 0.21).cos()).collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let (mut o, mut ms) = (vec![f32::NAN; n * nh * hd], vec![f32::NAN; n * nh * 2]);
+        let mut scratch = vec![f32::NAN; scratch_len(n, nh, hd, pieces)];
         host_partials(
             &cells,
             (nh, nkv, hd),
@@ -347,6 +436,8 @@ mod tests {
             &n_ctx,
             &q,
             scale,
+            pieces,
+            &mut scratch,
             &mut o,
             &mut ms,
         )
@@ -392,7 +483,7 @@ mod tests {
         }
         assert!(
             worst < 1e-4,
-            "{ty} heads {nh}/{nkv} hd {hd} window {w} chunk {per_chunk}: worst {worst}"
+            "{ty} heads {nh}/{nkv} hd {hd} window {w} chunk {per_chunk} pieces {pieces}: worst {worst}"
         );
         assert!(whole.iter().any(|x| x.abs() > 1e-2), "a non-trivial result");
     }
@@ -413,12 +504,44 @@ mod tests {
             row_bytes: 16,
         };
         let (q, mut o, mut ms) = (vec![0.0; 8], vec![0.0; 8], vec![0.0; 2]);
+        let mut sc = vec![0.0; scratch_len(1, 1, 8, 2)];
+        let mut run = |cells: &SpilledCells<'_>, slot: u32, ctx: u32| {
+            host_partials(
+                cells,
+                (1, 1, 8),
+                &[slot],
+                &[ctx],
+                &q,
+                1.0,
+                2,
+                &mut sc,
+                &mut o,
+                &mut ms,
+            )
+        };
         // Slot 0 fits the one chunk; slot 1's cells are not there.
-        host_partials(&cells, (1, 1, 8), &[0], &[6], &q, 1.0, &mut o, &mut ms).unwrap();
-        assert!(host_partials(&cells, (1, 1, 8), &[1], &[6], &q, 1.0, &mut o, &mut ms).is_err());
+        run(&cells, 0, 6).unwrap();
+        assert!(run(&cells, 1, 6).is_err());
         // A context past the slot's cells.
-        assert!(host_partials(&cells, (1, 1, 8), &[0], &[7], &q, 1.0, &mut o, &mut ms).is_err());
+        assert!(run(&cells, 0, 7).is_err());
         cells.row_bytes = 12;
-        assert!(host_partials(&cells, (1, 1, 8), &[0], &[6], &q, 1.0, &mut o, &mut ms).is_err());
+        assert!(run(&cells, 0, 6).is_err());
+        // Scratch for fewer pieces than asked.
+        cells.row_bytes = 16;
+        let mut short = vec![0.0; scratch_len(1, 1, 8, 1)];
+        let (mut o, mut ms) = (vec![0.0; 8], vec![0.0; 2]);
+        let r = host_partials(
+            &cells,
+            (1, 1, 8),
+            &[0],
+            &[6],
+            &q,
+            1.0,
+            2,
+            &mut short,
+            &mut o,
+            &mut ms,
+        );
+        assert!(r.is_err());
     }
 }

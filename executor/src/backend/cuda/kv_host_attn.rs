@@ -17,9 +17,13 @@ use super::launch::attention::{self, Heads, HostPartial, KvLayer, Splits};
 use super::launch::{kty, Launcher};
 use super::stage::CudaStage;
 use super::{CudaError, DeviceView};
-use crate::backend::cpu::host_attn::{host_partials, SpilledCells};
+use crate::backend::cpu::host_attn::{host_partials, scratch_len, SpilledCells};
 use crate::backend::WorkBuf;
 use strata_schemas::ggml::GgmlType;
+
+/// Fewest cells a piece of a token's spilled cells gets on the host (smaller ones cost more in
+/// the pool's hand-offs than they read).
+const MIN_PIECE: usize = 64;
 
 fn err(detail: impl Into<String>) -> CudaError {
     CudaError::Shape {
@@ -38,6 +42,9 @@ pub(crate) struct KvHostCpu {
     slot: Vec<u32>,
     n_ctx: Vec<u32>,
     part: Vec<f32>,
+    /// The pieces' partials before their merge, for up to `max_pieces` pieces a token.
+    scratch: Vec<f32>,
+    max_pieces: usize,
     /// Layers attended here since start-up.
     pub(crate) layers: u64,
 }
@@ -73,12 +80,15 @@ impl CudaStage {
                 d.n_head, d.hd
             )));
         }
+        let max_pieces = rayon::current_num_threads().max(1);
         spill.cpu = Some(std::sync::Mutex::new(KvHostCpu {
             ty,
             q: vec![0.0; rows * d.n_head * d.hd],
             slot: vec![0; rows],
             n_ctx: vec![0; rows],
             part: vec![0.0; rows * d.n_head * (d.hd + 2)],
+            scratch: vec![0.0; scratch_len(rows, d.n_head, d.hd, max_pieces)],
+            max_pieces,
             layers: 0,
         }));
         Ok(())
@@ -167,6 +177,17 @@ impl CudaStage {
             row_bytes: kv.row_bytes as usize,
         };
         let hc = &mut *hc;
+        // Enough pieces a token for every core, none shorter than MIN_PIECE cells.
+        let longest = hc.n_ctx[..n]
+            .iter()
+            .map(|&c| (c as usize).saturating_sub(cells.resident))
+            .max()
+            .unwrap_or(0);
+        let pieces = hc
+            .max_pieces
+            .div_ceil(n * h.n_head_kv)
+            .min(longest.div_ceil(MIN_PIECE))
+            .clamp(1, hc.max_pieces);
         let (o, ms) = hc.part[..n * nh * (hd + 2)].split_at_mut(n * nh * hd);
         let scale = 1.0 / (hd as f32).sqrt();
         host_partials(
@@ -176,6 +197,8 @@ impl CudaStage {
             &hc.n_ctx[..n],
             &hc.q[..n * nh * hd],
             scale,
+            pieces,
+            &mut hc.scratch,
             o,
             ms,
         )
