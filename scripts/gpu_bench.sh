@@ -5,7 +5,8 @@
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
 # Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|offload|kvspill|spec|all] [OUTDIR]
 # (kvspill: the Q8_0 file at a 32k context all resident and with --kv-resident 4096, decode
-# bench at depths 0, 8192 and 16384: spilled KV read over PCIe against VRAM.)
+# bench at depths 0, 8192 and 16384: spilled KV read over PCIe against VRAM; then the spilled
+# plan with --kv-host stream and cpu: read over PCIe against attended on the host CPU.)
 # (spec, not part of all: MTP speculation on the Qwen3-Next-80B-shaped Q4_K_M file (random
 # blocks, one MTP block, ~48 GB written to /tmp) planned for the H200 with --mtp --spec 1..4;
 # `strata-exec --spec-oracle` decodes 256 tokens plainly, then again with every draft forced
@@ -45,7 +46,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
-    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_mtp-* $bin/cuda_sample-* $bin/cuda_offload-* $bin/cuda_kvspill-*; do
+    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_mtp-* $bin/cuda_sample-* $bin/cuda_offload-* $bin/cuda_kvspill-* $bin/cuda_kvhost-*; do
         [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error|TIME" | head -60
@@ -215,11 +216,18 @@ if [ "$what" = kvspill ] || [ "$what" = all ]; then
     # rest in mapped pinned host memory (read over PCIe by the attention kernels).
     for res in 32768 4096; do
         $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 32768 \
-            --batch 1 --kv-resident $res -o /tmp/q30-kv$res.plan | grep -iE "kv|pinned" | head -6 |
+            --batch 1 --kv-resident $res -o /tmp/q30-kv$res.plan | grep -iE "kv|pinned" | head -10 |
             tee -a "$out/kvspill.txt"
         echo "== --kv-resident $res: strata-exec bench" | tee -a "$out/kvspill.txt"
         $bin/strata-exec bench /tmp/q30-kv$res.plan -p 512 -n 64 -d 0,8192,16384 -r 3 -q 2>&1 |
             grep -E "\| cuda|error" | tee -a "$out/kvspill.txt"
+    done
+    # The spilled cells attended on the host CPU beside the GPU's window, against the GPU
+    # reading them over PCIe (the plan's choice is its report's `kv host` line, above).
+    for pol in stream cpu; do
+        echo "== --kv-resident 4096 --kv-host $pol: strata-exec bench" | tee -a "$out/kvspill.txt"
+        $bin/strata-exec bench /tmp/q30-kv4096.plan --kv-host $pol -p 512 -n 64 -d 0,8192,16384 \
+            -r 3 -q 2>&1 | grep -E "\| cuda|error" | tee -a "$out/kvspill.txt"
     done
 fi
 if [ "$what" = spec ]; then

@@ -107,13 +107,25 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // --help documents the three values.
+    // A forced KV host policy likewise (the CPU backend's KV is all in host memory).
+    let out = run(
+        "base",
+        &["--prompt-tokens", "1,2", "-n", "2", "--kv-host", "stream"],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--kv-host") && err.contains("CPU backend"),
+        "{err}"
+    );
+    // --help documents the three values of each.
     let out = exe().arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(
         help.contains("--miss-policy") && help.contains("stream") && help.contains("cpu"),
         "{help}"
     );
+    assert!(help.contains("--kv-host"), "{help}");
 }
 
 fn json_run(args: &[&str]) -> serde_json::Value {

@@ -6,7 +6,10 @@
 //! (only the attention kernels' summation order differs: the resident plan runs the fused
 //! decode attention and the tensor-core prefill) with the same greedy tokens, and equal bit for
 //! bit whatever the chunking of the spilled cells (7 cells a chunk against the planned one);
-//! a slot copied by `copy_slot` (spilled cells included) continues as its source does.
+//! a slot copied by `copy_slot` (spilled cells included) continues as its source does. All of
+//! it twice: with the GPU reading the spilled cells over PCIe (`--kv-host stream`) and with
+//! the host CPU attending them beside the GPU's window (`--kv-host cpu`, which must have
+//! attended some layers there).
 //! The plans are checked without a GPU; the runs need one: without it they print SKIP and
 //! return (on the GPU machine: `cargo test -p strata-exec --release --test cuda_kvspill --
 //! --test-threads=1 --nocapture`).
@@ -16,7 +19,7 @@
 mod common;
 
 use common::*;
-use strata_exec::backend::cuda::options::CudaOptions;
+use strata_exec::backend::cuda::options::{CudaOptions, KvHostOverride};
 use strata_exec::backend::cuda::start::{preflight, start_cuda, CudaEngine};
 use strata_exec::engine::Engine;
 use strata_exec::load::open_model;
@@ -186,32 +189,50 @@ fn spilled_kv_equals_the_all_resident_run() {
         if !gpu {
             continue;
         }
-        let start = |p: &Plan| start_cuda(p, open_model(&gguf).unwrap(), CudaOptions::default());
-        let (want_l, want_t) = scenario(&mut start(&full).unwrap(), 48);
-        let mut runs = Vec::new();
-        for (what, p) in [("as planned", &spill), ("7 cells a chunk", &straddle)] {
-            let mut g = start(p).unwrap();
+        let start = |p: &Plan, kv_host| {
+            let opts = CudaOptions {
+                kv_host,
+                ..CudaOptions::default()
+            };
+            start_cuda(p, open_model(&gguf).unwrap(), opts)
+        };
+        let (want_l, want_t) = scenario(&mut start(&full, KvHostOverride::Stream).unwrap(), 48);
+        for policy in [KvHostOverride::Stream, KvHostOverride::Cpu] {
+            let mut runs = Vec::new();
+            for (what, p) in [("as planned", &spill), ("7 cells a chunk", &straddle)] {
+                let what = format!("{what}, --kv-host {policy:?}");
+                let mut g = start(p, policy).unwrap();
+                assert!(
+                    !g.fused_attention(),
+                    "{kv:?} {what}: fused attention reads VRAM only"
+                );
+                assert_eq!(
+                    g.allocations(),
+                    p.devices.len() as u64 + spill_chunks(p).0,
+                    "{kv:?} {what}: one arena per planned device and the planned KV chunks"
+                );
+                let (l, t) = scenario(&mut g, 48);
+                let err = max_rel(&l, &want_l);
+                eprintln!("{kv:?} {what}: logits within {err:e} of the all-resident run");
+                let bound = if kv == KvType::F16 { 2e-3 } else { 1e-2 };
+                assert!(err < bound, "{kv:?} {what}: {err} (bound {bound})");
+                assert_eq!(t, want_t, "{kv:?} {what}: greedy tokens");
+                // Two layers a step once any slot is past the window: most of the 48 steps.
+                let on_host = g.kv_host_layers();
+                match policy {
+                    KvHostOverride::Cpu => assert!(
+                        on_host >= 2 * 40,
+                        "{kv:?} {what}: the host CPU attended only {on_host} layers"
+                    ),
+                    _ => assert_eq!(on_host, 0, "{kv:?} {what}: nothing on the host"),
+                }
+                runs.push(l);
+                copy_continues_the_slot(&mut g, &format!("{kv:?} {what}"));
+            }
             assert!(
-                !g.fused_attention(),
-                "{kv:?} {what}: fused attention reads VRAM only"
+                runs[0] == runs[1],
+                "{kv:?} --kv-host {policy:?}: the chunking of the spilled cells changes no logit"
             );
-            assert_eq!(
-                g.allocations(),
-                p.devices.len() as u64 + spill_chunks(p).0,
-                "{kv:?} {what}: one arena per planned device and the planned KV chunks"
-            );
-            let (l, t) = scenario(&mut g, 48);
-            let err = max_rel(&l, &want_l);
-            eprintln!("{kv:?} {what}: logits within {err:e} of the all-resident run");
-            let bound = if kv == KvType::F16 { 2e-3 } else { 1e-2 };
-            assert!(err < bound, "{kv:?} {what}: {err} (bound {bound})");
-            assert_eq!(t, want_t, "{kv:?} {what}: greedy tokens");
-            runs.push(l);
-            copy_continues_the_slot(&mut g, &format!("{kv:?} {what}"));
         }
-        assert!(
-            runs[0] == runs[1],
-            "{kv:?}: the chunking of the spilled cells changes no logit"
-        );
     }
 }

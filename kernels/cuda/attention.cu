@@ -146,7 +146,8 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
     __shared__ float ml[DA_MAXG][2], cf[DA_MAXG];
     const int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z, n_split = gridDim.y;
     const int G = n_head / n_head_kv;
-    const int ctx = n_ctx[t];
+    // With the host part on the CPU the splits cover the window only.
+    const int ctx = kh.cpu_part ? min(n_ctx[t], kh.resident) : n_ctx[t];
     const int chunk = da_chunk(ctx, n_split);
     const int c0 = sp * chunk;
     if (c0 >= ctx) return;
@@ -282,19 +283,27 @@ ST_KERNEL void dq_attn_gqa(const float* q, const u8* kv, const int* slot, const 
 
 // Merges dq_attn_gqa's splits of token t, head h: those that start inside the context. The
 // splits' weights exp(m_s - M) are computed once into shared memory, then every output
-// dimension sums its splits with independent loads. grid: (n_head, n_tok); block: 128;
-// n_split <= DA_MAX_SPLIT; out: [n_tok][n_head][hd].
+// dimension sums its splits with independent loads. With host_o (--kv-host cpu) the splits
+// cover the first min(n_ctx[t], win) cells and one more partial, the host CPU's over the
+// rest ([n_tok][n_head][hd] outputs, [n_tok][n_head][2] (max, sum); (-inf, 0) when empty),
+// joins the merge. grid: (n_head, n_tok); block: 128; n_split <= DA_MAX_SPLIT; out:
+// [n_tok][n_head][hd].
 ST_KERNEL void dq_attn_combine(const float* part_o, const float* part_ms, const int* n_ctx,
-                               int n_head, int hd, int n_split, float* out) {
+                               int n_head, int hd, int n_split, const float* host_o,
+                               const float* host_ms, int win, float* out) {
     st_pdl_enter();
     __shared__ float w[DA_MAX_SPLIT];
     __shared__ float red[32];
+    __shared__ float hw;
     const int h = blockIdx.x, t = blockIdx.y;
     const long base = ((long)t * n_head + h) * n_split;
-    const int chunk = da_chunk(n_ctx[t], n_split);
-    const int used = min(n_split, (n_ctx[t] + chunk - 1) / chunk);
+    const long hb = (long)t * n_head + h;
+    const int ctx = host_o ? min(n_ctx[t], win) : n_ctx[t];
+    const int chunk = da_chunk(ctx, n_split);
+    const int used = ctx > 0 ? min(n_split, (ctx + chunk - 1) / chunk) : 0;
     float m = ST_NEG_INF;
     for (int sp = threadIdx.x; sp < used; sp += blockDim.x) m = fmaxf(m, part_ms[(base + sp) * 2]);
+    if (host_o && threadIdx.x == 0) m = fmaxf(m, host_ms[hb * 2]);
     const float M = st_block_max(m, red);
     float l = 0.0f;
     for (int sp = threadIdx.x; sp < used; sp += blockDim.x) {
@@ -302,12 +311,18 @@ ST_KERNEL void dq_attn_combine(const float* part_o, const float* part_ms, const 
         w[sp] = e;
         l += e * part_ms[(base + sp) * 2 + 1];
     }
-    __syncthreads();  // w complete; st_block_sum's barriers also keep red's reuse safe
+    if (threadIdx.x == 0) {
+        const float mh = host_o ? host_ms[hb * 2] : ST_NEG_INF;
+        hw = mh == ST_NEG_INF ? 0.0f : expf(mh - M);
+        if (host_o) l += hw * host_ms[hb * 2 + 1];
+    }
+    __syncthreads();  // w and hw complete; st_block_sum's barriers also keep red's reuse safe
     const float inv = 1.0f / st_block_sum(l, red);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float o = 0.0f;
 #pragma unroll 16
         for (int sp = 0; sp < used; ++sp) o += w[sp] * part_o[(base + sp) * hd + d];
+        if (host_o) o += hw * host_o[hb * hd + d];
         out[((long)t * n_head + h) * hd + d] = o * inv;
     }
 }

@@ -280,7 +280,9 @@ struct KvHost {
     int resident;
     int per_slot;
     int per_chunk;
-    int pad;
+    // 1: the host CPU attends the cells past `resident` (`--kv-host cpu`): dq_attn_gqa walks
+    // only the window, and dq_attn_combine merges the host's partial.
+    int cpu_part;
 };
 #if defined(ST_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
 #define ST_GRID_CONST __grid_constant__

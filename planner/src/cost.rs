@@ -303,6 +303,9 @@ pub fn device_cost(
         cpu_misses_per_token: 0,
         kv_cell_s: kv_cell / c.attention_bps,
         kv_host_cell_s: kv_cell / (dev.h2d() * 1e9),
+        kv_cpu_cell_s: kv_cell / c.host_matvec_bps,
+        kv_cpu_step_s: attn_layers * c.host_layer_s,
+        kv_host_cpu: false,
         kv_resident: share.kv_resident,
         row_s,
         pass_s: pass_launches * pass_latency + c.step_s,
@@ -344,6 +347,26 @@ pub fn choose_miss_policy(cost: &DeviceCost) -> u32 {
         return all;
     }
     best.1
+}
+
+/// The KV host policy of a GPU device (`--kv-host`): whether its decode attention over the
+/// cells past `kv_resident` runs on the host CPU, beside the device's attention of the
+/// window, rather than on the device reading them over PCIe. The cost model's decode step at
+/// `batch` slots of a full `ctx`-cell context, the worst case the plan admits, decides: the
+/// CPU when it is strictly shorter, so streaming wins a draw. Nothing to choose where
+/// nothing spills.
+pub fn choose_kv_host(cost: &DeviceCost, batch: u32, ctx: u64) -> bool {
+    if ctx <= cost.kv_resident || cost.kv_cell_s <= 0.0 {
+        return false;
+    }
+    let at = |cpu: bool| {
+        DeviceCost {
+            kv_host_cpu: cpu,
+            ..cost.clone()
+        }
+        .decode_step_seconds(batch, ctx)
+    };
+    at(true) < at(false)
 }
 
 #[cfg(test)]
@@ -457,6 +480,61 @@ mod tests {
         let all = device_cost(&facts, &dev, &Coefficients::of(&dev), &whole(&facts, true));
         assert_eq!(choose_miss_policy(&all), 0);
         assert_eq!(all.miss_policy(), MissPolicy::None);
+    }
+
+    /// The 30B model's KV (F16) on an H200 holding `resident` cells a slot, the rest read
+    /// over a link of `link_gbps` or attended on a host of `host_gbps`.
+    fn spill_cost(resident: u64, link_gbps: f64, host_gbps: f64) -> DeviceCost {
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let mut dev = h200();
+        dev.h2d_gbps = Some(link_gbps);
+        dev.cost = Some(CostProbe {
+            host_matvec_gbps: Some(host_gbps),
+            host_expert_latency_us: Some(40.0),
+            ..CostProbe::default()
+        });
+        let share = DeviceShare {
+            kv_resident: resident,
+            ..whole(&facts, true)
+        };
+        device_cost(&facts, &dev, &Coefficients::of(&dev), &share)
+    }
+
+    #[test]
+    fn the_kv_host_policy_attends_on_the_cpu_when_it_beats_the_link() {
+        use strata_schemas::plan::KvHostPolicy;
+        let ctx = 32_768;
+        // A slow link (PCIe 3 x4) beside a fast host: the CPU attends the spilled cells, and
+        // the step it predicts is shorter than streaming's.
+        let mut slow = spill_cost(4096, 3.0, 80.0);
+        let stream_s = slow.decode_step_seconds(4, ctx);
+        slow.kv_host_cpu = choose_kv_host(&slow, 4, ctx);
+        assert_eq!(slow.kv_host_policy(ctx), KvHostPolicy::Cpu, "{slow:?}");
+        assert!(slow.decode_step_seconds(4, ctx) < stream_s);
+        // A fast link beside a slow host: the device reads them over PCIe.
+        let fast = spill_cost(4096, 55.0, 5.0);
+        assert!(!choose_kv_host(&fast, 4, ctx));
+        assert_eq!(fast.kv_host_policy(ctx), KvHostPolicy::Stream);
+        // Nothing spilled at this context: nothing to choose, whatever the rates.
+        let all = spill_cost(ctx, 3.0, 80.0);
+        assert!(!choose_kv_host(&all, 4, ctx));
+        assert_eq!(all.kv_host_policy(ctx), KvHostPolicy::None);
+        // The CPU's part overlaps the window's: a window far slower than the host part hides it.
+        let mut hidden = spill_cost(ctx - 16, 3.0, 80.0);
+        hidden.kv_host_cpu = true;
+        let window = 4.0 * (ctx - 16) as f64 * hidden.kv_cell_s;
+        let host = hidden.kv_cpu_step_s + 4.0 * 16.0 * hidden.kv_cpu_cell_s;
+        assert!(window > host);
+        let none = DeviceCost {
+            kv_resident: ctx,
+            ..hidden.clone()
+        };
+        // The step costs what the window alone does: the whole context in VRAM less the 16
+        // cells the host attended meanwhile.
+        let d = hidden.decode_step_seconds(4, ctx) - none.decode_step_seconds(4, ctx);
+        let saved = 4.0 * 16.0 * hidden.kv_cell_s;
+        assert!((d + saved).abs() < 1e-12, "{d} vs -{saved}");
     }
 
     #[test]

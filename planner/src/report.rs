@@ -10,7 +10,8 @@ use crate::units::bytes as gib;
 use serde_json::{json, Map, Value};
 use strata_schemas::capability::{runnable, Runnable};
 use strata_schemas::plan::{
-    DecodePoint, DeviceCost, MissPolicy, Placement, Plan, RegionKind, PINNED_EXPERTS,
+    DecodePoint, DeviceCost, DevicePlan, KvHostPolicy, MissPolicy, Placement, Plan, RegionKind,
+    PINNED_EXPERTS,
 };
 
 /// `{"cpu": true, "cuda": ["reason", ...], "hip": [...]}`.
@@ -88,12 +89,11 @@ pub fn notes(plan: &Plan) -> Vec<String> {
     out.extend(prefix_checkpoint_notes(plan));
     if plan.predicted.guessed {
         out.push("the predicted speeds are guesses: the probe has no measured [device.cost] coefficients (defaults calibrated on the H200); `strata-exec probe` measures them".into());
-        if plan
-            .devices
-            .iter()
-            .any(|d| d.cost.miss_policy() != MissPolicy::None)
-        {
-            out.push("the miss policy rests on the host keys `host_matvec_gbps` and `host_expert_latency_us` of [device.cost], which `strata-exec probe` does not measure yet (defaults 40 GB/s and 40 us); `strata-exec bench --miss-policy cpu` shows this host's figure".into());
+        if plan.devices.iter().any(|d| {
+            d.cost.miss_policy() != MissPolicy::None
+                || d.cost.kv_host_policy(plan.serve.max_context) != KvHostPolicy::None
+        }) {
+            out.push("the miss policy and the KV host policy rest on the host keys `host_matvec_gbps` and `host_expert_latency_us` of [device.cost], which `strata-exec probe` does not measure yet (defaults 40 GB/s and 40 us); `strata-exec bench --miss-policy cpu` or `--kv-host cpu` shows this host's figure".into());
         }
     }
     out
@@ -151,6 +151,9 @@ fn cost_json(c: &DeviceCost) -> Value {
         "cpu_misses_per_token": c.cpu_misses_per_token,
         "kv_cell_s": c.kv_cell_s,
         "kv_host_cell_s": c.kv_host_cell_s,
+        "kv_cpu_cell_s": c.kv_cpu_cell_s,
+        "kv_cpu_step_s": c.kv_cpu_step_s,
+        "kv_host_cpu": c.kv_host_cpu,
         "row_s": c.row_s,
         "pass_s": c.pass_s,
         "prefill_gemm": c.prefill_gemm,
@@ -185,6 +188,7 @@ pub fn plan_json(plan: &Plan) -> Value {
                 "expert_cache_slots": d.expert_cache_slots,
                 "expert_slot_bytes": d.expert_slot_bytes,
                 "miss_policy": d.cost.miss_policy().to_string(),
+                "kv_host": d.cost.kv_host_policy(plan.serve.max_context).to_string(),
                 "slots": plan.serve.batch,
                 "holds": {
                     "embedding": d.holds_embedding,
@@ -361,7 +365,7 @@ pub fn plan_text(plan: &Plan) -> String {
         }
     ));
     for d in &plan.devices {
-        o.push_str(&device_text(d));
+        o.push_str(&device_text(d, plan.serve.max_context, plan.serve.batch));
     }
     let h = &plan.host;
     let host_experts = plan
@@ -431,7 +435,7 @@ pub fn plan_text(plan: &Plan) -> String {
 }
 
 /// One device's section of the text report.
-fn device_text(d: &strata_schemas::plan::DevicePlan) -> String {
+fn device_text(d: &DevicePlan, ctx: u64, batch: u32) -> String {
     let mut o = String::new();
     let planned = d.planned_bytes();
     o.push_str(&format!(
@@ -486,7 +490,37 @@ fn device_text(d: &strata_schemas::plan::DevicePlan) -> String {
             }
         ));
     }
+    o.push_str(&kv_host_text(d, ctx, batch));
     o
+}
+
+/// The device's KV host policy line of the text report, with the two predicted costs it
+/// chose between (empty where nothing spills).
+fn kv_host_text(d: &DevicePlan, ctx: u64, batch: u32) -> String {
+    let policy = d.cost.kv_host_policy(ctx);
+    if policy == KvHostPolicy::None {
+        return String::new();
+    }
+    let at = |cpu: bool| {
+        DeviceCost {
+            kv_host_cpu: cpu,
+            ..d.cost.clone()
+        }
+        .decode_step_seconds(batch, ctx)
+            * 1e3
+    };
+    let (cpu, stream) = (at(true), at(false));
+    let host = ctx.saturating_sub(d.cost.kv_resident);
+    let why = if policy == KvHostPolicy::Cpu {
+        "the host CPU attends them while the device attends its window"
+    } else {
+        "the device reads them over PCIe"
+    };
+    format!(
+        "    {:<16} {:>12}   ({host} cells a slot past --kv-resident: {why}; a decode step of {batch} slot(s) at full context predicted {cpu:.2} ms with the CPU's part, {stream:.2} ms streamed; --kv-host overrides)\n",
+        "kv host",
+        policy.to_string(),
+    )
 }
 
 /// The predictions' section of the text report.

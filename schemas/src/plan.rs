@@ -355,6 +355,18 @@ pub struct DeviceCost {
     pub kv_host_cell_s: f64,
     /// Cells per slot in device memory (cells beyond stream from host memory).
     pub kv_resident: u64,
+    /// The KV host policy (`--kv-host`): one slot's cell past `kv_resident` attended on the
+    /// host CPU instead of read by the device over PCIe (its bytes over the host's memory
+    /// rate, `host_matvec_gbps`), and the fixed cost of a decode step that does so (per
+    /// full-attention layer here: the query rows back, the thread pool's wake-up, the
+    /// partials up; `host_expert_latency_us` each).
+    pub kv_cpu_cell_s: f64,
+    pub kv_cpu_step_s: f64,
+    /// Whether decode attention over the cells past `kv_resident` is computed on the host CPU
+    /// (while the device attends its window; the partial softmaxes merged by the
+    /// flash-decoding combine) rather than read by the device in place. See
+    /// [`DeviceCost::kv_host_policy`].
+    pub kv_host_cpu: bool,
     /// Per row of a step: linear-attention state read and written, hand-off bytes.
     pub row_s: f64,
     /// Per prefill pass, whatever its tokens: launch latencies.
@@ -411,7 +423,57 @@ impl std::fmt::Display for MissPolicy {
     }
 }
 
+/// Where a device's decode attention reads the KV cells past `--kv-resident` (the plan's
+/// choice, from the cost model; `strata-exec --kv-host` may override it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvHostPolicy {
+    /// Every cell is in device memory.
+    None,
+    /// The device reads the host cells over PCIe in place.
+    Stream,
+    /// The host CPU attends the host cells while the device attends its window.
+    Cpu,
+}
+
+impl std::fmt::Display for KvHostPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvHostPolicy::None => "none",
+            KvHostPolicy::Stream => "stream",
+            KvHostPolicy::Cpu => "cpu",
+        })
+    }
+}
+
 impl DeviceCost {
+    /// The KV host policy these terms record for a context of `ctx` cells.
+    pub fn kv_host_policy(&self, ctx: u64) -> KvHostPolicy {
+        if ctx <= self.kv_resident || self.kv_cell_s <= 0.0 {
+            KvHostPolicy::None
+        } else if self.kv_host_cpu {
+            KvHostPolicy::Cpu
+        } else {
+            KvHostPolicy::Stream
+        }
+    }
+
+    /// Seconds of a decode step's attention reads for `batch` slots at `context` cells each:
+    /// the window in device memory, and the cells past it either read over PCIe after it or
+    /// attended on the host CPU while the device attends the window.
+    fn kv_seconds(&self, batch: u64, context: u64) -> f64 {
+        let b = batch as f64;
+        let in_vram = b * context.min(self.kv_resident) as f64 * self.kv_cell_s;
+        let host = context.saturating_sub(self.kv_resident) as f64;
+        if host == 0.0 {
+            return in_vram;
+        }
+        if self.kv_host_cpu {
+            in_vram.max(self.kv_cpu_step_s + b * host * self.kv_cpu_cell_s)
+        } else {
+            in_vram + b * host * self.kv_host_cell_s
+        }
+    }
+
     /// The miss policy these terms record.
     pub fn miss_policy(&self) -> MissPolicy {
         if self.expert_layers == 0 || self.hit_rate >= 1.0 {
@@ -473,9 +535,7 @@ impl DeviceCost {
         let miss = self.miss_seconds(b, exp, miss);
         let memory = reads * self.dense_read_s + exp;
         let compute = b as f64 * (self.token_compute_s + self.head_compute_s);
-        let in_vram = context.min(self.kv_resident) as f64;
-        let streamed = context.saturating_sub(self.kv_resident) as f64;
-        let kv = b as f64 * (in_vram * self.kv_cell_s + streamed * self.kv_host_cell_s);
+        let kv = self.kv_seconds(b, context);
         self.step_s + memory.max(compute) + miss + kv + b as f64 * self.row_s
     }
 

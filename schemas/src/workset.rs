@@ -102,6 +102,10 @@ work_bufs! {
     /// GPU: split-KV decode attention partials (outputs; max and sum).
     PartO = "part_o",
     PartMs = "part_ms",
+    /// GPU: the decode attention's partial over a slot's cells past `--kv-resident` when the
+    /// host CPU computes it (`--kv-host cpu`): per token and head the unnormalised output,
+    /// then per token and head (max, sum) (f32, slots x heads x (head dim + 2)).
+    KvHostPart = "kv_host_part",
     /// GPU: RoPE inverse frequencies (f32, rotated dims / 2).
     InvFreq = "inv_freq",
     /// GPU: counters of the last-block-finishes kernels, zero between launches.
@@ -357,6 +361,10 @@ pub fn buffers(
                     f * dec * u(d.n_head) * u(p.att_splits) * u(d.hd_v.max(d.hd)),
                 ),
                 (PartMs, f * dec * u(d.n_head) * u(p.att_splits) * 2),
+                (
+                    KvHostPart,
+                    f * dec * u(d.n_head) * (u(d.hd_v.max(d.hd)) + 2),
+                ),
                 (InvFreq, f * u((d.n_rot / 2).max(1))),
                 // One u32 per token for the router's top-k, then one per token and KV head
                 // for the decode attention's merge of its splits.

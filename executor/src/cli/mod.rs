@@ -59,6 +59,17 @@ pub enum MissPolicyArg {
     Cpu,
 }
 
+/// Where a GPU stage's decode attention reads the KV cells past `--kv-resident`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvHostArg {
+    /// What the plan chose (`kv host` in its report: stream or cpu).
+    Auto,
+    /// The GPU reads them from pinned host memory over PCIe in place.
+    Stream,
+    /// The host CPU attends them while the GPU attends its VRAM window.
+    Cpu,
+}
+
 /// The options every command that runs a plan takes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlanArgs {
@@ -124,6 +135,14 @@ pub struct PlanArgs {
     /// within the products' f32 tolerance.
     #[arg(long, value_enum, default_value = "auto")]
     pub miss_policy: MissPolicyArg,
+    /// On plans with KV cells beyond --kv-resident (CUDA): where a decode step attends them.
+    /// auto takes the plan's choice (its report's `kv host`); stream lets the GPU read them
+    /// from pinned host memory over PCIe; cpu attends them on the host CPU (every core) while
+    /// the GPU attends its VRAM window, the two partial softmaxes merged on the GPU (decode
+    /// steps that reach past the window then run without CUDA graphs). For measuring one
+    /// against the other; the tokens agree within the KV type's tolerance.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_host: KvHostArg,
     /// Time every kernel launch with events (decode graphs and programmatic dependent launch
     /// off) and print the totals per kernel on stderr at exit.
     #[arg(long)]
@@ -166,6 +185,9 @@ pub fn backend_for(plan: &Plan, args: &PlanArgs) -> Backend {
     }
     if b == Backend::Cpu && args.miss_policy != MissPolicyArg::Auto {
         fail("--miss-policy chooses how the CUDA engine's expert cache serves its misses, but this plan runs on the CPU backend (which computes every expert on the CPU): drop --miss-policy, or pass --backend cuda for a plan made for NVIDIA devices");
+    }
+    if b == Backend::Cpu && args.kv_host != KvHostArg::Auto {
+        fail("--kv-host chooses where the CUDA engine attends its KV cells beyond --kv-resident, but this plan runs on the CPU backend (whose KV is all in host memory): drop --kv-host, or pass --backend cuda for a plan made for NVIDIA devices");
     }
     if b == Backend::Cpu && (!args.kernel_options.is_empty() || args.profile) {
         fail("--kernel-options and --profile choose and time CUDA kernel launches, but this plan runs on the CPU backend: drop them, or pass --backend cuda for a plan made for NVIDIA devices");
@@ -250,7 +272,9 @@ pub fn cuda_options(
     args: &PlanArgs,
 ) -> strata_exec::backend::cuda::options::CudaOptions {
     use strata_exec::backend::cuda::handoff::HandoffPolicy;
-    use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions, MissOverride};
+    use strata_exec::backend::cuda::options::{
+        CudaOptions, KernelOptions, KvHostOverride, MissOverride,
+    };
     CudaOptions {
         gpu: args.gpu.unwrap_or(0),
         device_map: device_map(plan, args),
@@ -269,6 +293,11 @@ pub fn cuda_options(
             MissPolicyArg::Auto => MissOverride::Plan,
             MissPolicyArg::Stream => MissOverride::Stream,
             MissPolicyArg::Cpu => MissOverride::Cpu,
+        },
+        kv_host: match args.kv_host {
+            KvHostArg::Auto => KvHostOverride::Plan,
+            KvHostArg::Stream => KvHostOverride::Stream,
+            KvHostArg::Cpu => KvHostOverride::Cpu,
         },
     }
 }

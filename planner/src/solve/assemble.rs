@@ -418,6 +418,10 @@ impl Solver<'_> {
             // The hybrid miss path runs on the CUDA engine's expert cache.
             if b.plan.vendor == Vendor::Nvidia.as_str() {
                 b.plan.cost.cpu_misses_per_token = crate::cost::choose_miss_policy(&b.plan.cost);
+                // The KV host policy too (`backend/cuda/kv_host_attn.rs`): at the planned
+                // batch over a full context.
+                b.plan.cost.kv_host_cpu =
+                    crate::cost::choose_kv_host(&b.plan.cost, c.slots as u32, self.ctx);
             }
         }
         let (cached, mass) = built.iter().fold((0.0, 0.0), |(h, t), b| {

@@ -10,6 +10,7 @@
 pub mod attn_gate;
 pub mod conv;
 pub mod delta_net;
+pub mod host_attn;
 pub mod host_experts;
 pub mod kv;
 pub mod linear_state;

@@ -538,6 +538,10 @@ impl Ops for CudaStage {
         }
         if self.decoding() {
             let n_ctx = self.buf(WorkBuf::NCtx)?;
+            if self.kv_cpu_pass(n) {
+                // --kv-host cpu: the cells past the window on the host CPU (kv_host_attn.rs).
+                return self.attn_decode_host(&l, h, q, kv, n_ctx, self.splits()?, out, n);
+            }
             return attention::attn_decode(&l, h, q, kv, n_ctx, self.splits()?, out, n);
         }
         let pa = PrefillAttn {

@@ -3,7 +3,8 @@
 //! of cell `c >= W`, whole planner cells per chunk), the chunks pinned and mapped into the
 //! device's address space ([`KvSpill`]), and [`KvHostArg`], the kernel argument through which
 //! the KV store and attention kernels read and write those cells in place (kernels/cuda
-//! common.cuh's `KvHost` and `kvh_row`).
+//! common.cuh's `KvHost` and `kvh_row`). Under `--kv-host cpu` the host CPU attends them
+//! instead in decode passes (`kv_host_attn.rs`).
 //! Invariant: the chunks are exactly the plan's (count and bytes, pinned before any weight is
 //! read) and outlive every kernel that addresses them (the stage owns them and synchronises
 //! before dropping); [`SpillLayout::cell`] is the host mirror of `kvh_row`'s arithmetic.
@@ -33,7 +34,9 @@ pub struct KvHostArg {
     pub per_slot: i32,
     /// Cells per chunk (every chunk but the last holds exactly this many).
     pub per_chunk: i32,
-    pub pad: i32,
+    /// 1: the host CPU attends the cells past `resident` (`--kv-host cpu`, set by
+    /// `kv_host_attn` for its `dq_attn_gqa` launch only): the kernel walks the window alone.
+    pub cpu_part: i32,
 }
 
 impl KernelArg for KvHostArg {}
@@ -49,7 +52,7 @@ impl KvHostArg {
             resident: i32::MAX,
             per_slot: 0,
             per_chunk: 1,
-            pad: 0,
+            cpu_part: 0,
         }
     }
 
@@ -149,11 +152,13 @@ impl SpillLayout {
     }
 }
 
-/// A stage's spilled KV: its planned chunks, pinned and mapped into the device.
+/// A stage's spilled KV: its planned chunks, pinned and mapped into the device, and the host
+/// half of its decode attention when the CPU attends those cells (`--kv-host cpu`).
 #[derive(Debug)]
 pub struct KvSpill {
     pub layout: SpillLayout,
     chunks: Vec<MappedHost>,
+    pub(crate) cpu: Option<std::sync::Mutex<super::kv_host_attn::KvHostCpu>>,
 }
 
 impl KvSpill {
@@ -171,7 +176,11 @@ impl KvSpill {
             })?;
             chunks.push(c);
         }
-        Ok(Self { layout, chunks })
+        Ok(Self {
+            layout,
+            chunks,
+            cpu: None,
+        })
     }
 
     /// The kernel argument for KV layer `l` (of the stage's full-attention layers) with rows
@@ -189,6 +198,12 @@ impl KvSpill {
         a.per_slot = y.per_slot as i32;
         a.per_chunk = y.per_chunk as i32;
         a
+    }
+
+    /// The chunks' host bytes, in plan order: what the host CPU reads the spilled cells from.
+    /// Only kernels that read them may run meanwhile (the caller's synchronisation).
+    pub fn chunk_slices(&self) -> Vec<&[u8]> {
+        self.chunks.iter().map(|c| c.as_slice()).collect()
     }
 
     /// Chunks and bytes pinned.

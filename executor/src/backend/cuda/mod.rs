@@ -20,6 +20,7 @@ pub mod gemm;
 pub mod handoff;
 pub mod host_tier;
 pub mod hybrid;
+pub mod kv_host_attn;
 pub mod kv_spill;
 pub mod launch;
 pub mod layout;

@@ -117,6 +117,29 @@ impl MissOverride {
     }
 }
 
+/// Where a decode pass attends the KV cells past `--kv-resident` (`--kv-host`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvHostOverride {
+    /// The plan's choice (its report's `kv host`).
+    #[default]
+    Plan,
+    /// The device reads them over PCIe in place.
+    Stream,
+    /// The host CPU attends them while the device attends its window.
+    Cpu,
+}
+
+impl KvHostOverride {
+    /// Whether the host CPU attends the spilled cells, given the plan's choice.
+    pub fn cpu(self, planned: bool) -> bool {
+        match self {
+            KvHostOverride::Plan => planned,
+            KvHostOverride::Stream => false,
+            KvHostOverride::Cpu => true,
+        }
+    }
+}
+
 /// Start-up options of the CUDA engine.
 #[derive(Debug, Clone)]
 pub struct CudaOptions {
@@ -145,6 +168,8 @@ pub struct CudaOptions {
     pub kernels: KernelOptions,
     /// Where decode misses of the expert cache are computed (the hybrid path).
     pub miss_policy: MissOverride,
+    /// Where decode attention reads the KV cells past `--kv-resident`.
+    pub kv_host: KvHostOverride,
 }
 
 impl Default for CudaOptions {
@@ -160,6 +185,7 @@ impl Default for CudaOptions {
             profile: false,
             kernels: KernelOptions::default(),
             miss_policy: MissOverride::Plan,
+            kv_host: KvHostOverride::Plan,
         }
     }
 }

@@ -526,7 +526,8 @@ impl Stage for CudaStage {
     ) -> Result<(), CudaError> {
         self.kind = kind;
         let key = (kind, n);
-        if self.decoding() && self.flags.graphs && self.prof.is_none() {
+        // A pass that attends spilled KV on the host CPU synchronises mid-pass: uncaptured.
+        if self.decoding() && self.flags.graphs && self.prof.is_none() && !self.kv_cpu_pass(n) {
             if !self.graphs.contains_key(&key) {
                 let g = match self.capture(forward) {
                     Ok(g) => g,

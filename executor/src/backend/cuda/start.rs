@@ -379,6 +379,7 @@ pub fn start_cuda(
         let (mut st, model) =
             start.bind_stage(i, dp, devs[dev_of(i)].clone(), arena, kv, pinned)?;
         st.kv_spill = spill;
+        st.set_kv_host_cpu(opts.kv_host.cpu(dp.cost.kv_host_cpu))?;
         if i > 0 {
             st.link_in = Some(start.link_in(dp, &stages[i - 1].backend, &st)?);
         }
@@ -887,6 +888,15 @@ impl CudaEngine {
     /// Whether decode attention runs in one launch per layer on every stage.
     pub fn fused_attention(&self) -> bool {
         self.stages().iter().all(|s| s.backend.fused_attention())
+    }
+
+    /// Attention layers of decode passes whose spilled KV cells the host CPU attended
+    /// (`--kv-host cpu`), every stage together, since start-up.
+    pub fn kv_host_layers(&self) -> u64 {
+        self.stages()
+            .iter()
+            .map(|s| s.backend.kv_host_layers())
+            .sum()
     }
 
     /// Whether prefill passes of 16 tokens or more may take the tensor-core products.

@@ -74,14 +74,21 @@ fn predicted(plan: &strata_schemas::plan::Plan, c: &Combo, ubatch: usize) -> (f6
     (rate(p as f64, pp), rate((c.n_gen * c.batch) as f64, tg))
 }
 
-/// `plan` with each GPU device's miss policy as `policy` says (its prediction then prices
-/// that policy): stream none on the CPU, cpu every miss, auto the plan's own.
+/// `plan` with each GPU device's miss policy and KV host policy as `policy` and `kv_host`
+/// say (its prediction then prices them): stream none on the CPU, cpu every miss (or every
+/// spilled cell), auto the plan's own.
 fn with_miss_policy(
     plan: &strata_schemas::plan::Plan,
     policy: super::MissPolicyArg,
+    kv_host: super::KvHostArg,
 ) -> strata_schemas::plan::Plan {
     let mut p = plan.clone();
     for d in p.devices.iter_mut().filter(|d| d.vendor != "cpu") {
+        d.cost.kv_host_cpu = match kv_host {
+            super::KvHostArg::Auto => d.cost.kv_host_cpu,
+            super::KvHostArg::Stream => false,
+            super::KvHostArg::Cpu => true,
+        };
         d.cost.cpu_misses_per_token = match policy {
             super::MissPolicyArg::Auto => d.cost.cpu_misses_per_token,
             super::MissPolicyArg::Stream => 0,
@@ -170,7 +177,7 @@ pub fn main(args: BenchArgs) {
     };
     let (plan, model) = open_plan(&args.plan, &args.common);
     // The prediction of the miss policy this run uses (`--miss-policy` may override the plan's).
-    let forced = with_miss_policy(&plan, args.common.miss_policy);
+    let forced = with_miss_policy(&plan, args.common.miss_policy, args.common.kv_host);
     let combos = combos(
         &args,
         plan.serve.batch as usize,

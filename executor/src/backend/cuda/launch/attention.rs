@@ -1,5 +1,6 @@
 //! Launchers of the decode attention and KV store kernels (`kernels/cuda/decode.cu`):
-//! `dq_rope_store`, `dq_kv_store`, `dq_attn_fused`, `dq_attn_gqa` + `dq_attn_combine`. (The
+//! `dq_rope_store`, `dq_kv_store`, `dq_attn_fused`, `dq_attn_gqa` + `dq_attn_combine` (with
+//! the host CPU's partial under `--kv-host cpu`). (The
 //! prefill attention kernels' launchers are in `flash`.)
 //! Invariant: a slot's KV lies at `kv + slot * slot_bytes`; layer `l`'s K rows at `k_off`,
 //! V rows at `v_off`, `cells` rows of `row_bytes` each inside the slot (the VRAM window), the
@@ -261,21 +262,75 @@ pub fn attn_decode(
     out: DeviceView<'_>,
     n: usize,
 ) -> Result<(), CudaError> {
+    attn_gqa(l, h, q, kv, n_ctx, sp, n)?;
+    attn_combine(l, h, n_ctx, sp, None, out, n)
+}
+
+/// `dq_attn_gqa`: the split-KV partials of `n` decoding tokens whose K/V are stored, over
+/// `n_ctx[t]` cells each (the window's only when `kv.host.cpu_part` is set: the host CPU
+/// attends the rest).
+pub fn attn_gqa(
+    l: &Launcher<'_>,
+    h: Heads<'_>,
+    q: DeviceView<'_>,
+    kv: KvLayer<'_>,
+    n_ctx: DeviceView<'_>,
+    sp: Splits<'_>,
+    n: usize,
+) -> Result<(), CudaError> {
     const OP: &str = "attn_decode";
     let (nh, nkv, hd, _) = h.check(OP)?;
     let [sb, ko, vo, rb] = kv.check(OP, n)?;
     sp.check(OP, n, h.n_head, h.hd)?;
     q.expect(OP, "q", f32s(n * h.n_head * h.hd), 16)?;
     n_ctx.expect(OP, "n_ctx", 4 * n as u64, 4)?;
-    out.expect(OP, "out", f32s(n * h.n_head * h.hd), 4)?;
     let scale = 1.0f32 / (h.hd as f32).sqrt();
-    let ns = sp.n as i32;
     let (qp, kvp, slp, cp) = (q.ptr(), kv.kv.ptr(), kv.slot.ptr(), n_ctx.ptr());
-    let (po, pm, op) = (sp.part_o.ptr(), sp.part_ms.ptr(), out.ptr());
+    let (po, pm) = (sp.part_o.ptr(), sp.part_ms.ptr());
     let nt = int(OP, "n", n)? as u32;
     launch!(l, "dq_attn_gqa", cfg((h.n_head_kv as u32, sp.n as u32, nt), 128, 0);
         &qp, &kvp, &slp, &cp, &sb, &ko, &vo, &kv.ty, &nh, &nkv, &hd, &rb, &scale, &po, &pm,
-        &kv.host)?;
+        &kv.host)
+}
+
+/// The host CPU's partial over the cells past the window (`--kv-host cpu`): per token and
+/// head the unnormalised output (`n x n_head x hd` f32) and (max, sum) (`n x n_head x 2`).
+#[derive(Debug, Clone, Copy)]
+pub struct HostPartial<'a> {
+    pub o: DeviceView<'a>,
+    pub ms: DeviceView<'a>,
+    /// Cells of a slot in VRAM: the device's splits cover `min(n_ctx[t], window)`.
+    pub window: u64,
+}
+
+/// `dq_attn_combine`: the flash-decoding merge of `dq_attn_gqa`'s splits of `n` tokens, and
+/// of the host's partial when there is one, into `out`.
+pub fn attn_combine(
+    l: &Launcher<'_>,
+    h: Heads<'_>,
+    n_ctx: DeviceView<'_>,
+    sp: Splits<'_>,
+    host: Option<HostPartial<'_>>,
+    out: DeviceView<'_>,
+    n: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "attn_combine";
+    let (nh, _, hd, _) = h.check(OP)?;
+    sp.check(OP, n, h.n_head, h.hd)?;
+    n_ctx.expect(OP, "n_ctx", 4 * n as u64, 4)?;
+    out.expect(OP, "out", f32s(n * h.n_head * h.hd), 4)?;
+    let (ho, hm, win) = match host {
+        Some(p) => {
+            p.o.expect(OP, "host o", f32s(n * h.n_head * h.hd), 4)?;
+            p.ms.expect(OP, "host ms", f32s(n * h.n_head * 2), 4)?;
+            let w = i32::try_from(p.window).unwrap_or(i32::MAX);
+            (p.o.ptr(), p.ms.ptr(), w)
+        }
+        None => (0u64, 0u64, i32::MAX),
+    };
+    let ns = sp.n as i32;
+    let (po, pm, cp, op) = (sp.part_o.ptr(), sp.part_ms.ptr(), n_ctx.ptr(), out.ptr());
+    let nt = int(OP, "n", n)? as u32;
     launch!(l, "dq_attn_combine", cfg((h.n_head as u32, nt, 1), 128, 0);
-        &po, &pm, &cp, &nh, &hd, &ns, &op)
+        &po, &pm, &cp, &nh, &hd, &ns, &ho, &hm, &win, &op)
 }
