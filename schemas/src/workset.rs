@@ -19,6 +19,19 @@ pub const MOE_TILE_TOKENS: usize = 64;
 pub const ARGMAX_BLOCKS: u64 = 64;
 /// Bytes of one slot's sampling draw on the device (`sampler::Draw`, sample.cu's SampleDraw).
 pub const DRAW_BYTES: u64 = 32;
+/// Sparse logit edits (`logit_bias`, penalties) one row of [`WorkBuf::SampleProc`] holds: a
+/// request touching more tokens in a step (a repetition penalty over a long prompt) is picked
+/// on the host that step (`executor/src/pick.rs`).
+pub const SAMPLE_EDITS: u64 = 16_384;
+/// Bytes of one edit (`pick::Edit`: token id, bias, repetition factor, penalty).
+pub const EDIT_BYTES: u64 = 16;
+
+/// Bytes of one row of [`WorkBuf::SampleProc`] at a vocabulary of `vocab`: a 16-byte header
+/// (flags, edit count, `min_p` offset), the token mask (one bit a token, u32 words, rounded up
+/// to 16 bytes), then [`SAMPLE_EDITS`] edits (sample.cu's `SpProc` layout).
+pub fn sample_proc_row_bytes(vocab: u64) -> u64 {
+    16 + vocab.div_ceil(128) * 16 + SAMPLE_EDITS * EDIT_BYTES
+}
 
 /// Which executor backend a working set is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -110,6 +123,9 @@ work_bufs! {
     Argmax = "argmax",
     /// GPU: one sampling draw per slot.
     Draws = "draws",
+    /// GPU: per slot, the row's processing before the device pick (grammar mask, sparse
+    /// logit edits, `min_p`; [`sample_proc_row_bytes`]).
+    SampleProc = "sample_proc",
     /// GPU: 16-bit product inputs of the tensor-core path.
     Xh = "xh",
     /// GPU: the experts' outputs before they are combined, and split-K partials.
@@ -369,6 +385,7 @@ pub fn buffers(
                     dec.max(p.logit_rows as u64) * (ARGMAX_BLOCKS * 8 + 8),
                 ),
                 (Draws, dec * DRAW_BYTES),
+                (SampleProc, dec * sample_proc_row_bytes(u(d.vocab))),
                 (
                     Xh,
                     // The widest product input: the hidden row, the attention output, the
