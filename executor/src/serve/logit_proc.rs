@@ -63,7 +63,8 @@ impl LogitProc {
     /// touches, the `typical_p` mass, the `min_p` offset.
     pub fn row_proc(&self, h: &History, temperature: f32, out: &mut RowProc) {
         out.edits.clear();
-        out.typical = (self.typical_p < 1.0).then_some(self.typical_p);
+        // Greedy draws ignore typical_p (as `apply` does), so their rows stay device-side.
+        out.typical = (self.typical_p < 1.0 && temperature > 0.0).then_some(self.typical_p);
         out.min_p_off = crate::pick::min_p_offset(self.min_p, temperature);
         if self.logit_bias.is_empty()
             && self.repetition_penalty == 1.0

@@ -755,7 +755,7 @@ impl Sched {
             let Some(a) = self.slots[slot].as_ref() else {
                 continue;
             };
-            if a.phase != Phase::Decode || on_host(a) {
+            if a.phase != Phase::Decode || processed(a) {
                 continue;
             }
             let (id, index, tok) = (a.job.id, a.job.index, a.last);
@@ -1036,7 +1036,7 @@ fn first_pick(
 
 /// Whether `a`'s rows need more than a plain draw (processing, a grammar, logprobs): such a
 /// request takes no speculative (MTP) steps.
-fn on_host(a: &Active) -> bool {
+fn processed(a: &Active) -> bool {
     !a.job.proc.is_neutral() || a.job.logprobs.is_some() || a.job.constraint.is_some()
 }
 

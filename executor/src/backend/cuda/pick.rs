@@ -7,7 +7,8 @@
 //! processing (`sampler::argmax_rows`, `sampler::sample_rows`, `pick::pick_rows`; sampling up
 //! to exp/log last-place near-ties, as sample.cu says); where the device cannot (`--kernel
 //! host-pick`, a vocabulary past `SAMPLE_MAX_VOCAB` for a sampled step, a row the device
-//! cannot process: `launch::pick::row_parts`) the logits are read back and the host picks.
+//! cannot process (`launch::pick::row_parts`), a plan without the `sample_proc` buffer) the
+//! logits are read back and the host picks.
 
 use super::launch::decode;
 use super::launch::pick::{proc_row_words, row_parts, sp_edits, ProcRows, RowParts};
@@ -40,9 +41,11 @@ impl CudaStage {
         let procs = procs
             .map(|p| &p[..rows])
             .filter(|p| !p.iter().all(|p| p.is_neutral()));
+        // A plan made before `sample_proc` existed has no room for the rows: the host picks.
+        let room = self.bufs.contains_key(&WorkBuf::SampleProc);
         let host = self.opts.host_pick
             || (!greedy && v > SAMPLE_MAX_VOCAB)
-            || procs.is_some_and(|p| p.iter().any(|p| row_parts(p, v).is_none()));
+            || procs.is_some_and(|p| !room || p.iter().any(|p| row_parts(p, v).is_none()));
         if host {
             let logits = &mut scratch[..rows * v];
             self.read_logits(rows, logits)?;
