@@ -495,6 +495,43 @@ def structured_output_is_valid_json_against_its_schema_100_of_100(client, addr):
 
 
 @check
+def structured_output_with_bias_penalties_and_min_p_batched_with_others(client, addr):
+    # Constrained requests that also carry logit_bias, the penalties and min_p, sent at once
+    # with unconstrained ones whose +100 bias forces a token: the engine processes each row
+    # of the mixed batches where it picks (on the GPU where it samples there), and every
+    # document still validates while the forced requests repeat their token.
+    import jsonschema
+    from concurrent.futures import ThreadPoolExecutor
+    code, out = raw(addr, "/tokenize", json.dumps({"content": " the"}).encode())
+    assert code == 200, (code, out)
+    tok = json.loads(out)["tokens"][-1]
+    code, out = raw(addr, "/detokenize", json.dumps({"tokens": [tok] * 5}).encode())
+    assert code == 200, (code, out)
+    forced = json.loads(out)["content"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def one(i):
+        if i % 3 == 2:
+            r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5,
+                                          temperature=1.0, seed=i, logit_bias={str(tok): 100})
+            return "forced", r.choices[0].text, r.choices[0].finish_reason
+        r = client.completions.create(
+            model=MODEL, prompt="Person:", max_tokens=200, temperature=1.0 if i % 3 else 0.0,
+            seed=i, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={str(tok): -100},
+            extra_body={"response_format": fmt, "min_p": 0.05, "repetition_penalty": 1.2})
+        return "json", r.choices[0].text, r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(max_workers=8) as ex:
+        results = list(ex.map(one, range(24)))
+    for i, (kind, text, finish) in enumerate(results):
+        if kind == "forced":
+            assert text == forced, (i, text, forced)
+        else:
+            jsonschema.validate(json.loads(text), PERSON)
+            assert finish == "stop", (i, finish, text)
+
+
+@check
 def metrics_expose_the_issue_families(client, addr):
     code, out = raw(addr, "/metrics", None, method="GET")
     assert code == 200

@@ -86,6 +86,22 @@ pub fn check_sample_args(batch: usize, draws: usize, out: usize) -> Result<(), E
     Ok(())
 }
 
+/// `decode_proc`'s arguments agree: a draw, a processing and an output for every entry.
+pub fn check_proc_args(
+    batch: usize,
+    draws: usize,
+    procs: usize,
+    out: usize,
+) -> Result<(), EngineError> {
+    check_sample_args(batch, draws, out)?;
+    if procs < batch {
+        return Err(EngineError::Request(format!(
+            "decode_proc: the step has {batch} entries but {procs} row processings"
+        )));
+    }
+    Ok(())
+}
+
 /// A model bound to planned memory, driven one step at a time.
 pub trait Engine: Send {
     fn info(&self) -> &EngineInfo;
@@ -134,6 +150,28 @@ pub trait Engine: Send {
         let n = batch.len();
         let logits = self.decode(batch)?;
         crate::sampler::sample_rows(logits, v, &draws[..n], &mut out[..n]);
+        Ok(())
+    }
+    /// One decode step like [`Engine::decode_sample`] whose rows are processed first:
+    /// `out[i]` gets the token `draws[i]` picks from row i after `procs[i]` (grammar mask,
+    /// logit edits, `min_p`, typical; [`crate::pick::RowProc`]). Engines that sample on their
+    /// device override it and apply what they can there; this default processes and picks
+    /// [`Engine::decode`]'s rows on the host, the reference.
+    fn decode_proc(
+        &mut self,
+        batch: &[(usize, u32)],
+        draws: &[crate::sampler::Draw],
+        procs: &[crate::pick::RowProc],
+        out: &mut [u32],
+    ) -> Result<(), EngineError> {
+        check_proc_args(batch.len(), draws.len(), procs.len(), out.len())?;
+        let n = batch.len();
+        if procs[..n].iter().all(|p| p.is_neutral()) {
+            return self.decode_sample(batch, draws, out);
+        }
+        let v = self.info().n_vocab;
+        let mut rows = self.decode(batch)?.to_vec();
+        crate::pick::pick_rows(&mut rows, v, &draws[..n], &procs[..n], &mut out[..n]);
         Ok(())
     }
     /// Draft tokens per speculative step ([`Engine::decode_spec_greedy`]): the plan's

@@ -12,6 +12,7 @@ pub mod exec;
 pub mod experts;
 pub mod load;
 pub mod model;
+pub mod pick;
 pub mod pipeline;
 pub mod routing;
 pub use strata_schemas::quant;

@@ -369,6 +369,34 @@ where
         Ok(())
     }
 
+    fn decode_proc(
+        &mut self,
+        batch: &[(usize, u32)],
+        draws: &[Draw],
+        procs: &[crate::pick::RowProc],
+        out: &mut [u32],
+    ) -> Result<(), EngineError> {
+        crate::engine::check_proc_args(batch.len(), draws.len(), procs.len(), out.len())?;
+        let n = batch.len();
+        if procs[..n].iter().all(|p| p.is_neutral()) {
+            return self.decode_sample(batch, draws, out);
+        }
+        self.decode_pass(batch)?;
+        let v = self.info.n_vocab;
+        let logits = &mut self.logits;
+        last(&mut self.stages)
+            .backend
+            .pick_proc(
+                &draws[..n],
+                &procs[..n],
+                &mut logits[..n * v],
+                &mut out[..n],
+            )
+            .map_err(internal)?;
+        self.advance(batch);
+        Ok(())
+    }
+
     fn reset_slot(&mut self, slot: usize) {
         if let Some(l) = self.lens.get_mut(slot) {
             *l = 0;

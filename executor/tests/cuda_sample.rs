@@ -77,7 +77,7 @@ fn queue(
         counters: s[2],
         out: s[3],
     };
-    sample_rows(&Launcher::new(d), x, cols, rows, nb, dv, p).unwrap();
+    sample_rows(&Launcher::new(d), x, cols, rows, nb, dv, None, p).unwrap();
 }
 
 /// `sample_rows` over `rows` rows of `cols` logits (`x`), one draw each, `nb` blocks a row;

@@ -96,15 +96,20 @@ fn reductions_match_the_host_at_the_devices_wave_size() {
     dev.htod(&vec![0u8; rows * 4], cn).unwrap();
     let f = dev.function("dq_argmax_rows").unwrap();
     let (xp, ni, pvp, pip, cnp, op) = (xv.ptr(), n as i32, pv.ptr(), pi.ptr(), cn.ptr(), ov.ptr());
+    // No row processing: a null `proc` and 0 words a row.
+    let (proc, proc_words) = (0u64, 0i64);
     let mut args = [
         arg(&xp),
         arg(&ni),
+        arg(&proc),
+        arg(&proc_words),
         arg(&pvp),
         arg(&pip),
         arg(&cnp),
         arg(&op),
     ];
-    // SAFETY: dq_argmax_rows(x, cols, part_v, part_i, cnt, out): rows x n floats in, one
+    // SAFETY: dq_argmax_rows(x, cols, proc, proc_words, part_v, part_i, cnt, out): rows x n
+    // floats in, no processing, one
     // partial pair, counter and token per row (grid (1, rows), 256 threads).
     unsafe { dev.launch(f, (1, rows as u32, 1), (256, 1, 1), 0, s, &mut args) }.unwrap();
     let mut out = vec![0u8; rows * 4];

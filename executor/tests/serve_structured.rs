@@ -2,7 +2,8 @@
 //! weights: without the grammar its output is not JSON at all): 100 of 100 sampled
 //! `json_schema` completions are valid against their schema (checked here field by field),
 //! on chat and on completions, streamed too; `json_object` gives objects; `n` choices are
-//! each constrained; schemas llguidance rejects and malformed `response_format`s are 400s
+//! each constrained; constrained rows with bias, penalties and `min_p` batched with others
+//! stay valid and reproducible; schemas llguidance rejects and malformed `response_format`s are 400s
 //! naming the field; a server without a tokenizer refuses `response_format` by name.
 #[path = "serve_common/mod.rs"]
 mod common;
@@ -200,6 +201,64 @@ async fn constrained_output_is_valid_json_against_its_schema_in_100_of_100_runs(
         )
         .await;
     valid(r.json()["choices"][0]["text"].as_str().unwrap()).unwrap();
+}
+
+/// Constrained rows that also carry `logit_bias`, the three penalties and `min_p`, decoded in
+/// the same batches as unconstrained ones (every row processed where the engine picks,
+/// `Engine::decode_proc`): 12 concurrent requests over 4 slots. Each constrained document is
+/// valid; a seeded constrained request gives the same document alone and in the crowd (rows
+/// never take another's mask or edits); a +100 `logit_bias` forces its token on every step of
+/// an unconstrained request batched with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processed_constrained_rows_batched_with_others_stay_valid() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = write_plan(dir.path(), Path::new(REAL_MODEL), 4, 256, 8);
+    let s = ExecServer::start(&plan, &[]);
+    let forced = 300u32;
+    let r = s
+        .post_json("/detokenize", &json!({"tokens": vec![forced; 6]}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let forced_text = r.json()["content"].as_str().unwrap().to_string();
+    let processed = |seed: u64| {
+        json!({"prompt": "Person:", "max_tokens": 200, "temperature": 1.0, "seed": seed,
+               "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2,
+               "min_p": 0.05, "logit_bias": {"17": -100, "42": 5}, "response_format": fmt()})
+    };
+    let alone = s.post_json("/v1/completions", &processed(5)).await;
+    assert_eq!(alone.status, 200, "{}", alone.text());
+    let alone = alone.json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    valid(&alone).unwrap_or_else(|e| panic!("alone: {e}: {alone}"));
+    let bodies: Vec<Value> = (0..12u64)
+        .map(|i| match i % 3 {
+            0 => processed(5 + i),
+            1 => json!({"prompt": "Person:", "max_tokens": 200, "temperature": 0.0,
+                        "logit_bias": {"42": -3}, "frequency_penalty": 1.0,
+                        "response_format": fmt()}),
+            _ => json!({"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": i,
+                        "logit_bias": {forced.to_string(): 100}}),
+        })
+        .collect();
+    let replies =
+        futures_util::future::join_all(bodies.iter().map(|b| s.post_json("/v1/completions", b)))
+            .await;
+    for (i, r) in replies.iter().enumerate() {
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        let text = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+        match i % 3 {
+            2 => assert_eq!(
+                text, forced_text,
+                "request {i}: the +100 bias forces its token"
+            ),
+            _ => valid(&text).unwrap_or_else(|e| panic!("request {i}: {e}: {text}")),
+        }
+        if i == 0 {
+            assert_eq!(text, alone, "seed 5 alone and batched with others");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

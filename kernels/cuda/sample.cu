@@ -10,6 +10,11 @@
 // (temperature <= 0 or NaN) and rows without a finite logit give exactly `sampler::argmax`;
 // a row holding NaN or +inf gives ST_NON_FINITE (sampler::NON_FINITE), as the host's
 // row-level pickers do; the per-row counters are zero again after every launch.
+// Row processing (executor/src/pick.rs's RowProc, in the plan's `sample_proc` buffer, one
+// SpProc row a slot): sp_edits writes each row's sparse edits into its logits first; the pick
+// kernels then read the row's token mask (a disallowed token is -inf) and its min_p cut (a
+// token below max + min_p_off is dropped) as they scan. Soundness (NaN, +inf) is judged before
+// the mask, as RowProc::pick does on the host.
 
 #define SP_HISTS 8  // histograms in shared memory, one per four warps
 #define SP_BINS 256
@@ -26,6 +31,46 @@ struct SampleDraw {
     unsigned long long key;
     unsigned long long pad2;
 };
+
+// pick.rs's RowProc as one row of the `sample_proc` buffer (u32 words): the header {flags,
+// edit count, min_p offset's bits, 0}, then the mask words (bit i % 32 of word i / 32; a row
+// of `vocab` tokens has sp_mask_words(vocab) of them, a multiple of four), then the edits.
+#define SP_PROC_MASK 1u
+#define SP_PROC_MIN_P 2u
+struct SpEdit {  // pick.rs's Edit
+    u32 id;
+    float bias;
+    float rep;
+    float pen;
+};
+__device__ __forceinline__ long sp_mask_words(int vocab) { return ((long)vocab + 127) / 128 * 4; }
+// The mask of row r (nullptr when it has none), or of no row at all when `proc` is nullptr.
+__device__ __forceinline__ const u32* sp_row_mask(const u32* proc, long proc_words, int r) {
+    if (!proc) return nullptr;
+    const u32* p = proc + (long)r * proc_words;
+    return (p[0] & SP_PROC_MASK) ? p + 4 : nullptr;
+}
+__device__ __forceinline__ bool sp_masked(const u32* mk, int i) {
+    return mk && !((mk[i >> 5] >> (i & 31)) & 1u);
+}
+
+// Each row's edits written into its logits (pick.rs's Edit::apply, the same f32 operations
+// in the same order; ids are distinct within a row, ids >= vocab skipped), before the pick
+// kernels. grid: rows; block: 256.
+ST_KERNEL void sp_edits(float* logits, int vocab, const u32* __restrict__ proc, long proc_words) {
+    const int r = blockIdx.x;
+    const u32* p = proc + (long)r * proc_words;
+    const u32 n = p[1];
+    const SpEdit* e = (const SpEdit*)(p + 4 + sp_mask_words(vocab));
+    float* row = logits + (long)r * vocab;
+    for (u32 j = threadIdx.x; j < n; j += blockDim.x) {
+        const SpEdit ed = e[j];
+        if (ed.id >= (u32)vocab) continue;
+        float v = __fadd_rn(row[ed.id], ed.bias);
+        v = v > 0.0f ? __fdiv_rn(v, ed.rep) : __fmul_rn(v, ed.rep);
+        row[ed.id] = __fsub_rn(v, ed.pen);
+    }
+}
 
 // sampler::order_key: u32 order = the floats' total order.
 __device__ __forceinline__ u32 sp_key(float v) {
@@ -109,24 +154,28 @@ __device__ __forceinline__ u32 sp_umax(u32 v, unsigned long long* red) {
     return v;
 }
 
-// Every element of row[lo, hi) through f(v, i), SP_UNROLL loads in flight per thread (one
-// load at a time leaves a block waiting out a round trip per element); past-the-end elements
-// come as NaN, which every caller skips. Warp w takes elements of the 32-wide chunks w, w + 32,
-// w + 64, ... of the range.
+// Every element of row[lo, hi) through f(v, i, raw), SP_UNROLL loads in flight per thread
+// (one load at a time leaves a block waiting out a round trip per element): `raw` the logit,
+// `v` the same or -inf where the mask `mk` (nullptr: none) disallows it. Past-the-end
+// elements come as NaN, which every caller skips. Warp w takes elements of the 32-wide chunks
+// w, w + 32, w + 64, ... of the range.
 #define SP_UNROLL 8
 template <class F>
-__device__ __forceinline__ void sp_scan(const float* row, int lo, int hi, F f) {
+__device__ __forceinline__ void sp_scan(const float* row, const u32* mk, int lo, int hi, F f) {
     const int lane = threadIdx.x % ST_WARP, w0 = threadIdx.x - lane;
     const int step = blockDim.x * SP_UNROLL;
     for (int b0 = lo + w0; b0 < hi; b0 += step) {
         float v[SP_UNROLL];
+        u32 off = 0;  // bit u: element u is masked out
 #pragma unroll
         for (int u = 0; u < SP_UNROLL; ++u) {
             const int i = b0 + u * blockDim.x + lane;
             v[u] = i < hi ? row[i] : __int_as_float(0x7fc00000);
+            if (i < hi && sp_masked(mk, i)) off |= 1u << u;
         }
 #pragma unroll
-        for (int u = 0; u < SP_UNROLL; ++u) f(v[u], b0 + u * blockDim.x + lane);
+        for (int u = 0; u < SP_UNROLL; ++u)
+            f(((off >> u) & 1u) ? ST_NEG_INF : v[u], b0 + u * blockDim.x + lane, v[u]);
     }
 }
 
@@ -155,7 +204,8 @@ __device__ __forceinline__ void sp_hist_add(u32 (*h)[SP_BINS], u32 bin, unsigned
 // element at which the running total (of counts, or of masses when `by_mass`) first reaches
 // `rem` (1 <= rem <= the total). Four passes of 8 bits, each a histogram of the candidates
 // still matching the chosen high bits.
-__device__ __forceinline__ u32 sp_select(const float* row, int vocab, u32 lo, bool by_mass,
+__device__ __forceinline__ u32 sp_select(const float* row, const u32* mk, int vocab, u32 lo,
+                                         bool by_mass,
                                          float mx, float t, unsigned long long rem,
                                          SpHist& hist, unsigned long long* tot, u32* s_sel,
                                          unsigned long long* s_rem) {
@@ -165,7 +215,7 @@ __device__ __forceinline__ u32 sp_select(const float* row, int vocab, u32 lo, bo
         u32* flat = &hist[0][0][0];
         for (int i = threadIdx.x; i < SP_HISTS * SP_PARTS * SP_BINS; i += blockDim.x) flat[i] = 0;
         __syncthreads();
-        sp_scan(row, 0, vocab, [&](float v, int) {
+        sp_scan(row, mk, 0, vocab, [&](float v, int, float) {
             const u32 k = sp_key(v);
             if (sp_finite(v) && k >= lo && (k & mask) == prefix)
                 sp_hist_add(hw, (k >> shift) & 0xff, by_mass ? sp_mass(v, mx, t) : 1ull, by_mass);
@@ -200,7 +250,8 @@ __device__ __forceinline__ u32 sp_select(const float* row, int vocab, u32 lo, bo
     return prefix;
 }
 
-// out[r] = the token of draws[r] from logits row r. Every block of row r works out the row's
+// out[r] = the token of draws[r] from logits row r, processed by row r of `proc` (mask and
+// min_p; nullptr: no processing; its edits already written by sp_edits). Every block of row r works out the row's
 // statistics and thresholds itself (passes over the whole row, read from L2 in parallel by
 // the row's blocks), then takes the Gumbel-max pick over its own 1/nb of the row (the costly
 // pass: a hash and two logarithms an element) into (part_v, part_i)[r * nb + b]; the last
@@ -208,8 +259,9 @@ __device__ __forceinline__ u32 sp_select(const float* row, int vocab, u32 lo, bo
 // grid: (nb, rows); block: SP_THREADS; vocab <= SP_MAX_VOCAB. Launched after the step's
 // graph, without PDL.
 ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
-                           const SampleDraw* __restrict__ draws, float* part_v, int* part_i,
-                           unsigned* cnt_done, int* __restrict__ out) {
+                           const SampleDraw* __restrict__ draws, const u32* __restrict__ proc,
+                           long proc_words, float* part_v, int* part_i, unsigned* cnt_done,
+                           int* __restrict__ out) {
     __shared__ SpHist hist;
     __shared__ unsigned long long tot[SP_BINS];
     __shared__ unsigned long long red[32];
@@ -221,6 +273,8 @@ ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
     const int r = blockIdx.y, nb = gridDim.x;
     const float* row = logits + (long)r * vocab;
     const SampleDraw d = draws[r];
+    const u32* mk = sp_row_mask(proc, proc_words, r);
+    const u32 flags = proc ? proc[(long)r * proc_words] : 0u;
 
     // The argmax (the greedy pick and the fallback), the largest finite logit and their count.
     float bv = ST_NEG_INF;
@@ -228,13 +282,12 @@ ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
     u32 kmax = 0;
     unsigned long long cnt = 0;
     u32 unsound = 0;  // NaN or +inf seen (past-the-end NaNs carry i >= vocab)
-    sp_scan(row, 0, vocab, [&](float v, int i) {
+    sp_scan(row, mk, 0, vocab, [&](float v, int i, float raw) {
+        if (i < vocab && !sp_finite(raw) && !(raw < 0.0f)) unsound = 1;
         if (v > ST_NEG_INF) sp_take(bv, bi, v, i);
         if (sp_finite(v)) {
             kmax = max(kmax, sp_key(v));
             ++cnt;
-        } else if (i < vocab && !(v < 0.0f)) {
-            unsound = 1;
         }
     });
     sp_best(bv, bi, sv, si);
@@ -250,25 +303,41 @@ ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
     }
     const float mx = sp_from_key(kmax);
     u32 thr = 0;
+    if (flags & SP_PROC_MIN_P) {
+        // RowProc's `l < max + min_p_off` drops l: keep keys >= the cut's (either zero keeps
+        // -0, which `<` does not drop), and count what is left.
+        const float cut = __fadd_rn(mx, __uint_as_float(proc[(long)r * proc_words + 2]));
+        thr = cut == 0.0f ? sp_key(-0.0f) : sp_key(cut);
+        unsigned long long c = 0;
+        sp_scan(row, mk, 0, vocab, [&](float v, int, float) {
+            if (sp_finite(v) && sp_key(v) >= thr) ++c;
+        });
+        cnt = sp_sum(c, red);
+        if (cnt == 0) {  // every token cut: the host's argmax of a row of -inf
+            if (threadIdx.x == 0 && blockIdx.x == 0) out[r] = 0;
+            return;
+        }
+    }
     if (d.top_k > 0 && (unsigned long long)d.top_k < cnt)
-        thr = sp_select(row, vocab, 0, false, mx, t, d.top_k, hist, tot, &s_sel, &s_rem);
+        thr = sp_select(row, mk, vocab, thr, false, mx, t, d.top_k, hist, tot, &s_sel, &s_rem);
     if (d.top_p < 1.0f) {
         unsigned long long m = 0;
-        sp_scan(row, 0, vocab, [&](float v, int) {
+        sp_scan(row, mk, 0, vocab, [&](float v, int, float) {
             if (sp_finite(v) && sp_key(v) >= thr) m += sp_mass(v, mx, t);
         });
         const unsigned long long total = sp_sum(m, red);
         const double want = ceil((double)fmaxf(d.top_p, 0.0f) * (double)total);
         unsigned long long target = (unsigned long long)want;
         target = min(max(target, 1ull), max(total, 1ull));
-        thr = max(thr, sp_select(row, vocab, thr, true, mx, t, target, hist, tot, &s_sel, &s_rem));
+        thr = max(thr,
+                  sp_select(row, mk, vocab, thr, true, mx, t, target, hist, tot, &s_sel, &s_rem));
     }
     // Gumbel-max among the kept, over this block's share of the row.
     const int per = (vocab + nb - 1) / nb;
     const int c0 = min(vocab, blockIdx.x * per), c1 = min(vocab, c0 + per);
     bv = ST_NEG_INF;
     bi = SP_NONE;
-    sp_scan(row, c0, c1, [&](float v, int i) {
+    sp_scan(row, mk, c0, c1, [&](float v, int i, float) {
         if (!sp_finite(v) || sp_key(v) < thr) return;
         const float s = __fadd_rn(__fdiv_rn(__fsub_rn(v, mx), t), sp_gumbel(d.key, (u32)i));
         sp_take(bv, bi, s, i);
@@ -296,7 +365,8 @@ ST_KERNEL void sample_rows(const float* __restrict__ logits, int vocab,
 
 // Greedy token choice on the device: out[r] = the index of the largest of x[r][0..cols)
 // (lowest index on ties; a row holding NaN or +inf gives ST_NON_FINITE, a row of -inf alone
-// gives 0, as sampler::argmax_rows on the host). Block (b, r) reduces its slice of row r to a
+// gives 0, as sampler::argmax_rows on the host), among the tokens row r of `proc` allows
+// (nullptr: every token; min_p never moves a greedy pick; the edits are sp_edits'). Block (b, r) reduces its slice of row r to a
 // (value, index) pair in part_v / part_i[r * gridDim.x + b]; the last of row r's blocks to
 // finish (counted in cnt[r], which it resets) reduces the row's pairs into out[r].
 // grid: (blocks per row, rows); block: AM_THREADS.
@@ -336,8 +406,8 @@ __device__ __forceinline__ void am_block(float& bv, int& bi, float* sv, int* si)
         }
     }
 }
-ST_KERNEL void dq_argmax_rows(const float* x, int cols, float* part_v, int* part_i,
-                              unsigned* cnt, int* out) {
+ST_KERNEL void dq_argmax_rows(const float* x, int cols, const u32* proc, long proc_words,
+                              float* part_v, int* part_i, unsigned* cnt, int* out) {
     st_pdl_enter();
     __shared__ float sv[AM_THREADS / 32];
     __shared__ int si[AM_THREADS / 32];
@@ -346,12 +416,15 @@ ST_KERNEL void dq_argmax_rows(const float* x, int cols, float* part_v, int* part
     const long per = ((long)cols + nb - 1) / nb;
     const long c0 = (long)blockIdx.x * per, c1 = min((long)cols, c0 + per);
     const float* row = x + (long)r * cols;
+    const u32* mk = sp_row_mask(proc, proc_words, r);
     float bv = ST_NEG_INF;
     int bi = AM_NONE;
     for (long c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
         const float v = row[c];
         if (!(v < __int_as_float(0x7f800000)) && !(v == ST_NEG_INF)) {
             am_take(bv, bi, v, AM_BAD);  // NaN or +inf
+        } else if (sp_masked(mk, (int)c)) {
+            // disallowed: -inf, never picked
         } else if (v > ST_NEG_INF) {
             am_take(bv, bi, v, (int)c);
         }

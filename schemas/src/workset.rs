@@ -19,6 +19,19 @@ pub const MOE_TILE_TOKENS: usize = 64;
 pub const ARGMAX_BLOCKS: u64 = 64;
 /// Bytes of one slot's sampling draw on the device (`sampler::Draw`, sample.cu's SampleDraw).
 pub const DRAW_BYTES: u64 = 32;
+/// Sparse logit edits (`logit_bias`, penalties) one row of [`WorkBuf::SampleProc`] holds: a
+/// request touching more tokens in a step (a repetition penalty over a long prompt) is picked
+/// on the host that step (`executor/src/pick.rs`).
+pub const SAMPLE_EDITS: u64 = 16_384;
+/// Bytes of one edit (`pick::Edit`: token id, bias, repetition factor, penalty).
+pub const EDIT_BYTES: u64 = 16;
+
+/// Bytes of one row of [`WorkBuf::SampleProc`] at a vocabulary of `vocab`: a 16-byte header
+/// (flags, edit count, `min_p` offset), the token mask (one bit a token, u32 words, rounded up
+/// to 16 bytes), then [`SAMPLE_EDITS`] edits (sample.cu's `SpProc` layout).
+pub fn sample_proc_row_bytes(vocab: u64) -> u64 {
+    16 + vocab.div_ceil(128) * 16 + SAMPLE_EDITS * EDIT_BYTES
+}
 
 /// Which executor backend a working set is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -114,6 +127,9 @@ work_bufs! {
     Argmax = "argmax",
     /// GPU: one sampling draw per slot.
     Draws = "draws",
+    /// GPU: per slot, the row's processing before the device pick (grammar mask, sparse
+    /// logit edits, `min_p`; [`sample_proc_row_bytes`]).
+    SampleProc = "sample_proc",
     /// GPU: 16-bit product inputs of the tensor-core path.
     Xh = "xh",
     /// GPU: the experts' outputs before they are combined, and split-K partials.
@@ -377,6 +393,7 @@ pub fn buffers(
                     dec.max(p.logit_rows as u64) * (ARGMAX_BLOCKS * 8 + 8),
                 ),
                 (Draws, dec * DRAW_BYTES),
+                (SampleProc, dec * sample_proc_row_bytes(u(d.vocab))),
                 (
                     Xh,
                     // The widest product input: the hidden row, the attention output, the
@@ -480,11 +497,17 @@ mod tests {
         assert_eq!(b[&WorkBuf::Xn], 4 * MIB);
         // Decode partials: 1 slot x 32 heads x 64 splits x (128 + 2) f32.
         assert_eq!(b[&WorkBuf::PartO] + b[&WorkBuf::PartMs], 32 * 64 * 130 * 4);
+        // One slot's row processing: a 16-byte header, 151,936 mask bits (18,992 bytes) and
+        // 16,384 edits of 16 bytes.
+        assert_eq!(b[&WorkBuf::SampleProc], 16 + 18_992 + 16_384 * 16);
         let total = stage_bytes(BackendKind::Gpu, &a3b(), 48, true, &p);
         // yd 32 + h 12 + q 8 + att 8 + xh 6 + x 4 + xn 4 + k 1 + v 1 = 76 MiB, then the
-        // partials (1.02), logits (0.58), router (0.25) and 48 layers' expert tables (0.14):
-        // just over 78 MiB.
-        assert!((78 * MIB..78 * MIB + MIB / 10).contains(&total), "{total}");
+        // partials (1.02), logits (0.58), router (0.25), 48 layers' expert tables (0.14) and
+        // the sample_proc row (0.27): 78.3 MiB.
+        assert!(
+            (78 * MIB + 3 * MIB / 10..78 * MIB + 4 * MIB / 10).contains(&total),
+            "{total}"
+        );
         // The matrix-vector path alone (no tensor-core buffers) needs 38 MiB less.
         let mv = stage_bytes(
             BackendKind::Gpu,
@@ -493,7 +516,10 @@ mod tests {
             true,
             &Pass { gemm: false, ..p },
         );
-        assert!((40 * MIB..40 * MIB + MIB / 10).contains(&mv), "{mv}");
+        assert!(
+            (40 * MIB + 3 * MIB / 10..40 * MIB + 4 * MIB / 10).contains(&mv),
+            "{mv}"
+        );
     }
 
     #[test]

@@ -271,6 +271,23 @@ pub trait Stage: Ops {
         crate::sampler::sample_rows(&scratch[..rows * v], v, &draws[..rows], out);
         Ok(())
     }
+    /// `out[i]` = the token `draws[i]` picks from logit row `i` after `procs[i]` (the
+    /// row's mask, edits and `min_p`; see [`crate::pick::RowProc`]). Backends that sample on
+    /// their device override it (falling back to this for a row they cannot process there);
+    /// this, the reference, reads the logits back and processes and picks on the host.
+    fn pick_proc(
+        &mut self,
+        draws: &[crate::sampler::Draw],
+        procs: &[crate::pick::RowProc],
+        scratch: &mut [f32],
+        out: &mut [u32],
+    ) -> Result<(), Self::Error> {
+        let rows = out.len();
+        let v = scratch.len() / rows.max(1);
+        self.read_logits(rows, &mut scratch[..rows * v])?;
+        crate::pick::pick_rows(&mut scratch[..rows * v], v, &draws[..rows], procs, out);
+        Ok(())
+    }
     /// Copy slot `from`'s first `cells` context cells (every KV layer of this stage) and its
     /// whole linear-attention state into slot `to`, so `to` continues `from`'s sequence from
     /// position `cells` (`n` choices of one prompt prefilled once). `Ok(false)`, with nothing

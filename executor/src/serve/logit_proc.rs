@@ -1,12 +1,15 @@
-//! Host-side logit processing of one request before its token is drawn: `logit_bias`,
+//! Logit processing of one request before its token is drawn: `logit_bias`,
 //! presence/frequency penalties (OpenAI, over generated tokens), the repetition penalty
-//! (llama.cpp/vLLM, over prompt and generated tokens), the locally typical `typical_p` cut
-//! and the `min_p` cut.
+//! (llama.cpp/vLLM, over prompt and generated tokens, each seen token once), the locally
+//! typical `typical_p` cut and the `min_p` cut. [`LogitProc::row_proc`] turns a request's
+//! settings and history into the [`crate::pick::RowProc`] a backend applies where it picks
+//! (on the device for all but `typical_p`); [`apply`] is the dense host transform it must
+//! equal (the unit tests check one against the other).
 //! Invariant: every step is a transform of the logits row that runs before the unchanged
 //! draw of [`crate::sampler::sample_into`] (so the seeded draw stays the one the device
-//! kernel repeats); a neutral [`LogitProc`] leaves the row bit for bit untouched, and only
-//! rows with a non-neutral one are picked on the host.
+//! kernel repeats); a neutral [`LogitProc`] leaves the row bit for bit untouched.
 
+use crate::pick::{Edit, RowProc};
 use std::collections::HashMap;
 
 /// One request's logit processing settings (all neutral by default).
@@ -20,7 +23,8 @@ pub struct LogitProc {
     pub frequency_penalty: f32,
     /// Divides positive (multiplies negative) logits of tokens seen in prompt or output (1 = off).
     pub repetition_penalty: f32,
-    /// Added to the given token ids' logits (`-100` effectively bans, `100` forces).
+    /// Added to the given token ids' logits (`-100` effectively bans, `100` forces). Ids are
+    /// distinct (the HTTP side refuses one named twice).
     pub logit_bias: Vec<(u32, f32)>,
     /// Locally typical sampling (Meister et al. 2023, as Hugging Face's `typical_p` and
     /// llama.cpp's `typ_p`): keep the tokens whose surprise is closest to the distribution's
@@ -50,6 +54,48 @@ impl LogitProc {
             && self.repetition_penalty == 1.0
             && self.logit_bias.is_empty()
             && self.typical_p >= 1.0
+    }
+}
+
+impl LogitProc {
+    /// This request's processing of a row drawn at `temperature` after history `h`, into
+    /// `out` (its mask left as it is): one [`Edit`] per token that the bias or a penalty
+    /// touches, the `typical_p` mass, the `min_p` offset.
+    pub fn row_proc(&self, h: &History, temperature: f32, out: &mut RowProc) {
+        out.edits.clear();
+        // Greedy draws ignore typical_p (as `apply` does), so their rows stay device-side.
+        out.typical = (self.typical_p < 1.0 && temperature > 0.0).then_some(self.typical_p);
+        out.min_p_off = crate::pick::min_p_offset(self.min_p, temperature);
+        if self.logit_bias.is_empty()
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+        {
+            return;
+        }
+        let mut at: HashMap<u32, usize> = HashMap::new();
+        let mut edit = |id: u32, f: &mut dyn FnMut(&mut Edit)| {
+            let i = *at.entry(id).or_insert_with(|| {
+                out.edits.push(Edit::none(id));
+                out.edits.len() - 1
+            });
+            f(&mut out.edits[i]);
+        };
+        for &(id, b) in &self.logit_bias {
+            edit(id, &mut |e| e.bias += b);
+        }
+        if self.repetition_penalty != 1.0 {
+            let r = self.repetition_penalty;
+            for &id in h.prompt.iter().chain(h.generated.keys()) {
+                edit(id, &mut |e| e.rep = r);
+            }
+        }
+        if self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 {
+            for (&id, &n) in &h.generated {
+                let pen = self.presence_penalty + self.frequency_penalty * n as f32;
+                edit(id, &mut |e| e.pen = pen);
+            }
+        }
     }
 }
 
@@ -95,7 +141,11 @@ pub fn apply(p: &LogitProc, h: &History, temperature: f32, row: &mut [f32]) {
     }
     if p.repetition_penalty != 1.0 {
         let r = p.repetition_penalty;
-        let seen = h.prompt.iter().chain(h.generated.keys());
+        // Each seen token once, whether it was in the prompt, generated, or both.
+        let seen = h
+            .prompt
+            .iter()
+            .chain(h.generated.keys().filter(|id| !h.prompt.contains(id)));
         for &id in seen {
             if let Some(l) = row.get_mut(id as usize) {
                 *l = if *l > 0.0 { *l / r } else { *l * r };
@@ -110,7 +160,7 @@ pub fn apply(p: &LogitProc, h: &History, temperature: f32, row: &mut [f32]) {
         }
     }
     if p.typical_p < 1.0 && temperature > 0.0 {
-        typical(row, p.typical_p, temperature);
+        crate::pick::typical_cut(row, p.typical_p, temperature);
     }
     if p.min_p > 0.0 {
         let max = row
@@ -128,54 +178,6 @@ pub fn apply(p: &LogitProc, h: &History, temperature: f32, row: &mut [f32]) {
                 }
             }
         }
-    }
-}
-
-/// The `typical_p` cut of `row` at `temperature`: with `lp` the log-softmax of `row /
-/// temperature` and `H` its entropy, tokens are ranked by `|-lp - H|` and the smallest
-/// prefix whose probability reaches `mass` is kept (at least one token); the rest become
-/// `-inf`. Ties in rank keep the lower id first.
-fn typical(row: &mut [f32], mass: f32, temperature: f32) {
-    let max = row
-        .iter()
-        .copied()
-        .filter(|v| v.is_finite())
-        .fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return;
-    }
-    let t = temperature as f64;
-    let scaled = |v: f32| (v as f64 - max as f64) / t;
-    let z: f64 = row
-        .iter()
-        .filter(|v| v.is_finite())
-        .map(|&v| scaled(v).exp())
-        .sum();
-    let lz = z.ln();
-    let mut ent = 0.0f64;
-    let mut rank: Vec<(f64, u32, f64)> = Vec::new();
-    for (i, &v) in row.iter().enumerate() {
-        if v.is_finite() {
-            let lp = scaled(v) - lz;
-            ent -= lp.exp() * lp;
-            rank.push((0.0, i as u32, lp));
-        }
-    }
-    for r in rank.iter_mut() {
-        r.0 = (-r.2 - ent).abs();
-    }
-    rank.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-    let mut cum = 0.0f64;
-    let mut keep = rank.len();
-    for (k, r) in rank.iter().enumerate() {
-        cum += r.2.exp();
-        if cum >= mass as f64 {
-            keep = k + 1;
-            break;
-        }
-    }
-    for r in &rank[keep..] {
-        row[r.1 as usize] = f32::NEG_INFINITY;
     }
 }
 
@@ -313,6 +315,127 @@ mod tests {
         let mut row = base.clone();
         apply(&p, &History::default(), 0.0, &mut row);
         assert_eq!(row, base, "greedy requests ignore typical_p");
+    }
+
+    /// A random request's settings and history on a random row: `row_proc` then
+    /// `RowProc::apply` (what every backend repeats) gives the bits `apply` does after the
+    /// grammar's mask (the host path before row processing existed), and so the same token
+    /// for greedy and seeded draws.
+    #[test]
+    fn row_proc_equals_the_dense_host_processing() {
+        use crate::pick::{pick_rows, RowProc};
+        use crate::sampler::{sample_into, Draw};
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let mut rng = StdRng::seed_from_u64(0x0d0e_c0de);
+        let v = 300usize;
+        for case in 0..400 {
+            let pick = |rng: &mut StdRng, xs: &[f32]| xs[rng.random_range(0..xs.len())];
+            let mut p = LogitProc {
+                min_p: pick(&mut rng, &[0.0, 0.0, 0.05, 0.3, 1.0]),
+                presence_penalty: pick(&mut rng, &[0.0, 0.5, -1.25, 2.0]),
+                frequency_penalty: pick(&mut rng, &[0.0, 0.3, -0.7]),
+                repetition_penalty: pick(&mut rng, &[1.0, 1.3, 0.8, 10.0]),
+                typical_p: pick(&mut rng, &[1.0, 1.0, 1.0, 0.5]),
+                ..Default::default()
+            };
+            let mut ids: Vec<u32> = (0..v as u32 + 5).collect();
+            for _ in 0..rng.random_range(0..20) {
+                let i = rng.random_range(0..ids.len());
+                let id = ids.swap_remove(i);
+                p.logit_bias.push((id, rng.random_range(-100.0f32..100.0)));
+            }
+            let prompt: Vec<u32> = (0..rng.random_range(0..40))
+                .map(|_| rng.random_range(0..v as u32))
+                .collect();
+            let mut h = History::new(&prompt, &p);
+            for _ in 0..rng.random_range(0..60) {
+                h.push(rng.random_range(0..v as u32 + 3));
+            }
+            let mut row: Vec<f32> = (0..v)
+                .map(|_| {
+                    let x: f32 = rng.random_range(-8.0f32..8.0);
+                    if case % 3 == 0 {
+                        x.round()
+                    } else {
+                        x
+                    }
+                })
+                .collect();
+            if case % 7 == 0 {
+                row[rng.random_range(0..v)] = f32::NEG_INFINITY;
+                row[rng.random_range(0..v)] = -0.0;
+            }
+            let mask: Option<Vec<u32>> = (case % 2 == 0).then(|| {
+                (0..v.div_ceil(32))
+                    .map(|_| rng.random::<u32>() & rng.random::<u32>())
+                    .collect()
+            });
+            let t = pick(&mut rng, &[0.0, 0.7, 1.0, 1.6]);
+            let d = Draw {
+                temperature: t,
+                top_k: pick(&mut rng, &[0.0, 5.0, 40.0]) as u32,
+                top_p: pick(&mut rng, &[1.0, 0.9, 0.5]),
+                key: rng.random(),
+                ..Draw::GREEDY
+            };
+            // The dense reference: the mask, then `apply`.
+            let mut want = row.clone();
+            if let Some(m) = &mask {
+                for (i, l) in want.iter_mut().enumerate() {
+                    if m[i / 32] >> (i % 32) & 1 == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            apply(&p, &h, t, &mut want);
+            let mut rp = RowProc {
+                mask: mask.clone(),
+                ..Default::default()
+            };
+            p.row_proc(&h, t, &mut rp);
+            let ids: std::collections::HashSet<u32> = rp.edits.iter().map(|e| e.id).collect();
+            assert_eq!(ids.len(), rp.edits.len(), "one edit a token");
+            let mut got = row.clone();
+            rp.apply(t, &mut got);
+            for i in 0..v {
+                assert_eq!(
+                    got[i].to_bits(),
+                    want[i].to_bits(),
+                    "case {case} token {i}: {} vs {}",
+                    got[i],
+                    want[i]
+                );
+            }
+            let tok = sample_into(&want, &d, &mut Vec::new());
+            let mut out = [0u32];
+            pick_rows(
+                &mut row.clone(),
+                v,
+                &[d],
+                std::slice::from_ref(&rp),
+                &mut out,
+            );
+            assert_eq!(out[0], tok, "case {case}");
+            assert_eq!(rp.pick(&row, &d, &mut Vec::new(), &mut Vec::new()), tok);
+        }
+    }
+
+    #[test]
+    fn a_token_in_prompt_and_output_takes_the_repetition_penalty_once() {
+        let p = LogitProc {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut h = History::new(&[1], &p);
+        h.push(1);
+        let mut row = vec![0.0f32, 4.0, -4.0];
+        apply(&p, &h, 0.0, &mut row);
+        assert_eq!(row, [0.0, 2.0, -4.0]);
+        let mut rp = crate::pick::RowProc::default();
+        p.row_proc(&h, 0.0, &mut rp);
+        let mut row2 = vec![0.0f32, 4.0, -4.0];
+        rp.apply(0.0, &mut row2);
+        assert_eq!(row2, row);
     }
 
     #[test]

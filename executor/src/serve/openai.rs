@@ -484,6 +484,12 @@ fn logit_proc(o: &Obj, d: &SamplingDefaults) -> Result<super::logit_proc::LogitP
                         format!("`logit_bias.{k}` must be between -100 and 100, got {b}"),
                     ));
                 }
+                if p.logit_bias.iter().any(|(i, _)| *i == id) {
+                    return Err(ApiError::param(
+                        "invalid_value",
+                        format!("`logit_bias` names token {id} twice (key `{k}` is another spelling of an earlier key); give each token once"),
+                    ));
+                }
                 p.logit_bias.push((id, b as f32));
             }
         }

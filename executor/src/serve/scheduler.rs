@@ -24,6 +24,7 @@ use super::metrics::{Ready, Shared, SlotView};
 pub use super::prefix::{common_prefix, pick_slot, reusable, reusable_to, FreeSlot, PrefixCache};
 use super::structured::Constraint;
 use crate::engine::{Engine, EngineError, PrefixReuse};
+use crate::pick::RowProc;
 use crate::sampler::{Draw, Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -63,11 +64,11 @@ pub struct Job {
     /// At least 1; `prompt.len() + max_tokens <= max_context`.
     pub max_tokens: u64,
     pub sampling: SamplingParams,
-    /// Host-side logit processing; a non-neutral one makes this request's rows picked on
-    /// the host from [`Engine::decode`]'s logits.
+    /// Logit processing, applied where the engine picks ([`Engine::decode_proc`]: on the
+    /// device where it samples there; `typical_p` on the host).
     pub proc: LogitProc,
     /// `Some(k)`: send each token's log-probability and the `k` most likely alternatives
-    /// (this request's rows are then picked on the host, like a non-neutral `proc`).
+    /// (this request's rows are then read back and picked on the host).
     pub logprobs: Option<usize>,
     pub eos: Arc<[u32]>,
     pub events: UnboundedSender<(usize, Event)>,
@@ -77,8 +78,8 @@ pub struct Job {
     pub ended_by_stop: Arc<AtomicBool>,
     /// Whether this job may reuse a slot's cached prefix (the request's `cache_prompt`).
     pub cache_prompt: bool,
-    /// `response_format`'s grammar: every row is masked to what it allows (and picked on
-    /// the host, like a non-neutral `proc`).
+    /// `response_format`'s grammar: every row is masked to what it allows (the mask is
+    /// computed on the CPU and applied where the engine picks, like `proc`).
     pub constraint: Option<Box<Constraint>>,
 }
 
@@ -172,7 +173,7 @@ struct Active {
     /// While prefilling: the slot whose prompt context this one will copy instead of
     /// prefilling (a later choice of the same request).
     follows: Option<usize>,
-    /// Why the request's grammar failed, when [`pick_host`] said [`GRAMMAR_FAILED`].
+    /// Why the request's grammar failed, when [`row_proc`] did.
     failed: Option<String>,
 }
 
@@ -257,6 +258,8 @@ struct Sched {
     draws: Vec<Draw>,
     /// This step's log-probabilities, one per batch entry (for requests that asked).
     lps: Vec<Option<Box<TokenLogprobs>>>,
+    /// This step's row processing, one per batch entry (the first prompt pick uses the first).
+    procs: Vec<RowProc>,
     ubatch: usize,
     max_context: u64,
     /// One row of logits, for host-side processing.
@@ -314,6 +317,7 @@ impl Sched {
             sampled: Vec::with_capacity(n),
             draws: Vec::with_capacity(n),
             lps: Vec::with_capacity(n),
+            procs: (0..n.max(1)).map(|_| RowProc::default()).collect(),
             ubatch: info.ubatch.max(1),
             max_context: info.max_context,
             row: Vec::with_capacity(info.n_vocab),
@@ -608,7 +612,7 @@ impl Sched {
                     self.first_row.clear();
                     self.first_row.extend_from_slice(logits);
                 }
-                match first_pick(a, logits, &mut self.row, &mut self.cand) {
+                match first_pick(a, logits, &mut self.procs[0], &mut self.row, &mut self.cand) {
                     Err(msg) => self.finish(slot, Event::Error(msg)),
                     Ok((tok, lp)) => {
                         self.save_checkpoint(slot);
@@ -675,7 +679,7 @@ impl Sched {
             self.shared
                 .prompt_tokens_copied
                 .fetch_add(b.fed as u64, Relaxed);
-            match first_pick(b, &row, &mut self.row, &mut self.cand) {
+            match first_pick(b, &row, &mut self.procs[0], &mut self.row, &mut self.cand) {
                 Err(msg) => self.finish(f, Event::Error(msg)),
                 Ok((tok, lp)) => self.first_token(f, tok, lp),
             }
@@ -751,7 +755,7 @@ impl Sched {
             let Some(a) = self.slots[slot].as_ref() else {
                 continue;
             };
-            if a.phase != Phase::Decode || on_host(a) {
+            if a.phase != Phase::Decode || processed(a) {
                 continue;
             }
             let (id, index, tok) = (a.job.id, a.job.index, a.last);
@@ -818,38 +822,46 @@ impl Sched {
             return;
         }
         let t0 = Instant::now();
-        // Each slot's draw for this step; the engine samples (on its device where it can,
-        // with a plain argmax when every request is greedy).
+        // Each slot's draw and row processing for this step; the engine processes and
+        // samples (on its device where it can, with a plain argmax when every request is
+        // greedy and unprocessed).
         self.draws.clear();
-        for &slot in &self.batch_slot {
-            let d = self.slots[slot]
-                .as_mut()
-                .map_or(Draw::GREEDY, |a| a.sampler.next_draw());
-            self.draws.push(d);
-        }
         self.sampled.clear();
         self.sampled.resize(self.batch.len(), u32::MAX);
+        let mut host = false;
+        for (k, &slot) in self.batch_slot.iter().enumerate() {
+            let p = &mut self.procs[k];
+            let Some(a) = self.slots[slot].as_mut() else {
+                self.draws.push(Draw::GREEDY);
+                p.clear();
+                continue;
+            };
+            let d = a.sampler.next_draw();
+            self.draws.push(d);
+            if let Err(e) = row_proc(a, &d, p) {
+                // The row still runs (its slot's token is in the batch); its pick is dropped.
+                a.failed = Some(e);
+                p.clear();
+            }
+            host |= a.job.logprobs.is_some() || !p.fits_device(usize::MAX);
+        }
         self.lps.clear();
         self.lps.resize(self.batch.len(), None);
-        let host = self
-            .batch_slot
-            .iter()
-            .any(|&s| self.slots[s].as_ref().is_some_and(on_host));
+        let n = self.batch.len();
         let res = if host {
-            // Some row needs host-side processing: bring every row back and pick here.
+            // Some row needs its raw logits (logprobs) or a host-only cut (typical_p): bring
+            // every row back and pick here, by the same processing.
             let v = self.engine.info().n_vocab;
             match self.engine.decode(&self.batch) {
                 Err(e) => Err(e),
                 Ok(logits) => {
-                    for (k, row) in logits.chunks_exact(v.max(1)).enumerate() {
-                        let Some(&slot) = self.batch_slot.get(k) else {
-                            break;
-                        };
-                        if let Some(a) = self.slots[slot].as_mut() {
-                            let tok =
-                                pick_host(a, row, &self.draws[k], &mut self.row, &mut self.cand);
-                            self.sampled[k] = tok;
-                            if tok != crate::sampler::NON_FINITE && tok != GRAMMAR_FAILED {
+                    for (k, row) in logits.chunks_exact(v.max(1)).enumerate().take(n) {
+                        let slot = self.batch_slot[k];
+                        let tok =
+                            self.procs[k].pick(row, &self.draws[k], &mut self.row, &mut self.cand);
+                        self.sampled[k] = tok;
+                        if let Some(a) = self.slots[slot].as_ref() {
+                            if tok != crate::sampler::NON_FINITE {
                                 self.lps[k] = token_logprobs(a, row, tok);
                             }
                         }
@@ -858,9 +870,21 @@ impl Sched {
                 }
             }
         } else {
-            self.engine
-                .decode_sample(&self.batch, &self.draws, &mut self.sampled)
+            self.engine.decode_proc(
+                &self.batch,
+                &self.draws,
+                &self.procs[..n],
+                &mut self.sampled,
+            )
         };
+        for (k, &slot) in self.batch_slot.iter().enumerate() {
+            if self.slots[slot]
+                .as_ref()
+                .is_some_and(|a| a.failed.is_some())
+            {
+                self.sampled[k] = GRAMMAR_FAILED;
+            }
+        }
         if let Err(e) = res {
             let msg = engine_msg(&e);
             for k in 0..self.batch_slot.len() {
@@ -989,36 +1013,30 @@ fn observe_end(shared: &Shared, a: &Active, eos: bool) {
     shared.generation_len.observe(sent as f64);
 }
 
-/// `a`'s first token from the last prompt position's raw logits, with its
-/// log-probabilities when asked; the error a request ends with when the row is not finite
-/// or the grammar failed.
+/// `a`'s first token from the last prompt position's raw logits (processed by `proc`, built
+/// here), with its log-probabilities when asked; the error a request ends with when the row
+/// is not finite or the grammar failed.
 fn first_pick(
     a: &mut Active,
     logits: &[f32],
+    proc: &mut RowProc,
     row: &mut Vec<f32>,
     cand: &mut Vec<(u32, u32)>,
 ) -> Result<(u32, Option<Box<TokenLogprobs>>), String> {
-    let tok = if !on_host(a) {
-        a.sampler.sample(logits)
-    } else {
-        let d = a.sampler.next_draw();
-        pick_host(a, logits, &d, row, cand)
-    };
+    let d = a.sampler.next_draw();
+    row_proc(a, &d, proc)?;
+    let tok = proc.pick(logits, &d, row, cand);
     if tok == crate::sampler::NON_FINITE {
         return Err(crate::sampler::non_finite_message(
             "the last prompt position",
         ));
     }
-    if tok == GRAMMAR_FAILED {
-        return Err(a.failed.take().unwrap_or_default());
-    }
     Ok((tok, token_logprobs(a, logits, tok)))
 }
 
-/// Whether `a`'s rows are picked on the host (its logits read back from the device).
-/// Constrained requests are too: llguidance computes each step's mask on the CPU, and the
-/// masked row is drawn by the same host code as the processed ones (no device mask kernel).
-fn on_host(a: &Active) -> bool {
+/// Whether `a`'s rows need more than a plain draw (processing, a grammar, logprobs): such a
+/// request takes no speculative (MTP) steps.
+fn processed(a: &Active) -> bool {
     !a.job.proc.is_neutral() || a.job.logprobs.is_some() || a.job.constraint.is_some()
 }
 
@@ -1029,34 +1047,19 @@ fn token_logprobs(a: &Active, logits: &[f32], tok: u32) -> Option<Box<TokenLogpr
     Some(Box::new(TokenLogprobs { logprob, top }))
 }
 
-/// Pick `a`'s next token from its raw logits `logits` on the host: the row is checked,
-/// copied into `row`, masked by the request's grammar (first, so the other cuts work on
-/// what the grammar allows), processed by its [`LogitProc`], then drawn with `d` by the
-/// same algorithm the engines use. [`GRAMMAR_FAILED`] with the reason kept in `a` when the
-/// grammar cannot give a mask.
-fn pick_host(
-    a: &mut Active,
-    logits: &[f32],
-    d: &Draw,
-    row: &mut Vec<f32>,
-    cand: &mut Vec<(u32, u32)>,
-) -> u32 {
-    if !crate::sampler::row_is_sound(logits) {
-        return crate::sampler::NON_FINITE;
-    }
-    row.clear();
-    row.extend_from_slice(logits);
+/// `a`'s processing of the row its draw `d` picks from, into `out`: the grammar's mask for
+/// this step (computed here, on the CPU), then its [`LogitProc`]'s edits and cuts. Fails,
+/// with the reason, when the grammar cannot give a mask.
+fn row_proc(a: &mut Active, d: &Draw, out: &mut RowProc) -> Result<(), String> {
+    out.clear();
+    a.job.proc.row_proc(&a.history, d.temperature, out);
     if let Some(c) = a.job.constraint.as_mut() {
-        if let Err(e) = c.mask(row) {
-            a.failed = Some(e);
-            return GRAMMAR_FAILED;
-        }
+        c.mask_words(out.mask.get_or_insert_with(Vec::new))?;
     }
-    logit_proc::apply(&a.job.proc, &a.history, d.temperature, row);
-    crate::sampler::sample_into(row, d, cand)
+    Ok(())
 }
 
-/// What [`pick_host`] returns when the request's grammar failed (reason in `Active::failed`).
+/// The pick of a row whose grammar failed this step (reason in `Active::failed`).
 const GRAMMAR_FAILED: u32 = u32::MAX - 2;
 
 fn engine_msg(e: &EngineError) -> String {

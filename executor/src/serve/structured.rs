@@ -1,7 +1,8 @@
 //! Structured output (`response_format`): `json_object` and `json_schema` compiled by
 //! llguidance against a token trie of the served tokenizer ([`Grammars`]), and the
-//! per-sequence [`Constraint`] that masks each logits row before the draw and follows the
-//! tokens drawn.
+//! per-sequence [`Constraint`] that gives each step's token mask (applied before any other
+//! processing, where the backend picks: on the device where it samples there) and follows
+//! the tokens drawn.
 //! Invariant: a constrained sequence only ever draws a token its grammar allows at that
 //! point (every other id is `-inf` before any other processing, so the output is a prefix
 //! of a document the schema accepts, and a whole one when it ends by end-of-sequence); a
@@ -226,18 +227,17 @@ impl Constraint {
         }
     }
 
-    /// Set every token the grammar does not allow next to `-inf` in `row`. Fails when the
-    /// grammar is in an error state (never expected: only allowed tokens are fed to it).
-    pub fn mask(&mut self, row: &mut [f32]) -> Result<(), String> {
+    /// The tokens the grammar allows next, one bit each (bit `i % 32` of word `i / 32`), into
+    /// `words` (the mask of [`crate::pick::RowProc`], applied by the backend where it picks).
+    /// Fails when the grammar is in an error state (never expected: only allowed tokens are
+    /// fed to it).
+    pub fn mask_words(&mut self, words: &mut Vec<u32>) -> Result<(), String> {
         let m = self
             .matcher
             .compute_mask_or_eos()
             .map_err(|e| format!("structured output: {e}"))?;
-        for (i, l) in row.iter_mut().enumerate() {
-            if !m.is_allowed(i as TokenId) {
-                *l = f32::NEG_INFINITY;
-            }
-        }
+        words.clear();
+        words.extend_from_slice(m.as_slice());
         Ok(())
     }
 

@@ -26,6 +26,7 @@ pub mod launch;
 pub mod layout;
 pub mod memlock;
 pub mod options;
+pub mod pick;
 pub mod pinned;
 pub mod probe;
 pub mod quants;

@@ -8,8 +8,8 @@
 
 use super::handoff::Link;
 use super::kv_spill::{KvHostArg, KvSpill};
-use super::launch::decode::{self, PickScratch};
-use super::launch::{Launcher, Prof, ProfTotals, SAMPLE_MAX_VOCAB};
+use super::launch::decode::PickScratch;
+use super::launch::{Launcher, Prof, ProfTotals};
 use super::options::KernelOptions;
 use super::runtime::GpuGraph;
 use super::{CudaDevice, CudaError, DeviceArena, DeviceView};
@@ -18,11 +18,7 @@ use crate::sampler::Draw;
 use std::collections::HashMap;
 use std::sync::Arc;
 use strata_schemas::dims::Dims;
-use strata_schemas::workset::{ARGMAX_BLOCKS, DRAW_BYTES};
-
-/// Blocks per row of `sample_rows` when a draw has top-k or top-p cuts (without cuts it takes
-/// `ARGMAX_BLOCKS`, the most the scratch holds).
-const SAMPLE_BLOCKS_CUTS: u32 = 16;
+use strata_schemas::workset::ARGMAX_BLOCKS;
 
 /// A planned buffer's place in the arena.
 #[derive(Debug, Clone, Copy, Default)]
@@ -386,7 +382,7 @@ impl CudaStage {
     /// The pick buffers for `rows` rows: per row ARGMAX_BLOCKS partial values and as many
     /// indices, then a counter and the chosen token per row, for as many rows as the planned
     /// `argmax` buffer holds (every slot's, and with MTP speculation a verify pass's).
-    fn pick_scratch(&self, rows: usize) -> Result<PickScratch<'_>, CudaError> {
+    pub(crate) fn pick_scratch(&self, rows: usize) -> Result<PickScratch<'_>, CudaError> {
         let nb = ARGMAX_BLOCKS;
         let held = self.buf(WorkBuf::Argmax)?.len() / (nb * 8 + 8);
         if rows as u64 > held {
@@ -410,7 +406,7 @@ impl CudaStage {
     }
 
     /// Copy `out.len()` u32s from `src` back and wait for the stream.
-    fn back_u32(&self, src: DeviceView<'_>, out: &mut [u32]) -> Result<(), CudaError> {
+    pub(crate) fn back_u32(&self, src: DeviceView<'_>, out: &mut [u32]) -> Result<(), CudaError> {
         src.expect("pick", "tokens", 4 * out.len() as u64, 4)?;
         // SAFETY: `src` holds out.len() u32s (checked above); dtoh_raw waits for the copy.
         unsafe {
@@ -582,24 +578,7 @@ impl Stage for CudaStage {
     }
 
     fn pick_greedy(&mut self, scratch: &mut [f32], out: &mut [u32]) -> Result<(), CudaError> {
-        let rows = out.len();
-        if self.opts.host_pick {
-            let v = self.d.vocab;
-            self.read_logits(rows, &mut scratch[..rows * v])?;
-            crate::sampler::argmax_rows(&scratch[..rows * v], v, out);
-            return Ok(());
-        }
-        let s = self.pick_scratch(rows)?;
-        let logits = self.buf(WorkBuf::Logits)?;
-        decode::argmax_rows(
-            &self.plain_launcher(),
-            logits,
-            self.d.vocab,
-            rows,
-            ARGMAX_BLOCKS as u32,
-            s,
-        )?;
-        self.back_u32(s.out, out)
+        self.pick_on_device(None, None, scratch, out)
     }
 
     fn pick_sample(
@@ -608,43 +587,17 @@ impl Stage for CudaStage {
         scratch: &mut [f32],
         out: &mut [u32],
     ) -> Result<(), CudaError> {
-        let rows = out.len();
-        let v = self.d.vocab;
-        if self.opts.host_pick || v > SAMPLE_MAX_VOCAB {
-            self.read_logits(rows, &mut scratch[..rows * v])?;
-            crate::sampler::sample_rows(&scratch[..rows * v], v, &draws[..rows], out);
-            return Ok(());
-        }
-        let mut bytes = [0u8; 32 * 64];
-        let need = rows * DRAW_BYTES as usize;
-        let dv = self.buf_at(WorkBuf::Draws, 0, need as u64)?;
-        for chunk in draws[..rows].chunks(64).enumerate() {
-            let (ci, ds) = chunk;
-            for (i, d) in ds.iter().enumerate() {
-                bytes[32 * i..32 * (i + 1)].copy_from_slice(&d.to_bytes());
-            }
-            let at = dv.sub((ci * 64 * 32) as u64, (ds.len() * 32) as u64)?;
-            // SAFETY: `at` holds exactly these draws' bytes on the device; htod_raw returns
-            // once the host bytes are staged.
-            unsafe {
-                self.dev
-                    .htod_raw("sampling draws", at.ptr(), &bytes[..ds.len() * 32])
-            }?;
-        }
-        // Blocks per row: every block repeats the row's threshold passes, so fewer when a
-        // draw has cuts (they read the row four or eight more times).
-        let cuts = draws[..rows]
-            .iter()
-            .any(|d| !d.is_greedy() && ((d.top_k > 0 && (d.top_k as usize) < v) || d.top_p < 1.0));
-        let blocks = if cuts {
-            SAMPLE_BLOCKS_CUTS
-        } else {
-            ARGMAX_BLOCKS as u32
-        };
-        let s = self.pick_scratch(rows)?;
-        let logits = self.buf(WorkBuf::Logits)?;
-        decode::sample_rows(&self.plain_launcher(), logits, v, rows, blocks, dv, s)?;
-        self.back_u32(s.out, out)
+        self.pick_on_device(Some(draws), None, scratch, out)
+    }
+
+    fn pick_proc(
+        &mut self,
+        draws: &[Draw],
+        procs: &[crate::pick::RowProc],
+        scratch: &mut [f32],
+        out: &mut [u32],
+    ) -> Result<(), CudaError> {
+        self.pick_on_device(Some(draws), Some(procs), scratch, out)
     }
 
     fn copy_slot(&mut self, from: usize, to: usize, cells: usize) -> Result<bool, CudaError> {

@@ -688,18 +688,21 @@ impl PickScratch<'_> {
 }
 
 /// `dq_argmax_rows`: the argmax of each of `rows` rows of `cols` logits (lowest id on ties,
-/// NaN never wins), `blocks` blocks a row.
+/// NaN never wins) among the tokens each row of `proc` allows (`None`: all), `blocks` blocks
+/// a row.
 pub fn argmax_rows(
     l: &Launcher<'_>,
     x: DeviceView<'_>,
     cols: usize,
     rows: usize,
     blocks: u32,
+    proc: Option<super::pick::ProcRows<'_>>,
     s: PickScratch<'_>,
 ) -> Result<(), CudaError> {
     const OP: &str = "argmax_rows";
     x.expect(OP, "x", f32s(rows * cols), 4)?;
     s.check(OP, rows, blocks)?;
+    let (pp, pw) = super::pick::proc_args(OP, proc, rows, cols)?;
     let (xp, pv, pi, cn, op) = (
         x.ptr(),
         s.part_v.ptr(),
@@ -708,11 +711,12 @@ pub fn argmax_rows(
         s.out.ptr(),
     );
     let c = int(OP, "cols", cols)?;
-    launch!(l, "dq_argmax_rows", cfg((blocks, rows as u32, 1), 256, 0); &xp, &c, &pv, &pi, &cn, &op)
+    launch!(l, "dq_argmax_rows", cfg((blocks, rows as u32, 1), 256, 0); &xp, &c, &pp, &pw, &pv, &pi, &cn, &op)
 }
 
-/// `sample_rows`: row `i`'s token drawn by `draws[i]` (`sampler::Draw`'s 32-byte records),
-/// `blocks` blocks of 1024 threads a row.
+/// `sample_rows`: row `i`'s token drawn by `draws[i]` (`sampler::Draw`'s 32-byte records)
+/// after row `i` of `proc`'s mask and `min_p` (`None`: no processing), `blocks` blocks of
+/// 1024 threads a row.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_rows(
     l: &Launcher<'_>,
@@ -721,6 +725,7 @@ pub fn sample_rows(
     rows: usize,
     blocks: u32,
     draws: DeviceView<'_>,
+    proc: Option<super::pick::ProcRows<'_>>,
     s: PickScratch<'_>,
 ) -> Result<(), CudaError> {
     const OP: &str = "sample_rows";
@@ -738,6 +743,7 @@ pub fn sample_rows(
         8,
     )?;
     s.check(OP, rows, blocks)?;
+    let (pp, pw) = super::pick::proc_args(OP, proc, rows, cols)?;
     let (xp, dp, pv, pi, cn, op) = (
         x.ptr(),
         draws.ptr(),
@@ -747,7 +753,7 @@ pub fn sample_rows(
         s.out.ptr(),
     );
     let c = int(OP, "cols", cols)?;
-    launch!(l, "sample_rows", cfg((blocks, rows as u32, 1), 1024, 0); &xp, &c, &dp, &pv, &pi, &cn, &op)
+    launch!(l, "sample_rows", cfg((blocks, rows as u32, 1), 1024, 0); &xp, &c, &dp, &pp, &pw, &pv, &pi, &cn, &op)
 }
 
 #[cfg(test)]

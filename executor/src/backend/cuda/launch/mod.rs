@@ -11,6 +11,7 @@
 pub mod attention;
 pub mod decode;
 pub mod linear;
+pub mod pick;
 
 use super::{CudaDevice, CudaError, DeviceView, GpuEvent};
 use cudarc::driver::LaunchConfig;
