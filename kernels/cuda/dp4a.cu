@@ -40,37 +40,35 @@ __device__ __forceinline__ int st_dp4a(int a, int b, int c) {
 #endif
 }
 
-// Sum / max over the 32 lanes of the calling lane's 32-lane group (a whole warp on CUDA, half
-// a wave64).
-__device__ __forceinline__ float qa_sum32(float v) {
+// Max / sum over the QA_GROUP lanes of the calling lane's group: a q8a block's 32 values
+// are quantized by 32 lanes (a whole warp on CUDA, half a wave64 on AMD, whose xor steps below
+// 32 stay inside the half).
+#define QA_GROUP 32
+__device__ __forceinline__ float qa_group_max(float v) {
 #pragma unroll
-    for (int m = 16; m > 0; m >>= 1) v += ST_SHFL_XOR(v, m);
+    for (int m = QA_GROUP / 2; m > 0; m >>= 1) v = fmaxf(v, ST_SHFL_XOR(v, m));
     return v;
 }
-__device__ __forceinline__ float qa_max32(float v) {
+__device__ __forceinline__ int qa_group_isum(int v) {
 #pragma unroll
-    for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, ST_SHFL_XOR(v, m));
-    return v;
-}
-__device__ __forceinline__ int qa_isum32(int v) {
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) v += ST_SHFL_XOR(v, m);
+    for (int m = QA_GROUP / 2; m > 0; m >>= 1) v += ST_SHFL_XOR(v, m);
     return v;
 }
 
-// x (n rows of cols f32) -> q8a: each 32-lane group quantizes one block (lane i its value i).
-// grid: (ceil(cols / 32 / (blockDim / 32)), n); block: a multiple of 32 threads.
+// x (n rows of cols f32) -> q8a: each group of QA_GROUP lanes quantizes one block (lane i
+// its value i). grid: (ceil(cols / 32 / (blockDim / 32)), n); block: a multiple of the warp.
 ST_KERNEL void dq_quant_q8a(const float* x, int cols, u8* xq, float2* xds) {
     st_pdl_enter();
     const int t = blockIdx.y, nb = cols / 32;
-    const int b = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
-    if (b >= nb) return;  // whole 32-lane groups
+    const int b = blockIdx.x * (blockDim.x / QA_GROUP) + threadIdx.x / QA_GROUP;
+    const int lane = threadIdx.x % QA_GROUP;
+    if (b >= nb) return;  // whole groups
     const long i = (long)t * cols + 32 * b + lane;
     const float v = x[i];
-    const float amax = qa_max32(fabsf(v));
+    const float amax = qa_group_max(fabsf(v));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const int q = (int)roundf(v * inv);
-    const int s = qa_isum32(q);
+    const int s = qa_group_isum(q);
     xq[i] = (u8)(i8)q;
     if (lane == 0) {
         const float d = amax / 127.0f;
