@@ -1,7 +1,7 @@
 //! The int8-activation products (`--kernel-options dp4a`, kernels/cuda/dp4a.cu) on the GPU:
 //! the quantization bit for bit against its host reference (`launch::dp4a::quantize_q8a`),
-//! the Q8_0 and Q4_K matrix-vector products (1 to 19 tokens, one and three matrices, added
-//! or not) and the MoE gate/up and down against an f64 reference over the same quantized
+//! the Q8_0, Q4_K and Q6_K matrix-vector products (1 to 19 tokens, one and three matrices,
+//! Q4_K_M's Q4_K/Q4_K/Q6_K Q/K/V in one launch, added or not) and the MoE gate/up and down against an f64 reference over the same quantized
 //! inputs, and the engine with the option against the CPU engine.
 //! Tolerances: a product is within 1e-5 of the sum of |w_i v_i| (v the values the quants
 //! stand for, d * q) of its f64 reference — the f32 sums' order only — and within the
@@ -169,7 +169,7 @@ fn matvec_products_match_the_quantized_reference() {
     let mut rng = StdRng::seed_from_u64(5);
     let l = Launcher::new(d);
     let mut cases = 0;
-    for ty in [GgmlType::Q8_0, GgmlType::Q4K] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
         let cols_set: &[usize] = if ty == GgmlType::Q8_0 {
             &[96, 2048]
         } else {
@@ -179,9 +179,20 @@ fn matvec_products_match_the_quantized_reference() {
             // One matrix, and Q/K/V-like three stacked (rows not a multiple of the warps).
             for split in [&[37usize][..], &[70, 17, 9][..]] {
                 let c = Carve::new(&arena);
+                // With Q4_K: Q4_K_M's Q4_K Q and K with a Q6_K V, in one launch.
+                let tys: Vec<GgmlType> = (0..split.len())
+                    .map(|i| {
+                        if ty == GgmlType::Q4K && i == 2 {
+                            GgmlType::Q6K
+                        } else {
+                            ty
+                        }
+                    })
+                    .collect();
                 let ws: Vec<_> = split
                     .iter()
-                    .map(|&r| weights(&mut rng, ty, r, cols))
+                    .zip(&tys)
+                    .map(|(&r, &t)| weights(&mut rng, t, r, cols))
                     .collect();
                 let views: Vec<DeviceView<'_>> = ws.iter().map(|(b, _)| put(d, &c, b)).collect();
                 for n in [1usize, 2, 4, 5, 9, 16, 19] {
@@ -199,13 +210,15 @@ fn matvec_products_match_the_quantized_reference() {
                         let mats: Vec<Mat<'_>> = split
                             .iter()
                             .zip(&views)
-                            .map(|(&rows, &w)| Mat { w, ty, rows, cols })
+                            .zip(&tys)
+                            .map(|((&rows, &w), &ty)| Mat { w, ty, rows, cols })
                             .collect();
                         dp4a::mv(&l, "test", &mats, &xq, &ys, n, add).unwrap();
                         let xv = quantize_q8a(&x).values();
                         for (k, &rows) in split.iter().enumerate() {
                             let got: Vec<f32> = get(d, ys[k], n * rows);
-                            let what = format!("{ty} {split:?}x{cols} n {n} add {add} matrix {k}");
+                            let what =
+                                format!("{tys:?} {split:?}x{cols} n {n} add {add} matrix {k}");
                             let base = add.then_some(&y0s[k][..]);
                             check_rows(&what, &got, &ws[k].1, &x, &xv, base, rows, cols);
                             cases += 1;
@@ -228,7 +241,7 @@ fn moe_products_match_the_quantized_reference() {
     let l = Launcher::new(d);
     let (n_expert, k, e, f) = (4usize, 3usize, 512usize, 256usize);
     let silu = |v: f64| v / (1.0 + (-v).exp());
-    for ty in [GgmlType::Q8_0, GgmlType::Q4K] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
         for n in [1usize, 3] {
             let c = Carve::new(&arena);
             // Per expert: gate, up (f x e), down (e x f).
@@ -373,8 +386,9 @@ fn teacher(
 
 /// The engine with `dp4a` against the CPU engine on the same file, and against itself
 /// without the option: the trained tiny model converted to Q8_0 (greedy tokens equal too),
-/// and a random model of Q4_K weights (hidden and expert width 256; routed to all its
-/// experts, so no router choice can flip; teacher-forced with the CPU's tokens).
+/// and random models of Q4_K weights and of llama.cpp's Q4_K_M mix (Q6_K V, half the down
+/// projections and the head; hidden and expert width 256; routed to all their experts, so no
+/// router choice can flip; teacher-forced with the CPU's tokens).
 #[test]
 fn the_engine_with_dp4a_matches_the_cpu_engine() {
     if !gpu_present() {
@@ -395,17 +409,21 @@ fn the_engine_with_dp4a_matches_the_cpu_engine() {
     hp.n_expert_used = 8;
     hp.n_ff_exp = 256;
     hp.n_vocab = 512;
-    let q4 = dir.path().join("q4k.gguf");
-    let recipe = strata_schemas::arch::QuantRecipe::preset("Q4_K").unwrap();
-    strata_schemas::gguf::random::write_random_model(
-        &q4,
-        "qwen3moe",
-        &hp,
-        &recipe,
-        7,
-        strata_schemas::gguf::random::RandomOptions::default(),
-    )
-    .unwrap();
+    let write = |name: &str, preset: &str| {
+        let path = dir.path().join(format!("{name}.gguf"));
+        let recipe = strata_schemas::arch::QuantRecipe::preset(preset).unwrap();
+        strata_schemas::gguf::random::write_random_model(
+            &path,
+            "qwen3moe",
+            &hp,
+            &recipe,
+            7,
+            strata_schemas::gguf::random::RandomOptions::default(),
+        )
+        .unwrap();
+        path
+    };
+    let (q4, q4km) = (write("q4k", "Q4_K"), write("q4km", "Q4_K_M"));
     // ubatch 32: the plan places the tensor-core path's `xh`, which holds the q8a rows.
     let ask = Ask {
         ctx: 128,
@@ -417,7 +435,12 @@ fn the_engine_with_dp4a_matches_the_cpu_engine() {
         ..KernelOptions::default()
     };
     let mut bad = Vec::new();
-    for (name, gguf, vocab, trained) in [("base", &q8, 256u32, true), ("q4k", &q4, 512, false)] {
+    let models = [
+        ("base", &q8, 256u32, true),
+        ("q4k", &q4, 512, false),
+        ("q4km", &q4km, 512, false),
+    ];
+    for (name, gguf, vocab, trained) in models {
         let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % vocab).collect();
         let inv = strata_plan::model::load_model(gguf).unwrap();
         let cp = plan_inventory(name, &inv, gguf, &ask);

@@ -1,7 +1,7 @@
 // dp4a.cu: the decode products over int8 activations (`--kernel-options dp4a`, opt-in until
 // measured on a GPU): dq_quant_q8a quantizes a product's input rows once to blocks of 32
 // ("q8a": int8 quants, and per block its scale d and s = d * the sum of its quants), and
-// the products over Q8_0 (split layout) and Q4_K weights dot 4 weight quants with 4
+// the products over Q8_0 (split layout), Q4_K and Q6_K weights dot 4 weight quants with 4
 // activation quants per dp4a instruction: the one- and few-token matrix-vector products
 // (up to three matrices stacked by rows, so Q/K/V is one launch), the MoE gate/up with
 // SwiGLU and the MoE down with the weighted sum.
@@ -126,7 +126,49 @@ __device__ __forceinline__ float qa_q4k_dot(const QaQ4k& w, int l, long b, const
     return acc + v;
 }
 
-// acc[t] += the lane's part of row r of W (rows x cols, Q8_0 split or Q4_K) . q8a row t, for
+// Q6_K (210-byte blocks, 2-byte aligned: 4-byte fields read as two u16), lane l (of 32) of a
+// 256-value block as products.cuh's dq_kq_lane maps it: n = l / 16, h = (l / 8) % 2, j = 4 (l %
+// 8); its ql word at 64 n + 32 h + j and qh word at 128 + 32 n + j give 4 six-bit values at
+// columns 128 n + 32 h + j + 0..3 (scale 8 n + 2 h + (l % 8) / 4, q8a block 8b + 4n + h) and 4
+// at the same + 64 (scale + 4, q8a block + 2); each minus 32 as a signed byte (a bytewise
+// subtraction: each byte lifted by 0x80 first, so no borrow crosses bytes). v = (d sc_a dxa)
+// * (float)sa, v = fmaf(d sc_b dxb, (float)sb, v); no mins.
+struct QaQ6k {
+    int qa, qb;
+    float ka, kb;
+};
+
+__device__ __forceinline__ int qa_sub32x4(u32 v) {
+    return (int)(((v | 0x80808080u) - 0x20202020u) ^ 0x80808080u);
+}
+
+__device__ __forceinline__ void qa_q6k_lane(const u8* b, int l, QaQ6k& w) {
+    const int n = l >> 4, h = (l >> 3) & 1, j = 4 * (l & 7);
+    const u32 ql = dq_ld_u32_a2(b + 64 * n + 32 * h + j);
+    const u32 qh = dq_ld_u32_a2(b + 128 + 32 * n + j);
+    w.qa = qa_sub32x4((ql & 0x0F0F0F0Fu) | (((qh >> (2 * h)) & 0x03030303u) << 4));
+    w.qb = qa_sub32x4(((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (4 + 2 * h)) & 0x03030303u) << 4));
+    const float d = st_h2f(st_ld_u16(b + 208));
+    const int sc = 8 * n + 2 * h + ((l & 7) >> 2);
+    w.ka = d * (float)(i8)b[192 + sc];
+    w.kb = d * (float)(i8)b[192 + sc + 4];
+}
+
+__device__ __forceinline__ float qa_q6k_dot(const QaQ6k& w, int l, long b, const u8* xq,
+                                            const float2* xds, float acc) {
+    const int n = l >> 4, h = (l >> 3) & 1, j = 4 * (l & 7);
+    const long ia = b * QK_K + 128 * n + 32 * h + j;
+    const float da = xds[b * 8 + 4 * n + h].x, db = xds[b * 8 + 4 * n + h + 2].x;
+    const int sa = st_dp4a(w.qa, *(const int*)(xq + ia), 0);
+    const int sb = st_dp4a(w.qb, *(const int*)(xq + ia + 64), 0);
+    float v = (w.ka * da) * (float)sa;
+    v = fmaf(w.kb * db, (float)sb, v);
+    return acc + v;
+}
+
+#define QA_TY_Q6_K (ST_TY_GGML + QT_Q6_K)
+
+// acc[t] += the lane's part of row r of W (rows x cols, Q8_0 split, Q4_K or Q6_K) . q8a row t, for
 // t < n_tok (xq, xds at token 0; rows of cols).
 template <int NT>
 __device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long rows, long cols,
@@ -147,6 +189,19 @@ __device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long ro
         }
         return;
     }
+    if (ty == QA_TY_Q6_K) {
+        const int l = lane & 31;
+        const long nb = cols / QK_K;
+        const u8* wr = W + r * nb * 210;
+        for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+            QaQ6k w;
+            qa_q6k_lane(wr + b * 210, l, w);
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+                if (t < n_tok) acc[t] = qa_q6k_dot(w, l, b, xq + t * cols, xds + t * nq, acc[t]);
+        }
+        return;
+    }
     const u8* qs = W + r * cols;
     const u16* ds = (const u16*)(W + rows * cols) + r * nq;
 #pragma unroll 2
@@ -159,7 +214,8 @@ __device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long ro
     }
 }
 
-// Up to three matrices of one type and `cols` stacked by rows (a lone product: r1 = r2 = 0).
+// Up to three matrices of `cols` stacked by rows, each of its own type (Q/K/V of Q4_K_M: Q4_K
+// with a Q6_K V; a lone product: r1 = r2 = 0).
 struct QaMats {
     const u8* w0;
     const u8* w1;
@@ -168,18 +224,20 @@ struct QaMats {
     float* y1;
     float* y2;
     int r0, r1, r2;
+    int t0, t1, t2;  // each matrix's weight code
 };
 
-// Stacked row r -> its matrix's weights, output and rows, r made local; false past the end.
+// Stacked row r -> its matrix's weights, output, rows and type, r made local; false past the
+// end.
 __device__ __forceinline__ bool qa_pick(const QaMats& m, int& r, const u8*& W, float*& y,
-                                        int& rows) {
-    W = m.w0; y = m.y0; rows = m.r0;
+                                        int& rows, int& ty) {
+    W = m.w0; y = m.y0; rows = m.r0; ty = m.t0;
     if (r >= m.r0) {
         r -= m.r0;
-        W = m.w1; y = m.y1; rows = m.r1;
+        W = m.w1; y = m.y1; rows = m.r1; ty = m.t1;
         if (r >= m.r1) {
             r -= m.r1;
-            W = m.w2; y = m.y2; rows = m.r2;
+            W = m.w2; y = m.y2; rows = m.r2; ty = m.t2;
         }
     }
     return r < rows;
@@ -195,7 +253,7 @@ __device__ __forceinline__ bool qa_pick(const QaMats& m, int& r, const u8*& W, f
 // a grid row. grid: (at most ceil((r0 + r1 + r2) / DQ_WARPS), ceil(n_tok / NT)); block:
 // DQ_WARPS warps.
 template <int NT>
-__device__ __forceinline__ void qa_mv_body(const QaMats& m, int ty, int cols, const u8* xq,
+__device__ __forceinline__ void qa_mv_body(const QaMats& m, int cols, const u8* xq,
                                            const float2* xds, int n_tok, int add) {
     const int total = m.r0 + m.r1 + m.r2;
     const int w0 = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
@@ -205,8 +263,8 @@ __device__ __forceinline__ void qa_mv_body(const QaMats& m, int ty, int cols, co
         int r = w0;
         const u8* W;
         float* y;
-        int rows;
-        if (blockIdx.y == 0 && qa_pick(m, r, W, y, rows)) dq_prefetch_row(W, ty, rows, cols, r);
+        int rows, ty;
+        if (blockIdx.y == 0 && qa_pick(m, r, W, y, rows, ty)) dq_prefetch_row(W, ty, rows, cols, r);
     }
     st_pdl_enter();
     const int t0 = blockIdx.y * NT;
@@ -214,7 +272,8 @@ __device__ __forceinline__ void qa_mv_body(const QaMats& m, int ty, int cols, co
     n_tok = min(NT, n_tok - t0);
     xq += (long)t0 * cols;
     xds += (long)t0 * (cols / 32);
-    if (NT == 1 && ty == ST_TY_Q8_0 && cols <= QA_XR_COLS) {
+    const bool q8 = m.t0 == ST_TY_Q8_0 && m.t1 == ST_TY_Q8_0 && m.t2 == ST_TY_Q8_0;
+    if (NT == 1 && q8 && cols <= QA_XR_COLS) {
         int4 xr[Q8A_XR_PIECES];
         float xd[Q8A_XR_PIECES];
 #pragma unroll
@@ -231,8 +290,8 @@ __device__ __forceinline__ void qa_mv_body(const QaMats& m, int ty, int cols, co
             int r = g;
             const u8* W;
             float* y;
-            int rows;
-            qa_pick(m, r, W, y, rows);
+            int rows, ty;
+            qa_pick(m, r, W, y, rows, ty);
             const u8* qs = W + (long)r * cols;
             const u16* ds = (const u16*)(W + (long)rows * cols) + (long)r * (cols / 32);
             float acc = 0.0f;
@@ -261,8 +320,8 @@ __device__ __forceinline__ void qa_mv_body(const QaMats& m, int ty, int cols, co
         int r = g;
         const u8* W;
         float* y;
-        int rows;
-        qa_pick(m, r, W, y, rows);
+        int rows, ty;
+        qa_pick(m, r, W, y, rows, ty);
         float acc[NT];
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
@@ -280,33 +339,37 @@ __device__ __forceinline__ void qa_mv_body(const QaMats& m, int ty, int cols, co
     }
 }
 
-ST_KERNEL void dq4_mv1(const u8* w0, const u8* w1, const u8* w2, int ty, int r0, int r1, int r2,
-                        int cols, const u8* xq, const float2* xds, float* y0, float* y1,
-                        float* y2, int n_tok, int add) {
-    qa_mv_body<1>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2}, ty, cols, xq, xds, n_tok, add);
+ST_KERNEL void dq4_mv1(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
+                        int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
+                        float* y0, float* y1, float* y2, int n_tok, int add) {
+    qa_mv_body<1>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
+                    n_tok, add);
 }
 
-ST_KERNEL void dq4_mv4(const u8* w0, const u8* w1, const u8* w2, int ty, int r0, int r1, int r2,
-                        int cols, const u8* xq, const float2* xds, float* y0, float* y1,
-                        float* y2, int n_tok, int add) {
-    qa_mv_body<4>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2}, ty, cols, xq, xds, n_tok, add);
+ST_KERNEL void dq4_mv4(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
+                        int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
+                        float* y0, float* y1, float* y2, int n_tok, int add) {
+    qa_mv_body<4>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
+                    n_tok, add);
 }
 
-ST_KERNEL void dq4_mv8(const u8* w0, const u8* w1, const u8* w2, int ty, int r0, int r1, int r2,
-                        int cols, const u8* xq, const float2* xds, float* y0, float* y1,
-                        float* y2, int n_tok, int add) {
-    qa_mv_body<8>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2}, ty, cols, xq, xds, n_tok, add);
+ST_KERNEL void dq4_mv8(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
+                        int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
+                        float* y0, float* y1, float* y2, int n_tok, int add) {
+    qa_mv_body<8>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
+                    n_tok, add);
 }
 
-ST_KERNEL void dq4_mv16(const u8* w0, const u8* w1, const u8* w2, int ty, int r0, int r1, int r2,
-                        int cols, const u8* xq, const float2* xds, float* y0, float* y1,
-                        float* y2, int n_tok, int add) {
-    qa_mv_body<16>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2}, ty, cols, xq, xds, n_tok, add);
+ST_KERNEL void dq4_mv16(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
+                        int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
+                        float* y0, float* y1, float* y2, int n_tok, int add) {
+    qa_mv_body<16>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
+                    n_tok, add);
 }
 
 // MoE gate and up with SwiGLU over q8a inputs: for assignment a = t*k + j (grid.y), e =
 // ids[a], h[a][r] = silu(G_e,r . q8a[t]) * (U_e,r . q8a[t]); gate and up of one type ty
-// (Q8_0 or Q4_K), F x E each. eptr as dq_moe_gate_up's. grid: (ceil(F / DQ_WARPS), n_tok * k).
+// (Q8_0, Q4_K or Q6_K), F x E each. eptr as dq_moe_gate_up's. grid: (ceil(F / DQ_WARPS), n_tok * k).
 ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, int E,
                                const int* ids, int k, const u8* xq, const float2* xds,
                                float* h) {
@@ -328,7 +391,7 @@ ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, in
 
 // MoE down over q8a expert rows (h quantized: n_tok * k rows of F), a block per output row:
 // y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . q8a[t*k+j]). Q8_0: the k experts'
-// 16-quant pieces spread over the block's threads; Q4_K: their 256-value blocks over its
+// 16-quant pieces spread over the block's threads; Q4_K, Q6_K: their 256-value blocks over its
 // warps (32 lanes a block). Each thread's terms are weighted (tot = fmaf(w_j, part, tot)),
 // then summed by st_block_sum. grid: (E, n_tok); block: 128; k <= DQ_DOWN_MAXK.
 ST_KERNEL void dq4_moe_down(const unsigned long long* eptr, int ty, int E, int F,
@@ -338,7 +401,8 @@ ST_KERNEL void dq4_moe_down(const unsigned long long* eptr, int ty, int E, int F
     __shared__ float dw[DQ_DOWN_MAXK];
     __shared__ float red[32];
     const int row = blockIdx.x, t = blockIdx.y;
-    const long rb = ty == ST_TY_Q4_K ? (long)(F / QK_K) * Q4_K_BYTES : F;
+    const long rb = ty == ST_TY_Q4_K ? (long)(F / QK_K) * Q4_K_BYTES
+                    : ty == QA_TY_Q6_K ? (long)(F / QK_K) * 210 : F;
     // Before the wait, as dq_moe_down_rows: the ids were written kernels ahead (complete by
     // now, see st_pdl_wait), read through L2; the warps prefetch the experts' rows in turn.
     for (int j = threadIdx.x / ST_WARP; j < k; j += blockDim.x / ST_WARP) {
@@ -356,15 +420,22 @@ ST_KERNEL void dq4_moe_down(const unsigned long long* eptr, int ty, int E, int F
     const u8* hqt = hq + (long)t * k * F;
     const float2* hdt = hds + (long)t * k * nq;
     float tot = 0.0f;
-    if (ty == ST_TY_Q4_K) {
+    if (ty == ST_TY_Q4_K || ty == QA_TY_Q6_K) {
         const int lane = threadIdx.x % ST_WARP, l = lane & 31;
         const int nb = F / QK_K, span = ST_WARP / 32;
         const int step = (blockDim.x / ST_WARP) * span;
         for (int p = (threadIdx.x / ST_WARP) * span + (lane >> 5); p < k * nb; p += step) {
             const int j = p / nb, b = p - j * nb;
-            QaQ4k w;
-            qa_q4k_lane(dm[j] + (long)row * rb + (long)b * Q4_K_BYTES, l, w);
-            const float part = qa_q4k_dot(w, l, b, hqt + (long)j * F, hdt + j * nq, 0.0f);
+            float part;
+            if (ty == QA_TY_Q6_K) {
+                QaQ6k w;
+                qa_q6k_lane(dm[j] + (long)row * rb + (long)b * 210, l, w);
+                part = qa_q6k_dot(w, l, b, hqt + (long)j * F, hdt + j * nq, 0.0f);
+            } else {
+                QaQ4k w;
+                qa_q4k_lane(dm[j] + (long)row * rb + (long)b * Q4_K_BYTES, l, w);
+                part = qa_q4k_dot(w, l, b, hqt + (long)j * F, hdt + j * nq, 0.0f);
+            }
             tot = fmaf(dw[j], part, tot);
         }
     } else {

@@ -4,7 +4,8 @@
 //! instead of the f32 ones: Q/K/V (one input, one launch), the output projection, the
 //! experts' gate/up (one input for both) and down (the SwiGLU output quantized once).
 //! Invariant: each entry answers `Ok(false)` having launched nothing when the option is off,
-//! the pass is longer than the products take (16 tokens), a weight type is not Q8_0 or Q4_K,
+//! the pass is longer than the products take (16 tokens), a weight type is not Q8_0, Q4_K or
+//! Q6_K,
 //! or `xh` cannot hold the quantized rows; the caller then runs the f32 products. The
 //! callers (forward.rs) have already sent tensor-core passes elsewhere, so `xh` is free.
 
@@ -30,8 +31,9 @@ impl CudaStage {
         Q8a::carve(buf, rows, cols).ok()
     }
 
-    /// Products of one input `x` (n rows) into each output: `outs` of one supported type and
-    /// width, up to three (Q/K/V), `add` into the outputs (the output projection).
+    /// Products of one input `x` (n rows) into each output: `outs` of one width, each of a
+    /// supported type (Q4_K_M's Q4_K Q/K with a Q6_K V included), up to three (Q/K/V), `add`
+    /// into the outputs (the output projection).
     pub(crate) fn int8_products(
         &self,
         l: &Launcher<'_>,
@@ -45,10 +47,10 @@ impl CudaStage {
             return Ok(false);
         };
         let cols = first.cols;
-        let same = outs
+        let fits = outs
             .iter()
-            .all(|(m, _)| m.ty == first.ty && m.cols == cols && dp4a::supports(m.ty, m.cols));
-        if !same || outs.len() > 3 {
+            .all(|(m, _)| m.cols == cols && dp4a::supports(m.ty, m.cols));
+        if !fits || outs.len() > 3 {
             return Ok(false);
         }
         let Some(xq) = self.q8a_rows(n, n, cols) else {

@@ -1,11 +1,11 @@
 //! Launchers of the int8-activation products (`kernels/cuda/dp4a.cu`, `--kernel-options
 //! dp4a`): the quantization of a product's input rows to q8a blocks of 32, and the Q8_0 /
-//! Q4_K matrix-vector (1..16 tokens, up to three matrices a launch), MoE gate/up and MoE down
+//! Q4_K / Q6_K matrix-vector (1..16 tokens, up to three matrices a launch), MoE gate/up and MoE down
 //! products over them; plus the host reference of the quantization ([`quantize_q8a`]) that
 //! the GPU tests compare with.
 //! Invariant: a [`Q8a`] holds whole rows of a multiple of 32 columns, quants first and the
 //! (d, s) pairs 16 bytes after them; nothing is launched over a type other than Q8_0 (split
-//! layout) or Q4_K ([`supports`]), or a view smaller than the kernel touches.
+//! layout), Q4_K or Q6_K ([`supports`]), or a view smaller than the kernel touches.
 
 use super::decode::ExpertTable;
 use super::{bad, cfg, f32s, int, launch, walk_blocks, Launcher, Mat, DQ_DOWN_MAXK, DQ_WARPS};
@@ -67,11 +67,11 @@ impl<'a> Q8a<'a> {
 }
 
 /// Whether the int8-activation products read weights of `ty` in rows of `cols`: Q8_0 (split
-/// layout, cols a multiple of 32) and Q4_K (whole 256-value blocks).
+/// layout, cols a multiple of 32), Q4_K and Q6_K (whole 256-value blocks).
 pub fn supports(ty: GgmlType, cols: usize) -> bool {
     match ty {
         GgmlType::Q8_0 => cols % 32 == 0 && cols > 0,
-        GgmlType::Q4K => cols % 256 == 0 && cols > 0,
+        GgmlType::Q4K | GgmlType::Q6K => cols % 256 == 0 && cols > 0,
         _ => false,
     }
 }
@@ -101,9 +101,9 @@ pub fn quantize(l: &Launcher<'_>, x: DeviceView<'_>, out: &Q8a<'_>) -> Result<()
     launch!(l, "dq_quant_q8a", cfg(grid, 128, 0); &xp, &c, &qp, &dp)
 }
 
-/// `dq4_mv1/4/8/16`: `y_i (+)= W_i q8a(x)` for `n` tokens over one to three matrices of one
-/// type ([`supports`]) and `x.cols` columns, one launch (Q/K/V: three). `label` names the
-/// launch in profiles.
+/// `dq4_mv1/4/8/16`: `y_i (+)= W_i q8a(x)` for `n` tokens over one to three matrices of
+/// `x.cols` columns, each of a supported type of its own ([`supports`]), one launch (Q/K/V:
+/// three). `label` names the launch in profiles.
 pub fn mv(
     l: &Launcher<'_>,
     label: &'static str,
@@ -124,21 +124,27 @@ pub fn mv(
             ),
         ));
     }
-    let (ty, cols) = (mats[0].ty, mats[0].cols);
-    let mut code = 0;
-    for (m, y) in mats.iter().zip(ys) {
-        if m.ty != ty || m.cols != cols || !supports(m.ty, m.cols) {
+    let cols = mats[0].cols;
+    let mut codes = [0i32; 3];
+    for (i, (m, y)) in mats.iter().zip(ys).enumerate() {
+        if m.cols != cols || !supports(m.ty, m.cols) {
             return Err(bad(
                 OP,
                 format!(
-                    "{} x {} {}: one type, Q8_0 (columns a multiple of 32) or Q4_K (of 256), and one width",
+                    "{} x {} {}: Q8_0 (columns a multiple of 32), Q4_K or Q6_K (of 256), one width",
                     m.rows, m.cols, m.ty
                 ),
             ));
         }
-        code = m.check(OP)?;
+        codes[i] = m.check(OP)?;
         y.expect(OP, "y", f32s(n * m.rows), 4)?;
     }
+    // Absent matrices (no rows) take the first one's code.
+    let c0 = codes[0];
+    for c in codes.iter_mut().skip(mats.len()) {
+        *c = c0;
+    }
+    let all_q8 = mats.iter().all(|m| m.ty == GgmlType::Q8_0);
     x.check(OP, n, cols)?;
     let total: usize = mats.iter().map(|m| m.rows).sum();
     if n == 0 || total == 0 {
@@ -171,14 +177,15 @@ pub fn mv(
     );
     // One token over Q8_0 rows the kernel holds in registers: a tall matrix (the LM head)
     // caps its grid and each warp walks rows (`walk_blocks`); else a warp per row.
-    let blocks = if n == 1 && ty == GgmlType::Q8_0 && cols <= XR_COLS {
+    let blocks = if n == 1 && all_q8 && cols <= XR_COLS {
         walk_blocks(l, total)
     } else {
         (total as u32).div_ceil(DQ_WARPS)
     };
     let grid = (blocks, n.div_ceil(nt) as u32, 1);
     launch!(l, name => label, cfg(grid, 32 * DQ_WARPS, 0);
-        &w0, &w1, &w2, &code, &r0, &r1, &r2, &c, &xq, &xd, &y0, &y1, &y2, &n32, &add)
+        &w0, &w1, &w2, &codes[0], &codes[1], &codes[2], &r0, &r1, &r2, &c, &xq, &xd, &y0, &y1,
+        &y2, &n32, &add)
 }
 
 /// `dq4_moe_gate_up`: `h[a] = silu(G_e q8a(x)[t]) * (U_e q8a(x)[t])` for every assignment
@@ -198,7 +205,7 @@ pub fn moe_gate_up(
         return Err(bad(
             OP,
             format!(
-                "{} gate and {} up experts of {} columns: one type, Q8_0 or Q4_K",
+                "{} gate and {} up experts of {} columns: one type, Q8_0, Q4_K or Q6_K",
                 ex.ty, ex.ty_up, ex.e
             ),
         ));
@@ -239,7 +246,7 @@ pub fn moe_down(
         return Err(bad(
             OP,
             format!(
-                "{} down experts of {} columns, k {k}: Q8_0 or Q4_K, k at most {DQ_DOWN_MAXK}",
+                "{} down experts of {} columns, k {k}: Q8_0, Q4_K or Q6_K, k at most {DQ_DOWN_MAXK}",
                 ex.ty_down, ex.f
             ),
         ));

@@ -103,6 +103,39 @@ fn q4k_lane(row: &[u8], l: usize, b: usize, a: &Act, t: usize, acc: f32) -> f32 
     acc + v
 }
 
+/// qa_sub32x4: each byte minus 32, no borrow across bytes.
+fn sub32x4(v: u32) -> u32 {
+    ((v | 0x8080_8080).wrapping_sub(0x2020_2020)) ^ 0x8080_8080
+}
+
+fn ld_u32_a2(b: &[u8]) -> u32 {
+    word(b)
+}
+
+/// qa_q6k_lane + qa_q6k_dot: acc + lane l's part of block b of Q6_K row `row` . activation t.
+fn q6k_lane(row: &[u8], l: usize, b: usize, a: &Act, t: usize, acc: f32) -> f32 {
+    let blk = &row[b * 210..];
+    let (n, h, j) = (l >> 4, (l >> 3) & 1, 4 * (l & 7));
+    let ql = ld_u32_a2(&blk[64 * n + 32 * h + j..]);
+    let qh = ld_u32_a2(&blk[128 + 32 * n + j..]);
+    let qa = sub32x4((ql & 0x0F0F_0F0F) | (((qh >> (2 * h)) & 0x0303_0303) << 4));
+    let qb = sub32x4(((ql >> 4) & 0x0F0F_0F0F) | (((qh >> (4 + 2 * h)) & 0x0303_0303) << 4));
+    let d = h2f(&blk[208..]);
+    let sc = 8 * n + 2 * h + ((l & 7) >> 2);
+    let (ka, kb) = (
+        d * blk[192 + sc] as i8 as f32,
+        d * blk[192 + sc + 4] as i8 as f32,
+    );
+    let ia = t * a.cols + b * 256 + 128 * n + 32 * h + j;
+    let nq = t * a.cols / 32 + b * 8 + 4 * n + h;
+    let (da, db) = (a.ds[nq][0], a.ds[nq + 2][0]);
+    let sa = dp4a(qa, word(&a.q[ia..]), 0);
+    let sb = dp4a(qb, word(&a.q[ia + 64..]), 0);
+    let mut v = (ka * da) * sa as f32;
+    v = (kb * db).mul_add(sb as f32, v);
+    acc + v
+}
+
 /// A weight matrix: its device layout and the reference's dequantized rows.
 struct W {
     ty: GgmlType,
@@ -138,6 +171,14 @@ impl W {
     /// The lane's part of row r . activation t (qa_row for one token).
     fn lane(&self, r: usize, lane: usize, a: &Act, t: usize) -> f32 {
         let mut acc = 0f32;
+        if self.ty == GgmlType::Q6K {
+            let nb = self.cols / 256;
+            let row = &self.dev[r * nb * 210..(r + 1) * nb * 210];
+            for b in 0..nb {
+                acc = q6k_lane(row, lane, b, a, t, acc);
+            }
+            return acc;
+        }
         if self.ty == GgmlType::Q4K {
             let nb = self.cols / 256;
             let row = &self.dev[r * nb * 144..(r + 1) * nb * 144];
@@ -243,6 +284,8 @@ fn emulated_matvec_lanes_compute_the_quantized_products() {
         (GgmlType::Q8_0, 5, 2048),
         (GgmlType::Q4K, 7, 256),
         (GgmlType::Q4K, 4, 2048),
+        (GgmlType::Q6K, 6, 256),
+        (GgmlType::Q6K, 3, 2048),
     ] {
         let w = W::new(&mut seed, ty, rows, cols);
         for n in [1, 3, 16] {
@@ -273,7 +316,7 @@ fn emulated_matvec_lanes_compute_the_quantized_products() {
 fn emulated_moe_products_compute_the_quantized_products() {
     let mut seed = 5u64;
     let silu = |v: f64| v / (1.0 + (-v).exp());
-    for ty in [GgmlType::Q8_0, GgmlType::Q4K] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
         let (e, f, k) = (512, 256, 3);
         let gate: Vec<W> = (0..k).map(|_| W::new(&mut seed, ty, f, e)).collect();
         let up: Vec<W> = (0..k).map(|_| W::new(&mut seed, ty, f, e)).collect();
@@ -308,15 +351,18 @@ fn emulated_moe_products_compute_the_quantized_products() {
         let hv = quantize_q8a(&h).values();
         for r in (0..e).step_by(37) {
             let mut part = [0f32; 128];
-            if ty == GgmlType::Q4K {
+            if ty != GgmlType::Q8_0 {
                 let nb = f / 256;
                 for (tid, p) in part.iter_mut().enumerate() {
                     let (warp, l) = (tid / WARP, tid % WARP);
                     let mut q = warp;
                     while q < k * nb {
                         let (j, b) = (q / nb, q % nb);
-                        let row = &down[j].dev[r * nb * 144..];
-                        let v = q4k_lane(row, l, b, &ha, j, 0.0);
+                        let v = if ty == GgmlType::Q6K {
+                            q6k_lane(&down[j].dev[r * nb * 210..], l, b, &ha, j, 0.0)
+                        } else {
+                            q4k_lane(&down[j].dev[r * nb * 144..], l, b, &ha, j, 0.0)
+                        };
                         *p = wts[j].mul_add(v, *p);
                         q += 128 / WARP;
                     }
