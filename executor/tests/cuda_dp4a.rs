@@ -1,8 +1,9 @@
 //! The int8-activation products (`--kernel-options dp4a`, kernels/cuda/dp4a.cu) on the GPU:
 //! the quantization bit for bit against its host reference (`launch::dp4a::quantize_q8a`),
 //! the Q8_0, Q4_K and Q6_K matrix-vector products (1 to 19 tokens, one and three matrices,
-//! Q4_K_M's Q4_K/Q4_K/Q6_K Q/K/V in one launch, added or not) and the MoE gate/up and down against an f64 reference over the same quantized
-//! inputs, and the engine with the option against the CPU engine.
+//! Q4_K_M's Q4_K/Q4_K/Q6_K Q/K/V in one launch, added or not) and the MoE gate/up and down
+//! against an f64 reference over the same quantized inputs, and the engine with the option
+//! against the CPU engine.
 //! Tolerances: a product is within 1e-5 of the sum of |w_i v_i| (v the values the quants
 //! stand for, d * q) of its f64 reference — the f32 sums' order only — and within the
 //! quantization's own bound of the f32 input's product: every input moves by at most half a

@@ -35,7 +35,8 @@ __device__ __forceinline__ int st_dp4a(int a, int b, int c) {
     return __dp4a(a, b, c);
 #else
 #pragma unroll
-    for (int k = 0; k < 4; ++k) c += (int)(i8)((a >> (8 * k)) & 0xff) * (int)(i8)((b >> (8 * k)) & 0xff);
+    for (int k = 0; k < 4; ++k)
+        c += (int)(i8)((a >> (8 * k)) & 0xff) * (int)(i8)((b >> (8 * k)) & 0xff);
     return c;
 #endif
 }
@@ -369,7 +370,8 @@ ST_KERNEL void dq4_mv16(const u8* w0, const u8* w1, const u8* w2, int t0, int t1
 
 // MoE gate and up with SwiGLU over q8a inputs: for assignment a = t*k + j (grid.y), e =
 // ids[a], h[a][r] = silu(G_e,r . q8a[t]) * (U_e,r . q8a[t]); gate and up of one type ty
-// (Q8_0, Q4_K or Q6_K), F x E each. eptr as dq_moe_gate_up's. grid: (ceil(F / DQ_WARPS), n_tok * k).
+// (Q8_0, Q4_K or Q6_K), F x E each. eptr as dq_moe_gate_up's.
+// grid: (ceil(F / DQ_WARPS), n_tok * k).
 ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, int E,
                                const int* ids, int k, const u8* xq, const float2* xds,
                                float* h) {

@@ -40,7 +40,7 @@ pub struct KernelOptions {
     /// file, which `q4k-own` runs instead for comparison. Within the products' f32 tolerance
     /// of each other (the sums run in another order; 1.7e-4 relative on the logits measured).
     pub q4k_lanes: bool,
-    /// The decode products over Q8_0 and Q4_K weights on int8 activations (`dp4a`): each
+    /// The decode products over Q8_0, Q4_K and Q6_K weights on int8 activations (`dp4a`): each
     /// product input of 1..16 tokens quantized once to blocks of 32 (`dq_quant_q8a`, into the
     /// plan's `xh` buffer, which the tensor-core prefill alone uses otherwise) and dotted 4
     /// quants an instruction (`dq4_*`, kernels/cuda/dp4a.cu): Q/K/V, the output projection,

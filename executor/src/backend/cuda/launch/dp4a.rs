@@ -1,8 +1,8 @@
 //! Launchers of the int8-activation products (`kernels/cuda/dp4a.cu`, `--kernel-options
 //! dp4a`): the quantization of a product's input rows to q8a blocks of 32, and the Q8_0 /
-//! Q4_K / Q6_K matrix-vector (1..16 tokens, up to three matrices a launch), MoE gate/up and MoE down
-//! products over them; plus the host reference of the quantization ([`quantize_q8a`]) that
-//! the GPU tests compare with.
+//! Q4_K / Q6_K matrix-vector (1..16 tokens, up to three matrices a launch), MoE gate/up and
+//! MoE down products over them; plus the host reference of the quantization
+//! ([`quantize_q8a`]) that the GPU tests compare with.
 //! Invariant: a [`Q8a`] holds whole rows of a multiple of 32 columns, quants first and the
 //! (d, s) pairs 16 bytes after them; nothing is launched over a type other than Q8_0 (split
 //! layout), Q4_K or Q6_K ([`supports`]), or a view smaller than the kernel touches.
