@@ -368,6 +368,27 @@ ST_KERNEL void dq4_mv16(const u8* w0, const u8* w1, const u8* w2, int t0, int t1
                     n_tok, add);
 }
 
+// One token, row r of two Q8_0 matrices (F x E, the experts' gate and up): g and u += the
+// lane's parts of G_r . q8a and U_r . q8a, the two rows' loads in flight together (each
+// row's arithmetic as qa_row<1>'s, in the same order).
+__device__ __forceinline__ void qa_pair_q8(const u8* __restrict__ G, const u8* __restrict__ U,
+                                           long F, long E, long r, const u8* xq,
+                                           const float2* xds, float& g, float& u) {
+    const int lane = threadIdx.x % ST_WARP;
+    const u8* gq = G + r * E;
+    const u8* uq = U + r * E;
+    const u16* gd = (const u16*)(G + F * E) + r * (E / 32);
+    const u16* ud = (const u16*)(U + F * E) + r * (E / 32);
+#pragma unroll 2
+    for (long i0 = lane * 16; i0 < E; i0 += ST_WARP * 16) {
+        const int4 qg = *(const int4*)(gq + i0);
+        const int4 qu = *(const int4*)(uq + i0);
+        const float dg = st_h2f(gd[i0 / 32]), du = st_h2f(ud[i0 / 32]);
+        g = qa_q8_piece(qg, dg, xq, xds, i0, g);
+        u = qa_q8_piece(qu, du, xq, xds, i0, u);
+    }
+}
+
 // MoE gate and up with SwiGLU over q8a inputs: for assignment a = t*k + j (grid.y), e =
 // ids[a], h[a][r] = silu(G_e,r . q8a[t]) * (U_e,r . q8a[t]); gate and up of one type ty
 // (Q8_0, Q4_K or Q6_K), F x E each. eptr as dq_moe_gate_up's.
@@ -385,8 +406,12 @@ ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, in
     const u8* xt = xq + (long)t * E;
     const float2* dt = xds + (long)t * (E / 32);
     float g[1] = {0.0f}, u[1] = {0.0f};
-    qa_row<1>(G, ty, F, E, row, xt, dt, 1, g);
-    qa_row<1>(U, ty, F, E, row, xt, dt, 1, u);
+    if (ty == ST_TY_Q8_0) {
+        qa_pair_q8(G, U, F, E, row, xt, dt, g[0], u[0]);
+    } else {
+        qa_row<1>(G, ty, F, E, row, xt, dt, 1, g);
+        qa_row<1>(U, ty, F, E, row, xt, dt, 1, u);
+    }
     const float gs = st_warp_sum(g[0]), us = st_warp_sum(u[0]);
     if (threadIdx.x % ST_WARP == 0) h[(long)a * F + row] = dq_silu(gs) * us;
 }
