@@ -3,7 +3,10 @@
 # (our GGUF writer -> strata-plan for the H200 -> strata-exec bench) and the PyTorch baseline
 # in the same run. Binaries come from target/gpu/ (built on the dev box by
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
-# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|predict|offload|kvspill|spec|all] [OUTDIR]
+# Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|dp4a|predict|offload|kvspill|spec|all] [OUTDIR]
+# (dp4a, not part of all: the Q8_0 and Q4_K_M 30B-shaped files planned with 16 slots, decode
+# tg128 at -b 1,4,16 with and without --kernel-options dp4a, interleaved twice in one call:
+# the int8-activation products against the f32 ones; lines in OUTDIR/dp4a.txt.)
 # (kvspill: the Q8_0 file at a 32k context all resident and with --kv-resident 4096, decode
 # bench at depths 0, 8192 and 16384: spilled KV read over PCIe against VRAM; then the spilled
 # plan with --kv-host stream and cpu: read over PCIe against attended on the host CPU.)
@@ -46,7 +49,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
-    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_mtp-* $bin/cuda_sample-* $bin/cuda_sample_proc-* $bin/cuda_offload-* $bin/cuda_kvspill-* $bin/cuda_kvhost-*; do
+    for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_mtp-* $bin/cuda_sample-* $bin/cuda_sample_proc-* $bin/cuda_offload-* $bin/cuda_kvspill-* $bin/cuda_kvhost-* $bin/cuda_dp4a-*; do
         [ -x "$t" ] || continue
         echo "== $t"
         "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/tests.log" | grep -E "^test |SKIP|vs |result|panicked|error|TIME" | head -60
@@ -137,6 +140,26 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
     else
         echo "nsys not installed; no in-graph timeline"
     fi
+fi
+if [ "$what" = dp4a ]; then
+    q8=/tmp/q30-q8_0.gguf
+    q4=/tmp/q30-q4_k_m.gguf
+    [ -f $q8 ] || $bin/strata-gguf random --arch qwen3moe --preset Q8_0 --out $q8 >/dev/null
+    [ -f $q4 ] || $bin/strata-gguf random --arch qwen3moe --preset Q4_K_M --random-blocks \
+        --vocab-from tests/data/tiny-chat-moe --out $q4 >/dev/null
+    for m in $q8 $q4; do
+        plan=/tmp/$(basename $m .gguf)-b16.plan
+        $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 \
+            --batch 16 -o $plan >/dev/null || { echo "dp4a: planning $m failed"; exit 1; }
+        for round in 1 2; do
+            for run in "" "dp4a"; do
+                echo "== $(basename $m) round $round: ${run:-f32 products}"
+                $bin/strata-exec bench $plan -p 0 -n 128 -b 1,4,16 -r 2 -q ${run:+--kernel-options $run} 2>&1 |
+                    grep -E "\| cuda|warning|error" | sed "s/^/$(basename $m .gguf) ${run:-f32}: /" |
+                    tee -a "$out/dp4a.txt"
+            done
+        done
+    done
 fi
 if [ "$what" = predict ] || [ "$what" = all ]; then
     # The skewed-routing file (Zipf-like expert popularity, picks varying token to token): the

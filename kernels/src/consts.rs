@@ -21,6 +21,9 @@ pub const DQ_WARPS: u32 = 4;
 /// 16-column pieces per lane of the register path of the one-token Q8_0 products (rows of
 /// at most `DQ_XR_PIECES x warp x 16` columns take it).
 pub const DQ_XR_PIECES: usize = 4;
+/// 16-column pieces per lane of the one-token int8-activation Q8_0 product's register path
+/// (`dq4_mv1`, dp4a.cu: rows of at most `Q8A_XR_PIECES x warp x 16` columns).
+pub const Q8A_XR_PIECES: usize = 8;
 /// Warps per block of the multi-token products (`dq_rows_mv*`, `dq_rows_qkv*`, rows.cu).
 pub const RW_WARPS: u32 = 4;
 /// Output rows per warp tile of the multi-token products (each lane holds a quarter of them).
@@ -71,6 +74,7 @@ pub fn all() -> Vec<(&'static str, String)> {
         ("DQ_MAX_TOK", DQ_MAX_TOK.to_string()),
         ("DQ_WARPS", DQ_WARPS.to_string()),
         ("DQ_XR_PIECES", DQ_XR_PIECES.to_string()),
+        ("Q8A_XR_PIECES", Q8A_XR_PIECES.to_string()),
         ("RW_WARPS", RW_WARPS.to_string()),
         ("RW_TILE", RW_TILE.to_string()),
         ("RW_KC", RW_KC.to_string()),

@@ -89,6 +89,14 @@ const RAW: &[Raw] = &[
         cuda_only: false,
     },
     Raw {
+        name: "dp4a",
+        headers: &[QUANT_TABLES, QUANTS, PRODUCTS],
+        body: include_str!("../cuda/dp4a.cu"),
+        entry_points: DP4A,
+        pdl_aware: DP4A,
+        cuda_only: false,
+    },
+    Raw {
         name: "attention",
         headers: &[],
         body: include_str!("../cuda/attention.cu"),
@@ -222,6 +230,15 @@ const MOE: &[&str] = &[
     "dq_moe_combine",
     "dq_router_topk",
     "router_softmax_topk",
+];
+const DP4A: &[&str] = &[
+    "dq_quant_q8a",
+    "dq4_mv1",
+    "dq4_mv4",
+    "dq4_mv8",
+    "dq4_mv16",
+    "dq4_moe_gate_up",
+    "dq4_moe_down",
 ];
 const ATTENTION: &[&str] = &[
     "dq_kv_store",

@@ -124,7 +124,10 @@ pub struct PlanArgs {
     /// cache replaces the least frequently used expert and keeps the profile's hottest
     /// pinned, instead of LRU), q4k-own (one-token Q4_K products on Q4_K's own kernels instead
     /// of the K-quant lane mapping that Q5_K, Q6_K and IQ3_S share). Every variant gives the
-    /// same tokens.
+    /// same tokens, but dp4a (off by default; not yet measured on a GPU): the decode products
+    /// over Q8_0, Q4_K and Q6_K weights quantize their input to int8 once per product input
+    /// and dot 4 quants an instruction, which rounds the inputs to 8 bits (tests/cuda_dp4a.rs
+    /// states the bounds).
     #[arg(long, value_delimiter = ',', value_name = "OPT,OPT,...")]
     pub kernel_options: Vec<String>,
     /// On plans with experts outside VRAM (CUDA): where a decode step's missed experts are

@@ -4,7 +4,8 @@
 //! its norm and top-k fused, MoE gate/up and down reading the expert table; prefill passes of
 //! 16 tokens or more take the tensor-core products (the input converted once per product
 //! group, the output projection added into the residual, the experts grouped by `moe_sort`)
-//! and the flash prefill attention.
+//! and the flash prefill attention. With `--kernel-options dp4a` the few-token products over
+//! Q8_0, Q4_K and Q6_K weights go to `int8_products.rs` first.
 //! Invariant: every choice depends only on the pass kind, its token count and what was bound
 //! at start-up, so a decode pass issues the same launches every time it has the same count
 //! (what graph replay needs).
@@ -438,6 +439,9 @@ impl Ops for CudaStage {
             }
             return Ok(());
         }
+        if self.int8_products(&l, "mv_q8a", x, outs, n, false)? {
+            return Ok(());
+        }
         let stage = self.opts.stage_inputs;
         if let [(q, yq), (k, yk), (v, yv)] = outs {
             if decode::qkv_fuses([(q.ty, q.cols), (k.ty, k.cols), (v.ty, v.cols)]) {
@@ -462,6 +466,9 @@ impl Ops for CudaStage {
         let l = self.launcher();
         if self.gemm_pass(n) && Self::gemm_fits(&w) {
             return self.gemm_products(&l, "gemm_o", x, &[(w, y)], n, true);
+        }
+        if self.int8_products(&l, "mv_o", x, &[(w, y)], n, true)? {
+            return Ok(());
         }
         let (xv, yv) = (self.rows(x, n, w.cols)?, self.rows(y, n, w.rows)?);
         let stage = self.opts.stage_inputs;
@@ -661,8 +668,13 @@ impl Ops for CudaStage {
         let idv = self.buf_at(ids, 0, (4 * n * d.k) as u64)?;
         let (xv, h) = (self.rows(xn, n, d.e)?, self.rows(WorkBuf::H, n * d.k, d.f)?);
         let stage = self.opts.stage_inputs && e.ty == GgmlType::Q8_0 && e.ty_up == e.ty;
-        decode::moe_gate_up(&l, table, idv, d.k, xv, h, n, stage)?;
+        if !self.int8_gate_up(&l, table, idv, d.k, xv, h, n)? {
+            decode::moe_gate_up(&l, table, idv, d.k, xv, h, n, stage)?;
+        }
         let (wv, yv) = (self.rows(wts, n, d.k)?, self.rows(y, n, d.e)?);
+        if self.int8_down(&l, table, idv, wv, d.k, h, yv, n)? {
+            return Ok(());
+        }
         decode::moe_down(&l, table, idv, wv, d.k, h, yv, n)
     }
 

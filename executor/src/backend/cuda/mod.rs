@@ -20,6 +20,7 @@ pub mod gemm;
 pub mod handoff;
 pub mod host_tier;
 pub mod hybrid;
+mod int8_products;
 pub mod kv_host_attn;
 pub mod kv_spill;
 pub mod launch;

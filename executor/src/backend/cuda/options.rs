@@ -4,7 +4,8 @@
 //! and the launch variants of `--kernel-options` (for comparing a fused or staged kernel with
 //! the launches it replaces), parsed once at start-up.
 //! Invariant: nothing here is read from the environment, and every variant computes the same
-//! function (most bit for bit; where a variant sums in another order, its doc says so).
+//! function (most bit for bit; where a variant sums in another order, its doc says so), but
+//! `dp4a`, which rounds the products' inputs to 8 bits and says so.
 
 use super::handoff::HandoffPolicy;
 
@@ -39,6 +40,14 @@ pub struct KernelOptions {
     /// file, which `q4k-own` runs instead for comparison. Within the products' f32 tolerance
     /// of each other (the sums run in another order; 1.7e-4 relative on the logits measured).
     pub q4k_lanes: bool,
+    /// The decode products over Q8_0, Q4_K and Q6_K weights on int8 activations (`dp4a`): each
+    /// product input of 1..16 tokens quantized once to blocks of 32 (`dq_quant_q8a`, into the
+    /// plan's `xh` buffer, which the tensor-core prefill alone uses otherwise) and dotted 4
+    /// quants an instruction (`dq4_*`, kernels/cuda/dp4a.cu): Q/K/V, the output projection,
+    /// the experts' gate/up and down. Not the same function: the inputs are rounded to 8 bits
+    /// a value (tests/cuda_dp4a.rs states the bounds). Off by default until measured on a GPU;
+    /// plans whose `xh` is too small (no tensor-core prefill) keep the f32 products.
+    pub dp4a: bool,
 }
 
 impl Default for KernelOptions {
@@ -51,13 +60,14 @@ impl Default for KernelOptions {
             host_pick: false,
             expert_lfu: false,
             q4k_lanes: true,
+            dp4a: false,
         }
     }
 }
 
 /// The values `--kernel-options` takes, for `--help` and errors.
 pub const KERNEL_OPTIONS_HELP: &str =
-    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu, q4k-own";
+    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu, q4k-own, dp4a";
 
 impl KernelOptions {
     /// Parse a comma-separated `--kernel-options` list over the defaults.
@@ -71,6 +81,7 @@ impl KernelOptions {
                 "host-pick" => o.host_pick = true,
                 "expert-lfu" => o.expert_lfu = true,
                 "q4k-own" => o.q4k_lanes = false,
+                "dp4a" => o.dp4a = true,
                 _ => match item.strip_prefix("attn-chunk=") {
                     Some(v) => {
                         o.attn_chunk = v
@@ -206,6 +217,8 @@ mod tests {
         let o = KernelOptions::parse(&["no-staging".into(), "host-pick".into()]).unwrap();
         assert!(!o.stage_inputs && o.host_pick && !o.expert_lfu && o.q4k_lanes);
         assert!(!KernelOptions::parse(&["q4k-own".into()]).unwrap().q4k_lanes);
+        assert!(!KernelOptions::default().dp4a);
+        assert!(KernelOptions::parse(&["dp4a".into()]).unwrap().dp4a);
         assert!(
             KernelOptions::parse(&["expert-lfu".into()])
                 .unwrap()

@@ -533,7 +533,7 @@ pub struct ExpertTable<'a> {
 
 impl ExpertTable<'_> {
     /// Checks the table and shapes; returns the kernel codes of gate, up and down.
-    fn check(&self, op: &'static str) -> Result<[i32; 3], CudaError> {
+    pub(super) fn check(&self, op: &'static str) -> Result<[i32; 3], CudaError> {
         self.table
             .expect(op, "expert table", 24 * self.n_expert as u64, 8)?;
         int(op, "f", self.f)?;

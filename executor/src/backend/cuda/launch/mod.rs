@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod decode;
+pub mod dp4a;
 pub mod linear;
 pub mod pick;
 

@@ -1,0 +1,484 @@
+//! The int8-activation products (`--kernel-options dp4a`, kernels/cuda/dp4a.cu) on the GPU:
+//! the quantization bit for bit against its host reference (`launch::dp4a::quantize_q8a`),
+//! the Q8_0, Q4_K and Q6_K matrix-vector products (1 to 19 tokens, one and three matrices,
+//! Q4_K_M's Q4_K/Q4_K/Q6_K Q/K/V in one launch, added or not) and the MoE gate/up and down
+//! against an f64 reference over the same quantized inputs, and the engine with the option
+//! against the CPU engine.
+//! Tolerances: a product is within 1e-5 of the sum of |w_i v_i| (v the values the quants
+//! stand for, d * q) of its f64 reference — the f32 sums' order only — and within the
+//! quantization's own bound of the f32 input's product: every input moves by at most half a
+//! step (amax / 254 of its block), so |W q8a(x) - W x| <= sum over blocks of amax / 254 times
+//! the sum of the block's |w|. The engine: logits within 3e-2 of the largest of each row of
+//! the CPU engine's (whose products are f32), the same greedy tokens on the trained tiny
+//! model, and logits that differ from the f32 products' (proof the option ran).
+//! Invariant: without a usable CUDA device each test prints `SKIP ...` and returns; it never
+//! passes silently. Run on a GPU machine with
+//! `cargo test -p strata-exec --release --test cuda_dp4a -- --test-threads=1 --nocapture`.
+#![cfg(feature = "cuda")]
+
+mod common;
+mod cuda_common;
+
+use common::*;
+use cuda_common::{get, put, rand_vec, Carve};
+use rand::{rngs::StdRng, SeedableRng};
+use std::sync::OnceLock;
+use strata_exec::backend::cuda::launch::decode::ExpertTable;
+use strata_exec::backend::cuda::launch::dp4a::{self, quantize_q8a, Q8a};
+use strata_exec::backend::cuda::launch::{Launcher, Mat};
+use strata_exec::backend::cuda::layout::to_device;
+use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
+use strata_exec::backend::cuda::start::{start_cuda, CudaEngine};
+use strata_exec::backend::cuda::{CudaDevice, DeviceView};
+use strata_exec::engine::Engine;
+use strata_exec::load::open_model;
+use strata_exec::quant;
+use strata_schemas::ggml::GgmlType;
+
+static DEV: OnceLock<Result<CudaDevice, String>> = OnceLock::new();
+
+fn dev(test: &str) -> Option<&'static CudaDevice> {
+    cuda_common::device_or_skip(&DEV, test, || {
+        CudaDevice::open(0).map_err(|e| e.to_string())
+    })
+}
+
+/// `rows x cols` random weights of `ty`: the device layout and the CPU's dequantized rows.
+fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let x = rand_vec(rng, rows * cols, 1.0);
+    let mut gguf = Vec::new();
+    for r in x.chunks(cols) {
+        quant::quantize_row(ty, r, &mut gguf).unwrap();
+    }
+    let rb = gguf.len() / rows;
+    let mut deq = vec![0f32; rows * cols];
+    for (r, o) in gguf.chunks_exact(rb).zip(deq.chunks_exact_mut(cols)) {
+        quant::dequantize_row(ty, r, o).unwrap();
+    }
+    let mut dev = vec![0u8; gguf.len()];
+    to_device(ty, &gguf, 1, rows, cols, &mut dev).unwrap();
+    (dev, deq)
+}
+
+/// Inputs with an outlier now and then and an all-zero first block.
+fn inputs(rng: &mut StdRng, n: usize, cols: usize) -> Vec<f32> {
+    let mut x = rand_vec(rng, n * cols, 1.0);
+    for (i, v) in x.iter_mut().enumerate() {
+        if i % 97 == 5 {
+            *v *= 9.0;
+        }
+    }
+    x[..32].fill(0.0);
+    x
+}
+
+/// f64 dot and the sum of |terms|.
+fn dot(w: &[f32], x: &[f32]) -> (f64, f64) {
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (w, x)| {
+        let p = *w as f64 * *x as f64;
+        (s + p, a + p.abs())
+    })
+}
+
+/// The quantization's bound on |W q8a(x) - W x| (see the file comment).
+fn quant_bound(w: &[f32], x: &[f32]) -> f64 {
+    w.chunks(32)
+        .zip(x.chunks(32))
+        .map(|(wb, xb)| {
+            let amax = xb.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+            amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
+        })
+        .sum()
+}
+
+/// Quantized rows on the device (the q8a layout in a carved window).
+fn q8a<'a>(c: &Carve<'a>, rows: usize, cols: usize) -> Q8a<'a> {
+    Q8a::carve(c.take(Q8a::bytes(rows, cols)), rows, cols).unwrap()
+}
+
+#[test]
+fn quantization_is_bit_exact_with_the_host_reference() {
+    let Some(d) = dev("quantization_is_bit_exact_with_the_host_reference") else {
+        return;
+    };
+    let arena = d.alloc_arena("test", 16 << 20).unwrap();
+    let mut rng = StdRng::seed_from_u64(3);
+    let l = Launcher::new(d);
+    for (n, cols) in [(1, 32), (3, 2048), (16, 768)] {
+        let c = Carve::new(&arena);
+        let x = inputs(&mut rng, n, cols);
+        let xv = put(d, &c, &x);
+        let out = q8a(&c, n, cols);
+        dp4a::quantize(&l, xv, &out).unwrap();
+        let q: Vec<u8> = get(d, out.q, n * cols);
+        let ds: Vec<f32> = get(d, out.ds, 2 * n * cols / 32);
+        let want = quantize_q8a(&x);
+        for (i, (g, w)) in q.iter().zip(&want.q).enumerate() {
+            assert_eq!(*g as i8, *w, "{n} x {cols}: quant {i} (x = {})", x[i]);
+        }
+        for (b, w) in want.ds.iter().enumerate() {
+            assert_eq!(
+                [ds[2 * b].to_bits(), ds[2 * b + 1].to_bits()],
+                [w[0].to_bits(), w[1].to_bits()],
+                "{n} x {cols}: block {b} (d, s)"
+            );
+        }
+    }
+}
+
+/// Checks `got` (n x rows) against W q8a(x) (tight) and W x (the quantization bound), plus
+/// `y0` when the product adds.
+#[allow(clippy::too_many_arguments)]
+fn check_rows(
+    what: &str,
+    got: &[f32],
+    deq: &[f32],
+    x: &[f32],
+    xv: &[f32],
+    y0: Option<&[f32]>,
+    rows: usize,
+    cols: usize,
+) {
+    for t in 0..got.len() / rows {
+        for r in 0..rows {
+            let w = &deq[r * cols..(r + 1) * cols];
+            let (xt, vt) = (&x[t * cols..(t + 1) * cols], &xv[t * cols..(t + 1) * cols]);
+            let base = y0.map_or(0.0, |y| y[t * rows + r] as f64);
+            let (wq, scale) = dot(w, vt);
+            let g = got[t * rows + r] as f64;
+            let tight = 1e-5 * (scale + base.abs()).max(1e-30);
+            assert!(
+                (g - base - wq).abs() <= tight,
+                "{what}: y[{t}][{r}] = {g}, W.q8a(x) {wq} + {base} (bound {tight:e})"
+            );
+            let loose = quant_bound(w, xt) * 1.0001 + tight;
+            let wx = dot(w, xt).0;
+            assert!(
+                (g - base - wx).abs() <= loose,
+                "{what}: y[{t}][{r}] = {g}, W.x {wx} + {base} (quantization bound {loose:e})"
+            );
+        }
+    }
+}
+
+#[test]
+fn matvec_products_match_the_quantized_reference() {
+    let Some(d) = dev("matvec_products_match_the_quantized_reference") else {
+        return;
+    };
+    let arena = d.alloc_arena("test", 256 << 20).unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    let l = Launcher::new(d);
+    let mut cases = 0;
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+        let cols_set: &[usize] = if ty == GgmlType::Q8_0 {
+            &[96, 2048]
+        } else {
+            &[256, 2048]
+        };
+        for &cols in cols_set {
+            // One matrix, and Q/K/V-like three stacked (rows not a multiple of the warps).
+            for split in [&[37usize][..], &[70, 17, 9][..]] {
+                let c = Carve::new(&arena);
+                // With Q4_K: Q4_K_M's Q4_K Q and K with a Q6_K V, in one launch.
+                let tys: Vec<GgmlType> = (0..split.len())
+                    .map(|i| {
+                        if ty == GgmlType::Q4K && i == 2 {
+                            GgmlType::Q6K
+                        } else {
+                            ty
+                        }
+                    })
+                    .collect();
+                let ws: Vec<_> = split
+                    .iter()
+                    .zip(&tys)
+                    .map(|(&r, &t)| weights(&mut rng, t, r, cols))
+                    .collect();
+                let views: Vec<DeviceView<'_>> = ws.iter().map(|(b, _)| put(d, &c, b)).collect();
+                for n in [1usize, 2, 4, 5, 9, 16, 19] {
+                    for add in [false, true] {
+                        let c2 = Carve::new(&arena);
+                        c2.off.set(c.off.get());
+                        let x = inputs(&mut rng, n, cols);
+                        let xq = q8a(&c2, n, cols);
+                        dp4a::quantize(&l, put(d, &c2, &x), &xq).unwrap();
+                        let y0s: Vec<Vec<f32>> = split
+                            .iter()
+                            .map(|&r| rand_vec(&mut rng, n * r, 1.0))
+                            .collect();
+                        let ys: Vec<DeviceView<'_>> = y0s.iter().map(|y| put(d, &c2, y)).collect();
+                        let mats: Vec<Mat<'_>> = split
+                            .iter()
+                            .zip(&views)
+                            .zip(&tys)
+                            .map(|((&rows, &w), &ty)| Mat { w, ty, rows, cols })
+                            .collect();
+                        dp4a::mv(&l, "test", &mats, &xq, &ys, n, add).unwrap();
+                        let xv = quantize_q8a(&x).values();
+                        for (k, &rows) in split.iter().enumerate() {
+                            let got: Vec<f32> = get(d, ys[k], n * rows);
+                            let what =
+                                format!("{tys:?} {split:?}x{cols} n {n} add {add} matrix {k}");
+                            let base = add.then_some(&y0s[k][..]);
+                            check_rows(&what, &got, &ws[k].1, &x, &xv, base, rows, cols);
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{cases} product cases within the bounds");
+}
+
+#[test]
+fn moe_products_match_the_quantized_reference() {
+    let Some(d) = dev("moe_products_match_the_quantized_reference") else {
+        return;
+    };
+    let arena = d.alloc_arena("test", 64 << 20).unwrap();
+    let mut rng = StdRng::seed_from_u64(9);
+    let l = Launcher::new(d);
+    let (n_expert, k, e, f) = (4usize, 3usize, 512usize, 256usize);
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+        for n in [1usize, 3] {
+            let c = Carve::new(&arena);
+            // Per expert: gate, up (f x e), down (e x f).
+            let mut host = Vec::new();
+            let mut table = Vec::new();
+            for _ in 0..n_expert {
+                let m = [
+                    weights(&mut rng, ty, f, e),
+                    weights(&mut rng, ty, f, e),
+                    weights(&mut rng, ty, e, f),
+                ];
+                for (b, _) in &m {
+                    table.push(put(d, &c, b).ptr());
+                }
+                host.push(m);
+            }
+            let tv = put(d, &c, &table);
+            let ex = ExpertTable {
+                table: tv,
+                ty,
+                ty_up: ty,
+                ty_down: ty,
+                n_expert,
+                f,
+                e,
+            };
+            let ids: Vec<i32> = (0..n * k)
+                .map(|a| ((a * 3 + a / k) % n_expert) as i32)
+                .collect();
+            let wts: Vec<f32> = (0..n * k).map(|a| 0.2 + 0.1 * (a % k) as f32).collect();
+            let (idv, wv) = (put(d, &c, &ids), put(d, &c, &wts));
+            let x = inputs(&mut rng, n, e);
+            let xq = q8a(&c, n, e);
+            dp4a::quantize(&l, put(d, &c, &x), &xq).unwrap();
+            let h = c.take(4 * (n * k * f) as u64);
+            dp4a::moe_gate_up(&l, ex, idv, k, &xq, h, n).unwrap();
+            let hg: Vec<f32> = get(d, h, n * k * f);
+            let xv = quantize_q8a(&x).values();
+            for a in 0..n * k {
+                let (t, m) = (a / k, &host[ids[a] as usize]);
+                let vt = &xv[t * e..(t + 1) * e];
+                for r in 0..f {
+                    let (g, _) = dot(&m[0].1[r * e..(r + 1) * e], vt);
+                    let (u, _) = dot(&m[1].1[r * e..(r + 1) * e], vt);
+                    let want = silu(g) * u;
+                    let got = hg[a * f + r] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "{ty} n {n}: h[{a}][{r}] = {got}, silu(g) u of the quantized input {want}"
+                    );
+                }
+            }
+            // Down of the GPU's h, quantized by the GPU (bit-exact with the host reference,
+            // checked above), into y = y0 + the weighted sum.
+            let hq = q8a(&c, n * k, f);
+            dp4a::quantize(&l, h, &hq).unwrap();
+            let y0 = rand_vec(&mut rng, n * e, 1.0);
+            let y = put(d, &c, &y0);
+            dp4a::moe_down(&l, ex, idv, wv, k, &hq, y, n).unwrap();
+            let got: Vec<f32> = get(d, y, n * e);
+            let hv = quantize_q8a(&hg).values();
+            for t in 0..n {
+                for r in 0..e {
+                    let (mut want, mut scale, mut want_f, mut qb) =
+                        (y0[t * e + r] as f64, 0.0, 0.0, 0.0);
+                    for j in 0..k {
+                        let a = t * k + j;
+                        let dr = &host[ids[a] as usize][2].1[r * f..(r + 1) * f];
+                        let (s, sc) = dot(dr, &hv[a * f..(a + 1) * f]);
+                        want += wts[a] as f64 * s;
+                        scale += wts[a] as f64 * sc;
+                        want_f += wts[a] as f64 * dot(dr, &hg[a * f..(a + 1) * f]).0;
+                        qb += wts[a] as f64 * quant_bound(dr, &hg[a * f..(a + 1) * f]);
+                    }
+                    let g = got[t * e + r] as f64;
+                    let tight = 1e-5 * (scale + (y0[t * e + r] as f64).abs());
+                    assert!(
+                        (g - want).abs() <= tight,
+                        "{ty} n {n}: y[{t}][{r}] = {g}, want {want} (bound {tight:e})"
+                    );
+                    let wf = y0[t * e + r] as f64 + want_f;
+                    assert!(
+                        (g - wf).abs() <= qb * 1.0001 + tight,
+                        "{ty} n {n}: y[{t}][{r}] = {g}, f32 input's {wf} (bound {qb:e})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Max over rows of max |a - b| / max |b| of the row.
+fn rel_err(a: &[f32], b: &[f32], v: usize) -> f64 {
+    let mut worst = 0f64;
+    for (ra, rb) in a.chunks(v).zip(b.chunks(v)) {
+        let scale = rb.iter().fold(0f64, |m, x| m.max(x.abs() as f64));
+        for (x, y) in ra.iter().zip(rb) {
+            worst = worst.max((*x as f64 - *y as f64).abs() / scale);
+        }
+    }
+    worst
+}
+
+/// The CUDA engine on `gguf` with `kernels`, planned for a 2 GiB NVIDIA device with `ask`.
+fn cuda_on(variant: &str, gguf: &std::path::Path, ask: &Ask, kernels: KernelOptions) -> CudaEngine {
+    let ask = Ask {
+        gpu: true,
+        ..ask.clone()
+    };
+    let inv = strata_plan::model::load_model(gguf).unwrap();
+    let p = plan_inventory(variant, &inv, gguf, &ask);
+    let opts = CudaOptions {
+        kernels,
+        ..CudaOptions::default()
+    };
+    start_cuda(&p, open_model(gguf).unwrap(), opts).unwrap()
+}
+
+/// Prompt logits (every position) then `steps` decode steps fed `feed`'s greedy tokens (the
+/// engine's own when `feed` is None): the logits and the tokens fed.
+fn teacher(
+    e: &mut dyn Engine,
+    prompt: &[u32],
+    steps: usize,
+    feed: Option<&[u32]>,
+) -> (Vec<f32>, Vec<u32>) {
+    let ub = e.info().ubatch;
+    let v = e.info().n_vocab;
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(ub) {
+        logits.extend_from_slice(e.prefill_all(0, chunk).unwrap());
+    }
+    let mut toks = vec![argmax(&logits[logits.len() - v..])];
+    for i in 0..steps {
+        let tok = feed.map_or(toks[i], |f| f[i]);
+        let l = e.decode(&[(0, tok)]).unwrap().to_vec();
+        toks.push(argmax(&l));
+        logits.extend_from_slice(&l);
+    }
+    (logits, toks)
+}
+
+/// The engine with `dp4a` against the CPU engine on the same file, and against itself
+/// without the option: the trained tiny model converted to Q8_0 (greedy tokens equal too),
+/// and random models of Q4_K weights and of llama.cpp's Q4_K_M mix (Q6_K V, half the down
+/// projections and the head; hidden and expert width 256; routed to all their experts, so no
+/// router choice can flip; teacher-forced with the CPU's tokens).
+#[test]
+fn the_engine_with_dp4a_matches_the_cpu_engine() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let q8 = dir.path().join("tiny-q8_0.gguf");
+    strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &q8, GgmlType::Q8_0, None)
+        .unwrap();
+    let mut hp = strata_schemas::known::qwen3_30b_a3b();
+    hp.n_layer = 2;
+    hp.n_embd = 256;
+    hp.n_head = 8;
+    hp.n_head_kv = 2;
+    hp.head_dim_k = 128;
+    hp.head_dim_v = 128;
+    hp.n_expert = 8;
+    hp.n_expert_used = 8;
+    hp.n_ff_exp = 256;
+    hp.n_vocab = 512;
+    let write = |name: &str, preset: &str| {
+        let path = dir.path().join(format!("{name}.gguf"));
+        let recipe = strata_schemas::arch::QuantRecipe::preset(preset).unwrap();
+        strata_schemas::gguf::random::write_random_model(
+            &path,
+            "qwen3moe",
+            &hp,
+            &recipe,
+            7,
+            strata_schemas::gguf::random::RandomOptions::default(),
+        )
+        .unwrap();
+        path
+    };
+    let (q4, q4km) = (write("q4k", "Q4_K"), write("q4km", "Q4_K_M"));
+    // ubatch 32: the plan places the tensor-core path's `xh`, which holds the q8a rows.
+    let ask = Ask {
+        ctx: 128,
+        ubatch: 32,
+        ..Ask::default()
+    };
+    let dp = KernelOptions {
+        dp4a: true,
+        ..KernelOptions::default()
+    };
+    let mut bad = Vec::new();
+    let models = [
+        ("base", &q8, 256u32, true),
+        ("q4k", &q4, 512, false),
+        ("q4km", &q4km, 512, false),
+    ];
+    for (name, gguf, vocab, trained) in models {
+        let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % vocab).collect();
+        let inv = strata_plan::model::load_model(gguf).unwrap();
+        let cp = plan_inventory(name, &inv, gguf, &ask);
+        let mut c = strata_exec::exec::start_cpu(
+            &cp,
+            open_model(gguf).unwrap(),
+            strata_exec::exec::EngineOptions::default(),
+        )
+        .unwrap();
+        let (cl, ct) = teacher(&mut c, &prompt, 12, None);
+        let feed = (!trained).then_some(&ct[..]);
+        let mut g = cuda_on(name, gguf, &ask, dp);
+        let (gl, gt) = teacher(&mut g, &prompt, 12, feed);
+        let mut f = cuda_on(name, gguf, &ask, KernelOptions::default());
+        let (fl, _) = teacher(&mut f, &prompt, 12, feed.or(Some(&gt)));
+        let v = vocab as usize;
+        let (e_cpu, e_f32) = (rel_err(&gl, &cl, v), rel_err(&fl, &cl, v));
+        let differ = gl
+            .iter()
+            .zip(&fl)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        eprintln!(
+            "{name}: dp4a vs CPU {e_cpu:e} (f32 products vs CPU {e_f32:e}); {differ} of {} logits differ from the f32 products'",
+            gl.len()
+        );
+        if e_cpu >= 3e-2 {
+            bad.push(format!("{name}: dp4a vs CPU {e_cpu} (bound 3e-2)"));
+        }
+        if differ == 0 {
+            bad.push(format!(
+                "{name}: dp4a logits are the f32 products' bit for bit: the option did not run"
+            ));
+        }
+        if trained && gt != ct {
+            bad.push(format!("{name}: greedy tokens {gt:?}, CPU {ct:?}"));
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("; "));
+}

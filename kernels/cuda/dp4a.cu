@@ -1,0 +1,482 @@
+// dp4a.cu: the decode products over int8 activations (`--kernel-options dp4a`, opt-in until
+// measured on a GPU): dq_quant_q8a quantizes a product's input rows once to blocks of 32
+// ("q8a": int8 quants, and per block its scale d and s = d * the sum of its quants), and
+// the products over Q8_0 (split layout), Q4_K and Q6_K weights dot 4 weight quants with 4
+// activation quants per dp4a instruction: the one- and few-token matrix-vector products
+// (up to three matrices stacked by rows, so Q/K/V is one launch), the MoE gate/up with
+// SwiGLU and the MoE down with the weighted sum.
+//
+// q8a layout of n rows of `cols` (cols % 32 == 0): the quants, n x cols bytes row-major (xq),
+// then n x cols / 32 float2 (d, s) (xds). d = amax / 127 and q = round(x * (127 / amax))
+// (round half away from zero; an all-zero block has d = 0 and q = 0), so the value a quant
+// stands for is d * q, and s is d * sum(q): the products compute W . (d q) exactly up to the
+// f32 sums' order. The host's reference of this quantization is launch/dp4a.rs's
+// `quantize_q8a`, and its unit tests emulate the lanes' arithmetic below in the same order.
+//
+// Per lane arithmetic (what the host emulation repeats):
+// - Q8_0, a 16-column piece at i0 of a row (block i0 / 32): s = dp4a over the 4 words of the
+//   piece (an i32), acc = fmaf(dw * dx, (float)s, acc), dw the weight block's scale, dx the
+//   activation block's d.
+// - Q4_K, lane l (of 32) of a 256-value block: g = l / 8, j = 4 (l % 8); the lane's quant
+//   word at byte 16 + 32 g + j gives 4 low nibbles (columns 64 g + j + 0..3, sub-block 2g,
+//   q8a block 8b + 2g) and 4 high nibbles (the same + 32, sub-block 2g + 1). v = (d sc0 dxa)
+//   * (float)sa, v = fmaf(d sc1 dxb, (float)sb, v); lanes with l % 8 == 0 add the
+//   sub-blocks' mins once: v = fmaf(-(dmin m0), sa_blk, v), v = fmaf(-(dmin m1), sb_blk, v)
+//   (the q8a blocks' s); acc += v.
+// Then a warp's lanes are summed by st_warp_sum (one warp per row), or for the MoE down a
+// block's by st_block_sum (one block per output row).
+// Invariant: rows past `rows` and tokens past `n_tok` are never read or written; q8a rows are
+// 16-byte aligned (the launchers check xq and xds); Q4_K rows hold whole 256-value blocks.
+
+// a . b over 4 signed bytes each, plus c. CUDA: one dp4a instruction (sm_61 on); HIP: the
+// same sum byte by byte (portable; AMD's dot4 builtins differ per generation).
+__device__ __forceinline__ int st_dp4a(int a, int b, int c) {
+#ifdef ST_CUDA
+    return __dp4a(a, b, c);
+#else
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        c += (int)(i8)((a >> (8 * k)) & 0xff) * (int)(i8)((b >> (8 * k)) & 0xff);
+    return c;
+#endif
+}
+
+// Max / sum over the QA_GROUP lanes of the calling lane's group: a q8a block's 32 values
+// are quantized by 32 lanes (a whole warp on CUDA, half a wave64 on AMD, whose xor steps below
+// 32 stay inside the half).
+#define QA_GROUP 32
+__device__ __forceinline__ float qa_group_max(float v) {
+#pragma unroll
+    for (int m = QA_GROUP / 2; m > 0; m >>= 1) v = fmaxf(v, ST_SHFL_XOR(v, m));
+    return v;
+}
+__device__ __forceinline__ int qa_group_isum(int v) {
+#pragma unroll
+    for (int m = QA_GROUP / 2; m > 0; m >>= 1) v += ST_SHFL_XOR(v, m);
+    return v;
+}
+
+// x (n rows of cols f32) -> q8a: each group of QA_GROUP lanes quantizes one block (lane i
+// its value i). grid: (ceil(cols / 32 / (blockDim / 32)), n); block: a multiple of the warp.
+ST_KERNEL void dq_quant_q8a(const float* x, int cols, u8* xq, float2* xds) {
+    st_pdl_enter();
+    const int t = blockIdx.y, nb = cols / 32;
+    const int b = blockIdx.x * (blockDim.x / QA_GROUP) + threadIdx.x / QA_GROUP;
+    const int lane = threadIdx.x % QA_GROUP;
+    if (b >= nb) return;  // whole groups
+    const long i = (long)t * cols + 32 * b + lane;
+    const float v = x[i];
+    const float amax = qa_group_max(fabsf(v));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const int q = (int)roundf(v * inv);
+    const int s = qa_group_isum(q);
+    xq[i] = (u8)(i8)q;
+    if (lane == 0) {
+        const float d = amax / 127.0f;
+        xds[(long)t * nb + b] = make_float2(d, d * (float)s);
+    }
+}
+
+// The lane's part of one Q8_0 weight piece (16 quants q, scale dw, at column i0) . the q8a
+// row (xq, xds) of the same columns.
+__device__ __forceinline__ float qa_q8_piece(int4 q, float dw, const u8* xq, const float2* xds,
+                                             long i0, float acc) {
+    const int4 a = *(const int4*)(xq + i0);
+    int s = st_dp4a(q.x, a.x, 0);
+    s = st_dp4a(q.y, a.y, s);
+    s = st_dp4a(q.z, a.z, s);
+    s = st_dp4a(q.w, a.w, s);
+    return fmaf(dw * xds[i0 / 32].x, (float)s, acc);
+}
+
+// Lane l's fixed part of a Q4_K block: its quant words and the scales of its two sub-blocks.
+struct QaQ4k {
+    int qa, qb;
+    float ka, kb, ma, mb;
+};
+
+__device__ __forceinline__ void qa_q4k_lane(const u8* blk, int l, QaQ4k& w) {
+    const int g = l >> 3, j = 4 * (l & 7);
+    const float d = st_h2f(st_ld_u16(blk)), dmin = st_h2f(st_ld_u16(blk + 2));
+    float sc0, m0, sc1, m1;
+    st_scale_min_k4(2 * g, blk + 4, &sc0, &m0);
+    st_scale_min_k4(2 * g + 1, blk + 4, &sc1, &m1);
+    const u32 qs = *(const u32*)(blk + 16 + 32 * g + j);
+    w.qa = (int)(qs & 0x0F0F0F0Fu);
+    w.qb = (int)((qs >> 4) & 0x0F0F0F0Fu);
+    w.ka = d * sc0;
+    w.kb = d * sc1;
+    w.ma = dmin * m0;
+    w.mb = dmin * m1;
+}
+
+// acc + lane l's part of block b (of a row) . the q8a row (xq, xds): see the file comment.
+__device__ __forceinline__ float qa_q4k_dot(const QaQ4k& w, int l, long b, const u8* xq,
+                                            const float2* xds, float acc) {
+    const int g = l >> 3, j = 4 * (l & 7);
+    const long ia = b * QK_K + 64 * g + j;
+    const float2 da = xds[b * 8 + 2 * g], db = xds[b * 8 + 2 * g + 1];
+    const int sa = st_dp4a(w.qa, *(const int*)(xq + ia), 0);
+    const int sb = st_dp4a(w.qb, *(const int*)(xq + ia + 32), 0);
+    float v = (w.ka * da.x) * (float)sa;
+    v = fmaf(w.kb * db.x, (float)sb, v);
+    if ((l & 7) == 0) {
+        v = fmaf(-w.ma, da.y, v);
+        v = fmaf(-w.mb, db.y, v);
+    }
+    return acc + v;
+}
+
+// Q6_K (210-byte blocks, 2-byte aligned: 4-byte fields read as two u16), lane l (of 32) of a
+// 256-value block as products.cuh's dq_kq_lane maps it: n = l / 16, h = (l / 8) % 2, j = 4 (l %
+// 8); its ql word at 64 n + 32 h + j and qh word at 128 + 32 n + j give 4 six-bit values at
+// columns 128 n + 32 h + j + 0..3 (scale 8 n + 2 h + (l % 8) / 4, q8a block 8b + 4n + h) and 4
+// at the same + 64 (scale + 4, q8a block + 2); each minus 32 as a signed byte (a bytewise
+// subtraction: each byte lifted by 0x80 first, so no borrow crosses bytes). v = (d sc_a dxa)
+// * (float)sa, v = fmaf(d sc_b dxb, (float)sb, v); no mins.
+struct QaQ6k {
+    int qa, qb;
+    float ka, kb;
+};
+
+__device__ __forceinline__ int qa_sub32x4(u32 v) {
+    return (int)(((v | 0x80808080u) - 0x20202020u) ^ 0x80808080u);
+}
+
+__device__ __forceinline__ void qa_q6k_lane(const u8* b, int l, QaQ6k& w) {
+    const int n = l >> 4, h = (l >> 3) & 1, j = 4 * (l & 7);
+    const u32 ql = dq_ld_u32_a2(b + 64 * n + 32 * h + j);
+    const u32 qh = dq_ld_u32_a2(b + 128 + 32 * n + j);
+    w.qa = qa_sub32x4((ql & 0x0F0F0F0Fu) | (((qh >> (2 * h)) & 0x03030303u) << 4));
+    w.qb = qa_sub32x4(((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (4 + 2 * h)) & 0x03030303u) << 4));
+    const float d = st_h2f(st_ld_u16(b + 208));
+    const int sc = 8 * n + 2 * h + ((l & 7) >> 2);
+    w.ka = d * (float)(i8)b[192 + sc];
+    w.kb = d * (float)(i8)b[192 + sc + 4];
+}
+
+__device__ __forceinline__ float qa_q6k_dot(const QaQ6k& w, int l, long b, const u8* xq,
+                                            const float2* xds, float acc) {
+    const int n = l >> 4, h = (l >> 3) & 1, j = 4 * (l & 7);
+    const long ia = b * QK_K + 128 * n + 32 * h + j;
+    const float da = xds[b * 8 + 4 * n + h].x, db = xds[b * 8 + 4 * n + h + 2].x;
+    const int sa = st_dp4a(w.qa, *(const int*)(xq + ia), 0);
+    const int sb = st_dp4a(w.qb, *(const int*)(xq + ia + 64), 0);
+    float v = (w.ka * da) * (float)sa;
+    v = fmaf(w.kb * db, (float)sb, v);
+    return acc + v;
+}
+
+#define QA_TY_Q6_K (ST_TY_GGML + QT_Q6_K)
+
+// acc[t] += the lane's part of row r of W (rows x cols, Q8_0 split, Q4_K or Q6_K) . q8a row t, for
+// t < n_tok (xq, xds at token 0; rows of cols).
+template <int NT>
+__device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long rows, long cols,
+                                       long r, const u8* xq, const float2* xds, int n_tok,
+                                       float (&acc)[NT]) {
+    const int lane = threadIdx.x % ST_WARP;
+    const long nq = cols / 32;
+    if (ty == ST_TY_Q4_K) {
+        const int l = lane & 31;
+        const long nb = cols / QK_K;
+        const u8* wr = W + r * nb * Q4_K_BYTES;
+        for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+            QaQ4k w;
+            qa_q4k_lane(wr + b * Q4_K_BYTES, l, w);
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+                if (t < n_tok) acc[t] = qa_q4k_dot(w, l, b, xq + t * cols, xds + t * nq, acc[t]);
+        }
+        return;
+    }
+    if (ty == QA_TY_Q6_K) {
+        const int l = lane & 31;
+        const long nb = cols / QK_K;
+        const u8* wr = W + r * nb * 210;
+        for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+            QaQ6k w;
+            qa_q6k_lane(wr + b * 210, l, w);
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+                if (t < n_tok) acc[t] = qa_q6k_dot(w, l, b, xq + t * cols, xds + t * nq, acc[t]);
+        }
+        return;
+    }
+    const u8* qs = W + r * cols;
+    const u16* ds = (const u16*)(W + rows * cols) + r * nq;
+#pragma unroll 2
+    for (long i0 = lane * 16; i0 < cols; i0 += ST_WARP * 16) {
+        const int4 q = *(const int4*)(qs + i0);
+        const float dw = st_h2f(ds[i0 / 32]);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+            if (t < n_tok) acc[t] = qa_q8_piece(q, dw, xq + t * cols, xds + t * nq, i0, acc[t]);
+    }
+}
+
+// Up to three matrices of `cols` stacked by rows, each of its own type (Q/K/V of Q4_K_M: Q4_K
+// with a Q6_K V; a lone product: r1 = r2 = 0).
+struct QaMats {
+    const u8* w0;
+    const u8* w1;
+    const u8* w2;
+    float* y0;
+    float* y1;
+    float* y2;
+    int r0, r1, r2;
+    int t0, t1, t2;  // each matrix's weight code
+};
+
+// Stacked row r -> its matrix's weights, output, rows and type, r made local; false past the
+// end.
+__device__ __forceinline__ bool qa_pick(const QaMats& m, int& r, const u8*& W, float*& y,
+                                        int& rows, int& ty) {
+    W = m.w0; y = m.y0; rows = m.r0; ty = m.t0;
+    if (r >= m.r0) {
+        r -= m.r0;
+        W = m.w1; y = m.y1; rows = m.r1; ty = m.t1;
+        if (r >= m.r1) {
+            r -= m.r1;
+            W = m.w2; y = m.y2; rows = m.r2; ty = m.t2;
+        }
+    }
+    return r < rows;
+}
+
+// One token over Q8_0 rows of at most QA_XR_COLS columns: the lane's activation pieces (the
+// same 16-column pieces at lane * 16 + u * warp * 16 in every row) and their scales held in
+// registers while the warp walks its rows (a capped grid over a tall matrix, the LM head).
+#define QA_XR_COLS (Q8A_XR_PIECES * ST_WARP * 16)
+
+// y[t][r] (+)= W_r . q8a[t] for t < n_tok over the stacked rows: warp w of the grid takes
+// rows w, w + gridDim.x * DQ_WARPS, ... (one each unless the host capped the grid), NT tokens
+// a grid row. grid: (at most ceil((r0 + r1 + r2) / DQ_WARPS), ceil(n_tok / NT)); block:
+// DQ_WARPS warps.
+template <int NT>
+__device__ __forceinline__ void qa_mv_body(const QaMats& m, int cols, const u8* xq,
+                                           const float2* xds, int n_tok, int add) {
+    const int total = m.r0 + m.r1 + m.r2;
+    const int w0 = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+    const int stride = gridDim.x * DQ_WARPS;
+    const int lane = threadIdx.x % ST_WARP;
+    {
+        int r = w0;
+        const u8* W;
+        float* y;
+        int rows, ty;
+        if (blockIdx.y == 0 && qa_pick(m, r, W, y, rows, ty)) dq_prefetch_row(W, ty, rows, cols, r);
+    }
+    st_pdl_enter();
+    const int t0 = blockIdx.y * NT;
+    if (t0 >= n_tok) return;
+    n_tok = min(NT, n_tok - t0);
+    xq += (long)t0 * cols;
+    xds += (long)t0 * (cols / 32);
+    const bool q8 = m.t0 == ST_TY_Q8_0 && m.t1 == ST_TY_Q8_0 && m.t2 == ST_TY_Q8_0;
+    if (NT == 1 && q8 && cols <= QA_XR_COLS) {
+        int4 xr[Q8A_XR_PIECES];
+        float xd[Q8A_XR_PIECES];
+#pragma unroll
+        for (int u = 0; u < Q8A_XR_PIECES; ++u) {
+            const int i0 = lane * 16 + u * ST_WARP * 16;
+            xr[u] = make_int4(0, 0, 0, 0);
+            xd[u] = 0.0f;
+            if (i0 < cols) {
+                xr[u] = *(const int4*)(xq + i0);
+                xd[u] = xds[i0 / 32].x;
+            }
+        }
+        for (int g = w0; g < total; g += stride) {
+            int r = g;
+            const u8* W;
+            float* y;
+            int rows, ty;
+            qa_pick(m, r, W, y, rows, ty);
+            const u8* qs = W + (long)r * cols;
+            const u16* ds = (const u16*)(W + (long)rows * cols) + (long)r * (cols / 32);
+            float acc = 0.0f;
+#pragma unroll
+            for (int u = 0; u < Q8A_XR_PIECES; ++u) {
+                const int i0 = lane * 16 + u * ST_WARP * 16;
+                if (i0 < cols) {
+                    const int4 q = *(const int4*)(qs + i0);
+                    const float dw = st_h2f(ds[i0 / 32]);
+                    int s = st_dp4a(q.x, xr[u].x, 0);
+                    s = st_dp4a(q.y, xr[u].y, s);
+                    s = st_dp4a(q.z, xr[u].z, s);
+                    s = st_dp4a(q.w, xr[u].w, s);
+                    acc = fmaf(dw * xd[u], (float)s, acc);
+                }
+            }
+            const float sum = st_warp_sum(acc);
+            if (lane == 0) {
+                float* o = y + (long)t0 * rows + r;
+                *o = add ? *o + sum : sum;
+            }
+        }
+        return;
+    }
+    for (int g = w0; g < total; g += stride) {
+        int r = g;
+        const u8* W;
+        float* y;
+        int rows, ty;
+        qa_pick(m, r, W, y, rows, ty);
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+        qa_row<NT>(W, ty, rows, cols, r, xq, xds, n_tok, acc);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < n_tok) {
+                const float sum = st_warp_sum(acc[t]);
+                if (lane == 0) {
+                    float* o = y + (long)(t0 + t) * rows + r;
+                    *o = add ? *o + sum : sum;
+                }
+            }
+        }
+    }
+}
+
+ST_KERNEL void dq4_mv1(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
+                        int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
+                        float* y0, float* y1, float* y2, int n_tok, int add) {
+    qa_mv_body<1>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
+                    n_tok, add);
+}
+
+ST_KERNEL void dq4_mv4(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
+                        int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
+                        float* y0, float* y1, float* y2, int n_tok, int add) {
+    qa_mv_body<4>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
+                    n_tok, add);
+}
+
+ST_KERNEL void dq4_mv8(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
+                        int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
+                        float* y0, float* y1, float* y2, int n_tok, int add) {
+    qa_mv_body<8>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
+                    n_tok, add);
+}
+
+ST_KERNEL void dq4_mv16(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
+                        int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
+                        float* y0, float* y1, float* y2, int n_tok, int add) {
+    qa_mv_body<16>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
+                    n_tok, add);
+}
+
+// One token, row r of two Q8_0 matrices (F x E, the experts' gate and up): g and u += the
+// lane's parts of G_r . q8a and U_r . q8a, the two rows' loads in flight together (each
+// row's arithmetic as qa_row<1>'s, in the same order).
+__device__ __forceinline__ void qa_pair_q8(const u8* __restrict__ G, const u8* __restrict__ U,
+                                           long F, long E, long r, const u8* xq,
+                                           const float2* xds, float& g, float& u) {
+    const int lane = threadIdx.x % ST_WARP;
+    const u8* gq = G + r * E;
+    const u8* uq = U + r * E;
+    const u16* gd = (const u16*)(G + F * E) + r * (E / 32);
+    const u16* ud = (const u16*)(U + F * E) + r * (E / 32);
+#pragma unroll 2
+    for (long i0 = lane * 16; i0 < E; i0 += ST_WARP * 16) {
+        const int4 qg = *(const int4*)(gq + i0);
+        const int4 qu = *(const int4*)(uq + i0);
+        const float dg = st_h2f(gd[i0 / 32]), du = st_h2f(ud[i0 / 32]);
+        g = qa_q8_piece(qg, dg, xq, xds, i0, g);
+        u = qa_q8_piece(qu, du, xq, xds, i0, u);
+    }
+}
+
+// MoE gate and up with SwiGLU over q8a inputs: for assignment a = t*k + j (grid.y), e =
+// ids[a], h[a][r] = silu(G_e,r . q8a[t]) * (U_e,r . q8a[t]); gate and up of one type ty
+// (Q8_0, Q4_K or Q6_K), F x E each. eptr as dq_moe_gate_up's.
+// grid: (ceil(F / DQ_WARPS), n_tok * k).
+ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, int E,
+                               const int* ids, int k, const u8* xq, const float2* xds,
+                               float* h) {
+    st_pdl_enter();  // the expert ids come from a kernel ahead
+    const int a = blockIdx.y, t = a / k;
+    const int row = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
+    if (row >= F) return;
+    const int e = ids[a];
+    const u8* G = (const u8*)eptr[(long)e * 3 + 0];
+    const u8* U = (const u8*)eptr[(long)e * 3 + 1];
+    const u8* xt = xq + (long)t * E;
+    const float2* dt = xds + (long)t * (E / 32);
+    float g[1] = {0.0f}, u[1] = {0.0f};
+    if (ty == ST_TY_Q8_0) {
+        qa_pair_q8(G, U, F, E, row, xt, dt, g[0], u[0]);
+    } else {
+        qa_row<1>(G, ty, F, E, row, xt, dt, 1, g);
+        qa_row<1>(U, ty, F, E, row, xt, dt, 1, u);
+    }
+    const float gs = st_warp_sum(g[0]), us = st_warp_sum(u[0]);
+    if (threadIdx.x % ST_WARP == 0) h[(long)a * F + row] = dq_silu(gs) * us;
+}
+
+// MoE down over q8a expert rows (h quantized: n_tok * k rows of F), a block per output row:
+// y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . q8a[t*k+j]). Q8_0: the k experts'
+// 16-quant pieces spread over the block's threads; Q4_K, Q6_K: their 256-value blocks over its
+// warps (32 lanes a block). Each thread's terms are weighted (tot = fmaf(w_j, part, tot)),
+// then summed by st_block_sum. grid: (E, n_tok); block: 128; k <= DQ_DOWN_MAXK.
+ST_KERNEL void dq4_moe_down(const unsigned long long* eptr, int ty, int E, int F,
+                            const int* ids, const float* wts, int k, const u8* hq,
+                            const float2* hds, float* y) {
+    __shared__ const u8* dm[DQ_DOWN_MAXK];
+    __shared__ float dw[DQ_DOWN_MAXK];
+    __shared__ float red[32];
+    const int row = blockIdx.x, t = blockIdx.y;
+    const long rb = ty == ST_TY_Q4_K ? (long)(F / QK_K) * Q4_K_BYTES
+                    : ty == QA_TY_Q6_K ? (long)(F / QK_K) * 210 : F;
+    // Before the wait, as dq_moe_down_rows: the ids were written kernels ahead (complete by
+    // now, see st_pdl_wait), read through L2; the warps prefetch the experts' rows in turn.
+    for (int j = threadIdx.x / ST_WARP; j < k; j += blockDim.x / ST_WARP) {
+        const u8* D = (const u8*)eptr[(long)st_ldcg(ids + (long)t * k + j) * 3 + 2];
+        dq_prefetch_row(D, ty, E, F, row);
+    }
+    st_pdl_enter();
+    if (threadIdx.x < k) {
+        const long a = (long)t * k + threadIdx.x;
+        dm[threadIdx.x] = (const u8*)eptr[(long)ids[a] * 3 + 2];
+        dw[threadIdx.x] = wts[a];
+    }
+    __syncthreads();
+    const long nq = F / 32;
+    const u8* hqt = hq + (long)t * k * F;
+    const float2* hdt = hds + (long)t * k * nq;
+    float tot = 0.0f;
+    if (ty == ST_TY_Q4_K || ty == QA_TY_Q6_K) {
+        const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+        const int nb = F / QK_K, span = ST_WARP / 32;
+        const int step = (blockDim.x / ST_WARP) * span;
+        for (int p = (threadIdx.x / ST_WARP) * span + (lane >> 5); p < k * nb; p += step) {
+            const int j = p / nb, b = p - j * nb;
+            float part;
+            if (ty == QA_TY_Q6_K) {
+                QaQ6k w;
+                qa_q6k_lane(dm[j] + (long)row * rb + (long)b * 210, l, w);
+                part = qa_q6k_dot(w, l, b, hqt + (long)j * F, hdt + j * nq, 0.0f);
+            } else {
+                QaQ4k w;
+                qa_q4k_lane(dm[j] + (long)row * rb + (long)b * Q4_K_BYTES, l, w);
+                part = qa_q4k_dot(w, l, b, hqt + (long)j * F, hdt + j * nq, 0.0f);
+            }
+            tot = fmaf(dw[j], part, tot);
+        }
+    } else {
+        const int per = F / 16;
+#pragma unroll 4
+        for (int p = threadIdx.x; p < k * per; p += blockDim.x) {
+            const int j = p / per, i0 = (p - j * per) * 16;
+            const u8* D = dm[j];
+            const int4 q = *(const int4*)(D + (long)row * F + i0);
+            const float d = st_h2f(((const u16*)(D + (long)E * F))[(long)row * nq + i0 / 32]);
+            const float part = qa_q8_piece(q, d, hqt + (long)j * F, hdt + j * nq, i0, 0.0f);
+            tot = fmaf(dw[j], part, tot);
+        }
+    }
+    tot = st_block_sum(tot, red);
+    if (threadIdx.x == 0) y[(long)t * E + row] += tot;
+}
