@@ -108,7 +108,7 @@ const RAW: &[Raw] = &[
         name: "sample",
         headers: &[],
         body: include_str!("../cuda/sample.cu"),
-        entry_points: &["sample_rows", "dq_argmax_rows"],
+        entry_points: &["sample_rows", "dq_argmax_rows", "sp_edits"],
         pdl_aware: &["dq_argmax_rows"],
         cuda_only: false,
     },
