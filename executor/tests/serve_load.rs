@@ -418,9 +418,7 @@ async fn real_engine_long_prompt_beside_decoding_slots_keeps_greedy_outputs() {
         .map(|i| PROMPTS[i % PROMPTS.len()])
         .collect::<Vec<_>>()
         .join(" ");
-    let body = |p: &str, max: u32, stream: bool| {
-        json!({"prompt": p, "max_tokens": max, "temperature": 0, "ignore_eos": true, "stream": stream})
-    };
+    let body = |p: &str, max: u32, stream: bool| json!({"prompt": p, "max_tokens": max, "temperature": 0, "ignore_eos": true, "stream": stream});
     let reqs = [
         body(PROMPTS[0], 120, true),
         body(PROMPTS[1], 120, true),
@@ -439,7 +437,11 @@ async fn real_engine_long_prompt_beside_decoding_slots_keeps_greedy_outputs() {
         prompt_tokens > 100.0,
         "the long prompt is many chunks of 8: {prompt_tokens} prompt tokens in all"
     );
-    assert_eq!(s.metric("strata_mixed_steps_total").await, 0.0, "one at a time");
+    assert_eq!(
+        s.metric("strata_mixed_steps_total").await,
+        0.0,
+        "one at a time"
+    );
     let mut tasks = Vec::new();
     for (i, b) in reqs.iter().enumerate() {
         let (addr, b) = (s.addr, b.clone());
@@ -448,9 +450,15 @@ async fn real_engine_long_prompt_beside_decoding_slots_keeps_greedy_outputs() {
                 // The long prompt arrives once the others are decoding.
                 tokio::time::sleep(Duration::from_millis(150)).await;
             }
-            request(addr, "POST", "/v1/completions", &[], b.to_string().as_bytes())
-                .await
-                .unwrap()
+            request(
+                addr,
+                "POST",
+                "/v1/completions",
+                &[],
+                b.to_string().as_bytes(),
+            )
+            .await
+            .unwrap()
         }));
     }
     for (i, t) in tasks.into_iter().enumerate() {
