@@ -5,7 +5,8 @@ inter-token latency (p50 / p95 / max over every request and token), end-to-end t
 aggregate decode rate. Standard library only; one thread per client.
 
     python3 scripts/serve_load.py --url http://127.0.0.1:8080 --clients 1,4,16 \\
-        [--prompt-tokens 512] [--max-tokens 128] [--requests 2] [--format text|json]
+        [--prompt-tokens 512] [--max-tokens 128] [--requests 2] [--temperature 0]
+        [--format text|json]
 
 Each client sends `--requests` requests one after another, each a prompt of about
 `--prompt-tokens` tokens (distinct words per client and request, so no prefix is shared)
@@ -41,11 +42,12 @@ def model_id(url):
         return json.loads(r.read())["data"][0]["id"]
 
 
-def one_request(url, model, text, max_tokens):
+def one_request(url, model, text, max_tokens, temperature=0.0, seed=0):
     """(ttft_s, [gaps_s], e2e_s, tokens) of one streamed completion."""
     body = {
-        "model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+        "model": model, "prompt": text, "max_tokens": max_tokens, "temperature": temperature,
+        "seed": seed, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True},
     }
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -93,7 +95,8 @@ def run_level(a, model, clients):
     def client(c):
         for r in range(a.requests):
             try:
-                res = one_request(a.url, model, prompt(c, r, a.prompt_tokens), a.max_tokens)
+                res = one_request(a.url, model, prompt(c, r, a.prompt_tokens), a.max_tokens,
+                                  a.temperature, 1000 * c + r)
             except (urllib.error.URLError, RuntimeError, OSError, ValueError) as e:
                 with lock:
                     errors.append(f"client {c} request {r}: {e}")
@@ -137,6 +140,9 @@ def main():
                     help="words of each prompt (about one token each)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=2, help="requests per client, in turn")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (0 = greedy; a random-weight model may need "
+                         "> 0 so its streams carry text), seeded per client and request")
     ap.add_argument("--format", choices=["text", "json"], default="text")
     a = ap.parse_args()
     try:

@@ -102,6 +102,86 @@ pub fn check_proc_args(
     Ok(())
 }
 
+/// The prompt chunk of a mixed step ([`Engine::step_mixed`]): `tokens` appended to `slot`'s
+/// context as [`Engine::prefill`] would, with the last token's logits when `want_logits`.
+#[derive(Debug, Clone, Copy)]
+pub struct MixedPrefill<'a> {
+    pub slot: usize,
+    pub tokens: &'a [u32],
+    pub want_logits: bool,
+}
+
+/// How a mixed step's decode rows are picked.
+#[derive(Debug)]
+pub enum DecodePick<'a> {
+    /// Return their logits (`batch.len() x n_vocab`), as [`Engine::decode`] does.
+    Logits,
+    /// Draw them as [`Engine::decode_sample`] does: `out[i]` from row i with `draws[i]`.
+    Sample {
+        draws: &'a [crate::sampler::Draw],
+        out: &'a mut [u32],
+    },
+    /// Draw them as [`Engine::decode_proc`] does: `out[i]` from row i after `procs[i]`,
+    /// with `draws[i]`.
+    Proc {
+        draws: &'a [crate::sampler::Draw],
+        procs: &'a [crate::pick::RowProc],
+        out: &'a mut [u32],
+    },
+}
+
+/// [`Engine::step_mixed`] as two steps: the prefill chunk (its last row copied into `row`),
+/// then the decode step. What an engine that cannot mix them in one pass does.
+pub fn step_separately<'e, E: Engine + ?Sized>(
+    e: &'e mut E,
+    prefill: MixedPrefill<'_>,
+    row: &mut [f32],
+    batch: &[(usize, u32)],
+    pick: DecodePick<'_>,
+) -> Result<Option<&'e [f32]>, EngineError> {
+    check_mixed_args(e.info().n_vocab, &prefill, row.len(), batch, &pick)?;
+    let v = e.info().n_vocab;
+    if let Some(l) = e.prefill(prefill.slot, prefill.tokens, prefill.want_logits)? {
+        row[..v].copy_from_slice(&l[..v]);
+    }
+    match pick {
+        DecodePick::Logits => e.decode(batch).map(Some),
+        DecodePick::Sample { draws, out } => e.decode_sample(batch, draws, out).map(|()| None),
+        DecodePick::Proc { draws, procs, out } => {
+            e.decode_proc(batch, draws, procs, out).map(|()| None)
+        }
+    }
+}
+
+/// A mixed step's arguments agree: room for the prompt row when asked, the prompt's slot
+/// not among the decode slots, a draw and an output for every decode entry.
+pub fn check_mixed_args(
+    n_vocab: usize,
+    prefill: &MixedPrefill<'_>,
+    row: usize,
+    batch: &[(usize, u32)],
+    pick: &DecodePick<'_>,
+) -> Result<(), EngineError> {
+    if prefill.want_logits && row < n_vocab {
+        return Err(EngineError::Request(format!(
+            "step_mixed: room for {row} logits of the prompt's last row, the vocabulary has {n_vocab}"
+        )));
+    }
+    if batch.iter().any(|&(s, _)| s == prefill.slot) {
+        return Err(EngineError::Request(format!(
+            "step_mixed: slot {} both prefills and decodes in one step",
+            prefill.slot
+        )));
+    }
+    match pick {
+        DecodePick::Logits => Ok(()),
+        DecodePick::Sample { draws, out } => check_sample_args(batch.len(), draws.len(), out.len()),
+        DecodePick::Proc { draws, procs, out } => {
+            check_proc_args(batch.len(), draws.len(), procs.len(), out.len())
+        }
+    }
+}
+
 /// A model bound to planned memory, driven one step at a time.
 pub trait Engine: Send {
     fn info(&self) -> &EngineInfo;
@@ -173,6 +253,30 @@ pub trait Engine: Send {
         let mut rows = self.decode(batch)?.to_vec();
         crate::pick::pick_rows(&mut rows, v, &draws[..n], &procs[..n], &mut out[..n]);
         Ok(())
+    }
+
+    /// One step of a prompt chunk and a decode step of other slots together (chunked
+    /// prefill: a long prompt does not stall the other slots' tokens). The chunk is appended
+    /// as [`Engine::prefill`] would (with `want_logits`, its last row's logits copied into
+    /// `row`, `n_vocab` long); the decode step is [`Engine::decode`]'s (returned, with
+    /// [`DecodePick::Logits`]) or [`Engine::decode_sample`]'s (into `out`, `None` returned).
+    /// Everything is checked before anything runs; a failure after that may leave any slot
+    /// of the step half written (the caller resets them all). Engines that run both in one
+    /// pass override it; this default runs them apart ([`step_separately`]).
+    fn step_mixed(
+        &mut self,
+        prefill: MixedPrefill<'_>,
+        row: &mut [f32],
+        batch: &[(usize, u32)],
+        pick: DecodePick<'_>,
+    ) -> Result<Option<&[f32]>, EngineError> {
+        step_separately(self, prefill, row, batch, pick)
+    }
+    /// The most prompt tokens [`Engine::step_mixed`] takes beside `decode_rows` decode rows
+    /// (the planned pass's tokens less the decode rows where both share one pass).
+    fn mixed_chunk(&self, decode_rows: usize) -> usize {
+        let _ = decode_rows;
+        self.info().ubatch
     }
     /// Draft tokens per speculative step ([`Engine::decode_spec_greedy`]): the plan's
     /// `--spec` where the engine runs the model's MTP block; 0 when it does not speculate.

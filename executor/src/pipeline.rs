@@ -2,8 +2,8 @@
 //! each a backend [`Stage`] with its part of the model bound ([`Forward`]), driven a pass at a
 //! time: prefill in chunks of the planned pass, decode of several slots together, hidden
 //! states handed from stage to stage, the head on the last, tokens picked where the backend
-//! can (on its device) or from the logits on the host; with an MTP block, speculative steps
-//! (`spec`).
+//! can (on its device) or from the logits on the host; a prompt chunk and other slots'
+//! decode tokens in one pass (`mixed`); with an MTP block, speculative steps (`spec`).
 //! Invariant: every request is checked (slot, context, tokens, batch) before any op runs, so
 //! a refused request leaves every slot as it was; a pass allocates nothing; slot lengths are
 //! the pipeline's, advanced only after a pass succeeded and cut back only by `truncate_slot`
@@ -14,13 +14,15 @@
 use crate::backend::{Stage, StepKind, WorkBuf};
 use crate::engine::EngineStats;
 use crate::engine::{
-    check_greedy_args, check_sample_args, Engine, EngineError, EngineInfo, PrefixReuse,
+    check_greedy_args, check_sample_args, DecodePick, Engine, EngineError, EngineInfo,
+    MixedPrefill, PrefixReuse,
 };
 use crate::model::Forward;
 use crate::routing::RoutingTally;
 use crate::sampler::Draw;
 use strata_schemas::profile::ExpertProfile;
 
+mod mixed;
 mod spec;
 
 /// One planned device: its backend and the part of the model bound on it.
@@ -395,6 +397,26 @@ where
             .map_err(internal)?;
         self.advance(batch);
         Ok(())
+    }
+
+    fn step_mixed(
+        &mut self,
+        prefill: MixedPrefill<'_>,
+        row: &mut [f32],
+        batch: &[(usize, u32)],
+        pick: DecodePick<'_>,
+    ) -> Result<Option<&[f32]>, EngineError> {
+        if self.mtp.is_some() {
+            return crate::engine::step_separately(self, prefill, row, batch, pick);
+        }
+        self.mixed_step(prefill, row, batch, pick)
+    }
+
+    fn mixed_chunk(&self, decode_rows: usize) -> usize {
+        match self.mixed_room(decode_rows) {
+            0 => self.info.ubatch,
+            n => n,
+        }
     }
 
     fn reset_slot(&mut self, slot: usize) {

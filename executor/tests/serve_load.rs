@@ -403,3 +403,75 @@ async fn real_engine_concurrent_streams_match_sequential_greedy_and_rss_is_flat(
     );
     assert_eq!(s.stop_with("-INT", Duration::from_secs(15)), 0);
 }
+
+/// Chunked prefill in mixed passes on the real CPU engine: while two slots stream greedy
+/// completions, a third request brings a prompt of many chunks; its chunks run in the same
+/// passes as the others' decode tokens (`strata_mixed_steps_total` counts them), and every
+/// request's text equals what it gets alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_engine_long_prompt_beside_decoding_slots_keeps_greedy_outputs() {
+    use common::exec::*;
+    let dir = tempfile::tempdir().unwrap();
+    let plan = write_plan(dir.path(), std::path::Path::new(REAL_MODEL), 3, 512, 8);
+    let s = ExecServer::start(&plan, &["--model-name", "strata-tiny"]);
+    let long: String = (0..40)
+        .map(|i| PROMPTS[i % PROMPTS.len()])
+        .collect::<Vec<_>>()
+        .join(" ");
+    let body = |p: &str, max: u32, stream: bool| json!({"prompt": p, "max_tokens": max, "temperature": 0, "ignore_eos": true, "stream": stream});
+    let reqs = [
+        body(PROMPTS[0], 120, true),
+        body(PROMPTS[1], 120, true),
+        body(&long, 8, true),
+    ];
+    let mut alone = Vec::new();
+    for b in &reqs {
+        let mut b = b.clone();
+        b["stream"] = json!(false);
+        let r = s.post_json("/v1/completions", &b).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        alone.push(r.json()["choices"][0]["text"].as_str().unwrap().to_string());
+    }
+    let prompt_tokens = s.metric("strata_prompt_tokens_total").await;
+    assert!(
+        prompt_tokens > 100.0,
+        "the long prompt is many chunks of 8: {prompt_tokens} prompt tokens in all"
+    );
+    assert_eq!(
+        s.metric("strata_mixed_steps_total").await,
+        0.0,
+        "one at a time"
+    );
+    let mut tasks = Vec::new();
+    for (i, b) in reqs.iter().enumerate() {
+        let (addr, b) = (s.addr, b.clone());
+        tasks.push(tokio::spawn(async move {
+            if i == 2 {
+                // The long prompt arrives once the others are decoding.
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+            request(
+                addr,
+                "POST",
+                "/v1/completions",
+                &[],
+                b.to_string().as_bytes(),
+            )
+            .await
+            .unwrap()
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        let (text, _) = stream_text(&r, false);
+        assert_eq!(text, alone[i], "request {i} differs from its run alone");
+    }
+    let mixed = s.metric("strata_mixed_steps_total").await;
+    assert!(
+        mixed >= 3.0,
+        "the long prompt's chunks ran beside the decoding slots: {mixed} mixed steps"
+    );
+    assert_eq!(s.metric("strata_requests_failed_total").await, 0.0);
+    assert_eq!(s.stop_with("-INT", Duration::from_secs(15)), 0);
+}

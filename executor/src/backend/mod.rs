@@ -39,6 +39,22 @@ pub enum StepKind {
     /// the same as decoding them one at a time) and keeps the slot's state after each of the
     /// first tokens, so [`Stage::rollback_linear`] can drop the rejected ones.
     Verify,
+    /// A mixed pass (chunked prefill beside decoding): rows `0..prefill` are consecutive
+    /// prompt tokens of one slot (positions ascending), every row after them one decode token
+    /// of a distinct other slot. Row-wise ops run once over every row; attention and linear
+    /// attention give the prefill rows what a [`StepKind::Prefill`] pass would and each decode
+    /// row what a [`StepKind::Decode`] pass would (sub-ranges of the same buffers), so the
+    /// results equal the two passes run apart. Never recorded as a graph.
+    Mixed { prefill: usize },
+}
+
+impl StepKind {
+    /// Whether the pass carries prompt rows (a prefill or a mixed pass): what decides the
+    /// prefill-sized choices (tensor-core products, expert misses fetched rather than
+    /// computed on the host).
+    pub fn prefills(self) -> bool {
+        matches!(self, StepKind::Prefill | StepKind::Mixed { .. })
+    }
 }
 
 /// The attention op of one layer: per-head RMSNorm of Q and K (when the model has it),

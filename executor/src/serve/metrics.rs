@@ -67,6 +67,8 @@ pub struct Shared {
     pub generated_tokens: AtomicU64,
     /// Prompt tokens a choice of an `n > 1` request took by copying the first choice's slot.
     pub prompt_tokens_copied: AtomicU64,
+    /// Engine steps that ran a prompt chunk together with other slots' decode tokens.
+    pub mixed_steps: AtomicU64,
     /// Sequences that reused at least one cached prompt token.
     pub prefix_hits: AtomicU64,
     /// Prompt tokens taken from slots' caches instead of prefilled.
@@ -201,6 +203,7 @@ impl Default for Shared {
             prompt_tokens: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
             prompt_tokens_copied: AtomicU64::new(0),
+            mixed_steps: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_reused_tokens: AtomicU64::new(0),
             prefix_checkpoint_hits: AtomicU64::new(0),
@@ -255,6 +258,7 @@ impl Shared {
             ("prompt_tokens", "Prompt tokens prefilled", Counter, g(&self.prompt_tokens)),
             ("generated_tokens", "Tokens generated", Counter, g(&self.generated_tokens)),
             ("prompt_tokens_copied", "Prompt tokens a later choice of an n > 1 request took by copying the first choice's context instead of prefilling", Counter, g(&self.prompt_tokens_copied)),
+            ("mixed_steps", "Engine steps that ran a prompt chunk together with other slots' decode tokens (chunked prefill)", Counter, g(&self.mixed_steps)),
             ("prefix_cache_hits", "Sequences that reused at least one prompt token cached in their slot", Counter, g(&self.prefix_hits)),
             ("prefix_cache_reused_tokens", "Prompt tokens taken from a slot's prefix cache instead of prefilled", Counter, g(&self.prefix_reused_tokens)),
             ("prefix_cache_checkpoint_hits", "Of the prefix cache hits, slots with recurrent state (Qwen3-Next) rewound to their prefix checkpoint", Counter, g(&self.prefix_checkpoint_hits)),

@@ -1,7 +1,10 @@
 //! The scheduler: one thread that owns the `Engine` and maps requests onto its planned
 //! slots with continuous batching. Each turn it admits queued requests into free slots,
-//! drops requests whose client went away, runs one planned-`ubatch` prefill chunk for the
-//! oldest prefilling request, then one decode step for every decoding slot together.
+//! drops requests whose client went away, then runs one step: a prompt chunk of the oldest
+//! prefilling request and one decode token of every decoding slot together, in one engine
+//! pass (`Engine::step_mixed`: chunked prefill, the chunk at most `ubatch` and what the pass
+//! holds beside the decode rows), or whichever of the two is pending. Engines that speculate
+//! (MTP) run the chunk, then the decode step with its speculative steps.
 //! A request with `n` choices is `n` jobs (one slot each) sharing one event channel, queued
 //! as one entry and admitted together: the first prefills the prompt, the others wait as its
 //! followers and, when its last prompt chunk ran, get its context copied into their slots
@@ -23,7 +26,7 @@ use super::logit_proc::{self, History, LogitProc};
 use super::metrics::{Ready, Shared, SlotView};
 pub use super::prefix::{common_prefix, pick_slot, reusable, reusable_to, FreeSlot, PrefixCache};
 use super::structured::Constraint;
-use crate::engine::{Engine, EngineError, PrefixReuse};
+use crate::engine::{DecodePick, Engine, EngineError, MixedPrefill, PrefixReuse};
 use crate::pick::RowProc;
 use crate::sampler::{Draw, Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
@@ -152,6 +155,15 @@ impl SchedulerHandle {
     }
 }
 
+/// A prompt chunk to run: `slot`'s prompt tokens from its `fed` to `end`, `last` when that
+/// is the prompt's end.
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    slot: usize,
+    end: usize,
+    last: bool,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Prefill,
@@ -266,6 +278,8 @@ struct Sched {
     row: Vec<f32>,
     /// The last prompt position's logits of a leader, for its followers' first tokens.
     first_row: Vec<f32>,
+    /// The last prompt position's logits of the chunk that ran this turn (n_vocab).
+    prompt_row: Vec<f32>,
     cand: Vec<(u32, u32)>,
     prefix: PrefixCache,
     /// What the engine can keep of a slot's context.
@@ -322,6 +336,7 @@ impl Sched {
             max_context: info.max_context,
             row: Vec::with_capacity(info.n_vocab),
             first_row: Vec::new(),
+            prompt_row: vec![0.0; info.n_vocab],
             cand: Vec::new(),
             prefix,
             reuse,
@@ -548,17 +563,51 @@ impl Sched {
                     self.free(slot, how);
                 }
             }
-            self.prefill_step();
-            self.decode_step();
+            self.step();
             self.publish();
         }
     }
 
-    /// One `ubatch` chunk of the oldest prefilling request (not a follower); after its last
-    /// chunk, its followers get its context and their first tokens.
-    fn prefill_step(&mut self) {
+    /// This turn's passes. With a prompt chunk and decoding slots both pending, one
+    /// [`Engine::step_mixed`] runs them together (chunked prefill: a long prompt does not
+    /// stall the other slots' tokens, and the weights are read once for both), the chunk
+    /// bounded by what the engine's pass holds beside the decode rows; otherwise whichever is
+    /// pending. An engine that speculates (MTP) runs the chunk, then its decode step.
+    fn step(&mut self) {
+        if self.engine.spec_tokens() > 0 {
+            if let Some(c) = self.next_chunk(self.ubatch) {
+                self.prefill_step(c);
+            }
+            self.decode_step();
+            return;
+        }
+        self.stepped.fill(false);
+        self.collect_batch();
+        let d = self.batch.len();
+        let room = if d == 0 {
+            0
+        } else {
+            self.engine.mixed_chunk(d).min(self.ubatch)
+        };
+        if room > 0 {
+            if let Some(c) = self.next_chunk(room) {
+                self.run_batch(Some(c));
+                return;
+            }
+        }
+        if let Some(c) = self.next_chunk(self.ubatch) {
+            self.prefill_step(c);
+        }
+        if d > 0 {
+            self.run_batch(None);
+        }
+    }
+
+    /// The next chunk, of at most `room` tokens, of the oldest prefilling request that
+    /// prefills itself (not a follower).
+    fn next_chunk(&mut self, room: usize) -> Option<Chunk> {
         self.orphan_followers();
-        let Some(slot) = self
+        let slot = self
             .slots
             .iter()
             .enumerate()
@@ -568,9 +617,47 @@ impl Sched {
                     .map(|a| (a.job.id, i))
             })
             .min()
-            .map(|(_, i)| i)
-        else {
+            .map(|(_, i)| i)?;
+        let a = self.slots[slot].as_ref()?;
+        let end = (a.fed + room.max(1)).min(a.job.prompt.len());
+        Some(Chunk {
+            slot,
+            end,
+            last: end == a.job.prompt.len(),
+        })
+    }
+
+    /// Run chunk `c` alone.
+    fn prefill_step(&mut self, c: Chunk) {
+        let Some(a) = self.slots[c.slot].as_ref() else {
             return;
+        };
+        let res = match self
+            .engine
+            .prefill(c.slot, &a.job.prompt[a.fed..c.end], c.last)
+        {
+            Ok(Some(l)) => {
+                self.prompt_row.clear();
+                self.prompt_row.extend_from_slice(l);
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(e) => Err(engine_msg(&e)),
+        };
+        self.after_chunk(c, res);
+    }
+
+    /// Chunk `c` ran (`Ok(true)`: its last row's logits are in `prompt_row`) or failed;
+    /// after the prompt's last chunk, the request's first token, and its followers get its
+    /// context and their first tokens.
+    fn after_chunk(&mut self, c: Chunk, res: Result<bool, String>) {
+        let slot = c.slot;
+        let got = match res {
+            Ok(got) => got,
+            Err(msg) => {
+                self.finish(slot, Event::Error(msg));
+                return;
+            }
         };
         let followers: Vec<usize> = (0..self.slots.len())
             .filter(|&f| {
@@ -582,45 +669,38 @@ impl Sched {
         let Some(a) = self.slots[slot].as_mut() else {
             return;
         };
-        let end = (a.fed + self.ubatch).min(a.job.prompt.len());
-        let last = end == a.job.prompt.len();
-        let res = self.engine.prefill(slot, &a.job.prompt[a.fed..end], last);
-        match res {
-            Err(e) => {
-                let msg = engine_msg(&e);
-                self.finish(slot, Event::Error(msg));
-            }
-            Ok(logits) => {
-                self.shared
-                    .prompt_tokens
-                    .fetch_add((end - a.fed) as u64, Relaxed);
-                self.cached[slot].extend_from_slice(&a.job.prompt[a.fed..end]);
-                a.fed = end;
-                if !last {
-                    return;
-                }
-                let Some(logits) = logits else {
-                    self.finish(
-                        slot,
-                        Event::Error(
-                            "the engine returned no logits for the last prompt chunk".into(),
-                        ),
-                    );
-                    return;
-                };
-                if !followers.is_empty() {
-                    self.first_row.clear();
-                    self.first_row.extend_from_slice(logits);
-                }
-                match first_pick(a, logits, &mut self.procs[0], &mut self.row, &mut self.cand) {
-                    Err(msg) => self.finish(slot, Event::Error(msg)),
-                    Ok((tok, lp)) => {
-                        self.save_checkpoint(slot);
-                        // Copies first: ending the leader may reset its slot.
-                        self.start_followers(slot, &followers);
-                        self.first_token(slot, tok, lp);
-                    }
-                }
+        self.shared
+            .prompt_tokens
+            .fetch_add((c.end - a.fed) as u64, Relaxed);
+        self.cached[slot].extend_from_slice(&a.job.prompt[a.fed..c.end]);
+        a.fed = c.end;
+        if !c.last {
+            return;
+        }
+        if !got {
+            self.finish(
+                slot,
+                Event::Error("the engine returned no logits for the last prompt chunk".into()),
+            );
+            return;
+        }
+        if !followers.is_empty() {
+            self.first_row.clear();
+            self.first_row.extend_from_slice(&self.prompt_row);
+        }
+        match first_pick(
+            a,
+            &self.prompt_row,
+            &mut self.procs[0],
+            &mut self.row,
+            &mut self.cand,
+        ) {
+            Err(msg) => self.finish(slot, Event::Error(msg)),
+            Ok((tok, lp)) => {
+                self.save_checkpoint(slot);
+                // Copies first: ending the leader may reset its slot.
+                self.start_followers(slot, &followers);
+                self.first_token(slot, tok, lp);
             }
         }
     }
@@ -804,9 +884,17 @@ impl Sched {
         }
     }
 
-    /// One decode step over every decoding slot.
+    /// One decode step over every decoding slot (after the speculative steps).
     fn decode_step(&mut self) {
         self.spec_steps();
+        self.collect_batch();
+        if !self.batch.is_empty() {
+            self.run_batch(None);
+        }
+    }
+
+    /// This step's batch: every decoding slot that took no speculative step.
+    fn collect_batch(&mut self) {
         self.batch.clear();
         self.batch_slot.clear();
         for (i, s) in self.slots.iter().enumerate() {
@@ -818,9 +906,11 @@ impl Sched {
                 self.batch_slot.push(i);
             }
         }
-        if self.batch.is_empty() {
-            return;
-        }
+    }
+
+    /// The decode step of `batch` (not empty), with `chunk` in the same engine step when
+    /// given ([`Engine::step_mixed`]); a failed step ends every request in it.
+    fn run_batch(&mut self, chunk: Option<Chunk>) {
         let t0 = Instant::now();
         // Each slot's draw and row processing for this step; the engine processes and
         // samples (on its device where it can, with a plain argmax when every request is
@@ -848,34 +938,60 @@ impl Sched {
         self.lps.clear();
         self.lps.resize(self.batch.len(), None);
         let n = self.batch.len();
-        let res = if host {
-            // Some row needs its raw logits (logprobs) or a host-only cut (typical_p): bring
-            // every row back and pick here, by the same processing.
-            let v = self.engine.info().n_vocab;
-            match self.engine.decode(&self.batch) {
-                Err(e) => Err(e),
-                Ok(logits) => {
-                    for (k, row) in logits.chunks_exact(v.max(1)).enumerate().take(n) {
-                        let slot = self.batch_slot[k];
-                        let tok =
-                            self.procs[k].pick(row, &self.draws[k], &mut self.row, &mut self.cand);
-                        self.sampled[k] = tok;
-                        if let Some(a) = self.slots[slot].as_ref() {
-                            if tok != crate::sampler::NON_FINITE {
-                                self.lps[k] = token_logprobs(a, row, tok);
-                            }
+        let v = self.engine.info().n_vocab;
+        let res = match chunk {
+            None if host => self.engine.decode(&self.batch).map(Some),
+            None => self
+                .engine
+                .decode_proc(
+                    &self.batch,
+                    &self.draws,
+                    &self.procs[..n],
+                    &mut self.sampled,
+                )
+                .map(|()| None),
+            Some(c) => {
+                let tokens = match self.slots[c.slot].as_ref() {
+                    Some(a) => &a.job.prompt[a.fed..c.end],
+                    None => &[][..],
+                };
+                let prefill = MixedPrefill {
+                    slot: c.slot,
+                    tokens,
+                    want_logits: c.last,
+                };
+                let pick = if host {
+                    DecodePick::Logits
+                } else {
+                    DecodePick::Proc {
+                        draws: &self.draws,
+                        procs: &self.procs[..n],
+                        out: &mut self.sampled,
+                    }
+                };
+                self.engine
+                    .step_mixed(prefill, &mut self.prompt_row, &self.batch, pick)
+            }
+        };
+        let res = match res {
+            Err(e) => Err(e),
+            Ok(None) => Ok(()),
+            Ok(Some(logits)) => {
+                // Some row needs its raw logits (logprobs) or a host-only cut (typical_p):
+                // every row came back; pick here, by the same processing.
+                for (k, row) in logits.chunks_exact(v.max(1)).enumerate().take(n) {
+                    let slot = self.batch_slot[k];
+                    let tok =
+                        self.procs[k].pick(row, &self.draws[k], &mut self.row, &mut self.cand);
+                    self.sampled[k] = tok;
+                    if let Some(a) = self.slots[slot].as_ref() {
+                        if tok != crate::sampler::NON_FINITE {
+                            self.lps[k] = token_logprobs(a, row, tok);
                         }
                     }
-                    Ok(())
                 }
+                Ok(())
             }
-        } else {
-            self.engine.decode_proc(
-                &self.batch,
-                &self.draws,
-                &self.procs[..n],
-                &mut self.sampled,
-            )
         };
         for (k, &slot) in self.batch_slot.iter().enumerate() {
             if self.slots[slot]
@@ -890,6 +1006,9 @@ impl Sched {
             for k in 0..self.batch_slot.len() {
                 let slot = self.batch_slot[k];
                 self.finish(slot, Event::Error(msg.clone()));
+            }
+            if let Some(c) = chunk {
+                self.finish(c.slot, Event::Error(msg));
             }
             return;
         }
@@ -930,6 +1049,10 @@ impl Sched {
                 let lp = self.lps[k].take();
                 self.after_sample(slot, tok, lp);
             }
+        }
+        if let Some(c) = chunk {
+            self.shared.mixed_steps.fetch_add(1, Relaxed);
+            self.after_chunk(c, Ok(c.last));
         }
     }
 

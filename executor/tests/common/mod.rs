@@ -2,6 +2,7 @@
 //! reference models made with the planner library, and the reference data.
 #![allow(dead_code)]
 
+pub mod mixed;
 pub mod spec;
 
 use serde_json::Value;

@@ -28,7 +28,7 @@ use super::launch::decode::{self, ExpertTable};
 use super::pinned::PinnedHost;
 use super::stage::CudaStage;
 use super::{layout, CudaDevice, CudaError, DeviceView};
-use crate::backend::{StepKind, WorkBuf};
+use crate::backend::WorkBuf;
 use crate::experts::{Lookup, LruPolicy};
 use crate::load::HostModel;
 use crate::routing::RoutingTally;
@@ -380,7 +380,7 @@ impl CudaStage {
             t.synchronised();
         }
         // The hybrid path reads the pass's rows now, while the stream is idle.
-        if c.hybrid.per_token > 0 && self.kind != StepKind::Prefill {
+        if c.hybrid.per_token > 0 && !self.kind.prefills() {
             self.hybrid_rows(&mut c.hybrid, n, [xn, wts])?;
         }
         // This layer's products read what a prefetch copied; a prefetch of another layer
@@ -419,7 +419,7 @@ impl CudaStage {
             }
             let grouped = self.grouped_experts(g, [ty, ty_up, ty_down]);
             // The hybrid path: a decode group's misses, up to the policy's count, on the CPU.
-            let host_cap = if grouped || self.kind == StepKind::Prefill {
+            let host_cap = if grouped || self.kind.prefills() {
                 0
             } else {
                 c.hybrid.cap(g)
@@ -607,7 +607,7 @@ impl CudaStage {
         let (k, ne) = (self.d.k, self.d.n_expert);
         let next = layer + 1;
         if c.tier.is_none()
-            || self.kind != StepKind::Prefill
+            || !self.kind.prefills()
             || n * k < PREFETCH_PICKS * ne
             || !c.serves(next)
             || 2 * c.policy.unpinned_slots() < 3 * ne

@@ -108,9 +108,11 @@ impl CudaStage {
         self.buf_at(b, 0, 4 * (n * width) as u64)
     }
 
-    /// Whether this pass takes the tensor-core products.
+    /// Whether this pass takes the tensor-core products (a prefill or mixed pass of at least
+    /// [`GEMM_MIN_TOK`] rows: the products are row-wise, so a mixed pass's decode rows ride
+    /// along).
     fn gemm_pass(&self, n: usize) -> bool {
-        self.kind == StepKind::Prefill && self.flags.gemm && n >= GEMM_MIN_TOK
+        self.kind.prefills() && self.flags.gemm && n >= GEMM_MIN_TOK
     }
 
     fn gemm_fits(m: &CMat) -> bool {
@@ -374,6 +376,34 @@ impl CudaStage {
         self.host_in[m..m + n].iter().all(|&p| (p as i64) < w)
     }
 
+    /// The split-KV decode attention of the `dn` rows from row `p` of the pass (a mixed
+    /// pass's decode rows, their K/V already stored): queries, outputs, slots, positions and
+    /// context lengths are the same buffers' views from row p.
+    fn attn_decode_rows(
+        &self,
+        l: &Launcher<'_>,
+        h: Heads<'_>,
+        a: &Attention<CVec>,
+        kv: KvLayer<'_>,
+        p: usize,
+        dn: usize,
+    ) -> Result<(), CudaError> {
+        let d = self.d;
+        let at = |b: WorkBuf, width: usize| {
+            self.buf_at(b, (4 * p * width) as u64, (4 * dn * width) as u64)
+        };
+        let (q, out) = (at(a.q, d.q_out())?, at(a.out, d.att_out())?);
+        let n_ctx = at(WorkBuf::NCtx, 1)?;
+        let m = 4 * self.max_tok as u64;
+        let (row, len) = (4 * p as u64, 4 * dn as u64);
+        let kv = KvLayer {
+            pos: self.buf_at(WorkBuf::Inputs, m + row, len)?,
+            slot: self.buf_at(WorkBuf::Inputs, 2 * m + row, len)?,
+            ..kv
+        };
+        attention::attn_decode(l, h, q, kv, n_ctx, self.splits()?, out, dn)
+    }
+
     fn splits(&self) -> Result<Splits<'_>, CudaError> {
         Ok(Splits {
             n: self.att_splits,
@@ -551,6 +581,27 @@ impl Ops for CudaStage {
             }
             return attention::attn_decode(&l, h, q, kv, n_ctx, self.splits()?, out, n);
         }
+        // A mixed pass: its prompt rows `0..p` take the prefill attention, its decode rows
+        // `p..n` (one token of another slot each) the split-KV decode attention, launched over
+        // the same buffers from row p.
+        let p = match self.kind {
+            StepKind::Mixed { prefill } if prefill == 0 || prefill > n => {
+                return Err(shape(
+                    "attention",
+                    format!("a mixed pass of {n} rows with {prefill} prompt rows"),
+                ));
+            }
+            StepKind::Mixed { prefill } => prefill,
+            _ => n,
+        };
+        if p < n {
+            self.attn_decode_rows(&l, h, a, kv, p, n - p)?;
+        }
+        let (q, out) = (
+            self.rows(a.q, p, d.q_out())?,
+            self.rows(a.out, p, d.att_out())?,
+        );
+        let n = p;
         let pa = PrefillAttn {
             q: q.ptr(),
             kv: kv.kv.ptr(),
