@@ -854,6 +854,46 @@ mod tests {
         );
     }
 
+    /// A tied head (no `output.weight`) on a last stage that is not the first reads its own
+    /// copy of `token_embd.weight`, placed in its `head` region (which counted it already).
+    #[test]
+    fn a_split_tied_head_has_its_copy_of_the_embedding() {
+        use strata_schemas::plan::Placement;
+        let hp = strata_schemas::inventory::HParams {
+            tied_embeddings: true,
+            ..qwen3moe_hparams()
+        };
+        let inv = inventory("qwen3moe", hp, "Q8_0");
+        assert!(inv.tensor("output.weight").is_none());
+        let embd = inv.tensor("token_embd.weight").unwrap().bytes;
+        let s = ServeSettings {
+            max_context: 4096,
+            layer_split: LayerSplit::Bounds(vec![24]),
+            ..Default::default()
+        };
+        let pr = probe(&[(96 * G, 640.0), (96 * G, 640.0)], 256 * G, 240 * G);
+        let Outcome::Planned(p) = run(&inv, &pr, &s) else {
+            panic!("infeasible")
+        };
+        let head = p.devices[1].region(RegionKind::Head).unwrap();
+        let copies: Vec<u32> = p
+            .tensors
+            .iter()
+            .filter(|t| t.name == "token_embd.weight")
+            .map(|t| match t.placement {
+                Placement::Device { device, offset } => {
+                    if device == 1 {
+                        assert!(offset >= head.offset && offset + embd <= head.offset + head.bytes);
+                    }
+                    device
+                }
+                _ => panic!("the embedding is placed on a device"),
+            })
+            .collect();
+        assert_eq!(copies, [0, 1]);
+        assert!(head.bytes >= align(embd));
+    }
+
     #[test]
     fn smoke_next_two_cards() {
         let inv = inventory("qwen3next", qwen3next_hparams(), "IQ3_S");
