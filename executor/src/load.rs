@@ -688,6 +688,11 @@ impl Progress {
 /// The tensors of one device as a [`WeightSource`] over its arena.
 pub struct ArenaWeights<'a> {
     map: HashMap<String, (GgmlType, Vec<u64>, &'a [u8])>,
+    /// The device these views are on.
+    device: u32,
+    /// Where the plan puts each tensor this device does not hold (device indexes; empty when
+    /// it leaves the tensor in host memory).
+    elsewhere: HashMap<String, Vec<u32>>,
 }
 
 impl<'a> ArenaWeights<'a> {
@@ -703,11 +708,14 @@ impl<'a> ArenaWeights<'a> {
         binding: &Binding,
     ) -> Result<Self, LoadError> {
         let mut map = HashMap::new();
+        let mut elsewhere: HashMap<String, Vec<u32>> = HashMap::new();
         for t in &plan.tensors {
             let Placement::Device { device: d, offset } = t.placement else {
+                elsewhere.entry(t.name.clone()).or_default();
                 continue;
             };
             if d != device {
+                elsewhere.entry(t.name.clone()).or_default().push(d);
                 continue;
             }
             let info = inv.tensor(&t.name).ok_or_else(|| LoadError::Missing {
@@ -720,7 +728,14 @@ impl<'a> ArenaWeights<'a> {
             let data: &'a [u8] = unsafe { view.slice() };
             map.insert(t.name.clone(), (info.ggml_type, info.dims.clone(), data));
         }
-        Ok(Self { map })
+        for name in map.keys() {
+            elsewhere.remove(name);
+        }
+        Ok(Self {
+            map,
+            device,
+            elsewhere,
+        })
     }
 }
 
@@ -731,6 +746,20 @@ impl WeightSource for ArenaWeights<'_> {
             dims,
             data,
         })
+    }
+
+    fn absent_why(&self, name: &str) -> Option<String> {
+        let on = self.elsewhere.get(name)?;
+        let place = if on.is_empty() {
+            "leaves it in host memory".to_string()
+        } else {
+            let list: Vec<String> = on.iter().map(u32::to_string).collect();
+            format!("places it on device {} only", list.join(", "))
+        };
+        Some(format!(
+            "the plan {place}, and device {}'s stage needs it: re-plan with this build's strata-plan",
+            self.device
+        ))
     }
 }
 

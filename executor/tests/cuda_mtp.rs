@@ -8,7 +8,10 @@
 //! too, so it fails if `rollback_linear` does nothing); the CUDA engine drafts what the CPU
 //! engine drafts (the same acceptance counts); `run --spec-oracle --format json` on the GPU
 //! accepts every draft; the block read from an MTP-only file (two files) speculates as the
-//! single file's does. The plan's capability verdict and start-up checks run without a GPU.
+//! single file's does; a plan split over two devices on one GPU (the block and the head on
+//! device 1, embedding with the plan's copy of `token_embd.weight` there) speculates with the
+//! tokens of the same split plan without speculation, and without that copy does not start.
+//! The plan's capability verdict and start-up checks run without a GPU.
 //! Needs a CUDA GPU: without one every other test prints SKIP and returns (run them on the GPU
 //! machine: `cargo test -p strata-exec --release --test cuda_mtp -- --test-threads=1
 //! --nocapture`).
@@ -364,4 +367,119 @@ fn the_block_from_an_mtp_only_file_drafts_on_cuda_what_the_single_file_drafts() 
         (a.steps, a.drafted, a.accepted)
     );
     assert!(b.drafted > 0);
+}
+
+/// Two planned NVIDIA devices split after layer 2 (both on GPU 0 when run): the MTP block
+/// and the head on device 1, 2 slots of `CTX` cells, speculating `spec` drafts (0: none).
+fn split_plan(path: &Path, spec: u32) -> Plan {
+    let inv = strata_plan::model::load_model(path).unwrap();
+    let s = ServeSettings {
+        layer_split: strata_schemas::serve::LayerSplit::Bounds(vec![2]),
+        ..settings(spec, CTX)
+    };
+    solved(&inv, path, &gpu_probe(2), "test probe", &s)
+}
+
+/// The devices holding `token_embd.weight`, each with the region its bytes lie in.
+fn embedding_places(p: &Plan) -> Vec<(u32, RegionKind)> {
+    use strata_schemas::plan::Placement;
+    p.tensors
+        .iter()
+        .filter(|t| t.name == "token_embd.weight")
+        .filter_map(|t| match t.placement {
+            Placement::Device { device, offset } => {
+                let d = p.devices.iter().find(|d| d.index == device)?;
+                let r = d
+                    .regions
+                    .iter()
+                    .find(|r| (r.offset..r.offset + r.bytes).contains(&offset))?;
+                Some((device, r.kind))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Without a GPU too: the split speculating plan puts a copy of the embedding in device 1's
+/// `mtp` region (the block embeds its tokens with it) and passes the CUDA start-up checks.
+#[test]
+fn a_split_speculating_plan_copies_the_embedding_and_passes_the_cuda_preflight() {
+    use strata_exec::backend::cuda::start::preflight;
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let p = split_plan(&path, 3);
+    assert_eq!(p.devices.len(), 2);
+    assert!(!p.devices[0].holds_mtp && p.devices[1].holds_mtp);
+    assert_eq!(
+        embedding_places(&p),
+        [(0, RegionKind::Embedding), (1, RegionKind::Mtp)]
+    );
+    let host = open_model(&path).unwrap();
+    preflight(&p, host.as_ref(), &CudaOptions::default()).unwrap();
+}
+
+/// Greedy `--spec N` (N = 1..3) over the split plan on one GPU, every stage on one device
+/// object and then each with its own (`--device-map 0,0`), gives the tokens of the same split
+/// plan without speculation (two slots speculating in turn); without the embedding copy on
+/// device 1 the MTP stage does not bind and the engine does not start.
+#[test]
+fn greedy_speculation_over_a_split_plan_on_cuda_gives_the_tokens_of_plain_decoding() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let n = 40;
+    let variants = [
+        ("one stream", CudaOptions::default()),
+        (
+            "device map 0,0",
+            CudaOptions {
+                device_map: Some(vec![0, 0]),
+                ..CudaOptions::default()
+            },
+        ),
+    ];
+    for (what, opts) in variants {
+        let start_split = |spec: u32| {
+            start_cuda(
+                &split_plan(&path, spec),
+                open_model(&path).unwrap(),
+                opts.clone(),
+            )
+            .unwrap()
+        };
+        let mut base = start_split(0);
+        let want: Vec<Vec<u32>> = (0..2)
+            .map(|s| plain(&mut base, s, &prompt(s as u32), n))
+            .collect();
+        drop(base);
+        for spec in 1..=3u32 {
+            let mut e = start_split(spec);
+            assert_eq!(e.spec_tokens(), spec as usize);
+            let got = speculative_pair(&mut e, n);
+            assert_eq!(got.to_vec(), want, "{what}, spec {spec}");
+            let st = e.stats().speculation;
+            assert!(
+                st.steps > 0 && st.drafted >= st.steps,
+                "{what}, spec {spec}"
+            );
+        }
+    }
+    let mut p = split_plan(&path, 2);
+    p.tensors.retain(|t| {
+        !(t.name == "token_embd.weight"
+            && matches!(
+                t.placement,
+                strata_schemas::plan::Placement::Device { device: 1, .. }
+            ))
+    });
+    let Err(e) = start_cuda(&p, open_model(&path).unwrap(), CudaOptions::default()) else {
+        panic!("a split plan without the embedding copy started");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("token_embd.weight") && e.contains("places no copy"),
+        "{e}"
+    );
 }

@@ -279,21 +279,30 @@ impl<'a> Sizing<'a> {
             regions.push((RegionKind::Embedding, align(f.embedding_bytes)));
         }
         regions.push((RegionKind::DenseWeights, align(f.dense_range(a, b))));
-        if last {
-            let tied_extra = if f.tied_embeddings && !first {
+        // The last stage's own copy of the embedding table (`ModelFacts::embedding_copy`).
+        let copy = f.embedding_copy(first, last, self.mtp);
+        let copy_in = |kind: RegionKind| {
+            if copy == Some(kind) {
                 f.embedding_bytes
             } else {
                 0
-            };
-            regions.push((RegionKind::Head, align(f.head_bytes + tied_extra)));
+            }
+        };
+        if last {
+            regions.push((
+                RegionKind::Head,
+                align(f.head_bytes + copy_in(RegionKind::Head)),
+            ));
         }
+        // The head and the MTP block share the last stage (the block reads the head, and the
+        // embedding copy above serves both).
         let mtp_here = last && self.mtp;
         if mtp_here {
             let work = slots * (1 + self.spec) * (hp.n_vocab * 4 + 4 * hp.n_embd * 4);
             let kv = slots * resident * f.mtp_kv_cell;
             regions.push((
                 RegionKind::Mtp,
-                align(f.mtp_weight_bytes) + align(kv) + align(work),
+                align(f.mtp_weight_bytes + copy_in(RegionKind::Mtp)) + align(kv) + align(work),
             ));
         }
         if first {

@@ -6,6 +6,7 @@
 use crate::account::align;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::inventory::{LayerKind, ModelInventory, TensorRole};
+use strata_schemas::plan::RegionKind;
 
 /// Precomputed per-layer sizes of the main blocks and the MTP block(s).
 #[derive(Debug, Clone)]
@@ -31,6 +32,9 @@ pub struct ModelFacts {
     pub mtp_dense_bytes: u64,
     pub mtp_kv_cell: u64,
     pub has_mtp: bool,
+    /// Whether the MTP block has its own embedding (`blk.{n_layer}.nextn.embed_tokens`);
+    /// without it the block embeds its input tokens with `token_embd.weight` (Qwen3-Next).
+    pub mtp_own_embedding: bool,
     /// Weights (elements) of main block l every token uses: everything but its experts.
     pub dense_params: Vec<u64>,
     /// Weights of one expert of main block l (gate + up + down).
@@ -148,6 +152,26 @@ impl ModelFacts {
             mtp_dense_bytes: mtp_dense,
             mtp_kv_cell: kv_layer * (hp.n_blocks_total() - n) as u64,
             has_mtp: hp.nextn_predict_layers > 0,
+            mtp_own_embedding: inv.tensors.iter().any(|t| {
+                t.layer.is_some_and(|l| l >= n) && t.name.ends_with(".nextn.embed_tokens.weight")
+            }),
+        }
+    }
+
+    /// Where the last stage keeps its own copy of `token_embd.weight` when it is not also the
+    /// first stage (which holds the table in its `embedding` region): in the `head` region
+    /// when the head is the embedding (tied), else in the `mtp` region when the MTP block
+    /// (`mtp`: planned) embeds its tokens with it; `None` when the stage needs no copy. The
+    /// head and the MTP block always sit on the last stage, so one copy serves both.
+    pub fn embedding_copy(&self, first: bool, last: bool, mtp: bool) -> Option<RegionKind> {
+        if first || !last {
+            None
+        } else if self.tied_embeddings {
+            Some(RegionKind::Head)
+        } else if mtp && !self.mtp_own_embedding {
+            Some(RegionKind::Mtp)
+        } else {
+            None
         }
     }
 

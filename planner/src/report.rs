@@ -87,6 +87,7 @@ pub fn notes(plan: &Plan) -> Vec<String> {
         }
     }
     out.extend(prefix_checkpoint_notes(plan));
+    out.extend(embedding_copy_notes(plan));
     if plan.predicted.guessed {
         out.push("the predicted speeds are guesses: the probe has no measured [device.cost] coefficients (defaults calibrated on the H200); `strata-exec probe` measures them".into());
         if plan.devices.iter().any(|d| {
@@ -97,6 +98,35 @@ pub fn notes(plan: &Plan) -> Vec<String> {
         }
     }
     out
+}
+
+/// Each copy of the token embedding on a device without the `embedding` region (the last
+/// stage's, `ModelFacts::embedding_copy`): where it is counted and what reads it.
+fn embedding_copy_notes(plan: &Plan) -> Vec<String> {
+    plan.tensors
+        .iter()
+        .filter(|t| t.name == "token_embd.weight")
+        .filter_map(|t| {
+            let Placement::Device { device, offset } = t.placement else {
+                return None;
+            };
+            let d = plan.devices.iter().find(|d| d.index == device)?;
+            let r = d
+                .regions
+                .iter()
+                .find(|r| (r.offset..r.offset + r.bytes).contains(&offset))?;
+            let why = match r.kind {
+                RegionKind::Embedding => return None,
+                RegionKind::Mtp => "the MTP block embeds its draft tokens with it (the model has no `nextn.embed_tokens`)",
+                _ => "the tied output head reads it",
+            };
+            Some(format!(
+                "device {device}: a copy of `token_embd.weight` ({}) in its {} region: {why}; the first device holds the table",
+                gib(t.bytes),
+                r.kind.as_str()
+            ))
+        })
+        .collect()
 }
 
 /// What the prefix checkpoint costs on each device that places one, or that it is off.

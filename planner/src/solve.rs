@@ -751,6 +751,149 @@ mod tests {
         assert_eq!(handoffs(&pr), ["none", "peer", "host"]);
     }
 
+    /// The MTP block sits with the head on the last device; when that device is not the
+    /// first and the file has no `nextn.embed_tokens`, the block embeds with a copy of
+    /// `token_embd.weight` planned in that device's `mtp` region (the first device keeps the
+    /// table in its `embedding` region); unsplit, or with the block's own embedding, no copy.
+    #[test]
+    fn a_split_mtp_plan_counts_a_copy_of_the_embedding_on_the_mtp_device() {
+        use strata_schemas::plan::{Placement, TensorPlacement};
+        let shared = inventory("qwen3next", qwen3next_hparams(), "Q8_0");
+        let n = shared.hparams.n_layer;
+        let embd = shared.tensor("token_embd.weight").unwrap().clone();
+        let mut own = shared.clone();
+        own.tensors.push(strata_schemas::inventory::TensorInfo {
+            name: format!("blk.{n}.nextn.embed_tokens.weight"),
+            role: strata_schemas::inventory::TensorRole::MtpExtra,
+            layer: Some(n),
+            ..embd.clone()
+        });
+        let s = |split: Option<u32>| ServeSettings {
+            max_context: 4096,
+            batch: 1,
+            mtp: true,
+            spec: 2,
+            layer_split: split.map_or(LayerSplit::Auto, |b| LayerSplit::Bounds(vec![b])),
+            ..Default::default()
+        };
+        let planned = |inv: &ModelInventory, devices: usize, split: Option<u32>| {
+            let pr = probe(&vec![(96 * G, 640.0); devices], 256 * G, 240 * G);
+            match run(inv, &pr, &s(split)) {
+                Outcome::Planned(p) => *p,
+                Outcome::Infeasible(i) => panic!("{}", crate::report::infeasible_text(&i)),
+            }
+        };
+        // (device, region) of each placement of `name`.
+        let places = |p: &Plan, name: &str| -> Vec<(u32, RegionKind)> {
+            p.tensors
+                .iter()
+                .filter(|t: &&TensorPlacement| t.name == name)
+                .filter_map(|t| match t.placement {
+                    Placement::Device { device, offset } => {
+                        let d = p.devices.iter().find(|d| d.index == device).unwrap();
+                        let r = d
+                            .regions
+                            .iter()
+                            .find(|r| (r.offset..r.offset + r.bytes).contains(&offset))
+                            .unwrap();
+                        Some((device, r.kind))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let one = planned(&shared, 1, None);
+        let split = planned(&shared, 2, Some(n / 2));
+        let own_one = planned(&own, 1, None);
+        let own_split = planned(&own, 2, Some(n / 2));
+        for p in [&one, &split, &own_one, &own_split] {
+            assert_eq!(p.serve.kv_resident, 4096, "every cell resident");
+            let last = p.devices.last().unwrap();
+            assert!(last.holds_mtp, "the MTP block is on the last device");
+            assert!(
+                last.region_bytes(RegionKind::Head) > 0
+                    && places(p, "output.weight") == [(last.index, RegionKind::Head)],
+                "the head sits with the MTP block"
+            );
+        }
+        assert_eq!(
+            places(&one, "token_embd.weight"),
+            [(0, RegionKind::Embedding)]
+        );
+        assert_eq!(
+            places(&split, "token_embd.weight"),
+            [(0, RegionKind::Embedding), (1, RegionKind::Mtp)]
+        );
+        assert_eq!(
+            places(&own_split, "token_embd.weight"),
+            [(0, RegionKind::Embedding)]
+        );
+        // The copy is counted in the mtp region: exactly the table's aligned bytes more than
+        // the unsplit plan's (the same slots and cells), and none with the block's own table.
+        let mtp = |p: &Plan| p.devices.last().unwrap().region_bytes(RegionKind::Mtp);
+        assert_eq!(mtp(&split), mtp(&one) + align(embd.bytes));
+        assert_eq!(mtp(&own_split), mtp(&own_one), "the block's own table");
+        // The report says so, once, for the split plan only.
+        let copy_notes = |p: &Plan| {
+            crate::report::notes(p)
+                .into_iter()
+                .filter(|n| n.contains("a copy of `token_embd.weight`"))
+                .collect::<Vec<_>>()
+        };
+        let said = copy_notes(&split);
+        assert!(
+            said.len() == 1 && said[0].starts_with("device 1:") && said[0].contains("mtp region"),
+            "{said:?}"
+        );
+        for p in [&one, &own_one, &own_split] {
+            assert!(copy_notes(p).is_empty());
+        }
+        assert_eq!(
+            places(&own_split, &format!("blk.{n}.nextn.embed_tokens.weight")),
+            [(1, RegionKind::Mtp)]
+        );
+    }
+
+    /// A tied head (no `output.weight`) on a last stage that is not the first reads its own
+    /// copy of `token_embd.weight`, placed in its `head` region (which counted it already).
+    #[test]
+    fn a_split_tied_head_has_its_copy_of_the_embedding() {
+        use strata_schemas::plan::Placement;
+        let hp = strata_schemas::inventory::HParams {
+            tied_embeddings: true,
+            ..qwen3moe_hparams()
+        };
+        let inv = inventory("qwen3moe", hp, "Q8_0");
+        assert!(inv.tensor("output.weight").is_none());
+        let embd = inv.tensor("token_embd.weight").unwrap().bytes;
+        let s = ServeSettings {
+            max_context: 4096,
+            layer_split: LayerSplit::Bounds(vec![24]),
+            ..Default::default()
+        };
+        let pr = probe(&[(96 * G, 640.0), (96 * G, 640.0)], 256 * G, 240 * G);
+        let Outcome::Planned(p) = run(&inv, &pr, &s) else {
+            panic!("infeasible")
+        };
+        let head = p.devices[1].region(RegionKind::Head).unwrap();
+        let copies: Vec<u32> = p
+            .tensors
+            .iter()
+            .filter(|t| t.name == "token_embd.weight")
+            .map(|t| match t.placement {
+                Placement::Device { device, offset } => {
+                    if device == 1 {
+                        assert!(offset >= head.offset && offset + embd <= head.offset + head.bytes);
+                    }
+                    device
+                }
+                _ => panic!("the embedding is placed on a device"),
+            })
+            .collect();
+        assert_eq!(copies, [0, 1]);
+        assert!(head.bytes >= align(embd));
+    }
+
     #[test]
     fn smoke_next_two_cards() {
         let inv = inventory("qwen3next", qwen3next_hparams(), "IQ3_S");

@@ -21,6 +21,8 @@ use strata_schemas::ggml::GgmlType;
 pub enum ModelError {
     #[error("tensor `{name}` is missing: the {arch} forward pass needs it (was the file converted for another architecture?)")]
     MissingTensor { name: String, arch: &'static str },
+    #[error("tensor `{name}` is in the model but not on this stage: {why}")]
+    NotOnStage { name: String, why: String },
     #[error("tensor `{name}` has dims {got:?} but the hyperparameters say {expected:?} (GGUF order, ne0 first)")]
     BadShape {
         name: String,
@@ -165,9 +167,15 @@ pub fn check_view<'a, S: WeightSource + ?Sized>(
     name: &str,
     dims: &[u64],
 ) -> Result<WeightView<'a>, ModelError> {
-    let v = src.tensor(name).ok_or_else(|| ModelError::MissingTensor {
-        name: name.into(),
-        arch,
+    let v = src.tensor(name).ok_or_else(|| match src.absent_why(name) {
+        Some(why) => ModelError::NotOnStage {
+            name: name.into(),
+            why,
+        },
+        None => ModelError::MissingTensor {
+            name: name.into(),
+            arch,
+        },
     })?;
     if v.dims != dims {
         return Err(ModelError::BadShape {
@@ -208,11 +216,20 @@ pub struct WeightView<'a> {
 pub trait WeightSource {
     /// The tensor called `name` (e.g. `blk.0.attn_q.weight`), or `None` if absent.
     fn tensor(&self, name: &str) -> Option<WeightView<'_>>;
+    /// Why `name` is absent when the model has it but this source (one stage's share of a
+    /// plan) does not; `None` when the model lacks it too.
+    fn absent_why(&self, name: &str) -> Option<String> {
+        let _ = name;
+        None
+    }
 }
 
 impl<T: WeightSource + ?Sized> WeightSource for &T {
     fn tensor(&self, name: &str) -> Option<WeightView<'_>> {
         (**self).tensor(name)
+    }
+    fn absent_why(&self, name: &str) -> Option<String> {
+        (**self).absent_why(name)
     }
 }
 

@@ -205,7 +205,18 @@ impl Solver<'_> {
                 offset,
             }
         };
+        let copy = self.facts.embedding_copy(first, last, self.sizing.mtp);
         for t in &self.req.inventory.tensors {
+            // The last stage's copy of the embedding, beside the first stage's table.
+            if let (TensorRole::Embedding, None, Some(kind)) = (t.role, t.layer, copy) {
+                out.push(TensorPlacement {
+                    name: t.name.clone(),
+                    bytes: t.bytes,
+                    ggml_type: t.ggml_type,
+                    placement: place(kind, t.bytes),
+                });
+                continue;
+            }
             let mine = match (t.role, t.layer) {
                 (TensorRole::Embedding, _) => first,
                 (TensorRole::Head | TensorRole::OutputNorm, _) => last,

@@ -126,10 +126,16 @@ impl CudaStage {
 impl Bind for CudaStage {
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<CMat, CudaError> {
         let b = self.binder()?;
-        let off = *b
-            .placed
-            .get(name)
-            .ok_or_else(|| plan_err(format!("`{name}` is not placed on this device")))?;
+        let off = *b.placed.get(name).ok_or_else(|| {
+            let why = if b.host.inventory().tensor(name).is_some() {
+                "is in the model but the plan places no copy of it on this device's stage"
+            } else {
+                "is not in the model"
+            };
+            plan_err(format!(
+                "`{name}` {why}: re-plan with this build's strata-plan"
+            ))
+        })?;
         let info = b
             .host
             .inventory()
