@@ -9,7 +9,7 @@
 #          then the dp4a A/B (gpu_bench.sh dp4a)
 #   call3: llama.cpp against strata-exec on both files: llama-bench pp512/tg128 and
 #          llama-batched-bench S_TG at 4 and 8 sequences, strata-exec bench -b 1,4,8 beside
-#          them, with and without --kernel-options dp4a
+#          them: the default (int8 products on Q8_0), --kernel-options f32-products and dp4a
 #   call4: experts and KV beyond VRAM: gpu_bench.sh offload and kvspill
 # usage: scripts/gpu_session.sh call1|call2|call3|call4 OUTDIR
 set -uo pipefail
@@ -51,8 +51,8 @@ call3)
         plan=/tmp/$n-b8.plan
         $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 \
             --batch 8 -o $plan >/dev/null
-        for opt in "" dp4a; do
-            echo "== strata-exec bench $n ${opt:-f32}"
+        for opt in "" f32-products dp4a; do
+            echo "== strata-exec bench $n ${opt:-default}"
             $bin/strata-exec bench $plan -p 512 -n 128 -b 1,4,8 -r 2 -q ${opt:+--kernel-options $opt} 2>&1 |
                 tee -a "$out/strata.txt"
         done
