@@ -5,8 +5,10 @@
 # scripts/build_gpu.sh; carry target/gpu with the device tool).
 # Usage: scripts/gpu_bench.sh [tests|memlock|serve|bench|compare|sample|split|torch|decode|dp4a|predict|offload|kvspill|spec|all] [OUTDIR]
 # (dp4a, not part of all: the Q8_0 and Q4_K_M 30B-shaped files planned with 16 slots, decode
-# tg128 at -b 1,4,16 with and without --kernel-options dp4a, interleaved twice in one call:
-# the int8-activation products against the f32 ones; lines in OUTDIR/dp4a.txt.)
+# tg128 at -b 1,4,16, interleaved twice in one call: on Q8_0 the default (int8 products)
+# against --kernel-options f32-products and no-staging (the few-token int8 products reading
+# their q8a rows from global memory); on Q4_K_M the default (f32 products) against dp4a and
+# dp4a,no-staging; lines in OUTDIR/dp4a.txt.)
 # (kvspill: the Q8_0 file at a 32k context all resident and with --kv-resident 4096, decode
 # bench at depths 0, 8192 and 16384: spilled KV read over PCIe against VRAM; then the spilled
 # plan with --kv-host stream and cpu: read over PCIe against attended on the host CPU.)
@@ -151,11 +153,15 @@ if [ "$what" = dp4a ]; then
         plan=/tmp/$(basename $m .gguf)-b16.plan
         $bin/strata-plan --hardware plans/hardware/h200.toml --model $m --max-context 4096 \
             --batch 16 -o $plan >/dev/null || { echo "dp4a: planning $m failed"; exit 1; }
+        runs="f32-products default no-staging"
+        [ $m = $q4 ] && runs="default dp4a dp4a,no-staging"
         for round in 1 2; do
-            for run in "" "dp4a"; do
-                echo "== $(basename $m) round $round: ${run:-f32 products}"
-                $bin/strata-exec bench $plan -p 0 -n 128 -b 1,4,16 -r 2 -q ${run:+--kernel-options $run} 2>&1 |
-                    grep -E "\| cuda|warning|error" | sed "s/^/$(basename $m .gguf) ${run:-f32}: /" |
+            for run in $runs; do
+                opt=""
+                [ $run = default ] || opt="--kernel-options $run"
+                echo "== $(basename $m) round $round: $run"
+                $bin/strata-exec bench $plan -p 0 -n 128 -b 1,4,16 -r 2 -q $opt 2>&1 |
+                    grep -E "\| cuda|warning|error" | sed "s/^/$(basename $m .gguf) $run: /" |
                     tee -a "$out/dp4a.txt"
             done
         done

@@ -112,7 +112,7 @@ call4)
         $bin/strata-plan --hardware /tmp/h200-live.toml --model $m --max-context 4096 \
             --batch 8 -o $plan >/dev/null
         opts="default f32-products"
-        [ $m = $q4 ] && opts="default dp4a"
+        [ $m = $q4 ] && opts="default dp4a dp4a,no-staging"
         for opt in $opts; do
             stamp "strata-exec bench $n $opt"
             o=$opt

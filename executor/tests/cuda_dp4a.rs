@@ -1,7 +1,9 @@
-//! The int8-activation products (`--kernel-options dp4a`, kernels/cuda/dp4a.cu) on the GPU:
+//! The int8-activation products (kernels/cuda/dp4a.cu; the default for Q8_0 weights,
+//! `--kernel-options dp4a` for every type) on the GPU:
 //! the quantization bit for bit against its host reference (`launch::dp4a::quantize_q8a`),
 //! the Q8_0, Q4_K and Q6_K matrix-vector products (1 to 19 tokens, one and three matrices,
-//! Q4_K_M's Q4_K/Q4_K/Q6_K Q/K/V in one launch, added or not) and the MoE gate/up and down
+//! Q4_K_M's Q4_K/Q4_K/Q6_K Q/K/V in one launch, added or not; staged in shared memory and
+//! not, bit for bit equal) and the MoE gate/up and down
 //! against an f64 reference over the same quantized inputs, and the engine with the option
 //! against the CPU engine.
 //! Tolerances: a product is within 1e-5 of the sum of |w_i v_i| (v the values the quants
@@ -10,7 +12,9 @@
 //! step (amax / 254 of its block), so |W q8a(x) - W x| <= sum over blocks of amax / 254 times
 //! the sum of the block's |w|. The engine: logits within 3e-2 of the largest of each row of
 //! the CPU engine's (whose products are f32), the same greedy tokens on the trained tiny
-//! model, and logits that differ from the f32 products' (proof the option ran).
+//! model, and logits that differ from the f32 products' (proof the option ran); the default
+//! options run them on Q8_0 weights (the explicit `dp4a` run bit for bit) and not on Q4_K
+//! (the `f32-products` run bit for bit).
 //! Invariant: without a usable CUDA device each test prints `SKIP ...` and returns; it never
 //! passes silently. Run on a GPU machine with
 //! `cargo test -p strata-exec --release --test cuda_dp4a -- --test-threads=1 --nocapture`.
@@ -27,7 +31,7 @@ use strata_exec::backend::cuda::launch::decode::ExpertTable;
 use strata_exec::backend::cuda::launch::dp4a::{self, quantize_q8a, Q8a};
 use strata_exec::backend::cuda::launch::{Launcher, Mat};
 use strata_exec::backend::cuda::layout::to_device;
-use strata_exec::backend::cuda::options::{CudaOptions, KernelOptions};
+use strata_exec::backend::cuda::options::{CudaOptions, Int8Products, KernelOptions};
 use strata_exec::backend::cuda::start::{start_cuda, CudaEngine};
 use strata_exec::backend::cuda::{CudaDevice, DeviceView};
 use strata_exec::engine::Engine;
@@ -161,6 +165,10 @@ fn check_rows(
     }
 }
 
+/// Every product twice: staged (the tokens' q8a rows in shared memory, two tokens or more)
+/// and read from global memory; the two bit for bit equal and both within the bounds. Widths
+/// of one, two and one-and-a-bit staged chunks (`STAGE_COLS`), token counts of each kernel
+/// (1, 4, 8, 16 and between, 19 in two grid rows), row counts not a multiple of the warps.
 #[test]
 fn matvec_products_match_the_quantized_reference() {
     let Some(d) = dev("matvec_products_match_the_quantized_reference") else {
@@ -169,14 +177,15 @@ fn matvec_products_match_the_quantized_reference() {
     let arena = d.alloc_arena("test", 256 << 20).unwrap();
     let mut rng = StdRng::seed_from_u64(5);
     let l = Launcher::new(d);
+    let kc = dp4a::STAGE_COLS;
     let mut cases = 0;
     for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
-        let cols_set: &[usize] = if ty == GgmlType::Q8_0 {
-            &[96, 2048]
+        let cols_set: Vec<usize> = if ty == GgmlType::Q8_0 {
+            vec![96, kc + 96, 2 * kc]
         } else {
-            &[256, 2048]
+            vec![256, kc + 256, 2 * kc]
         };
-        for &cols in cols_set {
+        for cols in cols_set {
             // One matrix, and Q/K/V-like three stacked (rows not a multiple of the warps).
             for split in [&[37usize][..], &[70, 17, 9][..]] {
                 let c = Carve::new(&arena);
@@ -196,7 +205,7 @@ fn matvec_products_match_the_quantized_reference() {
                     .map(|(&r, &t)| weights(&mut rng, t, r, cols))
                     .collect();
                 let views: Vec<DeviceView<'_>> = ws.iter().map(|(b, _)| put(d, &c, b)).collect();
-                for n in [1usize, 2, 4, 5, 9, 16, 19] {
+                for n in [1usize, 2, 3, 4, 5, 8, 9, 16, 19] {
                     for add in [false, true] {
                         let c2 = Carve::new(&arena);
                         c2.off.set(c.off.get());
@@ -207,21 +216,38 @@ fn matvec_products_match_the_quantized_reference() {
                             .iter()
                             .map(|&r| rand_vec(&mut rng, n * r, 1.0))
                             .collect();
-                        let ys: Vec<DeviceView<'_>> = y0s.iter().map(|y| put(d, &c2, y)).collect();
                         let mats: Vec<Mat<'_>> = split
                             .iter()
                             .zip(&views)
                             .zip(&tys)
                             .map(|((&rows, &w), &ty)| Mat { w, ty, rows, cols })
                             .collect();
-                        dp4a::mv(&l, "test", &mats, &xq, &ys, n, add).unwrap();
+                        let run = |stage: bool| -> Vec<Vec<f32>> {
+                            let ys: Vec<DeviceView<'_>> =
+                                y0s.iter().map(|y| put(d, &c2, y)).collect();
+                            dp4a::mv(&l, "test", &mats, &xq, &ys, n, add, stage).unwrap();
+                            split
+                                .iter()
+                                .zip(&ys)
+                                .map(|(&rows, &y)| get(d, y, n * rows))
+                                .collect()
+                        };
+                        let (staged, global) = (run(true), run(false));
                         let xv = quantize_q8a(&x).values();
                         for (k, &rows) in split.iter().enumerate() {
-                            let got: Vec<f32> = get(d, ys[k], n * rows);
                             let what =
                                 format!("{tys:?} {split:?}x{cols} n {n} add {add} matrix {k}");
+                            for (i, (a, b)) in staged[k].iter().zip(&global[k]).enumerate() {
+                                assert_eq!(
+                                    a.to_bits(),
+                                    b.to_bits(),
+                                    "{what}: y[{}][{}] staged {a}, from global memory {b}",
+                                    i / rows,
+                                    i % rows
+                                );
+                            }
                             let base = add.then_some(&y0s[k][..]);
-                            check_rows(&what, &got, &ws[k].1, &x, &xv, base, rows, cols);
+                            check_rows(&what, &staged[k], &ws[k].1, &x, &xv, base, rows, cols);
                             cases += 1;
                         }
                     }
@@ -229,7 +255,7 @@ fn matvec_products_match_the_quantized_reference() {
             }
         }
     }
-    eprintln!("{cases} product cases within the bounds");
+    eprintln!("{cases} product cases within the bounds, staged equal to unstaged");
 }
 
 #[test]
@@ -385,18 +411,12 @@ fn teacher(
     (logits, toks)
 }
 
-/// The engine with `dp4a` against the CPU engine on the same file, and against itself
-/// without the option: the trained tiny model converted to Q8_0 (greedy tokens equal too),
-/// and random models of Q4_K weights and of llama.cpp's Q4_K_M mix (Q6_K V, half the down
-/// projections and the head; hidden and expert width 256; routed to all their experts, so no
-/// router choice can flip; teacher-forced with the CPU's tokens).
-#[test]
-fn the_engine_with_dp4a_matches_the_cpu_engine() {
-    if !gpu_present() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let q8 = dir.path().join("tiny-q8_0.gguf");
+/// The tiny test models: the trained tiny model converted to Q8_0 (`base`), and random
+/// models of Q4_K weights and of llama.cpp's Q4_K_M mix (Q6_K V, half the down projections
+/// and the head; hidden and expert width 256; routed to all their experts, so no router
+/// choice can flip), each with its vocabulary and whether it is trained.
+fn test_models(dir: &std::path::Path) -> Vec<(&'static str, std::path::PathBuf, u32, bool)> {
+    let q8 = dir.join("tiny-q8_0.gguf");
     strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &q8, GgmlType::Q8_0, None)
         .unwrap();
     let mut hp = strata_schemas::known::qwen3_30b_a3b();
@@ -411,7 +431,7 @@ fn the_engine_with_dp4a_matches_the_cpu_engine() {
     hp.n_ff_exp = 256;
     hp.n_vocab = 512;
     let write = |name: &str, preset: &str| {
-        let path = dir.path().join(format!("{name}.gguf"));
+        let path = dir.join(format!("{name}.gguf"));
         let recipe = strata_schemas::arch::QuantRecipe::preset(preset).unwrap();
         strata_schemas::gguf::random::write_random_model(
             &path,
@@ -425,23 +445,51 @@ fn the_engine_with_dp4a_matches_the_cpu_engine() {
         path
     };
     let (q4, q4km) = (write("q4k", "Q4_K"), write("q4km", "Q4_K_M"));
-    // ubatch 32: the plan places the tensor-core path's `xh`, which holds the q8a rows.
-    let ask = Ask {
+    vec![
+        ("base", q8, 256u32, true),
+        ("q4k", q4, 512, false),
+        ("q4km", q4km, 512, false),
+    ]
+}
+
+/// ubatch 32: the plan places the tensor-core path's `xh`, which holds the q8a rows.
+fn int8_ask() -> Ask {
+    Ask {
         ctx: 128,
         ubatch: 32,
         ..Ask::default()
-    };
-    let dp = KernelOptions {
-        dp4a: true,
+    }
+}
+
+fn dp4a_all() -> KernelOptions {
+    KernelOptions {
+        int8: Int8Products::All,
         ..KernelOptions::default()
-    };
+    }
+}
+
+/// How many of two runs' logits differ bit for bit.
+fn differing(a: &[f32], b: &[f32]) -> usize {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
+/// The engine with `dp4a` (int8 products for every type) against the CPU engine on the same
+/// file, and against itself with `f32-products`: greedy tokens equal too on the trained
+/// model; the random ones teacher-forced with the CPU's tokens.
+#[test]
+fn the_engine_with_dp4a_matches_the_cpu_engine() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ask = int8_ask();
     let mut bad = Vec::new();
-    let models = [
-        ("base", &q8, 256u32, true),
-        ("q4k", &q4, 512, false),
-        ("q4km", &q4km, 512, false),
-    ];
-    for (name, gguf, vocab, trained) in models {
+    for (name, gguf, vocab, trained) in test_models(dir.path()) {
+        let gguf = &gguf;
         let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 11) % vocab).collect();
         let inv = strata_plan::model::load_model(gguf).unwrap();
         let cp = plan_inventory(name, &inv, gguf, &ask);
@@ -453,17 +501,13 @@ fn the_engine_with_dp4a_matches_the_cpu_engine() {
         .unwrap();
         let (cl, ct) = teacher(&mut c, &prompt, 12, None);
         let feed = (!trained).then_some(&ct[..]);
-        let mut g = cuda_on(name, gguf, &ask, dp);
+        let mut g = cuda_on(name, gguf, &ask, dp4a_all());
         let (gl, gt) = teacher(&mut g, &prompt, 12, feed);
-        let mut f = cuda_on(name, gguf, &ask, KernelOptions::default());
+        let mut f = cuda_on(name, gguf, &ask, KernelOptions::f32_products());
         let (fl, _) = teacher(&mut f, &prompt, 12, feed.or(Some(&gt)));
         let v = vocab as usize;
         let (e_cpu, e_f32) = (rel_err(&gl, &cl, v), rel_err(&fl, &cl, v));
-        let differ = gl
-            .iter()
-            .zip(&fl)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        let differ = differing(&gl, &fl);
         eprintln!(
             "{name}: dp4a vs CPU {e_cpu:e} (f32 products vs CPU {e_f32:e}); {differ} of {} logits differ from the f32 products'",
             gl.len()
@@ -478,6 +522,66 @@ fn the_engine_with_dp4a_matches_the_cpu_engine() {
         }
         if trained && gt != ct {
             bad.push(format!("{name}: greedy tokens {gt:?}, CPU {ct:?}"));
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("; "));
+}
+
+/// The default options choose the int8 products per weight type: on the Q8_0 model the
+/// default run equals the explicit `dp4a` run bit for bit and differs from `f32-products`
+/// (within the dp4a bound of it, 3e-2 of each row's largest logit); on the Q4_K and Q4_K_M
+/// models it equals `f32-products` bit for bit and differs from `dp4a`. All three runs fed
+/// the same tokens (the f32 run's greedy picks). The prompt of 13 tokens is prefilled by the
+/// few-token products (under 16 tokens: no tensor-core pass), so the staged `dq4_mv16` runs
+/// in the engine too, not only the one-token decode.
+#[test]
+fn the_default_runs_int8_products_on_q8_0_weights_only() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ask = int8_ask();
+    let mut bad = Vec::new();
+    for (name, gguf, vocab, _) in test_models(dir.path()) {
+        let gguf = &gguf;
+        let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % vocab).collect();
+        let mut f = cuda_on(name, gguf, &ask, KernelOptions::f32_products());
+        let (fl, ft) = teacher(&mut f, &prompt, 12, None);
+        drop(f);
+        let run = |kernels: KernelOptions| {
+            let mut e = cuda_on(name, gguf, &ask, kernels);
+            teacher(&mut e, &prompt, 12, Some(&ft)).0
+        };
+        let (dl, al) = (run(KernelOptions::default()), run(dp4a_all()));
+        let (d_f32, d_all) = (differing(&dl, &fl), differing(&dl, &al));
+        let e = rel_err(&dl, &fl, vocab as usize);
+        eprintln!(
+            "{name}: default vs f32-products: {d_f32} of {} logits differ ({e:e}); vs dp4a: {d_all} differ",
+            dl.len()
+        );
+        if name == "base" {
+            if d_f32 == 0 {
+                bad.push(format!("{name} (Q8_0): the default ran the f32 products"));
+            }
+            if d_all != 0 {
+                bad.push(format!(
+                    "{name} (Q8_0): the default is not the dp4a run bit for bit"
+                ));
+            }
+            if e >= 3e-2 {
+                bad.push(format!(
+                    "{name} (Q8_0): default vs f32-products {e} (bound 3e-2)"
+                ));
+            }
+        } else {
+            if d_f32 != 0 {
+                bad.push(format!(
+                    "{name}: the default is not the f32 products bit for bit"
+                ));
+            }
+            if differing(&al, &fl) == 0 {
+                bad.push(format!("{name}: dp4a ran the f32 products"));
+            }
         }
     }
     assert!(bad.is_empty(), "{}", bad.join("; "));

@@ -23,7 +23,7 @@ use strata_schemas::ggml::GgmlType;
 use strata_schemas::serve::KvType;
 
 fn cuda(variant: &str, ask: &Ask, gguf: Option<&std::path::Path>) -> CudaEngine {
-    cuda_with(variant, ask, gguf, CudaOptions::default())
+    cuda_with(variant, ask, gguf, CudaOptions::f32_products())
 }
 
 fn cuda_with(
@@ -291,7 +291,7 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
         let host = Box::new(SafetensorsModel::open(&folder).unwrap());
         (n, arenas, start_cuda(&p, host, opts).unwrap())
     };
-    let (_, _, mut one) = start(&Ask::default(), CudaOptions::default());
+    let (_, _, mut one) = start(&Ask::default(), CudaOptions::f32_products());
     let (l1, t1) = run(&mut one, 0, &prompt, 8);
     drop(one);
     for split in [vec![3], vec![2, 4]] {
@@ -306,12 +306,12 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
         // through pinned host memory with and without graphs.
         let map = Some(vec![0; n]);
         let variants = [
-            ("one stream", CudaOptions::default(), "same stream"),
+            ("one stream", CudaOptions::f32_products(), "same stream"),
             (
                 "device map, peer",
                 CudaOptions {
                     device_map: map.clone(),
-                    ..CudaOptions::default()
+                    ..CudaOptions::f32_products()
                 },
                 "peer copy",
             ),
@@ -320,7 +320,7 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
                 CudaOptions {
                     device_map: map.clone(),
                     handoff: HandoffPolicy::Host,
-                    ..CudaOptions::default()
+                    ..CudaOptions::f32_products()
                 },
                 "pinned host",
             ),
@@ -330,7 +330,7 @@ fn layer_splits_on_one_gpu_equal_the_unsplit_plan() {
                     device_map: map.clone(),
                     handoff: HandoffPolicy::Host,
                     graphs: false,
-                    ..CudaOptions::default()
+                    ..CudaOptions::f32_products()
                 },
                 "pinned host",
             ),
@@ -391,7 +391,7 @@ fn tensor_core_prefill_matches_the_cpu_engine_and_the_matvec_path() {
             open_model(&gguf).unwrap(),
             CudaOptions {
                 prefill_gemm: gemm,
-                ..CudaOptions::default()
+                ..CudaOptions::f32_products()
             },
         )
         .unwrap()
@@ -471,7 +471,7 @@ fn q4_k_models_take_the_tensor_core_prefill_and_match_the_cpu_engine() {
         let start = |gemm: bool| {
             let opts = CudaOptions {
                 prefill_gemm: gemm,
-                ..CudaOptions::default()
+                ..CudaOptions::f32_products()
             };
             cuda_with(name, &ask, Some(&gguf), opts)
         };
@@ -641,7 +641,7 @@ fn mix_matches_the_cpu_engine(
     let start = |gemm: bool| {
         let opts = CudaOptions {
             prefill_gemm: gemm,
-            ..CudaOptions::default()
+            ..CudaOptions::f32_products()
         };
         cuda_with(&name, &ask, Some(gguf), opts)
     };
@@ -680,7 +680,7 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
     use strata_exec::load::HostModel;
     use strata_schemas::plan::Plan;
     let check = |what: &str, p: &Plan, host: &dyn HostModel| -> Preflight {
-        let pf = preflight(p, host, &CudaOptions::default())
+        let pf = preflight(p, host, &CudaOptions::f32_products())
             .unwrap_or_else(|e| panic!("{what}: refused before the device: {e}"));
         let s = &p.serve;
         assert_eq!(
@@ -780,7 +780,7 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
     // A plan whose scratch lacks a buffer the engine binds is refused naming it.
     let mut old = plan_inventory("tiny-chat-moe", &inv, &chat, &chat_ask(2, 256, KvType::F16));
     old.devices[0].scratch.retain(|b| b.name != "part_o");
-    match preflight(&old, host.as_ref(), &CudaOptions::default()) {
+    match preflight(&old, host.as_ref(), &CudaOptions::f32_products()) {
         Ok(_) => panic!("a scratch without part_o was accepted"),
         Err(e) => {
             let m = e.to_string();
@@ -792,7 +792,7 @@ fn the_test_plans_pass_the_checks_made_before_the_device_opens() {
     let p = plan_inventory("tiny-chat-moe", &inv, &chat, &chat_ask(2, 256, KvType::F16));
     let opts = CudaOptions {
         device_map: Some(vec![0, 0]),
-        ..CudaOptions::default()
+        ..CudaOptions::f32_products()
     };
     match preflight(&p, host.as_ref(), &opts) {
         Err(CudaEngineError::Plan(m)) => assert!(
@@ -861,7 +861,7 @@ fn programmatic_dependent_launch_changes_no_logit() {
             pdl,
             graphs,
             kernels: fuse,
-            ..CudaOptions::default()
+            ..CudaOptions::f32_products()
         };
         let mut e = cuda_with("pdl", &ask, Some(&gguf), opts);
         two_slots(&mut e, &prompts, 12, 6)
@@ -871,7 +871,7 @@ fn programmatic_dependent_launch_changes_no_logit() {
         fused_topk: false,
         fused_attention: false,
         stage_inputs: false,
-        ..KernelOptions::default()
+        ..KernelOptions::f32_products()
     };
     let (base_l, base_t) = go(false, false, plain);
     // The top-k in the router's last block runs the same code as its own launch; the inputs
@@ -944,7 +944,7 @@ fn fused_decode_attention_matches_the_three_launches() {
     let go = |fuse: KernelOptions| {
         let opts = CudaOptions {
             kernels: fuse,
-            ..CudaOptions::default()
+            ..CudaOptions::f32_products()
         };
         let mut e = cuda_with("fattn", &ask, Some(&gguf), opts);
         assert_eq!(e.fused_attention(), fuse.fused_attention, "{fuse:?}");
@@ -952,7 +952,7 @@ fn fused_decode_attention_matches_the_three_launches() {
     };
     let three = KernelOptions {
         fused_attention: false,
-        ..KernelOptions::default()
+        ..KernelOptions::f32_products()
     };
     let (base_l, base_t) = go(three);
     let v = hp.n_vocab as usize;
@@ -992,7 +992,7 @@ fn host_and_device_pairs(
     for graphs in [true, false] {
         let opts = CudaOptions {
             graphs,
-            ..CudaOptions::default()
+            ..CudaOptions::f32_products()
         };
         let mut host = cuda_with(tag, &ask, Some(&gguf), opts.clone());
         let mut dev = cuda_with(tag, &ask, Some(&gguf), opts);

@@ -182,7 +182,7 @@ fn spilled_kv_equals_the_all_resident_run() {
         assert!(spill_chunks(&straddle).0 > 1, "{kv:?}: several chunks");
         for p in [&spill, &straddle] {
             let host = open_model(&gguf).unwrap();
-            if let Err(e) = preflight(p, host.as_ref(), &CudaOptions::default()) {
+            if let Err(e) = preflight(p, host.as_ref(), &CudaOptions::f32_products()) {
                 panic!("{kv:?}: preflight refuses the spilling plan: {e}");
             }
         }
@@ -192,7 +192,7 @@ fn spilled_kv_equals_the_all_resident_run() {
         let start = |p: &Plan, kv_host| {
             let opts = CudaOptions {
                 kv_host,
-                ..CudaOptions::default()
+                ..CudaOptions::f32_products()
             };
             start_cuda(p, open_model(&gguf).unwrap(), opts)
         };

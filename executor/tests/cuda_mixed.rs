@@ -61,7 +61,12 @@ fn engine(gguf: &Path, ubatch: u32, devices: usize, split: Option<Vec<u32>>) -> 
         ..Ask::default()
     };
     let plan = plan_inventory("mixed-random", &inv, gguf, &ask);
-    start_cuda(&plan, open_model(gguf).unwrap(), CudaOptions::default()).unwrap()
+    start_cuda(
+        &plan,
+        open_model(gguf).unwrap(),
+        CudaOptions::f32_products(),
+    )
+    .unwrap()
 }
 
 #[test]

@@ -78,7 +78,7 @@ fn start(path: &Path, spec: u32) -> CudaEngine {
     start_cuda(
         &plan(path, spec, true),
         open_model(path).unwrap(),
-        CudaOptions::default(),
+        CudaOptions::f32_products(),
     )
     .unwrap()
 }
@@ -100,7 +100,7 @@ fn a_speculating_plan_passes_the_cuda_preflight() {
         "the capability table runs MTP on CUDA"
     );
     let host = open_model(&path).unwrap();
-    let pf = preflight(&p, host.as_ref(), &CudaOptions::default()).unwrap();
+    let pf = preflight(&p, host.as_ref(), &CudaOptions::f32_products()).unwrap();
     assert!(
         pf.max_tok >= 5 && pf.logit_rows >= 5,
         "a verify pass of 4 drafts fits"
@@ -294,7 +294,7 @@ fn speculation_over_spilled_kv_gives_the_tokens_of_plain_decoding() {
         "the plan spills KV and holds the MTP block"
     );
     let host = open_model(&path).unwrap();
-    preflight(&p, host.as_ref(), &CudaOptions::default()).unwrap();
+    preflight(&p, host.as_ref(), &CudaOptions::f32_products()).unwrap();
     if !gpu_present() {
         return;
     }
@@ -302,13 +302,13 @@ fn speculation_over_spilled_kv_gives_the_tokens_of_plain_decoding() {
     let mut base = start_cuda(
         &plan_resident(&path, 0, true, WINDOW),
         open_model(&path).unwrap(),
-        CudaOptions::default(),
+        CudaOptions::f32_products(),
     )
     .unwrap();
     let want: Vec<Vec<u32>> = (0..2)
         .map(|s| plain(&mut base, s, &prompt(s as u32), n))
         .collect();
-    let mut e = start_cuda(&p, open_model(&path).unwrap(), CudaOptions::default()).unwrap();
+    let mut e = start_cuda(&p, open_model(&path).unwrap(), CudaOptions::f32_products()).unwrap();
     let got = speculative_pair(&mut e, n);
     for (s, o) in got.iter().enumerate() {
         assert_eq!(o, &want[s], "slot {s} over spilled KV");
@@ -357,7 +357,7 @@ fn the_block_from_an_mtp_only_file_drafts_on_cuda_what_the_single_file_drafts() 
     };
     assert!(p.model.mtp_file.is_some() && p.devices[0].holds_mtp);
     let host = strata_exec::load::open_planned(&p, &main, None).unwrap();
-    let mut two = start_cuda(&p, host, CudaOptions::default()).unwrap();
+    let mut two = start_cuda(&p, host, CudaOptions::f32_products()).unwrap();
     assert_eq!(two.spec_tokens(), 3);
     let got = speculative_pair(&mut two, n);
     assert_eq!(got, want);

@@ -66,7 +66,7 @@ fn cpu_engine(gguf: &Path) -> CpuEngine {
 fn cuda_engine(gguf: &Path, a: &Ask) -> CudaEngine {
     let inv = strata_plan::model::load_model(gguf).unwrap();
     let p = plan_inventory("next-random", &inv, gguf, a);
-    start_cuda(&p, open_model(gguf).unwrap(), CudaOptions::default()).unwrap()
+    start_cuda(&p, open_model(gguf).unwrap(), CudaOptions::f32_products()).unwrap()
 }
 
 fn prompt(len: usize, seed: u32) -> Vec<u32> {
@@ -197,12 +197,12 @@ fn tiny_qwen3next_references_where_the_kernels_take_them() {
         };
         let plan = plan_inventory("next-reference", &inv, &gguf, &a);
         let host = open_model(&gguf).unwrap();
-        if let Err(e) = preflight(&plan, host.as_ref(), &CudaOptions::default()) {
+        if let Err(e) = preflight(&plan, host.as_ref(), &CudaOptions::f32_products()) {
             assert_ne!(variant, "cuda", "its shapes are the kernels': {e}");
             eprintln!("SKIP {variant}: the CUDA preflight refuses its shapes: {e}");
             continue;
         }
-        let mut e = start_cuda(&plan, host, CudaOptions::default()).unwrap();
+        let mut e = start_cuda(&plan, host, CudaOptions::f32_products()).unwrap();
         check_references(variant, &mut e, &r, 1e-3);
         ran += 1;
     }

@@ -145,7 +145,7 @@ fn streamed_misses_equal_the_all_resident_run() {
             );
             // Every start-up check that needs no GPU passes.
             let host = open_model(&gguf).unwrap();
-            if let Err(e) = preflight(&p, host.as_ref(), &CudaOptions::default()) {
+            if let Err(e) = preflight(&p, host.as_ref(), &CudaOptions::f32_products()) {
                 panic!("{ty} {cache:?}: preflight refuses the plan: {e}");
             }
             // The host expert tier pins every expert of the cached layers, whole experts a
@@ -165,12 +165,17 @@ fn streamed_misses_equal_the_all_resident_run() {
         if !gpu {
             continue;
         }
-        let mut want =
-            start_cuda(&full, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+        let mut want = start_cuda(
+            &full,
+            open_model(&gguf).unwrap(),
+            CudaOptions::f32_products(),
+        )
+        .unwrap();
         let reference: Vec<_> = prompts.iter().map(|pr| run(&mut want, pr, 8)).collect();
         assert_eq!(want.stats().expert_misses, 0);
         for (cache, p) in &offloaded {
-            let mut g = start_cuda(p, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+            let mut g =
+                start_cuda(p, open_model(&gguf).unwrap(), CudaOptions::f32_products()).unwrap();
             assert_eq!(
                 g.allocations(),
                 p.devices.len() as u64 + expert_chunks(p).0,
@@ -253,13 +258,19 @@ fn prefetched_prefill_equals_the_all_resident_run() {
             continue;
         }
         let n = (full.serve.max_context as usize - prompt.len()).min(8);
-        let mut a = start_cuda(&full, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+        let mut a = start_cuda(
+            &full,
+            open_model(&gguf).unwrap(),
+            CudaOptions::f32_products(),
+        )
+        .unwrap();
         let (al, at) = run(&mut a, &prompt, n);
         for (name, q) in [
             ("as planned", p.clone()),
             ("3 experts a chunk", rechunked(&p, 3)),
         ] {
-            let mut b = start_cuda(&q, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+            let mut b =
+                start_cuda(&q, open_model(&gguf).unwrap(), CudaOptions::f32_products()).unwrap();
             let (bl, bt) = run(&mut b, &prompt, n);
             let s = b.stats();
             eprintln!(
@@ -292,8 +303,18 @@ fn replacement_keeps_the_tokens_over_a_long_decode() {
     }
     let r = reference("base");
     let prompt = &prompts(&r)[0];
-    let mut a = start_cuda(&full, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
-    let mut b = start_cuda(&small, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+    let mut a = start_cuda(
+        &full,
+        open_model(&gguf).unwrap(),
+        CudaOptions::f32_products(),
+    )
+    .unwrap();
+    let mut b = start_cuda(
+        &small,
+        open_model(&gguf).unwrap(),
+        CudaOptions::f32_products(),
+    )
+    .unwrap();
     let n = (full.serve.max_context as usize - prompt.len()).min(48);
     let (al, at) = run(&mut a, prompt, n);
     let (bl, bt) = run(&mut b, prompt, n);
@@ -312,11 +333,11 @@ fn replacement_keeps_the_tokens_over_a_long_decode() {
     let lfu = CudaOptions {
         kernels: KernelOptions {
             expert_lfu: true,
-            ..KernelOptions::default()
+            ..KernelOptions::f32_products()
         },
-        ..CudaOptions::default()
+        ..CudaOptions::f32_products()
     };
-    for (name, opts) in [("lru", CudaOptions::default()), ("lfu", lfu)] {
+    for (name, opts) in [("lru", CudaOptions::f32_products()), ("lfu", lfu)] {
         let mut c = start_cuda(&half, open_model(&gguf).unwrap(), opts).unwrap();
         let (cl, ct) = run(&mut c, prompt, n);
         assert_eq!(at, ct, "{name}");
@@ -367,14 +388,18 @@ fn cpu_computed_misses_match_the_all_resident_run() {
             eprintln!("SKIP: {ty}: no GPU, the hybrid runs are not checked");
             continue;
         }
-        let mut want =
-            start_cuda(&full, open_model(&gguf).unwrap(), CudaOptions::default()).unwrap();
+        let mut want = start_cuda(
+            &full,
+            open_model(&gguf).unwrap(),
+            CudaOptions::f32_products(),
+        )
+        .unwrap();
         let reference: Vec<_> = prompts.iter().map(|pr| run(&mut want, pr, 8)).collect();
         for (name, p) in &plans {
             for policy in [MissOverride::Stream, MissOverride::Cpu, MissOverride::Plan] {
                 let opts = CudaOptions {
                     miss_policy: policy,
-                    ..CudaOptions::default()
+                    ..CudaOptions::f32_products()
                 };
                 let mut g = start_cuda(p, open_model(&gguf).unwrap(), opts).unwrap();
                 let mut worst = 0f32;

@@ -308,8 +308,12 @@ fn engine(dir: &std::path::Path, seed: u64) -> strata_exec::backend::cuda::start
     let inv = strata_plan::model::load_model(&gguf).unwrap();
     let plan = common::plan_inventory("proc", &inv, &gguf, &ask);
     let host = strata_exec::load::open_model(&gguf).unwrap();
-    let mut e =
-        strata_exec::backend::cuda::start::start_cuda(&plan, host, Default::default()).unwrap();
+    let mut e = strata_exec::backend::cuda::start::start_cuda(
+        &plan,
+        host,
+        strata_exec::backend::cuda::options::CudaOptions::f32_products(),
+    )
+    .unwrap();
     e.prefill(0, &[3, 14, 15, 92, 65], false).unwrap();
     e.prefill(1, &[35, 89], false).unwrap();
     e

@@ -261,7 +261,7 @@ fn the_engine_runs_the_tiny_model_on_hip_as_the_cpu_engine_does() {
         let p = amd_plan("base", devices, split);
         let host = SafetensorsModel::open(&data("base")).unwrap();
         // Both planned devices on GPU 0 (one device object, as --gpu 0 runs a split).
-        let mut g = start_cuda(&p, Box::new(host), CudaOptions::default()).unwrap();
+        let mut g = start_cuda(&p, Box::new(host), CudaOptions::f32_products()).unwrap();
         assert_eq!(g.device().arch(), dev_arch());
         assert!(!g.grouped_prefill(), "no tensor-core prefill on HIP");
         let mut c = engine("base", &plan("base", &Ask::default()));

@@ -137,7 +137,7 @@ fn cuda_preflight(plan: &Plan, model: &Path) -> Result<(), String> {
     use strata_exec::backend::cuda::options::CudaOptions;
     use strata_exec::backend::cuda::start::preflight;
     let host = GgufModel::open(model).map_err(|e| e.to_string())?;
-    preflight(plan, &host, &CudaOptions::default())
+    preflight(plan, &host, &CudaOptions::f32_products())
         .map(|_| ())
         .map_err(|e| e.to_string())
 }

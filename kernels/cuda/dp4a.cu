@@ -1,5 +1,5 @@
-// dp4a.cu: the decode products over int8 activations (`--kernel-options dp4a`, opt-in until
-// measured on a GPU): dq_quant_q8a quantizes a product's input rows once to blocks of 32
+// dp4a.cu: the decode products over int8 activations (the default for Q8_0 weights,
+// `--kernel-options dp4a` for Q4_K and Q6_K too): dq_quant_q8a quantizes a product's input rows once to blocks of 32
 // ("q8a": int8 quants, and per block its scale d and s = d * the sum of its quants), and
 // the products over Q8_0 (split layout), Q4_K and Q6_K weights dot 4 weight quants with 4
 // activation quants per dp4a instruction: the one- and few-token matrix-vector products
@@ -169,49 +169,61 @@ __device__ __forceinline__ float qa_q6k_dot(const QaQ6k& w, int l, long b, const
 
 #define QA_TY_Q6_K (ST_TY_GGML + QT_Q6_K)
 
-// acc[t] += the lane's part of row r of W (rows x cols, Q8_0 split, Q4_K or Q6_K) . q8a row t, for
-// t < n_tok (xq, xds at token 0; rows of cols).
+// Columns of every token's q8a row that a block of the multi-token products (NT > 1) stages
+// in shared memory at a time (Q8A_KC, kernels/src/consts.rs): a multiple of a warp's Q8_0
+// step (ST_WARP x 16 columns) and of its Q4_K / Q6_K step (ST_WARP / 32 blocks of 256), so
+// each lane walks its columns in the order it would over the whole row, and the staged
+// products equal the unstaged bit for bit.
+#define QA_KC Q8A_KC
+
+// acc[t] += the lane's part of row r of W (rows x cols, Q8_0 split, Q4_K or Q6_K) . q8a row t
+// over the columns [c0, c1) (c0 a multiple of QA_KC, c1 of 32, or of 256 for the K-quants),
+// for t < n_tok: token t's quants of those columns at xq + t * xstride (column c0 first) and
+// its (d, s) pairs at xds + t * dstride (block c0 / 32 first): the whole rows in global
+// memory (c0 = 0, c1 = cols, strides cols and cols / 32) or a staged chunk.
 template <int NT>
 __device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long rows, long cols,
-                                       long r, const u8* xq, const float2* xds, int n_tok,
+                                       long r, long c0, long c1, const u8* xq, long xstride,
+                                       const float2* xds, long dstride, int n_tok,
                                        float (&acc)[NT]) {
     const int lane = threadIdx.x % ST_WARP;
-    const long nq = cols / 32;
+    const long nq = cols / 32, b0 = c0 / QK_K;
     if (ty == ST_TY_Q4_K) {
         const int l = lane & 31;
-        const long nb = cols / QK_K;
-        const u8* wr = W + r * nb * Q4_K_BYTES;
-        for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+        const u8* wr = W + r * (cols / QK_K) * Q4_K_BYTES;
+        for (long b = b0 + (lane >> 5); b < c1 / QK_K; b += ST_WARP / 32) {
             QaQ4k w;
             qa_q4k_lane(wr + b * Q4_K_BYTES, l, w);
 #pragma unroll
             for (int t = 0; t < NT; ++t)
-                if (t < n_tok) acc[t] = qa_q4k_dot(w, l, b, xq + t * cols, xds + t * nq, acc[t]);
+                if (t < n_tok)
+                    acc[t] = qa_q4k_dot(w, l, b - b0, xq + t * xstride, xds + t * dstride, acc[t]);
         }
         return;
     }
     if (ty == QA_TY_Q6_K) {
         const int l = lane & 31;
-        const long nb = cols / QK_K;
-        const u8* wr = W + r * nb * 210;
-        for (long b = lane >> 5; b < nb; b += ST_WARP / 32) {
+        const u8* wr = W + r * (cols / QK_K) * 210;
+        for (long b = b0 + (lane >> 5); b < c1 / QK_K; b += ST_WARP / 32) {
             QaQ6k w;
             qa_q6k_lane(wr + b * 210, l, w);
 #pragma unroll
             for (int t = 0; t < NT; ++t)
-                if (t < n_tok) acc[t] = qa_q6k_dot(w, l, b, xq + t * cols, xds + t * nq, acc[t]);
+                if (t < n_tok)
+                    acc[t] = qa_q6k_dot(w, l, b - b0, xq + t * xstride, xds + t * dstride, acc[t]);
         }
         return;
     }
     const u8* qs = W + r * cols;
     const u16* ds = (const u16*)(W + rows * cols) + r * nq;
 #pragma unroll 2
-    for (long i0 = lane * 16; i0 < cols; i0 += ST_WARP * 16) {
+    for (long i0 = c0 + lane * 16; i0 < c1; i0 += ST_WARP * 16) {
         const int4 q = *(const int4*)(qs + i0);
         const float dw = st_h2f(ds[i0 / 32]);
 #pragma unroll
         for (int t = 0; t < NT; ++t)
-            if (t < n_tok) acc[t] = qa_q8_piece(q, dw, xq + t * cols, xds + t * nq, i0, acc[t]);
+            if (t < n_tok)
+                acc[t] = qa_q8_piece(q, dw, xq + t * xstride, xds + t * dstride, i0 - c0, acc[t]);
     }
 }
 
@@ -244,6 +256,67 @@ __device__ __forceinline__ bool qa_pick(const QaMats& m, int& r, const u8*& W, f
     return r < rows;
 }
 
+// y[t0 + t][r] (+)= the warp's sums of acc[t], t < n_tok (lane 0 writes).
+template <int NT>
+__device__ __forceinline__ void qa_store(float (&acc)[NT], float* y, int rows, int r, int t0,
+                                         int n_tok, int add) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (t < n_tok) {
+            const float sum = st_warp_sum(acc[t]);
+            if (threadIdx.x % ST_WARP == 0) {
+                float* o = y + (long)(t0 + t) * rows + r;
+                *o = add ? *o + sum : sum;
+            }
+        }
+    }
+}
+
+// The multi-token products' loop (qa_mv_body, NT > 1): the block's warps take rows
+// g0 + warp for g0 = blockIdx.x * DQ_WARPS, + gridDim.x * DQ_WARPS, ... (uniform over the
+// block, so every warp meets the barriers), and for each QA_KC columns the block first stages
+// the n_tok tokens' quants (16 bytes a thread a step) and (d, s) pairs in shared memory, so
+// each weight is read once and every token's activations come from shared memory rather
+// than once per row from L1. xq, xds at token t0 (rows of cols). Static shared memory:
+// NT x (QA_KC + QA_KC / 4) bytes (20 KiB at NT = 16).
+template <int NT>
+__device__ __forceinline__ void qa_mv_staged(const QaMats& m, int cols, const u8* xq,
+                                             const float2* xds, int n_tok, int add, int t0) {
+    __shared__ __align__(16) u8 sq[NT * QA_KC];
+    __shared__ __align__(16) float2 sds[NT * (QA_KC / 32)];
+    const int total = m.r0 + m.r1 + m.r2;
+    const long nq = cols / 32;
+    for (int g0 = blockIdx.x * DQ_WARPS; g0 < total; g0 += gridDim.x * DQ_WARPS) {
+        int r = g0 + threadIdx.x / ST_WARP;
+        const u8* W;
+        float* y;
+        int rows, ty;
+        const bool mine = r < total && qa_pick(m, r, W, y, rows, ty);
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+        for (int c0 = 0; c0 < cols; c0 += QA_KC) {
+            const int kc = min(QA_KC, cols - c0);  // a multiple of 32
+            const int v16 = kc / 16, nb = kc / 32;
+            __syncthreads();  // the previous chunk's readers are done
+            for (int i = threadIdx.x; i < n_tok * v16; i += blockDim.x) {
+                const int t = i / v16, v = i - t * v16;
+                *(int4*)(sq + t * QA_KC + 16 * v) =
+                    *(const int4*)(xq + (long)t * cols + c0 + 16 * v);
+            }
+            for (int i = threadIdx.x; i < n_tok * nb; i += blockDim.x) {
+                const int t = i / nb, b = i - t * nb;
+                sds[t * (QA_KC / 32) + b] = xds[(long)t * nq + c0 / 32 + b];
+            }
+            __syncthreads();
+            if (mine)
+                qa_row<NT>(W, ty, rows, cols, r, c0, c0 + kc, sq, QA_KC, sds, QA_KC / 32, n_tok,
+                           acc);
+        }
+        if (mine) qa_store<NT>(acc, y, rows, r, t0, n_tok, add);
+    }
+}
+
 // One token over Q8_0 rows of at most QA_XR_COLS columns: the lane's activation pieces (the
 // same 16-column pieces at lane * 16 + u * warp * 16 in every row) and their scales held in
 // registers while the warp walks its rows (a capped grid over a tall matrix, the LM head).
@@ -251,11 +324,12 @@ __device__ __forceinline__ bool qa_pick(const QaMats& m, int& r, const u8*& W, f
 
 // y[t][r] (+)= W_r . q8a[t] for t < n_tok over the stacked rows: warp w of the grid takes
 // rows w, w + gridDim.x * DQ_WARPS, ... (one each unless the host capped the grid), NT tokens
-// a grid row. grid: (at most ceil((r0 + r1 + r2) / DQ_WARPS), ceil(n_tok / NT)); block:
-// DQ_WARPS warps.
+// a grid row; with NT > 1 and `stage` the block stages the tokens' q8a rows in shared memory
+// (qa_mv_staged; the same sums bit for bit), else each warp reads them from global memory.
+// grid: (at most ceil((r0 + r1 + r2) / DQ_WARPS), ceil(n_tok / NT)); block: DQ_WARPS warps.
 template <int NT>
 __device__ __forceinline__ void qa_mv_body(const QaMats& m, int cols, const u8* xq,
-                                           const float2* xds, int n_tok, int add) {
+                                           const float2* xds, int n_tok, int add, int stage) {
     const int total = m.r0 + m.r1 + m.r2;
     const int w0 = blockIdx.x * DQ_WARPS + threadIdx.x / ST_WARP;
     const int stride = gridDim.x * DQ_WARPS;
@@ -317,6 +391,10 @@ __device__ __forceinline__ void qa_mv_body(const QaMats& m, int cols, const u8* 
         }
         return;
     }
+    if (NT > 1 && stage) {
+        qa_mv_staged<NT>(m, cols, xq, xds, n_tok, add, t0);
+        return;
+    }
     for (int g = w0; g < total; g += stride) {
         int r = g;
         const u8* W;
@@ -326,46 +404,37 @@ __device__ __forceinline__ void qa_mv_body(const QaMats& m, int cols, const u8* 
         float acc[NT];
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-        qa_row<NT>(W, ty, rows, cols, r, xq, xds, n_tok, acc);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            if (t < n_tok) {
-                const float sum = st_warp_sum(acc[t]);
-                if (lane == 0) {
-                    float* o = y + (long)(t0 + t) * rows + r;
-                    *o = add ? *o + sum : sum;
-                }
-            }
-        }
+        qa_row<NT>(W, ty, rows, cols, r, 0, cols, xq, cols, xds, cols / 32, n_tok, acc);
+        qa_store<NT>(acc, y, rows, r, t0, n_tok, add);
     }
 }
 
 ST_KERNEL void dq4_mv1(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
                         int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
-                        float* y0, float* y1, float* y2, int n_tok, int add) {
+                        float* y0, float* y1, float* y2, int n_tok, int add, int stage) {
     qa_mv_body<1>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
-                    n_tok, add);
+                    n_tok, add, stage);
 }
 
 ST_KERNEL void dq4_mv4(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
                         int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
-                        float* y0, float* y1, float* y2, int n_tok, int add) {
+                        float* y0, float* y1, float* y2, int n_tok, int add, int stage) {
     qa_mv_body<4>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
-                    n_tok, add);
+                    n_tok, add, stage);
 }
 
 ST_KERNEL void dq4_mv8(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
                         int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
-                        float* y0, float* y1, float* y2, int n_tok, int add) {
+                        float* y0, float* y1, float* y2, int n_tok, int add, int stage) {
     qa_mv_body<8>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
-                    n_tok, add);
+                    n_tok, add, stage);
 }
 
 ST_KERNEL void dq4_mv16(const u8* w0, const u8* w1, const u8* w2, int t0, int t1, int t2,
                         int r0, int r1, int r2, int cols, const u8* xq, const float2* xds,
-                        float* y0, float* y1, float* y2, int n_tok, int add) {
+                        float* y0, float* y1, float* y2, int n_tok, int add, int stage) {
     qa_mv_body<16>(QaMats{w0, w1, w2, y0, y1, y2, r0, r1, r2, t0, t1, t2}, cols, xq, xds,
-                    n_tok, add);
+                    n_tok, add, stage);
 }
 
 // One token, row r of two Q8_0 matrices (F x E, the experts' gate and up): g and u += the
@@ -409,8 +478,8 @@ ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, in
     if (ty == ST_TY_Q8_0) {
         qa_pair_q8(G, U, F, E, row, xt, dt, g[0], u[0]);
     } else {
-        qa_row<1>(G, ty, F, E, row, xt, dt, 1, g);
-        qa_row<1>(U, ty, F, E, row, xt, dt, 1, u);
+        qa_row<1>(G, ty, F, E, row, 0, E, xt, E, dt, E / 32, 1, g);
+        qa_row<1>(U, ty, F, E, row, 0, E, xt, E, dt, E / 32, 1, u);
     }
     const float gs = st_warp_sum(g[0]), us = st_warp_sum(u[0]);
     if (threadIdx.x % ST_WARP == 0) h[(long)a * F + row] = dq_silu(gs) * us;

@@ -24,6 +24,11 @@ pub const DQ_XR_PIECES: usize = 4;
 /// 16-column pieces per lane of the one-token int8-activation Q8_0 product's register path
 /// (`dq4_mv1`, dp4a.cu: rows of at most `Q8A_XR_PIECES x warp x 16` columns).
 pub const Q8A_XR_PIECES: usize = 8;
+/// Columns of each token's q8a row the multi-token int8-activation products (`dq4_mv4/8/16`,
+/// dp4a.cu) stage in shared memory at a time: a multiple of a warp's step over Q8_0 (warp x
+/// 16) and over the K-quants (256 x warp / 32) for 32- and 64-lane warps, so each lane's sums
+/// run in the order of the unstaged loop.
+pub const Q8A_KC: usize = 1024;
 /// Warps per block of the multi-token products (`dq_rows_mv*`, `dq_rows_qkv*`, rows.cu).
 pub const RW_WARPS: u32 = 4;
 /// Output rows per warp tile of the multi-token products (each lane holds a quarter of them).
@@ -75,6 +80,7 @@ pub fn all() -> Vec<(&'static str, String)> {
         ("DQ_WARPS", DQ_WARPS.to_string()),
         ("DQ_XR_PIECES", DQ_XR_PIECES.to_string()),
         ("Q8A_XR_PIECES", Q8A_XR_PIECES.to_string()),
+        ("Q8A_KC", Q8A_KC.to_string()),
         ("RW_WARPS", RW_WARPS.to_string()),
         ("RW_TILE", RW_TILE.to_string()),
         ("RW_KC", RW_KC.to_string()),

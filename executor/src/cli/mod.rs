@@ -119,15 +119,16 @@ pub struct PlanArgs {
     /// launches it replaces, comma-separated: unfused-topk (the router's top-k in a launch of
     /// its own), unfused-attention (decode attention in three launches), attn-chunk=N (the
     /// fused attention's smallest split, cells; default 32), no-staging (one-token products
-    /// read their input from global memory), host-pick (greedy and sampled tokens picked on
-    /// the host from the logits), expert-lfu (on plans with experts outside VRAM, the expert
+    /// and the few-token int8 products read their input from global memory), host-pick
+    /// (greedy and sampled tokens picked on the host from the logits), expert-lfu (on plans with experts outside VRAM, the expert
     /// cache replaces the least frequently used expert and keeps the profile's hottest
     /// pinned, instead of LRU), q4k-own (one-token Q4_K products on Q4_K's own kernels instead
-    /// of the K-quant lane mapping that Q5_K, Q6_K and IQ3_S share). Every variant gives the
-    /// same tokens, but dp4a (off by default; not yet measured on a GPU): the decode products
-    /// over Q8_0, Q4_K and Q6_K weights quantize their input to int8 once per product input
+    /// of the K-quant lane mapping that Q5_K, Q6_K and IQ3_S share), dp4a (the decode products
+    /// over Q4_K and Q6_K weights on int8 activations too, as those over Q8_0 run by default),
+    /// f32-products (every decode product on f32 activations, Q8_0's too). Every variant gives
+    /// the same tokens, but the int8 products: they quantize each product input to int8 once
     /// and dot 4 quants an instruction, which rounds the inputs to 8 bits (tests/cuda_dp4a.rs
-    /// states the bounds).
+    /// states the bounds); on the H200 they decode Q8_0 weights faster and Q4_K slower.
     #[arg(long, value_delimiter = ',', value_name = "OPT,OPT,...")]
     pub kernel_options: Vec<String>,
     /// On plans with experts outside VRAM (CUDA): where a decode step's missed experts are

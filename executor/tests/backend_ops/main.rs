@@ -108,7 +108,7 @@ fn backends(
     let host = Arc::new(MemModel::new("qwen3moe", s.hp.clone(), s.weights.clone()).unwrap());
     let opts = CudaOptions {
         kernels,
-        ..CudaOptions::default()
+        ..CudaOptions::f32_products()
     };
     let st = StandaloneStage {
         slots: s.slots,
@@ -264,7 +264,7 @@ fn ok<T, E: std::fmt::Display>(r: Result<T, E>, what: &str) -> T {
 
 /// Every kernel variant a decode pass can take.
 fn variants() -> Vec<(&'static str, KernelOptions)> {
-    let d = KernelOptions::default();
+    let d = KernelOptions::f32_products();
     vec![
         ("default", d),
         (
@@ -295,7 +295,7 @@ fn rms_norm_rows_and_offsets() {
             kv: KvType::F16,
             tokens: 20,
         };
-        let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::default());
+        let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::f32_products());
         let (vc, vg) = (
             ok(cpu.vector("n.weight", e), "cpu"),
             ok(gpu.vector("n.weight", e), "gpu"),
@@ -338,7 +338,7 @@ fn concat_rows_side_by_side() {
             kv: KvType::F16,
             tokens: 20,
         };
-        let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::default());
+        let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::f32_products());
         for n in [1usize, 5, 19] {
             let (a, b) = (
                 rand_vec(&mut rng, n * e, 2.0),
@@ -616,7 +616,7 @@ fn embedding_rows_every_type() {
             kv: KvType::F16,
             tokens: 12,
         };
-        let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::default());
+        let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::f32_products());
         let tc = ok(cpu.matrix("token_embd.weight", 1000, e), "cpu");
         let tg = ok(gpu.matrix("token_embd.weight", 1000, e), "gpu");
         let toks: Vec<u32> = (0..11).map(|i| (i * 97 + 3) % 1000).collect();
@@ -1095,7 +1095,7 @@ fn picks_on_the_device_equal_the_host() {
         tokens: 8,
     };
     let v = 1000usize;
-    let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::default());
+    let (mut cpu, mut gpu) = backends(dev.clone(), &s, KernelOptions::f32_products());
     let mut sampler = Sampler::new(SamplingParams {
         temperature: 0.8,
         top_k: 40,

@@ -35,7 +35,7 @@ fn backends_next(dev: Arc<CudaDevice>, s: &Setup) -> (CpuStage<'static>, CudaSta
     let lin = (0..s.hp.n_layer)
         .filter(|&l| s.hp.layer_kind(l) == strata_schemas::inventory::LayerKind::LinearAttention)
         .count();
-    let (cpu, gpu) = backends(dev, s, KernelOptions::default());
+    let (cpu, gpu) = backends(dev, s, KernelOptions::f32_products());
     (
         cpu.with_linear_state(LinearState::owned(&d, lin, s.slots)),
         gpu,

@@ -1,12 +1,12 @@
-//! The seam's products on int8 activations (`--kernel-options dp4a`): where the CUDA stage
+//! The seam's products on int8 activations (by default over Q8_0 weights; `--kernel-options
+//! dp4a` adds Q4_K and Q6_K, `f32-products` turns them off): where the CUDA stage
 //! quantizes a product's input once (`launch::dp4a::quantize`, into the plan's `xh` buffer,
 //! which only the tensor-core prefill uses otherwise) and runs the `dq4_*` products over it
 //! instead of the f32 ones: Q/K/V (one input, one launch), the output projection, the
 //! experts' gate/up (one input for both) and down (the SwiGLU output quantized once).
-//! Invariant: each entry answers `Ok(false)` having launched nothing when the option is off,
-//! the pass is longer than the products take (16 tokens), a weight type is not Q8_0, Q4_K or
-//! Q6_K,
-//! or `xh` cannot hold the quantized rows; the caller then runs the f32 products. The
+//! Invariant: each entry answers `Ok(false)` having launched nothing when a weight type is not
+//! one the options' `int8` covers (`Int8Products::covers`), the pass is longer than the
+//! products take (16 tokens), or `xh` cannot hold the quantized rows; the caller then runs the f32 products. The
 //! callers (forward.rs) have already sent tensor-core passes elsewhere, so `xh` is free.
 
 use super::forward::{mat_bytes, CMat};
@@ -16,12 +16,13 @@ use super::launch::{Launcher, Mat};
 use super::stage::CudaStage;
 use super::{CudaError, DeviceView};
 use crate::backend::WorkBuf;
+use strata_schemas::ggml::GgmlType;
 
 impl CudaStage {
-    /// `xh` as q8a rows of `rows x cols`, when the option is on, the pass has 1..=16 tokens
-    /// (`n`) and `xh` holds them.
+    /// `xh` as q8a rows of `rows x cols`, when the pass has 1..=16 tokens (`n`) and `xh`
+    /// holds them.
     fn q8a_rows(&self, n: usize, rows: usize, cols: usize) -> Option<Q8a<'_>> {
-        if !self.opts.dp4a || n == 0 || n > dp4a::MAX_TOK || cols % 32 != 0 {
+        if n == 0 || n > dp4a::MAX_TOK || cols % 32 != 0 {
             return None;
         }
         let buf = self.buf(WorkBuf::Xh).ok()?;
@@ -29,6 +30,12 @@ impl CudaStage {
             return None;
         }
         Q8a::carve(buf, rows, cols).ok()
+    }
+
+    /// Whether products over rows of `cols` of `ty` run on int8 activations: the options
+    /// cover the type and a kernel reads it.
+    fn int8_covers(&self, ty: GgmlType, cols: usize) -> bool {
+        self.opts.int8.covers(ty) && dp4a::supports(ty, cols)
     }
 
     /// Products of one input `x` (n rows) into each output: `outs` of one width, each of a
@@ -49,7 +56,7 @@ impl CudaStage {
         let cols = first.cols;
         let fits = outs
             .iter()
-            .all(|(m, _)| m.cols == cols && dp4a::supports(m.ty, m.cols));
+            .all(|(m, _)| m.cols == cols && self.int8_covers(m.ty, m.cols));
         if !fits || outs.len() > 3 {
             return Ok(false);
         }
@@ -68,7 +75,7 @@ impl CudaStage {
             });
             ys.push(self.buf_at(*y, 0, 4 * (n * m.rows) as u64)?);
         }
-        dp4a::mv(l, label, &mats, &xq, &ys, n, add)?;
+        dp4a::mv(l, label, &mats, &xq, &ys, n, add, self.opts.stage_inputs)?;
         Ok(true)
     }
 
@@ -85,7 +92,7 @@ impl CudaStage {
         h: DeviceView<'_>,
         n: usize,
     ) -> Result<bool, CudaError> {
-        if ex.ty != ex.ty_up || !dp4a::supports(ex.ty, ex.e) {
+        if ex.ty != ex.ty_up || !self.int8_covers(ex.ty, ex.e) {
             return Ok(false);
         }
         let Some(xq) = self.q8a_rows(n, n, ex.e) else {
@@ -110,7 +117,7 @@ impl CudaStage {
         y: DeviceView<'_>,
         n: usize,
     ) -> Result<bool, CudaError> {
-        if !dp4a::supports(ex.ty_down, ex.f) || k > super::launch::DQ_DOWN_MAXK {
+        if !self.int8_covers(ex.ty_down, ex.f) || k > super::launch::DQ_DOWN_MAXK {
             return Ok(false);
         }
         let Some(hq) = self.q8a_rows(n, n * k, ex.f) else {

@@ -5,9 +5,37 @@
 //! the launches it replaces), parsed once at start-up.
 //! Invariant: nothing here is read from the environment, and every variant computes the same
 //! function (most bit for bit; where a variant sums in another order, its doc says so), but
-//! `dp4a`, which rounds the products' inputs to 8 bits and says so.
+//! the int8 products ([`Int8Products`]: on by default for Q8_0 weights, `dp4a` for every type
+//! that has them, `f32-products` for none), which round the products' inputs to 8 bits and
+//! say so.
 
 use super::handoff::HandoffPolicy;
+use strata_schemas::ggml::GgmlType;
+
+/// Which weight types' decode products run on int8 activations (`dp4a.cu`): measured on the
+/// H200 (BENCHMARKS.md, 2026-12-05), Q8_0 decode gains (+11% at batch 1, +2% at 16 slots),
+/// Q4_K loses (0% at batch 1, -18% at 16 slots), hence the per-type default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Int8Products {
+    /// Every product in f32 (`--kernel-options f32-products`): the CPU engine's numerics.
+    None,
+    /// Q8_0 weights only (the default); Q4_K and Q6_K keep the f32 kernels.
+    #[default]
+    Q8_0,
+    /// Every type with an int8 kernel: Q8_0, Q4_K and Q6_K (`--kernel-options dp4a`).
+    All,
+}
+
+impl Int8Products {
+    /// Whether products over weights of `ty` run on int8 activations.
+    pub fn covers(self, ty: GgmlType) -> bool {
+        match self {
+            Int8Products::None => false,
+            Int8Products::Q8_0 => ty == GgmlType::Q8_0,
+            Int8Products::All => matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K),
+        }
+    }
+}
 
 /// Launch variants of decode steps, for comparison (`--kernel-options`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,8 +51,9 @@ pub struct KernelOptions {
     /// The fused attention's smallest split, in cells (`attn-chunk=N`, default 32).
     pub attn_chunk: u32,
     /// One-token Q8_0 products stage their input in shared memory (`no-staging` reads it
-    /// from global memory): Q/K/V, the output projection and the MoE gate/up. Bit for bit the
-    /// same logits either way.
+    /// from global memory): Q/K/V, the output projection and the MoE gate/up; and so do the
+    /// int8 products of 2..16 tokens (`dq4_mv4/8/16`, their q8a rows). Bit for bit the same
+    /// logits either way.
     pub stage_inputs: bool,
     /// Greedy and sampled picks read the logits back and pick on the host (`host-pick`)
     /// instead of on the device. The same tokens either way.
@@ -40,14 +69,16 @@ pub struct KernelOptions {
     /// file, which `q4k-own` runs instead for comparison. Within the products' f32 tolerance
     /// of each other (the sums run in another order; 1.7e-4 relative on the logits measured).
     pub q4k_lanes: bool,
-    /// The decode products over Q8_0, Q4_K and Q6_K weights on int8 activations (`dp4a`): each
-    /// product input of 1..16 tokens quantized once to blocks of 32 (`dq_quant_q8a`, into the
-    /// plan's `xh` buffer, which the tensor-core prefill alone uses otherwise) and dotted 4
-    /// quants an instruction (`dq4_*`, kernels/cuda/dp4a.cu): Q/K/V, the output projection,
-    /// the experts' gate/up and down. Not the same function: the inputs are rounded to 8 bits
-    /// a value (tests/cuda_dp4a.rs states the bounds). Off by default until measured on a GPU;
-    /// plans whose `xh` is too small (no tensor-core prefill) keep the f32 products.
-    pub dp4a: bool,
+    /// The decode products on int8 activations, for the weight types `int8` covers (Q8_0 by
+    /// default; `dp4a`: Q8_0, Q4_K and Q6_K; `f32-products`: none): each product input of
+    /// 1..16 tokens quantized once to blocks of 32 (`dq_quant_q8a`, into the plan's `xh`
+    /// buffer, which the tensor-core prefill alone uses otherwise) and dotted 4 quants an
+    /// instruction (`dq4_*`, kernels/cuda/dp4a.cu): Q/K/V, the output projection, the
+    /// experts' gate/up and down. Not the same function: the inputs are rounded to 8 bits a
+    /// value (tests/cuda_dp4a.rs states the bounds). Plans whose `xh` is too small (no
+    /// tensor-core prefill) and experts served through the expert cache keep the f32
+    /// products.
+    pub int8: Int8Products,
 }
 
 impl Default for KernelOptions {
@@ -60,19 +91,29 @@ impl Default for KernelOptions {
             host_pick: false,
             expert_lfu: false,
             q4k_lanes: true,
-            dp4a: false,
+            int8: Int8Products::Q8_0,
         }
     }
 }
 
 /// The values `--kernel-options` takes, for `--help` and errors.
 pub const KERNEL_OPTIONS_HELP: &str =
-    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu, q4k-own, dp4a";
+    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu, q4k-own, dp4a, f32-products";
 
 impl KernelOptions {
+    /// The defaults with every product in f32 (`f32-products`): what the tests comparing the
+    /// CUDA engine with the CPU engine's f32 numerics run.
+    pub fn f32_products() -> Self {
+        Self {
+            int8: Int8Products::None,
+            ..Self::default()
+        }
+    }
+
     /// Parse a comma-separated `--kernel-options` list over the defaults.
     pub fn parse(list: &[String]) -> Result<Self, String> {
         let mut o = Self::default();
+        let mut int8: Option<(&str, Int8Products)> = None;
         for item in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
             match item {
                 "unfused-topk" => o.fused_topk = false,
@@ -81,7 +122,22 @@ impl KernelOptions {
                 "host-pick" => o.host_pick = true,
                 "expert-lfu" => o.expert_lfu = true,
                 "q4k-own" => o.q4k_lanes = false,
-                "dp4a" => o.dp4a = true,
+                "dp4a" | "f32-products" => {
+                    let want = if item == "dp4a" {
+                        Int8Products::All
+                    } else {
+                        Int8Products::None
+                    };
+                    if let Some((other, had)) = int8 {
+                        if had != want {
+                            return Err(format!(
+                                "--kernel-options: `{other}` and `{item}` contradict each other (dp4a: int8 products for Q8_0, Q4_K and Q6_K; f32-products: for none): give one"
+                            ));
+                        }
+                    }
+                    int8 = Some((item, want));
+                    o.int8 = want;
+                }
                 _ => match item.strip_prefix("attn-chunk=") {
                     Some(v) => {
                         o.attn_chunk = v
@@ -183,6 +239,16 @@ pub struct CudaOptions {
     pub kv_host: KvHostOverride,
 }
 
+impl CudaOptions {
+    /// The defaults with every product in f32 ([`KernelOptions::f32_products`]).
+    pub fn f32_products() -> Self {
+        Self {
+            kernels: KernelOptions::f32_products(),
+            ..Self::default()
+        }
+    }
+}
+
 impl Default for CudaOptions {
     fn default() -> Self {
         Self {
@@ -217,8 +283,22 @@ mod tests {
         let o = KernelOptions::parse(&["no-staging".into(), "host-pick".into()]).unwrap();
         assert!(!o.stage_inputs && o.host_pick && !o.expert_lfu && o.q4k_lanes);
         assert!(!KernelOptions::parse(&["q4k-own".into()]).unwrap().q4k_lanes);
-        assert!(!KernelOptions::default().dp4a);
-        assert!(KernelOptions::parse(&["dp4a".into()]).unwrap().dp4a);
+        let d = KernelOptions::default();
+        assert_eq!(d.int8, Int8Products::Q8_0);
+        assert!(d.int8.covers(GgmlType::Q8_0) && !d.int8.covers(GgmlType::Q4K));
+        assert!(!d.int8.covers(GgmlType::Q6K) && !d.int8.covers(GgmlType::F32));
+        let all = KernelOptions::parse(&["dp4a".into()]).unwrap().int8;
+        assert_eq!(all, Int8Products::All);
+        assert!(
+            all.covers(GgmlType::Q8_0) && all.covers(GgmlType::Q4K) && all.covers(GgmlType::Q6K)
+        );
+        assert!(!all.covers(GgmlType::BF16));
+        let none = KernelOptions::parse(&["f32-products".into()]).unwrap();
+        assert_eq!(none, KernelOptions::f32_products());
+        assert!(!none.int8.covers(GgmlType::Q8_0));
+        let e = KernelOptions::parse(&["dp4a".into(), "f32-products".into()]).unwrap_err();
+        assert!(e.contains("`dp4a`") && e.contains("`f32-products`"), "{e}");
+        assert!(KernelOptions::parse(&["dp4a".into(), "dp4a".into()]).is_ok());
         assert!(
             KernelOptions::parse(&["expert-lfu".into()])
                 .unwrap()

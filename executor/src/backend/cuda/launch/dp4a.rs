@@ -80,6 +80,10 @@ pub fn supports(ty: GgmlType, cols: usize) -> bool {
 /// (dp4a.cu's QA_XR_COLS: `Q8A_XR_PIECES` pieces of 16 columns a lane of a 32-wide warp).
 pub const XR_COLS: usize = strata_kernels::consts::Q8A_XR_PIECES * 32 * 16;
 
+/// Columns of each token's q8a row the multi-token products stage in shared memory at a time
+/// (dp4a.cu's QA_KC).
+pub const STAGE_COLS: usize = strata_kernels::consts::Q8A_KC;
+
 /// Most tokens one launch of the products takes on a grid row (more go in chunks on grid.y).
 pub const MAX_TOK: usize = 16;
 
@@ -103,7 +107,10 @@ pub fn quantize(l: &Launcher<'_>, x: DeviceView<'_>, out: &Q8a<'_>) -> Result<()
 
 /// `dq4_mv1/4/8/16`: `y_i (+)= W_i q8a(x)` for `n` tokens over one to three matrices of
 /// `x.cols` columns, each of a supported type of its own ([`supports`]), one launch (Q/K/V:
-/// three). `label` names the launch in profiles.
+/// three). `label` names the launch in profiles. With `stage`, a launch of two tokens or more
+/// stages the tokens' q8a rows in shared memory ([`STAGE_COLS`] columns at a time) rather
+/// than each warp reading them from global memory: the same sums bit for bit.
+#[allow(clippy::too_many_arguments)]
 pub fn mv(
     l: &Launcher<'_>,
     label: &'static str,
@@ -112,6 +119,7 @@ pub fn mv(
     ys: &[DeviceView<'_>],
     n: usize,
     add: bool,
+    stage: bool,
 ) -> Result<(), CudaError> {
     const OP: &str = "mv_q8a";
     if mats.is_empty() || mats.len() > 3 || mats.len() != ys.len() {
@@ -168,12 +176,13 @@ pub fn mv(
     let y = |i: usize| ys.get(i).map_or(0, |v| v.ptr());
     let (w0, w1, w2, r0, r1, r2) = (w(0), w(1), w(2), r(0), r(1), r(2));
     let (y0, y1, y2) = (y(0), y(1), y(2));
-    let (c, xq, xd, n32, add) = (
+    let (c, xq, xd, n32, add, stage) = (
         cols as i32,
         x.q.ptr(),
         x.ds.ptr(),
         int(OP, "n", n)?,
         add as i32,
+        stage as i32,
     );
     // One token over Q8_0 rows the kernel holds in registers: a tall matrix (the LM head)
     // caps its grid and each warp walks rows (`walk_blocks`); else a warp per row.
@@ -185,7 +194,7 @@ pub fn mv(
     let grid = (blocks, n.div_ceil(nt) as u32, 1);
     launch!(l, name => label, cfg(grid, 32 * DQ_WARPS, 0);
         &w0, &w1, &w2, &codes[0], &codes[1], &codes[2], &r0, &r1, &r2, &c, &xq, &xd, &y0, &y1,
-        &y2, &n32, &add)
+        &y2, &n32, &add, &stage)
 }
 
 /// `dq4_moe_gate_up`: `h[a] = silu(G_e q8a(x)[t]) * (U_e q8a(x)[t])` for every assignment

@@ -1,6 +1,7 @@
 //! A host emulation of `kernels/cuda/dp4a.cu`'s lane arithmetic — the q8a quantization, the
 //! integer dot products of 4 quants, the scales applied in the kernels' order (`fmaf` where
-//! they use it), the warp's butterfly sum and the MoE down's block sum — checked without a
+//! they use it), the warp's butterfly sum, the MoE down's block sum and the multi-token
+//! products' staging of the q8a rows in shared memory (`stage`) — checked without a
 //! GPU against an f64 reference of the weights times the quantized inputs (tight: the
 //! algorithm) and times the f32 inputs (the stated quantization bound).
 //! Invariant: each emulated step is the kernel's, in its order, so a wrong lane mapping,
@@ -52,11 +53,14 @@ fn warp_sum(mut v: [f32; WARP]) -> f32 {
     v[0]
 }
 
-/// Quantized activation rows as the kernels read them: quants as bytes, (d, s) per block.
+/// Quantized activation rows as the kernels read them: quants as bytes, (d, s) per block;
+/// rows of `cols` (the stride) from column `c0` on: whole rows in global memory (c0 = 0), or
+/// a chunk staged in shared memory (`cols` = STAGE_COLS, c0 the chunk's first column).
 struct Act {
     q: Vec<u8>,
     ds: Vec<[f32; 2]>,
     cols: usize,
+    c0: usize,
 }
 
 fn act(x: &[f32], cols: usize) -> Act {
@@ -65,18 +69,45 @@ fn act(x: &[f32], cols: usize) -> Act {
         q: h.q.iter().map(|&v| v as u8).collect(),
         ds: h.ds,
         cols,
+        c0: 0,
+    }
+}
+
+/// qa_mv_staged's copy of columns [c0, c0 + kc) of the first `n` rows of `a` (whole rows)
+/// into the shared arrays: item i of the quants' loop copies 16 bytes of token i / (kc / 16),
+/// item i of the pairs' loop one pair of token i / (kc / 32); rows STAGE_COLS apart, the
+/// rest of the arrays never written (here quants 0x55 and NaN pairs, which a stray read shows).
+fn stage(a: &Act, n: usize, c0: usize, kc: usize) -> Act {
+    let kcs = super::STAGE_COLS;
+    let mut q = vec![0x55u8; n * kcs];
+    let mut ds = vec![[f32::NAN; 2]; n * kcs / 32];
+    let (v16, nb) = (kc / 16, kc / 32);
+    for i in 0..n * v16 {
+        let (t, v) = (i / v16, i % v16);
+        let src = t * a.cols + c0 + 16 * v;
+        q[t * kcs + 16 * v..t * kcs + 16 * v + 16].copy_from_slice(&a.q[src..src + 16]);
+    }
+    for i in 0..n * nb {
+        let (t, b) = (i / nb, i % nb);
+        ds[t * (kcs / 32) + b] = a.ds[t * (a.cols / 32) + c0 / 32 + b];
+    }
+    Act {
+        q,
+        ds,
+        cols: kcs,
+        c0,
     }
 }
 
 /// qa_q8_piece: acc + piece (16 weight quants at column i0 of weight row `wq`, scale dw) .
 /// activation row t.
 fn q8_piece(wq: &[u8], dw: f32, a: &Act, t: usize, i0: usize, acc: f32) -> f32 {
-    let xq = &a.q[t * a.cols + i0..];
+    let xq = &a.q[t * a.cols + i0 - a.c0..];
     let mut s = 0;
     for j in 0..4 {
         s = dp4a(word(&wq[i0 + 4 * j..]), word(&xq[4 * j..]), s);
     }
-    (dw * a.ds[t * a.cols / 32 + i0 / 32][0]).mul_add(s as f32, acc)
+    (dw * a.ds[t * a.cols / 32 + (i0 - a.c0) / 32][0]).mul_add(s as f32, acc)
 }
 
 /// qa_q4k_lane + qa_q4k_dot: acc + lane l's part of block b of Q4_K row `row` . activation t.
@@ -89,8 +120,9 @@ fn q4k_lane(row: &[u8], l: usize, b: usize, a: &Act, t: usize, acc: f32) -> f32 
     let qs = word(&blk[16 + 32 * g + j..]);
     let (qa, qb) = (qs & 0x0F0F_0F0F, (qs >> 4) & 0x0F0F_0F0F);
     let (ka, kb, ma, mb) = (d * sc0, d * sc1, dmin * m0, dmin * m1);
-    let ia = t * a.cols + b * 256 + 64 * g + j;
-    let nq = t * a.cols / 32 + b * 8 + 2 * g;
+    let xb = b - a.c0 / 256;
+    let ia = t * a.cols + xb * 256 + 64 * g + j;
+    let nq = t * a.cols / 32 + xb * 8 + 2 * g;
     let (da, db) = (a.ds[nq], a.ds[nq + 1]);
     let sa = dp4a(qa, word(&a.q[ia..]), 0);
     let sb = dp4a(qb, word(&a.q[ia + 32..]), 0);
@@ -126,8 +158,9 @@ fn q6k_lane(row: &[u8], l: usize, b: usize, a: &Act, t: usize, acc: f32) -> f32 
         d * blk[192 + sc] as i8 as f32,
         d * blk[192 + sc + 4] as i8 as f32,
     );
-    let ia = t * a.cols + b * 256 + 128 * n + 32 * h + j;
-    let nq = t * a.cols / 32 + b * 8 + 4 * n + h;
+    let xb = b - a.c0 / 256;
+    let ia = t * a.cols + xb * 256 + 128 * n + 32 * h + j;
+    let nq = t * a.cols / 32 + xb * 8 + 4 * n + h;
     let (da, db) = (a.ds[nq][0], a.ds[nq + 2][0]);
     let sa = dp4a(qa, word(&a.q[ia..]), 0);
     let sb = dp4a(qb, word(&a.q[ia + 64..]), 0);
@@ -168,13 +201,21 @@ impl W {
         }
     }
 
-    /// The lane's part of row r . activation t (qa_row for one token).
-    fn lane(&self, r: usize, lane: usize, a: &Act, t: usize) -> f32 {
-        let mut acc = 0f32;
+    /// acc + the lane's part of row r . activation t over the columns [c0, c1) (qa_row).
+    fn lane(
+        &self,
+        r: usize,
+        lane: usize,
+        (c0, c1): (usize, usize),
+        a: &Act,
+        t: usize,
+        acc: f32,
+    ) -> f32 {
+        let mut acc = acc;
         if self.ty == GgmlType::Q6K {
             let nb = self.cols / 256;
             let row = &self.dev[r * nb * 210..(r + 1) * nb * 210];
-            for b in 0..nb {
+            for b in c0 / 256..c1 / 256 {
                 acc = q6k_lane(row, lane, b, a, t, acc);
             }
             return acc;
@@ -182,15 +223,15 @@ impl W {
         if self.ty == GgmlType::Q4K {
             let nb = self.cols / 256;
             let row = &self.dev[r * nb * 144..(r + 1) * nb * 144];
-            for b in 0..nb {
+            for b in c0 / 256..c1 / 256 {
                 acc = q4k_lane(row, lane, b, a, t, acc);
             }
             return acc;
         }
         let wq = &self.dev[r * self.cols..(r + 1) * self.cols];
         let scales = &self.dev[self.rows * self.cols + 2 * r * (self.cols / 32)..];
-        let mut i0 = lane * 16;
-        while i0 < self.cols {
+        let mut i0 = c0 + lane * 16;
+        while i0 < c1 {
             let dw = h2f(&scales[2 * (i0 / 32)..]);
             acc = q8_piece(wq, dw, a, t, i0, acc);
             i0 += WARP * 16;
@@ -200,7 +241,24 @@ impl W {
 
     /// qa_mv_body's output for row r, token t: the warp's lanes summed.
     fn row(&self, r: usize, a: &Act, t: usize) -> f32 {
-        warp_sum(std::array::from_fn(|lane| self.lane(r, lane, a, t)))
+        warp_sum(std::array::from_fn(|lane| {
+            self.lane(r, lane, (0, self.cols), a, t, 0.0)
+        }))
+    }
+
+    /// qa_mv_staged's output for row r, token t of `n` tokens (`a` whole rows): each chunk
+    /// of STAGE_COLS columns staged, each lane's sum carried over the chunks.
+    fn row_staged(&self, r: usize, a: &Act, n: usize, t: usize) -> f32 {
+        let kcs = super::STAGE_COLS;
+        let mut acc = [0f32; WARP];
+        for c0 in (0..self.cols).step_by(kcs) {
+            let kc = kcs.min(self.cols - c0);
+            let st = stage(a, n, c0, kc);
+            for (lane, v) in acc.iter_mut().enumerate() {
+                *v = self.lane(r, lane, (c0, c0 + kc), &st, t, *v);
+            }
+        }
+        warp_sum(acc)
     }
 }
 
@@ -304,6 +362,45 @@ fn emulated_matvec_lanes_compute_the_quantized_products() {
                         xt,
                         xvt,
                     );
+                }
+            }
+        }
+    }
+}
+
+/// qa_mv_staged (the multi-token products, 2..16 tokens, their q8a rows staged in shared
+/// memory a chunk of STAGE_COLS columns at a time): each output equal to the unstaged loop's
+/// bit for bit (the chunks keep each lane's order) and within both bounds, over one chunk, a
+/// chunk and a part, and two chunks.
+#[test]
+fn emulated_staged_rows_equal_the_unstaged_products() {
+    let kc = super::STAGE_COLS;
+    let mut seed = 23u64;
+    for (ty, rows, cols) in [
+        (GgmlType::Q8_0, 5, 96),
+        (GgmlType::Q8_0, 3, kc + 96),
+        (GgmlType::Q8_0, 3, 2 * kc),
+        (GgmlType::Q4K, 3, kc + 256),
+        (GgmlType::Q4K, 2, 2 * kc),
+        (GgmlType::Q6K, 3, kc + 256),
+    ] {
+        let w = W::new(&mut seed, ty, rows, cols);
+        for n in [2, 3, 4, 8, 16] {
+            let x = inputs(&mut seed, n, cols);
+            let a = act(&x, cols);
+            let xv = quantize_q8a(&x).values();
+            for t in 0..n {
+                for r in 0..rows {
+                    let what = format!("{ty} {rows}x{cols} n {n} t {t} r {r}");
+                    let (got, want) = (w.row_staged(r, &a, n, t), w.row(r, &a, t));
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{what}: staged {got}, unstaged {want}"
+                    );
+                    let wr = &w.deq[r * cols..(r + 1) * cols];
+                    let (xt, xvt) = (&x[t * cols..(t + 1) * cols], &xv[t * cols..(t + 1) * cols]);
+                    check(&what, got, wr, xt, xvt);
                 }
             }
         }
