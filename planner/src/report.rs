@@ -88,7 +88,7 @@ pub fn notes(plan: &Plan) -> Vec<String> {
     }
     out.extend(prefix_checkpoint_notes(plan));
     if plan.predicted.guessed {
-        out.push("the predicted speeds are guesses: the probe has no measured [device.cost] coefficients (defaults calibrated on the H200); `strata-exec probe` measures them".into());
+        out.push("the predicted speeds are guesses: the probe lacks measured [device.cost] coefficients or [device.cost.types] rates for this model's weight types (defaults calibrated on the H200; the basis names them); `strata-exec probe` measures them".into());
         if plan.devices.iter().any(|d| {
             d.cost.miss_policy() != MissPolicy::None
                 || d.cost.kv_host_policy(plan.serve.max_context) != KvHostPolicy::None
