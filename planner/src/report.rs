@@ -531,7 +531,7 @@ fn predicted_text(plan: &Plan) -> String {
     o.push_str(&format!(
         "  predicted{}:\n",
         if p.guessed {
-            " (GUESSES: no measured [device.cost] coefficients)"
+            " (GUESSES: default [device.cost] coefficients or weight-type rates; see the basis)"
         } else {
             ""
         }
