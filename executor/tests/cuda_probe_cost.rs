@@ -101,5 +101,25 @@ fn probe_measures_every_cost_key() {
         let xt = c.expert_gemm_tflops.unwrap();
         assert!(xt > 0.5 && xt < 5000.0, "expert_gemm_tflops {xt}");
         assert!(c.complete());
+        // Every weight type the engine runs has all four rates, each within the bounds of
+        // its family above, and Q8_0's entry agrees with the family keys (the same kernels).
+        for ty in probe::types::TYPES {
+            let r = c
+                .type_rates(ty)
+                .unwrap_or_else(|| panic!("device {}: no types.{}\n{text}", d.index, ty.name()));
+            for (key, v) in r.entries() {
+                let v = v.unwrap_or_else(|| panic!("types.{}.{key} missing\n{text}", ty.name()));
+                let ok = if key.ends_with("gbps") {
+                    v <= 1.1 * bw && v >= 0.02 * bw
+                } else {
+                    v > 0.5 && v < 5000.0
+                };
+                assert!(ok, "types.{}.{key} = {v} (copy {bw} GB/s)", ty.name());
+            }
+        }
+        let q8 = c.type_rates(strata_schemas::ggml::GgmlType::Q8_0).unwrap();
+        let near = |a: f64, b: f64| (a / b - 1.0).abs() < 0.25;
+        assert!(near(q8.product_gbps.unwrap(), p), "{q8:?} vs {p}");
+        assert!(near(q8.gemm_tflops.unwrap(), g), "{q8:?} vs {g}");
     }
 }

@@ -128,6 +128,7 @@ fn measure() -> CostProbe {
         expert_gemm_tflops: None,
         host_matvec_gbps: None,
         host_expert_latency_us: None,
+        types: Default::default(),
     }
 }
 

@@ -18,7 +18,7 @@ use strata_schemas::capability::{capability, Backend};
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::inventory::{ModelInventory, TensorRole};
 use strata_schemas::plan::DeviceCost;
-use strata_schemas::probe::{DeviceProbe, Vendor};
+use strata_schemas::probe::{DeviceProbe, TypeRates, Vendor};
 
 /// Dense product launches a decode layer makes on the GPU engine: Q/K/V, output projection,
 /// router. Plus the expert pair (gate-up, down), one RMSNorm and one attention launch.
@@ -77,6 +77,80 @@ pub struct Coefficients {
     /// Host keys of the miss path that took the default (a guess only where the device
     /// misses).
     pub host_defaulted: Vec<&'static str>,
+    /// The probe's `[device.cost.types.<TYPE>]` tables (see [`Coefficients::factor`]).
+    pub type_rates: Vec<(GgmlType, TypeRates)>,
+    /// Whether the device is the CPU (whose family rates stand for every type).
+    pub cpu: bool,
+    /// Weight types of the model (from [`Coefficients::for_model`]) whose rate for some
+    /// family is the default ratio, as "TYPE family_key": a guess.
+    pub type_defaulted: Vec<String>,
+}
+
+/// The product families whose rates the probe gives per weight type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// One-token dense products (`product_gbps`).
+    Product,
+    /// The decode expert pair and its many-token passes (`expert_gbps`, `expert_pass_gbps`).
+    Expert,
+    /// Prefill products (`gemm_tflops`).
+    Gemm,
+    /// Prefill grouped expert products (`expert_gemm_tflops`).
+    ExpertGemm,
+}
+
+impl Family {
+    pub const ALL: [Family; 4] = [
+        Family::Product,
+        Family::Expert,
+        Family::Gemm,
+        Family::ExpertGemm,
+    ];
+    pub fn key(self) -> &'static str {
+        match self {
+            Family::Product => "product_gbps",
+            Family::Expert => "expert_gbps",
+            Family::Gemm => "gemm_tflops",
+            Family::ExpertGemm => "expert_gemm_tflops",
+        }
+    }
+    fn of(self, r: &TypeRates) -> Option<f64> {
+        match self {
+            Family::Product => r.product_gbps,
+            Family::Expert => r.expert_gbps,
+            Family::Gemm => r.gemm_tflops,
+            Family::ExpertGemm => r.expert_gemm_tflops,
+        }
+    }
+}
+
+/// Default rate of a GPU's products over weights of `ty` as a fraction of the family's
+/// (Q8_0) rate, where the probe has no `[device.cost.types]` figure; a guess the report
+/// names. Q8_0 is the family itself, and F32/F16/BF16 take its rate (norm vectors and the
+/// rare unquantised matrix). The other legacy and K-quants are scaled as measured for Q4_K
+/// on the H200 (BENCHMARKS.md): decode at 0.83x llama.cpp where Q8_0 runs at 0.95x (0.87),
+/// the prefill GEMM 10,920 tok/s against Q8_0's 14,855 on the same shape (0.74). The
+/// lattice (IQ*) and MXFP4 decoders do more work per byte: 0.75 and 0.60, unmeasured.
+pub fn default_type_ratio(ty: GgmlType, family: Family) -> f64 {
+    use GgmlType::*;
+    let decode = matches!(family, Family::Product | Family::Expert);
+    match ty {
+        Q8_0 | F32 | F16 | BF16 => 1.0,
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q2K | Q3K | Q4K | Q5K | Q6K => {
+            if decode {
+                0.87
+            } else {
+                0.74
+            }
+        }
+        _ => {
+            if decode {
+                0.75
+            } else {
+                0.60
+            }
+        }
+    }
 }
 
 impl Coefficients {
@@ -131,7 +205,15 @@ impl Coefficients {
             host_layer_s: 0.0,
             defaulted: Vec::new(),
             host_defaulted: Vec::new(),
+            type_rates: Vec::new(),
+            cpu,
+            type_defaulted: Vec::new(),
         };
+        out.type_rates = c
+            .types
+            .iter()
+            .filter_map(|(k, v)| GgmlType::from_name(k).map(|t| (t, v.clone())))
+            .collect();
         let mut host_defaulted = Vec::new();
         let mut host = |key: &'static str, v: Option<f64>, default: f64| {
             v.unwrap_or_else(|| {
@@ -162,9 +244,94 @@ impl Coefficients {
         }
     }
 
+    /// [`Coefficients::of`] with [`Coefficients::type_defaulted`] filled in for the weight
+    /// types of `facts`'s model.
+    pub fn for_model(dev: &DeviceProbe, facts: &ModelFacts) -> Self {
+        let mut c = Self::of(dev);
+        let mut types: Vec<GgmlType> = facts
+            .dense_types
+            .iter()
+            .chain(&facts.expert_types)
+            .flatten()
+            .chain(&facts.head_types)
+            .map(|s| s.ty)
+            .collect();
+        types.sort();
+        types.dedup();
+        for ty in types {
+            for fam in Family::ALL {
+                if c.factor(ty, fam).1 {
+                    c.type_defaulted
+                        .push(format!("{} {}", ty.name(), fam.key()));
+                }
+            }
+        }
+        c
+    }
+
+    /// The family's rate in SI units (bytes/s or flop/s).
+    fn family_rate(&self, family: Family) -> f64 {
+        match family {
+            Family::Product => self.product_bps,
+            Family::Expert => self.expert_bps,
+            Family::Gemm => self.gemm_flops,
+            Family::ExpertGemm => self.expert_gemm_flops,
+        }
+    }
+
+    /// How much longer a byte (or flop) of `ty` takes than the family's rate says, and
+    /// whether that is a guess. A probed type counts against the table's own Q8_0 entry
+    /// (the same measurement) when it has one, else against the family key; an unprobed
+    /// type on a GPU takes [`default_type_ratio`]; the CPU's family rates stand for every
+    /// type. Exactly 1 for Q8_0 without a table, so an old probe predicts what it did.
+    pub fn factor(&self, ty: GgmlType, family: Family) -> (f64, bool) {
+        let rate = |t: GgmlType| {
+            self.type_rates
+                .iter()
+                .find(|(x, _)| *x == t)
+                .and_then(|(_, r)| family.of(r))
+        };
+        if let Some(r) = rate(ty) {
+            return match rate(GgmlType::Q8_0) {
+                Some(q8) => (q8 / r, false),
+                None => {
+                    let unit = if matches!(family, Family::Gemm | Family::ExpertGemm) {
+                        1e12
+                    } else {
+                        1e9
+                    };
+                    (self.family_rate(family) / (r * unit), false)
+                }
+            };
+        }
+        if self.cpu {
+            return (1.0, false);
+        }
+        let ratio = default_type_ratio(ty, family);
+        (1.0 / ratio, ratio != 1.0)
+    }
+
+    /// `total` (bytes or weights at the family's rate) plus what `shares`' types add to it.
+    fn weigh(
+        &self,
+        total: f64,
+        shares: &[crate::facts::TypeShare],
+        family: Family,
+        params: bool,
+    ) -> f64 {
+        total
+            + shares
+                .iter()
+                .map(|s| {
+                    let n = if params { s.params } else { s.bytes } as f64;
+                    n * (self.factor(s.ty, family).0 - 1.0)
+                })
+                .sum::<f64>()
+    }
+
     /// Whether any coefficient is a default (the prediction is a guess).
     pub fn guessed(&self) -> bool {
-        !self.defaulted.is_empty()
+        !self.defaulted.is_empty() || !self.type_defaulted.is_empty()
     }
 }
 
@@ -231,17 +398,52 @@ pub fn device_cost(
         }
     };
     let expert_bytes = avg(&facts.expert);
-    let expert_params = avg(&facts.expert_params);
-    let dense_params: u64 = facts.dense_params[a as usize..b as usize].iter().sum();
+    // What each weight type adds over its family's (Q8_0) rate: a layer's dense tensors,
+    // one expert (averaged over the expert layers as `avg` does) and the head.
+    let range = a as usize..b as usize;
+    let dense_extra = |family: Family, params: bool| -> f64 {
+        facts.dense_types[range.clone()]
+            .iter()
+            .map(|v| c.weigh(0.0, v, family, params))
+            .sum()
+    };
+    let expert_extra = |family: Family, params: bool| -> f64 {
+        let (sum, n) = facts.expert_types[range.clone()]
+            .iter()
+            .zip(&facts.expert[range.clone()])
+            .filter(|(_, x)| **x > 0)
+            .fold((0.0, 0u64), |(s, n), (v, _)| {
+                (s + c.weigh(0.0, v, family, params), n + 1)
+            });
+        if n == 0 {
+            0.0
+        } else {
+            sum / n as f64
+        }
+    };
+    let expert_read_bytes = expert_bytes + expert_extra(Family::Expert, false);
+    let expert_params = avg(&facts.expert_params) + expert_extra(Family::ExpertGemm, true);
+    let dense_params = facts.dense_params[range.clone()].iter().sum::<u64>() as f64
+        + dense_extra(Family::Gemm, true);
     let attn_layers = facts.attention[a as usize..b as usize]
         .iter()
         .filter(|x| **x)
         .count() as f64;
-    let mut dense_bytes = facts.dense_range(a, b) as f64;
+    let mut dense_bytes = facts.dense_range(a, b) as f64 + dense_extra(Family::Product, false);
     let mut step = c.step_s;
     let head_compute_s = if share.holds_head {
-        dense_bytes += facts.head_bytes as f64;
-        2.0 * facts.head_params as f64 / c.gemm_flops
+        dense_bytes = c.weigh(
+            dense_bytes + facts.head_bytes as f64,
+            &facts.head_types,
+            Family::Product,
+            false,
+        );
+        2.0 * c.weigh(
+            facts.head_params as f64,
+            &facts.head_types,
+            Family::Gemm,
+            true,
+        ) / c.gemm_flops
     } else {
         0.0
     };
@@ -272,7 +474,7 @@ pub fn device_cost(
     }
     let kv_cell = facts.kv_cell_range(a, b) as f64;
     // Dense products at the GEMM's rate, routed experts at the grouped products' rate.
-    let token_compute_s = 2.0 * dense_params as f64 / c.gemm_flops
+    let token_compute_s = 2.0 * dense_params / c.gemm_flops
         + 2.0 * expert_layers as f64 * k * expert_params / c.expert_gemm_flops;
     let (rows_per_read, per_use, pass_launches) = if cpu {
         (u32::MAX, false, layers * (CPU_LAYER_OPS + 3.0 * k))
@@ -289,8 +491,8 @@ pub fn device_cost(
         expert_layers: expert_layers as u32,
         n_expert: facts.n_expert as u32,
         n_expert_used: facts.n_expert_used as u32,
-        expert_read_s: expert_bytes / c.expert_bps,
-        expert_pass_read_s: expert_bytes / c.expert_pass_bps,
+        expert_read_s: expert_read_bytes / c.expert_bps,
+        expert_pass_read_s: expert_read_bytes / c.expert_pass_bps,
         expert_read_per_use: per_use,
         hit_rate: if share.total_mass > 0.0 {
             (share.cached_mass / share.total_mass).min(1.0)
@@ -373,7 +575,7 @@ pub fn choose_kv_host(cost: &DeviceCost, batch: u32, ctx: u64) -> bool {
 mod tests {
     use super::*;
     use crate::testing::*;
-    use strata_schemas::probe::CostProbe;
+    use strata_schemas::probe::{CostProbe, TypeRates};
 
     fn h200() -> DeviceProbe {
         let mut p = probe(&[(141 * G, 4800.0)], 128 * G, 120 * G);
@@ -418,6 +620,7 @@ mod tests {
             expert_gemm_tflops: Some(60.0),
             host_matvec_gbps: None,
             host_expert_latency_us: None,
+            types: Default::default(),
         });
         let c = Coefficients::of(&d);
         assert!(!c.guessed(), "{:?}", c.defaulted);
@@ -557,6 +760,193 @@ mod tests {
         assert!((c.host_layer_s - 25e-6).abs() < 1e-12);
     }
 
+    /// Every family key measured (no default guesses), and `types` as given.
+    fn measured(types: &[(&str, TypeRates)]) -> CostProbe {
+        CostProbe {
+            launch_us: Some(2.8),
+            product_latency_us: Some(7.2),
+            product_gbps: Some(3000.0),
+            attention_latency_us: Some(16.5),
+            attention_gbps: Some(1900.0),
+            gemm_tflops: Some(108.0),
+            prefill_attention_tflops: Some(53.0),
+            step_us: Some(25.0),
+            host_expert_gbps: Some(50.0),
+            host_expert_pinned_gbps: Some(52.0),
+            expert_latency_us: Some(17.0),
+            expert_gbps: Some(2000.0),
+            expert_pass_gbps: Some(1200.0),
+            expert_gemm_tflops: Some(90.0),
+            host_matvec_gbps: Some(40.0),
+            host_expert_latency_us: Some(40.0),
+            types: types
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+        }
+    }
+
+    fn rates(scale: f64) -> TypeRates {
+        TypeRates {
+            product_gbps: Some(3000.0 * scale),
+            expert_gbps: Some(2000.0 * scale),
+            gemm_tflops: Some(108.0 * scale),
+            expert_gemm_tflops: Some(90.0 * scale),
+        }
+    }
+
+    fn cost_with(facts: &ModelFacts, cost: CostProbe) -> (Coefficients, DeviceCost) {
+        let mut dev = h200();
+        dev.cost = Some(cost);
+        let c = Coefficients::for_model(&dev, facts);
+        let dc = device_cost(facts, &dev, &c, &whole(facts, true));
+        (c, dc)
+    }
+
+    /// Bytes (or weights) of `ty` in the whole model's dense tensors and head, and in one
+    /// expert averaged over the expert layers.
+    fn of_type(facts: &ModelFacts, ty: GgmlType, params: bool) -> (f64, f64) {
+        let n = |s: &crate::facts::TypeShare| if params { s.params } else { s.bytes } as f64;
+        let dense: f64 = facts
+            .dense_types
+            .iter()
+            .flatten()
+            .chain(&facts.head_types)
+            .filter(|s| s.ty == ty)
+            .map(n)
+            .sum();
+        let layers = facts.expert_layers(0, facts.n_layer) as f64;
+        let expert: f64 = facts
+            .expert_types
+            .iter()
+            .flatten()
+            .filter(|s| s.ty == ty)
+            .map(n)
+            .sum::<f64>()
+            / layers;
+        (dense, expert)
+    }
+
+    #[test]
+    fn a_q4_k_m_inventory_weighs_its_q4_k_bytes_at_the_probed_q4_k_rate() {
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q4_K_M");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let (q4_dense, q4_expert) = of_type(&facts, GgmlType::Q4K, false);
+        let (q6_dense, _) = of_type(&facts, GgmlType::Q6K, false);
+        assert!(
+            q4_dense > 0.0 && q4_expert > 0.0 && q6_dense > 0.0,
+            "a Q4_K/Q6_K mix"
+        );
+        // Q4_K and Q6_K probed at Q8_0's rates: every byte at the family rate.
+        let (ca, same) = cost_with(
+            &facts,
+            measured(&[
+                ("Q8_0", rates(1.0)),
+                ("Q4_K", rates(1.0)),
+                ("Q6_K", rates(1.0)),
+            ]),
+        );
+        assert!(!ca.guessed(), "{:?}", ca.type_defaulted);
+        // Q4_K probed at half: its bytes take twice as long, nothing else changes.
+        let (cb, half) = cost_with(
+            &facts,
+            measured(&[
+                ("Q8_0", rates(1.0)),
+                ("Q4_K", rates(0.5)),
+                ("Q6_K", rates(1.0)),
+            ]),
+        );
+        assert!(!cb.guessed());
+        let rel = |x: f64, y: f64| ((x - y) / y).abs() < 1e-9;
+        assert!(rel(
+            half.dense_read_s - same.dense_read_s,
+            q4_dense / 3000e9
+        ));
+        assert!(rel(
+            half.expert_read_s - same.expert_read_s,
+            q4_expert / 2000e9
+        ));
+        assert!(rel(
+            half.expert_pass_read_s - same.expert_pass_read_s,
+            q4_expert / 1200e9
+        ));
+        let (q4_dense_w, q4_expert_w) = of_type(&facts, GgmlType::Q4K, true);
+        let q4_head_w: f64 = facts
+            .head_types
+            .iter()
+            .filter(|s| s.ty == GgmlType::Q4K)
+            .map(|s| s.params as f64)
+            .sum();
+        let uses = facts.expert_layers(0, facts.n_layer) as f64 * facts.n_expert_used as f64;
+        assert!(rel(
+            half.token_compute_s - same.token_compute_s,
+            2.0 * (q4_dense_w - q4_head_w) / 108e12 + 2.0 * uses * q4_expert_w / 90e12
+        ));
+        assert!(half.head_compute_s >= same.head_compute_s);
+        // The decode step at batch 1 grows by at least the Q4_K dense bytes' extra read.
+        let (a, b) = (
+            same.decode_step_seconds(1, 0),
+            half.decode_step_seconds(1, 0),
+        );
+        assert!(b - a >= 0.99 * q4_dense / 3000e9, "{a} {b}");
+        assert!(b > 1.1 * a, "Q4_K is most of the bytes: {a} {b}");
+        // The table's Q8_0 entry is the reference: all rates halved, nothing changes.
+        let (_, scaled) = cost_with(
+            &facts,
+            measured(&[
+                ("Q8_0", rates(0.5)),
+                ("Q4_K", rates(0.25)),
+                ("Q6_K", rates(0.5)),
+            ]),
+        );
+        assert!(rel(scaled.dense_read_s, half.dense_read_s));
+        // Without the Q6_K figure its rate is the default ratio, and the report says so.
+        let (cg, _) = cost_with(&facts, measured(&[("Q4_K", rates(0.5))]));
+        assert!(cg.guessed());
+        assert!(
+            cg.type_defaulted.iter().any(|s| s == "Q6_K product_gbps"),
+            "{:?}",
+            cg.type_defaulted
+        );
+        assert!(!cg.type_defaulted.iter().any(|s| s.starts_with("Q4_K")));
+    }
+
+    #[test]
+    fn an_old_probe_without_types_predicts_exactly_as_before() {
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let (c, dc) = cost_with(&facts, measured(&[]));
+        assert!(!c.guessed(), "{:?} {:?}", c.defaulted, c.type_defaulted);
+        // The family rates alone, as the cost model charged every byte before per-type rates.
+        let n = facts.n_layer;
+        let dense = (facts.dense_range(0, n) + facts.head_bytes) as f64;
+        assert_eq!(dc.dense_read_s, dense / c.product_bps);
+        let layers = facts.expert_layers(0, n);
+        let expert = facts.expert.iter().sum::<u64>() as f64 / layers as f64;
+        assert_eq!(dc.expert_read_s, expert / c.expert_bps);
+        assert_eq!(dc.expert_pass_read_s, expert / c.expert_pass_bps);
+        let dense_w = facts.dense_params.iter().sum::<u64>() as f64;
+        let expert_w = facts.expert_params.iter().sum::<u64>() as f64 / layers as f64;
+        let k = facts.n_expert_used as f64;
+        assert_eq!(
+            dc.token_compute_s,
+            2.0 * dense_w / c.gemm_flops + 2.0 * layers as f64 * k * expert_w / c.expert_gemm_flops
+        );
+        assert_eq!(
+            dc.head_compute_s,
+            2.0 * facts.head_params as f64 / c.gemm_flops
+        );
+        // The same old probe on a Q4_K_M file: Q4_K and Q6_K take the default ratio, a guess.
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q4_K_M");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let (c, dc) = cost_with(&facts, measured(&[]));
+        assert!(c.guessed());
+        assert!(c.type_defaulted.iter().any(|s| s == "Q4_K product_gbps"));
+        let (q4, _) = of_type(&facts, GgmlType::Q4K, false);
+        let family = (facts.dense_range(0, n) + facts.head_bytes) as f64 / c.product_bps;
+        assert!(dc.dense_read_s > family + 0.1 * q4 / c.product_bps);
+    }
+
     /// BENCHMARKS.md: the Qwen3-30B-A3B-shaped Q8_0 model on one H200, everything resident:
     /// tg128 261-266 tok/s after a 512-token prompt, pp512 15,106-15,277 tok/s.
     #[test]
@@ -565,7 +955,7 @@ mod tests {
         let facts = ModelFacts::new(&inv, GgmlType::F16);
         let dev = h200();
         let share = whole(&facts, prefill_gemm(&inv, Vendor::Nvidia));
-        let dc = device_cost(&facts, &dev, &Coefficients::of(&dev), &share);
+        let dc = device_cost(&facts, &dev, &Coefficients::for_model(&dev, &facts), &share);
         assert!(dc.prefill_gemm);
         // tg128 after pp512: contexts 512..640.
         let steps: f64 = (512..640).map(|c| dc.decode_step_seconds(1, c)).sum();

@@ -8,6 +8,31 @@ use strata_schemas::ggml::GgmlType;
 use strata_schemas::inventory::{LayerKind, ModelInventory, TensorRole};
 use strata_schemas::plan::RegionKind;
 
+/// Bytes and weights (elements) of one weight type within a set of tensors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TypeShare {
+    pub ty: GgmlType,
+    pub bytes: u64,
+    pub params: u64,
+}
+
+/// The tensors `f` selects, summed by type (raw bytes and elements over `div`), in type order.
+fn by_type(
+    inv: &ModelInventory,
+    div: u64,
+    f: &dyn Fn(&strata_schemas::inventory::TensorInfo) -> bool,
+) -> Vec<TypeShare> {
+    let mut m = std::collections::BTreeMap::<GgmlType, (u64, u64)>::new();
+    for t in inv.tensors.iter().filter(|t| f(t)) {
+        let e = m.entry(t.ggml_type).or_default();
+        e.0 += t.bytes / div;
+        e.1 += t.elements() / div;
+    }
+    m.into_iter()
+        .map(|(ty, (bytes, params))| TypeShare { ty, bytes, params })
+        .collect()
+}
+
 /// Precomputed per-layer sizes of the main blocks and the MTP block(s).
 #[derive(Debug, Clone)]
 pub struct ModelFacts {
@@ -43,6 +68,12 @@ pub struct ModelFacts {
     pub head_params: u64,
     /// Main blocks that run full attention (they read KV).
     pub attention: Vec<bool>,
+    /// Bytes and weights of each weight type among main block l's non-expert tensors, among
+    /// one of its experts (the stacks over `n_expert`), and in the head (the embedding table
+    /// when tied): the cost model weighs each at its type's rate.
+    pub dense_types: Vec<Vec<TypeShare>>,
+    pub expert_types: Vec<Vec<TypeShare>>,
+    pub head_types: Vec<TypeShare>,
     /// Hidden width.
     pub n_embd: u64,
     /// Attention flops of one token against one cached cell in one full-attention block
@@ -81,7 +112,15 @@ impl ModelFacts {
         let mut dense_params = Vec::with_capacity(n as usize);
         let mut expert_params = Vec::with_capacity(n as usize);
         let mut attention = Vec::with_capacity(n as usize);
+        let mut dense_types = Vec::with_capacity(n as usize);
+        let mut expert_types = Vec::with_capacity(n as usize);
         for l in 0..n {
+            dense_types.push(by_type(inv, 1, &|t| {
+                t.layer == Some(l) && t.role != TensorRole::ExpertStack
+            }));
+            expert_types.push(by_type(inv, hp.n_expert.max(1), &|t| {
+                t.layer == Some(l) && t.role == TensorRole::ExpertStack
+            }));
             dense_params.push(elems(&|t| {
                 t.layer == Some(l) && t.role != TensorRole::ExpertStack
             }));
@@ -126,7 +165,16 @@ impl ModelFacts {
             0 => elems(&|t| t.role == TensorRole::Embedding && t.layer.is_none()),
             h => h,
         };
+        let mut head_types = by_type(inv, 1, &|t| t.role == TensorRole::Head && t.layer.is_none());
+        if head_types.is_empty() {
+            head_types = by_type(inv, 1, &|t| {
+                t.role == TensorRole::Embedding && t.layer.is_none()
+            });
+        }
         Self {
+            dense_types,
+            expert_types,
+            head_types,
             dense_params,
             expert_params,
             head_params,

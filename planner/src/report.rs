@@ -89,7 +89,7 @@ pub fn notes(plan: &Plan) -> Vec<String> {
     out.extend(prefix_checkpoint_notes(plan));
     out.extend(embedding_copy_notes(plan));
     if plan.predicted.guessed {
-        out.push("the predicted speeds are guesses: the probe has no measured [device.cost] coefficients (defaults calibrated on the H200); `strata-exec probe` measures them".into());
+        out.push("the predicted speeds are guesses: the probe lacks measured [device.cost] coefficients or [device.cost.types] rates for this model's weight types (defaults calibrated on the H200; the basis names them); `strata-exec probe` measures them".into());
         if plan.devices.iter().any(|d| {
             d.cost.miss_policy() != MissPolicy::None
                 || d.cost.kv_host_policy(plan.serve.max_context) != KvHostPolicy::None
@@ -561,7 +561,7 @@ fn predicted_text(plan: &Plan) -> String {
     o.push_str(&format!(
         "  predicted{}:\n",
         if p.guessed {
-            " (GUESSES: no measured [device.cost] coefficients)"
+            " (GUESSES: default [device.cost] coefficients or weight-type rates; see the basis)"
         } else {
             ""
         }

@@ -297,7 +297,10 @@ fn solver<'a>(
         ctx: s.max_context,
         pinned_budget,
         expert_staging,
-        coefficients: devices.iter().map(|d| Coefficients::of(d)).collect(),
+        coefficients: devices
+            .iter()
+            .map(|d| Coefficients::for_model(d, facts))
+            .collect(),
         gemm: devices
             .iter()
             .map(|d| prefill_gemm(req.inventory, d.vendor))

@@ -3,8 +3,10 @@
 //! another device of the probe are errors that name the file and key; every default filled in
 //! here is documented on its field.
 
+use crate::ggml::GgmlType;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Device vendor.
@@ -157,6 +159,43 @@ pub struct CostProbe {
     pub host_matvec_gbps: Option<f64>,
     #[serde(default)]
     pub host_expert_latency_us: Option<f64>,
+    /// `[device.cost.types.<TYPE>]`: the weight products' rates with weights of one type
+    /// (llama.cpp's spelling, "Q4_K", "IQ3_S"), measured by `strata-exec probe` per type the
+    /// engine runs. The family keys above are the Q8_0 figures; a type absent here takes its
+    /// family key scaled by the planner's default ratio for the type (a guess).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub types: BTreeMap<String, TypeRates>,
+}
+
+/// `[device.cost.types.<TYPE>]`: the family rates of [`CostProbe`] with weights of one type.
+/// Every key is optional; an absent one takes the family key scaled by the default ratio.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TypeRates {
+    /// Weight bytes per second of one-token dense products (as `product_gbps`).
+    #[serde(default)]
+    pub product_gbps: Option<f64>,
+    /// Expert bytes per second of the decode expert pair (as `expert_gbps`).
+    #[serde(default)]
+    pub expert_gbps: Option<f64>,
+    /// Prefill products, TFLOP/s (as `gemm_tflops`).
+    #[serde(default)]
+    pub gemm_tflops: Option<f64>,
+    /// Prefill grouped expert products, TFLOP/s (as `expert_gemm_tflops`).
+    #[serde(default)]
+    pub expert_gemm_tflops: Option<f64>,
+}
+
+impl TypeRates {
+    /// Every key with its value, in file order.
+    pub fn entries(&self) -> [(&'static str, Option<f64>); 4] {
+        [
+            ("product_gbps", self.product_gbps),
+            ("expert_gbps", self.expert_gbps),
+            ("gemm_tflops", self.gemm_tflops),
+            ("expert_gemm_tflops", self.expert_gemm_tflops),
+        ]
+    }
 }
 
 impl CostProbe {
@@ -194,6 +233,15 @@ impl CostProbe {
     /// on measurements only, misses aside).
     pub fn complete(&self) -> bool {
         self.entries().iter().all(|(_, v)| v.is_some())
+    }
+
+    /// The rates measured with weights of `ty`, if the probe has a table for it (names
+    /// match case-insensitively, as [`GgmlType::from_name`] parses them).
+    pub fn type_rates(&self, ty: GgmlType) -> Option<&TypeRates> {
+        self.types
+            .iter()
+            .find(|(k, _)| GgmlType::from_name(k) == Some(ty))
+            .map(|(_, v)| v)
     }
 }
 
@@ -351,6 +399,24 @@ impl HardwareProbe {
                     }
                 }
             }
+            for (ty, rates) in d.cost.iter().flat_map(|c| &c.types) {
+                if GgmlType::from_name(ty).is_none() {
+                    return Err(bad(
+                        k(&format!("cost.types.{ty}")),
+                        "is not a weight type (llama.cpp's spelling: Q8_0, Q4_K, IQ3_S, ...)",
+                    ));
+                }
+                for (name, v) in rates.entries() {
+                    if let Some(v) = v {
+                        if !(v.is_finite() && v > 0.0) {
+                            return Err(bad(
+                                k(&format!("cost.types.{ty}.{name}")),
+                                "must be a positive number",
+                            ));
+                        }
+                    }
+                }
+            }
             if d.name.trim().is_empty() {
                 return Err(bad(k("name"), "is empty"));
             }
@@ -479,6 +545,54 @@ pcie_width = 16
             .unwrap_err()
             .to_string();
         assert!(e.contains("device[0].cost.gemm_tflops"), "{e}");
+    }
+
+    #[test]
+    fn per_type_rates_parse_round_trip_and_are_checked() {
+        let text = format!(
+            "{OK}\n[device.cost]\nproduct_gbps = 3010.0\n\n[device.cost.types.Q4_K]\nproduct_gbps = 2500.0\ngemm_tflops = 80.0\n\n[device.cost.types.IQ3_S]\nexpert_gbps = 1500.0\n"
+        );
+        let p = HardwareProbe::from_toml(&text, "t.toml").unwrap();
+        let c = p.devices[0].cost.as_ref().unwrap();
+        let q4 = c.type_rates(GgmlType::Q4K).unwrap();
+        assert_eq!(q4.product_gbps, Some(2500.0));
+        assert_eq!(q4.gemm_tflops, Some(80.0));
+        assert_eq!(q4.expert_gbps, None);
+        assert_eq!(
+            c.type_rates(GgmlType::Iq3S).unwrap().expert_gbps,
+            Some(1500.0)
+        );
+        assert!(c.type_rates(GgmlType::Q6K).is_none());
+        // Serialised and read back, the table is the same.
+        let again = toml::to_string(&p).unwrap();
+        assert_eq!(HardwareProbe::from_toml(&again, "again").unwrap(), p);
+        // An old probe (no table) reads with an empty one and writes none.
+        let old = HardwareProbe::from_toml(&format!("{OK}\n[device.cost]\nlaunch_us = 2.8\n"), "o")
+            .unwrap();
+        let oc = old.devices[0].cost.as_ref().unwrap();
+        assert!(oc.types.is_empty());
+        assert!(!toml::to_string(&old).unwrap().contains("types"));
+        // Unknown types, unknown keys and non-positive rates are named.
+        for (bad, key) in [
+            (
+                "[device.cost.types.Q4_Z]\nproduct_gbps = 1.0\n",
+                "cost.types.Q4_Z",
+            ),
+            (
+                "[device.cost.types.Q4_K]\nproduct_gbs = 1.0\n",
+                "product_gbs",
+            ),
+            (
+                "[device.cost.types.Q4_K]\ngemm_tflops = 0.0\n",
+                "cost.types.Q4_K.gemm_tflops",
+            ),
+        ] {
+            let text = format!("{OK}\n[device.cost]\nlaunch_us = 2.8\n\n{bad}");
+            let e = HardwareProbe::from_toml(&text, "t.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -653,6 +653,19 @@ impl Solver<'_> {
                 guessed.join(", ")
             ));
         }
+        let mut type_guesses: Vec<&str> = self
+            .coefficients
+            .iter()
+            .flat_map(|c| c.type_defaulted.iter().map(|s| s.as_str()))
+            .collect();
+        type_guesses.sort();
+        type_guesses.dedup();
+        if !type_guesses.is_empty() {
+            basis.push_str(&format!(
+                "; weight-type rates at the default ratio to Q8_0's (no [device.cost.types] figure): {}",
+                type_guesses.join(", ")
+            ));
+        }
         Predicted {
             decode_tok_s: empty.per_slot_tok_s,
             expert_hit_rate: hit_rate,

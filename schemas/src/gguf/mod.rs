@@ -14,8 +14,8 @@ pub mod quantize;
 pub mod random;
 pub mod read;
 pub mod split_mtp;
-#[cfg(test)]
-pub(crate) mod testutil;
+#[cfg(any(test, feature = "test-support"))]
+pub mod testutil;
 pub mod write;
 
 pub use read::{parse_gguf_bytes, read_gguf, Caps, CAPS};

@@ -158,39 +158,14 @@ mod tests {
     use crate::arch::QuantRecipe;
     use crate::gguf::mtp_file::{is_mtp_only, merge_mtp_file, read_mtp_file, MtpFileError};
     use crate::gguf::random::{write_random_model, RandomOptions};
-    use crate::inventory::{HParams, SsmParams};
+    use crate::gguf::testutil::tiny_qwen3next;
+    use crate::inventory::HParams;
 
     /// A tiny F32 Qwen3-Next with one MTP block, split into main and MTP files.
     fn split_tiny(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
         let hp = HParams {
-            n_layer: 4,
-            n_embd: 64,
-            n_vocab: 128,
-            n_ctx_train: 256,
-            n_head: 4,
-            n_head_kv: 2,
-            head_dim_k: 16,
-            head_dim_v: 16,
-            n_ff: 0,
             n_expert: 8,
-            n_expert_used: 2,
-            n_ff_exp: 32,
-            n_ff_shexp: 32,
-            n_leading_dense: 0,
-            full_attention_interval: Some(2),
-            ssm: Some(SsmParams {
-                conv_kernel: 4,
-                state_size: 16,
-                group_count: 2,
-                time_step_rank: 4,
-                inner_size: 64,
-            }),
-            nextn_predict_layers: 1,
-            rope_theta: 10_000.0,
-            rope_dim: Some(4),
-            rms_eps: 1e-6,
-            norm_topk_prob: true,
-            tied_embeddings: false,
+            ..tiny_qwen3next()
         };
         let whole = dir.join("whole.gguf");
         let recipe = QuantRecipe::preset("F32").unwrap();

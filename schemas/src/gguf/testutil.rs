@@ -1,8 +1,46 @@
-//! Test-only GGUF byte builder: writes exactly the bytes it is told (including hostile ones)
-//! so reader tests can hand-make every malformed file class. Not a real writer: it checks
-//! nothing.
+//! Test-only fixtures (this crate's tests, and other crates' through the `test-support`
+//! feature): a GGUF byte builder that writes exactly the bytes it is told (including hostile
+//! ones) so reader tests can hand-make every malformed file class, not a real writer (it
+//! checks nothing); and [`tiny_qwen3next`], the smallest Qwen3-Next shape the tests plan,
+//! split and run.
 
 use super::value_type as t;
+
+/// A tiny Qwen3-Next: 4 blocks of width 64 (every second full attention), 4 experts of 32
+/// (top-2) with a shared expert, a linear-attention state of 2 groups of 16, one MTP block.
+/// Tests change what they need with `HParams { n_layer: 2, ..tiny_qwen3next() }`.
+pub fn tiny_qwen3next() -> HParams {
+    HParams {
+        n_layer: 4,
+        n_embd: 64,
+        n_vocab: 128,
+        n_ctx_train: 256,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim_k: 16,
+        head_dim_v: 16,
+        n_ff: 0,
+        n_expert: 4,
+        n_expert_used: 2,
+        n_ff_exp: 32,
+        n_ff_shexp: 32,
+        n_leading_dense: 0,
+        full_attention_interval: Some(2),
+        ssm: Some(SsmParams {
+            conv_kernel: 4,
+            state_size: 16,
+            group_count: 2,
+            time_step_rank: 4,
+            inner_size: 64,
+        }),
+        nextn_predict_layers: 1,
+        rope_theta: 10_000.0,
+        rope_dim: Some(4),
+        rms_eps: 1e-6,
+        norm_topk_prob: true,
+        tied_embeddings: false,
+    }
+}
 
 /// Builds GGUF bytes field by field. `raw_*` methods write whatever they are given.
 #[derive(Default, Clone)]
@@ -143,7 +181,7 @@ pub fn tmp() -> tempfile::TempDir {
 }
 
 /// A qwen3moe small enough for debug-build tests; widths hold 32-element blocks.
-pub(crate) fn small_moe() -> HParams {
+pub fn small_moe() -> HParams {
     HParams {
         n_layer: 2,
         n_embd: 64,
@@ -171,7 +209,7 @@ pub(crate) fn small_moe() -> HParams {
 }
 
 /// A qwen3next (linear block, full block, MTP block) of the same size.
-pub(crate) fn small_next() -> HParams {
+pub fn small_next() -> HParams {
     HParams {
         n_ff_shexp: 32,
         full_attention_interval: Some(2),

@@ -251,30 +251,12 @@ mod tests {
     use crate::backend::cpu::ops::AttnShape;
     use strata_schemas::dims::Dims;
 
+    /// kv.rs's fixture with two layers and a longer trained context.
     fn dims(n_head: usize, n_head_kv: usize, hd: usize) -> Dims {
         Dims {
             n_layer: 2,
-            e: 8,
-            vocab: 8,
-            n_head,
-            n_head_kv,
-            hd,
-            hd_v: hd,
-            n_rot: hd,
-            n_expert: 0,
-            k: 0,
-            f: 0,
-            n_ff: 0,
-            n_ff_shexp: 0,
-            eps: 1e-6,
-            norm_topk: true,
-            rope_theta: 1e4,
             n_ctx_train: 256,
-            lin_k_heads: 0,
-            lin_v_heads: 0,
-            lin_hk: 0,
-            lin_hv: 0,
-            conv_k: 0,
+            ..crate::backend::cpu::kv::tests::dims(n_head, n_head_kv, hd)
         }
     }
 

@@ -364,10 +364,12 @@ pub fn attention(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn dims(n_head: usize, n_head_kv: usize, hd: usize) -> Dims {
+    /// One attention layer of `n_head` query heads over `n_head_kv` KV heads of `hd`, nothing
+    /// else (host_attn.rs's tests share it).
+    pub(crate) fn dims(n_head: usize, n_head_kv: usize, hd: usize) -> Dims {
         Dims {
             n_layer: 1,
             e: 8,

@@ -482,7 +482,7 @@ fn print_summary(
         println!("{l}");
     }
     if guessed {
-        println!("predictions: guesses (the plan's probe has no measured [device.cost] coefficients; `strata-exec probe` measures them)");
+        println!("predictions: guesses (the plan's probe lacks measured [device.cost] coefficients or the weight types' [device.cost.types] rates; `strata-exec probe` measures them)");
     }
     if let Some(m) = memory {
         for (gpu, planned, used) in m {

@@ -63,6 +63,9 @@ pub struct CostMeasure {
     pub expert_gemm_tflops: Option<f64>,
     pub host_matvec_gbps: Option<f64>,
     pub host_expert_latency_us: Option<f64>,
+    /// `[device.cost.types.<TYPE>]`: the product families' rates per weight type
+    /// (`probe/types.rs`).
+    pub types: Vec<(GgmlType, strata_schemas::probe::TypeRates)>,
     /// How each value was measured, by key, for the probe file's `#` lines.
     pub how: Vec<(&'static str, String)>,
     /// Why a key is absent.
@@ -269,7 +272,7 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
             e,
         ),
     }
-    match super::experts::prefill_experts(dev, REPS) {
+    match super::experts::prefill_experts(dev, GgmlType::Q8_0, REPS) {
         Ok(v) => {
             progress(&format!("cost: prefill grouped experts {v:.1} TFLOP/s"));
             m.expert_gemm_tflops = Some(v);
@@ -279,6 +282,7 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
         }
         Err(e) => fail(&mut m, "expert_gemm_tflops", e.to_string()),
     }
+    m.types = super::types::measure_types(dev, progress, &mut m.notes);
     progress(&format!(
         "cost: measured in {:.1}s",
         t0.elapsed().as_secs_f64()
@@ -396,18 +400,27 @@ fn decode_launcher(dev: &CudaDevice) -> Launcher<'_> {
 
 /// (latency µs, GB/s) of one-token Q8_0 products.
 fn products(dev: &CudaDevice) -> Result<(f64, f64), String> {
+    products_of(dev, GgmlType::Q8_0, &PRODUCT_ROWS)
+}
+
+/// (latency µs, GB/s) of one-token products over `ty` weights of each of `row_counts` rows
+/// of [`COLS`], fitted against their bytes.
+pub(super) fn products_of(
+    dev: &CudaDevice,
+    ty: GgmlType,
+    row_counts: &[usize],
+) -> Result<(f64, f64), String> {
     let e = |e: CudaError| e.to_string();
     let w = filled(dev, "probe-cost-weights", COST_ARENA_BYTES, 0x11).map_err(e)?;
     let x = filled(dev, "probe-cost-x", 4 * COLS as u64, 0).map_err(e)?;
-    let max_rows = PRODUCT_ROWS.iter().copied().max().unwrap_or(1);
+    let max_rows = row_counts.iter().copied().max().unwrap_or(1);
     let y = dev
         .alloc_arena("probe-cost-y", 4 * max_rows as u64)
         .map_err(e)?;
     let l = decode_launcher(dev);
-    let row_bytes =
-        crate::quant::row_bytes(GgmlType::Q8_0, COLS).map_err(|e| e.to_string())? as u64;
+    let row_bytes = crate::quant::row_bytes(ty, COLS).map_err(|e| e.to_string())? as u64;
     let mut points = Vec::new();
-    for rows in PRODUCT_ROWS {
+    for &rows in row_counts {
         let bytes = row_bytes * rows as u64;
         // Offsets 256-byte aligned, cycling through the arena.
         let stride = bytes.div_ceil(256) * 256;
@@ -417,7 +430,7 @@ fn products(dev: &CudaDevice) -> Result<(f64, f64), String> {
             for i in 0..n {
                 let mat = Mat {
                     w: w.view((i % fit) * stride, bytes)?,
-                    ty: GgmlType::Q8_0,
+                    ty,
                     rows,
                     cols: COLS,
                 };
@@ -505,13 +518,17 @@ fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
     latency_and_gbps(&points)
 }
 
-/// TFLOP/s of the prefill GEMM.
+/// TFLOP/s of the prefill GEMM over Q8_0 weights.
 fn gemm(dev: &CudaDevice) -> Result<f64, CudaError> {
-    let row_bytes =
-        crate::quant::row_bytes(GgmlType::Q8_0, COLS).map_err(|err| CudaError::Shape {
-            op: "cost probe",
-            detail: err.to_string(),
-        })? as u64;
+    gemm_of(dev, GgmlType::Q8_0, REPS)
+}
+
+/// TFLOP/s of the prefill GEMM over `ty` weights, `reps` timed runs.
+pub(super) fn gemm_of(dev: &CudaDevice, ty: GgmlType, reps: usize) -> Result<f64, CudaError> {
+    let row_bytes = crate::quant::row_bytes(ty, COLS).map_err(|err| CudaError::Shape {
+        op: "cost probe",
+        detail: err.to_string(),
+    })? as u64;
     let w = filled(dev, "probe-cost-gemm-w", row_bytes * GEMM_ROWS as u64, 0x11)?;
     let x = filled(dev, "probe-cost-gemm-x", 4 * (GEMM_TOK * COLS) as u64, 0)?;
     let y = dev.alloc_arena("probe-cost-gemm-y", 4 * (GEMM_TOK * GEMM_ROWS) as u64)?;
@@ -519,10 +536,10 @@ fn gemm(dev: &CudaDevice) -> Result<f64, CudaError> {
         "probe-cost-gemm-scratch",
         crate::backend::cuda::gemm::gemm_scratch_bytes(GEMM_TOK, COLS),
     )?;
-    let ms = stream_ms(dev, REPS, &mut || {
+    let ms = stream_ms(dev, reps, &mut || {
         dev.gemm(
             w.all(),
-            GgmlType::Q8_0,
+            ty,
             GEMM_ROWS,
             COLS,
             x.all(),
@@ -625,7 +642,7 @@ pub fn cost_toml(m: &CostMeasure) -> String {
         ("host_expert_latency_us", m.host_expert_latency_us),
     ];
     let mut out = String::new();
-    if keys.iter().all(|(_, v)| v.is_none()) {
+    if keys.iter().all(|(_, v)| v.is_none()) && m.types.is_empty() {
         for n in &m.notes {
             let _ = writeln!(out, "# [device.cost] {n}");
         }
@@ -651,6 +668,10 @@ pub fn cost_toml(m: &CostMeasure) -> String {
     }
     for n in &m.notes {
         let _ = writeln!(out, "# note: {n}");
+    }
+    if !m.types.is_empty() {
+        let _ = writeln!(out, "# types: {}", super::types::how());
+        out.push_str(&super::types::types_toml(&m.types));
     }
     out
 }
@@ -688,6 +709,23 @@ mod tests {
             launch_us: Some(2.5),
             product_gbps: Some(3000.0),
             notes: vec!["attention not measured: x".into()],
+            types: vec![
+                (
+                    GgmlType::Q8_0,
+                    strata_schemas::probe::TypeRates {
+                        product_gbps: Some(3000.0),
+                        gemm_tflops: Some(100.0),
+                        ..Default::default()
+                    },
+                ),
+                (
+                    GgmlType::Iq3S,
+                    strata_schemas::probe::TypeRates {
+                        expert_gbps: Some(1500.0),
+                        ..Default::default()
+                    },
+                ),
+            ],
             ..Default::default()
         };
         let text = format!(
@@ -699,5 +737,13 @@ mod tests {
         assert_eq!(c.launch_us, Some(2.5));
         assert_eq!(c.product_gbps, Some(3000.0));
         assert_eq!(c.gemm_tflops, None);
+        let q8 = c.type_rates(GgmlType::Q8_0).unwrap();
+        assert_eq!(
+            (q8.product_gbps, q8.gemm_tflops),
+            (Some(3000.0), Some(100.0))
+        );
+        let iq = c.type_rates(GgmlType::Iq3S).unwrap();
+        assert_eq!((iq.expert_gbps, iq.product_gbps), (Some(1500.0), None));
+        assert_eq!(c.types.len(), 2);
     }
 }

@@ -47,13 +47,18 @@ fn pick(p: usize, t: usize, j: usize) -> i32 {
     ((p * 53 + t * 37 + j * (N_EXPERT / K)) % N_EXPERT) as i32
 }
 
-/// Bytes of one expert's gate, up and down matrices.
+/// Bytes of one Q8_0 expert's gate, up and down matrices.
 pub fn expert_bytes() -> Result<u64, CudaError> {
-    Ok(2 * mat_bytes(GgmlType::Q8_0, F, E)? + mat_bytes(GgmlType::Q8_0, E, F)?)
+    expert_bytes_of(GgmlType::Q8_0)
+}
+
+/// Bytes of one expert's gate, up and down matrices of `ty`.
+pub fn expert_bytes_of(ty: GgmlType) -> Result<u64, CudaError> {
+    Ok(2 * mat_bytes(ty, F, E)? + mat_bytes(ty, E, F)?)
 }
 
 /// The three expert stacks (gate, up, down), `N_EXPERT` matrices each, filled with small
-/// finite Q8_0 blocks.
+/// finite blocks of one weight type (0x11 bytes: small finite f16 scales in every format).
 struct Stacks {
     gate: crate::backend::cuda::DeviceArena,
     up: crate::backend::cuda::DeviceArena,
@@ -63,9 +68,9 @@ struct Stacks {
 }
 
 impl Stacks {
-    fn new(dev: &CudaDevice) -> Result<Self, CudaError> {
-        let gu = mat_bytes(GgmlType::Q8_0, F, E)?;
-        let dn = mat_bytes(GgmlType::Q8_0, E, F)?;
+    fn new(dev: &CudaDevice, ty: GgmlType) -> Result<Self, CudaError> {
+        let gu = mat_bytes(ty, F, E)?;
+        let dn = mat_bytes(ty, E, F)?;
         if gu % 16 != 0 || dn % 16 != 0 {
             return Err(shape(format!(
                 "expert matrices of {gu} and {dn} bytes are not 16-byte multiples"
@@ -100,13 +105,34 @@ impl Stacks {
 /// use reads its expert, as the kernels' grids do), and the GB/s of a pair over
 /// [`PASS_TOKENS`] tokens (bytes of its uses over its time).
 pub fn decode_experts(dev: &CudaDevice) -> Result<(f64, f64, f64), String> {
+    let counts: Vec<usize> = DECODE_TOKENS.into_iter().chain([PASS_TOKENS]).collect();
+    let mut points = expert_points(dev, GgmlType::Q8_0, &counts)?;
+    let (bytes, us) = points.pop().ok_or("no pass timed")?;
+    let (lat, g) = super::cost::latency_and_gbps(&points)?;
+    Ok((lat, g, bytes / us / 1e3))
+}
+
+/// GB/s of the decode expert products with weights of `ty`: the slope of the line fit at
+/// [`DECODE_TOKENS`] (the `[device.cost.types]` `expert_gbps`).
+pub fn decode_expert_gbps(dev: &CudaDevice, ty: GgmlType) -> Result<f64, String> {
+    let points = expert_points(dev, ty, &DECODE_TOKENS)?;
+    Ok(super::cost::latency_and_gbps(&points)?.1)
+}
+
+/// (expert bytes the uses read, µs) of one gate-up plus down pair over `ty` experts at each
+/// token count of `counts`, averaged over passes that read other experts.
+fn expert_points(
+    dev: &CudaDevice,
+    ty: GgmlType,
+    counts: &[usize],
+) -> Result<Vec<(f64, f64)>, String> {
     let e = |e: CudaError| e.to_string();
-    let s = Stacks::new(dev).map_err(e)?;
+    let s = Stacks::new(dev, ty).map_err(e)?;
     let table = dev
         .alloc_arena("probe-experts-table", 24 * N_EXPERT as u64)
         .map_err(e)?;
     dev.htod(&s.table(), table.all()).map_err(e)?;
-    let max_n = PASS_TOKENS.max(DECODE_TOKENS.iter().copied().max().unwrap_or(1));
+    let max_n = counts.iter().copied().max().unwrap_or(1);
     // One set of ids per pass, so consecutive passes read other experts.
     let passes = N_EXPERT / K;
     let ids: Vec<i32> = (0..passes)
@@ -128,16 +154,16 @@ pub fn decode_experts(dev: &CudaDevice) -> Result<(f64, f64, f64), String> {
         prof: None,
         q4k_lanes: false,
     };
-    let per_expert = expert_bytes().map_err(e)? as f64;
+    let per_expert = expert_bytes_of(ty).map_err(e)? as f64;
     let mut points = Vec::new();
-    for n in DECODE_TOKENS.into_iter().chain([PASS_TOKENS]) {
+    for &n in counts {
         let ms = graph_ms(dev, 5, &mut || {
             for p in 0..passes {
                 let ex = ExpertTable {
                     table: table.all(),
-                    ty: GgmlType::Q8_0,
-                    ty_up: GgmlType::Q8_0,
-                    ty_down: GgmlType::Q8_0,
+                    ty,
+                    ty_up: ty,
+                    ty_down: ty,
                     n_expert: N_EXPERT,
                     f: F,
                     e: E,
@@ -160,16 +186,14 @@ pub fn decode_experts(dev: &CudaDevice) -> Result<(f64, f64, f64), String> {
         let uses = (n * K) as f64;
         points.push((uses * per_expert, ms * 1e3 / passes as f64));
     }
-    let (bytes, us) = points.pop().ok_or("no pass timed")?;
-    let (lat, g) = super::cost::latency_and_gbps(&points)?;
-    Ok((lat, g, bytes / us / 1e3))
+    Ok(points)
 }
 
 /// TFLOP/s of the prefill's grouped expert products over [`PREFILL_TOKENS`] tokens: the
 /// sort, the input conversions, the fused gate-up product and the down product, as
 /// `forward.rs`'s `experts_grouped` queues them (2 flops per weight per use).
-pub fn prefill_experts(dev: &CudaDevice, reps: usize) -> Result<f64, CudaError> {
-    let s = Stacks::new(dev)?;
+pub fn prefill_experts(dev: &CudaDevice, ty: GgmlType, reps: usize) -> Result<f64, CudaError> {
+    let s = Stacks::new(dev, ty)?;
     let n = PREFILL_TOKENS;
     let ids: Vec<i32> = (0..n)
         .flat_map(|t| (0..K).map(move |j| pick(0, t, j)))
@@ -187,7 +211,6 @@ pub fn prefill_experts(dev: &CudaDevice, reps: usize) -> Result<f64, CudaError> 
     let x = filled(dev, "probe-pexperts-x", 4 * (n * E) as u64, 0)?;
     let h = filled(dev, "probe-pexperts-h", 4 * (n * K * F) as u64, 0)?;
     let yd = dev.alloc_arena("probe-pexperts-yd", 4 * (n * K * E) as u64)?;
-    let ty = GgmlType::Q8_0;
     let gu_span = s.gu * N_EXPERT as u64;
     let dn_span = s.dn * N_EXPERT as u64;
     let ms = stream_ms(dev, reps, &mut || {
