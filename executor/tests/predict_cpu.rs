@@ -128,6 +128,9 @@ fn measure() -> CostProbe {
         expert_gemm_tflops: None,
         host_matvec_gbps: None,
         host_expert_latency_us: None,
+        host_round_trip_us: None,
+        kv_host_round_trip_us: None,
+        eager_launch_us: None,
     }
 }
 
