@@ -101,5 +101,20 @@ fn probe_measures_every_cost_key() {
         let xt = c.expert_gemm_tflops.unwrap();
         assert!(xt > 0.5 && xt < 5000.0, "expert_gemm_tflops {xt}");
         assert!(c.complete());
+        // The host paths' round trips (hybrid.rs and kv_host_attn.rs timed whole) and the
+        // eager launch: measured, and within what one layer's synchronisations can cost.
+        for (key, v) in c.host_entries() {
+            let v = v.unwrap_or_else(|| panic!("device {}: {key} missing\n{text}", d.index));
+            assert!(v.is_finite() && v >= 0.0, "{key} = {v}");
+        }
+        let trip = c.host_round_trip_us.unwrap();
+        assert!(trip > 1.0 && trip < 100_000.0, "host_round_trip_us {trip}");
+        let kv_trip = c.kv_host_round_trip_us.unwrap();
+        assert!(
+            kv_trip > 1.0 && kv_trip < 100_000.0,
+            "kv_host_round_trip_us {kv_trip}"
+        );
+        let eager = c.eager_launch_us.unwrap();
+        assert!((0.2..100.0).contains(&eager), "eager_launch_us {eager}");
     }
 }
