@@ -107,12 +107,19 @@ pub fn hybrid_round_trip(dev: &CudaDevice, host_gbps: f64) -> Result<(f64, f64),
     }];
     let l = launcher(dev);
     let whole = median_trip(dev, &mut |i| {
-        rows_back(dev, [xn_d.all(), wts_d.all()], [&mut xn, &mut wts])?;
-        picks_up(dev, (&ids_dev, &wts_dev), [ids_d.all(), wts_d.all()])?;
+        let (xv, wv) = (xn_d.view(0, e32(E))?, wts_d.view(0, e32(K))?);
+        rows_back(dev, [xv, wv], [&mut xn, &mut wts])?;
+        picks_up(dev, (&ids_dev, &wts_dev), [ids_d.view(0, e32(K))?, wv])?;
         let m = [mats[i % TRIP_EXPERTS]];
         host_experts(&m, &pick, &xn, 1, (E, F), &mut h, &mut out[..E])
             .map_err(|e| shape(e.to_string()))?;
-        sum_up(&l, &mut out, h_d.all(), y_d.all(), (1, E))
+        sum_up(
+            &l,
+            &mut out,
+            h_d.view(0, e32(E + 1))?,
+            y_d.view(0, e32(E))?,
+            (1, E),
+        )
     })?;
     let bytes = (weights.len() / TRIP_EXPERTS) as f64;
     Ok(((whole - bytes / (host_gbps * 1e3)).max(0.0), whole))
