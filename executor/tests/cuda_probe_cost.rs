@@ -121,5 +121,20 @@ fn probe_measures_every_cost_key() {
         let near = |a: f64, b: f64| (a / b - 1.0).abs() < 0.25;
         assert!(near(q8.product_gbps.unwrap(), p), "{q8:?} vs {p}");
         assert!(near(q8.gemm_tflops.unwrap(), g), "{q8:?} vs {g}");
+        // The host paths' round trips (hybrid.rs and kv_host_attn.rs timed whole) and the
+        // eager launch: measured, and within what one layer's synchronisations can cost.
+        for (key, v) in c.host_entries() {
+            let v = v.unwrap_or_else(|| panic!("device {}: {key} missing\n{text}", d.index));
+            assert!(v.is_finite() && v >= 0.0, "{key} = {v}");
+        }
+        let trip = c.host_round_trip_us.unwrap();
+        assert!(trip > 1.0 && trip < 100_000.0, "host_round_trip_us {trip}");
+        let kv_trip = c.kv_host_round_trip_us.unwrap();
+        assert!(
+            kv_trip > 1.0 && kv_trip < 100_000.0,
+            "kv_host_round_trip_us {kv_trip}"
+        );
+        let eager = c.eager_launch_us.unwrap();
+        assert!((0.2..100.0).contains(&eager), "eager_launch_us {eager}");
     }
 }

@@ -129,6 +129,9 @@ fn measure() -> CostProbe {
         host_matvec_gbps: None,
         host_expert_latency_us: None,
         types: Default::default(),
+        host_round_trip_us: None,
+        kv_host_round_trip_us: None,
+        eager_launch_us: None,
     }
 }
 

@@ -44,9 +44,26 @@ const CPU_LAYER_OPS: f64 = 8.0;
 /// Default host expert matvec rate (GB/s of expert bytes, every core): a guess for a
 /// desktop's dual-channel DDR5 or a server share; `host_matvec_gbps` replaces it.
 const HOST_MATVEC_GBPS: f64 = 40.0;
-/// Default fixed cost of a decode layer computing misses on the CPU (µs): two small reads
-/// back, one upload and a launch, the thread pool's wake-up; `host_expert_latency_us`.
-const HOST_EXPERT_LATENCY_US: f64 = 40.0;
+/// Default round trip of a decode layer computing misses on the CPU (µs), the device waiting:
+/// the rows read back with a stream synchronisation, the picks and the sum up, the thread
+/// pool's wake-up, the combine launch; `host_round_trip_us`. A conservative guess: the H200
+/// machine measured about 600 µs a layer in the engine (BENCHMARKS.md "Experts and KV beyond
+/// VRAM": 1/28.3 - 1/177.7 s over 48 layers), where the hot host products alone fit 40 µs.
+const HOST_ROUND_TRIP_US: f64 = 600.0;
+/// Default round trip of an attention layer whose spilled cells the host attends (µs): the
+/// query rows back with a synchronisation, the pool's wake-up, the partials up and the
+/// merge; `kv_host_round_trip_us`. A conservative guess from the H200 machine (BENCHMARKS.md
+/// "Experts and KV beyond VRAM": `--kv-host cpu` at depth 6144 cost about 180 ms a step
+/// over 48 attention layers, of which the host's reads of 2048 cells are ~5 ms).
+const KV_HOST_ROUND_TRIP_US: f64 = 3500.0;
+/// Default host time of one kernel launched outside a graph (µs); `eager_launch_us`. A
+/// guess: the CUDA driver's launch call costs a few µs of host time on current CPUs.
+const EAGER_LAUNCH_US: f64 = 5.0;
+/// Kernels a GPU decode layer launches (norms, Q/K/V, QK-norm and RoPE, KV store, attention
+/// splits and merge, output, router and top-k, the expert pair, the combine): what a step
+/// launched eagerly pays `eager_launch_us - launch_us` for, beside [`GPU_STEP_LAUNCHES`].
+/// An estimate of the CUDA engine's launch count, not a measurement.
+const GPU_LAYER_KERNELS: f64 = 14.0;
 
 /// Coefficients of one device in SI units, and which of them were defaults.
 #[derive(Debug, Clone, PartialEq)]
@@ -69,9 +86,13 @@ pub struct Coefficients {
     pub expert_pass_bps: f64,
     pub expert_gemm_flops: f64,
     /// The hybrid miss path: expert bytes per second the host CPU's products read from host
-    /// memory, and a decode layer's fixed cost when it computes any miss there.
+    /// memory, and a decode layer's round trip when it computes any miss there; the same
+    /// round trip of an attention layer attending spilled cells on the host; one kernel
+    /// launched outside a graph.
     pub host_matvec_bps: f64,
     pub host_layer_s: f64,
+    pub kv_host_layer_s: f64,
+    pub eager_launch_s: f64,
     /// Probe keys that took the default.
     pub defaulted: Vec<&'static str>,
     /// Host keys of the miss path that took the default (a guess only where the device
@@ -203,6 +224,8 @@ impl Coefficients {
             expert_gemm_flops: gemm_tflops * 1e12,
             host_matvec_bps: 0.0,
             host_layer_s: 0.0,
+            kv_host_layer_s: 0.0,
+            eager_launch_s: 0.0,
             defaulted: Vec::new(),
             host_defaulted: Vec::new(),
             type_rates: Vec::new(),
@@ -223,10 +246,20 @@ impl Coefficients {
         };
         out.host_matvec_bps = host("host_matvec_gbps", c.host_matvec_gbps, HOST_MATVEC_GBPS) * 1e9;
         out.host_layer_s = host(
-            "host_expert_latency_us",
-            c.host_expert_latency_us,
-            HOST_EXPERT_LATENCY_US,
+            "host_round_trip_us",
+            c.host_round_trip_us,
+            HOST_ROUND_TRIP_US,
         ) * 1e-6;
+        out.kv_host_layer_s = host(
+            "kv_host_round_trip_us",
+            c.kv_host_round_trip_us,
+            KV_HOST_ROUND_TRIP_US,
+        ) * 1e-6;
+        out.eager_launch_s = if cpu {
+            0.0
+        } else {
+            host("eager_launch_us", c.eager_launch_us, EAGER_LAUNCH_US) * 1e-6
+        };
         if !cpu {
             // Expert defaults (H200, BENCHMARKS.md "Predictions"): the decode pair 17 µs
             // plus bytes at 45% of the datasheet bandwidth, a 256-token group at 25%; the
@@ -506,7 +539,18 @@ pub fn device_cost(
         kv_cell_s: kv_cell / c.attention_bps,
         kv_host_cell_s: kv_cell / (dev.h2d() * 1e9),
         kv_cpu_cell_s: kv_cell / c.host_matvec_bps,
-        kv_cpu_step_s: attn_layers * c.host_layer_s,
+        kv_cpu_step_s: attn_layers * c.kv_host_layer_s,
+        eager_step_s: if cpu {
+            0.0
+        } else {
+            let kernels = layers * GPU_LAYER_KERNELS
+                + if share.holds_head {
+                    GPU_STEP_LAUNCHES + 1.0
+                } else {
+                    0.0
+                };
+            kernels * (c.eager_launch_s - c.launch_s).max(0.0)
+        },
         kv_host_cpu: false,
         kv_resident: share.kv_resident,
         row_s,
@@ -621,6 +665,9 @@ mod tests {
             host_matvec_gbps: None,
             host_expert_latency_us: None,
             types: Default::default(),
+            host_round_trip_us: None,
+            kv_host_round_trip_us: None,
+            eager_launch_us: None,
         });
         let c = Coefficients::of(&d);
         assert!(!c.guessed(), "{:?}", c.defaulted);
@@ -630,8 +677,9 @@ mod tests {
     }
 
     /// The 30B Q8_0 model on an H200 whose cache holds about a third of the expert uses,
-    /// misses copied at `link_gbps` and computed on the host at `host_gbps`.
-    fn offload_cost(link_gbps: f64, host_gbps: f64) -> DeviceCost {
+    /// misses copied at `link_gbps` and computed on the host at `host_gbps` after a round
+    /// trip of `trip_us` a layer.
+    fn offload_cost_trip(link_gbps: f64, host_gbps: f64, trip_us: f64) -> DeviceCost {
         let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
         let facts = ModelFacts::new(&inv, GgmlType::F16);
         let mut dev = h200();
@@ -639,6 +687,7 @@ mod tests {
             host_expert_gbps: Some(link_gbps),
             host_matvec_gbps: Some(host_gbps),
             host_expert_latency_us: Some(40.0),
+            host_round_trip_us: Some(trip_us),
             ..CostProbe::default()
         });
         let share = DeviceShare {
@@ -647,6 +696,103 @@ mod tests {
             ..whole(&facts, true)
         };
         device_cost(&facts, &dev, &Coefficients::of(&dev), &share)
+    }
+
+    /// The same with a cheap 40 µs round trip.
+    fn offload_cost(link_gbps: f64, host_gbps: f64) -> DeviceCost {
+        offload_cost_trip(link_gbps, host_gbps, 40.0)
+    }
+
+    /// The decode step at batch 1 with `n` misses a token on the host.
+    fn step_at(c: &DeviceCost, n: u32) -> f64 {
+        DeviceCost {
+            cpu_misses_per_token: n,
+            ..c.clone()
+        }
+        .decode_step_seconds(1, 0)
+    }
+
+    /// BENCHMARKS.md "Experts and KV beyond VRAM": on the H200 machine (55 GB/s link) every
+    /// layer sending misses to the host cost about 0.6 ms of round trip, and streaming won by
+    /// 6-10x. With that figure the model streams; with the round trip left out (0 µs) it
+    /// would take the split, so this fails if the term is dropped.
+    #[test]
+    fn a_measured_600_us_round_trip_makes_the_h200_stream() {
+        use strata_schemas::plan::MissPolicy;
+        let mut c = offload_cost_trip(55.0, 40.0, 600.0);
+        c.cpu_misses_per_token = choose_miss_policy(&c);
+        assert_eq!(c.miss_policy(), MissPolicy::Stream, "{c:?}");
+        let k = c.n_expert_used;
+        for n in 1..=k {
+            eprintln!(
+                "n {n}: {:.3} ms vs stream {:.3}",
+                step_at(&c, n) * 1e3,
+                step_at(&c, 0) * 1e3
+            );
+            assert!(step_at(&c, n) > step_at(&c, 0), "n {n}");
+        }
+        let free = offload_cost_trip(55.0, 40.0, 0.0);
+        assert_ne!(
+            choose_miss_policy(&free),
+            0,
+            "without the round trip the host helps"
+        );
+    }
+
+    /// A cheap round trip (20 µs) beside a slow link (8 GB/s, a PCIe 3 x8 card): the host's
+    /// products beat copying the misses, and the model sends them there.
+    #[test]
+    fn a_cheap_round_trip_beside_a_slow_link_sends_misses_to_the_host() {
+        use strata_schemas::plan::MissPolicy;
+        let mut c = offload_cost_trip(8.0, 40.0, 20.0);
+        let n = choose_miss_policy(&c);
+        c.cpu_misses_per_token = n;
+        assert_ne!(c.miss_policy(), MissPolicy::Stream, "{c:?}");
+        assert!(step_at(&c, n) < 0.8 * step_at(&c, 0));
+    }
+
+    /// Without any host keys (an unprobed device) a PCIe 5 card (55 GB/s) holding a 12 GiB
+    /// card's share of the 30B Q8_0 experts streams its misses: the default round trip is
+    /// the conservative guess, and the prediction says it is one.
+    #[test]
+    fn the_defaults_stream_the_misses_of_a_pcie5_card() {
+        use strata_schemas::plan::MissPolicy;
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let dev = h200();
+        assert_eq!(dev.h2d(), 55.0);
+        let c = Coefficients::of(&dev);
+        assert!(c.host_defaulted.contains(&"host_round_trip_us"));
+        for cached in [0.2, 0.3, 0.5] {
+            let share = DeviceShare {
+                cached_mass: cached,
+                experts_covered: false,
+                ..whole(&facts, true)
+            };
+            let mut dc = device_cost(&facts, &dev, &c, &share);
+            dc.cpu_misses_per_token = choose_miss_policy(&dc);
+            assert_eq!(dc.miss_policy(), MissPolicy::Stream, "{cached}: {dc:?}");
+        }
+    }
+
+    /// A step whose experts come through the cache runs eagerly: the model charges each of
+    /// its launches the eager cost beyond the graph's, and a resident step none.
+    #[test]
+    fn a_step_with_misses_pays_the_eager_launches() {
+        let c = offload_cost(55.0, 40.0);
+        assert!(c.eager(0));
+        assert!(c.eager_step_s > 0.0);
+        let graph = DeviceCost {
+            eager_step_s: 0.0,
+            ..c.clone()
+        };
+        let d = c.decode_step_seconds(1, 0) - graph.decode_step_seconds(1, 0);
+        assert!((d - c.eager_step_s).abs() < 1e-12);
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let facts = ModelFacts::new(&inv, GgmlType::F16);
+        let dev = h200();
+        let all = device_cost(&facts, &dev, &Coefficients::of(&dev), &whole(&facts, true));
+        assert!(!all.eager(0));
     }
 
     #[test]
@@ -688,6 +834,11 @@ mod tests {
     /// The 30B model's KV (F16) on an H200 holding `resident` cells a slot, the rest read
     /// over a link of `link_gbps` or attended on a host of `host_gbps`.
     fn spill_cost(resident: u64, link_gbps: f64, host_gbps: f64) -> DeviceCost {
+        spill_cost_trip(resident, link_gbps, host_gbps, 40.0)
+    }
+
+    /// The same with a round trip of `trip_us` per attention layer attended on the host.
+    fn spill_cost_trip(resident: u64, link_gbps: f64, host_gbps: f64, trip_us: f64) -> DeviceCost {
         let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
         let facts = ModelFacts::new(&inv, GgmlType::F16);
         let mut dev = h200();
@@ -695,6 +846,7 @@ mod tests {
         dev.cost = Some(CostProbe {
             host_matvec_gbps: Some(host_gbps),
             host_expert_latency_us: Some(40.0),
+            kv_host_round_trip_us: Some(trip_us),
             ..CostProbe::default()
         });
         let share = DeviceShare {
@@ -733,11 +885,37 @@ mod tests {
             kv_resident: ctx,
             ..hidden.clone()
         };
-        // The step costs what the window alone does: the whole context in VRAM less the 16
-        // cells the host attended meanwhile.
+        // The step costs what the window alone does (the whole context in VRAM less the 16
+        // cells the host attended meanwhile), plus the round trips the device waits for and
+        // the eager launches of a step that cannot be one graph.
         let d = hidden.decode_step_seconds(4, ctx) - none.decode_step_seconds(4, ctx);
         let saved = 4.0 * 16.0 * hidden.kv_cell_s;
-        assert!((d + saved).abs() < 1e-12, "{d} vs -{saved}");
+        let paid = hidden.kv_cpu_step_s + hidden.eager_step_s;
+        assert!(hidden.kv_cpu_step_s > 0.0 && hidden.eager_step_s > 0.0);
+        assert!((d + saved - paid).abs() < 1e-12, "{d} vs {paid} - {saved}");
+    }
+
+    /// BENCHMARKS.md: spilled KV attended on the H200 machine's CPU cost 180 ms a step
+    /// against 76.5 predicted with a 40 µs round trip: about 3.5 ms a layer. With that round
+    /// trip the model streams over the 55 GB/s link even beside a host that reads faster
+    /// than the link; with a cheap one (20 µs) beside a PCIe 3 x8 link (8 GB/s) the host
+    /// attends. Both directions: dropping the term makes the first fail.
+    #[test]
+    fn the_kv_round_trip_decides_between_the_host_and_the_link() {
+        let ctx = 32_768;
+        let dear = spill_cost_trip(4096, 55.0, 60.0, 3500.0);
+        assert!(!choose_kv_host(&dear, 4, ctx), "{dear:?}");
+        let free = DeviceCost {
+            kv_cpu_step_s: 0.0,
+            eager_step_s: 0.0,
+            ..dear.clone()
+        };
+        assert!(
+            choose_kv_host(&free, 4, ctx),
+            "without the round trips the host wins"
+        );
+        let cheap = spill_cost_trip(4096, 8.0, 60.0, 20.0);
+        assert!(choose_kv_host(&cheap, 4, ctx), "{cheap:?}");
     }
 
     #[test]
@@ -746,18 +924,29 @@ mod tests {
         let c = Coefficients::of(&d);
         assert_eq!(
             c.host_defaulted,
-            vec!["host_matvec_gbps", "host_expert_latency_us"]
+            vec![
+                "host_matvec_gbps",
+                "host_round_trip_us",
+                "kv_host_round_trip_us",
+                "eager_launch_us"
+            ]
         );
         assert!(!c.defaulted.contains(&"host_matvec_gbps"));
         d.cost = Some(CostProbe {
             host_matvec_gbps: Some(90.0),
             host_expert_latency_us: Some(25.0),
+            host_round_trip_us: Some(300.0),
+            kv_host_round_trip_us: Some(200.0),
+            eager_launch_us: Some(4.0),
             ..CostProbe::default()
         });
         let c = Coefficients::of(&d);
         assert!(c.host_defaulted.is_empty());
         assert_eq!(c.host_matvec_bps, 90e9);
-        assert!((c.host_layer_s - 25e-6).abs() < 1e-12);
+        // The round trips, not the hot products' intercept, price a host layer.
+        assert!((c.host_layer_s - 300e-6).abs() < 1e-12);
+        assert!((c.kv_host_layer_s - 200e-6).abs() < 1e-12);
+        assert!((c.eager_launch_s - 4e-6).abs() < 1e-12);
     }
 
     /// Every family key measured (no default guesses), and `types` as given.
@@ -779,6 +968,9 @@ mod tests {
             expert_gemm_tflops: Some(90.0),
             host_matvec_gbps: Some(40.0),
             host_expert_latency_us: Some(40.0),
+            host_round_trip_us: Some(600.0),
+            kv_host_round_trip_us: Some(3500.0),
+            eager_launch_us: Some(5.0),
             types: types
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.clone()))

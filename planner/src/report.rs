@@ -94,7 +94,7 @@ pub fn notes(plan: &Plan) -> Vec<String> {
             d.cost.miss_policy() != MissPolicy::None
                 || d.cost.kv_host_policy(plan.serve.max_context) != KvHostPolicy::None
         }) {
-            out.push("the miss policy and the KV host policy rest on the host keys `host_matvec_gbps` and `host_expert_latency_us` of [device.cost], which `strata-exec probe` does not measure yet (defaults 40 GB/s and 40 us); `strata-exec bench --miss-policy cpu` or `--kv-host cpu` shows this host's figure".into());
+            out.push("the miss policy and the KV host policy rest on the host keys `host_matvec_gbps`, `host_round_trip_us`, `kv_host_round_trip_us` and `eager_launch_us` of [device.cost] (defaults 40 GB/s, 600 us, 3500 us and 5 us: conservative guesses from the H200 machine that favour streaming); `strata-exec probe` measures them on this machine".into());
         }
     }
     out
@@ -183,6 +183,7 @@ fn cost_json(c: &DeviceCost) -> Value {
         "kv_host_cell_s": c.kv_host_cell_s,
         "kv_cpu_cell_s": c.kv_cpu_cell_s,
         "kv_cpu_step_s": c.kv_cpu_step_s,
+        "eager_step_s": c.eager_step_s,
         "kv_host_cpu": c.kv_host_cpu,
         "row_s": c.row_s,
         "pass_s": c.pass_s,
@@ -218,6 +219,7 @@ pub fn plan_json(plan: &Plan) -> Value {
                 "expert_cache_slots": d.expert_cache_slots,
                 "expert_slot_bytes": d.expert_slot_bytes,
                 "miss_policy": d.cost.miss_policy().to_string(),
+                "miss_policy_why": miss_policy_why(&d.cost),
                 "kv_host": d.cost.kv_host_policy(plan.serve.max_context).to_string(),
                 "slots": plan.serve.batch,
                 "holds": {
@@ -510,18 +512,48 @@ fn device_text(d: &DevicePlan, ctx: u64, batch: u32) -> String {
     let policy = d.cost.miss_policy();
     if policy != MissPolicy::None {
         o.push_str(&format!(
-            "    {:<16} {:>12}   ({})\n",
+            "    {:<16} {:>12}   ({}; {})\n",
             "miss policy",
             policy.to_string(),
             match policy {
                 MissPolicy::Cpu => "every missed expert computed on the host CPU beside the device's products".to_string(),
                 MissPolicy::Split(n) => format!("up to {n} missed expert(s) a token per layer computed on the host CPU, the rest copied into the cache"),
                 _ => "every missed expert copied into the cache".to_string(),
-            }
+            },
+            miss_policy_why(&d.cost),
         ));
     }
     o.push_str(&kv_host_text(d, ctx, batch));
     o
+}
+
+/// Why the miss policy: the predicted decode step (batch 1, empty context, where the cost
+/// model chooses) of each option, and the round trip a host layer pays. Empty where nothing
+/// misses.
+pub fn miss_policy_why(c: &DeviceCost) -> String {
+    if c.miss_policy() == MissPolicy::None {
+        return String::new();
+    }
+    let at = |n: u32| {
+        DeviceCost {
+            cpu_misses_per_token: n,
+            ..c.clone()
+        }
+        .decode_step_seconds(1, 0)
+            * 1e3
+    };
+    let k = c.n_expert_used;
+    let mut opts = vec![format!("stream {:.2} ms", at(0))];
+    let chosen = c.cpu_misses_per_token.min(k);
+    if chosen > 0 && chosen < k {
+        opts.push(format!("split {chosen} {:.2} ms", at(chosen)));
+    }
+    opts.push(format!("cpu {:.2} ms", at(k)));
+    format!(
+        "a decode step predicted {} with a {:.0} us round trip a host layer; --miss-policy overrides",
+        opts.join(", "),
+        c.host_layer_s * 1e6
+    )
 }
 
 /// The device's KV host policy line of the text report, with the two predicted costs it

@@ -341,8 +341,10 @@ pub struct DeviceCost {
     /// Extra time of one expert missed by the cache (host-to-device copy, disk share).
     pub expert_miss_s: f64,
     /// One missed expert computed on the host CPU instead, for one token (its bytes over the
-    /// host's expert matvec rate), and the fixed cost of a decode layer that computes any
-    /// there (the picks and rows down, the partial sum up, one more launch).
+    /// host's expert matvec rate; overlaps the device's copies and products), and the round
+    /// trip of a decode layer that computes any there (the rows read back with a stream
+    /// synchronisation, the picks and the partial sum up, the cold thread pool, the combine
+    /// launch: probe key `host_round_trip_us`), which the device waits for.
     pub host_expert_s: f64,
     pub host_layer_s: f64,
     /// The miss policy (the hybrid path): at most this many of a decode layer's misses per
@@ -357,9 +359,10 @@ pub struct DeviceCost {
     pub kv_resident: u64,
     /// The KV host policy (`--kv-host`): one slot's cell past `kv_resident` attended on the
     /// host CPU instead of read by the device over PCIe (its bytes over the host's memory
-    /// rate, `host_matvec_gbps`), and the fixed cost of a decode step that does so (per
-    /// full-attention layer here: the query rows back, the thread pool's wake-up, the
-    /// partials up; `host_expert_latency_us` each).
+    /// rate, `host_matvec_gbps`), and the round trips of a decode step that does so (per
+    /// full-attention layer here: the query rows back with a stream synchronisation, the
+    /// cold thread pool, the partials up, the merge; `kv_host_round_trip_us` each), which the
+    /// device waits for.
     pub kv_cpu_cell_s: f64,
     pub kv_cpu_step_s: f64,
     /// Whether decode attention over the cells past `kv_resident` is computed on the host CPU
@@ -367,6 +370,11 @@ pub struct DeviceCost {
     /// flash-decoding combine) rather than read by the device in place. See
     /// [`DeviceCost::kv_host_policy`].
     pub kv_host_cpu: bool,
+    /// Extra seconds of a decode step launched kernel by kernel instead of as one captured
+    /// graph (its launches x (`eager_launch_us` - `launch_us`)): a step with a host round
+    /// trip (experts read through the cache, spilled KV attended on the host) cannot be one
+    /// graph. See [`DeviceCost::eager`].
+    pub eager_step_s: f64,
     /// Per row of a step: linear-attention state read and written, hand-off bytes.
     pub row_s: f64,
     /// Per prefill pass, whatever its tokens: launch latencies.
@@ -468,7 +476,8 @@ impl DeviceCost {
             return in_vram;
         }
         if self.kv_host_cpu {
-            in_vram.max(self.kv_cpu_step_s + b * host * self.kv_cpu_cell_s)
+            // The round trips wait; the host's reads overlap the window's.
+            self.kv_cpu_step_s + in_vram.max(b * host * self.kv_cpu_cell_s)
         } else {
             in_vram + b * host * self.kv_host_cell_s
         }
@@ -490,8 +499,9 @@ impl DeviceCost {
     /// Extra seconds of a decode step of `batch` rows from the misses (`misses`: the step's
     /// streamed cost if every miss were copied) beside the expert products (`exp`, every
     /// layer's): per layer, the streamed misses copy before the products, and the CPU's
-    /// misses compute while the copies and products run; only what the CPU takes beyond
-    /// them adds.
+    /// misses compute while the copies and products run, only what the CPU takes beyond
+    /// them adding; a layer that sends any miss to the host pays its round trip
+    /// (`host_layer_s`) on top, since the device waits for the rows back and the sum up.
     fn miss_seconds(&self, batch: u64, exp: f64, misses: f64) -> f64 {
         if self.expert_layers == 0 || misses <= 0.0 || self.expert_miss_s <= 0.0 {
             return misses;
@@ -501,12 +511,12 @@ impl DeviceCost {
         let m = misses / layers / self.expert_miss_s;
         let cpu = m.min((u64::from(self.cpu_misses_per_token) * batch) as f64);
         let stream_s = (m - cpu) * self.expert_miss_s;
-        let cpu_s = if cpu > 0.0 {
-            self.host_layer_s + cpu * self.host_expert_s
+        let (trip_s, cpu_s) = if cpu > 0.0 {
+            (self.host_layer_s, cpu * self.host_expert_s)
         } else {
-            0.0
+            (0.0, 0.0)
         };
-        layers * (stream_s + (cpu_s - stream_s - exp / layers).max(0.0))
+        layers * (trip_s + stream_s + (cpu_s - stream_s - exp / layers).max(0.0))
     }
 
     /// Expert-product and expert-miss seconds for `tokens` rows: (reads, misses).
@@ -527,6 +537,14 @@ impl DeviceCost {
         )
     }
 
+    /// Whether a decode step at `context` cells runs kernel by kernel (not one captured
+    /// graph): the engine reads each MoE layer's picks back whenever experts come through
+    /// the cache (any miss), and attends spilled cells on the host with `--kv-host cpu`.
+    pub fn eager(&self, context: u64) -> bool {
+        (self.expert_layers > 0 && self.hit_rate < 1.0)
+            || (self.kv_host_cpu && context > self.kv_resident && self.kv_cell_s > 0.0)
+    }
+
     /// Seconds of one decode step of `batch` slots, each holding `context` cells.
     pub fn decode_step_seconds(&self, batch: u32, context: u64) -> f64 {
         let b = u64::from(batch.max(1));
@@ -536,7 +554,12 @@ impl DeviceCost {
         let memory = reads * self.dense_read_s + exp;
         let compute = b as f64 * (self.token_compute_s + self.head_compute_s);
         let kv = self.kv_seconds(b, context);
-        self.step_s + memory.max(compute) + miss + kv + b as f64 * self.row_s
+        let eager = if self.eager(context) {
+            self.eager_step_s
+        } else {
+            0.0
+        };
+        self.step_s + eager + memory.max(compute) + miss + kv + b as f64 * self.row_s
     }
 
     /// Seconds of one prefill pass of `tokens` tokens after `context` cells of the same slot.

@@ -151,14 +151,32 @@ pub struct CostProbe {
     pub expert_gemm_tflops: Option<f64>,
     /// The hybrid miss path (a GPU device's missed experts computed on the host CPU): expert
     /// bytes per second the host's expert products read from host memory with every core
-    /// (the rate a miss computes at on the CPU), and the fixed time of a decode layer that
-    /// computes any there (picks and rows down, the partial sum up, the thread pool's
-    /// wake-up). Host figures, kept per device beside the other miss keys; not measured by
-    /// `strata-exec probe` yet (see [`CostProbe::host_entries`]).
+    /// (the rate a miss computes at on the CPU), and the intercept of the same fit (the thread
+    /// pool's sections, hot; the device side is `host_round_trip_us`). Host figures, kept per
+    /// device beside the other miss keys (see [`CostProbe::host_entries`]).
     #[serde(default)]
     pub host_matvec_gbps: Option<f64>,
     #[serde(default)]
     pub host_expert_latency_us: Option<f64>,
+    /// The whole round trip of one decode layer that computes a miss on the host, as the
+    /// engine runs it (`backend/cuda/hybrid.rs`), less the pick's bytes at
+    /// `host_matvec_gbps`: the rows and weights read back (a stream synchronisation), the
+    /// picks' ids and weights up, the host products from a cold thread pool, the sum up and
+    /// the combine launch. The device waits for it: the cost model charges it per layer
+    /// serially. Absent from probes written before it was measured (the default is a
+    /// conservative guess).
+    #[serde(default)]
+    pub host_round_trip_us: Option<f64>,
+    /// The same for one attention layer whose spilled KV cells the host CPU attends
+    /// (`--kv-host cpu`, `backend/cuda/kv_host_attn.rs`): the query rows back (a stream
+    /// synchronisation), the host partials' fixed part from a cold pool, the partials up and
+    /// the combine launch.
+    #[serde(default)]
+    pub kv_host_round_trip_us: Option<f64>,
+    /// A kernel launched outside a captured graph (the eager launch a decode step with a host
+    /// round trip pays: such a step cannot be one CUDA graph), host issue time per launch.
+    #[serde(default)]
+    pub eager_launch_us: Option<f64>,
     /// `[device.cost.types.<TYPE>]`: the weight products' rates with weights of one type
     /// (llama.cpp's spelling, "Q4_K", "IQ3_S"), measured by `strata-exec probe` per type the
     /// engine runs. The family keys above are the Q8_0 figures; a type absent here takes its
@@ -219,13 +237,17 @@ impl CostProbe {
         ]
     }
 
-    /// The host keys of the hybrid miss path, which `strata-exec probe` does not measure
-    /// (a probe is complete without them; a plan whose device has misses takes their
-    /// defaults as guesses).
-    pub fn host_entries(&self) -> [(&'static str, Option<f64>); 2] {
+    /// The keys of the host paths (misses computed on the host CPU, spilled KV attended
+    /// there, the eager launches such steps pay): a probe is complete without them (older
+    /// probes lack some), and a plan whose device misses or spills takes their defaults as
+    /// guesses.
+    pub fn host_entries(&self) -> [(&'static str, Option<f64>); 5] {
         [
             ("host_matvec_gbps", self.host_matvec_gbps),
             ("host_expert_latency_us", self.host_expert_latency_us),
+            ("host_round_trip_us", self.host_round_trip_us),
+            ("kv_host_round_trip_us", self.kv_host_round_trip_us),
+            ("eager_launch_us", self.eager_launch_us),
         ]
     }
 

@@ -633,7 +633,8 @@ impl Solver<'_> {
             .zip(&self.coefficients)
             .zip(devices)
             .filter(|((_, c), p)| {
-                let misses = p.cost.miss_policy() != strata_schemas::plan::MissPolicy::None;
+                let misses = p.cost.miss_policy() != strata_schemas::plan::MissPolicy::None
+                    || p.cost.kv_host_policy(self.ctx) != strata_schemas::plan::KvHostPolicy::None;
                 c.guessed() || (misses && !c.host_defaulted.is_empty())
             })
             .map(|((d, _), _)| d.index.to_string())

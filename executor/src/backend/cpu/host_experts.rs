@@ -94,6 +94,38 @@ pub fn host_threads() -> usize {
     rayon::current_num_threads()
 }
 
+/// `n` Q8_0 experts of `e x f` (gate, up, down one after another, `3 x f x row_bytes(e)`
+/// bytes each) of valid blocks (a scale of 1/64, small signed values): the probe's stand-ins
+/// for a model's experts.
+pub fn synthetic_experts((e, f): (usize, usize), n: usize) -> Result<Vec<u8>, OpError> {
+    let per = quant::row_bytes(strata_schemas::ggml::GgmlType::Q8_0, e)? * f;
+    let block: Vec<u8> = [0x00u8, 0x24]
+        .into_iter()
+        .chain((0..32).map(|i| (i as i8 - 16) as u8))
+        .collect();
+    Ok(block.iter().copied().cycle().take(3 * n * per).collect())
+}
+
+/// The gate, up and down matrices of each of the `n` experts in `weights` (as
+/// [`synthetic_experts`] lays them).
+pub fn synthetic_mats(
+    weights: &[u8],
+    (e, f): (usize, usize),
+    n: usize,
+) -> Result<Vec<[Matrix<'_>; 3]>, OpError> {
+    let ty = strata_schemas::ggml::GgmlType::Q8_0;
+    let per = quant::row_bytes(ty, e)? * f;
+    (0..n)
+        .map(|x| {
+            let m = |k: usize, rows: usize, cols: usize| {
+                let at = (3 * x + k) * per;
+                Matrix::new(ty, cols, rows, weights.get(at..at + per).unwrap_or(&[]))
+            };
+            Ok([m(0, f, e)?, m(1, f, e)?, m(2, e, f)?])
+        })
+        .collect()
+}
+
 /// The host half's cost on this machine, for the probe's `host_matvec_gbps` and
 /// `host_expert_latency_us`: [`host_experts`] over Q8_0 experts of `e x f` (gate, up and down
 /// of distinct experts, a working set of `ws_experts` so the weights come from memory, not
@@ -106,25 +138,11 @@ pub fn time_host_experts(
     picks: &[usize],
     reps: usize,
 ) -> Result<Vec<(f64, f64)>, OpError> {
-    let ty = strata_schemas::ggml::GgmlType::Q8_0;
-    let per = quant::row_bytes(ty, e)? * f; // gate or up; down is the same size
     let most = picks.iter().copied().max().unwrap_or(0);
     let n = ws_experts.max(most).max(1);
-    // Valid Q8_0 blocks: a scale of 1/64 (f16 0x2400) and small signed values.
-    let block: Vec<u8> = [0x00u8, 0x24]
-        .into_iter()
-        .chain((0..32).map(|i| (i as i8 - 16) as u8))
-        .collect();
-    let weights: Vec<u8> = block.iter().copied().cycle().take(3 * n * per).collect();
-    let mats: Vec<[Matrix<'_>; 3]> = (0..n)
-        .map(|x| {
-            let m = |k: usize, rows: usize, cols: usize| {
-                let at = (3 * x + k) * per;
-                Matrix::new(ty, cols, rows, &weights[at..at + per])
-            };
-            Ok([m(0, f, e)?, m(1, f, e)?, m(2, e, f)?])
-        })
-        .collect::<Result<_, OpError>>()?;
+    let weights = synthetic_experts((e, f), n)?;
+    let mats = synthetic_mats(&weights, (e, f), n)?;
+    let per = quant::row_bytes(strata_schemas::ggml::GgmlType::Q8_0, e)? * f;
     let xn = vec![0.25f32; e];
     let mut h = vec![0f32; most * f];
     let mut out = vec![0f32; e];

@@ -8,9 +8,9 @@
 //! adds exactly 0 for it) before the products run; the host's partial sum lands in `h` after
 //! the products that read `h` (stream order) and is added into `y` before anything else runs.
 
-use super::launch::decode;
+use super::launch::{decode, Launcher};
 use super::stage::CudaStage;
-use super::{pod_bytes, CudaError};
+use super::{pod_bytes, CudaDevice, CudaError, DeviceView};
 use crate::backend::cpu::host_experts::{host_experts, HostPick};
 use crate::backend::cpu::ops::Matrix;
 use crate::backend::WorkBuf;
@@ -146,9 +146,12 @@ impl CudaStage {
             )));
         }
         let xv = self.buf_at(xn, 0, (4 * n * e) as u64)?;
-        self.dev.dtoh(xv, &mut hh.xn[..n * e])?;
         let wv = self.buf_at(wts, 0, (4 * n * k) as u64)?;
-        self.dev.dtoh(wv, &mut hh.wts[..n * k])
+        rows_back(
+            &self.dev,
+            [xv, wv],
+            [&mut hh.xn[..n * e], &mut hh.wts[..n * k]],
+        )
     }
 
     /// Before a decode group's products (`g` tokens from `t0`, picks `ids` as read back, its
@@ -187,8 +190,11 @@ impl CudaStage {
         if device_left {
             let iv = self.buf_at(ids_buf, (4 * t0 * k) as u64, (4 * g * k) as u64)?;
             let wv = self.buf_at(wts, (4 * t0 * k) as u64, (4 * g * k) as u64)?;
-            queue_up(self, pod_bytes(&hh.ids_dev[..g * k]), iv)?;
-            queue_up(self, pod_bytes(&hh.wts_dev[..g * k]), wv)?;
+            picks_up(
+                &self.dev,
+                (&hh.ids_dev[..g * k], &hh.wts_dev[..g * k]),
+                [iv, wv],
+            )?;
         }
         Ok(device_left)
     }
@@ -214,23 +220,66 @@ impl CudaStage {
         let (xs, out) = (&hh.xn[t0 * e..(t0 + g) * e], &mut hh.out[..g * e + g]);
         host_experts(&weights, &hh.picks, xs, g, (e, f), &mut hh.h, out)
             .map_err(|e| err(format!("layer {layer}: {e}")))?;
-        out[g * e..].fill(1.0);
         hh.computed += hh.experts.len() as u64;
         let hv = self.buf_at(WorkBuf::H, 0, (4 * (g * e + g)) as u64)?;
-        queue_up(self, pod_bytes(&hh.out[..g * e + g]), hv)?;
-        let part = self.buf_at(WorkBuf::H, 0, (4 * g * e) as u64)?;
-        let ones = self.buf_at(WorkBuf::H, (4 * g * e) as u64, (4 * g) as u64)?;
         let yv = self.buf_at(y, (4 * t0 * e) as u64, (4 * g * e) as u64)?;
-        decode::moe_combine(&self.launcher(), part, ones, 1, e, yv, g)
+        sum_up(&self.launcher(), &mut hh.out[..g * e + g], hv, yv, (g, e))
     }
 }
 
-/// Queue a copy of `src` (pageable host memory) into `dst` on the stage's stream, behind
+/// The device side of a hybrid decode layer, one function a step so that the engine (the
+/// methods above) and the probe's `host_round_trip_us` (`probe/round_trip.rs`) run the same
+/// code. First: the pass's `xn` and router weight rows back into `host` (each read waits for
+/// the stream: the layer's synchronisation).
+pub(crate) fn rows_back(
+    dev: &CudaDevice,
+    [xv, wv]: [DeviceView<'_>; 2],
+    [xn, wts]: [&mut [f32]; 2],
+) -> Result<(), CudaError> {
+    dev.dtoh(xv, xn)?;
+    dev.dtoh(wv, wts)
+}
+
+/// Second: the group's picks as the device computes them (host picks pointed at a stand-in
+/// with weight 0) up into `iv` and `wv`, queued on the stream.
+pub(crate) fn picks_up(
+    dev: &CudaDevice,
+    (ids, wts): (&[u32], &[f32]),
+    [iv, wv]: [DeviceView<'_>; 2],
+) -> Result<(), CudaError> {
+    queue_up(dev, pod_bytes(ids), iv)?;
+    queue_up(dev, pod_bytes(wts), wv)
+}
+
+/// Last: the host's sum of `g` rows of `e` (`out`'s first `g x e` values; its last `g` are
+/// set to the unit weights here) up into `hv` behind the device's products, and added into
+/// `yv` by `dq_moe_combine`.
+pub(crate) fn sum_up(
+    l: &Launcher<'_>,
+    out: &mut [f32],
+    hv: DeviceView<'_>,
+    yv: DeviceView<'_>,
+    (g, e): (usize, usize),
+) -> Result<(), CudaError> {
+    if out.len() != g * e + g {
+        return Err(err(format!(
+            "the host's sum holds {} values, not {g} rows of {e} plus {g} weights",
+            out.len()
+        )));
+    }
+    out[g * e..].fill(1.0);
+    queue_up(l.dev, pod_bytes(out), hv)?;
+    let part = hv.sub(0, (4 * g * e) as u64)?;
+    let ones = hv.sub((4 * g * e) as u64, (4 * g) as u64)?;
+    decode::moe_combine(l, part, ones, 1, e, yv, g)
+}
+
+/// Queue a copy of `src` (pageable host memory) into `dst` on the device's stream, behind
 /// everything queued before it.
-fn queue_up(st: &CudaStage, src: &[u8], dst: super::DeviceView<'_>) -> Result<(), CudaError> {
+fn queue_up(dev: &CudaDevice, src: &[u8], dst: DeviceView<'_>) -> Result<(), CudaError> {
     dst.expect_len("hybrid experts copy", src.len() as u64)?;
-    // SAFETY: `dst` is a checked view of exactly src.len() bytes inside the stage's live
-    // arena; `src` is pageable host memory, which htod_raw stages before it returns (on HIP
+    // SAFETY: `dst` is a checked view of exactly src.len() bytes inside a live arena of
+    // `dev`; `src` is pageable host memory, which htod_raw stages before it returns (on HIP
     // it waits), so the host buffer may change once this returns.
-    unsafe { st.dev.htod_raw("hybrid experts", dst.ptr(), src) }
+    unsafe { dev.htod_raw("hybrid experts", dst.ptr(), src) }
 }

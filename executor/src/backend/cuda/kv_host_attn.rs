@@ -16,7 +16,7 @@
 use super::launch::attention::{self, Heads, HostPartial, KvLayer, Splits};
 use super::launch::{kty, Launcher};
 use super::stage::CudaStage;
-use super::{CudaError, DeviceView};
+use super::{CudaDevice, CudaError, DeviceView};
 use crate::backend::cpu::host_attn::{host_partials, scratch_len, SpilledCells};
 use crate::backend::WorkBuf;
 use strata_schemas::ggml::GgmlType;
@@ -151,13 +151,6 @@ impl CudaStage {
                 hc.slot.len()
             )));
         }
-        // The queries back: this waits for the stream, so the step's own K and V are in the
-        // chunks too when the CPU reads them.
-        dtoh_rows(self, q, &mut hc.q[..n * nh * hd])?;
-        // The window on the device meanwhile.
-        let mut win = kv;
-        win.host.cpu_part = 1;
-        attention::attn_gqa(l, h, q, win, n_ctx, sp, n)?;
         let m = self.max_tok;
         for t in 0..n {
             hc.slot[t] = self.host_in[2 * m + t] as u32;
@@ -183,52 +176,123 @@ impl CudaStage {
             .map(|&c| (c as usize).saturating_sub(cells.resident))
             .max()
             .unwrap_or(0);
-        let pieces = hc
-            .max_pieces
-            .div_ceil(n * h.n_head_kv)
-            .min(longest.div_ceil(MIN_PIECE))
-            .clamp(1, hc.max_pieces);
-        let (o, ms) = hc.part[..n * nh * (hd + 2)].split_at_mut(n * nh * hd);
+        let pieces = pieces(hc.max_pieces, n * h.n_head_kv, longest);
         let scale = 1.0 / (hd as f32).sqrt();
-        host_partials(
-            &cells,
-            (nh, h.n_head_kv, hd),
-            &hc.slot[..n],
-            &hc.n_ctx[..n],
-            &hc.q[..n * nh * hd],
-            scale,
-            pieces,
-            &mut hc.scratch,
-            o,
-            ms,
-        )
-        .map_err(|e| err(e.to_string()))?;
-        hc.layers += 1;
-        // Up behind the window's splits, then the merge.
-        let ob = (4 * n * nh * hd) as u64;
-        let pv = self.buf_at(WorkBuf::KvHostPart, 0, ob + (8 * n * nh) as u64)?;
-        queue_up(self, super::pod_bytes(&hc.part[..n * nh * (hd + 2)]), pv)?;
-        let host = HostPartial {
-            o: pv.sub(0, ob)?,
-            ms: pv.sub(ob, (8 * n * nh) as u64)?,
-            window: a.resident as u64,
+        let (slot, n_ctx_host, scratch) = (&hc.slot[..n], &hc.n_ctx[..n], &mut hc.scratch);
+        let mut partials = |q: &[f32], part: &mut [f32]| {
+            let (o, ms) = part.split_at_mut(n * nh * hd);
+            host_partials(
+                &cells,
+                (nh, h.n_head_kv, hd),
+                slot,
+                n_ctx_host,
+                q,
+                scale,
+                pieces,
+                scratch,
+                o,
+                ms,
+            )
+            .map_err(|e| err(e.to_string()))
         };
-        attention::attn_combine(l, h, n_ctx, sp, Some(host), out, n)
+        let side = AttnSide {
+            h,
+            q,
+            kv,
+            n_ctx,
+            sp,
+            out,
+            part: self.buf_at(WorkBuf::KvHostPart, 0, (4 * n * nh * (hd + 2)) as u64)?,
+            n,
+        };
+        host_round_trip(l, side, (&mut hc.q, &mut hc.part), &mut partials)?;
+        hc.layers += 1;
+        Ok(())
     }
 }
 
+/// Pieces a token's spilled cells are cut into on the host: enough for `max_pieces` cores
+/// over `tasks` (token, KV head) pairs, none shorter than [`MIN_PIECE`] of the `longest`
+/// token's cells.
+pub(crate) fn pieces(max_pieces: usize, tasks: usize, longest: usize) -> usize {
+    max_pieces
+        .div_ceil(tasks.max(1))
+        .min(longest.div_ceil(MIN_PIECE))
+        .clamp(1, max_pieces.max(1))
+}
+
+/// The host's part of [`host_round_trip`]: from the queries read back, the partials (outputs
+/// then (max, sum) pairs).
+pub(crate) type HostPartials<'a> = dyn FnMut(&[f32], &mut [f32]) -> Result<(), CudaError> + 'a;
+
+/// One attention layer's device side with the host half, as the engine runs it.
+#[derive(Clone, Copy)]
+pub(crate) struct AttnSide<'a> {
+    pub(crate) h: Heads<'a>,
+    /// The pass's QK-normed, rotated queries and this layer's KV (its `host` naming the
+    /// spilled cells), each token's context length, the window's splits and the output.
+    pub(crate) q: DeviceView<'a>,
+    pub(crate) kv: KvLayer<'a>,
+    pub(crate) n_ctx: DeviceView<'a>,
+    pub(crate) sp: Splits<'a>,
+    pub(crate) out: DeviceView<'a>,
+    /// Where the host's partials go up (`n x n_head x hd` outputs, then (max, sum) pairs).
+    pub(crate) part: DeviceView<'a>,
+    pub(crate) n: usize,
+}
+
+/// The round trip of one attention layer whose spilled cells the host attends, one function
+/// so that the engine ([`CudaStage::attn_decode_host`]) and the probe's
+/// `kv_host_round_trip_us` (`probe/round_trip.rs`) run the same code: the queries back into
+/// `q_host` (this waits for the stream, so the step's own K and V are in the chunks too when
+/// the CPU reads them), the window's splits queued on the device, `partials` computing the
+/// host's part into `part` on the CPU meanwhile, the partials up behind the splits and the
+/// flash-decoding merge into `out`.
+pub(crate) fn host_round_trip(
+    l: &Launcher<'_>,
+    a: AttnSide<'_>,
+    (q_host, part): (&mut [f32], &mut [f32]),
+    partials: &mut HostPartials<'_>,
+) -> Result<(), CudaError> {
+    let (n, nh, hd) = (a.n, a.h.n_head, a.h.hd);
+    let (nq, np) = (n * nh * hd, n * nh * (hd + 2));
+    if q_host.len() < nq || part.len() < np {
+        return Err(err(format!(
+            "the host half's buffers ({} query and {} partial values) are short of {n} tokens' {nq} and {np}",
+            q_host.len(),
+            part.len()
+        )));
+    }
+    dtoh_rows(l.dev, a.q, &mut q_host[..nq])?;
+    // The window on the device meanwhile.
+    let mut win = a.kv;
+    win.host.cpu_part = 1;
+    attention::attn_gqa(l, a.h, a.q, win, a.n_ctx, a.sp, n)?;
+    partials(&q_host[..nq], &mut part[..np])?;
+    // Up behind the window's splits, then the merge.
+    let ob = (4 * nq) as u64;
+    let pv = a.part.sub(0, ob + (8 * n * nh) as u64)?;
+    queue_up(l.dev, super::pod_bytes(&part[..np]), pv)?;
+    let host = HostPartial {
+        o: pv.sub(0, ob)?,
+        ms: pv.sub(ob, (8 * n * nh) as u64)?,
+        window: a.kv.host.resident as u64,
+    };
+    attention::attn_combine(l, a.h, a.n_ctx, a.sp, Some(host), a.out, n)
+}
+
 /// Read `dst.len()` f32 of `src` back, waiting for the stream.
-fn dtoh_rows(st: &CudaStage, src: DeviceView<'_>, dst: &mut [f32]) -> Result<(), CudaError> {
+fn dtoh_rows(dev: &CudaDevice, src: DeviceView<'_>, dst: &mut [f32]) -> Result<(), CudaError> {
     let v = src.sub(0, 4 * dst.len() as u64)?;
-    st.dev.dtoh(v, dst)
+    dev.dtoh(v, dst)
 }
 
 /// Queue a copy of `src` (pageable host memory) into `dst` on the stage's stream, behind
 /// everything queued before it.
-fn queue_up(st: &CudaStage, src: &[u8], dst: DeviceView<'_>) -> Result<(), CudaError> {
+fn queue_up(dev: &CudaDevice, src: &[u8], dst: DeviceView<'_>) -> Result<(), CudaError> {
     dst.expect_len("kv host partials", src.len() as u64)?;
-    // SAFETY: `dst` is a checked view of exactly src.len() bytes inside the stage's live
-    // arena; `src` is pageable host memory, which htod_raw stages before it returns (on HIP
+    // SAFETY: `dst` is a checked view of exactly src.len() bytes inside a live arena of
+    // `dev`; `src` is pageable host memory, which htod_raw stages before it returns (on HIP
     // it waits), so the host buffer may change once this returns.
-    unsafe { st.dev.htod_raw("kv host partials", dst.ptr(), src) }
+    unsafe { dev.htod_raw("kv host partials", dst.ptr(), src) }
 }

@@ -66,6 +66,9 @@ pub struct CostMeasure {
     /// `[device.cost.types.<TYPE>]`: the product families' rates per weight type
     /// (`probe/types.rs`).
     pub types: Vec<(GgmlType, strata_schemas::probe::TypeRates)>,
+    pub host_round_trip_us: Option<f64>,
+    pub kv_host_round_trip_us: Option<f64>,
+    pub eager_launch_us: Option<f64>,
     /// How each value was measured, by key, for the probe file's `#` lines.
     pub how: Vec<(&'static str, String)>,
     /// Why a key is absent.
@@ -234,7 +237,7 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
                 counts, super::experts::F, super::experts::E, crate::backend::cpu::host_experts::host_threads())));
             m.how.push((
                 "host_expert_latency_us",
-                "the same fit: intercept (the thread pool's sections; the device-side rows down, sum up and launch are not in it)".into(),
+                "the same fit: intercept (the thread pool's sections, hot; the device side is in host_round_trip_us)".into(),
             ));
         }
         Ok(_) => fail(
@@ -248,6 +251,7 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
             e.to_string(),
         ),
     }
+    round_trips(dev, &mut m, progress);
     match super::experts::decode_experts(dev) {
         Ok((lat, g, pass)) => {
             progress(&format!(
@@ -288,6 +292,53 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
         t0.elapsed().as_secs_f64()
     ));
     m
+}
+
+/// The host round trips and the eager launch (`probe/round_trip.rs`), after the host
+/// products' rate they subtract.
+fn round_trips(dev: &CudaDevice, m: &mut CostMeasure, progress: &mut dyn FnMut(&str)) {
+    use super::round_trip::{eager_launch_us, hybrid_round_trip, kv_round_trip};
+    let host = m.host_matvec_gbps.unwrap_or(f64::INFINITY);
+    let less = if m.host_matvec_gbps.is_some() {
+        "less the bytes its host products read at host_matvec_gbps"
+    } else {
+        "(host_matvec_gbps unmeasured: nothing subtracted)"
+    };
+    match hybrid_round_trip(dev, host) {
+        Ok((us, whole)) => {
+            progress(&format!(
+                "cost: a hybrid layer's round trip {us:.1} µs ({whole:.1} µs with its product)"
+            ));
+            m.host_round_trip_us = Some(us);
+            m.how.push(("host_round_trip_us", format!(
+                "median wall time of one decode layer sending one token's miss to the host, through hybrid.rs's own rows_back / picks_up / sum_up around host_experts, a cold pool each time (after 2 ms idle), the stream synchronised after: {whole:.1} µs, {less}")));
+        }
+        Err(e) => m
+            .notes
+            .push(format!("host_round_trip_us not measured: {e}")),
+    }
+    match kv_round_trip(dev, host) {
+        Ok((us, whole)) => {
+            progress(&format!(
+                "cost: a KV host layer's round trip {us:.1} µs ({whole:.1} µs with its reads)"
+            ));
+            m.kv_host_round_trip_us = Some(us);
+            m.how.push(("kv_host_round_trip_us", format!(
+                "median wall time of one attention layer of one token (32 heads over 4 of 128, F16, a 512-cell window and 512 cells on the host) through kv_host_attn.rs's host_round_trip around host_partials, a cold pool each time: {whole:.1} µs, {less}")));
+        }
+        Err(e) => m
+            .notes
+            .push(format!("kv_host_round_trip_us not measured: {e}")),
+    }
+    match eager_launch_us(dev, COLS) {
+        Ok(v) => {
+            progress(&format!("cost: eager launch {v:.2} µs"));
+            m.eager_launch_us = Some(v);
+            m.how.push(("eager_launch_us", format!(
+                "one-row RMSNorm launches ({COLS} wide) queued one by one outside a graph and waited for, per launch, best of 6")));
+        }
+        Err(e) => m.notes.push(format!("eager_launch_us not measured: {e}")),
+    }
 }
 
 /// The graph of what `f` queues on the device's stream, instantiated and uploaded.
@@ -640,6 +691,9 @@ pub fn cost_toml(m: &CostMeasure) -> String {
         ("expert_gemm_tflops", m.expert_gemm_tflops),
         ("host_matvec_gbps", m.host_matvec_gbps),
         ("host_expert_latency_us", m.host_expert_latency_us),
+        ("host_round_trip_us", m.host_round_trip_us),
+        ("kv_host_round_trip_us", m.kv_host_round_trip_us),
+        ("eager_launch_us", m.eager_launch_us),
     ];
     let mut out = String::new();
     if keys.iter().all(|(_, v)| v.is_none()) && m.types.is_empty() {
