@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # build_gpu.sh — on the dev box (no GPU, no CUDA toolkit): build what the GPU machine runs into
 # target/gpu/ — the release strata-exec, strata-plan and strata-gguf, and the CUDA test
-# binaries (backend_ops, cuda_engine, cuda_next, cuda_mtp, cuda_gemm, cuda_flash, cuda_sample, cuda_sample_proc, cuda_quants, cuda_offload, cuda_kvspill, cuda_kvhost, cuda_dp4a, cuda_mixed) — then carry
+# binaries (backend_ops, cuda_engine, cuda_next, cuda_mtp, cuda_gemm, cuda_flash, cuda_sample, cuda_sample_proc, cuda_quants, cuda_offload, cuda_kvspill, cuda_kvhost, cuda_dp4a, cuda_mixed, cuda_hybrid_cost, cuda_probe_cost, probe_cli, runnable_truth) — then carry
 # target/gpu to the GPU machine and run `scripts/gpu_bench.sh all "$OUT"` there.
 #
 # usage: scripts/build_gpu.sh [--baseline REV]
@@ -43,7 +43,7 @@ strip_into() {
 # Cargo's output folder (CARGO_TARGET_DIR when set).
 out=${CARGO_TARGET_DIR:-target}
 cargo build --release -p strata-exec -p strata-plan -p strata-tools --bins
-paths=$(test_bins --test backend_ops --test cuda_engine --test cuda_next --test cuda_mtp --test cuda_gemm --test cuda_flash --test cuda_sample --test cuda_sample_proc --test cuda_quants --test cuda_probe_cost --test cuda_offload --test cuda_kvspill --test cuda_kvhost --test cuda_dp4a --test cuda_mixed)
+paths=$(test_bins --test backend_ops --test cuda_engine --test cuda_next --test cuda_mtp --test cuda_gemm --test cuda_flash --test cuda_sample --test cuda_sample_proc --test cuda_quants --test cuda_probe_cost --test cuda_offload --test cuda_kvspill --test cuda_kvhost --test cuda_dp4a --test cuda_mixed --test cuda_hybrid_cost --test probe_cli --test runnable_truth)
 rm -rf target/gpu
 strip_into target/gpu "$out/release/strata-exec" "$out/release/strata-plan" \
     "$out/release/strata-gguf" $paths
