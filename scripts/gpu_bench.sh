@@ -51,6 +51,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # The test binaries find tests/data through the checkout path they were built in
     # (/work/main on the dev box); point it at this copy when it is missing.
     [ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
+    # Suites that run the programs (probe_cli, runnable_truth) find them where cargo built
+    # them on the dev box (CARGO_TARGET_DIR=/work/tgt): point that at target/gpu.
+    [ -e /work/tgt/release/strata-exec ] || { mkdir -p /work/tgt && ln -sfn "$PWD/$bin" /work/tgt/release; }
     for t in $bin/backend_ops-* $bin/cuda_quants-* $bin/cuda_flash-* $bin/cuda_gemm-* $bin/cuda_engine-* $bin/cuda_next-* $bin/cuda_mtp-* $bin/cuda_sample-* $bin/cuda_sample_proc-* $bin/cuda_offload-* $bin/cuda_kvspill-* $bin/cuda_kvhost-* $bin/cuda_dp4a-* $bin/cuda_mixed-* $bin/cuda_hybrid_cost-* $bin/cuda_probe_cost-* $bin/probe_cli-* $bin/runnable_truth-*; do
         [ -x "$t" ] || continue
         echo "== $t"
