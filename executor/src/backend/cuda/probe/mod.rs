@@ -8,8 +8,8 @@
 
 pub mod cost;
 pub mod experts;
-pub mod types;
 pub mod round_trip;
+pub mod types;
 
 use super::{check_libraries, drv, no_panic, CudaDevice, CudaError};
 use cudarc::driver::sys::{CUdevice_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
