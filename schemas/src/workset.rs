@@ -406,8 +406,18 @@ pub fn buffers(
                 ),
                 (Yd, g(f * t * u(d.k) * u(d.e))),
                 (Sorted, g(MoeScratch::new(p.tokens, d.k, d.n_expert).bytes)),
-                (Tables, table_bytes(d) * n_layer as u64),
-                (Norms, if f32_norms { 0 } else { norm_bytes(d, n_layer) }),
+                // A stage that holds the MTP block binds its MoE layer's expert table and
+                // its norms (the layer's, and `enorm`, `hnorm`, `shared_head_norm`) too.
+                (Tables, table_bytes(d) * (n_layer + usize::from(p.mtp)) as u64),
+                (
+                    Norms,
+                    if f32_norms {
+                        0
+                    } else {
+                        norm_bytes(d, n_layer + usize::from(p.mtp))
+                            + if p.mtp { 3 * align(4 * u(d.e)) } else { 0 }
+                    },
+                ),
                 (ConvOut, f * t * u(d.lin_qkv())),
                 (
                     ShScratch,
@@ -472,6 +482,41 @@ mod tests {
             lin_hv: 0,
             conv_k: 0,
         }
+    }
+
+    /// A stage holding the MTP block binds one more MoE layer (its expert table) and, where
+    /// the file's norms are not F32, the block's norms: the H200 run of the 80B-shaped file
+    /// was refused at bind, 12,288 bytes (512 experts x 3 pointers) short.
+    #[test]
+    fn the_mtp_block_has_its_expert_table_and_norms_planned() {
+        let mut p = Pass {
+            tokens: 4,
+            logit_rows: 4,
+            att_splits: 1,
+            slots: 1,
+            gemm: false,
+            mtp: false,
+        };
+        let d = Dims {
+            n_expert: 512,
+            ..a3b()
+        };
+        let of = |p: &Pass, f32_norms: bool| -> std::collections::BTreeMap<_, _> {
+            buffers(BackendKind::Gpu, &d, 12, f32_norms, p)
+                .into_iter()
+                .collect()
+        };
+        let (plain, plain_n) = (of(&p, true), of(&p, false));
+        p.mtp = true;
+        let (mtp, mtp_n) = (of(&p, true), of(&p, false));
+        assert_eq!(plain[&WorkBuf::Tables], 12 * 512 * 24);
+        assert_eq!(mtp[&WorkBuf::Tables], 13 * 512 * 24);
+        assert_eq!(mtp[&WorkBuf::Norms], 0);
+        let a = |n: usize| align(4 * n as u64);
+        assert_eq!(
+            mtp_n[&WorkBuf::Norms] - plain_n[&WorkBuf::Norms],
+            2 * a(d.e) + 2 * a(d.hd) + 3 * a(d.e)
+        );
     }
 
     #[test]

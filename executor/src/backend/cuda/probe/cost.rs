@@ -9,7 +9,7 @@
 
 use crate::backend::cuda::flash::{attn_prefill, PrefillAttn, KV_TY_F16};
 use crate::backend::cuda::kv_spill::KvHostArg;
-use crate::backend::cuda::launch::attention::{attn_decode, Heads, KvLayer, Splits};
+use crate::backend::cuda::launch::attention::{attn_fused, Heads, KvLayer, Splits};
 use crate::backend::cuda::launch::decode::{mv, rmsnorm, spin};
 use crate::backend::cuda::launch::{Launcher, Mat, ATT_MAX_SPLIT};
 use crate::backend::cuda::{drv, CudaDevice, CudaError};
@@ -160,7 +160,7 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
             m.attention_latency_us = Some(lat);
             m.attention_gbps = Some(g);
             m.how.push(("attention_latency_us", format!(
-                "line fit of attn_decode (dq_attn_gqa + combine) time against K+V bytes, {N_HEAD}/{N_HEAD_KV} heads of {HD}, F16, {CONTEXTS:?} cells: intercept")));
+                "line fit of the fused decode attention (dq_attn_fused, as the engine runs it) time against K+V bytes, {N_HEAD}/{N_HEAD_KV} heads of {HD}, F16, {CONTEXTS:?} cells: intercept")));
             m.how
                 .push(("attention_gbps", "the same fit: 1 / slope".into()));
         }
@@ -515,6 +515,11 @@ fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
         .alloc_arena("probe-cost-part-ms", 4 * (N_HEAD * splits * 2) as u64)
         .map_err(e)?;
     let ints = dev.alloc_arena("probe-cost-ints", 256).map_err(e)?;
+    // The fused kernel's merge counters (zero between launches: the kernel's last block of
+    // each head group resets its own) and the token's new K and V rows it stores.
+    let counters = filled(dev, "probe-cost-counters", 4 * N_HEAD_KV as u64, 0).map_err(e)?;
+    let kv_new = filled(dev, "probe-cost-kv-new", 4 * (N_HEAD_KV * HD) as u64, 0).map_err(e)?;
+    let min_chunk = super::super::options::KernelOptions::default().attn_chunk;
     let l = decode_launcher(dev);
     let heads = Heads {
         n_head: N_HEAD,
@@ -559,7 +564,21 @@ fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
                     part_o: part_o.all(),
                     part_ms: part_ms.all(),
                 };
-                attn_decode(&l, heads, q.all(), kvl, ints.view(8, 4)?, sp, out.all(), 1)?;
+                // The decode attention the engine runs by default (`dq_attn_fused`: QK-norm,
+                // RoPE, the KV store, the split attention and the merge in one launch).
+                attn_fused(
+                    &l,
+                    heads,
+                    q.all(),
+                    kv_new.all(),
+                    kv_new.all(),
+                    kvl,
+                    sp,
+                    min_chunk,
+                    counters.all(),
+                    out.all(),
+                    1,
+                )?;
             }
             Ok(())
         })
