@@ -91,95 +91,108 @@ ST_KERNEL void lin_conv_silu(const float* __restrict__ qkv, const float* __restr
     for (int r = 0; r < hist; ++r) st[(long)r * ch + c] = in(len + r);
 }
 
-// The gated delta rule of value head blockIdx.x for the run starting at token blockIdx.y:
-// per token, q and k (key head h / (nv / nk)) l2-normalized, beta = sigmoid(b),
+// The gated delta rule for the run starting at token blockIdx.y, one row j of one value
+// head h's state per warp (rows are independent: only the output norm couples them, and
+// that is lin_gated_norm's): blockIdx.x = h * ceil(dv / LIN_DR_ROWS) + the row group, the
+// row held in registers for the whole run (LIN_DR_MAXL values a lane, so dk <= 32 *
+// LIN_DR_MAXL). Per token: q and k (key head h / (nv / nk)) l2-normalized, beta = sigmoid(b),
 // g = ssm_a * softplus(a + dt_bias) from the ssm_ba row (per key head r b's then r a's),
-// S <- exp(g) S; d = beta (v - S k); S <- S + k d^T; o = S q / sqrt(dk) (S stored as dv rows
-// of dk, at state + slot * slot_stride + layer_off floats, head after head), then
-// out = norm * o / rms(o) * silu(z) over the head's dv values.
-// conv: n x (2 nk dk + nv dv) (all q heads, all k heads, all v heads); ba: n x 2 nv;
-// z, out: n x nv x dv; the head's state after each of the first tokens into the checkpoints
-// when n_ckpt > 0 (see above). grid: (nv, n); block: a multiple of the warp size; dynamic
-// shared memory (2 dk + dv) floats.
+// S_j <- exp(g) S_j; d = beta (v_j - S_j k); S_j <- S_j + k d; o_j = S_j q / sqrt(dk) into
+// out (the state stored as dv rows of dk, at state + slot * slot_stride + layer_off floats,
+// head after head). conv: n x (2 nk dk + nv dv) (all q heads, all k heads, all v heads);
+// ba: n x 2 nv; out: n x nv x dv; the row after each of the first tokens into the
+// checkpoints when n_ckpt > 0 (see above). No block-level synchronisation: a warp past dv
+// leaves at once. grid: (nv * ceil(dv / LIN_DR_ROWS), n); block: LIN_DR_ROWS warps.
+#define LIN_DR_ROWS 4
+#define LIN_DR_MAXL 8
 ST_KERNEL void lin_delta_rule(const float* __restrict__ conv, const float* __restrict__ ba,
-                              const float* __restrict__ z, const float* __restrict__ dt_bias,
-                              const float* __restrict__ ssm_a, const float* __restrict__ norm,
-                              float* state, const u32* __restrict__ pos,
-                              const u32* __restrict__ slot, float* __restrict__ out, int n,
-                              int nk, int nv, int dk, int dv, long slot_stride, long layer_off,
-                              float eps, float* __restrict__ ckpt, int n_ckpt) {
-    extern __shared__ float lin_sm[];
-    __shared__ float red[32];
-    const int t0 = blockIdx.y, h = blockIdx.x;
+                              const float* __restrict__ dt_bias,
+                              const float* __restrict__ ssm_a, float* state,
+                              const u32* __restrict__ pos, const u32* __restrict__ slot,
+                              float* __restrict__ out, int n, int nk, int nv, int dk, int dv,
+                              long slot_stride, long layer_off, float* __restrict__ ckpt,
+                              int n_ckpt) {
+    const int t0 = blockIdx.y;
     int t1;
     if (!lin_run(slot, t0, n, &t1)) return;
-    float* qs = lin_sm;
-    float* ks = qs + dk;
-    float* os = ks + dk;
+    const int rb = (dv + LIN_DR_ROWS - 1) / LIN_DR_ROWS;
+    const int h = blockIdx.x / rb;
     const int lane = threadIdx.x % ST_WARP, warp = threadIdx.x / ST_WARP;
-    const int nw = blockDim.x / ST_WARP;
+    const int j = (blockIdx.x % rb) * LIN_DR_ROWS + warp;
+    if (j >= dv) return;
     const int r = nv / nk, kh = h / r, j_in = h % r;
     const long kd = (long)nk * dk, width = 2 * kd + (long)nv * dv;
     const float scale = 1.0f / sqrtf((float)dk);
-    float* S = state + (long)slot[t0] * slot_stride + layer_off + (long)h * dv * dk;
-    if (pos[t0] == 0) {
-        for (long i = threadIdx.x; i < (long)dv * dk; i += blockDim.x) S[i] = 0.0f;
+    const long row_off = ((long)h * dv + j) * dk;
+    float* sr = state + (long)slot[t0] * slot_stride + layer_off + row_off;
+    const bool fresh = pos[t0] == 0;
+    float s[LIN_DR_MAXL];
+#pragma unroll
+    for (int c = 0; c < LIN_DR_MAXL; ++c) {
+        const int i = lane + c * ST_WARP;
+        s[c] = (!fresh && i < dk) ? sr[i] : 0.0f;
     }
-    __syncthreads();
     for (int t = t0; t < t1; ++t) {
         const float* row = conv + (long)t * width;
+        float q[LIN_DR_MAXL], k[LIN_DR_MAXL];
         float sq = 0.0f, sk = 0.0f;
-        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            const float qi = row[(long)kh * dk + i], ki = row[kd + (long)kh * dk + i];
-            qs[i] = qi;
-            ks[i] = ki;
-            sq += qi * qi;
-            sk += ki * ki;
+#pragma unroll
+        for (int c = 0; c < LIN_DR_MAXL; ++c) {
+            const int i = lane + c * ST_WARP;
+            q[c] = i < dk ? row[(long)kh * dk + i] : 0.0f;
+            k[c] = i < dk ? row[kd + (long)kh * dk + i] : 0.0f;
+            sq += q[c] * q[c];
+            sk += k[c] * k[c];
         }
-        sq = st_block_sum(sq, red);
-        sk = st_block_sum(sk, red);
+        sq = st_warp_sum(sq);
+        sk = st_warp_sum(sk);
         const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
-        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            qs[i] *= rq;
-            ks[i] *= rk;
-        }
         const float* bar = ba + (long)t * 2 * nv + (long)kh * 2 * r;
         const float beta = lin_sigmoid(bar[j_in]);
         const float decay = expf(ssm_a[h] * lin_softplus(bar[r + j_in] + dt_bias[h]));
-        const float* v = row + 2 * kd + (long)h * dv;
+        const float vj = row[2 * kd + (long)h * dv + j];
+        float mem = 0.0f;
+#pragma unroll
+        for (int c = 0; c < LIN_DR_MAXL; ++c) mem += (s[c] * decay) * (k[c] * rk);
+        mem = st_warp_sum(mem);
+        const float d = beta * (vj - mem);
         // The checkpoint this token's state is kept in (none past the first n_ckpt tokens,
         // nor for the run's last).
         float* ck = (t - t0 < n_ckpt && t + 1 < t1)
                         ? ckpt + ((long)slot[t0] * n_ckpt + (t - t0)) * slot_stride + layer_off +
-                              (long)h * dv * dk
+                              row_off
                         : nullptr;
-        __syncthreads();
-        for (int j = warp; j < dv; j += nw) {
-            float* sr = S + (long)j * dk;
-            float mem = 0.0f;
-            for (int i = lane; i < dk; i += ST_WARP) mem += (sr[i] * decay) * ks[i];
-            mem = st_warp_sum(mem);
-            const float d = beta * (v[j] - mem);
-            float acc = 0.0f;
-            for (int i = lane; i < dk; i += ST_WARP) {
-                const float s = sr[i] * decay + ks[i] * d;
-                sr[i] = s;
-                if (ck) ck[(long)j * dk + i] = s;
-                acc += s * qs[i];
-            }
-            acc = st_warp_sum(acc);
-            if (lane == 0) os[j] = acc * scale;
+        float acc = 0.0f;
+#pragma unroll
+        for (int c = 0; c < LIN_DR_MAXL; ++c) {
+            const int i = lane + c * ST_WARP;
+            s[c] = s[c] * decay + (k[c] * rk) * d;
+            if (ck && i < dk) ck[i] = s[c];
+            acc += s[c] * (q[c] * rq);
         }
-        __syncthreads();
-        float ss = 0.0f;
-        for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += os[j] * os[j];
-        ss = st_block_sum(ss, red);
-        const float rr = 1.0f / sqrtf(ss / (float)dv + eps);
-        const long o = ((long)t * nv + h) * dv;
-        for (int j = threadIdx.x; j < dv; j += blockDim.x)
-            out[o + j] = norm[j] * (os[j] * rr) * lin_silu(z[o + j]);
-        __syncthreads();
+        acc = st_warp_sum(acc);
+        if (lane == 0) out[((long)t * nv + h) * dv + j] = acc * scale;
     }
+#pragma unroll
+    for (int c = 0; c < LIN_DR_MAXL; ++c) {
+        const int i = lane + c * ST_WARP;
+        if (i < dk) sr[i] = s[c];
+    }
+}
+
+// The delta rule's gated output norm, in place: out = norm * o / rms(o) * silu(z) over the
+// dv values of value head blockIdx.x of token blockIdx.y (o from lin_delta_rule).
+// z, out: n x nv x dv. grid: (nv, n); block: a multiple of the warp size.
+ST_KERNEL void lin_gated_norm(float* __restrict__ out, const float* __restrict__ z,
+                              const float* __restrict__ norm, int nv, int dv, float eps) {
+    __shared__ float red[32];
+    const long o = ((long)blockIdx.y * nv + blockIdx.x) * dv;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += out[o + j] * out[o + j];
+    ss = st_block_sum(ss, red);
+    const float rr = 1.0f / sqrtf(ss / (float)dv + eps);
+    for (int j = threadIdx.x; j < dv; j += blockDim.x)
+        out[o + j] = norm[j] * (out[o + j] * rr) * lin_silu(z[o + j]);
 }
 
 // g[i] = silu(g[i]) * u[i] for i < total. grid-stride; any grid and block.

@@ -176,6 +176,7 @@ const RAW: &[Raw] = &[
             "lin_sigmoid_gate",
             "lin_conv_silu",
             "lin_delta_rule",
+            "lin_gated_norm",
             "lin_swiglu",
             "lin_shared_add",
             "lin_concat_rows",

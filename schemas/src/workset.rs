@@ -408,7 +408,10 @@ pub fn buffers(
                 (Sorted, g(MoeScratch::new(p.tokens, d.k, d.n_expert).bytes)),
                 // A stage that holds the MTP block binds its MoE layer's expert table and
                 // its norms (the layer's, and `enorm`, `hnorm`, `shared_head_norm`) too.
-                (Tables, table_bytes(d) * (n_layer + usize::from(p.mtp)) as u64),
+                (
+                    Tables,
+                    table_bytes(d) * (n_layer + usize::from(p.mtp)) as u64,
+                ),
                 (
                     Norms,
                     if f32_norms {

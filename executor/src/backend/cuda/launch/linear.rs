@@ -14,8 +14,10 @@ use crate::backend::cuda::{CudaError, DeviceView};
 pub use strata_kernels::consts::LIN_MAX_CONV;
 /// Threads per block of the delta rule.
 const DELTA_THREADS: u32 = 128;
-/// Dynamic shared memory a block may use without opting in.
-const SMEM_MAX: usize = 48 << 10;
+/// State rows of `lin_delta_rule` a block (one a warp): `LIN_DR_ROWS` in linear.cu.
+const DELTA_ROWS: usize = 4;
+/// The largest key head dim `lin_delta_rule` holds in a warp's registers: 32 x `LIN_DR_MAXL`.
+const DELTA_MAX_DK: usize = 256;
 
 /// Blocks of a grid-stride elementwise launch over `total` values.
 fn blocks(total: usize) -> u32 {
@@ -206,9 +208,10 @@ pub struct DeltaIn<'a> {
     pub norm: DeviceView<'a>,
 }
 
-/// `lin_delta_rule`: per value head and run of one slot's consecutive tokens, the gates, the
-/// q/k l2-norm, the gated delta rule over the slot's recurrent state (`nv x dv x dk` floats at
-/// `st`, zero for a run starting at position 0), then `out = norm * RMSNorm(o) * silu(z)`
+/// `lin_delta_rule` then `lin_gated_norm`: per value head, state row (one warp a row, held in
+/// registers over the run) and run of one slot's consecutive tokens, the gates, the q/k
+/// l2-norm, the gated delta rule over the slot's recurrent state (`nv x dv x dk` floats at
+/// `st`, zero for a run starting at position 0); then `out = norm * RMSNorm(o) * silu(z)`
 /// (`n x nv dv`), keeping the state after each of a run's first tokens in `st.ckpt` when
 /// given. A pass holds at most one run per slot.
 #[allow(clippy::too_many_arguments)]
@@ -231,13 +234,12 @@ pub fn delta_rule(
             ),
         ));
     }
-    let smem = 4 * (2 * h.dk + h.dv);
-    if smem > SMEM_MAX {
+    if h.dk > DELTA_MAX_DK {
         return Err(bad(
             OP,
             format!(
-                "head dims k {} v {} need {smem} bytes of shared memory (at most {SMEM_MAX})",
-                h.dk, h.dv
+                "key head dim {} is over {DELTA_MAX_DK}: a state row is held in the registers of one warp",
+                h.dk
             ),
         ));
     }
@@ -273,10 +275,14 @@ pub fn delta_rule(
     );
     let (stride, off) = (st.slot_stride as i64, st.layer_off as i64);
     let (ckp, nck) = st.ckpt_args();
-    let grid = (nv as u32, n32 as u32, 1);
-    launch!(l, "lin_delta_rule", cfg(grid, DELTA_THREADS, smem as u32);
-        &cp, &bp, &zp, &dp, &ap, &np, &sp, &pp, &slp, &op,
-        &n32, &nk, &nv, &dk, &dv, &stride, &off, &eps, &ckp, &nck)
+    // One warp a state row: DELTA_ROWS rows a block.
+    let groups = h.dv.div_ceil(DELTA_ROWS);
+    let grid = (int(OP, "row groups", h.nv * groups)? as u32, n32 as u32, 1);
+    launch!(l, "lin_delta_rule", cfg(grid, 32 * DELTA_ROWS as u32, 0);
+        &cp, &bp, &dp, &ap, &sp, &pp, &slp, &op,
+        &n32, &nk, &nv, &dk, &dv, &stride, &off, &ckp, &nck)?;
+    launch!(l, "lin_gated_norm", cfg((nv as u32, n32 as u32, 1), DELTA_THREADS, 0);
+        &op, &zp, &np, &nv, &dv, &eps)
 }
 
 /// `lin_swiglu`: `g = silu(g) * u` over `total` values.
