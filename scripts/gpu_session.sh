@@ -17,7 +17,9 @@
 #          -b 1,4,8 on the Q8_0 and Q4_K_M files, the default products against
 #          --kernel-options f32-products (and dp4a on Q4_K_M); plans from the live probe, so the
 #          predictions of the per-type rates stand beside each figure
-# usage: scripts/gpu_session.sh call1|call2|call3|call4 OUTDIR
+#   call5: a later lease after fixes: the changed kernels' suites, the 80B bench and verify
+#          costs again
+# usage: scripts/gpu_session.sh call1|call2|call3|call4|call5 OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?call1..call4}
@@ -135,6 +137,25 @@ call4)
         --max-tokens 128 --requests 2 2>&1 | tee "$out/serve_load.txt"
     kill -INT $srv
     wait $srv
+    ;;
+call5)
+    # A second lease after fixes (no llama.cpp build: its figures are call2's): the suites of
+    # the changed kernels, the 80B file again, its bench and the MTP verify costs.
+    for t in backend_ops cuda_next cuda_mtp cuda_probe_cost cuda_engine; do
+        "$bin"/$t-* --test-threads=1 2>&1 | grep -E "^test result|FAILED|panicked" | head -5
+    done
+    stamp "suites done"
+    write $next --arch qwen3next --preset IQ3_S --mtp 1 --random-blocks
+    $bin/strata-plan --hardware plans/hardware/h200.toml --model $next --max-context 4096 \
+        --batch 1 -o /tmp/next.plan >/dev/null
+    $bin/strata-exec bench /tmp/next.plan -p 512 -n 128 -r 2 -q 2>&1 | tee "$out/strata_next.txt"
+    for n in 1 2 3 4; do
+        stamp "--mtp --spec $n --spec-oracle"
+        $bin/strata-plan --hardware plans/hardware/h200.toml --model $next --max-context 4096 \
+            --batch 1 --mtp --spec $n -o /tmp/next-spec$n.plan >/dev/null
+        $bin/strata-exec /tmp/next-spec$n.plan --prompt-tokens 1,2,3,4,5,6,7,8 -n 256 \
+            --spec-oracle --format json -q 2>&1 | grep -E '^\{|error' | tee -a "$out/spec.jsonl" | cut -c1-600
+    done
     ;;
 esac
 stamp "done"
