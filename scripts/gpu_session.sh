@@ -141,7 +141,7 @@ call4)
 call5)
     # A second lease after fixes (no llama.cpp build: its figures are call2's): the suites of
     # the changed kernels, the 80B file again, its bench and the MTP verify costs.
-    for t in backend_ops cuda_next cuda_mtp cuda_probe_cost cuda_engine; do
+    for t in backend_ops cuda_next cuda_mtp cuda_probe_cost; do
         "$bin"/$t-* --test-threads=1 2>&1 | grep -E "^test result|FAILED|panicked" | head -5
     done
     stamp "suites done"
