@@ -478,34 +478,9 @@ pub fn plan_folder_ctx(
 /// the key heads), conv 4.
 pub fn tiny_qwen3next_hp() -> strata_schemas::inventory::HParams {
     strata_schemas::inventory::HParams {
-        n_layer: 4,
-        n_embd: 64,
-        n_vocab: 128,
-        n_ctx_train: 256,
-        n_head: 4,
-        n_head_kv: 2,
-        head_dim_k: 16,
-        head_dim_v: 16,
-        n_ff: 0,
         n_expert: 8,
-        n_expert_used: 2,
-        n_ff_exp: 32,
-        n_ff_shexp: 32,
-        n_leading_dense: 0,
-        full_attention_interval: Some(2),
-        ssm: Some(strata_schemas::inventory::SsmParams {
-            conv_kernel: 4,
-            state_size: 16,
-            group_count: 2,
-            time_step_rank: 4,
-            inner_size: 64,
-        }),
         nextn_predict_layers: 0,
-        rope_theta: 10_000.0,
-        rope_dim: Some(4),
-        rms_eps: 1e-6,
-        norm_topk_prob: true,
-        tied_embeddings: false,
+        ..strata_schemas::gguf::testutil::tiny_qwen3next()
     }
 }
 
