@@ -30,9 +30,9 @@ const COLS: usize = 2048;
 /// expert's down projection to a large head slice.
 const PRODUCT_ROWS: [usize; 6] = [256, 1024, 2048, 4096, 8192, 32768];
 /// Decode attention heads as Qwen3-30B-A3B: 32 query heads over 4 KV heads of 128, F16 KV.
-const N_HEAD: usize = 32;
-const N_HEAD_KV: usize = 4;
-const HD: usize = 128;
+pub(super) const N_HEAD: usize = 32;
+pub(super) const N_HEAD_KV: usize = 4;
+pub(super) const HD: usize = 128;
 /// Context lengths whose decode attention times are fitted.
 const CONTEXTS: [u64; 5] = [512, 2048, 8192, 16384, 32768];
 /// The prefill GEMM's shape: Q8_0 `4096 x 2048` (Qwen3-30B's Q projection) over 512 tokens.
@@ -496,6 +496,24 @@ pub(super) fn products_of(
     latency_and_gbps(&points)
 }
 
+/// The probed attention's heads ([`N_HEAD`] over [`N_HEAD_KV`] of [`HD`], full RoPE), their
+/// inverse frequencies and Q/K norm weights read from `small` (at least `N_HEAD x HD` f32).
+pub(super) fn probe_heads(
+    small: &crate::backend::cuda::DeviceArena,
+) -> Result<Heads<'_>, CudaError> {
+    Ok(Heads {
+        n_head: N_HEAD,
+        n_head_kv: N_HEAD_KV,
+        hd: HD,
+        n_rot: HD,
+        eps: 1e-6,
+        attn_factor: 1.0,
+        inv_freq: small.view(0, 4 * (HD / 2) as u64)?,
+        q_norm: small.view(0, 4 * HD as u64)?,
+        k_norm: small.view(0, 4 * HD as u64)?,
+    })
+}
+
 /// (latency µs, GB/s) of split-KV decode attention of one token.
 fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
     let e = |e: CudaError| e.to_string();
@@ -521,17 +539,7 @@ fn attention(dev: &CudaDevice) -> Result<(f64, f64), String> {
     let kv_new = filled(dev, "probe-cost-kv-new", 4 * (N_HEAD_KV * HD) as u64, 0).map_err(e)?;
     let min_chunk = super::super::options::KernelOptions::default().attn_chunk;
     let l = decode_launcher(dev);
-    let heads = Heads {
-        n_head: N_HEAD,
-        n_head_kv: N_HEAD_KV,
-        hd: HD,
-        n_rot: HD,
-        eps: 1e-6,
-        attn_factor: 1.0,
-        inv_freq: small.view(0, 4 * (HD / 2) as u64).map_err(e)?,
-        q_norm: small.view(0, 4 * HD as u64).map_err(e)?,
-        k_norm: small.view(0, 4 * HD as u64).map_err(e)?,
-    };
+    let heads = probe_heads(&small).map_err(e)?;
     let mut points = Vec::new();
     for cells in CONTEXTS {
         let layer = 2 * cells * row_bytes;

@@ -10,7 +10,7 @@
 //! (which the cost model charges apart); nothing is a default: a failure is an error the
 //! caller turns into a note.
 
-use super::cost::filled;
+use super::cost::{filled, probe_heads, HD, N_HEAD, N_HEAD_KV};
 use crate::backend::cpu::host_attn::{host_partials, scratch_len, SpilledCells};
 use crate::backend::cpu::host_experts::{
     host_experts, host_threads, synthetic_experts, synthetic_mats, HostPick,
@@ -19,7 +19,7 @@ use crate::backend::cuda::flash::KV_TY_F16;
 use crate::backend::cuda::hybrid::{picks_up, rows_back, sum_up};
 use crate::backend::cuda::kv_host_attn::{host_round_trip, pieces, AttnSide};
 use crate::backend::cuda::kv_spill::KvHostArg;
-use crate::backend::cuda::launch::attention::{Heads, KvLayer, Splits};
+use crate::backend::cuda::launch::attention::{KvLayer, Splits};
 use crate::backend::cuda::launch::decode::rmsnorm;
 use crate::backend::cuda::launch::{Launcher, ATT_MAX_SPLIT};
 use crate::backend::cuda::{CudaDevice, CudaError};
@@ -36,11 +36,8 @@ const IDLE: Duration = Duration::from_millis(2);
 /// Experts the hybrid trips rotate through (distinct weights each trip, as the engine's
 /// misses are).
 const TRIP_EXPERTS: usize = 16;
-/// The KV trip's shape: Qwen3-30B-A3B's heads, F16 cells, a window of [`WINDOW`] cells in
-/// VRAM and [`SPILLED`] on the host, one slot, one token.
-const N_HEAD: usize = 32;
-const N_HEAD_KV: usize = 4;
-const HD: usize = 128;
+/// The KV trip's shape: the cost probe's heads (`probe_heads`), F16 cells, a window of
+/// [`WINDOW`] cells in VRAM and [`SPILLED`] on the host, one slot, one token.
 const WINDOW: u64 = 512;
 const SPILLED: usize = 512;
 /// Launches timed eagerly for `eager_launch_us`.
@@ -148,17 +145,7 @@ pub fn kv_round_trip(dev: &CudaDevice, host_gbps: f64) -> Result<(f64, f64), Cud
     let n_ctx = WINDOW as i32 + SPILLED as i32;
     // slot 0, position n_ctx - 1, n_ctx cells.
     dev.htod(&[0i32, n_ctx - 1, n_ctx], ints.view(0, 12)?)?;
-    let heads = Heads {
-        n_head: N_HEAD,
-        n_head_kv: N_HEAD_KV,
-        hd: HD,
-        n_rot: HD,
-        eps: 1e-6,
-        attn_factor: 1.0,
-        inv_freq: small.view(0, 4 * (HD / 2) as u64)?,
-        q_norm: small.view(0, 4 * HD as u64)?,
-        k_norm: small.view(0, 4 * HD as u64)?,
-    };
+    let heads = probe_heads(&small)?;
     // The spilled cells: one chunk, each cell this layer's K row then its V row (F16 0.5).
     let cell_bytes = 2 * row_bytes as usize;
     let chunk: Vec<u8> = [0x00u8, 0x38]
