@@ -2,12 +2,18 @@
 //! `resident_experts`, refilled on a miss by copying the expert (gate | up | down) from the
 //! host copy of its stacks. The replacement policy ([`LruPolicy`]) is pure bookkeeping so the
 //! CUDA backend runs the same decisions with device copies: LRU by default, or LFU with the
-//! profile's hot set pinned ([`LruPolicy::pin_hot`]).
+//! profile's hot set pinned ([`LruPolicy::pin_hot`]). A pass that touches most of a layer's
+//! experts (a long prefill) is a scan ([`LruPolicy::set_scan`]): its misses take the slots
+//! earlier scans filled, newest first, and evict a cached expert only when none of those is
+//! free, so one long prompt streams the experts outside the cache instead of flushing it.
 //! Invariant: a slot holds at most one (layer, expert) and the map and the slot contents
 //! always agree; a miss evicts the least recently used slot (empty slots first, then the
 //! oldest use; seeds start in plan order, best first, so the coldest seed goes first), or
 //! under LFU the least used unpinned slot; a pinned slot and a slot used in the current group
-//! ([`LruPolicy::begin_group`]) are never evicted; nothing is allocated after construction.
+//! ([`LruPolicy::begin_group`]) are never evicted; during a scan a miss first takes the
+//! most recently filled scan slot not used in the current or the previous group (so a copy into it
+//! need not wait for the products still reading the previous group's slots); nothing is
+//! allocated after construction.
 
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::plan::ResidentExpert;
@@ -54,6 +60,13 @@ pub struct LruPolicy {
     /// expert as soon as it is fetched and needs no protection).
     group_of: Vec<u64>,
     group: u64,
+    /// Slots a scan's miss filled and no use outside a scan has touched since: the ring a
+    /// scan recycles.
+    scan_filled: Vec<bool>,
+    /// The clock when each slot was last filled.
+    filled_at: Vec<u64>,
+    /// Lookups are part of a scan ([`LruPolicy::set_scan`]).
+    scanning: bool,
     lfu: bool,
     clock: u64,
     pub hits: u64,
@@ -81,6 +94,9 @@ impl LruPolicy {
             pinned: vec![false; n_slots as usize],
             group_of: vec![0; n_slots as usize],
             group: 0,
+            scan_filled: vec![false; n_slots as usize],
+            filled_at: vec![0; n_slots as usize],
+            scanning: false,
             lfu: false,
             clock: resident.len() as u64 + 1,
             hits: 0,
@@ -151,7 +167,23 @@ impl LruPolicy {
             self.owner[s as usize] = None;
             self.uses[s as usize] = 0;
             self.pinned[s as usize] = false;
+            self.scan_filled[s as usize] = false;
         }
+    }
+
+    /// Whether the lookups from now on are part of a scan: a pass whose tokens pick about
+    /// every expert of each layer once or more (a long prefill), which would otherwise evict
+    /// the whole cache layer by layer while touching each expert only once. A scan's misses
+    /// recycle the slots earlier scan misses filled (newest first), taking a cached expert's
+    /// slot only when none of those is free; its hits refresh as usual. A use outside a scan
+    /// makes a scan-filled slot an ordinary cached one.
+    pub fn set_scan(&mut self, on: bool) {
+        self.scanning = on;
+    }
+
+    /// Slots now holding a scan's miss (the ring a scan recycles).
+    pub fn scan_slots(&self) -> usize {
+        self.scan_filled.iter().filter(|s| **s).count()
     }
 
     /// Start a group of lookups whose experts must all stay in their slots together (one
@@ -184,14 +216,31 @@ impl LruPolicy {
             self.last_use[s as usize] = self.clock;
             self.uses[s as usize] += 1;
             self.group_of[s as usize] = self.group;
+            if !self.scanning {
+                self.scan_filled[s as usize] = false;
+            }
             return Ok(Lookup::Hit { slot: s });
         }
-        let (group, lfu) = (self.group, self.lfu);
+        let (group, lfu, scanning) = (self.group, self.lfu, self.scanning);
+        // During a scan, a slot an earlier scan filled and neither this group nor the one
+        // before it used goes first, the most recently filled first (a cyclic pass over more
+        // experts than the ring holds then keeps the ring's older part for the next pass,
+        // where a first-in-first-out ring would evict each expert just before its reuse);
+        // empty slots still go before it.
+        let recyclable = |k: usize| {
+            scanning && self.scan_filled[k] && (group == 0 || self.group_of[k] + 1 < group)
+        };
         let victim = (0..self.owner.len())
             .filter(|&k| !self.pinned[k] && (group == 0 || self.group_of[k] != group))
             .min_by_key(|&k| {
-                let uses = if lfu { self.uses[k] } else { 0 };
-                (self.owner[k].is_some(), uses, self.last_use[k], k)
+                let ring = recyclable(k);
+                let uses = if lfu && !ring { self.uses[k] } else { 0 };
+                let age = if ring {
+                    u64::MAX - self.filled_at[k]
+                } else {
+                    self.last_use[k]
+                };
+                (self.owner[k].is_some(), !ring, uses, age, k)
             })
             .ok_or_else(|| {
                 format!(
@@ -211,6 +260,8 @@ impl LruPolicy {
         self.last_use[victim] = self.clock;
         self.uses[victim] = 1;
         self.group_of[victim] = self.group;
+        self.scan_filled[victim] = scanning;
+        self.filled_at[victim] = self.clock;
         Ok(Lookup::Miss {
             slot: victim as u32,
             evicted,
@@ -306,6 +357,11 @@ impl<'a> CpuExpertCache<'a> {
             at += per;
         }
         Ok(())
+    }
+
+    /// Whether the lookups from now on belong to a scan ([`LruPolicy::set_scan`]).
+    pub fn set_scan(&mut self, on: bool) {
+        self.policy.set_scan(on);
     }
 
     /// Hit and miss counts so far (seeding is neither).
@@ -444,6 +500,123 @@ mod tests {
             p.lookup(0, 6).unwrap(),
             Lookup::Miss { slot: 0, .. }
         ));
+    }
+
+    #[test]
+    fn a_scan_recycles_its_own_slots_and_spares_an_older_group() {
+        // 4 slots: (0,0) (0,1) cached, two empty. A scan's first misses take the empty
+        // slots, the next takes the oldest cached expert (no scan slot is old enough yet).
+        let mut p = LruPolicy::new(0, 3, 8, 4, &[re(0, 0, 0), re(0, 1, 1)]).unwrap();
+        p.set_scan(true);
+        p.begin_group(); // group 1: layer 0
+        assert!(matches!(
+            p.lookup(0, 5).unwrap(),
+            Lookup::Miss {
+                slot: 2,
+                evicted: None
+            }
+        ));
+        assert!(matches!(
+            p.lookup(0, 6).unwrap(),
+            Lookup::Miss {
+                slot: 3,
+                evicted: None
+            }
+        ));
+        assert_eq!(p.scan_slots(), 2);
+        p.begin_group(); // group 2: layer 1; slots 2 and 3 were used by the previous group
+        assert_eq!(
+            p.lookup(1, 0).unwrap(),
+            Lookup::Miss {
+                slot: 1,
+                evicted: Some((0, 1))
+            },
+            "the previous group's scan slots are spared, so the coldest cached expert goes"
+        );
+        p.begin_group(); // group 3: layer 2; group 1's ring slots are free, newest fill first
+        assert_eq!(
+            p.lookup(2, 0).unwrap(),
+            Lookup::Miss {
+                slot: 3,
+                evicted: Some((0, 6))
+            }
+        );
+        assert_eq!(
+            p.slot_of(0, 0),
+            Some(0),
+            "the cached expert outside the scan stays"
+        );
+        // Outside a scan, a hit makes a ring slot an ordinary one, and misses are plain LRU.
+        p.set_scan(false);
+        p.begin_group();
+        assert!(matches!(p.lookup(0, 5).unwrap(), Lookup::Hit { slot: 2 }));
+        assert_eq!(p.scan_slots(), 2, "slots 1 and 3 still hold scan misses");
+        assert_eq!(
+            p.lookup(1, 7).unwrap(),
+            Lookup::Miss {
+                slot: 0,
+                evicted: Some((0, 0))
+            }
+        );
+        assert_eq!(p.scan_slots(), 2);
+    }
+
+    /// Misses of each of `passes` prefill-like passes over `layers` layers of `ne` experts,
+    /// every expert of a layer looked up once per pass in one group per layer (what a long
+    /// prompt's pass does), with the cache seeded by the first `slots` experts in plan order.
+    fn pass_misses(layers: u32, ne: u32, slots: u32, scan: bool, passes: usize) -> Vec<u64> {
+        // The plan keeps the same share of every layer (best first: a layer's low experts).
+        let per = slots / layers;
+        let seeds: Vec<ResidentExpert> = (0..slots)
+            .map(|i| re(i % layers, (i / layers).min(ne - 1), i))
+            .filter(|r| r.slot < per * layers)
+            .collect();
+        let mut p = LruPolicy::new(0, layers, ne, slots, &seeds).unwrap();
+        let mut out = Vec::new();
+        for pass in 0..passes {
+            p.set_scan(scan);
+            let before = p.misses;
+            for l in 0..layers {
+                p.begin_group();
+                // A different expert order each pass and layer, as routing gives.
+                for j in 0..ne {
+                    let x = (j * 7 + l * 3 + pass as u32 * 5) % ne;
+                    p.lookup(l, x).unwrap();
+                }
+            }
+            out.push(p.misses - before);
+            // A few decode steps between prompts: plain lookups of hot experts.
+            p.set_scan(false);
+            for l in 0..layers {
+                p.begin_group();
+                p.lookup(l, 0).unwrap();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn long_prompts_stream_only_what_the_cache_lacks() {
+        // 16 layers x 64 experts, 800 slots: 224 experts stay outside the cache, 14 a layer
+        // (the plan keeps 50 of each layer). Measured here: a scan misses 257 a pass, LRU 1,012.
+        let (layers, ne, slots) = (16, 64, 800);
+        let outside = u64::from(layers * ne - slots);
+        let scan = pass_misses(layers, ne, slots, true, 6);
+        let lru = pass_misses(layers, ne, slots, false, 6);
+        // Steady state (after the first pass built the ring): what is outside the cache plus
+        // the ring of about three layers' misses the scan recycles.
+        for (i, m) in scan.iter().enumerate().skip(1) {
+            assert!(
+                *m <= outside + 3 * outside / u64::from(layers) + 8,
+                "pass {i}: a scan missed {m} times with {outside} experts outside the cache ({scan:?})"
+            );
+        }
+        // Plain LRU evicts, layer by layer, what the next pass needs first.
+        let (s, l): (u64, u64) = (scan[1..].iter().sum(), lru[1..].iter().sum());
+        assert!(
+            s * 3 < l * 2,
+            "a scan should stream well under LRU's misses: {scan:?} vs {lru:?}"
+        );
     }
 
     #[test]

@@ -51,3 +51,59 @@ fn bench_reports_expert_hits_misses_and_the_predicted_rate() {
         p.predicted.expert_hit_rate
     );
 }
+
+/// A long prompt is a scan: each pass streams only the experts outside the cache (the CPU
+/// engine recycles one slot for them), where plain LRU over a cache smaller than one pass's
+/// experts would miss nearly every lookup, pass after pass.
+#[test]
+fn long_prompts_stream_only_the_experts_outside_the_cache() {
+    let base = plan("base", &Ask::default());
+    let (layers, ne, k) = (
+        base.model.n_layer as u64,
+        base.model.n_expert,
+        base.model.n_expert_used,
+    );
+    let n_all = layers * ne;
+    let slots = n_all / 2;
+    let p = plan(
+        "base",
+        &Ask {
+            cache: ExpertCache::Slots(slots),
+            ..Ask::default()
+        },
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let plan_path = dir.path().join("half-cache.plan");
+    strata_schemas::planfile::write_plan(&p, &plan_path).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strata-exec"))
+        .arg("bench")
+        .arg(&plan_path)
+        .arg("--model")
+        .arg(data("base"))
+        .args(["-p", "48", "-n", "1", "-r", "3", "--format", "json", "-q"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let x = &j["experts"];
+    let (hits, misses) = (
+        x["hits"].as_u64().unwrap(),
+        x["misses_streamed"].as_u64().unwrap(),
+    );
+    // Per repetition: the 48-token prompt in passes of the planned ubatch (each a scan when
+    // its picks number the layer's experts or more), and one decode step (k picks a layer).
+    let ub = u64::from(p.serve.ubatch).max(1);
+    let passes = 48u64.div_ceil(ub);
+    assert!(ub.min(48) * k >= ne, "the test needs scans: ubatch {ub}");
+    let outside = n_all - slots + 1;
+    let bound = passes * outside + k * layers;
+    assert!(
+        misses <= 3 * bound,
+        "{misses} misses in 3 repetitions of {passes} passes with {outside} experts outside the cache (at most {bound} a repetition): {x}"
+    );
+    assert!(hits > 0, "the cached half serves the passes: {x}");
+}

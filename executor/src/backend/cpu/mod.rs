@@ -465,6 +465,11 @@ impl<'a> Ops for CpuStage<'a> {
             [(ids, n * k), (WorkBuf::ExTok, n)],
         )?;
         self.tally.record(layer, &is[..n * k]);
+        if let (CpuExperts::Cache, Some(c)) = (src, self.cache.as_mut()) {
+            // A prompt pass that picks each of the layer's experts about once or more is a
+            // scan: its misses recycle scan slots instead of evicting the cache.
+            c.set_scan(self.kind.prefills() && n * k >= ne);
+        }
         proj[..n * e].fill(0.0);
         for ex in 0..ne {
             let mut cnt = 0;

@@ -19,7 +19,9 @@
 //! previous group's products; the compute stream waits for them before the group's
 //! products); otherwise misses are copied on the compute stream from the pageable mmapped
 //! model file, which the driver stages before each call returns. A pass whose tokens pick
-//! more distinct experts than the cache holds runs in groups of tokens that fit.
+//! more distinct experts than the cache holds runs in groups of tokens that fit. A long
+//! prompt's pass is a scan: its misses recycle the slots earlier scan misses filled rather
+//! than evicting cached experts, so a prefill streams what the cache lacks, not the cache.
 
 use super::forward::Grouped;
 use super::host_tier::PinnedTier;
@@ -394,6 +396,11 @@ impl CudaStage {
             c.prefetched.fill(false);
         }
         c.tally.record(layer, &c.ids[..n * k]);
+        // A prompt pass that picks each of the layer's experts about once or more is a scan
+        // (`LruPolicy::set_scan`): its misses, and the next layer's fetch ahead, recycle the
+        // slots earlier scan misses filled instead of evicting the cached experts the next
+        // pass and the decode steps need.
+        c.policy.set_scan(self.kind.prefills() && n * k >= ne);
         let li = (layer - c.layer_first) as usize;
         let budget = c.policy.unpinned_slots();
         let stage_in = self.opts.stage_inputs && ty == GgmlType::Q8_0 && ty_up == ty;
