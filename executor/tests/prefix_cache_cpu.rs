@@ -13,40 +13,28 @@ use strata_exec::exec::{start_cpu, EngineOptions};
 use strata_exec::load::GgufModel;
 use strata_schemas::arch::QuantRecipe;
 use strata_schemas::gguf::random::{write_random_model, RandomOptions};
-use strata_schemas::inventory::{HParams, SsmParams};
+use strata_schemas::gguf::testutil::tiny_qwen3next;
+use strata_schemas::inventory::HParams;
 use strata_schemas::plan::RegionKind;
 use strata_schemas::serve::ExpertCache;
 
 fn hp(next: bool) -> HParams {
-    HParams {
-        n_layer: 4,
-        n_embd: 64,
-        n_vocab: 128,
-        n_ctx_train: 256,
-        n_head: 4,
-        n_head_kv: 2,
-        head_dim_k: 16,
-        head_dim_v: 16,
-        n_ff: 0,
+    // The shared tiny Qwen3-Next with 8 experts and no MTP block; the Qwen3-MoE of the same
+    // widths drops its shared expert, linear attention and partial RoPE.
+    let next_hp = HParams {
         n_expert: 8,
-        n_expert_used: 2,
-        n_ff_exp: 32,
-        n_ff_shexp: if next { 32 } else { 0 },
-        n_leading_dense: 0,
-        full_attention_interval: next.then_some(2),
-        ssm: next.then_some(SsmParams {
-            conv_kernel: 4,
-            state_size: 16,
-            group_count: 2,
-            time_step_rank: 4,
-            inner_size: 64,
-        }),
         nextn_predict_layers: 0,
-        rope_theta: 10_000.0,
-        rope_dim: next.then_some(4),
-        rms_eps: 1e-6,
-        norm_topk_prob: true,
-        tied_embeddings: false,
+        ..tiny_qwen3next()
+    };
+    if next {
+        return next_hp;
+    }
+    HParams {
+        n_ff_shexp: 0,
+        full_attention_interval: None,
+        ssm: None,
+        rope_dim: None,
+        ..next_hp
     }
 }
 
