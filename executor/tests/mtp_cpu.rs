@@ -10,7 +10,7 @@ mod common;
 #[path = "serve_common/mod.rs"]
 mod serve_common;
 
-use common::spec::{plain, prefill, prompt, speculative};
+use common::spec::{plain, plain_pair_in_turn, prefill, prompt, speculative};
 use common::{cpu_probe, solved, tiny_qwen3next_hp};
 use std::path::Path;
 use strata_exec::engine::Engine;
@@ -58,12 +58,7 @@ fn greedy_speculation_gives_the_tokens_of_plain_decoding_for_n_1_to_4() {
     let base = plan(&path, 0);
     let mut plain_engine = start(&path, &base);
     assert_eq!(plain_engine.spec_tokens(), 0);
-    let want: Vec<Vec<u32>> = (0..2)
-        .map(|s| {
-            plain_engine.reset_slot(0);
-            plain(&mut plain_engine, 0, &prompt(s), n)
-        })
-        .collect();
+    let want = plain_pair_in_turn(&mut plain_engine, n);
     for spec in 1..=4u32 {
         let p = plan(&path, spec);
         let dp = &p.devices[0];

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::spec::{plain, prompt, speculative};
+use common::spec::{plain_pair_in_turn, prompt, speculative};
 use common::{cpu_probe, solved, tiny_qwen3next_hp};
 use std::path::Path;
 use strata_exec::engine::Engine;
@@ -76,12 +76,7 @@ fn a_split_plan_speculates_with_the_tokens_of_plain_decoding_for_n_1_to_3() {
     assert_eq!(base.devices.len(), 2);
     assert_eq!(places(&base, EMBD), [(0, RegionKind::Embedding)]);
     let mut plain_engine = start(&path, &base).unwrap();
-    let want: Vec<Vec<u32>> = (0..2)
-        .map(|s| {
-            plain_engine.reset_slot(0);
-            plain(&mut plain_engine, 0, &prompt(s), n)
-        })
-        .collect();
+    let want = plain_pair_in_turn(&mut plain_engine, n);
     for spec in 1..=3u32 {
         let p = plan(&path, spec);
         let (d0, d1) = (&p.devices[0], &p.devices[1]);

@@ -50,6 +50,17 @@ pub fn plain(e: &mut dyn Engine, slot: usize, p: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
+/// Plain greedy decoding of prompts 0 and 1 in slot 0 (reset before each), `n` tokens each:
+/// what every speculative run must reproduce.
+pub fn plain_pair_in_turn(e: &mut dyn Engine, n: usize) -> Vec<Vec<u32>> {
+    (0..2)
+        .map(|s| {
+            e.reset_slot(0);
+            plain(e, 0, &prompt(s), n)
+        })
+        .collect()
+}
+
 /// `n` greedy tokens after `p` by speculative steps; `forced(done)` gives the drafts to force
 /// when the output holds `done` tokens (`None`: the MTP head's own).
 pub fn speculative(
