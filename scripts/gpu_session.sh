@@ -7,16 +7,18 @@
 #   call1: llama.cpp builds and the Qwen3-Next-80B-A3B-shaped IQ3_S file (with its MTP block)
 #          and the 30B Q4_K_M file are written, both in the background, while the CUDA suites
 #          run (gpu_bench.sh tests)
-#   call2: Qwen3-Next 80B (issues 17, 18): llama-bench and strata-exec bench (the plan's
-#          prediction beside it) on the same file; then MTP speculation with every draft
-#          forced right (--spec-oracle) at N = 1..4: the verify cost
+#   call2: Qwen3-Next 80B (issues 17, 18, 21): llama-bench and strata-exec bench (the plan's
+#          prediction beside it) on the same file, the GM_ANY prefill products' default against
+#          --kernel-options any-sync (the old synchronous decode), a --profile pass (where the
+#          prefill and decode time goes now); then MTP speculation with every draft forced
+#          right (--spec-oracle) at N = 1..4: the verify cost
 #   call3: experts beyond VRAM (issues 16, 21): the 80B file removed, the skewed-routing 30B
-#          Q8_0 written; a live probe; llama-bench -ncmoe 13 and 32 beside strata-exec bench
-#          of 24 and 12 GiB card plans (the plan's miss policy and --miss-policy stream)
-#   call4: decode (issues 20, 21): llama-bench and llama-batched-bench beside strata-exec bench
-#          -b 1,4,8 on the Q8_0 and Q4_K_M files, the default products against
-#          --kernel-options f32-products (and dp4a on Q4_K_M); plans from the live probe, so the
-#          predictions of the per-type rates stand beside each figure
+#          Q8_0 written; a live probe; the file's own routing profiled; llama-bench -ncmoe 13
+#          and 32 beside strata-exec bench of 24 and 12 GiB card plans, each without and with
+#          --expert-profile (the prediction's hit rate and tok/s beside the measurement; the
+#          prefill's bytes streamed a pass with the scan-resistant cache)
+#   call4: decode at depth (issue 20): llama-bench -d 16384 beside strata-exec bench -d 16384
+#          on the Q8_0 file (batch 1, and 4 sequences), the all-resident pp512/tg128 again
 #   call5: a later lease after fixes: the changed kernels' suites, the 80B bench and verify
 #          costs again
 # usage: scripts/gpu_session.sh call1|call2|call3|call4|call5 OUTDIR
@@ -66,14 +68,21 @@ call2)
     tail -3 "$out/llama_next.err"
     $bin/strata-plan --hardware plans/hardware/h200.toml --model $next --max-context 4096 \
         --batch 1 -o /tmp/next.plan | head -12 | tee "$out/next_plan.txt"
-    stamp "strata-exec bench next80"
-    $bin/strata-exec bench /tmp/next.plan -p 512 -n 128 -r 3 -q 2>&1 | tee "$out/strata_next.txt"
+    for o in default any-sync; do
+        stamp "strata-exec bench next80 ($o)"
+        opt=
+        [ $o = default ] || opt="--kernel-options $o"
+        $bin/strata-exec bench /tmp/next.plan -p 512 -n 128 -r 3 -q $opt 2>&1 | tee -a "$out/strata_next.txt"
+    done
+    stamp "profile next80"
+    $bin/strata-exec bench /tmp/next.plan -p 512 -n 8 -r 1 --profile 2>&1 | tail -40 >"$out/next_profile.txt"
+    head -30 "$out/next_profile.txt"
     for n in 1 2 3 4; do
         stamp "--mtp --spec $n --spec-oracle"
         $bin/strata-plan --hardware plans/hardware/h200.toml --model $next --max-context 4096 \
             --batch 1 --mtp --spec $n -o /tmp/next-spec$n.plan | head -2
-        $bin/strata-exec /tmp/next-spec$n.plan --prompt-tokens 1,2,3,4,5,6,7,8 -n 256 \
-            --spec-oracle --format json -q 2>&1 | grep '^{' | tee -a "$out/spec.jsonl" | cut -c1-400
+        $bin/strata-exec /tmp/next-spec$n.plan --prompt-tokens 1,2,3,4,5,6,7,8 -n 128 \
+            --spec-oracle --format json -q 2>&1 | grep -E '^\{|error' | tee -a "$out/spec.jsonl" | cut -c1-400
     done
     ;;
 call3)
@@ -86,57 +95,58 @@ call3)
     for gib in 24 12; do
         sed -e "s/^vram_bytes = .*/vram_bytes = $((gib << 30))/" \
             -e "s/^free_bytes = .*/free_bytes = $((gib << 30))/" /tmp/h200-live.toml >/tmp/live-${gib}g.toml
-        $bin/strata-plan --hardware /tmp/live-${gib}g.toml --model $q8 --max-context 4096 --batch 1 \
-            -o /tmp/q8-${gib}g.plan 2>&1 | grep -iE "expert|miss|predict|host|degrad" | head -12 |
-            tee -a "$out/offload_plans.txt"
+    done
+    # The file's own routing (16 prompts of random ids, 64 greedy tokens each) on the 24 GiB
+    # plan (the all-resident engine does not read the picks back).
+    python3 -c "import random; random.seed(7); [print(','.join(str(random.randrange(1000, 150000)) for _ in range(64))) for _ in range(16)]" >/tmp/prompts.txt
+    $bin/strata-plan --hardware /tmp/live-24g.toml --model $q8 --max-context 4096 --batch 1 -o /tmp/prof.plan >/dev/null
+    stamp "profile the routing"
+    $bin/strata-exec profile /tmp/prof.plan --prompts /tmp/prompts.txt -n 64 -o /tmp/routing.txt 2>&1 |
+        grep -E "profiled|LRU" | tee "$out/routing_profile.txt"
+    for gib in 24 12; do
+        for prof in "" "--expert-profile /tmp/routing.txt"; do
+            plan=/tmp/q8-${gib}g${prof:+-prof}.plan
+            $bin/strata-plan --hardware /tmp/live-${gib}g.toml --model $q8 --max-context 4096 --batch 1 \
+                $prof -o $plan 2>&1 | grep -iE "expert|miss|predict|host|degrad" | head -12 |
+                tee -a "$out/offload_plans.txt"
+        done
     done
     stamp "llama-bench -ncmoe 13,32"
     $lb/llama-bench -m $q8 -p 512 -n 128 -fa 1 -ngl 99 -ncmoe 13,32 -r 2 -o md 2>"$out/llama_ncmoe.err" |
         tee "$out/llama_ncmoe.md"
     for gib in 24 12; do
-        for pol in auto stream; do
-            stamp "strata-exec bench ${gib} GiB --miss-policy $pol"
-            $bin/strata-exec bench /tmp/q8-${gib}g.plan -p 512 -n 128 -r 2 --miss-policy $pol 2>&1 |
-                grep -vE "^\s*rep " | tee -a "$out/offload.txt"
+        for v in "" -prof; do
+            stamp "strata-exec bench ${gib} GiB${v}"
+            $bin/strata-exec bench /tmp/q8-${gib}g$v.plan -p 512 -n 128 -r 2 --format json -q 2>&1 |
+                grep '^{' | sed "s|^{|{\"run\":\"${gib}g$v\",|" | tee -a "$out/offload.jsonl" | cut -c1-300
         done
     done
+    python3 - "$out/offload.jsonl" <<'PY'
+import json, sys
+print("| plan | pp512 measured / predicted | tg128 measured / predicted | hit measured / predicted | GB streamed a prefill |")
+for line in open(sys.argv[1]):
+    j = json.loads(line); p = j["predicted"]; e = j.get("experts") or {}
+    pp, tg = j["prefill_tok_s"]["mean"], j["decode_tok_s"]["mean"]
+    hit = e.get("hit_rate")
+    print(f"| {j['run']} | {pp:.0f} / {p['prefill_tok_s']:.0f} ({pp / p['prefill_tok_s']:.2f}) | "
+          f"{tg:.1f} / {p['decode_tok_s']:.1f} ({tg / p['decode_tok_s']:.2f}) | "
+          f"{'-' if hit is None else f'{hit:.3f}'} / {e.get('predicted_hit_rate', 1.0):.3f} | "
+          f"{e.get('pcie_bytes_per_prefill', 0) / 1e9:.2f} |")
+PY
     ;;
 call4)
     [ -f $q8 ] || write $q8 --arch qwen3moe --preset Q8_0 --routing skewed
     [ -f /tmp/h200-live.toml ] || $bin/strata-exec probe -o /tmp/h200-live.toml 2>&1 | tail -2
-    for m in $q8 $q4; do
-        n=$(basename $m .gguf)
-        stamp "llama.cpp $n"
-        $lb/llama-bench -m $m -p 512 -n 128 -fa 1 -ngl 99 -r 3 -o md 2>/dev/null | tee -a "$out/llama.txt"
-        $lb/llama-batched-bench -m $m -c 8192 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,4,8 \
-            -fa 1 -ngl 99 2>/dev/null | grep -E "^\|" | tee -a "$out/llama.txt"
-        plan=/tmp/$n-b8.plan
-        $bin/strata-plan --hardware /tmp/h200-live.toml --model $m --max-context 4096 \
-            --batch 8 -o $plan >/dev/null
-        opts="default f32-products"
-        [ $m = $q4 ] && opts="default dp4a dp4a,no-staging"
-        for opt in $opts; do
-            stamp "strata-exec bench $n $opt"
-            o=$opt
-            [ $o = default ] && o=
-            $bin/strata-exec bench $plan -p 512 -n 128 -b 1,4,8 -r 2 -q ${o:+--kernel-options $o} 2>&1 |
-                tee -a "$out/strata.txt"
-        done
-    done
-    # The server under load (issue 20's "what to expect"): the Q8_0 plan of 8 slots, 1, 4 and
-    # 8 concurrent streamed completions of a 512-token prompt and 128 tokens.
-    stamp "serve load"
-    $bin/strata-exec /tmp/$(basename $q8 .gguf)-b8.plan --serve --host 127.0.0.1 --port 8181 \
-        >"$out/serve.log" 2>&1 &
-    srv=$!
-    for _ in $(seq 120); do
-        curl -sf http://127.0.0.1:8181/health >/dev/null 2>&1 && break
-        sleep 1
-    done
-    python3 scripts/serve_load.py --url http://127.0.0.1:8181 --clients 1,4,8 --prompt-tokens 512 \
-        --max-tokens 128 --requests 2 2>&1 | tee "$out/serve_load.txt"
-    kill -INT $srv
-    wait $srv
+    stamp "llama.cpp at depth 16384"
+    $lb/llama-bench -m $q8 -p 512 -n 128 -fa 1 -ngl 99 -r 2 -o md 2>/dev/null | tee -a "$out/depth.txt"
+    $lb/llama-bench -m $q8 -p 0 -n 128 -d 16384 -fa 1 -ngl 99 -r 2 -o md 2>/dev/null | tee -a "$out/depth.txt"
+    $lb/llama-batched-bench -m $q8 -c 70000 -b 2048 -ub 512 -npp 16384 -ntg 128 -npl 1,4 \
+        -fa 1 -ngl 99 2>/dev/null | grep -E "^\|" | tee -a "$out/depth.txt"
+    $bin/strata-plan --hardware /tmp/h200-live.toml --model $q8 --max-context 16640 --batch 4 \
+        -o /tmp/q8-deep.plan | head -6 | tee -a "$out/depth.txt"
+    stamp "strata-exec at depth 16384"
+    $bin/strata-exec bench /tmp/q8-deep.plan -p 512 -n 128 -r 2 -q 2>&1 | tee -a "$out/depth.txt"
+    $bin/strata-exec bench /tmp/q8-deep.plan -p 0 -n 128 -d 16384 -b 1,4 -r 2 -q 2>&1 | tee -a "$out/depth.txt"
     ;;
 call5)
     # A second lease after fixes (no llama.cpp build: its figures are call2's): the suites of
