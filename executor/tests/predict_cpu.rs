@@ -132,6 +132,10 @@ fn measure() -> CostProbe {
         host_round_trip_us: None,
         kv_host_round_trip_us: None,
         eager_launch_us: None,
+        expert_gemm_tokens_per_expert: None,
+        delta_rule_token_us: None,
+        delta_rule_latency_us: None,
+        linear_state_gbps: None,
     }
 }
 

@@ -148,6 +148,27 @@ impl ExpertOracle {
         c.hit_rate(slots as f64 * self.expert_layers as f64 / n_layers as f64)
     }
 
+    /// Each expert's expected uses per token over layers `[a, b)`, ranked busiest first
+    /// within each layer and averaged rank by rank (the cost model's tile count of the
+    /// grouped prefill products: a close approximation of averaging each layer's count, as
+    /// layers' skews are alike); empty without a profile (uniform routing) or experts.
+    pub fn rank_shares(&self, a: u32, b: u32) -> Vec<f64> {
+        if self.uniform {
+            return Vec::new();
+        }
+        let layers: Vec<&LayerProbs> = self.layers[a as usize..b as usize]
+            .iter()
+            .flatten()
+            .collect();
+        let Some(first) = layers.first() else {
+            return Vec::new();
+        };
+        let n = layers.len() as f64;
+        (0..first.sorted.len())
+            .map(|i| layers.iter().map(|l| l.sorted[i]).sum::<f64>() / n)
+            .collect()
+    }
+
     /// Expected expert uses per token over layers `[a, b)`.
     pub fn total_mass(&self, a: u32, b: u32) -> f64 {
         self.layers[a as usize..b as usize].iter().flatten().count() as f64

@@ -482,6 +482,7 @@ impl<'a> Solver<'a> {
             kv_resident: resident,
             handoff_in: handoff_in(prev, dev),
             prefill_gemm: self.gemm[d],
+            expert_shares: self.oracle.rank_shares(a, b),
         }
     }
 
