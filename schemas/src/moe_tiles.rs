@@ -66,7 +66,7 @@ pub fn uniform(e: u32, k: u32) -> Vec<f64> {
 /// routing over a pass long enough that every expert is routed): `ceil(r / T) T / r`.
 pub fn reference_padding(tokens_per_expert: f64) -> f64 {
     let t = MOE_TILE_TOKENS as f64;
-    if !(tokens_per_expert > 0.0) {
+    if tokens_per_expert.is_nan() || tokens_per_expert <= 0.0 {
         return 1.0;
     }
     (tokens_per_expert / t).ceil().max(1.0) * t / tokens_per_expert
