@@ -286,6 +286,25 @@ mod tests {
     }
 
     #[test]
+    fn rank_shares_average_each_layers_busiest_first() {
+        let o = oracle_from(vec![vec![1, 3, 0, 0], vec![0, 0, 2, 2]], 1);
+        // Layer 0 ranked: 0.75, 0.25, 0, 0; layer 1: 0.5, 0.5, 0, 0.
+        let s = o.rank_shares(0, 2);
+        let want = [0.625, 0.375, 0.0, 0.0];
+        assert!(
+            s.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-12),
+            "{s:?}"
+        );
+        assert_eq!(o.rank_shares(1, 2), vec![0.5, 0.5, 0.0, 0.0]);
+        // Each rank sums to the experts a token uses, as the layers' shares do.
+        assert!((s.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        // No profile: uniform routing, which the cost model takes as empty.
+        let inv = crate::testing::inventory("qwen3moe", crate::testing::qwen3moe_hparams(), "Q8_0");
+        let facts = crate::facts::ModelFacts::new(&inv, strata_schemas::ggml::GgmlType::F16);
+        assert!(ExpertOracle::new(&facts, None).rank_shares(0, 4).is_empty());
+    }
+
+    #[test]
     fn select_takes_hottest_first_deterministically() {
         let o = oracle_from(vec![vec![1, 50, 2, 0], vec![40, 0, 0, 60]], 1);
         let s = o.select(0, 2, 3);
