@@ -845,6 +845,9 @@ mod tests {
         let m = CostMeasure {
             launch_us: Some(2.5),
             product_gbps: Some(3000.0),
+            expert_gemm_tokens_per_expert: Some(32.0),
+            delta_rule_token_us: Some(0.8),
+            linear_state_gbps: Some(2500.0),
             notes: vec!["attention not measured: x".into()],
             types: vec![
                 (
@@ -874,6 +877,15 @@ mod tests {
         assert_eq!(c.launch_us, Some(2.5));
         assert_eq!(c.product_gbps, Some(3000.0));
         assert_eq!(c.gemm_tflops, None);
+        assert_eq!(c.expert_gemm_tokens_per_expert, Some(32.0));
+        assert_eq!(
+            c.linear_entries(),
+            [
+                ("delta_rule_token_us", Some(0.8)),
+                ("delta_rule_latency_us", None),
+                ("linear_state_gbps", Some(2500.0)),
+            ]
+        );
         let q8 = c.type_rates(GgmlType::Q8_0).unwrap();
         assert_eq!(
             (q8.product_gbps, q8.gemm_tflops),
