@@ -219,6 +219,9 @@ fn cpu_predictions_hold_for_qwen3next() {
 /// Plans the model at `path` (ids below `vocab`) with a measured CPU probe, runs it, and
 /// holds prefill and decode at one and four slots to the plan's predictions.
 fn predictions_hold(path: &std::path::Path, vocab: u32) {
+    // One model at a time: the two tests' timings must not share the cores.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let path = path.to_path_buf();
     let cost = measure();
     let p1 = plan(&path, cost.clone(), 1);
