@@ -112,6 +112,7 @@ fn predicted(
         kv_resident: plan.serve.kv_resident,
         handoff_in: "none",
         prefill_gemm: false,
+        expert_shares: Vec::new(),
     };
     DeviceCost {
         cpu_misses_per_token: n,

@@ -136,5 +136,25 @@ fn probe_measures_every_cost_key() {
         );
         let eager = c.eager_launch_us.unwrap();
         assert!((0.2..100.0).contains(&eager), "eager_launch_us {eager}");
+        // The grouped products say at what shape they were measured: probe/experts.rs's
+        // 512 tokens, top-8 of 128 experts.
+        assert_eq!(c.expert_gemm_tokens_per_expert, Some(32.0), "{text}");
+        // The delta rule (probe/linear.rs): a token's step of one layer is a serial chain of
+        // warp reductions, well under the 19.7 µs of the kernel it replaced and over the
+        // ~0.05 µs a launch-free loop iteration could take; the decode state moves within the
+        // copy rate, and each layer's launch pair costs what launches do.
+        for (key, v) in c.linear_entries() {
+            let v = v.unwrap_or_else(|| panic!("device {}: {key} missing\n{text}", d.index));
+            assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+        }
+        let tok = c.delta_rule_token_us.unwrap();
+        assert!((0.05..19.7).contains(&tok), "delta_rule_token_us {tok}");
+        let st = c.linear_state_gbps.unwrap();
+        assert!(
+            st <= 1.1 * bw && st >= 0.02 * bw,
+            "linear_state_gbps {st} vs copy {bw}"
+        );
+        let dl = c.delta_rule_latency_us.unwrap();
+        assert!(dl < 500.0, "delta_rule_latency_us {dl}");
     }
 }

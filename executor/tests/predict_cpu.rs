@@ -21,7 +21,8 @@ use strata_plan::solve::{solve, Outcome, PlanRequest};
 use strata_schemas::arch::QuantRecipe;
 use strata_schemas::ggml::GgmlType;
 use strata_schemas::gguf::random::{write_random_model, RandomOptions};
-use strata_schemas::inventory::HParams;
+use strata_schemas::gguf::testutil::tiny_qwen3next;
+use strata_schemas::inventory::{HParams, SsmParams};
 use strata_schemas::known::qwen3_30b_a3b;
 use strata_schemas::plan::Plan;
 use strata_schemas::probe::{CostProbe, GIB, MIB};
@@ -48,15 +49,42 @@ fn hp() -> HParams {
     }
 }
 
-fn model() -> PathBuf {
+/// A small Qwen3-Next whose linear layers' state (8 value heads of 64 x 64, 128 KiB a layer)
+/// is a real share of a token's work (about half the predicted prefill and a quarter of a
+/// decode step here, the CPU's recurrence reading and writing it every token).
+fn next_hp() -> HParams {
+    HParams {
+        n_embd: 128,
+        n_vocab: 1024,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim_k: 32,
+        head_dim_v: 32,
+        n_expert: 8,
+        n_expert_used: 2,
+        n_ff_exp: 128,
+        n_ff_shexp: 128,
+        nextn_predict_layers: 0,
+        ssm: Some(SsmParams {
+            conv_kernel: 4,
+            state_size: 64,
+            group_count: 4,
+            time_step_rank: 8,
+            inner_size: 512,
+        }),
+        ..tiny_qwen3next()
+    }
+}
+
+fn model(arch: &str, hp: &HParams) -> PathBuf {
     let d = common::run_dir("predict");
-    let path = d.join("moe-q8.gguf");
+    let path = d.join(format!("{arch}-q8.gguf"));
     let recipe = QuantRecipe::preset("Q8_0").unwrap();
     let opts = RandomOptions {
         threads: 1,
         ..RandomOptions::default()
     };
-    write_random_model(&path, "qwen3moe", &hp(), &recipe, 3, opts).unwrap();
+    write_random_model(&path, arch, hp, &recipe, 3, opts).unwrap();
     path
 }
 
@@ -132,6 +160,10 @@ fn measure() -> CostProbe {
         host_round_trip_us: None,
         kv_host_round_trip_us: None,
         eager_launch_us: None,
+        expert_gemm_tokens_per_expert: None,
+        delta_rule_token_us: None,
+        delta_rule_latency_us: None,
+        linear_state_gbps: None,
     }
 }
 
@@ -174,7 +206,23 @@ fn within(what: &str, predicted: f64, measured: f64) {
 
 #[test]
 fn cpu_predictions_are_within_a_factor_of_three_of_the_engine() {
-    let path = model();
+    predictions_hold(&model("qwen3moe", &hp()), 1024);
+}
+
+/// The same for Qwen3-Next: its linear layers' delta rule (every token reads and writes the
+/// state on the CPU) and the state a decode step reads and writes for every slot.
+#[test]
+fn cpu_predictions_hold_for_qwen3next() {
+    predictions_hold(&model("qwen3next", &next_hp()), 1024);
+}
+
+/// Plans the model at `path` (ids below `vocab`) with a measured CPU probe, runs it, and
+/// holds prefill and decode at one and four slots to the plan's predictions.
+fn predictions_hold(path: &std::path::Path, vocab: u32) {
+    // One model at a time: the two tests' timings must not share the cores.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let path = path.to_path_buf();
     let cost = measure();
     let p1 = plan(&path, cost.clone(), 1);
     let p4 = plan(&path, cost, 4);
@@ -185,7 +233,7 @@ fn cpu_predictions_are_within_a_factor_of_three_of_the_engine() {
         mem_available: Some(8 * GIB),
     };
     let mut e = start_cpu(&p4, Box::new(GgufModel::open(&path).unwrap()), opts).unwrap();
-    let prompt: Vec<u32> = (0..16).map(|i| (i * 37 % 1024) as u32).collect();
+    let prompt: Vec<u32> = (0..16).map(|i| i * 37 % vocab).collect();
 
     // Each figure is the best of three runs, as the coefficients are: a busy machine slows
     // single runs of either side, not the best of several.

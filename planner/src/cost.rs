@@ -65,6 +65,24 @@ const EAGER_LAUNCH_US: f64 = 5.0;
 /// An estimate of the CUDA engine's launch count, not a measurement.
 const GPU_LAYER_KERNELS: f64 = 14.0;
 
+/// Tokens an expert of the probe's grouped-products measurement when the probe does not say
+/// (`expert_gemm_tokens_per_expert`): every probe before the key measured 512 tokens, top-8
+/// of 128 experts (`probe/experts.rs`).
+const PROBE_EXPERT_GEMM_TPE: f64 = 32.0;
+/// The delta rule's reference state (the probe's heads: 32 value heads of 128 x 128 f32),
+/// bytes of one layer and slot.
+const DELTA_REF_STATE_BYTES: f64 = (32 * 128 * 128 * 4) as f64;
+/// Default µs of one token's step of one linear layer inside a GPU prefill run
+/// (`delta_rule_token_us`). A guess, never measured: `lin_delta_rule` runs one warp per state
+/// row with the row in registers, each token three dependent warp reductions, the gates and
+/// the q/k rows from L2 (about 1,500-2,000 cycles); the kernel it replaced took 19.7 µs a
+/// token (10.1 ms for 512 on the H200, BENCHMARKS.md, 2026-12-05 morning).
+const DELTA_TOKEN_US: f64 = 1.0;
+/// Default µs of a decode step's delta rule per linear layer beyond its state bytes
+/// (`delta_rule_latency_us`): its two launches (the rule and the gated norm). A guess: about
+/// a product's latency plus a launch; the replaced kernel took 36.6 µs a launch.
+const DELTA_LATENCY_US: f64 = 10.0;
+
 /// Coefficients of one device in SI units, and which of them were defaults.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Coefficients {
@@ -93,6 +111,18 @@ pub struct Coefficients {
     pub host_layer_s: f64,
     pub kv_host_layer_s: f64,
     pub eager_launch_s: f64,
+    /// The grouped expert products' measured shape: tokens an expert
+    /// (`expert_gemm_tokens_per_expert`).
+    pub expert_gemm_tpe: f64,
+    /// The delta rule (Qwen3-Next's linear layers): one token's step of one layer at the
+    /// probe's reference heads inside a prefill run, a decode step's launches per layer
+    /// beyond the state, and the state bytes per second (read and written once a step).
+    pub delta_token_s: f64,
+    pub delta_latency_s: f64,
+    pub linear_state_bps: f64,
+    /// Linear-attention keys that took the default (a guess where the model has linear
+    /// layers: [`Coefficients::for_model`] adds them to `defaulted` then).
+    pub linear_defaulted: Vec<&'static str>,
     /// Probe keys that took the default.
     pub defaulted: Vec<&'static str>,
     /// Host keys of the miss path that took the default (a guess only where the device
@@ -226,6 +256,11 @@ impl Coefficients {
             host_layer_s: 0.0,
             kv_host_layer_s: 0.0,
             eager_launch_s: 0.0,
+            expert_gemm_tpe: PROBE_EXPERT_GEMM_TPE,
+            delta_token_s: 0.0,
+            delta_latency_s: 0.0,
+            linear_state_bps: 0.0,
+            linear_defaulted: Vec::new(),
             defaulted: Vec::new(),
             host_defaulted: Vec::new(),
             type_rates: Vec::new(),
@@ -270,6 +305,10 @@ impl Coefficients {
             out.expert_gemm_flops =
                 get("expert_gemm_tflops", c.expert_gemm_tflops, gemm_tflops) * 1e12;
         }
+        out.expert_gemm_tpe = c
+            .expert_gemm_tokens_per_expert
+            .unwrap_or(PROBE_EXPERT_GEMM_TPE);
+        out.delta_terms(&c);
         Self {
             defaulted,
             host_defaulted,
@@ -277,10 +316,50 @@ impl Coefficients {
         }
     }
 
+    /// The delta rule's coefficients: the probe's keys, else on a GPU the documented guesses
+    /// ([`DELTA_TOKEN_US`], [`DELTA_LATENCY_US`], the state at `product_gbps`) and on the CPU
+    /// the engine's own rates (its recurrence reads and writes the state every token, at the
+    /// products' rate; a step's state likewise; no launch beyond its ops).
+    fn delta_terms(&mut self, c: &strata_schemas::probe::CostProbe) {
+        let mut missing = Vec::new();
+        let mut get = |key: &'static str, v: Option<f64>, default: f64| {
+            v.unwrap_or_else(|| {
+                missing.push(key);
+                default
+            })
+        };
+        let state_gbps = get(
+            "linear_state_gbps",
+            c.linear_state_gbps,
+            self.product_bps / 1e9,
+        );
+        self.linear_state_bps = state_gbps * 1e9;
+        if self.cpu {
+            let reference = 2.0 * DELTA_REF_STATE_BYTES / self.linear_state_bps;
+            self.delta_token_s = c.delta_rule_token_us.map_or(reference, |v| v * 1e-6);
+            self.delta_latency_s = c.delta_rule_latency_us.map_or(0.0, |v| v * 1e-6);
+            // Derived from measured rates: not a guess.
+            self.linear_defaulted = Vec::new();
+            return;
+        }
+        self.delta_token_s =
+            get("delta_rule_token_us", c.delta_rule_token_us, DELTA_TOKEN_US) * 1e-6;
+        self.delta_latency_s = get(
+            "delta_rule_latency_us",
+            c.delta_rule_latency_us,
+            DELTA_LATENCY_US,
+        ) * 1e-6;
+        self.linear_defaulted = missing;
+    }
+
     /// [`Coefficients::of`] with [`Coefficients::type_defaulted`] filled in for the weight
     /// types of `facts`'s model.
     pub fn for_model(dev: &DeviceProbe, facts: &ModelFacts) -> Self {
         let mut c = Self::of(dev);
+        if facts.delta_state_bytes > 0 {
+            let linear = c.linear_defaulted.clone();
+            c.defaulted.extend(linear);
+        }
         let mut types: Vec<GgmlType> = facts
             .dense_types
             .iter()
@@ -386,6 +465,9 @@ pub struct DeviceShare {
     pub handoff_in: &'static str,
     /// Whether the device's backend prefills on tensor cores (see [`prefill_gemm`]).
     pub prefill_gemm: bool,
+    /// Each expert's expected uses per token, busiest first, averaged over the expert layers
+    /// of `[a, b)` (`ExpertOracle::rank_shares`): empty for uniform routing.
+    pub expert_shares: Vec<f64>,
 }
 
 /// Whether a GPU engine of `vendor` prefills `inv` on tensor-core products: its backend
@@ -494,9 +576,22 @@ pub fn device_cost(
             step += GPU_STEP_LAUNCHES * c.launch_s + c.product_latency_s;
         }
     }
+    // The linear layers' state, read and written once a step per slot (a prefill pass once),
+    // and the delta rule: a decode step's launches, a prefill token's serial chain.
+    let linear_layers = facts.linear_state[range.clone()]
+        .iter()
+        .filter(|x| **x > 0)
+        .count() as f64;
+    let state_row_s = if linear_layers > 0.0 {
+        2.0 * facts.linear_range(a, b) as f64 / c.linear_state_bps
+    } else {
+        0.0
+    };
+    step += linear_layers * c.delta_latency_s;
+    let delta_token_s = linear_layers * c.delta_token_s * delta_scale(facts, cpu);
     // The hidden state in: a peer copy or a trip through pinned host memory, one row a slot.
     let row_bytes = facts.n_embd as f64 * 4.0;
-    let mut row_s = 2.0 * facts.linear_range(a, b) as f64 / c.product_bps;
+    let mut row_s = state_row_s;
     match share.handoff_in {
         "peer" => step += 2.0 * c.launch_s,
         "host" => {
@@ -507,8 +602,8 @@ pub fn device_cost(
     }
     let kv_cell = facts.kv_cell_range(a, b) as f64;
     // Dense products at the GEMM's rate, routed experts at the grouped products' rate.
-    let token_compute_s = 2.0 * dense_params / c.gemm_flops
-        + 2.0 * expert_layers as f64 * k * expert_params / c.expert_gemm_flops;
+    let expert_gemm_s = 2.0 * expert_layers as f64 * k * expert_params / c.expert_gemm_flops;
+    let token_compute_s = 2.0 * dense_params / c.gemm_flops + expert_gemm_s;
     let (rows_per_read, per_use, pass_launches) = if cpu {
         (u32::MAX, false, layers * (CPU_LAYER_OPS + 3.0 * k))
     } else {
@@ -561,6 +656,24 @@ pub fn device_cost(
         prefill_experts_per_use: !cpu && !share.experts_covered,
         prefill_token_s: layers * (PREFILL_ACT_ROWS + 2.0 * k) * row_bytes / c.product_bps,
         prefill_cell_s: attn_layers * facts.attn_cell_flops as f64 / c.prefill_attention_flops,
+        state_row_s,
+        delta_token_s,
+        expert_gemm_s,
+        expert_gemm_ref_tpe: c.expert_gemm_tpe,
+        expert_shares: share.expert_shares.clone(),
+    }
+}
+
+/// How many reference layers' worth of delta-rule work one linear layer of `facts` is per
+/// token: its state over the probe's reference state. A GPU runs up to the reference's rows
+/// side by side (a latency-bound chain: a smaller layer is no faster, a larger one slower in
+/// proportion); the CPU's recurrence is bound by its work, in proportion either way.
+fn delta_scale(facts: &ModelFacts, cpu: bool) -> f64 {
+    let r = facts.delta_state_bytes as f64 / DELTA_REF_STATE_BYTES;
+    if cpu {
+        r
+    } else {
+        r.max(1.0)
     }
 }
 
@@ -616,552 +729,4 @@ pub fn choose_kv_host(cost: &DeviceCost, batch: u32, ctx: u64) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::testing::*;
-    use strata_schemas::probe::{CostProbe, TypeRates};
-
-    fn h200() -> DeviceProbe {
-        let mut p = probe(&[(141 * G, 4800.0)], 128 * G, 120 * G);
-        p.devices[0].h2d_gbps = Some(55.0);
-        p.devices.remove(0)
-    }
-
-    fn whole(facts: &ModelFacts, gemm: bool) -> DeviceShare {
-        DeviceShare {
-            a: 0,
-            b: facts.n_layer,
-            holds_head: true,
-            cached_mass: 1.0,
-            total_mass: 1.0,
-            experts_covered: true,
-            kv_resident: 4096,
-            handoff_in: "none",
-            prefill_gemm: gemm,
-        }
-    }
-
-    #[test]
-    fn measured_keys_replace_defaults_and_clear_the_guess() {
-        let mut d = h200();
-        let c = Coefficients::of(&d);
-        assert!(c.guessed());
-        assert!((c.product_bps - 0.627 * 4800e9).abs() < 1.0);
-        d.cost = Some(CostProbe {
-            launch_us: Some(3.0),
-            product_latency_us: Some(7.0),
-            product_gbps: Some(3000.0),
-            attention_latency_us: Some(17.0),
-            attention_gbps: Some(2000.0),
-            gemm_tflops: Some(100.0),
-            prefill_attention_tflops: Some(50.0),
-            step_us: Some(20.0),
-            host_expert_gbps: Some(50.0),
-            host_expert_pinned_gbps: Some(52.0),
-            expert_latency_us: Some(17.0),
-            expert_gbps: Some(2000.0),
-            expert_pass_gbps: Some(1000.0),
-            expert_gemm_tflops: Some(60.0),
-            host_matvec_gbps: None,
-            host_expert_latency_us: None,
-            types: Default::default(),
-            host_round_trip_us: None,
-            kv_host_round_trip_us: None,
-            eager_launch_us: None,
-        });
-        let c = Coefficients::of(&d);
-        assert!(!c.guessed(), "{:?}", c.defaulted);
-        assert_eq!(c.product_bps, 3000e9);
-        assert_eq!(c.gemm_flops, 100e12);
-        assert_eq!(c.host_expert_pinned_bps, 52e9);
-    }
-
-    /// The 30B Q8_0 model on an H200 whose cache holds about a third of the expert uses,
-    /// misses copied at `link_gbps` and computed on the host at `host_gbps` after a round
-    /// trip of `trip_us` a layer.
-    fn offload_cost_trip(link_gbps: f64, host_gbps: f64, trip_us: f64) -> DeviceCost {
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let mut dev = h200();
-        dev.cost = Some(CostProbe {
-            host_expert_gbps: Some(link_gbps),
-            host_matvec_gbps: Some(host_gbps),
-            host_expert_latency_us: Some(40.0),
-            host_round_trip_us: Some(trip_us),
-            ..CostProbe::default()
-        });
-        let share = DeviceShare {
-            cached_mass: 0.3,
-            experts_covered: false,
-            ..whole(&facts, true)
-        };
-        device_cost(&facts, &dev, &Coefficients::of(&dev), &share)
-    }
-
-    /// The same with a cheap 40 µs round trip.
-    fn offload_cost(link_gbps: f64, host_gbps: f64) -> DeviceCost {
-        offload_cost_trip(link_gbps, host_gbps, 40.0)
-    }
-
-    /// The decode step at batch 1 with `n` misses a token on the host.
-    fn step_at(c: &DeviceCost, n: u32) -> f64 {
-        DeviceCost {
-            cpu_misses_per_token: n,
-            ..c.clone()
-        }
-        .decode_step_seconds(1, 0)
-    }
-
-    /// BENCHMARKS.md "Experts and KV beyond VRAM": on the H200 machine (55 GB/s link) every
-    /// layer sending misses to the host cost about 0.6 ms of round trip, and streaming won by
-    /// 6-10x. With that figure the model streams; with the round trip left out (0 µs) it
-    /// would take the split, so this fails if the term is dropped.
-    #[test]
-    fn a_measured_600_us_round_trip_makes_the_h200_stream() {
-        use strata_schemas::plan::MissPolicy;
-        let mut c = offload_cost_trip(55.0, 40.0, 600.0);
-        c.cpu_misses_per_token = choose_miss_policy(&c);
-        assert_eq!(c.miss_policy(), MissPolicy::Stream, "{c:?}");
-        let k = c.n_expert_used;
-        for n in 1..=k {
-            eprintln!(
-                "n {n}: {:.3} ms vs stream {:.3}",
-                step_at(&c, n) * 1e3,
-                step_at(&c, 0) * 1e3
-            );
-            assert!(step_at(&c, n) > step_at(&c, 0), "n {n}");
-        }
-        let free = offload_cost_trip(55.0, 40.0, 0.0);
-        assert_ne!(
-            choose_miss_policy(&free),
-            0,
-            "without the round trip the host helps"
-        );
-    }
-
-    /// A cheap round trip (20 µs) beside a slow link (8 GB/s, a PCIe 3 x8 card): the host's
-    /// products beat copying the misses, and the model sends them there.
-    #[test]
-    fn a_cheap_round_trip_beside_a_slow_link_sends_misses_to_the_host() {
-        use strata_schemas::plan::MissPolicy;
-        let mut c = offload_cost_trip(8.0, 40.0, 20.0);
-        let n = choose_miss_policy(&c);
-        c.cpu_misses_per_token = n;
-        assert_ne!(c.miss_policy(), MissPolicy::Stream, "{c:?}");
-        assert!(step_at(&c, n) < 0.8 * step_at(&c, 0));
-    }
-
-    /// Without any host keys (an unprobed device) a PCIe 5 card (55 GB/s) holding a 12 GiB
-    /// card's share of the 30B Q8_0 experts streams its misses: the default round trip is
-    /// the conservative guess, and the prediction says it is one.
-    #[test]
-    fn the_defaults_stream_the_misses_of_a_pcie5_card() {
-        use strata_schemas::plan::MissPolicy;
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let dev = h200();
-        assert_eq!(dev.h2d(), 55.0);
-        let c = Coefficients::of(&dev);
-        assert!(c.host_defaulted.contains(&"host_round_trip_us"));
-        for cached in [0.2, 0.3, 0.5] {
-            let share = DeviceShare {
-                cached_mass: cached,
-                experts_covered: false,
-                ..whole(&facts, true)
-            };
-            let mut dc = device_cost(&facts, &dev, &c, &share);
-            dc.cpu_misses_per_token = choose_miss_policy(&dc);
-            assert_eq!(dc.miss_policy(), MissPolicy::Stream, "{cached}: {dc:?}");
-        }
-    }
-
-    /// A step whose experts come through the cache runs eagerly: the model charges each of
-    /// its launches the eager cost beyond the graph's, and a resident step none.
-    #[test]
-    fn a_step_with_misses_pays_the_eager_launches() {
-        let c = offload_cost(55.0, 40.0);
-        assert!(c.eager(0));
-        assert!(c.eager_step_s > 0.0);
-        let graph = DeviceCost {
-            eager_step_s: 0.0,
-            ..c.clone()
-        };
-        let d = c.decode_step_seconds(1, 0) - graph.decode_step_seconds(1, 0);
-        assert!((d - c.eager_step_s).abs() < 1e-12);
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let dev = h200();
-        let all = device_cost(&facts, &dev, &Coefficients::of(&dev), &whole(&facts, true));
-        assert!(!all.eager(0));
-    }
-
-    #[test]
-    fn the_miss_policy_computes_on_the_cpu_when_the_link_is_slow_and_streams_when_fast() {
-        use strata_schemas::plan::MissPolicy;
-        let k = offload_cost(1.0, 1.0).n_expert_used;
-        // A slow link (a PCIe 3 x4 riser) beside a fast host: every miss on the CPU.
-        let mut slow = offload_cost(3.0, 80.0);
-        slow.cpu_misses_per_token = choose_miss_policy(&slow);
-        assert_eq!(slow.miss_policy(), MissPolicy::Cpu, "{slow:?}");
-        assert_eq!(slow.cpu_misses_per_token, k);
-        // A fast link beside a slow host: every miss streamed.
-        let mut fast = offload_cost(200.0, 5.0);
-        fast.cpu_misses_per_token = choose_miss_policy(&fast);
-        assert_eq!(fast.miss_policy(), MissPolicy::Stream, "{fast:?}");
-        // Comparable rates: both links at once, a split that beats either alone.
-        let mut even = offload_cost(55.0, 55.0);
-        let n = choose_miss_policy(&even);
-        assert!(n > 0 && n < k, "split expected, got {n} of {k}");
-        let at = |c: &DeviceCost, n: u32| {
-            DeviceCost {
-                cpu_misses_per_token: n,
-                ..c.clone()
-            }
-            .decode_step_seconds(1, 0)
-        };
-        assert!(at(&even, n) < at(&even, 0) && at(&even, n) < at(&even, k));
-        even.cpu_misses_per_token = n;
-        assert_eq!(even.miss_policy(), MissPolicy::Split(n));
-        // Every expert resident: nothing to choose.
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let dev = h200();
-        let all = device_cost(&facts, &dev, &Coefficients::of(&dev), &whole(&facts, true));
-        assert_eq!(choose_miss_policy(&all), 0);
-        assert_eq!(all.miss_policy(), MissPolicy::None);
-    }
-
-    /// The 30B model's KV (F16) on an H200 holding `resident` cells a slot, the rest read
-    /// over a link of `link_gbps` or attended on a host of `host_gbps`.
-    fn spill_cost(resident: u64, link_gbps: f64, host_gbps: f64) -> DeviceCost {
-        spill_cost_trip(resident, link_gbps, host_gbps, 40.0)
-    }
-
-    /// The same with a round trip of `trip_us` per attention layer attended on the host.
-    fn spill_cost_trip(resident: u64, link_gbps: f64, host_gbps: f64, trip_us: f64) -> DeviceCost {
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let mut dev = h200();
-        dev.h2d_gbps = Some(link_gbps);
-        dev.cost = Some(CostProbe {
-            host_matvec_gbps: Some(host_gbps),
-            host_expert_latency_us: Some(40.0),
-            kv_host_round_trip_us: Some(trip_us),
-            ..CostProbe::default()
-        });
-        let share = DeviceShare {
-            kv_resident: resident,
-            ..whole(&facts, true)
-        };
-        device_cost(&facts, &dev, &Coefficients::of(&dev), &share)
-    }
-
-    #[test]
-    fn the_kv_host_policy_attends_on_the_cpu_when_it_beats_the_link() {
-        use strata_schemas::plan::KvHostPolicy;
-        let ctx = 32_768;
-        // A slow link (PCIe 3 x4) beside a fast host: the CPU attends the spilled cells, and
-        // the step it predicts is shorter than streaming's.
-        let mut slow = spill_cost(4096, 3.0, 80.0);
-        let stream_s = slow.decode_step_seconds(4, ctx);
-        slow.kv_host_cpu = choose_kv_host(&slow, 4, ctx);
-        assert_eq!(slow.kv_host_policy(ctx), KvHostPolicy::Cpu, "{slow:?}");
-        assert!(slow.decode_step_seconds(4, ctx) < stream_s);
-        // A fast link beside a slow host: the device reads them over PCIe.
-        let fast = spill_cost(4096, 55.0, 5.0);
-        assert!(!choose_kv_host(&fast, 4, ctx));
-        assert_eq!(fast.kv_host_policy(ctx), KvHostPolicy::Stream);
-        // Nothing spilled at this context: nothing to choose, whatever the rates.
-        let all = spill_cost(ctx, 3.0, 80.0);
-        assert!(!choose_kv_host(&all, 4, ctx));
-        assert_eq!(all.kv_host_policy(ctx), KvHostPolicy::None);
-        // The CPU's part overlaps the window's: a window far slower than the host part hides it.
-        let mut hidden = spill_cost(ctx - 16, 3.0, 80.0);
-        hidden.kv_host_cpu = true;
-        let window = 4.0 * (ctx - 16) as f64 * hidden.kv_cell_s;
-        let host = hidden.kv_cpu_step_s + 4.0 * 16.0 * hidden.kv_cpu_cell_s;
-        assert!(window > host);
-        let none = DeviceCost {
-            kv_resident: ctx,
-            ..hidden.clone()
-        };
-        // The step costs what the window alone does (the whole context in VRAM less the 16
-        // cells the host attended meanwhile), plus the round trips the device waits for and
-        // the eager launches of a step that cannot be one graph.
-        let d = hidden.decode_step_seconds(4, ctx) - none.decode_step_seconds(4, ctx);
-        let saved = 4.0 * 16.0 * hidden.kv_cell_s;
-        let paid = hidden.kv_cpu_step_s + hidden.eager_step_s;
-        assert!(hidden.kv_cpu_step_s > 0.0 && hidden.eager_step_s > 0.0);
-        assert!((d + saved - paid).abs() < 1e-12, "{d} vs {paid} - {saved}");
-    }
-
-    /// BENCHMARKS.md: spilled KV attended on the H200 machine's CPU cost 180 ms a step
-    /// against 76.5 predicted with a 40 µs round trip: about 3.5 ms a layer. With that round
-    /// trip the model streams over the 55 GB/s link even beside a host that reads faster
-    /// than the link; with a cheap one (20 µs) beside a PCIe 3 x8 link (8 GB/s) the host
-    /// attends. Both directions: dropping the term makes the first fail.
-    #[test]
-    fn the_kv_round_trip_decides_between_the_host_and_the_link() {
-        let ctx = 32_768;
-        let dear = spill_cost_trip(4096, 55.0, 60.0, 3500.0);
-        assert!(!choose_kv_host(&dear, 4, ctx), "{dear:?}");
-        let free = DeviceCost {
-            kv_cpu_step_s: 0.0,
-            eager_step_s: 0.0,
-            ..dear.clone()
-        };
-        assert!(
-            choose_kv_host(&free, 4, ctx),
-            "without the round trips the host wins"
-        );
-        let cheap = spill_cost_trip(4096, 8.0, 60.0, 20.0);
-        assert!(choose_kv_host(&cheap, 4, ctx), "{cheap:?}");
-    }
-
-    #[test]
-    fn host_keys_are_guesses_apart_from_the_device_keys() {
-        let mut d = h200();
-        let c = Coefficients::of(&d);
-        assert_eq!(
-            c.host_defaulted,
-            vec![
-                "host_matvec_gbps",
-                "host_round_trip_us",
-                "kv_host_round_trip_us",
-                "eager_launch_us"
-            ]
-        );
-        assert!(!c.defaulted.contains(&"host_matvec_gbps"));
-        d.cost = Some(CostProbe {
-            host_matvec_gbps: Some(90.0),
-            host_expert_latency_us: Some(25.0),
-            host_round_trip_us: Some(300.0),
-            kv_host_round_trip_us: Some(200.0),
-            eager_launch_us: Some(4.0),
-            ..CostProbe::default()
-        });
-        let c = Coefficients::of(&d);
-        assert!(c.host_defaulted.is_empty());
-        assert_eq!(c.host_matvec_bps, 90e9);
-        // The round trips, not the hot products' intercept, price a host layer.
-        assert!((c.host_layer_s - 300e-6).abs() < 1e-12);
-        assert!((c.kv_host_layer_s - 200e-6).abs() < 1e-12);
-        assert!((c.eager_launch_s - 4e-6).abs() < 1e-12);
-    }
-
-    /// Every family key measured (no default guesses), and `types` as given.
-    fn measured(types: &[(&str, TypeRates)]) -> CostProbe {
-        CostProbe {
-            launch_us: Some(2.8),
-            product_latency_us: Some(7.2),
-            product_gbps: Some(3000.0),
-            attention_latency_us: Some(16.5),
-            attention_gbps: Some(1900.0),
-            gemm_tflops: Some(108.0),
-            prefill_attention_tflops: Some(53.0),
-            step_us: Some(25.0),
-            host_expert_gbps: Some(50.0),
-            host_expert_pinned_gbps: Some(52.0),
-            expert_latency_us: Some(17.0),
-            expert_gbps: Some(2000.0),
-            expert_pass_gbps: Some(1200.0),
-            expert_gemm_tflops: Some(90.0),
-            host_matvec_gbps: Some(40.0),
-            host_expert_latency_us: Some(40.0),
-            host_round_trip_us: Some(600.0),
-            kv_host_round_trip_us: Some(3500.0),
-            eager_launch_us: Some(5.0),
-            types: types
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.clone()))
-                .collect(),
-        }
-    }
-
-    fn rates(scale: f64) -> TypeRates {
-        TypeRates {
-            product_gbps: Some(3000.0 * scale),
-            expert_gbps: Some(2000.0 * scale),
-            gemm_tflops: Some(108.0 * scale),
-            expert_gemm_tflops: Some(90.0 * scale),
-        }
-    }
-
-    fn cost_with(facts: &ModelFacts, cost: CostProbe) -> (Coefficients, DeviceCost) {
-        let mut dev = h200();
-        dev.cost = Some(cost);
-        let c = Coefficients::for_model(&dev, facts);
-        let dc = device_cost(facts, &dev, &c, &whole(facts, true));
-        (c, dc)
-    }
-
-    /// Bytes (or weights) of `ty` in the whole model's dense tensors and head, and in one
-    /// expert averaged over the expert layers.
-    fn of_type(facts: &ModelFacts, ty: GgmlType, params: bool) -> (f64, f64) {
-        let n = |s: &crate::facts::TypeShare| if params { s.params } else { s.bytes } as f64;
-        let dense: f64 = facts
-            .dense_types
-            .iter()
-            .flatten()
-            .chain(&facts.head_types)
-            .filter(|s| s.ty == ty)
-            .map(n)
-            .sum();
-        let layers = facts.expert_layers(0, facts.n_layer) as f64;
-        let expert: f64 = facts
-            .expert_types
-            .iter()
-            .flatten()
-            .filter(|s| s.ty == ty)
-            .map(n)
-            .sum::<f64>()
-            / layers;
-        (dense, expert)
-    }
-
-    #[test]
-    fn a_q4_k_m_inventory_weighs_its_q4_k_bytes_at_the_probed_q4_k_rate() {
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q4_K_M");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let (q4_dense, q4_expert) = of_type(&facts, GgmlType::Q4K, false);
-        let (q6_dense, _) = of_type(&facts, GgmlType::Q6K, false);
-        assert!(
-            q4_dense > 0.0 && q4_expert > 0.0 && q6_dense > 0.0,
-            "a Q4_K/Q6_K mix"
-        );
-        // Q4_K and Q6_K probed at Q8_0's rates: every byte at the family rate.
-        let (ca, same) = cost_with(
-            &facts,
-            measured(&[
-                ("Q8_0", rates(1.0)),
-                ("Q4_K", rates(1.0)),
-                ("Q6_K", rates(1.0)),
-            ]),
-        );
-        assert!(!ca.guessed(), "{:?}", ca.type_defaulted);
-        // Q4_K probed at half: its bytes take twice as long, nothing else changes.
-        let (cb, half) = cost_with(
-            &facts,
-            measured(&[
-                ("Q8_0", rates(1.0)),
-                ("Q4_K", rates(0.5)),
-                ("Q6_K", rates(1.0)),
-            ]),
-        );
-        assert!(!cb.guessed());
-        let rel = |x: f64, y: f64| ((x - y) / y).abs() < 1e-9;
-        assert!(rel(
-            half.dense_read_s - same.dense_read_s,
-            q4_dense / 3000e9
-        ));
-        assert!(rel(
-            half.expert_read_s - same.expert_read_s,
-            q4_expert / 2000e9
-        ));
-        assert!(rel(
-            half.expert_pass_read_s - same.expert_pass_read_s,
-            q4_expert / 1200e9
-        ));
-        let (q4_dense_w, q4_expert_w) = of_type(&facts, GgmlType::Q4K, true);
-        let q4_head_w: f64 = facts
-            .head_types
-            .iter()
-            .filter(|s| s.ty == GgmlType::Q4K)
-            .map(|s| s.params as f64)
-            .sum();
-        let uses = facts.expert_layers(0, facts.n_layer) as f64 * facts.n_expert_used as f64;
-        assert!(rel(
-            half.token_compute_s - same.token_compute_s,
-            2.0 * (q4_dense_w - q4_head_w) / 108e12 + 2.0 * uses * q4_expert_w / 90e12
-        ));
-        assert!(half.head_compute_s >= same.head_compute_s);
-        // The decode step at batch 1 grows by at least the Q4_K dense bytes' extra read.
-        let (a, b) = (
-            same.decode_step_seconds(1, 0),
-            half.decode_step_seconds(1, 0),
-        );
-        assert!(b - a >= 0.99 * q4_dense / 3000e9, "{a} {b}");
-        assert!(b > 1.1 * a, "Q4_K is most of the bytes: {a} {b}");
-        // The table's Q8_0 entry is the reference: all rates halved, nothing changes.
-        let (_, scaled) = cost_with(
-            &facts,
-            measured(&[
-                ("Q8_0", rates(0.5)),
-                ("Q4_K", rates(0.25)),
-                ("Q6_K", rates(0.5)),
-            ]),
-        );
-        assert!(rel(scaled.dense_read_s, half.dense_read_s));
-        // Without the Q6_K figure its rate is the default ratio, and the report says so.
-        let (cg, _) = cost_with(&facts, measured(&[("Q4_K", rates(0.5))]));
-        assert!(cg.guessed());
-        assert!(
-            cg.type_defaulted.iter().any(|s| s == "Q6_K product_gbps"),
-            "{:?}",
-            cg.type_defaulted
-        );
-        assert!(!cg.type_defaulted.iter().any(|s| s.starts_with("Q4_K")));
-    }
-
-    #[test]
-    fn an_old_probe_without_types_predicts_exactly_as_before() {
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let (c, dc) = cost_with(&facts, measured(&[]));
-        assert!(!c.guessed(), "{:?} {:?}", c.defaulted, c.type_defaulted);
-        // The family rates alone, as the cost model charged every byte before per-type rates.
-        let n = facts.n_layer;
-        let dense = (facts.dense_range(0, n) + facts.head_bytes) as f64;
-        assert_eq!(dc.dense_read_s, dense / c.product_bps);
-        let layers = facts.expert_layers(0, n);
-        let expert = facts.expert.iter().sum::<u64>() as f64 / layers as f64;
-        assert_eq!(dc.expert_read_s, expert / c.expert_bps);
-        assert_eq!(dc.expert_pass_read_s, expert / c.expert_pass_bps);
-        let dense_w = facts.dense_params.iter().sum::<u64>() as f64;
-        let expert_w = facts.expert_params.iter().sum::<u64>() as f64 / layers as f64;
-        let k = facts.n_expert_used as f64;
-        assert_eq!(
-            dc.token_compute_s,
-            2.0 * dense_w / c.gemm_flops + 2.0 * layers as f64 * k * expert_w / c.expert_gemm_flops
-        );
-        assert_eq!(
-            dc.head_compute_s,
-            2.0 * facts.head_params as f64 / c.gemm_flops
-        );
-        // The same old probe on a Q4_K_M file: Q4_K and Q6_K take the default ratio, a guess.
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q4_K_M");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let (c, dc) = cost_with(&facts, measured(&[]));
-        assert!(c.guessed());
-        assert!(c.type_defaulted.iter().any(|s| s == "Q4_K product_gbps"));
-        let (q4, _) = of_type(&facts, GgmlType::Q4K, false);
-        let family = (facts.dense_range(0, n) + facts.head_bytes) as f64 / c.product_bps;
-        assert!(dc.dense_read_s > family + 0.1 * q4 / c.product_bps);
-    }
-
-    /// BENCHMARKS.md: the Qwen3-30B-A3B-shaped Q8_0 model on one H200, everything resident:
-    /// tg128 261-266 tok/s after a 512-token prompt, pp512 15,106-15,277 tok/s.
-    #[test]
-    fn the_h200_q8_0_30b_predicts_within_15_percent_of_the_measured_figures() {
-        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
-        let facts = ModelFacts::new(&inv, GgmlType::F16);
-        let dev = h200();
-        let share = whole(&facts, prefill_gemm(&inv, Vendor::Nvidia));
-        let dc = device_cost(&facts, &dev, &Coefficients::for_model(&dev, &facts), &share);
-        assert!(dc.prefill_gemm);
-        // tg128 after pp512: contexts 512..640.
-        let steps: f64 = (512..640).map(|c| dc.decode_step_seconds(1, c)).sum();
-        let tg = 128.0 / steps;
-        let pp = 512.0 / dc.prefill_pass_seconds(512, 0);
-        eprintln!("predicted tg128 {tg:.1} tok/s (measured 262), pp512 {pp:.0} (measured 15,171)");
-        assert!((tg / 262.0 - 1.0).abs() < 0.15, "tg {tg}");
-        assert!((pp / 15_171.0 - 1.0).abs() < 0.15, "pp {pp}");
-        // Batch 16 is not the batch-1 figure: more per step, less per slot, more in total.
-        let one = dc.decode_step_seconds(1, 0);
-        let sixteen = dc.decode_step_seconds(16, 0);
-        assert!(sixteen > 1.5 * one, "{one} {sixteen}");
-        assert!(16.0 / sixteen > 2.0 / one);
-        // A full 40k context costs more than an empty one.
-        assert!(dc.decode_step_seconds(1, 40960) > 1.2 * one);
-    }
-}
+mod tests;

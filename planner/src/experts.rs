@@ -148,6 +148,27 @@ impl ExpertOracle {
         c.hit_rate(slots as f64 * self.expert_layers as f64 / n_layers as f64)
     }
 
+    /// Each expert's expected uses per token over layers `[a, b)`, ranked busiest first
+    /// within each layer and averaged rank by rank (the cost model's tile count of the
+    /// grouped prefill products: a close approximation of averaging each layer's count, as
+    /// layers' skews are alike); empty without a profile (uniform routing) or experts.
+    pub fn rank_shares(&self, a: u32, b: u32) -> Vec<f64> {
+        if self.uniform {
+            return Vec::new();
+        }
+        let layers: Vec<&LayerProbs> = self.layers[a as usize..b as usize]
+            .iter()
+            .flatten()
+            .collect();
+        let Some(first) = layers.first() else {
+            return Vec::new();
+        };
+        let n = layers.len() as f64;
+        (0..first.sorted.len())
+            .map(|i| layers.iter().map(|l| l.sorted[i]).sum::<f64>() / n)
+            .collect()
+    }
+
     /// Expected expert uses per token over layers `[a, b)`.
     pub fn total_mass(&self, a: u32, b: u32) -> f64 {
         self.layers[a as usize..b as usize].iter().flatten().count() as f64
@@ -262,6 +283,25 @@ mod tests {
             assert!((brute - got).abs() < 1e-9, "k={k} brute={brute} got={got}");
         }
         assert!((o.total_mass(0, 3) - 6.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn rank_shares_average_each_layers_busiest_first() {
+        let o = oracle_from(vec![vec![1, 3, 0, 0], vec![0, 0, 2, 2]], 1);
+        // Layer 0 ranked: 0.75, 0.25, 0, 0; layer 1: 0.5, 0.5, 0, 0.
+        let s = o.rank_shares(0, 2);
+        let want = [0.625, 0.375, 0.0, 0.0];
+        assert!(
+            s.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-12),
+            "{s:?}"
+        );
+        assert_eq!(o.rank_shares(1, 2), vec![0.5, 0.5, 0.0, 0.0]);
+        // Each rank sums to the experts a token uses, as the layers' shares do.
+        assert!((s.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        // No profile: uniform routing, which the cost model takes as empty.
+        let inv = crate::testing::inventory("qwen3moe", crate::testing::qwen3moe_hparams(), "Q8_0");
+        let facts = crate::facts::ModelFacts::new(&inv, strata_schemas::ggml::GgmlType::F16);
+        assert!(ExpertOracle::new(&facts, None).rank_shares(0, 4).is_empty());
     }
 
     #[test]

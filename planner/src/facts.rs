@@ -79,6 +79,9 @@ pub struct ModelFacts {
     /// Attention flops of one token against one cached cell in one full-attention block
     /// (scores and the weighted sum over every query head).
     pub attn_cell_flops: u64,
+    /// The delta rule's recurrent state of one linear-attention block and slot (value heads x
+    /// value dim x key dim f32, the conv state apart), bytes; 0 without linear blocks.
+    pub delta_state_bytes: u64,
     prefix_dense: Vec<u64>,
     prefix_expert_total: Vec<u64>,
     prefix_kv_cell: Vec<u64>,
@@ -181,6 +184,10 @@ impl ModelFacts {
             attention,
             n_embd: hp.n_embd,
             attn_cell_flops: 2 * hp.n_head * (hp.head_dim_k + hp.head_dim_v),
+            delta_state_bytes: hp
+                .ssm
+                .as_ref()
+                .map_or(0, |s| s.time_step_rank * s.head_v_dim() * s.state_size * 4),
             n_layer: n,
             n_expert: hp.n_expert,
             n_expert_used: hp.n_expert_used,

@@ -96,6 +96,9 @@ pub fn notes(plan: &Plan) -> Vec<String> {
         }) {
             out.push("the miss policy and the KV host policy rest on the host keys `host_matvec_gbps`, `host_round_trip_us`, `kv_host_round_trip_us` and `eager_launch_us` of [device.cost] (defaults 40 GB/s, 600 us, 3500 us and 5 us: conservative guesses from the H200 machine that favour streaming); `strata-exec probe` measures them on this machine".into());
         }
+        if plan.devices.iter().any(|d| d.cost.delta_token_s > 0.0) {
+            out.push("Qwen3-Next's linear layers are priced with the delta-rule keys `delta_rule_token_us`, `delta_rule_latency_us` and `linear_state_gbps` of [device.cost] where the probe has them (GPU defaults 1 us a token a layer in prefill and 10 us a decode layer: guesses, never measured; the CPU's from its product rate); `strata-exec probe` measures them".into());
+        }
     }
     out
 }

@@ -482,6 +482,7 @@ impl<'a> Solver<'a> {
             kv_resident: resident,
             handoff_in: handoff_in(prev, dev),
             prefill_gemm: self.gemm[d],
+            expert_shares: self.oracle.rank_shares(a, b),
         }
     }
 
@@ -895,6 +896,53 @@ mod tests {
             .collect();
         assert_eq!(copies, [0, 1]);
         assert!(head.bytes >= align(embd));
+    }
+
+    /// `--expert-profile` with skewed routing (an eighth of the experts take three fifths of
+    /// the picks in every layer) on an all-resident plan: the same bytes, so the same decode,
+    /// but the busy experts take several tiles of the grouped prefill products.
+    #[test]
+    fn a_skewed_profile_predicts_a_slower_prefill_at_the_same_decode() {
+        use strata_schemas::profile::ExpertProfile;
+        let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+        let probe = probe(&[(141 * G, 4800.0)], 128 * G, 120 * G);
+        let s = ServeSettings {
+            max_context: 4096,
+            ..Default::default()
+        };
+        let (layers, e) = (inv.hparams.n_layer, inv.hparams.n_expert as u32);
+        let row: Vec<u64> = (0..e).map(|i| if i < e / 8 { 6 * 7 } else { 4 }).collect();
+        let profile = ExpertProfile {
+            layers,
+            experts: e,
+            counts: (0..layers).flat_map(|_| row.clone()).collect(),
+            reuse: None,
+        };
+        let plan = |profile: Option<&ExpertProfile>| {
+            let req = PlanRequest {
+                inventory: &inv,
+                model_source: "test".into(),
+                probe: &probe,
+                probe_source: "probe.toml".into(),
+                settings: &s,
+                profile,
+                vision: None,
+                mtp_file: None,
+            };
+            match solve(&req).unwrap() {
+                Outcome::Planned(p) => p.predicted,
+                Outcome::Infeasible(i) => panic!("{}", crate::report::infeasible_text(&i)),
+            }
+        };
+        let (uniform, skewed) = (plan(None), plan(Some(&profile)));
+        assert_eq!(skewed.expert_hit_rate, 1.0);
+        assert!((uniform.decode_tok_s - skewed.decode_tok_s).abs() < 1e-9);
+        assert!(
+            skewed.prefill_tok_s < 0.92 * uniform.prefill_tok_s,
+            "{} vs {}",
+            skewed.prefill_tok_s,
+            uniform.prefill_tok_s
+        );
     }
 
     #[test]

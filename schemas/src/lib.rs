@@ -12,6 +12,7 @@ pub mod graph;
 pub mod inventory;
 pub mod known;
 pub mod modelinfo;
+pub mod moe_tiles;
 pub mod plan;
 pub mod planfile;
 pub mod probe;

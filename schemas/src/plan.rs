@@ -389,6 +389,22 @@ pub struct DeviceCost {
     pub prefill_token_s: f64,
     /// Prefill attention per token per causal context cell.
     pub prefill_cell_s: f64,
+    /// Of `row_s`: one slot's linear-attention state read and written. A decode step pays it
+    /// per row; a prefill pass once, since its kernels hold the state over the whole run.
+    pub state_row_s: f64,
+    /// Per prefill token: the delta rule's serial chain through every linear layer here (a
+    /// run's tokens go one after another through each state row).
+    pub delta_token_s: f64,
+    /// Of `token_compute_s`: the grouped expert products' useful flops at the probe's rate,
+    /// which a tensor-core prefill pass scales by its tile padding against the probe's
+    /// measured shape of `expert_gemm_ref_tpe` tokens an expert
+    /// ([`crate::moe_tiles::slowdown`]).
+    pub expert_gemm_s: f64,
+    pub expert_gemm_ref_tpe: f64,
+    /// Each expert's expected uses per token, busiest first, averaged over the expert layers
+    /// here: the `--expert-profile`'s routing; empty for uniform routing
+    /// (`n_expert_used / n_expert` each).
+    pub expert_shares: Vec<f64>,
 }
 
 /// Expected distinct experts of one layer that `tokens` tokens route to, each picking
@@ -586,14 +602,39 @@ impl DeviceCost {
             let (exp, miss) = self.experts(tokens, self.expert_read_per_use);
             (reads * self.dense_read_s + exp, miss)
         };
-        let compute = t * self.token_compute_s + self.head_compute_s;
+        let compute = t * self.token_compute_s
+            + self.head_compute_s
+            + t * self.expert_gemm_s * (self.tile_slowdown(tokens) - 1.0);
         // Causal attention: token i of the pass reads context + i + 1 cells.
         let cells = t * context as f64 + t * (t + 1.0) / 2.0;
         self.pass_s
             + memory.max(compute)
             + miss
             + cells * self.prefill_cell_s
-            + t * (self.prefill_token_s + self.row_s)
+            + t * (self.prefill_token_s + self.row_s - self.state_row_s + self.delta_token_s)
+            + self.state_row_s
+    }
+
+    /// How many times longer per useful flop a prefill pass of `tokens` runs the grouped
+    /// expert products than the probe measured them: the tile padding of this pass's
+    /// routing against the probe's (1 where the pass does not run them: no tensor-core
+    /// prefill, experts through the cache, no experts).
+    pub fn tile_slowdown(&self, tokens: u64) -> f64 {
+        if !self.prefill_gemm
+            || self.prefill_experts_per_use
+            || self.expert_layers == 0
+            || self.expert_gemm_s <= 0.0
+        {
+            return 1.0;
+        }
+        let uniform;
+        let shares: &[f64] = if self.expert_shares.is_empty() {
+            uniform = crate::moe_tiles::uniform(self.n_expert, self.n_expert_used);
+            &uniform
+        } else {
+            &self.expert_shares
+        };
+        crate::moe_tiles::slowdown(shares, tokens, self.expert_gemm_ref_tpe)
     }
 }
 

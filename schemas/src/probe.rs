@@ -177,6 +177,27 @@ pub struct CostProbe {
     /// round trip pays: such a step cannot be one CUDA graph), host issue time per launch.
     #[serde(default)]
     pub eager_launch_us: Option<f64>,
+    /// Tokens an expert (a pass's tokens x experts used / experts) at which
+    /// `expert_gemm_tflops` and the types' `expert_gemm_tflops` were measured: the grouped
+    /// products pad each expert's tokens to whole tiles, so the rate holds at this shape and
+    /// the planner scales it to a model's (see `schemas/src/moe_tiles.rs`). Absent from
+    /// probes written before it was recorded, which all measured 512 tokens top-8 of 128
+    /// experts: 32, the planner's default (not a guess).
+    #[serde(default)]
+    pub expert_gemm_tokens_per_expert: Option<f64>,
+    /// Qwen3-Next's Gated DeltaNet (`launch::linear::delta_rule`, `lin_delta_rule` +
+    /// `lin_gated_norm`) at the probe's reference heads (16 key heads, 32 value heads of 128,
+    /// the 80B's): one token's step of one layer inside a prefill run (the recurrence is a
+    /// serial chain per state row: its latency per token, not bandwidth, bounds a prefill
+    /// pass), and a decode step's launch per layer beyond its state bytes, with the state
+    /// bytes (read and written once a step, every slot) per second. See
+    /// [`CostProbe::linear_entries`].
+    #[serde(default)]
+    pub delta_rule_token_us: Option<f64>,
+    #[serde(default)]
+    pub delta_rule_latency_us: Option<f64>,
+    #[serde(default)]
+    pub linear_state_gbps: Option<f64>,
     /// `[device.cost.types.<TYPE>]`: the weight products' rates with weights of one type
     /// (llama.cpp's spelling, "Q4_K", "IQ3_S"), measured by `strata-exec probe` per type the
     /// engine runs. The family keys above are the Q8_0 figures; a type absent here takes its
@@ -248,6 +269,17 @@ impl CostProbe {
             ("host_round_trip_us", self.host_round_trip_us),
             ("kv_host_round_trip_us", self.kv_host_round_trip_us),
             ("eager_launch_us", self.eager_launch_us),
+        ]
+    }
+
+    /// The keys of the linear-attention (Gated DeltaNet) kernels: a probe is complete
+    /// without them (older probes lack them), and only a plan whose device holds linear
+    /// layers takes their defaults as guesses.
+    pub fn linear_entries(&self) -> [(&'static str, Option<f64>); 3] {
+        [
+            ("delta_rule_token_us", self.delta_rule_token_us),
+            ("delta_rule_latency_us", self.delta_rule_latency_us),
+            ("linear_state_gbps", self.linear_state_gbps),
         ]
     }
 
@@ -410,15 +442,33 @@ impl HardwareProbe {
                     }
                 }
             }
-            let keys = d
-                .cost
-                .iter()
-                .flat_map(|c| c.entries().into_iter().chain(c.host_entries()));
+            let keys = d.cost.iter().flat_map(|c| {
+                c.entries()
+                    .into_iter()
+                    .chain(c.host_entries())
+                    .chain(c.linear_entries())
+                    .chain([(
+                        "expert_gemm_tokens_per_expert",
+                        c.expert_gemm_tokens_per_expert,
+                    )])
+            });
             for (name, v) in keys {
                 if let Some(v) = v {
                     if !(v.is_finite() && v >= 0.0) {
                         return Err(bad(k(&format!("cost.{name}")), "must be a number >= 0"));
                     }
+                }
+            }
+            if let Some(t) = d
+                .cost
+                .as_ref()
+                .and_then(|c| c.expert_gemm_tokens_per_expert)
+            {
+                if t <= 0.0 {
+                    return Err(bad(
+                        k("cost.expert_gemm_tokens_per_expert"),
+                        "must be positive (tokens x experts used / experts of the measured pass)",
+                    ));
                 }
             }
             for (ty, rates) in d.cost.iter().flat_map(|c| &c.types) {
@@ -610,6 +660,40 @@ pcie_width = 16
             ),
         ] {
             let text = format!("{OK}\n[device.cost]\nlaunch_us = 2.8\n\n{bad}");
+            let e = HardwareProbe::from_toml(&text, "t.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn linear_and_tile_shape_keys_parse_and_are_checked() {
+        let text = format!(
+            "{OK}\n[device.cost]\ndelta_rule_token_us = 0.9\ndelta_rule_latency_us = 6.0\nlinear_state_gbps = 2500.0\nexpert_gemm_tokens_per_expert = 32.0\n"
+        );
+        let p = HardwareProbe::from_toml(&text, "t.toml").unwrap();
+        let c = p.devices[0].cost.as_ref().unwrap();
+        assert_eq!(
+            c.linear_entries(),
+            [
+                ("delta_rule_token_us", Some(0.9)),
+                ("delta_rule_latency_us", Some(6.0)),
+                ("linear_state_gbps", Some(2500.0)),
+            ]
+        );
+        assert_eq!(c.expert_gemm_tokens_per_expert, Some(32.0));
+        // Not among the keys a complete probe needs: older probes lack them.
+        assert!(!c.entries().iter().any(|(k, _)| k.starts_with("delta")));
+        for (bad, key) in [
+            ("delta_rule_token_us = -1.0", "cost.delta_rule_token_us"),
+            ("linear_state_gbps = -2.0", "cost.linear_state_gbps"),
+            (
+                "expert_gemm_tokens_per_expert = 0.0",
+                "cost.expert_gemm_tokens_per_expert",
+            ),
+        ] {
+            let text = format!("{OK}\n[device.cost]\n{bad}\n");
             let e = HardwareProbe::from_toml(&text, "t.toml")
                 .unwrap_err()
                 .to_string();

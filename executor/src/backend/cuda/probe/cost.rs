@@ -69,6 +69,12 @@ pub struct CostMeasure {
     pub host_round_trip_us: Option<f64>,
     pub kv_host_round_trip_us: Option<f64>,
     pub eager_launch_us: Option<f64>,
+    /// Tokens an expert of the `expert_gemm_tflops` pass (`probe/experts.rs`).
+    pub expert_gemm_tokens_per_expert: Option<f64>,
+    /// The delta rule (`probe/linear.rs`).
+    pub delta_rule_token_us: Option<f64>,
+    pub delta_rule_latency_us: Option<f64>,
+    pub linear_state_gbps: Option<f64>,
     /// How each value was measured, by key, for the probe file's `#` lines.
     pub how: Vec<(&'static str, String)>,
     /// Why a key is absent.
@@ -280,18 +286,61 @@ pub fn measure_cost(dev: &CudaDevice, progress: &mut dyn FnMut(&str)) -> CostMea
         Ok(v) => {
             progress(&format!("cost: prefill grouped experts {v:.1} TFLOP/s"));
             m.expert_gemm_tflops = Some(v);
+            let tpe = (super::experts::PREFILL_TOKENS * super::experts::K) as f64
+                / super::experts::N_EXPERT as f64;
+            m.expert_gemm_tokens_per_expert = Some(tpe);
+            m.how.push(("expert_gemm_tokens_per_expert", format!(
+                "the shape expert_gemm_tflops (and each type's) was measured at: {} tokens x top-{} / {} experts; the planner scales the rate by the grouped products' tile padding from here",
+                super::experts::PREFILL_TOKENS, super::experts::K, super::experts::N_EXPERT)));
             m.how.push(("expert_gemm_tflops", format!(
                 "moe_sort + input conversions + grouped gate-up (SwiGLU) and down products over {} tokens, top-{} of {} Q8_0 experts, {REPS} runs",
                 super::experts::PREFILL_TOKENS, super::experts::K, super::experts::N_EXPERT)));
         }
         Err(e) => fail(&mut m, "expert_gemm_tflops", e.to_string()),
     }
+    delta_rule(dev, &mut m, progress);
     m.types = super::types::measure_types(dev, progress, &mut m.notes);
     progress(&format!(
         "cost: measured in {:.1}s",
         t0.elapsed().as_secs_f64()
     ));
     m
+}
+
+/// The delta rule's keys (`probe/linear.rs`).
+fn delta_rule(dev: &CudaDevice, m: &mut CostMeasure, progress: &mut dyn FnMut(&str)) {
+    use super::linear::{
+        delta_rule_decode, delta_rule_token_us, D, DECODE_SLOTS, NK, NV, PREFILL_TOKENS,
+    };
+    match delta_rule_token_us(dev) {
+        Ok(v) => {
+            progress(&format!(
+                "cost: delta rule {v:.2} µs a token a layer in a prefill run"
+            ));
+            m.delta_rule_token_us = Some(v);
+            m.how.push(("delta_rule_token_us", format!(
+                "line fit of launch::linear::delta_rule (lin_delta_rule + lin_gated_norm) over one slot's run of {PREFILL_TOKENS:?} tokens, {NK} key / {NV} value heads of {D}: slope")));
+        }
+        Err(e) => m
+            .notes
+            .push(format!("delta_rule_token_us not measured: {e}")),
+    }
+    match delta_rule_decode(dev) {
+        Ok((lat, g)) => {
+            progress(&format!(
+                "cost: decode delta rule {lat:.1} µs + state at {g:.0} GB/s"
+            ));
+            m.delta_rule_latency_us = Some(lat);
+            m.linear_state_gbps = Some(g);
+            m.how.push(("delta_rule_latency_us", format!(
+                "line fit of launch::linear::delta_rule at one token in each of {DECODE_SLOTS:?} slots against the state bytes read and written, {NK} key / {NV} value heads of {D}, in graphs cycling 16 layers: intercept")));
+            m.how
+                .push(("linear_state_gbps", "the same fit: 1 / slope".into()));
+        }
+        Err(e) => m.notes.push(format!(
+            "delta_rule_latency_us, linear_state_gbps not measured: {e}"
+        )),
+    }
 }
 
 /// The host round trips and the eager launch (`probe/round_trip.rs`), after the host
@@ -721,6 +770,13 @@ pub fn cost_toml(m: &CostMeasure) -> String {
         ("host_round_trip_us", m.host_round_trip_us),
         ("kv_host_round_trip_us", m.kv_host_round_trip_us),
         ("eager_launch_us", m.eager_launch_us),
+        (
+            "expert_gemm_tokens_per_expert",
+            m.expert_gemm_tokens_per_expert,
+        ),
+        ("delta_rule_token_us", m.delta_rule_token_us),
+        ("delta_rule_latency_us", m.delta_rule_latency_us),
+        ("linear_state_gbps", m.linear_state_gbps),
     ];
     let mut out = String::new();
     if keys.iter().all(|(_, v)| v.is_none()) && m.types.is_empty() {
@@ -789,6 +845,9 @@ mod tests {
         let m = CostMeasure {
             launch_us: Some(2.5),
             product_gbps: Some(3000.0),
+            expert_gemm_tokens_per_expert: Some(32.0),
+            delta_rule_token_us: Some(0.8),
+            linear_state_gbps: Some(2500.0),
             notes: vec!["attention not measured: x".into()],
             types: vec![
                 (
@@ -818,6 +877,15 @@ mod tests {
         assert_eq!(c.launch_us, Some(2.5));
         assert_eq!(c.product_gbps, Some(3000.0));
         assert_eq!(c.gemm_tflops, None);
+        assert_eq!(c.expert_gemm_tokens_per_expert, Some(32.0));
+        assert_eq!(
+            c.linear_entries(),
+            [
+                ("delta_rule_token_us", Some(0.8)),
+                ("delta_rule_latency_us", None),
+                ("linear_state_gbps", Some(2500.0)),
+            ]
+        );
         let q8 = c.type_rates(GgmlType::Q8_0).unwrap();
         assert_eq!(
             (q8.product_gbps, q8.gemm_tflops),

@@ -8,6 +8,7 @@
 
 pub mod cost;
 pub mod experts;
+pub mod linear;
 pub mod round_trip;
 pub mod types;
 
