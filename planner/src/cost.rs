@@ -651,9 +651,12 @@ pub fn device_cost(
         row_s,
         pass_s: pass_launches * pass_latency + c.step_s,
         prefill_gemm: share.prefill_gemm && !cpu,
-        // The CUDA engine runs a stage's experts through its expert cache (the decode
-        // products on groups of the pass's tokens) whenever some stay in host memory.
-        prefill_experts_per_use: !cpu && !share.experts_covered,
+        // The CUDA engine runs a stage's experts through its expert cache whenever some stay
+        // in host memory: a prompt pass on the grouped tensor-core products reading the
+        // slots through the layer's table where its types have them (each distinct expert
+        // read once, as when all are resident, plus the misses streamed), else on the decode
+        // products over groups of the pass's tokens (every use reads its expert).
+        prefill_experts_per_use: !cpu && !share.experts_covered && !share.prefill_gemm,
         prefill_token_s: layers * (PREFILL_ACT_ROWS + 2.0 * k) * row_bytes / c.product_bps,
         prefill_cell_s: attn_layers * facts.attn_cell_flops as f64 / c.prefill_attention_flops,
         state_row_s,

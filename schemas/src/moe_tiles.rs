@@ -10,7 +10,7 @@
 use crate::workset::MOE_TILE_TOKENS;
 
 /// `x^n` by repeated squaring (the same bits on every platform).
-fn pow(x: f64, mut n: u64) -> f64 {
+pub(crate) fn pow(x: f64, mut n: u64) -> f64 {
     let (mut base, mut acc) = (x, 1.0f64);
     while n > 0 {
         if n & 1 == 1 {
@@ -52,6 +52,33 @@ pub fn padding(shares: &[f64], tokens: u64) -> f64 {
         return 1.0;
     }
     padded_columns(shares, tokens) / useful
+}
+
+/// Expected distinct experts of one layer that `tokens` tokens pick outside the cache, when
+/// the experts are picked with `shares` (busiest first, each expert's expected uses per
+/// token, summing to the experts a token uses) and the cache holds the busiest ones up to a
+/// `hit_rate` share of the uses: each expert counts with its chance of being picked at all,
+/// `1 - (1 - share)^tokens`, times the part of it outside the cache. One token's picks give
+/// `k x (1 - hit_rate)`, the decode figure; a long pass gives every expert outside the cache,
+/// which a skewed routing's hit rate understates (a tenth of the uses can be a quarter of
+/// the experts).
+pub fn outside_touched(shares: &[f64], tokens: u64, hit_rate: f64) -> f64 {
+    let k: f64 = shares.iter().sum();
+    if tokens == 0 || k <= 0.0 {
+        return 0.0;
+    }
+    let cached = hit_rate.clamp(0.0, 1.0) * k;
+    let mut before = 0.0;
+    let mut out = 0.0;
+    for &p in shares {
+        let p = p.clamp(0.0, 1.0);
+        if p > 0.0 {
+            let inside = ((cached - before) / p).clamp(0.0, 1.0);
+            out += (1.0 - inside) * (1.0 - pow(1.0 - p, tokens));
+        }
+        before += p;
+    }
+    out
 }
 
 /// Uniform routing: `k / e` for each of `e` experts.
@@ -128,6 +155,48 @@ mod tests {
         let (pu, ps) = (padding(&uni, 512), padding(&skew, 512));
         assert!(ps > 1.2 * pu, "{ps} vs {pu}");
         assert!(slowdown(&skew, 512, 32.0) > 1.2);
+    }
+
+    #[test]
+    fn a_long_pass_touches_every_expert_outside_the_cache() {
+        // Uniform, 128 experts top-8, the cache holding 3/4 of them.
+        let u = uniform(128, 8);
+        let one = outside_touched(&u, 1, 0.75);
+        assert!(
+            (one - 8.0 * 0.25).abs() < 1e-9,
+            "one token: k (1 - hit) = 2, got {one}"
+        );
+        let long = outside_touched(&u, 512, 0.75);
+        assert!(
+            (long - 32.0).abs() < 1e-6,
+            "512 tokens: all 32 outside, got {long}"
+        );
+        // Skewed: 8 busy experts take 3/4 of the uses, 120 share the rest; the cache holds
+        // the 8 busy ones and a few more (hit rate 0.8). A token misses k x 0.2 = 1.6 experts,
+        // but a long pass streams nearly every expert the cache lacks (well over 128 x 0.2).
+        let mut sk = vec![0.75; 8];
+        sk.extend(std::iter::repeat_n(2.0 / 120.0, 120));
+        let one = outside_touched(&sk, 1, 0.8);
+        assert!((one - 1.6).abs() < 1e-9, "one token: {one}");
+        let cached_ranks = 8.0 + (0.8 * 8.0 - 6.0) / (2.0 / 120.0);
+        let long = outside_touched(&sk, 512, 0.8);
+        assert!(
+            long > 0.99 * (128.0 - cached_ranks) && long <= 128.0 - cached_ranks + 1e-9,
+            "a long pass touches the {} experts outside, got {long}",
+            128.0 - cached_ranks
+        );
+        assert!(
+            long > 3.0 * 128.0 * 0.2,
+            "the hit rate understates it: {long}"
+        );
+        // Nothing outside a full cache; more tokens never touch fewer.
+        assert!(outside_touched(&sk, 512, 1.0) < 1e-9);
+        let mut last = 0.0;
+        for t in [1, 2, 8, 64, 512, 4096] {
+            let x = outside_touched(&sk, t, 0.8);
+            assert!(x >= last, "{t} tokens: {x} < {last}");
+            last = x;
+        }
     }
 
     #[test]

@@ -383,7 +383,8 @@ pub struct DeviceCost {
     /// products in `rows_per_read` chunks.
     pub prefill_gemm: bool,
     /// Prefill experts on the decode products, every use reading its expert at
-    /// `expert_pass_read_s` (a GPU stage serving experts through its cache).
+    /// `expert_pass_read_s` (a GPU stage serving experts through its cache whose types have
+    /// no grouped tensor-core products; with them a pass reads each distinct expert once).
     pub prefill_experts_per_use: bool,
     /// Per prefill token: activations read and written between launches.
     pub prefill_token_s: f64,
@@ -549,8 +550,26 @@ impl DeviceCost {
         let layers = f64::from(self.expert_layers);
         (
             layers * reads * self.expert_read_s,
-            layers * distinct * (1.0 - self.hit_rate) * self.expert_miss_s,
+            layers * self.outside_touched(tokens) * self.expert_miss_s,
         )
+    }
+
+    /// Expected distinct experts of one layer outside the cache that `tokens` tokens pick
+    /// (`moe_tiles::outside_touched` over the routing shares: the plan's profile, else
+    /// uniform). A long prompt's pass streams each of them once (the cache treats it as a
+    /// scan), so its misses follow the experts outside the cache, not the hit rate.
+    pub fn outside_touched(&self, tokens: u64) -> f64 {
+        if self.expert_layers == 0 || self.hit_rate >= 1.0 {
+            return 0.0;
+        }
+        let uniform;
+        let shares: &[f64] = if self.expert_shares.is_empty() {
+            uniform = crate::moe_tiles::uniform(self.n_expert, self.n_expert_used);
+            &uniform
+        } else {
+            &self.expert_shares
+        };
+        crate::moe_tiles::outside_touched(shares, tokens, self.hit_rate)
     }
 
     /// Whether a decode step at `context` cells runs kernel by kernel (not one captured
@@ -618,7 +637,7 @@ impl DeviceCost {
     /// How many times longer per useful flop a prefill pass of `tokens` runs the grouped
     /// expert products than the probe measured them: the tile padding of this pass's
     /// routing against the probe's (1 where the pass does not run them: no tensor-core
-    /// prefill, experts through the cache, no experts).
+    /// prefill, experts on the decode products, no experts).
     pub fn tile_slowdown(&self, tokens: u64) -> f64 {
         if !self.prefill_gemm
             || self.prefill_experts_per_use

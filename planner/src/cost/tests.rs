@@ -772,3 +772,53 @@ fn a_skewed_profile_costs_more_than_a_uniform_one_at_the_same_bytes() {
     let flat = next_cost(&facts, 0, facts.n_layer, vec![k / e as f64; e]);
     assert!((flat.prefill_pass_seconds(512, 0) - pu).abs() < 1e-12);
 }
+
+/// A long prompt's pass through the expert cache streams every expert outside the slots once
+/// (the cache treats it as a scan), on the grouped products where the types have them: with
+/// a skewed profile the hit rate (a share of uses) understates that count, so the pass's
+/// misses follow the experts outside, and one decode step's still follow the hit rate.
+#[test]
+fn a_long_pass_through_the_cache_streams_the_experts_outside_it() {
+    let inv = inventory("qwen3moe", qwen3moe_hparams(), "Q8_0");
+    let facts = ModelFacts::new(&inv, GgmlType::F16);
+    let (k, e) = (facts.n_expert_used as f64, facts.n_expert as usize);
+    // An eighth of the experts take three fifths of the picks; the cache serves 0.8 of the
+    // uses: the busy eighth (0.6) and half of the rest (0.2 of their 0.4).
+    let skew: Vec<f64> = (0..e)
+        .map(|i| {
+            if i < e / 8 {
+                0.6 * k / (e / 8) as f64
+            } else {
+                0.4 * k / (e - e / 8) as f64
+            }
+        })
+        .collect();
+    let dc = DeviceCost {
+        hit_rate: 0.8,
+        expert_miss_s: 1e-3,
+        prefill_experts_per_use: false,
+        ..next_cost(&facts, 0, facts.n_layer, skew)
+    };
+    let layers = f64::from(dc.expert_layers);
+    // Outside the cache: the other half of the rest.
+    let outside = 0.5 * (e - e / 8) as f64;
+    let long = dc.outside_touched(4096);
+    assert!((long - outside).abs() < 0.5, "{long} vs {outside}");
+    let hit_based = e as f64 * (1.0 - dc.hit_rate);
+    assert!(
+        long > 2.0 * hit_based,
+        "{long} vs the hit rate's {hit_based}"
+    );
+    let miss_pass = dc.prefill_pass_seconds(4096, 0)
+        - DeviceCost {
+            expert_miss_s: 0.0,
+            ..dc.clone()
+        }
+        .prefill_pass_seconds(4096, 0);
+    assert!(
+        (miss_pass - layers * long * 1e-3).abs() < 1e-6,
+        "{miss_pass} s of misses for {long} experts a layer"
+    );
+    // One decode step: k x (1 - hit rate) a layer, as before.
+    assert!((dc.outside_touched(1) - k * 0.2).abs() < 1e-9);
+}
