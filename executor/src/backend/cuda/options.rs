@@ -19,7 +19,7 @@ use strata_schemas::ggml::GgmlType;
 pub enum Int8Products {
     /// Every product in f32 (`--kernel-options f32-products`): the CPU engine's numerics.
     None,
-    /// Q8_0 weights only (the default); Q4_K and Q6_K keep the f32 kernels.
+    /// Q8_0 weights only (the default); Q4_K, Q6_K and IQ3_S keep the f32 kernels.
     #[default]
     Q8_0,
     /// Every type with an int8 kernel: Q8_0, Q4_K, Q6_K and IQ3_S (`--kernel-options dp4a`).
