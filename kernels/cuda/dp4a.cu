@@ -520,6 +520,26 @@ __device__ __forceinline__ void qa_pair_q8(const u8* __restrict__ G, const u8* _
     }
 }
 
+// One token, row r of two IQ3_S matrices (F x E, the experts' gate and up): g and u += the
+// lane's parts of G_r . q8a and U_r . q8a, the two rows' loads in flight together, two blocks
+// at a time (each row's arithmetic as qa_row<1>'s, in the same order).
+__device__ __forceinline__ void qa_pair_iq3s(const u8* __restrict__ G, const u8* __restrict__ U,
+                                             long E, long r, const u8* xq, const float2* xds,
+                                             float& g, float& u) {
+    const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+    const long rb = (E / QK_K) * 110;
+    const u8* gr = G + r * rb;
+    const u8* ur = U + r * rb;
+#pragma unroll 2
+    for (long b = lane >> 5; b < E / QK_K; b += ST_WARP / 32) {
+        QaIq3s wg, wu;
+        qa_iq3s_lane(gr + b * 110, l, wg);
+        qa_iq3s_lane(ur + b * 110, l, wu);
+        g = qa_iq3s_dot(wg, l, b, xq, xds, g);
+        u = qa_iq3s_dot(wu, l, b, xq, xds, u);
+    }
+}
+
 // MoE gate and up with SwiGLU over q8a inputs: for assignment a = t*k + j (grid.y), e =
 // ids[a], h[a][r] = silu(G_e,r . q8a[t]) * (U_e,r . q8a[t]); gate and up of one type ty
 // (Q8_0, Q4_K, Q6_K or IQ3_S), F x E each. eptr as dq_moe_gate_up's.
@@ -539,6 +559,8 @@ ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, in
     float g[1] = {0.0f}, u[1] = {0.0f};
     if (ty == ST_TY_Q8_0) {
         qa_pair_q8(G, U, F, E, row, xt, dt, g[0], u[0]);
+    } else if (ty == QA_TY_IQ3_S) {
+        qa_pair_iq3s(G, U, E, row, xt, dt, g[0], u[0]);
     } else {
         qa_row<1>(G, ty, F, E, row, 0, E, xt, E, dt, E / 32, 1, g);
         qa_row<1>(U, ty, F, E, row, 0, E, xt, E, dt, E / 32, 1, u);

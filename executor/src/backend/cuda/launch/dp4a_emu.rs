@@ -464,7 +464,8 @@ fn emulated_staged_rows_equal_the_unstaged_products() {
     }
 }
 
-/// dq4_moe_gate_up (a row of gate and of up, SwiGLU) and dq4_moe_down (the k experts' pieces
+/// dq4_moe_gate_up (a row of gate and of up, SwiGLU; IQ3_S's qa_pair_iq3s interleaves the two
+/// rows' blocks but each row's arithmetic is qa_row<1>'s, emulated by `W::row`) and dq4_moe_down (the k experts' pieces
 /// over a block of 128 threads, weighted, then st_block_sum) for one token: k experts of
 /// `ty`, gate and up f x e, down e x f, with the routing weights `wts`; every gate/up row and
 /// every `down_step`-th down row checked.
