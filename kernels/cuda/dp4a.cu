@@ -226,10 +226,10 @@ __device__ __forceinline__ float qa_iq3s_dot(const QaIq3s& w, int l, long b, con
 
 // acc[t] += the lane's part of row r of W (rows x cols, Q8_0 split, Q4_K, Q6_K or IQ3_S) . q8a
 // row t over the columns [c0, c1) (c0 a multiple of QA_KC, c1 of 32, or of 256 for the
-// 256-value blocks),
-// for t < n_tok: token t's quants of those columns at xq + t * xstride (column c0 first) and
-// its (d, s) pairs at xds + t * dstride (block c0 / 32 first): the whole rows in global
-// memory (c0 = 0, c1 = cols, strides cols and cols / 32) or a staged chunk.
+// 256-value blocks), for t < n_tok: token t's quants of those columns at xq + t * xstride
+// (column c0 first) and its (d, s) pairs at xds + t * dstride (block c0 / 32 first): the
+// whole rows in global memory (c0 = 0, c1 = cols, strides cols and cols / 32) or a staged
+// chunk.
 template <int NT>
 __device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long rows, long cols,
                                        long r, long c0, long c1, const u8* xq, long xstride,
@@ -572,8 +572,8 @@ ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, in
 // MoE down over q8a expert rows (h quantized: n_tok * k rows of F), a block per output row:
 // y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . q8a[t*k+j]). Q8_0: the k experts'
 // 16-quant pieces spread over the block's threads; Q4_K, Q6_K, IQ3_S: their 256-value blocks
-// over its warps (32 lanes a block). Each thread's terms are weighted (tot = fmaf(w_j, part, tot)),
-// then summed by st_block_sum. grid: (E, n_tok); block: 128; k <= DQ_DOWN_MAXK.
+// over its warps (32 lanes a block). Each thread's terms are weighted (tot = fmaf(w_j, part,
+// tot)), then summed by st_block_sum. grid: (E, n_tok); block: 128; k <= DQ_DOWN_MAXK.
 ST_KERNEL void dq4_moe_down(const unsigned long long* eptr, int ty, int E, int F,
                             const int* ids, const float* wts, int k, const u8* hq,
                             const float2* hds, float* y) {
