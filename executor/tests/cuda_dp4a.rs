@@ -1,11 +1,13 @@
 //! The int8-activation products (kernels/cuda/dp4a.cu; the default for Q8_0 weights,
 //! `--kernel-options dp4a` for every type) on the GPU:
 //! the quantization bit for bit against its host reference (`launch::dp4a::quantize_q8a`),
-//! the Q8_0, Q4_K and Q6_K matrix-vector products (1 to 19 tokens, one and three matrices,
-//! Q4_K_M's Q4_K/Q4_K/Q6_K Q/K/V in one launch, added or not; staged in shared memory and
-//! not, bit for bit equal) and the MoE gate/up and down
-//! against an f64 reference over the same quantized inputs, and the engine with the option
-//! against the CPU engine.
+//! the Q8_0, Q4_K, Q6_K and IQ3_S matrix-vector products (1 to 19 tokens, one and three
+//! matrices, Q4_K_M's Q4_K/Q4_K/Q6_K and the IQ3_S file's IQ3_S/IQ3_S/Q4_K Q/K/V in one launch,
+//! added or not; staged in shared memory and not, bit for bit equal) and the MoE gate/up and
+//! down against an f64 reference over the same quantized inputs, IQ3_S also at
+//! Qwen3-Next-80B-A3B's shapes (with a print-only timing of its experts against the f32
+//! products), and the engine with the option against the CPU engine (IQ3_S qwen3moe and
+//! qwen3next models among them).
 //! Tolerances: a product is within 1e-5 of the sum of |w_i v_i| (v the values the quants
 //! stand for, d * q) of its f64 reference — the f32 sums' order only — and within the
 //! quantization's own bound of the f32 input's product: every input moves by at most half a
@@ -25,15 +27,15 @@ mod cuda_common;
 
 use common::*;
 use cuda_common::{get, put, rand_vec, Carve};
-use rand::{rngs::StdRng, SeedableRng};
+use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::OnceLock;
-use strata_exec::backend::cuda::launch::decode::ExpertTable;
+use strata_exec::backend::cuda::launch::decode::{self, ExpertTable};
 use strata_exec::backend::cuda::launch::dp4a::{self, quantize_q8a, Q8a};
 use strata_exec::backend::cuda::launch::{Launcher, Mat};
 use strata_exec::backend::cuda::layout::to_device;
 use strata_exec::backend::cuda::options::{CudaOptions, Int8Products, KernelOptions};
 use strata_exec::backend::cuda::start::{start_cuda, CudaEngine};
-use strata_exec::backend::cuda::{CudaDevice, DeviceView};
+use strata_exec::backend::cuda::{CudaDevice, DeviceArena, DeviceView};
 use strata_exec::engine::Engine;
 use strata_exec::load::open_model;
 use strata_exec::quant;
@@ -48,11 +50,18 @@ fn dev(test: &str) -> Option<&'static CudaDevice> {
 }
 
 /// `rows x cols` random weights of `ty`: the device layout and the CPU's dequantized rows.
+/// Quantized from uniform values, or (IQ3_S, which has no quantizer) random valid blocks of
+/// about the same root mean square.
 fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
-    let x = rand_vec(rng, rows * cols, 1.0);
     let mut gguf = Vec::new();
-    for r in x.chunks(cols) {
-        quant::quantize_row(ty, r, &mut gguf).unwrap();
+    if ty == GgmlType::Iq3S {
+        gguf.resize(quant::row_bytes(ty, rows * cols).unwrap(), 0);
+        quant::random::random_row(ty, 0.58, &mut || rng.random::<u64>(), &mut gguf).unwrap();
+    } else {
+        let x = rand_vec(rng, rows * cols, 1.0);
+        for r in x.chunks(cols) {
+            quant::quantize_row(ty, r, &mut gguf).unwrap();
+        }
     }
     let rb = gguf.len() / rows;
     let mut deq = vec![0f32; rows * cols];
@@ -179,7 +188,7 @@ fn matvec_products_match_the_quantized_reference() {
     let l = Launcher::new(d);
     let kc = dp4a::STAGE_COLS;
     let mut cases = 0;
-    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K, GgmlType::Iq3S] {
         let cols_set: Vec<usize> = if ty == GgmlType::Q8_0 {
             vec![96, kc + 96, 2 * kc]
         } else {
@@ -189,14 +198,13 @@ fn matvec_products_match_the_quantized_reference() {
             // One matrix, and Q/K/V-like three stacked (rows not a multiple of the warps).
             for split in [&[37usize][..], &[70, 17, 9][..]] {
                 let c = Carve::new(&arena);
-                // With Q4_K: Q4_K_M's Q4_K Q and K with a Q6_K V, in one launch.
+                // With Q4_K: Q4_K_M's Q4_K Q and K with a Q6_K V, in one launch; with IQ3_S:
+                // the IQ3_S file's IQ3_S Q and K with a Q4_K V.
                 let tys: Vec<GgmlType> = (0..split.len())
-                    .map(|i| {
-                        if ty == GgmlType::Q4K && i == 2 {
-                            GgmlType::Q6K
-                        } else {
-                            ty
-                        }
+                    .map(|i| match (ty, i) {
+                        (GgmlType::Q4K, 2) => GgmlType::Q6K,
+                        (GgmlType::Iq3S, 2) => GgmlType::Q4K,
+                        _ => ty,
                     })
                     .collect();
                 let ws: Vec<_> = split
@@ -258,6 +266,170 @@ fn matvec_products_match_the_quantized_reference() {
     eprintln!("{cases} product cases within the bounds, staged equal to unstaged");
 }
 
+/// The shape of a MoE case: `n_expert` experts, `k` picked a token, gate and up `f x e`, down
+/// `e x f`.
+#[derive(Clone, Copy)]
+struct MoeShape {
+    n_expert: usize,
+    k: usize,
+    e: usize,
+    f: usize,
+}
+
+/// One MoE case on the GPU: `n` tokens routed to `k` experts of `ty` each, the gate/up's h
+/// against silu(g) u of the quantized input and the down (into y0, weighted) against the GPU's
+/// h quantized and the f32 h's bound. Only the picked experts get weights of their own; the
+/// table's other entries point at expert 0's (never read). With `time`, also prints the
+/// int8 and the f32 products' time a pass over the same experts (print only).
+fn moe_case(
+    d: &CudaDevice,
+    arena: &DeviceArena,
+    rng: &mut StdRng,
+    ty: GgmlType,
+    s: MoeShape,
+    n: usize,
+    time: bool,
+) {
+    let MoeShape { n_expert, k, e, f } = s;
+    let l = Launcher::new(d);
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    let c = Carve::new(arena);
+    let ids: Vec<i32> = (0..n * k)
+        .map(|a| ((a * 3 + a / k) % n_expert) as i32)
+        .collect();
+    // Per picked expert: gate, up (f x e), down (e x f).
+    let mut host = std::collections::BTreeMap::new();
+    let mut table = vec![0u64; 3 * n_expert];
+    for &id in ids.iter().chain([0].iter()) {
+        let id = id as usize;
+        if host.contains_key(&id) {
+            continue;
+        }
+        let m = [
+            weights(rng, ty, f, e),
+            weights(rng, ty, f, e),
+            weights(rng, ty, e, f),
+        ];
+        for (i, (b, _)) in m.iter().enumerate() {
+            table[3 * id + i] = put(d, &c, b).ptr();
+        }
+        host.insert(id, m);
+    }
+    for id in 0..n_expert {
+        if !host.contains_key(&id) {
+            table.copy_within(0..3, 3 * id);
+        }
+    }
+    let tv = put(d, &c, &table);
+    let ex = ExpertTable {
+        table: tv,
+        ty,
+        ty_up: ty,
+        ty_down: ty,
+        n_expert,
+        f,
+        e,
+    };
+    let wts: Vec<f32> = (0..n * k).map(|a| 0.2 + 0.1 * (a % k) as f32).collect();
+    let (idv, wv) = (put(d, &c, &ids), put(d, &c, &wts));
+    let x = inputs(rng, n, e);
+    let xd = put(d, &c, &x);
+    let xq = q8a(&c, n, e);
+    dp4a::quantize(&l, xd, &xq).unwrap();
+    let h = c.take(4 * (n * k * f) as u64);
+    dp4a::moe_gate_up(&l, ex, idv, k, &xq, h, n).unwrap();
+    let hg: Vec<f32> = get(d, h, n * k * f);
+    let xv = quantize_q8a(&x).values();
+    let what = format!("{ty} {n_expert} experts top-{k} {e}x{f} n {n}");
+    for a in 0..n * k {
+        let (t, m) = (a / k, &host[&(ids[a] as usize)]);
+        let vt = &xv[t * e..(t + 1) * e];
+        for r in 0..f {
+            let (g, _) = dot(&m[0].1[r * e..(r + 1) * e], vt);
+            let (u, _) = dot(&m[1].1[r * e..(r + 1) * e], vt);
+            let want = silu(g) * u;
+            let got = hg[a * f + r] as f64;
+            assert!(
+                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                "{what}: h[{a}][{r}] = {got}, silu(g) u of the quantized input {want}"
+            );
+        }
+    }
+    // Down of the GPU's h, quantized by the GPU (bit-exact with the host reference, checked
+    // above), into y = y0 + the weighted sum.
+    let hq = q8a(&c, n * k, f);
+    dp4a::quantize(&l, h, &hq).unwrap();
+    let y0 = rand_vec(rng, n * e, 1.0);
+    let y = put(d, &c, &y0);
+    dp4a::moe_down(&l, ex, idv, wv, k, &hq, y, n).unwrap();
+    let got: Vec<f32> = get(d, y, n * e);
+    let hv = quantize_q8a(&hg).values();
+    for t in 0..n {
+        for r in 0..e {
+            let (mut want, mut scale, mut want_f, mut qb) = (y0[t * e + r] as f64, 0.0, 0.0, 0.0);
+            for j in 0..k {
+                let a = t * k + j;
+                let dr = &host[&(ids[a] as usize)][2].1[r * f..(r + 1) * f];
+                let (s, sc) = dot(dr, &hv[a * f..(a + 1) * f]);
+                want += wts[a] as f64 * s;
+                scale += wts[a] as f64 * sc;
+                want_f += wts[a] as f64 * dot(dr, &hg[a * f..(a + 1) * f]).0;
+                qb += wts[a] as f64 * quant_bound(dr, &hg[a * f..(a + 1) * f]);
+            }
+            let g = got[t * e + r] as f64;
+            let tight = 1e-5 * (scale + (y0[t * e + r] as f64).abs());
+            assert!(
+                (g - want).abs() <= tight,
+                "{what}: y[{t}][{r}] = {g}, want {want} (bound {tight:e})"
+            );
+            let wf = y0[t * e + r] as f64 + want_f;
+            assert!(
+                (g - wf).abs() <= qb * 1.0001 + tight,
+                "{what}: y[{t}][{r}] = {g}, f32 input's {wf} (bound {qb:e})"
+            );
+        }
+    }
+    if time {
+        // A decode layer's experts as the engine issues them: int8 (quantize x, gate/up,
+        // quantize h, down) against f32 (gate/up, down; staging as the engine: Q8_0 only).
+        let bytes = 3 * n * k * quant::row_bytes(ty, e * f).unwrap();
+        let stage = ty == GgmlType::Q8_0;
+        let reps = 200;
+        let run = |int8: bool| {
+            let pass = || {
+                if int8 {
+                    dp4a::quantize(&l, xd, &xq).unwrap();
+                    dp4a::moe_gate_up(&l, ex, idv, k, &xq, h, n).unwrap();
+                    dp4a::quantize(&l, h, &hq).unwrap();
+                    dp4a::moe_down(&l, ex, idv, wv, k, &hq, y, n).unwrap();
+                } else {
+                    decode::moe_gate_up(&l, ex, idv, k, xd, h, n, stage).unwrap();
+                    decode::moe_down(&l, ex, idv, wv, k, h, y, n).unwrap();
+                }
+            };
+            for _ in 0..5 {
+                pass();
+            }
+            d.synchronize().unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                pass();
+            }
+            d.synchronize().unwrap();
+            t0.elapsed().as_secs_f64() / reps as f64
+        };
+        let (t8, t32) = (run(true), run(false));
+        eprintln!(
+            "TIMING {what}: int8 {:.1} us ({:.0} GB/s of expert weights), f32 {:.1} us ({:.0} GB/s): int8 {:.2}x (print only)",
+            t8 * 1e6,
+            bytes as f64 / t8 / 1e9,
+            t32 * 1e6,
+            bytes as f64 / t32 / 1e9,
+            t32 / t8
+        );
+    }
+}
+
 #[test]
 fn moe_products_match_the_quantized_reference() {
     let Some(d) = dev("moe_products_match_the_quantized_reference") else {
@@ -265,99 +437,73 @@ fn moe_products_match_the_quantized_reference() {
     };
     let arena = d.alloc_arena("test", 64 << 20).unwrap();
     let mut rng = StdRng::seed_from_u64(9);
-    let l = Launcher::new(d);
-    let (n_expert, k, e, f) = (4usize, 3usize, 512usize, 256usize);
-    let silu = |v: f64| v / (1.0 + (-v).exp());
-    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+    let s = MoeShape {
+        n_expert: 4,
+        k: 3,
+        e: 512,
+        f: 256,
+    };
+    for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K, GgmlType::Iq3S] {
         for n in [1usize, 3] {
-            let c = Carve::new(&arena);
-            // Per expert: gate, up (f x e), down (e x f).
-            let mut host = Vec::new();
-            let mut table = Vec::new();
-            for _ in 0..n_expert {
-                let m = [
-                    weights(&mut rng, ty, f, e),
-                    weights(&mut rng, ty, f, e),
-                    weights(&mut rng, ty, e, f),
-                ];
-                for (b, _) in &m {
-                    table.push(put(d, &c, b).ptr());
-                }
-                host.push(m);
-            }
-            let tv = put(d, &c, &table);
-            let ex = ExpertTable {
-                table: tv,
-                ty,
-                ty_up: ty,
-                ty_down: ty,
-                n_expert,
-                f,
-                e,
-            };
-            let ids: Vec<i32> = (0..n * k)
-                .map(|a| ((a * 3 + a / k) % n_expert) as i32)
-                .collect();
-            let wts: Vec<f32> = (0..n * k).map(|a| 0.2 + 0.1 * (a % k) as f32).collect();
-            let (idv, wv) = (put(d, &c, &ids), put(d, &c, &wts));
-            let x = inputs(&mut rng, n, e);
-            let xq = q8a(&c, n, e);
-            dp4a::quantize(&l, put(d, &c, &x), &xq).unwrap();
-            let h = c.take(4 * (n * k * f) as u64);
-            dp4a::moe_gate_up(&l, ex, idv, k, &xq, h, n).unwrap();
-            let hg: Vec<f32> = get(d, h, n * k * f);
-            let xv = quantize_q8a(&x).values();
-            for a in 0..n * k {
-                let (t, m) = (a / k, &host[ids[a] as usize]);
-                let vt = &xv[t * e..(t + 1) * e];
-                for r in 0..f {
-                    let (g, _) = dot(&m[0].1[r * e..(r + 1) * e], vt);
-                    let (u, _) = dot(&m[1].1[r * e..(r + 1) * e], vt);
-                    let want = silu(g) * u;
-                    let got = hg[a * f + r] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                        "{ty} n {n}: h[{a}][{r}] = {got}, silu(g) u of the quantized input {want}"
-                    );
-                }
-            }
-            // Down of the GPU's h, quantized by the GPU (bit-exact with the host reference,
-            // checked above), into y = y0 + the weighted sum.
-            let hq = q8a(&c, n * k, f);
-            dp4a::quantize(&l, h, &hq).unwrap();
-            let y0 = rand_vec(&mut rng, n * e, 1.0);
-            let y = put(d, &c, &y0);
-            dp4a::moe_down(&l, ex, idv, wv, k, &hq, y, n).unwrap();
-            let got: Vec<f32> = get(d, y, n * e);
-            let hv = quantize_q8a(&hg).values();
-            for t in 0..n {
-                for r in 0..e {
-                    let (mut want, mut scale, mut want_f, mut qb) =
-                        (y0[t * e + r] as f64, 0.0, 0.0, 0.0);
-                    for j in 0..k {
-                        let a = t * k + j;
-                        let dr = &host[ids[a] as usize][2].1[r * f..(r + 1) * f];
-                        let (s, sc) = dot(dr, &hv[a * f..(a + 1) * f]);
-                        want += wts[a] as f64 * s;
-                        scale += wts[a] as f64 * sc;
-                        want_f += wts[a] as f64 * dot(dr, &hg[a * f..(a + 1) * f]).0;
-                        qb += wts[a] as f64 * quant_bound(dr, &hg[a * f..(a + 1) * f]);
-                    }
-                    let g = got[t * e + r] as f64;
-                    let tight = 1e-5 * (scale + (y0[t * e + r] as f64).abs());
-                    assert!(
-                        (g - want).abs() <= tight,
-                        "{ty} n {n}: y[{t}][{r}] = {g}, want {want} (bound {tight:e})"
-                    );
-                    let wf = y0[t * e + r] as f64 + want_f;
-                    assert!(
-                        (g - wf).abs() <= qb * 1.0001 + tight,
-                        "{ty} n {n}: y[{t}][{r}] = {g}, f32 input's {wf} (bound {qb:e})"
-                    );
-                }
-            }
+            moe_case(d, &arena, &mut rng, ty, s, n, false);
         }
     }
+}
+
+/// IQ3_S at Qwen3-Next-80B-A3B's shapes (the file users run): dense products of the hidden
+/// width 2048 (an input projection 12288 x 2048, and 2048 x 4096 as the attention and delta
+/// net outputs) at 1, 4 and 16 tokens, staged and not; the routed experts (512, top-10, 2048
+/// x 512) at 1 and 3 tokens, with the int8 / f32 timing of a one-token layer printed.
+#[test]
+fn iq3_s_products_at_the_80b_shapes() {
+    let Some(d) = dev("iq3_s_products_at_the_80b_shapes") else {
+        return;
+    };
+    let arena = d.alloc_arena("test", 512 << 20).unwrap();
+    let mut rng = StdRng::seed_from_u64(80);
+    let l = Launcher::new(d);
+    let ty = GgmlType::Iq3S;
+    for (rows, cols) in [(12288usize, 2048usize), (2048, 4096)] {
+        let c = Carve::new(&arena);
+        let (wb, deq) = weights(&mut rng, ty, rows, cols);
+        let mats = [Mat {
+            w: put(d, &c, &wb),
+            ty,
+            rows,
+            cols,
+        }];
+        for n in [1usize, 4, 16] {
+            let x = inputs(&mut rng, n, cols);
+            let xq = q8a(&c, n, cols);
+            dp4a::quantize(&l, put(d, &c, &x), &xq).unwrap();
+            let xv = quantize_q8a(&x).values();
+            let mut outs = Vec::new();
+            for stage in [true, false] {
+                let y = c.take(4 * (n * rows) as u64);
+                dp4a::mv(&l, "test", &mats, &xq, &[y], n, false, stage).unwrap();
+                let got: Vec<f32> = get(d, y, n * rows);
+                let what = format!("IQ3_S {rows}x{cols} n {n} stage {stage}");
+                check_rows(&what, &got, &deq, &x, &xv, None, rows, cols);
+                outs.push(got);
+            }
+            let same = outs[0]
+                .iter()
+                .zip(&outs[1])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "IQ3_S {rows}x{cols} n {n}: staged differs from unstaged"
+            );
+        }
+    }
+    let s = MoeShape {
+        n_expert: 512,
+        k: 10,
+        e: 2048,
+        f: 512,
+    };
+    moe_case(d, &arena, &mut rng, ty, s, 1, true);
+    moe_case(d, &arena, &mut rng, ty, s, 3, false);
 }
 
 /// Max over rows of max |a - b| / max |b| of the row.
@@ -414,7 +560,11 @@ fn teacher(
 /// The tiny test models: the trained tiny model converted to Q8_0 (`base`), and random
 /// models of Q4_K weights and of llama.cpp's Q4_K_M mix (Q6_K V, half the down projections
 /// and the head; hidden and expert width 256; routed to all their experts, so no router
-/// choice can flip), each with its vocabulary and whether it is trained.
+/// choice can flip), and of IQ3_S: a qwen3moe (`iq3s`) and a qwen3next (`next-iq3s`, the
+/// tiny one at hidden and expert width 256) with every matrix IQ3_S (IQ4_NL where a row is
+/// not whole 256-value blocks) and an F16 head, so IQ3_S is the only type `dp4a` adds and a
+/// dp4a run that differs from the f32 products ran the IQ3_S int8 kernels; each with its
+/// vocabulary and whether it is trained.
 fn test_models(dir: &std::path::Path) -> Vec<(&'static str, std::path::PathBuf, u32, bool)> {
     let q8 = dir.join("tiny-q8_0.gguf");
     strata_schemas::gguf::convert::convert_hf_folder(&data("base"), &q8, GgmlType::Q8_0, None)
@@ -445,10 +595,41 @@ fn test_models(dir: &std::path::Path) -> Vec<(&'static str, std::path::PathBuf, 
         path
     };
     let (q4, q4km) = (write("q4k", "Q4_K"), write("q4km", "Q4_K_M"));
+    let iq3s = strata_schemas::arch::QuantRecipe {
+        head: GgmlType::F16,
+        attention_v: None,
+        ..strata_schemas::arch::QuantRecipe::preset("IQ3_S").unwrap()
+    };
+    let write_iq3s = |name: &str, arch: &str, hp: &strata_schemas::inventory::HParams| {
+        let path = dir.join(format!("{name}.gguf"));
+        strata_schemas::gguf::random::write_random_model(
+            &path,
+            arch,
+            hp,
+            &iq3s,
+            7,
+            strata_schemas::gguf::random::RandomOptions::default(),
+        )
+        .unwrap();
+        path
+    };
+    let next_hp = strata_schemas::inventory::HParams {
+        n_embd: 256,
+        n_ff_exp: 256,
+        ..tiny_qwen3next_hp()
+    };
+    let next_vocab = next_hp.n_vocab as u32;
     vec![
         ("base", q8, 256u32, true),
         ("q4k", q4, 512, false),
         ("q4km", q4km, 512, false),
+        ("iq3s", write_iq3s("iq3s", "qwen3moe", &hp), 512, false),
+        (
+            "next-iq3s",
+            write_iq3s("next-iq3s", "qwen3next", &next_hp),
+            next_vocab,
+            false,
+        ),
     ]
 }
 
@@ -529,8 +710,8 @@ fn the_engine_with_dp4a_matches_the_cpu_engine() {
 
 /// The default options choose the int8 products per weight type: on the Q8_0 model the
 /// default run equals the explicit `dp4a` run bit for bit and differs from `f32-products`
-/// (within the dp4a bound of it, 3e-2 of each row's largest logit); on the Q4_K and Q4_K_M
-/// models it equals `f32-products` bit for bit and differs from `dp4a`. All three runs fed
+/// (within the dp4a bound of it, 3e-2 of each row's largest logit); on the Q4_K, Q4_K_M and
+/// IQ3_S models it equals `f32-products` bit for bit and differs from `dp4a`. All three runs fed
 /// the same tokens (the f32 run's greedy picks). The prompt of 13 tokens is prefilled by the
 /// few-token products (under 16 tokens: no tensor-core pass), so the staged `dq4_mv16` runs
 /// in the engine too, not only the one-token decode.

@@ -1,10 +1,10 @@
 // dp4a.cu: the decode products over int8 activations (the default for Q8_0 weights,
-// `--kernel-options dp4a` for Q4_K and Q6_K too): dq_quant_q8a quantizes a product's input rows once to blocks of 32
-// ("q8a": int8 quants, and per block its scale d and s = d * the sum of its quants), and
-// the products over Q8_0 (split layout), Q4_K and Q6_K weights dot 4 weight quants with 4
-// activation quants per dp4a instruction: the one- and few-token matrix-vector products
-// (up to three matrices stacked by rows, so Q/K/V is one launch), the MoE gate/up with
-// SwiGLU and the MoE down with the weighted sum.
+// `--kernel-options dp4a` for Q4_K, Q6_K and IQ3_S too): dq_quant_q8a quantizes a product's
+// input rows once to blocks of 32 ("q8a": int8 quants, and per block its scale d and s = d *
+// the sum of its quants), and the products over Q8_0 (split layout), Q4_K, Q6_K and IQ3_S
+// weights dot 4 weight quants with 4 activation quants per dp4a instruction: the one- and
+// few-token matrix-vector products (up to three matrices stacked by rows, so Q/K/V is one
+// launch), the MoE gate/up with SwiGLU and the MoE down with the weighted sum.
 //
 // q8a layout of n rows of `cols` (cols % 32 == 0): the quants, n x cols bytes row-major (xq),
 // then n x cols / 32 float2 (d, s) (xds). d = amax / 127 and q = round(x * (127 / amax))
@@ -23,10 +23,21 @@
 //   * (float)sa, v = fmaf(d sc1 dxb, (float)sb, v); lanes with l % 8 == 0 add the
 //   sub-blocks' mins once: v = fmaf(-(dmin m0), sa_blk, v), v = fmaf(-(dmin m1), sb_blk, v)
 //   (the q8a blocks' s); acc += v.
+// - Q6_K: see qa_q6k_lane below (two runs of 4 six-bit values minus 32, a scale each).
+// - IQ3_S, lane l (of 32) of a 256-value block: gi = l / 4 (its 32-value sub-block, q8a
+//   block 8b + gi), h = l % 4; columns 8 l + 0..7 are two grid rows, IQ3S_GRID[qs[k] | ninth
+//   bit << 8] and IQ3S_GRID[qs[k + 1] | ...] (k = 8 gi + 2 h, the ninth bits 2h and 2h + 1 of
+//   qh[gi]), 4 unsigned bytes each (odd values 1..15), negated where sign bits 0..3 / 4..7
+//   of signs[4 gi + h] are set, without branches: m = the bits spread one a byte (0x01),
+//   q = (g ^ (m * 0xFF)) + m (two's complement per byte; no carry crosses a byte since no
+//   grid byte is 0). s = dp4a(qb, xb, dp4a(qa, xa, 0)) (xa, xb the q8a words at 8 l and
+//   8 l + 4), acc = fmaf(k dx, (float)s, acc), k = d (1 + 2 scale nibble gi), dx the q8a
+//   block's d; no mins.
 // Then a warp's lanes are summed by st_warp_sum (one warp per row), or for the MoE down a
 // block's by st_block_sum (one block per output row).
 // Invariant: rows past `rows` and tokens past `n_tok` are never read or written; q8a rows are
-// 16-byte aligned (the launchers check xq and xds); Q4_K rows hold whole 256-value blocks.
+// 16-byte aligned (the launchers check xq and xds); Q4_K, Q6_K and IQ3_S rows hold whole
+// 256-value blocks.
 
 // a . b over 4 signed bytes each, plus c. CUDA: one dp4a instruction (sm_61 on); HIP: the
 // same sum byte by byte (portable; AMD's dot4 builtins differ per generation).
@@ -169,18 +180,56 @@ __device__ __forceinline__ float qa_q6k_dot(const QaQ6k& w, int l, long b, const
 
 #define QA_TY_Q6_K (ST_TY_GGML + QT_Q6_K)
 
+// IQ3_S (110-byte blocks, 2-byte aligned), lane l as products.cuh's dq_kq_lane maps it (the
+// file comment gives the arithmetic): the lane's 8 signed grid values as two int8 words and
+// the scale of its 32-value sub-block.
+struct QaIq3s {
+    int qa, qb;
+    float k;
+};
+
+// 4 grid bytes g (each 1..15) with byte j negated where bit j of `bits` is set.
+__device__ __forceinline__ int qa_signed4(u32 g, u32 bits) {
+    // (bits & 15) * 0x00204081 puts copies of the nibble at bits 0, 7, 14 and 21 (no overlap,
+    // no carry), so bit j lands on bit 8 j: one 0x01 a negated byte.
+    const u32 m = ((bits & 0xFu) * 0x00204081u) & 0x01010101u;
+    return (int)((g ^ (m * 0xFFu)) + m);
+}
+
+__device__ __forceinline__ void qa_iq3s_lane(const u8* b, int l, QaIq3s& w) {
+    const int gi = l >> 2, h = l & 3, k = 8 * gi + 2 * h;
+    const u32 qs = st_ld_u16(b + 2 + k);
+    const u32 qh = b[66 + gi];
+    const u32 g0 = IQ3S_GRID[(qs & 0xFFu) | (((qh >> (2 * h)) & 1u) << 8)];
+    const u32 g1 = IQ3S_GRID[(qs >> 8) | (((qh >> (2 * h + 1)) & 1u) << 8)];
+    const u32 sg = b[74 + 4 * gi + h];
+    w.qa = qa_signed4(g0, sg);
+    w.qb = qa_signed4(g1, sg >> 4);
+    w.k = st_h2f(st_ld_u16(b)) * (float)(1 + 2 * ((b[106 + (gi >> 1)] >> (4 * (gi & 1))) & 15));
+}
+
+__device__ __forceinline__ float qa_iq3s_dot(const QaIq3s& w, int l, long b, const u8* xq,
+                                             const float2* xds, float acc) {
+    const int2 a = *(const int2*)(xq + b * QK_K + 8 * l);
+    const int s = st_dp4a(w.qb, a.y, st_dp4a(w.qa, a.x, 0));
+    return fmaf(w.k * xds[b * 8 + (l >> 2)].x, (float)s, acc);
+}
+
+#define QA_TY_IQ3_S (ST_TY_GGML + QT_IQ3_S)
+
 // Columns of every token's q8a row that a block of the multi-token products (NT > 1) stages
 // in shared memory at a time (Q8A_KC, kernels/src/consts.rs): a multiple of a warp's Q8_0
 // step (ST_WARP x 16 columns) and of its Q4_K / Q6_K step (ST_WARP / 32 blocks of 256), so
 // each lane walks its columns in the order it would over the whole row, and the staged
-// products equal the unstaged bit for bit.
+// products equal the unstaged bit for bit. IQ3_S walks blocks of 256 as the K-quants do.
 #define QA_KC Q8A_KC
 
-// acc[t] += the lane's part of row r of W (rows x cols, Q8_0 split, Q4_K or Q6_K) . q8a row t
-// over the columns [c0, c1) (c0 a multiple of QA_KC, c1 of 32, or of 256 for the K-quants),
-// for t < n_tok: token t's quants of those columns at xq + t * xstride (column c0 first) and
-// its (d, s) pairs at xds + t * dstride (block c0 / 32 first): the whole rows in global
-// memory (c0 = 0, c1 = cols, strides cols and cols / 32) or a staged chunk.
+// acc[t] += the lane's part of row r of W (rows x cols, Q8_0 split, Q4_K, Q6_K or IQ3_S) . q8a
+// row t over the columns [c0, c1) (c0 a multiple of QA_KC, c1 of 32, or of 256 for the
+// 256-value blocks), for t < n_tok: token t's quants of those columns at xq + t * xstride
+// (column c0 first) and its (d, s) pairs at xds + t * dstride (block c0 / 32 first): the
+// whole rows in global memory (c0 = 0, c1 = cols, strides cols and cols / 32) or a staged
+// chunk.
 template <int NT>
 __device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long rows, long cols,
                                        long r, long c0, long c1, const u8* xq, long xstride,
@@ -214,6 +263,19 @@ __device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long ro
         }
         return;
     }
+    if (ty == QA_TY_IQ3_S) {
+        const int l = lane & 31;
+        const u8* wr = W + r * (cols / QK_K) * 110;
+        for (long b = b0 + (lane >> 5); b < c1 / QK_K; b += ST_WARP / 32) {
+            QaIq3s w;
+            qa_iq3s_lane(wr + b * 110, l, w);
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+                if (t < n_tok)
+                    acc[t] = qa_iq3s_dot(w, l, b - b0, xq + t * xstride, xds + t * dstride, acc[t]);
+        }
+        return;
+    }
     const u8* qs = W + r * cols;
     const u16* ds = (const u16*)(W + rows * cols) + r * nq;
 #pragma unroll 2
@@ -228,7 +290,7 @@ __device__ __forceinline__ void qa_row(const u8* __restrict__ W, int ty, long ro
 }
 
 // Up to three matrices of `cols` stacked by rows, each of its own type (Q/K/V of Q4_K_M: Q4_K
-// with a Q6_K V; a lone product: r1 = r2 = 0).
+// with a Q6_K V; an IQ3_S file's IQ3_S Q/K with a Q4_K V; a lone product: r1 = r2 = 0).
 struct QaMats {
     const u8* w0;
     const u8* w1;
@@ -458,9 +520,29 @@ __device__ __forceinline__ void qa_pair_q8(const u8* __restrict__ G, const u8* _
     }
 }
 
+// One token, row r of two IQ3_S matrices (F x E, the experts' gate and up): g and u += the
+// lane's parts of G_r . q8a and U_r . q8a, the two rows' loads in flight together, two blocks
+// at a time (each row's arithmetic as qa_row<1>'s, in the same order).
+__device__ __forceinline__ void qa_pair_iq3s(const u8* __restrict__ G, const u8* __restrict__ U,
+                                             long E, long r, const u8* xq, const float2* xds,
+                                             float& g, float& u) {
+    const int lane = threadIdx.x % ST_WARP, l = lane & 31;
+    const long rb = (E / QK_K) * 110;
+    const u8* gr = G + r * rb;
+    const u8* ur = U + r * rb;
+#pragma unroll 2
+    for (long b = lane >> 5; b < E / QK_K; b += ST_WARP / 32) {
+        QaIq3s wg, wu;
+        qa_iq3s_lane(gr + b * 110, l, wg);
+        qa_iq3s_lane(ur + b * 110, l, wu);
+        g = qa_iq3s_dot(wg, l, b, xq, xds, g);
+        u = qa_iq3s_dot(wu, l, b, xq, xds, u);
+    }
+}
+
 // MoE gate and up with SwiGLU over q8a inputs: for assignment a = t*k + j (grid.y), e =
 // ids[a], h[a][r] = silu(G_e,r . q8a[t]) * (U_e,r . q8a[t]); gate and up of one type ty
-// (Q8_0, Q4_K or Q6_K), F x E each. eptr as dq_moe_gate_up's.
+// (Q8_0, Q4_K, Q6_K or IQ3_S), F x E each. eptr as dq_moe_gate_up's.
 // grid: (ceil(F / DQ_WARPS), n_tok * k).
 ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, int E,
                                const int* ids, int k, const u8* xq, const float2* xds,
@@ -477,6 +559,8 @@ ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, in
     float g[1] = {0.0f}, u[1] = {0.0f};
     if (ty == ST_TY_Q8_0) {
         qa_pair_q8(G, U, F, E, row, xt, dt, g[0], u[0]);
+    } else if (ty == QA_TY_IQ3_S) {
+        qa_pair_iq3s(G, U, E, row, xt, dt, g[0], u[0]);
     } else {
         qa_row<1>(G, ty, F, E, row, 0, E, xt, E, dt, E / 32, 1, g);
         qa_row<1>(U, ty, F, E, row, 0, E, xt, E, dt, E / 32, 1, u);
@@ -487,9 +571,9 @@ ST_KERNEL void dq4_moe_gate_up(const unsigned long long* eptr, int ty, int F, in
 
 // MoE down over q8a expert rows (h quantized: n_tok * k rows of F), a block per output row:
 // y[t][r] += sum_j wts[t*k+j] * (D_{ids[t*k+j]},r . q8a[t*k+j]). Q8_0: the k experts'
-// 16-quant pieces spread over the block's threads; Q4_K, Q6_K: their 256-value blocks over its
-// warps (32 lanes a block). Each thread's terms are weighted (tot = fmaf(w_j, part, tot)),
-// then summed by st_block_sum. grid: (E, n_tok); block: 128; k <= DQ_DOWN_MAXK.
+// 16-quant pieces spread over the block's threads; Q4_K, Q6_K, IQ3_S: their 256-value blocks
+// over its warps (32 lanes a block). Each thread's terms are weighted (tot = fmaf(w_j, part,
+// tot)), then summed by st_block_sum. grid: (E, n_tok); block: 128; k <= DQ_DOWN_MAXK.
 ST_KERNEL void dq4_moe_down(const unsigned long long* eptr, int ty, int E, int F,
                             const int* ids, const float* wts, int k, const u8* hq,
                             const float2* hds, float* y) {
@@ -497,8 +581,10 @@ ST_KERNEL void dq4_moe_down(const unsigned long long* eptr, int ty, int E, int F
     __shared__ float dw[DQ_DOWN_MAXK];
     __shared__ float red[32];
     const int row = blockIdx.x, t = blockIdx.y;
-    const long rb = ty == ST_TY_Q4_K ? (long)(F / QK_K) * Q4_K_BYTES
-                    : ty == QA_TY_Q6_K ? (long)(F / QK_K) * 210 : F;
+    const long rb = ty == ST_TY_Q4_K    ? (long)(F / QK_K) * Q4_K_BYTES
+                    : ty == QA_TY_Q6_K  ? (long)(F / QK_K) * 210
+                    : ty == QA_TY_IQ3_S ? (long)(F / QK_K) * 110
+                                        : F;
     // Before the wait, as dq_moe_down_rows: the ids were written kernels ahead (complete by
     // now, see st_pdl_wait), read through L2; the warps prefetch the experts' rows in turn.
     for (int j = threadIdx.x / ST_WARP; j < k; j += blockDim.x / ST_WARP) {
@@ -516,14 +602,18 @@ ST_KERNEL void dq4_moe_down(const unsigned long long* eptr, int ty, int E, int F
     const u8* hqt = hq + (long)t * k * F;
     const float2* hdt = hds + (long)t * k * nq;
     float tot = 0.0f;
-    if (ty == ST_TY_Q4_K || ty == QA_TY_Q6_K) {
+    if (ty == ST_TY_Q4_K || ty == QA_TY_Q6_K || ty == QA_TY_IQ3_S) {
         const int lane = threadIdx.x % ST_WARP, l = lane & 31;
         const int nb = F / QK_K, span = ST_WARP / 32;
         const int step = (blockDim.x / ST_WARP) * span;
         for (int p = (threadIdx.x / ST_WARP) * span + (lane >> 5); p < k * nb; p += step) {
             const int j = p / nb, b = p - j * nb;
             float part;
-            if (ty == QA_TY_Q6_K) {
+            if (ty == QA_TY_IQ3_S) {
+                QaIq3s w;
+                qa_iq3s_lane(dm[j] + (long)row * rb + (long)b * 110, l, w);
+                part = qa_iq3s_dot(w, l, b, hqt + (long)j * F, hdt + j * nq, 0.0f);
+            } else if (ty == QA_TY_Q6_K) {
                 QaQ6k w;
                 qa_q6k_lane(dm[j] + (long)row * rb + (long)b * 210, l, w);
                 part = qa_q6k_dot(w, l, b, hqt + (long)j * F, hdt + j * nq, 0.0f);

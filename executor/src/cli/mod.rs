@@ -124,7 +124,7 @@ pub struct PlanArgs {
     /// cache replaces the least frequently used expert and keeps the profile's hottest
     /// pinned, instead of LRU), q4k-own (one-token Q4_K products on Q4_K's own kernels instead
     /// of the K-quant lane mapping that Q5_K, Q6_K and IQ3_S share), dp4a (the decode products
-    /// over Q4_K and Q6_K weights on int8 activations too, as those over Q8_0 run by default),
+    /// over Q4_K, Q6_K and IQ3_S weights on int8 activations too, as those over Q8_0 run by default),
     /// f32-products (every decode product on f32 activations, Q8_0's too). Every variant gives
     /// the same tokens, but the int8 products: they quantize each product input to int8 once
     /// and dot 4 quants an instruction, which rounds the inputs to 8 bits (tests/cuda_dp4a.rs

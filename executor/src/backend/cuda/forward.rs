@@ -5,7 +5,7 @@
 //! 16 tokens or more take the tensor-core products (the input converted once per product
 //! group, the output projection added into the residual, the experts grouped by `moe_sort`)
 //! and the flash prefill attention. The few-token products over Q8_0 weights (by default;
-//! with `--kernel-options dp4a` also Q4_K and Q6_K) go to `int8_products.rs` first.
+//! with `--kernel-options dp4a` also Q4_K, Q6_K and IQ3_S) go to `int8_products.rs` first.
 //! Invariant: every choice depends only on the pass kind, its token count and what was bound
 //! at start-up, so a decode pass issues the same launches every time it has the same count
 //! (what graph replay needs).

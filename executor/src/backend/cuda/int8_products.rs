@@ -1,5 +1,5 @@
 //! The seam's products on int8 activations (by default over Q8_0 weights; `--kernel-options
-//! dp4a` adds Q4_K and Q6_K, `f32-products` turns them off): where the CUDA stage
+//! dp4a` adds Q4_K, Q6_K and IQ3_S, `f32-products` turns them off): where the CUDA stage
 //! quantizes a product's input once (`launch::dp4a::quantize`, into the plan's `xh` buffer,
 //! which only the tensor-core prefill uses otherwise) and runs the `dq4_*` products over it
 //! instead of the f32 ones: Q/K/V (one input, one launch), the output projection, the

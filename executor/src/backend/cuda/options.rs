@@ -19,10 +19,10 @@ use strata_schemas::ggml::GgmlType;
 pub enum Int8Products {
     /// Every product in f32 (`--kernel-options f32-products`): the CPU engine's numerics.
     None,
-    /// Q8_0 weights only (the default); Q4_K and Q6_K keep the f32 kernels.
+    /// Q8_0 weights only (the default); Q4_K, Q6_K and IQ3_S keep the f32 kernels.
     #[default]
     Q8_0,
-    /// Every type with an int8 kernel: Q8_0, Q4_K and Q6_K (`--kernel-options dp4a`).
+    /// Every type with an int8 kernel: Q8_0, Q4_K, Q6_K and IQ3_S (`--kernel-options dp4a`).
     All,
 }
 
@@ -32,7 +32,10 @@ impl Int8Products {
         match self {
             Int8Products::None => false,
             Int8Products::Q8_0 => ty == GgmlType::Q8_0,
-            Int8Products::All => matches!(ty, GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K),
+            Int8Products::All => matches!(
+                ty,
+                GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K | GgmlType::Iq3S
+            ),
         }
     }
 }

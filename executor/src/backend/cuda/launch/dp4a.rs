@@ -1,11 +1,11 @@
 //! Launchers of the int8-activation products (`kernels/cuda/dp4a.cu`, `--kernel-options
 //! dp4a`): the quantization of a product's input rows to q8a blocks of 32, and the Q8_0 /
-//! Q4_K / Q6_K matrix-vector (1..16 tokens, up to three matrices a launch), MoE gate/up and
-//! MoE down products over them; plus the host reference of the quantization
+//! Q4_K / Q6_K / IQ3_S matrix-vector (1..16 tokens, up to three matrices a launch), MoE
+//! gate/up and MoE down products over them; plus the host reference of the quantization
 //! ([`quantize_q8a`]) that the GPU tests compare with.
 //! Invariant: a [`Q8a`] holds whole rows of a multiple of 32 columns, quants first and the
 //! (d, s) pairs 16 bytes after them; nothing is launched over a type other than Q8_0 (split
-//! layout), Q4_K or Q6_K ([`supports`]), or a view smaller than the kernel touches.
+//! layout), Q4_K, Q6_K or IQ3_S ([`supports`]), or a view smaller than the kernel touches.
 
 use super::decode::ExpertTable;
 use super::{bad, cfg, f32s, int, launch, walk_blocks, Launcher, Mat, DQ_DOWN_MAXK, DQ_WARPS};
@@ -67,11 +67,11 @@ impl<'a> Q8a<'a> {
 }
 
 /// Whether the int8-activation products read weights of `ty` in rows of `cols`: Q8_0 (split
-/// layout, cols a multiple of 32), Q4_K and Q6_K (whole 256-value blocks).
+/// layout, cols a multiple of 32), Q4_K, Q6_K and IQ3_S (whole 256-value blocks).
 pub fn supports(ty: GgmlType, cols: usize) -> bool {
     match ty {
         GgmlType::Q8_0 => cols % 32 == 0 && cols > 0,
-        GgmlType::Q4K | GgmlType::Q6K => cols % 256 == 0 && cols > 0,
+        GgmlType::Q4K | GgmlType::Q6K | GgmlType::Iq3S => cols % 256 == 0 && cols > 0,
         _ => false,
     }
 }
@@ -139,7 +139,7 @@ pub fn mv(
             return Err(bad(
                 OP,
                 format!(
-                    "{} x {} {}: Q8_0 (columns a multiple of 32), Q4_K or Q6_K (of 256), one width",
+                    "{} x {} {}: Q8_0 (columns a multiple of 32), Q4_K, Q6_K or IQ3_S (of 256), one width",
                     m.rows, m.cols, m.ty
                 ),
             ));
@@ -214,7 +214,7 @@ pub fn moe_gate_up(
         return Err(bad(
             OP,
             format!(
-                "{} gate and {} up experts of {} columns: one type, Q8_0, Q4_K or Q6_K",
+                "{} gate and {} up experts of {} columns: one type, Q8_0, Q4_K, Q6_K or IQ3_S",
                 ex.ty, ex.ty_up, ex.e
             ),
         ));
@@ -255,7 +255,7 @@ pub fn moe_down(
         return Err(bad(
             OP,
             format!(
-                "{} down experts of {} columns, k {k}: Q8_0, Q4_K or Q6_K, k at most {DQ_DOWN_MAXK}",
+                "{} down experts of {} columns, k {k}: Q8_0, Q4_K, Q6_K or IQ3_S, k at most {DQ_DOWN_MAXK}",
                 ex.ty_down, ex.f
             ),
         ));
@@ -325,3 +325,23 @@ pub fn quantize_q8a(x: &[f32]) -> Q8aHost {
 #[cfg(test)]
 #[path = "dp4a_emu.rs"]
 mod emu;
+
+#[cfg(test)]
+mod tests {
+    use super::supports;
+    use crate::backend::cuda::options::{Int8Products, KernelOptions};
+    use strata_schemas::ggml::GgmlType;
+
+    /// `--kernel-options dp4a` sends IQ3_S products (the 80B file's experts and dense
+    /// matrices) to the int8 kernels, as the engine selects them (`covers` and `supports`);
+    /// the default keeps them on the f32 products until a GPU measures the A/B.
+    #[test]
+    fn dp4a_selects_iq3_s_and_the_default_does_not() {
+        let all = KernelOptions::parse(&["dp4a".into()]).unwrap().int8;
+        assert!(all.covers(GgmlType::Iq3S) && supports(GgmlType::Iq3S, 2048));
+        assert!(supports(GgmlType::Iq3S, 512) && !supports(GgmlType::Iq3S, 288));
+        assert!(!supports(GgmlType::Iq3S, 0) && !supports(GgmlType::Iq3Xxs, 2048));
+        assert!(!KernelOptions::default().int8.covers(GgmlType::Iq3S));
+        assert!(!Int8Products::None.covers(GgmlType::Iq3S));
+    }
+}
