@@ -125,6 +125,237 @@ __device__ __forceinline__ void gm_mma(float (&c)[4], const u32 (&a)[4], u32 b0,
     }
 }
 
+// ---- The pipelined any-type loader (GM_ANY with a type fixed at compile time) ----
+// The synchronous GM_ANY loader decodes each stage straight from global memory inside the
+// stage's load (quants.cuh's run-time switch, its 32 values through local memory for the
+// out-of-line types), so every stage waits on dependent global-load latency while the
+// cp.async pipeline covers only X. For the types llama.cpp's mixes use (IQ3_S, Q6_K, Q5_K,
+// IQ4_XS) the tiles below take the type as a template argument QT and split the load: each
+// thread holds the raw bytes of its groups of the next stage in registers (GmRaw<QT>::fetch,
+// vector loads where the block alignment allows), decodes them to f16 into shared memory
+// (GmRaw<QT>::decode) after the current stage's mmas, and at once fetches the stage after:
+// at the end of iteration kt it stores stage kt + 1 and fetches stage kt + 2, so those loads
+// are in flight across the barrier and stage kt + 1's mmas, one stage's raw bytes live at a
+// time, and the 32 values stay in registers. W is double-buffered (stage kt + 1's decode
+// writes the buffer stage kt - 1 was read from; the barrier at the top of each iteration
+// orders both), which with X's GM_STAGES cp.async slots takes 70 KiB of the fused M64 tile's
+// shared memory instead of 90 (three CTAs a multiprocessor instead of two, at 166 registers
+// for IQ3_S). n-fragments wholly past a tile's tokens skip their mmas (~10 tokens an expert
+// at the 80B's pp512 fill one or two of eight). The decoders read registers
+// but are quants.cuh's qt_group32_block_inl formulas operation for operation (the same
+// __fmul_rn / __fsub_rn in the same order, the same tables), so every f16 equals the
+// synchronous loader's bit for bit (tests/cuda_gemm.rs asserts it). Not yet run on a GPU
+// when written: `--kernel-options any-sync` keeps the synchronous loader for comparison.
+
+__device__ __forceinline__ u32 gm_ld16(const u8* p) { return __ldg((const unsigned short*)p); }
+
+// N little-endian 32-bit words of the bytes at p (any alignment), read as N (p 4-byte
+// aligned) or N + 1 aligned words and shifted into place; the extra word reaches at most 3
+// bytes past the range, inside the same aligned word (callers' ranges are followed by more
+// of the same block).
+template <int N>
+struct GmWords {
+    u32 w[N + 1], sh;
+    __device__ __forceinline__ void fetch(const u8* p) {
+        const unsigned long long a = (unsigned long long)p;
+        const u32* q = (const u32*)(a & ~3ull);
+        sh = (u32)(a & 3) * 8;
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = __ldg(q + i);
+        w[N] = sh ? __ldg(q + N) : 0u;
+    }
+    __device__ __forceinline__ u32 word(int i) const { return __funnelshift_r(w[i], w[i + 1], sh); }
+};
+
+// One group's raw bytes: fetch(b, gi) from block b (BYTES bytes) group gi (0..8, 256-value
+// blocks), decode(gi, v) its 32 values. The primary template is the synchronous loader's
+// placeholder (never fetched).
+template <int T>
+struct GmRaw {
+    static constexpr int BYTES = 0;
+    __device__ __forceinline__ void fetch(const u8*, int) {}
+    __device__ __forceinline__ void decode(int, float (&v)[32]) const {}
+};
+
+// IQ3_S (110-byte blocks, 2-byte aligned): d, the group's 8 grid indices, the byte of their
+// 9th bits, its 4 sign bytes and the byte of its scale nibble, as 16-bit loads.
+template <>
+struct GmRaw<QT_IQ3_S> {
+    static constexpr int BYTES = 110;
+    u32 d, qs[4], qh, sg[2], sc;
+    __device__ __forceinline__ void fetch(const u8* b, int gi) {
+        d = gm_ld16(b);
+#pragma unroll
+        for (int l = 0; l < 4; ++l) qs[l] = gm_ld16(b + 2 + 8 * gi + 2 * l);
+        qh = gm_ld16(b + 66 + (gi & ~1));
+        sg[0] = gm_ld16(b + 74 + 4 * gi);
+        sg[1] = gm_ld16(b + 76 + 4 * gi);
+        sc = gm_ld16(b + 106 + ((gi >> 1) & ~1));
+    }
+    __device__ __forceinline__ void decode(int gi, float (&v)[32]) const {
+        const int nsc = (sc >> (8 * ((gi >> 1) & 1) + 4 * (gi & 1))) & 15;
+        const float db = qt_mul(st_h2f((u16)d), (float)(1 + 2 * nsc));
+        const u32 h = qh >> (8 * (gi & 1));
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const int i0 = (qs[l] & 0xff) | (((h >> (2 * l)) & 1) << 8);
+            const int i1 = ((qs[l] >> 8) & 0xff) | (((h >> (2 * l + 1)) & 1) << 8);
+            const unsigned long long row =
+                (unsigned long long)IQ3S_GRID[i0] | ((unsigned long long)IQ3S_GRID[i1] << 32);
+            qt_put8(v + 8 * l, db, row, (sg[l >> 1] >> (8 * (l & 1))) & 0xff);
+        }
+    }
+};
+
+// Q6_K (210-byte blocks, 2-byte aligned): the group's 32 bytes of low nibbles and 32 bytes
+// of high bit pairs as words, its two scale bytes and d.
+template <>
+struct GmRaw<QT_Q6_K> {
+    static constexpr int BYTES = 210;
+    GmWords<8> ql, qh;
+    u32 sc, d;
+    __device__ __forceinline__ void fetch(const u8* b, int gi) {
+        const int h = gi >> 2;
+        ql.fetch(b + 64 * h + 32 * (gi & 1));
+        qh.fetch(b + 128 + 32 * h);
+        sc = gm_ld16(b + 192 + 2 * gi);
+        d = gm_ld16(b + 208);
+    }
+    __device__ __forceinline__ void decode(int gi, float (&v)[32]) const {
+        const float dd = st_h2f((u16)d);
+        const float dl0 = qt_mul(dd, (float)(i8)(sc & 0xff));
+        const float dl1 = qt_mul(dd, (float)(i8)((sc >> 8) & 0xff));
+        const int ls = 4 * ((gi >> 1) & 1), hs = 2 * (gi & 3);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const u32 lw = ql.word(i), hw = qh.word(i);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int lo = (lw >> (8 * k + ls)) & 15, hi = (hw >> (8 * k + hs)) & 3;
+                v[4 * i + k] = qt_mul(i < 4 ? dl0 : dl1, (float)((lo | (hi << 4)) - 32));
+            }
+        }
+    }
+};
+
+// Q5_K (176-byte blocks, 16-byte aligned as every row and matrix is): the 16-byte header
+// (d, dmin, 12 scale bytes), the 32 bytes of fifth bits and the group's 32 bytes of nibbles.
+template <>
+struct GmRaw<QT_Q5_K> {
+    static constexpr int BYTES = 176;
+    uint4 hd, qh[2], qs[2];
+    __device__ __forceinline__ void fetch(const u8* b, int gi) {
+        const uint4* p = (const uint4*)b;
+        hd = __ldg(p);
+        qh[0] = __ldg(p + 1);
+        qh[1] = __ldg(p + 2);
+        const uint4* q = (const uint4*)(b + 48 + 32 * (gi >> 1));
+        qs[0] = __ldg(q);
+        qs[1] = __ldg(q + 1);
+    }
+    __device__ __forceinline__ void decode(int gi, float (&v)[32]) const {
+        const float dd = st_h2f((u16)(hd.x & 0xffff)), dmin = st_h2f((u16)(hd.x >> 16));
+        // qt_scale_min(gi, scales): bytes gi & 3 of scale words 0, 1, 2.
+        const int s = 8 * (gi & 3);
+        const int b0 = (hd.y >> s) & 0xff, b4 = (hd.z >> s) & 0xff, b8 = (hd.w >> s) & 0xff;
+        const int sc = gi < 4 ? b0 & 63 : (b8 & 15) | ((b0 >> 6) << 4);
+        const int m = gi < 4 ? b4 & 63 : (b8 >> 4) | ((b4 >> 6) << 4);
+        const float dl = qt_mul(dd, (float)sc), ml = qt_mul(dmin, (float)m);
+        const u32 qw[8] = {qs[0].x, qs[0].y, qs[0].z, qs[0].w, qs[1].x, qs[1].y, qs[1].z, qs[1].w};
+        const u32 hw[8] = {qh[0].x, qh[0].y, qh[0].z, qh[0].w, qh[1].x, qh[1].y, qh[1].z, qh[1].w};
+        const int shift = 4 * (gi & 1);
+#pragma unroll
+        for (int l = 0; l < 32; ++l) {
+            int x = (qw[l >> 2] >> (8 * (l & 3) + shift)) & 15;
+            x |= ((hw[l >> 2] >> (8 * (l & 3) + gi)) & 1) << 4;
+            v[l] = __fsub_rn(qt_mul(dl, (float)x), ml);
+        }
+    }
+};
+
+// IQ4_XS (136-byte blocks, 8-byte aligned as every row and matrix is): the 8-byte header
+// (d, the high scale bits, the low scale nibbles) and the group's 16 bytes of nibbles.
+template <>
+struct GmRaw<QT_IQ4_XS> {
+    static constexpr int BYTES = 136;
+    uint2 hd, qs[2];
+    __device__ __forceinline__ void fetch(const u8* b, int gi) {
+        hd = __ldg((const uint2*)b);
+        const uint2* q = (const uint2*)(b + 8 + 16 * gi);
+        qs[0] = __ldg(q);
+        qs[1] = __ldg(q + 1);
+    }
+    __device__ __forceinline__ void decode(int gi, float (&v)[32]) const {
+        const int lo = (hd.y >> (8 * (gi >> 1) + 4 * (gi & 1))) & 15;
+        const int hi = (hd.x >> (16 + 2 * gi)) & 3;
+        const float dl = qt_mul(st_h2f((u16)(hd.x & 0xffff)), (float)((lo | (hi << 4)) - 32));
+        const u32 qw[4] = {qs[0].x, qs[0].y, qs[1].x, qs[1].y};
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            const int jj = j & 15;
+            const int q = (qw[jj >> 2] >> (8 * (jj & 3) + 4 * (j >> 4))) & 15;
+            v[j] = qt_mul(dl, (float)KVALUES_IQ4NL[q]);
+        }
+    }
+};
+
+// 32 values -> f16 (round to nearest even) at dst (16-byte aligned): the layout of one
+// 32-column half of a 16-bit W row, as both any-type loaders store it.
+__device__ __forceinline__ void gm_store_h32(u8* dst, const float (&v)[32]) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        u32 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            h[j] = (u32)st_f2h(v[8 * q + 2 * j]) | ((u32)st_f2h(v[8 * q + 2 * j + 1]) << 16);
+        ((uint4*)dst)[q] = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+}
+
+// One thread's share of a stage of the pipelined loader: groups c = tid + i * NT (i < NG) of
+// the BM rows x 2 halves of GM_BK = 64 columns, of each of the NW matrices; groups past
+// `rows` or `cols` are never fetched and store zeros.
+template <int QT, int BM, int NT, int NW>
+struct GmPipe {
+    static constexpr int NG = BM * 2 / NT;
+    static_assert(NG * NT == BM * 2, "each thread owns whole groups");
+    GmRaw<QT> raw[NW][NG];
+
+    __device__ __forceinline__ void fetch(const u8* W, const u8* W2, int rows, int cols,
+                                          int row0, int k0, int tid) {
+        const long rb = (long)(cols / 256) * GmRaw<QT>::BYTES;
+#pragma unroll
+        for (int m = 0; m < NW; ++m)
+#pragma unroll
+            for (int i = 0; i < NG; ++i) {
+                const int c = tid + i * NT, gr = row0 + (c >> 1), kk = k0 + (c & 1) * 32;
+                if (gr < rows && kk < cols)
+                    raw[m][i].fetch((m == 0 ? W : W2) + gr * rb + (kk / 256) * GmRaw<QT>::BYTES,
+                                    (kk / 32) & 7);
+            }
+    }
+
+    // Decodes the fetched groups into the W buffer `wb` (matrix m at wb + m * wbytes).
+    __device__ __forceinline__ void store(u8* wb, int wbytes, int rows, int cols, int row0,
+                                          int k0, int tid) const {
+#pragma unroll
+        for (int m = 0; m < NW; ++m)
+#pragma unroll
+            for (int i = 0; i < NG; ++i) {
+                const int c = tid + i * NT, row = c >> 1, part = c & 1;
+                const int gr = row0 + row, kk = k0 + part * 32;
+                float v[32];
+                if (gr < rows && kk < cols) {
+                    raw[m][i].decode((kk / 32) & 7, v);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 32; ++j) v[j] = 0.0f;
+                }
+                gm_store_h32(wb + m * wbytes + row * GM_H_STRIDE + part * 64, v);
+            }
+    }
+};
+
 // Shared-memory bytes of one pipeline stage.
 // With GLU two weight tiles (gate, then up) each of W + S bytes.
 template <int WT, int BM, bool GLU>
@@ -153,7 +384,7 @@ struct GmStage {
 // (sub-blocks 2c and 2c + 1), one 32-bit load per fragment.
 // GLU: W2 is a second matrix (up) of the same shape as W (gate); the tile writes
 // silu(W_r . x) * (W2_r . x).
-template <int WT, int BM, int WN, bool GLU>
+template <int WT, int BM, int WN, bool GLU, int QT = 0>
 __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __restrict__ W2,
                                         int rows, int cols, int row0,
                                         const u16* __restrict__ X16, const int* xrow,
@@ -161,8 +392,14 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                                         int ldy, u8* smem, int kpart, int kparts, int add_y,
                                         int gt = 0) {
     constexpr bool Q8 = WT == GM_Q8, Q4K = WT == GM_Q4K, ANY = WT == GM_ANY;
+    // The pipelined any-type loader (GmPipe): W double-buffered after the X slots.
+    constexpr bool PIPE = ANY && QT != 0;
     typedef GmStage<WT, BM, GLU> St;
     constexpr int NT = BM * WN;         // threads: BM/32 warps along the rows x WN
+    // Bytes between X slots and X's offset in its slot; PIPE's W buffers start at WB0.
+    constexpr int XSTEP = PIPE ? St::X : St::BYTES;
+    constexpr int X0 = PIPE ? 0 : St::NW * (St::W + St::S);
+    constexpr int WB0 = GM_STAGES * St::X;
     constexpr int NI = GM_BN / 8 / WN;  // n-fragments (8 tokens) per warp
     const int tid = threadIdx.x;
     const int nb = cols / QK8_0;
@@ -170,10 +407,11 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
     const int kt_all = (cols + GM_BK - 1) / GM_BK;
     const int kt_lo = kt_all * kpart / kparts, kt_n = kt_all * (kpart + 1) / kparts - kt_lo;
 
+    // Stage kt (absolute) into slot: W (but PIPE's, which GmPipe loads) and X.
     auto load = [&](int slot, int kt) {
         const int k0 = kt * GM_BK;
 #pragma unroll
-        for (int m = 0; m < St::NW; ++m) {
+        for (int m = 0; m < (PIPE ? 0 : St::NW); ++m) {
         u8* st = smem + slot * St::BYTES + m * (St::W + St::S);
         const u8* Wm = m == 0 ? W : W2;
         const u8* scales = Wm + (long)rows * cols;
@@ -241,14 +479,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
 #pragma unroll
                     for (int j = 0; j < 32; ++j) v[j] = 0.0f;
                 }
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    u32 h[4];
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        h[j] = (u32)st_f2h(v[8 * q + 2 * j]) | ((u32)st_f2h(v[8 * q + 2 * j + 1]) << 16);
-                    dst[q] = make_uint4(h[0], h[1], h[2], h[3]);
-                }
+                gm_store_h32((u8*)dst, v);
             }
         } else {
             for (int c = tid; c < BM * 8; c += NT) {
@@ -260,7 +491,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
             }
         }
         }
-        u8* sx = smem + slot * St::BYTES + St::NW * (St::W + St::S);
+        u8* sx = smem + slot * XSTEP + X0;
         for (int c = tid; c < GM_BN * 8; c += NT) {
             const int n = c >> 3, part = c & 7;
             const int kk = k0 + part * 8;
@@ -282,6 +513,15 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[m][i][j][v] = 0.0f;
 
+    // PIPE: stage 0's W decoded now into buffer 0 and stage 1's raw bytes fetched; then the
+    // end of iteration kt stores stage kt + 1's into buffer (kt + 1) & 1 and fetches stage
+    // kt + 2's, whose loads are in flight across the next barrier and stage kt + 1's mmas.
+    GmPipe<QT, BM, NT, St::NW> pipe;
+    if (PIPE && kt_n > 0) {
+        pipe.fetch(W, W2, rows, cols, row0, kt_lo * GM_BK, tid);
+        pipe.store(smem + WB0, St::W, rows, cols, row0, kt_lo * GM_BK, tid);
+        if (kt_n > 1) pipe.fetch(W, W2, rows, cols, row0, (kt_lo + 1) * GM_BK, tid);
+    }
 #pragma unroll
     for (int s = 0; s < GM_STAGES - 1; ++s) {
         if (s < kt_n) load(s, kt_lo + s);
@@ -295,7 +535,12 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
             if (nk < kt_n) load(nk % GM_STAGES, kt_lo + nk);
             gm_commit();
         }
-        const u8* sx = smem + (kt % GM_STAGES) * St::BYTES + St::NW * (St::W + St::S);
+        // This stage's W of matrix m.
+        auto wst = [&](int m) -> const u8* {
+            return PIPE ? smem + WB0 + ((kt & 1) * St::NW + m) * St::W
+                        : smem + (kt % GM_STAGES) * St::BYTES + m * (St::W + St::S);
+        };
+        const u8* sx = smem + (kt % GM_STAGES) * XSTEP + X0;
         // Q4_K: (d * sc, -dmin * m) of this stage's two sub-blocks for each row a thread
         // reads: [m][mi][row r0 / r1][sub-block].
         u32 q4s[St::NW][2][2][2];
@@ -303,7 +548,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
             const int ch = (kt_lo + kt) & 3;
 #pragma unroll
             for (int m = 0; m < St::NW; ++m) {
-                const u8* st = smem + (kt % GM_STAGES) * St::BYTES + m * (St::W + St::S);
+                const u8* st = wst(m);
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -318,7 +563,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
         for (int s = 0; s < GM_BK / 16; ++s) {
 #pragma unroll
           for (int m = 0; m < St::NW; ++m) {
-            const u8* st = smem + (kt % GM_STAGES) * St::BYTES + m * (St::W + St::S);
+            const u8* st = wst(m);
             u32 a[2][4];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
@@ -347,6 +592,9 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
             }
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
+                // PIPE: n-fragments wholly past the tile's tokens are skipped (warp-uniform;
+                // their sums would be of zero X rows, never written).
+                if (PIPE && wn * (GM_BN / WN) + ni * 8 >= n_valid) continue;
                 const int n = wn * (GM_BN / WN) + ni * 8 + g;
                 const uint2 b = *(const uint2*)(sx + n * GM_H_STRIDE + s * 32 + tg * 8);
 #pragma unroll
@@ -354,6 +602,12 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
                     gm_mma<WT != GM_BF16>(acc[m][mi][ni], a[mi], b.x, b.y);
             }
           }
+        }
+        if (PIPE && kt + 1 < kt_n) {
+            pipe.store(smem + WB0 + ((kt + 1) & 1) * St::NW * St::W, St::W, rows, cols, row0,
+                       (kt_lo + kt + 1) * GM_BK, tid);
+            if (kt + 2 < kt_n)
+                pipe.fetch(W, W2, rows, cols, row0, (kt_lo + kt + 2) * GM_BK, tid);
         }
     }
     asm volatile("cp.async.wait_all;\n" ::);
@@ -381,7 +635,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
 // Dense: grid (ceil(rows / BM), ceil(n_tok / GM_BN), K parts), block BM * WN, dynamic shared
 // memory GM_STAGES * GmStage::BYTES. With more than one K part Y must be zeroed first; two
 // parts keep the result deterministic (0 + a + b == 0 + b + a).
-template <int WT, int BM, int WN>
+template <int WT, int BM, int WN, int QT = 0>
 __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, int rows,
                                          int cols, int n_tok, int acc, int gt = 0) {
     extern __shared__ __align__(16) u8 gm_smem[];
@@ -390,7 +644,7 @@ __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, 
     const int n_valid = min(GM_BN, n_tok - t0);
     if (threadIdx.x < GM_BN) xrow[threadIdx.x] = t0 + threadIdx.x;
     __syncthreads();
-    gm_tile<WT, BM, WN, false>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y,
+    gm_tile<WT, BM, WN, false, QT>(W, W, rows, cols, blockIdx.x * BM, X16, xrow, xrow, n_valid, Y,
                                rows, gm_smem, blockIdx.z, gridDim.z, acc, gt);
 }
 
@@ -399,7 +653,7 @@ __device__ __forceinline__ void gm_dense(const u8* W, const u16* X16, float* Y, 
 // device-side tile count exit. Expert e's matrix starts at byte e * mat_bytes of W (W2), or,
 // when tab (tab2) is not null, at the address tab[3 e] (tab2[3 e]): an expert table of
 // (gate, up, down) pointers as the expert cache keeps it, tab pointing at the column read.
-template <int WT, int BM, int WN, bool GLU>
+template <int WT, int BM, int WN, bool GLU, int QT = 0>
 __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes,
                                        const u16* X16, float* Y,
                                        int rows, int cols, const int* offsets, const int* perm,
@@ -420,7 +674,7 @@ __device__ __forceinline__ void gm_moe(const u8* W, const u8* W2, long mat_bytes
     __syncthreads();
     const u8* We = tab ? (const u8*)tab[3 * e] : W + (long)e * mat_bytes;
     const u8* W2e = tab2 ? (const u8*)tab2[3 * e] : W2 + (long)e * mat_bytes;
-    gm_tile<WT, BM, WN, GLU>(We, W2e, rows, cols,
+    gm_tile<WT, BM, WN, GLU, QT>(We, W2e, rows, cols,
                          blockIdx.x * BM, X16, xrow, yrow, n_valid, Y, rows, gm_smem, 0, 1, 0,
                          gt);
 }
@@ -542,6 +796,67 @@ ST_KERNEL void moe_gemm_any_m128w(GM_MOE_ARGS, int gt) {
 }
 ST_KERNEL void moe_gemm_glu_any_m64(const u8* __restrict__ Wu, GM_MOE_ARGS, int gt) {
     gm_moe<GM_ANY, 64, 2, true>(W, Wu, GM_MOE_PASS, gt);
+}
+
+// The pipelined any-type loader (GmPipe) for the types it covers, in the tiles the engine
+// uses for them (dense M64 and M128, grouped M128W, fused gate + up M64): the arguments of
+// the any-type kernels (gt, which must be the kernel's type, unused), the same results bit
+// for bit. The other tiles, and every tile with `--kernel-options any-sync`, run the *_any_* kernels.
+ST_KERNEL void gemm_iq3_s_p_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                            float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 64, 2, QT_IQ3_S>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void gemm_iq3_s_p_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 128, 2, QT_IQ3_S>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void moe_gemm_iq3_s_p_m128w(GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 128, 1, false, QT_IQ3_S>(W, W, GM_MOE_PASS, gt);
+}
+ST_KERNEL void moe_gemm_glu_iq3_s_p_m64(const u8* __restrict__ Wu, GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 64, 2, true, QT_IQ3_S>(W, Wu, GM_MOE_PASS, gt);
+}
+ST_KERNEL void gemm_q6_k_p_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                            float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 64, 2, QT_Q6_K>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void gemm_q6_k_p_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 128, 2, QT_Q6_K>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void moe_gemm_q6_k_p_m128w(GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 128, 1, false, QT_Q6_K>(W, W, GM_MOE_PASS, gt);
+}
+ST_KERNEL void moe_gemm_glu_q6_k_p_m64(const u8* __restrict__ Wu, GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 64, 2, true, QT_Q6_K>(W, Wu, GM_MOE_PASS, gt);
+}
+ST_KERNEL void gemm_q5_k_p_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                            float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 64, 2, QT_Q5_K>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void gemm_q5_k_p_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 128, 2, QT_Q5_K>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void moe_gemm_q5_k_p_m128w(GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 128, 1, false, QT_Q5_K>(W, W, GM_MOE_PASS, gt);
+}
+ST_KERNEL void moe_gemm_glu_q5_k_p_m64(const u8* __restrict__ Wu, GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 64, 2, true, QT_Q5_K>(W, Wu, GM_MOE_PASS, gt);
+}
+ST_KERNEL void gemm_iq4_xs_p_m64(const u8* __restrict__ W, const u16* __restrict__ X16,
+                            float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 64, 2, QT_IQ4_XS>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void gemm_iq4_xs_p_m128(const u8* __restrict__ W, const u16* __restrict__ X16,
+                             float* __restrict__ Y, int rows, int cols, int n_tok, int acc, int gt) {
+    gm_dense<GM_ANY, 128, 2, QT_IQ4_XS>(W, X16, Y, rows, cols, n_tok, acc, gt);
+}
+ST_KERNEL void moe_gemm_iq4_xs_p_m128w(GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 128, 1, false, QT_IQ4_XS>(W, W, GM_MOE_PASS, gt);
+}
+ST_KERNEL void moe_gemm_glu_iq4_xs_p_m64(const u8* __restrict__ Wu, GM_MOE_ARGS, int gt) {
+    gm_moe<GM_ANY, 64, 2, true, QT_IQ4_XS>(W, Wu, GM_MOE_PASS, gt);
 }
 
 // X f32 -> f16 (bf16 != 0: bf16), round to nearest even; n a multiple of 4, both 16-byte

@@ -146,8 +146,18 @@ impl CudaStage {
             let yv = self.rows(*y, n, m.rows)?;
             let tile = self.dev.gemm_default_tile(m.ty, m.rows, n);
             l.timed(label, || {
-                self.dev
-                    .gemm_converted(tile, w.w, m.ty, m.rows, m.cols, xh, n, yv, acc)
+                self.dev.gemm_converted(
+                    tile,
+                    self.opts.any_load,
+                    w.w,
+                    m.ty,
+                    m.rows,
+                    m.cols,
+                    xh,
+                    n,
+                    yv,
+                    acc,
+                )
             })?;
         }
         Ok(())
@@ -178,8 +188,18 @@ impl CudaStage {
                 let w = self.mat(*m)?;
                 let tile = self.dev.gemm_default_tile(m.ty, m.rows, n);
                 l.timed("gemm_shexp", || {
-                    self.dev
-                        .gemm_converted(tile, w.w, m.ty, m.rows, m.cols, xh, n, *y, false)
+                    self.dev.gemm_converted(
+                        tile,
+                        self.opts.any_load,
+                        w.w,
+                        m.ty,
+                        m.rows,
+                        m.cols,
+                        xh,
+                        n,
+                        *y,
+                        false,
+                    )
                 })?;
             } else {
                 decode::mv(l, "mv_shexp", self.mat(*m)?, x, None, *y, n, false, stage)?;
@@ -275,6 +295,7 @@ impl CudaStage {
         l.timed("moe_gemm_glu", || {
             self.dev.moe_gemm_from(
                 GemmTile::M64,
+                self.opts.any_load,
                 gate_up,
                 ty,
                 ne,
@@ -295,6 +316,7 @@ impl CudaStage {
         l.timed("moe_gemm_down", || {
             self.dev.moe_gemm_from(
                 MOE_DEFAULT_TILE,
+                self.opts.any_load,
                 down,
                 ty_down,
                 ne,

@@ -6,6 +6,13 @@
 //! over those tiles. Activations are f32 in and out; each product first rounds `x` into a
 //! caller-provided 16-bit scratch (f16 for Q8_0 and Q4_K weights, bf16 for BF16 weights).
 //! Each product picks its kernel by its own weight type, so types may be mixed per tensor.
+//! IQ3_S, Q6_K, Q5_K and IQ4_XS weights take the pipelined any-type loader by default
+//! ([`AnyLoad`]: raw bytes fetched into registers a stage ahead, decoded after the stage's
+//! mmas, the type fixed at compile time), in the tiles the engine uses for them (dense M64
+//! and M128, grouped M128W, fused gate + up M64); `AnyLoad::Sync` (`--kernel-options
+//! any-sync`) and the other tiles keep the synchronous loader. Both give the same f16 weights
+//! bit for bit. The pipelined loader has not run on a GPU yet (written 2026-12-05 without
+//! one); tests/cuda_gemm.rs holds it to the CPU reference and to the synchronous loader.
 //! Invariant: every launch's views are checked (bytes and alignment) against what the kernels
 //! touch before it is queued, and no launcher reads anything back from the device, so the
 //! whole MoE sequence (sort, convert, products) can be captured in a CUDA graph: its grids
@@ -58,6 +65,68 @@ impl GemmTile {
             GemmTile::M128 => 256,
         }
     }
+}
+
+/// How the any-type kernels (every weight type but Q8_0, Q4_K and BF16) load their weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AnyLoad {
+    /// IQ3_S, Q6_K, Q5_K and IQ4_XS through the pipelined loader where the tile has it
+    /// ([`any_load_pipelined`]); every other type and tile as `Sync`.
+    #[default]
+    Pipelined,
+    /// Each stage's weights decoded synchronously from global memory as the stage is loaded
+    /// (`--kernel-options any-sync`): the loader before the pipelined one, for comparison.
+    Sync,
+}
+
+/// Whether products over `ty` weights in `tile` (`moe`: grouped; `glu`: the fused gate + up,
+/// always M64) take the pipelined any-type loader under `load`.
+pub fn any_load_pipelined(
+    load: AnyLoad,
+    ty: GgmlType,
+    moe: bool,
+    glu: bool,
+    tile: GemmTile,
+) -> bool {
+    load == AnyLoad::Pipelined
+        && pipe_kernels(ty).is_some()
+        && match (moe, glu) {
+            (true, true) => true,
+            (true, false) => tile == GemmTile::M128W,
+            (false, _) => tile != GemmTile::M128W,
+        }
+}
+
+/// The pipelined kernels of the types the pipelined loader covers: dense M64, dense M128,
+/// grouped M128W, fused gate + up M64.
+fn pipe_kernels(ty: GgmlType) -> Option<[&'static str; 4]> {
+    Some(match ty {
+        GgmlType::Iq3S => [
+            "gemm_iq3_s_p_m64",
+            "gemm_iq3_s_p_m128",
+            "moe_gemm_iq3_s_p_m128w",
+            "moe_gemm_glu_iq3_s_p_m64",
+        ],
+        GgmlType::Q6K => [
+            "gemm_q6_k_p_m64",
+            "gemm_q6_k_p_m128",
+            "moe_gemm_q6_k_p_m128w",
+            "moe_gemm_glu_q6_k_p_m64",
+        ],
+        GgmlType::Q5K => [
+            "gemm_q5_k_p_m64",
+            "gemm_q5_k_p_m128",
+            "moe_gemm_q5_k_p_m128w",
+            "moe_gemm_glu_q5_k_p_m64",
+        ],
+        GgmlType::Iq4Xs => [
+            "gemm_iq4_xs_p_m64",
+            "gemm_iq4_xs_p_m128",
+            "moe_gemm_iq4_xs_p_m128w",
+            "moe_gemm_glu_iq4_xs_p_m64",
+        ],
+        _ => return None,
+    })
 }
 
 /// Where a grouped expert product reads expert e's matrices.
@@ -151,8 +220,13 @@ pub fn gemm_supports(ty: GgmlType) -> bool {
     gemm_col_multiple(ty) != 0
 }
 
-fn smem_bytes(ty: GgmlType, tile: GemmTile, n_weights: usize) -> usize {
+/// Dynamic shared memory of a product (`pipelined`: the pipelined any-type loader's layout,
+/// GEMM_STAGES X slots and two W buffers).
+fn smem_bytes(ty: GgmlType, tile: GemmTile, n_weights: usize, pipelined: bool) -> usize {
     let bm = tile.rows();
+    if pipelined {
+        return GEMM_STAGES * GEMM_BN * 160 + 2 * n_weights * bm * 160;
+    }
     let w = match ty {
         // GM_Q8_WSTRIDE bytes of quants and two f16 scales per row.
         GgmlType::Q8_0 => bm * 80 + bm * 4,
@@ -163,7 +237,30 @@ fn smem_bytes(ty: GgmlType, tile: GemmTile, n_weights: usize) -> usize {
     GEMM_STAGES * (n_weights * w + GEMM_BN * 160)
 }
 
-/// The kernel of a product (`glu`: the fused gate + up form, 64-row tile only).
+/// The kernel of a product (`glu`: the fused gate + up form, 64-row tile only), and whether
+/// it is a pipelined any-type kernel.
+fn kernel(
+    moe: bool,
+    glu: bool,
+    ty: GgmlType,
+    tile: GemmTile,
+    load: AnyLoad,
+) -> (&'static str, bool) {
+    match pipe_kernels(ty) {
+        Some([m64, m128, moe_m128w, glu_m64]) if any_load_pipelined(load, ty, moe, glu, tile) => {
+            let name = match (moe, glu, tile) {
+                (true, true, _) => glu_m64,
+                (true, false, _) => moe_m128w,
+                (false, _, GemmTile::M64) => m64,
+                (false, _, _) => m128,
+            };
+            (name, true)
+        }
+        _ => (kernel_name(moe, glu, ty, tile), false),
+    }
+}
+
+/// The synchronous-loader kernel of a product.
 fn kernel_name(moe: bool, glu: bool, ty: GgmlType, tile: GemmTile) -> &'static str {
     use GemmTile::*;
     use GgmlType::{Q4K, Q8_0};
@@ -277,7 +374,18 @@ impl CudaDevice {
         matrix_bytes("gemm", ty, rows, cols)?;
         self.gemm_convert_x(x, n_tok, cols, ty, scratch)?;
         let tile = self.gemm_default_tile(ty, rows, n_tok);
-        self.gemm_converted(tile, w, ty, rows, cols, scratch, n_tok, y, false)
+        self.gemm_converted(
+            tile,
+            AnyLoad::default(),
+            w,
+            ty,
+            rows,
+            cols,
+            scratch,
+            n_tok,
+            y,
+            false,
+        )
     }
 
     /// How many K parts the dense product splits into by default: 2 when the tiles fill less
@@ -299,13 +407,14 @@ impl CudaDevice {
     }
 
     /// The product of [`CudaDevice::gemm`] on an input already converted by
-    /// [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile and the default K split;
-    /// `acc`: add the product into `y` instead of overwriting it (one K part then, so each
-    /// element has one writer and the sum is deterministic).
+    /// [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile and any-type loader and
+    /// the default K split; `acc`: add the product into `y` instead of overwriting it (one K
+    /// part then, so each element has one writer and the sum is deterministic).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_converted(
         &self,
         tile: GemmTile,
+        load: AnyLoad,
         w: DeviceView<'_>,
         ty: GgmlType,
         rows: usize,
@@ -320,7 +429,7 @@ impl CudaDevice {
         } else {
             self.gemm_default_kparts(tile, rows, cols, n_tok)
         };
-        self.gemm_converted_kparts(tile, kparts, w, ty, rows, cols, xh, n_tok, y, acc)
+        self.gemm_converted_kparts(tile, load, kparts, w, ty, rows, cols, xh, n_tok, y, acc)
     }
 
     /// [`CudaDevice::gemm_converted`] with an explicit K split: `kparts` 1 (plain stores, or
@@ -331,6 +440,7 @@ impl CudaDevice {
     pub fn gemm_converted_kparts(
         &self,
         tile: GemmTile,
+        load: AnyLoad,
         kparts: usize,
         w: DeviceView<'_>,
         ty: GgmlType,
@@ -369,9 +479,9 @@ impl CudaDevice {
                 format!("n_tok {n_tok} needs more than 65535 token tiles"),
             ));
         }
-        let name = kernel_name(false, false, ty, tile);
+        let (name, pipelined) = kernel(false, false, ty, tile, load);
         let f = self.function(name)?;
-        let smem = smem_bytes(ty, tile, 1);
+        let smem = smem_bytes(ty, tile, 1, pipelined);
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -505,6 +615,7 @@ impl CudaDevice {
         self.gemm_convert_x(x, x_rows, cols, ty, scratch)?;
         self.moe_gemm_converted(
             MOE_DEFAULT_TILE,
+            AnyLoad::default(),
             w,
             None,
             ty,
@@ -548,6 +659,7 @@ impl CudaDevice {
         self.gemm_convert_x(x, x_rows, cols, ty, scratch)?;
         self.moe_gemm_converted(
             GemmTile::M64,
+            AnyLoad::default(),
             wg,
             Some(wu),
             ty,
@@ -565,11 +677,13 @@ impl CudaDevice {
 
     /// The product of [`CudaDevice::moe_gemm`] (`wu` None) or [`CudaDevice::moe_gemm_glu`]
     /// (`w` the gate and `wu` the up tensor; always the 64-row tile) on an input already
-    /// converted by [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile.
+    /// converted by [`CudaDevice::gemm_convert_x`] (`xh`), with an explicit tile and
+    /// any-type loader.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemm_converted(
         &self,
         tile: GemmTile,
+        load: AnyLoad,
         w: DeviceView<'_>,
         wu: Option<DeviceView<'_>>,
         ty: GgmlType,
@@ -585,7 +699,7 @@ impl CudaDevice {
     ) -> Result<(), CudaError> {
         let src = ExpertSource::Strided { w, wu, stride: 0 };
         self.moe_gemm_from(
-            tile, src, ty, n_expert, rows, cols, xh, input, n_tok, k, sorted, y,
+            tile, load, src, ty, n_expert, rows, cols, xh, input, n_tok, k, sorted, y,
         )
     }
 
@@ -597,6 +711,7 @@ impl CudaDevice {
     pub fn moe_gemm_from(
         &self,
         tile: GemmTile,
+        load: AnyLoad,
         src: ExpertSource<'_>,
         ty: GgmlType,
         n_expert: usize,
@@ -685,9 +800,9 @@ impl CudaDevice {
         }
         let gather = (input == MoeInput::Gather) as i32;
         let tile = if fused { GemmTile::M64 } else { tile };
-        let name = kernel_name(true, fused, ty, tile);
+        let (name, pipelined) = kernel(true, fused, ty, tile, load);
         let f = self.function(name)?;
-        let smem = smem_bytes(ty, tile, 1 + fused as usize);
+        let smem = smem_bytes(ty, tile, 1 + fused as usize, pipelined);
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -735,21 +850,96 @@ mod tests {
     use super::*;
 
     /// Every kernel a launcher can name is an entry point of the gemm module (a missing one
-    /// only shows at launch, on a GPU).
+    /// only shows at launch, on a GPU), and the pipelined any-type kernels are exactly the
+    /// four covered types' in the engine's four tiles.
     #[test]
     fn every_launched_kernel_is_a_gemm_entry_point() {
         let mut n = 0;
+        let mut pipelined = std::collections::BTreeSet::new();
         for (moe, glu) in [(false, false), (true, false), (true, true)] {
-            for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::BF16, GgmlType::Q6K] {
+            for ty in [
+                GgmlType::Q8_0,
+                GgmlType::Q4K,
+                GgmlType::BF16,
+                GgmlType::Q6K,
+                GgmlType::Iq3S,
+                GgmlType::Q5K,
+                GgmlType::Iq4Xs,
+                GgmlType::Q3K,
+            ] {
                 for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
-                    let name = kernel_name(moe, glu, ty, tile);
-                    let m = strata_kernels::module_of(name);
-                    assert!(m.is_some_and(|m| m.name == "gemm"), "{name}");
-                    n += 1;
+                    for load in [AnyLoad::Pipelined, AnyLoad::Sync] {
+                        let (name, p) = kernel(moe, glu, ty, tile, load);
+                        let m = strata_kernels::module_of(name);
+                        assert!(m.is_some_and(|m| m.name == "gemm"), "{name}");
+                        assert_eq!(p, name.contains("_p_m"), "{name}");
+                        assert_eq!(p, any_load_pipelined(load, ty, moe, glu, tile), "{name}");
+                        if p {
+                            pipelined.insert(name);
+                        } else if any_type(ty) {
+                            assert!(name.contains("_any_"), "{name}");
+                        }
+                        n += 1;
+                    }
                 }
             }
         }
-        assert_eq!(n, 36);
+        assert_eq!(n, 144);
+        assert_eq!(pipelined.len(), 16);
+        for ty in [
+            GgmlType::Iq3S,
+            GgmlType::Q6K,
+            GgmlType::Q5K,
+            GgmlType::Iq4Xs,
+        ] {
+            assert!(pipe_kernels(ty).is_some_and(|k| k.iter().all(|n| pipelined.contains(n))));
+        }
+        // The engine's tiles take them by default: the fused gate + up, the down product's
+        // default tile and both dense defaults.
+        let ty = GgmlType::Iq3S;
+        assert!(any_load_pipelined(
+            AnyLoad::default(),
+            ty,
+            true,
+            true,
+            GemmTile::M64
+        ));
+        assert!(any_load_pipelined(
+            AnyLoad::default(),
+            ty,
+            true,
+            false,
+            MOE_DEFAULT_TILE
+        ));
+        for tile in [GemmTile::M64, GemmTile::M128] {
+            assert!(any_load_pipelined(
+                AnyLoad::default(),
+                ty,
+                false,
+                false,
+                tile
+            ));
+        }
+    }
+
+    /// The pipelined layout (X stages and two W buffers) is smaller than the synchronous
+    /// one's (X and W in every stage), which is what buys the fused tile its third CTA.
+    #[test]
+    fn pipelined_tiles_take_less_shared_memory() {
+        for (tile, nw) in [
+            (GemmTile::M64, 2),
+            (GemmTile::M128W, 1),
+            (GemmTile::M128, 1),
+        ] {
+            let sync = smem_bytes(GgmlType::Iq3S, tile, nw, false);
+            let pipe = smem_bytes(GgmlType::Iq3S, tile, nw, true);
+            assert_eq!(
+                pipe,
+                GEMM_STAGES * GEMM_BN * 160 + 2 * nw * tile.rows() * 160
+            );
+            assert!(pipe < sync, "{tile:?}: {pipe} vs {sync}");
+        }
+        assert!(3 * smem_bytes(GgmlType::Iq3S, GemmTile::M64, 2, true) <= 227 * 1024);
     }
 
     #[test]

@@ -7,8 +7,10 @@
 //! function (most bit for bit; where a variant sums in another order, its doc says so), but
 //! the int8 products ([`Int8Products`]: on by default for Q8_0 weights, `dp4a` for every type
 //! that has them, `f32-products` for none), which round the products' inputs to 8 bits and
-//! say so.
+//! say so. `any-sync` picks the prefill products' synchronous any-type weight loader
+//! ([`AnyLoad`]) over the pipelined default, bit for bit the same.
 
+use super::gemm::AnyLoad;
 use super::handoff::HandoffPolicy;
 use strata_schemas::ggml::GgmlType;
 
@@ -82,6 +84,13 @@ pub struct KernelOptions {
     /// tensor-core prefill) and experts served through the expert cache keep the f32
     /// products.
     pub int8: Int8Products,
+    /// How the prefill's tensor-core products load weights of the types without a kernel of
+    /// their own (`gemm.rs`'s [`AnyLoad`]): IQ3_S, Q6_K, Q5_K and IQ4_XS through the pipelined
+    /// loader by default (raw bytes fetched a stage ahead into registers, decoded after the
+    /// stage's mmas), `any-sync` through the synchronous loader it replaces. The same f16
+    /// weights and so the same logits bit for bit either way. The pipelined loader has not
+    /// yet run on a GPU.
+    pub any_load: AnyLoad,
 }
 
 impl Default for KernelOptions {
@@ -95,13 +104,14 @@ impl Default for KernelOptions {
             expert_lfu: false,
             q4k_lanes: true,
             int8: Int8Products::Q8_0,
+            any_load: AnyLoad::Pipelined,
         }
     }
 }
 
 /// The values `--kernel-options` takes, for `--help` and errors.
 pub const KERNEL_OPTIONS_HELP: &str =
-    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu, q4k-own, dp4a, f32-products";
+    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu, q4k-own, dp4a, f32-products, any-sync";
 
 impl KernelOptions {
     /// The defaults with every product in f32 (`f32-products`): what the tests comparing the
@@ -125,6 +135,7 @@ impl KernelOptions {
                 "host-pick" => o.host_pick = true,
                 "expert-lfu" => o.expert_lfu = true,
                 "q4k-own" => o.q4k_lanes = false,
+                "any-sync" => o.any_load = AnyLoad::Sync,
                 "dp4a" | "f32-products" => {
                     let want = if item == "dp4a" {
                         Int8Products::All
@@ -307,5 +318,9 @@ mod tests {
                 .unwrap()
                 .expert_lfu
         );
+        assert_eq!(d.any_load, AnyLoad::Pipelined);
+        let o = KernelOptions::parse(&["any-sync".into(), "no-staging".into()]).unwrap();
+        assert!(o.any_load == AnyLoad::Sync && !o.stage_inputs && o.int8 == d.int8);
+        assert!(KERNEL_OPTIONS_HELP.contains("any-sync"));
     }
 }

@@ -12,7 +12,8 @@
 use super::cost::{filled, graph_ms, stream_ms};
 use crate::backend::cuda::forward::mat_bytes;
 use crate::backend::cuda::gemm::{
-    gemm_scratch_bytes, moe_scratch_bytes, ExpertSource, GemmTile, MoeInput, MOE_DEFAULT_TILE,
+    gemm_scratch_bytes, moe_scratch_bytes, AnyLoad, ExpertSource, GemmTile, MoeInput,
+    MOE_DEFAULT_TILE,
 };
 use crate::backend::cuda::launch::decode::{moe_down, moe_gate_up, ExpertTable};
 use crate::backend::cuda::launch::Launcher;
@@ -223,6 +224,7 @@ pub fn prefill_experts(dev: &CudaDevice, ty: GgmlType, reps: usize) -> Result<f6
         };
         dev.moe_gemm_from(
             GemmTile::M64,
+            AnyLoad::default(),
             gate_up,
             ty,
             N_EXPERT,
@@ -243,6 +245,7 @@ pub fn prefill_experts(dev: &CudaDevice, ty: GgmlType, reps: usize) -> Result<f6
         };
         dev.moe_gemm_from(
             MOE_DEFAULT_TILE,
+            AnyLoad::default(),
             down,
             ty,
             N_EXPERT,

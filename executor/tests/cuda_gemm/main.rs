@@ -19,14 +19,16 @@
 //! at these random rows, ~1.7 in all), so Q4_K is held to 12u * sqrt(...), about 7 deviations.
 #![cfg(feature = "cuda")]
 
+mod any_load;
+#[path = "../cuda_common/mod.rs"]
 mod cuda_common;
 use cuda_common::{get, put, rand_vec, Carve};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 use strata_exec::backend::cuda::gemm::{
-    gemm_scratch_bytes, moe_scratch_bytes, ExpertSource, GemmTile, MoeInput, MoeScratch, GEMM_BN,
-    MOE_DEFAULT_TILE,
+    gemm_scratch_bytes, moe_scratch_bytes, AnyLoad, ExpertSource, GemmTile, MoeInput, MoeScratch,
+    GEMM_BN, MOE_DEFAULT_TILE,
 };
 use strata_exec::backend::cuda::layout;
 use strata_exec::backend::cuda::{CudaDevice, DeviceArena, DeviceView};
@@ -189,8 +191,19 @@ fn dense_gemm_q8_0_q4_k_and_bf16_odd_shapes_match_cpu() {
                         None => d.gemm(wv, ty, rows, cols, xv, n_tok, yv, sv).unwrap(),
                         Some(t) => {
                             d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap();
-                            d.gemm_converted(t, wv, ty, rows, cols, sv, n_tok, yv, false)
-                                .unwrap()
+                            d.gemm_converted(
+                                t,
+                                AnyLoad::default(),
+                                wv,
+                                ty,
+                                rows,
+                                cols,
+                                sv,
+                                n_tok,
+                                yv,
+                                false,
+                            )
+                            .unwrap()
                         }
                     }
                     let got: Vec<f32> = get(d, yall, ny + 64);
@@ -208,8 +221,19 @@ fn dense_gemm_q8_0_q4_k_and_bf16_odd_shapes_match_cpu() {
                 d.htod(&y0, yv).unwrap();
                 let tile = d.gemm_default_tile(ty, rows, n_tok);
                 d.gemm_convert_x(xv, n_tok, cols, ty, sv).unwrap();
-                d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv, true)
-                    .unwrap();
+                d.gemm_converted(
+                    tile,
+                    AnyLoad::default(),
+                    wv,
+                    ty,
+                    rows,
+                    cols,
+                    sv,
+                    n_tok,
+                    yv,
+                    true,
+                )
+                .unwrap();
                 let got: Vec<f32> = get(d, yall, ny + 64);
                 let added: Vec<f32> = got[..ny].iter().zip(&y0).map(|(g, a)| g - a).collect();
                 let what = format!("gemm {ty} rows={rows} cols={cols} n_tok={n_tok} added into y");
@@ -437,7 +461,20 @@ fn moe_case(
         } else {
             d.gemm_convert_x(xv, x_rows, cols, ty, sv).unwrap();
             d.moe_gemm_converted(
-                tile, wv, None, ty, ne, rows, cols, sv, input, n_tok, k, sorted, yv,
+                tile,
+                AnyLoad::default(),
+                wv,
+                None,
+                ty,
+                ne,
+                rows,
+                cols,
+                sv,
+                input,
+                n_tok,
+                k,
+                sorted,
+                yv,
             )
             .unwrap();
         }
@@ -658,7 +695,19 @@ fn table_case(d: &CudaDevice, t: &TableCase, v: &TableViews<'_>) -> usize {
         d.memset(y2, 0x3f).unwrap();
         let run = |src, y| {
             d.moe_gemm_from(
-                tile, src, ty, ne, rows, cols, xh, input, n_tok, k, sorted, y,
+                tile,
+                AnyLoad::default(),
+                src,
+                ty,
+                ne,
+                rows,
+                cols,
+                xh,
+                input,
+                n_tok,
+                k,
+                sorted,
+                y,
             )
             .unwrap()
         };
@@ -768,6 +817,7 @@ fn moe_gemm_through_an_expert_table_equals_the_strided_stacks() {
             assert!(d
                 .moe_gemm_from(
                     GemmTile::M64,
+                    AnyLoad::default(),
                     bad,
                     ty,
                     ne,
@@ -998,8 +1048,19 @@ fn time_dense_gemm(t: Timing, rng: &mut StdRng, ty: GgmlType, rows: usize, cols:
     );
     for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
         let t = time_ms(d, reps, || {
-            d.gemm_converted(tile, wv, ty, rows, cols, sv, n_tok, yv, false)
-                .unwrap()
+            d.gemm_converted(
+                tile,
+                AnyLoad::default(),
+                wv,
+                ty,
+                rows,
+                cols,
+                sv,
+                n_tok,
+                yv,
+                false,
+            )
+            .unwrap()
         });
         line += &format!(
             "; {tile:?} {:.1} us = {:.1} TFLOP/s",
@@ -1020,8 +1081,20 @@ fn time_dense_gemm(t: Timing, rng: &mut StdRng, ty: GgmlType, rows: usize, cols:
     }
     for tile in [GemmTile::M64, GemmTile::M128W] {
         let t = time_ms(d, reps, || {
-            d.gemm_converted_kparts(tile, 2, wv, ty, rows, cols, sv, n_tok, yv, false)
-                .unwrap()
+            d.gemm_converted_kparts(
+                tile,
+                AnyLoad::default(),
+                2,
+                wv,
+                ty,
+                rows,
+                cols,
+                sv,
+                n_tok,
+                yv,
+                false,
+            )
+            .unwrap()
         });
         line += &format!(
             "; {tile:?} split-K 2 {:.1} us = {:.1} TFLOP/s",
@@ -1098,7 +1171,20 @@ fn time_moe_gemm(
     for tile in [GemmTile::M64, GemmTile::M128, GemmTile::M128W] {
         let t = time_ms(d, reps, || {
             d.moe_gemm_converted(
-                tile, wv, None, ty, ne, rows, cols, sv, input, n_tok, k, sorted, yv,
+                tile,
+                AnyLoad::default(),
+                wv,
+                None,
+                ty,
+                ne,
+                rows,
+                cols,
+                sv,
+                input,
+                n_tok,
+                k,
+                sorted,
+                yv,
             )
             .unwrap()
         });
@@ -1135,6 +1221,7 @@ fn time_moe_gemm(
         let t = time_ms(d, reps, || {
             d.moe_gemm_converted(
                 GemmTile::M64,
+                AnyLoad::default(),
                 wv,
                 Some(uv),
                 ty,
