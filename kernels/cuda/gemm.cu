@@ -3,13 +3,15 @@
 // (quants then f16 scales, see executor/src/backend/cuda/layout.rs), Q4_K in the GGUF layout
 // (144-byte blocks of 256 columns: f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins,
 // 128 bytes of nibbles; cols a multiple of 256), BF16 row-major, or any other ggml type in
-// the GGUF layout (GM_ANY: decoded to f16 by quants.cuh as each stage is loaded), X converted
+// the GGUF layout (GM_ANY: decoded to f16 by quants.cuh as each stage is loaded; IQ3_S,
+// Q6_K, Q5_K and IQ4_XS by default through the pipelined loader GmPipe below), X converted
 // once to f16 (quantized weights) or bf16 (BF16 weights) by gemm_cvt_x, Y f32; Q8_0 and Q4_K
 // weights are dequantized to f16 in registers from the pipeline stage in shared memory. And the grouped
 // MoE form: moe_sort (counting sort of the router's choices into per-expert tiles, all on the
 // device) then moe_gemm over the tile list, gathering X rows and scattering Y rows.
 // Invariant: rows past `rows`, tokens past a tile's count and columns past `cols` are never
-// read from global memory (cp.async zero-fills them) nor written; every launch has fixed
+// read from global memory (cp.async zero-fills them; GmPipe's aligned words may reach up to
+// 3 bytes past a field, inside its block) nor written; every launch has fixed
 // arguments (the MoE grid is sized by a host upper bound; surplus CTAs exit), so a CUDA graph
 // can capture it. CUDA only (the mma and cp.async PTX have no HIP counterpart here).
 
@@ -139,15 +141,27 @@ __device__ __forceinline__ void gm_mma(float (&c)[4], const u32 (&a)[4], u32 b0,
 // time, and the 32 values stay in registers. W is double-buffered (stage kt + 1's decode
 // writes the buffer stage kt - 1 was read from; the barrier at the top of each iteration
 // orders both), which with X's GM_STAGES cp.async slots takes 70 KiB of the fused M64 tile's
-// shared memory instead of 90 (three CTAs a multiprocessor instead of two, at 166 registers
-// for IQ3_S). n-fragments wholly past a tile's tokens skip their mmas (~10 tokens an expert
-// at the 80B's pp512 fill one or two of eight). The decoders read registers
-// but are quants.cuh's qt_group32_block_inl formulas operation for operation (the same
-// __fmul_rn / __fsub_rn in the same order, the same tables), so every f16 equals the
-// synchronous loader's bit for bit (tests/cuda_gemm.rs asserts it). Not yet run on a GPU
+// shared memory instead of 90 (three CTAs a multiprocessor instead of two, at the ~160
+// registers ptxas gives these tiles). n-fragments wholly past a tile's tokens skip their mmas
+// (~10 tokens an expert at the 80B's pp512 fill one or two of eight). The decoders read
+// registers but are quants.cuh's qt_group32_block_inl formulas operation for operation (the
+// same __fmul_rn / __fsub_rn in the same order, the same tables; small integers become floats
+// by a byte permute and an add, gm_b2f, exactly as a conversion would, and two values share
+// one cvt.rn.f16x2.f32: conversions run at a quarter of the adds' rate and were two of every
+// value's ~7 instructions), so every f16 equals the synchronous loader's bit for bit
+// (tests/cuda_gemm's any_load asserts it on a GPU; a host build of these decoders against
+// quants.cuh's matched every value of random blocks at every alignment). Not yet run on a GPU
 // when written: `--kernel-options any-sync` keeps the synchronous loader for comparison.
 
 __device__ __forceinline__ u32 gm_ld16(const u8* p) { return __ldg((const unsigned short*)p); }
+
+// Byte k of w (an integer u below 256) as the float u - off, exactly: the bits of 2^23 + u
+// minus 2^23 + off, a byte permute and an add instead of a conversion (a quarter of the rate
+// of the adds); exact, as the conversion is, so the values equal quants.cuh's `(float)q`.
+template <int K>
+__device__ __forceinline__ float gm_b2f(u32 w, float off) {
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7650 + K)) - (8388608.0f + off);
+}
 
 // N little-endian 32-bit words of the bytes at p (any alignment), read as N (p 4-byte
 // aligned) or N + 1 aligned words and shifted into place; the extra word reaches at most 3
@@ -200,9 +214,18 @@ struct GmRaw<QT_IQ3_S> {
         for (int l = 0; l < 4; ++l) {
             const int i0 = (qs[l] & 0xff) | (((h >> (2 * l)) & 1) << 8);
             const int i1 = ((qs[l] >> 8) & 0xff) | (((h >> (2 * l + 1)) & 1) << 8);
-            const unsigned long long row =
-                (unsigned long long)IQ3S_GRID[i0] | ((unsigned long long)IQ3S_GRID[i1] << 32);
-            qt_put8(v + 8 * l, db, row, (sg[l >> 1] >> (8 * (l & 1))) & 0xff);
+            const u32 g[2] = {IQ3S_GRID[i0], IQ3S_GRID[i1]};
+            const u32 signs = sg[l >> 1] >> (8 * (l & 1));
+            // qt_put8: (db * grid[j]) * sign_j.
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float gf = (j & 3) == 0   ? gm_b2f<0>(g[j >> 2], 0.0f)
+                                 : (j & 3) == 1 ? gm_b2f<1>(g[j >> 2], 0.0f)
+                                 : (j & 3) == 2 ? gm_b2f<2>(g[j >> 2], 0.0f)
+                                                : gm_b2f<3>(g[j >> 2], 0.0f);
+                const float x = qt_mul(db, gf);
+                v[8 * l + j] = (signs >> j) & 1 ? -x : x;
+            }
         }
     }
 };
@@ -228,12 +251,13 @@ struct GmRaw<QT_Q6_K> {
         const int ls = 4 * ((gi >> 1) & 1), hs = 2 * (gi & 3);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const u32 lw = ql.word(i), hw = qh.word(i);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int lo = (lw >> (8 * k + ls)) & 15, hi = (hw >> (8 * k + hs)) & 3;
-                v[4 * i + k] = qt_mul(i < 4 ? dl0 : dl1, (float)((lo | (hi << 4)) - 32));
-            }
+            // Four 6-bit quants, one a byte.
+            const u32 q = ((ql.word(i) >> ls) & 0x0f0f0f0fu) | (((qh.word(i) >> hs) & 0x03030303u) << 4);
+            const float dl = i < 4 ? dl0 : dl1;
+            v[4 * i] = qt_mul(dl, gm_b2f<0>(q, 32.0f));
+            v[4 * i + 1] = qt_mul(dl, gm_b2f<1>(q, 32.0f));
+            v[4 * i + 2] = qt_mul(dl, gm_b2f<2>(q, 32.0f));
+            v[4 * i + 3] = qt_mul(dl, gm_b2f<3>(q, 32.0f));
         }
     }
 };
@@ -265,10 +289,13 @@ struct GmRaw<QT_Q5_K> {
         const u32 hw[8] = {qh[0].x, qh[0].y, qh[0].z, qh[0].w, qh[1].x, qh[1].y, qh[1].z, qh[1].w};
         const int shift = 4 * (gi & 1);
 #pragma unroll
-        for (int l = 0; l < 32; ++l) {
-            int x = (qw[l >> 2] >> (8 * (l & 3) + shift)) & 15;
-            x |= ((hw[l >> 2] >> (8 * (l & 3) + gi)) & 1) << 4;
-            v[l] = __fsub_rn(qt_mul(dl, (float)x), ml);
+        for (int i = 0; i < 8; ++i) {
+            // Four 5-bit quants, one a byte.
+            const u32 q = ((qw[i] >> shift) & 0x0f0f0f0fu) | (((hw[i] >> gi) & 0x01010101u) << 4);
+            v[4 * i] = __fsub_rn(qt_mul(dl, gm_b2f<0>(q, 0.0f)), ml);
+            v[4 * i + 1] = __fsub_rn(qt_mul(dl, gm_b2f<1>(q, 0.0f)), ml);
+            v[4 * i + 2] = __fsub_rn(qt_mul(dl, gm_b2f<2>(q, 0.0f)), ml);
+            v[4 * i + 3] = __fsub_rn(qt_mul(dl, gm_b2f<3>(q, 0.0f)), ml);
         }
     }
 };
@@ -294,7 +321,9 @@ struct GmRaw<QT_IQ4_XS> {
         for (int j = 0; j < 32; ++j) {
             const int jj = j & 15;
             const int q = (qw[jj >> 2] >> (8 * (jj & 3) + 4 * (j >> 4))) & 15;
-            v[j] = qt_mul(dl, (float)KVALUES_IQ4NL[q]);
+            // The table's value + 128 as a byte, then exactly as a float.
+            const u32 b = (u32)(KVALUES_IQ4NL[q] + 128);
+            v[j] = qt_mul(dl, gm_b2f<0>(b, 128.0f));
         }
     }
 };
@@ -308,6 +337,21 @@ __device__ __forceinline__ void gm_store_h32(u8* dst, const float (&v)[32]) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
             h[j] = (u32)st_f2h(v[8 * q + 2 * j]) | ((u32)st_f2h(v[8 * q + 2 * j + 1]) << 16);
+        ((uint4*)dst)[q] = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+}
+
+// gm_store_h32 with two values a conversion (cvt.rn.f16x2.f32: each rounded to nearest even
+// as st_f2h rounds it, so the same bits), for the pipelined loader.
+__device__ __forceinline__ void gm_store_h32x2(u8* dst, const float (&v)[32]) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        u32 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)  // the first operand goes to the upper half
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;"
+                : "=r"(h[j])
+                : "f"(v[8 * q + 2 * j + 1]), "f"(v[8 * q + 2 * j]));
         ((uint4*)dst)[q] = make_uint4(h[0], h[1], h[2], h[3]);
     }
 }
@@ -351,7 +395,7 @@ struct GmPipe {
 #pragma unroll
                     for (int j = 0; j < 32; ++j) v[j] = 0.0f;
                 }
-                gm_store_h32(wb + m * wbytes + row * GM_H_STRIDE + part * 64, v);
+                gm_store_h32x2(wb + m * wbytes + row * GM_H_STRIDE + part * 64, v);
             }
     }
 };
@@ -513,19 +557,20 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[m][i][j][v] = 0.0f;
 
-    // PIPE: stage 0's W decoded now into buffer 0 and stage 1's raw bytes fetched; then the
-    // end of iteration kt stores stage kt + 1's into buffer (kt + 1) & 1 and fetches stage
-    // kt + 2's, whose loads are in flight across the next barrier and stage kt + 1's mmas.
+#pragma unroll
+    for (int s = 0; s < GM_STAGES - 1; ++s) {
+        if (s < kt_n) load(s, kt_lo + s);
+        gm_commit();
+    }
+    // PIPE (while X's first stages arrive): stage 0's W decoded into buffer 0 and stage 1's
+    // raw bytes fetched; then the end of iteration kt stores stage kt + 1's into buffer
+    // (kt + 1) & 1 and fetches stage kt + 2's, whose loads are in flight across the next
+    // barrier and stage kt + 1's mmas.
     GmPipe<QT, BM, NT, St::NW> pipe;
     if (PIPE && kt_n > 0) {
         pipe.fetch(W, W2, rows, cols, row0, kt_lo * GM_BK, tid);
         pipe.store(smem + WB0, St::W, rows, cols, row0, kt_lo * GM_BK, tid);
         if (kt_n > 1) pipe.fetch(W, W2, rows, cols, row0, (kt_lo + 1) * GM_BK, tid);
-    }
-#pragma unroll
-    for (int s = 0; s < GM_STAGES - 1; ++s) {
-        if (s < kt_n) load(s, kt_lo + s);
-        gm_commit();
     }
     for (int kt = 0; kt < kt_n; ++kt) {
         gm_wait_stages();

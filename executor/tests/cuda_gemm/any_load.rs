@@ -32,6 +32,9 @@ const TYPES: [GgmlType; 4] = [
 ];
 const LOADS: [AnyLoad; 2] = [AnyLoad::Pipelined, AnyLoad::Sync];
 
+/// One reference output: (sum, sqrt(sum (w x)^2), sum |w x|), as `super::reference` gives.
+type Ref = (f64, f64, f64);
+
 /// Random GGUF bytes of `ty` (one of [`TYPES`], 256-value blocks) for `mats` matrices of
 /// `rows × cols`: every bit pattern is a valid encoding but the f16 block scales, which are
 /// set to small normal values. Fast enough for hundreds of MB.
@@ -79,9 +82,9 @@ fn moe_reference(
     ids: &[i32],
     x: &[f32],
     xrow: impl Fn(usize) -> usize + Sync,
-) -> Vec<(f64, f64, f64)> {
+) -> Vec<Ref> {
     let ne = w.len() / (rows * quant::row_bytes(ty, cols).unwrap());
-    let parts: Vec<(usize, Vec<(f64, f64, f64)>)> = (0..ne)
+    let parts: Vec<(usize, Vec<Ref>)> = (0..ne)
         .into_par_iter()
         .flat_map_iter(|e| {
             let asg: Vec<usize> = (0..ids.len()).filter(|&a| ids[a] as usize == e).collect();
@@ -109,7 +112,7 @@ fn moe_reference(
 }
 
 /// Checks fused gate + up outputs `got` (silu(g) * u) against the gate and up references.
-fn check_glu(what: &str, ty: GgmlType, got: &[f32], g: &[(f64, f64, f64)], u: &[(f64, f64, f64)]) {
+fn check_glu(what: &str, ty: GgmlType, got: &[f32], g: &[Ref], u: &[Ref]) {
     let (un, m) = unit(ty);
     for (i, (o, (&(gv, g2, ga), &(uv, u2, ua)))) in got.iter().zip(g.iter().zip(u)).enumerate() {
         let sg = gv / (1.0 + (-gv).exp());
@@ -220,14 +223,16 @@ fn any_type_dense_products_on_both_loaders_match_cpu_and_each_other() {
     }
 }
 
-/// One grouped case: `ne` experts of gate and up `ff × hid` and down `hid × ff`, `n_tok`
+/// One grouped case: `ne` experts of gate and up `gu` (rows, cols) and down `dn`, `n_tok`
 /// tokens picking `k` distinct experts each among the first `used` (the rest stay empty).
+/// Every expert matrix must be a multiple of 16 bytes (rows x blocks a row a multiple of 8
+/// for IQ3_S and Q6_K).
 #[derive(Clone, Copy, Debug)]
 struct MoeShape {
     ne: usize,
     used: usize,
-    ff: usize,
-    hid: usize,
+    gu: (usize, usize),
+    dn: (usize, usize),
     n_tok: usize,
     k: usize,
 }
@@ -248,9 +253,10 @@ fn picks(rng: &mut StdRng, n_tok: usize, k: usize, used: usize) -> Vec<i32> {
         .collect()
 }
 
-/// The fused gate + up then the down product of one case, as the engine runs them, on both
-/// loaders from the strided stacks and on the default loader through an expert table: all
-/// bit-equal, and the default's against the CPU reference (down on the GPU's own h).
+/// The fused gate + up (gathered x) and the down product (direct x) of one case, as the
+/// engine launches them, on both loaders from the strided stacks and on the default loader
+/// through an expert table: all bit-equal, and the default's within the CPU reference's
+/// bounds.
 fn moe_any_case(
     d: &CudaDevice,
     a: &strata_exec::backend::cuda::DeviceArena,
@@ -261,29 +267,32 @@ fn moe_any_case(
     let MoeShape {
         ne,
         used,
-        ff,
-        hid,
+        gu: (f, e),
+        dn: (dr, dc),
         n_tok,
         k,
     } = s;
     let n_assign = n_tok * k;
-    let gb = any_bytes(rng, ty, ne, ff, hid);
-    let ub = any_bytes(rng, ty, ne, ff, hid);
-    let db = any_bytes(rng, ty, ne, hid, ff);
+    let gb = any_bytes(rng, ty, ne, f, e);
+    let ub = any_bytes(rng, ty, ne, f, e);
+    let db = any_bytes(rng, ty, ne, dr, dc);
     let ids = picks(rng, n_tok, k, used);
-    let x = rand_vec(rng, n_tok * hid, 1.0);
+    let x = rand_vec(rng, n_tok * e, 1.0);
+    let x2 = rand_vec(rng, n_assign * dc, 1.0);
     let c = Carve::new(a);
     let (gv, uv, dv) = (put(d, &c, &gb), put(d, &c, &ub), put(d, &c, &db));
     let (gm, dm) = ((gb.len() / ne) as u64, (db.len() / ne) as u64);
     let table: Vec<u64> = (0..ne as u64)
-        .flat_map(|e| [gv.ptr() + e * gm, uv.ptr() + e * gm, dv.ptr() + e * dm])
+        .flat_map(|i| [gv.ptr() + i * gm, uv.ptr() + i * gm, dv.ptr() + i * dm])
         .collect();
     let tv = put(d, &c, &table);
-    let (xv, iv) = (put(d, &c, &x), put(d, &c, &ids));
+    let (xv, x2v, iv) = (put(d, &c, &x), put(d, &c, &x2), put(d, &c, &ids));
     let sorted = c.take(moe_scratch_bytes(n_tok, k, ne));
-    let s1 = c.take(gemm_scratch_bytes(n_tok, hid));
-    let s2 = c.take(gemm_scratch_bytes(n_assign, ff));
+    let s1 = c.take(gemm_scratch_bytes(n_tok, e));
+    let s2 = c.take(gemm_scratch_bytes(n_assign, dc));
     d.moe_sort(iv, n_tok, k, ne, sorted).unwrap();
+    d.gemm_convert_x(xv, n_tok, e, ty, s1).unwrap();
+    d.gemm_convert_x(x2v, n_assign, dc, ty, s2).unwrap();
     let strided = |w, wu| ExpertSource::Strided { w, wu, stride: 0 };
     let tabled = |col, fused_up| ExpertSource::Table {
         table: tv,
@@ -300,17 +309,16 @@ fn moe_any_case(
     let mut os: Vec<Vec<f32>> = Vec::new();
     for (i, (load, gu, dn)) in runs.into_iter().enumerate() {
         let what = format!("moe {ty} {s:?} run {i} ({load:?})");
-        let (hall, hv) = guarded(d, &c, n_assign * ff);
-        let (oall, ov) = guarded(d, &c, n_assign * hid);
-        d.gemm_convert_x(xv, n_tok, hid, ty, s1).unwrap();
+        let (hall, hv) = guarded(d, &c, n_assign * f);
+        let (oall, ov) = guarded(d, &c, n_assign * dr);
         d.moe_gemm_from(
             GemmTile::M64,
             load,
             gu,
             ty,
             ne,
-            ff,
-            hid,
+            f,
+            e,
             s1,
             MoeInput::Gather,
             n_tok,
@@ -319,15 +327,14 @@ fn moe_any_case(
             hv,
         )
         .unwrap();
-        d.gemm_convert_x(hv, n_assign, ff, ty, s2).unwrap();
         d.moe_gemm_from(
             MOE_DEFAULT_TILE,
             load,
             dn,
             ty,
             ne,
-            hid,
-            ff,
+            dr,
+            dc,
             s2,
             MoeInput::Direct,
             n_tok,
@@ -340,13 +347,13 @@ fn moe_any_case(
             d,
             &format!("{what} gate-up"),
             hall,
-            n_assign * ff,
+            n_assign * f,
         ));
         os.push(read_guarded(
             d,
             &format!("{what} down"),
             oall,
-            n_assign * hid,
+            n_assign * dr,
         ));
     }
     for i in 1..runs.len() {
@@ -354,10 +361,10 @@ fn moe_any_case(
         assert_same(&format!("{what}, gate-up"), &hs[0], &hs[i]);
         assert_same(&format!("{what}, down"), &os[0], &os[i]);
     }
-    let g = moe_reference(ty, &gb, ff, hid, &ids, &x, |a| a / k);
-    let u = moe_reference(ty, &ub, ff, hid, &ids, &x, |a| a / k);
+    let g = moe_reference(ty, &gb, f, e, &ids, &x, |a| a / k);
+    let u = moe_reference(ty, &ub, f, e, &ids, &x, |a| a / k);
     check_glu(&format!("moe {ty} {s:?} gate-up"), ty, &hs[0], &g, &u);
-    let want = moe_reference(ty, &db, hid, ff, &ids, &hs[0], |a| a);
+    let want = moe_reference(ty, &db, dr, dc, &ids, &x2, |a| a);
     check(&format!("moe {ty} {s:?} down"), ty, &os[0], &want);
 }
 
@@ -369,30 +376,30 @@ fn any_type_expert_products_on_both_loaders_match_cpu_and_each_other() {
     let mut rng = StdRng::seed_from_u64(43);
     let a = d.alloc_arena("gemm-any-moe", 2 << 30).unwrap();
     let shapes = [
-        // Odd: rows off the tiles, an odd block count, empty experts, one CTA row tile.
+        // Rows off the 64/128 tiles (200, 328), odd and even block counts, an empty expert.
         MoeShape {
             ne: 5,
             used: 4,
-            ff: 97,
-            hid: 768,
+            gu: (200, 768),
+            dn: (328, 512),
             n_tok: 37,
             k: 3,
         },
-        // More tokens than one 64-token tile for some experts.
+        // More than one 64-token tile for some experts; one-block rows.
         MoeShape {
             ne: 3,
             used: 3,
-            ff: 256,
-            hid: 512,
+            gu: (72, 256),
+            dn: (136, 1280),
             n_tok: 150,
             k: 2,
         },
-        // Qwen3-Next-80B-A3B's experts at 64 tokens: ~1.25 tokens an expert.
+        // Qwen3-Next-80B-A3B's experts at 64 tokens: 1.25 tokens an expert.
         MoeShape {
             ne: 512,
             used: 512,
-            ff: 512,
-            hid: 2048,
+            gu: (512, 2048),
+            dn: (2048, 512),
             n_tok: 64,
             k: 10,
         },
