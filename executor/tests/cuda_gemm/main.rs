@@ -3,7 +3,9 @@
 //! (and its fused SwiGLU form), each
 //! against a host reference (`quant::dequantize_row` + f64 matmul) on fresh random inputs
 //! with odd sizes, ragged tails, empty experts and one expert taking every token; then
-//! timings at Qwen3-30B-A3B's shapes.
+//! timings at Qwen3-30B-A3B's shapes. `any_load.rs`: the any-type products' pipelined and
+//! synchronous weight loaders (IQ3_S, Q6_K, Q5_K, IQ4_XS) against the CPU and each other,
+//! and timed at Qwen3-Next-80B-A3B's expert shapes.
 //! Invariant: without a usable CUDA device each test prints `SKIP (no CUDA device): ...` to
 //! stderr and returns. Run on a GPU machine with
 //! `cargo test -p strata-exec --release --test cuda_gemm -- --test-threads=1 --nocapture`.
