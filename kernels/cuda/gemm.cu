@@ -182,13 +182,14 @@ struct GmWords {
 };
 
 // One group's raw bytes: fetch(b, gi) from block b (BYTES bytes) group gi (0..8, 256-value
-// blocks), decode(gi, v) its 32 values. The primary template is the synchronous loader's
+// blocks), decode(gi, v, grid) its 32 values (`grid`: IQ3_S's grid, a copy of IQ3S_GRID in
+// shared memory; the others ignore it). The primary template is the synchronous loader's
 // placeholder (never fetched).
 template <int T>
 struct GmRaw {
     static constexpr int BYTES = 0;
     __device__ __forceinline__ void fetch(const u8*, int) {}
-    __device__ __forceinline__ void decode(int, float (&v)[32]) const {}
+    __device__ __forceinline__ void decode(int, float (&v)[32], const u32*) const {}
 };
 
 // IQ3_S (110-byte blocks, 2-byte aligned): d, the group's 8 grid indices, the byte of their
@@ -206,7 +207,7 @@ struct GmRaw<QT_IQ3_S> {
         sg[1] = gm_ld16(b + 76 + 4 * gi);
         sc = gm_ld16(b + 106 + ((gi >> 1) & ~1));
     }
-    __device__ __forceinline__ void decode(int gi, float (&v)[32]) const {
+    __device__ __forceinline__ void decode(int gi, float (&v)[32], const u32* grid) const {
         const int nsc = (sc >> (8 * ((gi >> 1) & 1) + 4 * (gi & 1))) & 15;
         const float db = qt_mul(st_h2f((u16)d), (float)(1 + 2 * nsc));
         const u32 h = qh >> (8 * (gi & 1));
@@ -214,7 +215,7 @@ struct GmRaw<QT_IQ3_S> {
         for (int l = 0; l < 4; ++l) {
             const int i0 = (qs[l] & 0xff) | (((h >> (2 * l)) & 1) << 8);
             const int i1 = ((qs[l] >> 8) & 0xff) | (((h >> (2 * l + 1)) & 1) << 8);
-            const u32 g[2] = {IQ3S_GRID[i0], IQ3S_GRID[i1]};
+            const u32 g[2] = {grid[i0], grid[i1]};
             const u32 signs = sg[l >> 1] >> (8 * (l & 1));
             // qt_put8: (db * grid[j]) * sign_j.
 #pragma unroll
@@ -244,7 +245,7 @@ struct GmRaw<QT_Q6_K> {
         sc = gm_ld16(b + 192 + 2 * gi);
         d = gm_ld16(b + 208);
     }
-    __device__ __forceinline__ void decode(int gi, float (&v)[32]) const {
+    __device__ __forceinline__ void decode(int gi, float (&v)[32], const u32*) const {
         const float dd = st_h2f((u16)d);
         const float dl0 = qt_mul(dd, (float)(i8)(sc & 0xff));
         const float dl1 = qt_mul(dd, (float)(i8)((sc >> 8) & 0xff));
@@ -277,7 +278,7 @@ struct GmRaw<QT_Q5_K> {
         qs[0] = __ldg(q);
         qs[1] = __ldg(q + 1);
     }
-    __device__ __forceinline__ void decode(int gi, float (&v)[32]) const {
+    __device__ __forceinline__ void decode(int gi, float (&v)[32], const u32*) const {
         const float dd = st_h2f((u16)(hd.x & 0xffff)), dmin = st_h2f((u16)(hd.x >> 16));
         // qt_scale_min(gi, scales): bytes gi & 3 of scale words 0, 1, 2.
         const int s = 8 * (gi & 3);
@@ -312,7 +313,7 @@ struct GmRaw<QT_IQ4_XS> {
         qs[0] = __ldg(q);
         qs[1] = __ldg(q + 1);
     }
-    __device__ __forceinline__ void decode(int gi, float (&v)[32]) const {
+    __device__ __forceinline__ void decode(int gi, float (&v)[32], const u32*) const {
         const int lo = (hd.y >> (8 * (gi >> 1) + 4 * (gi & 1))) & 15;
         const int hi = (hd.x >> (16 + 2 * gi)) & 3;
         const float dl = qt_mul(st_h2f((u16)(hd.x & 0xffff)), (float)((lo | (hi << 4)) - 32));
@@ -381,7 +382,7 @@ struct GmPipe {
 
     // Decodes the fetched groups into the W buffer `wb` (matrix m at wb + m * wbytes).
     __device__ __forceinline__ void store(u8* wb, int wbytes, int rows, int cols, int row0,
-                                          int k0, int tid) const {
+                                          int k0, int tid, const u32* grid) const {
 #pragma unroll
         for (int m = 0; m < NW; ++m)
 #pragma unroll
@@ -390,7 +391,7 @@ struct GmPipe {
                 const int gr = row0 + row, kk = k0 + part * 32;
                 float v[32];
                 if (gr < rows && kk < cols) {
-                    raw[m][i].decode((kk / 32) & 7, v);
+                    raw[m][i].decode((kk / 32) & 7, v, grid);
                 } else {
 #pragma unroll
                     for (int j = 0; j < 32; ++j) v[j] = 0.0f;
@@ -566,10 +567,19 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
     // raw bytes fetched; then the end of iteration kt stores stage kt + 1's into buffer
     // (kt + 1) & 1 and fetches stage kt + 2's, whose loads are in flight across the next
     // barrier and stage kt + 1's mmas.
+    // IQ3_S: its 2 KiB grid copied to shared memory once a tile, where the 32 lanes' scattered
+    // lookups cost a few bank conflicts instead of a cache wavefront per 128-byte line.
+    const u32* grid = IQ3S_GRID;
+    if constexpr (PIPE && QT == QT_IQ3_S) {
+        __shared__ u32 gm_iq3s_grid[512];
+        for (int i = tid; i < 512; i += NT) gm_iq3s_grid[i] = IQ3S_GRID[i];
+        __syncthreads();
+        grid = gm_iq3s_grid;
+    }
     GmPipe<QT, BM, NT, St::NW> pipe;
     if (PIPE && kt_n > 0) {
         pipe.fetch(W, W2, rows, cols, row0, kt_lo * GM_BK, tid);
-        pipe.store(smem + WB0, St::W, rows, cols, row0, kt_lo * GM_BK, tid);
+        pipe.store(smem + WB0, St::W, rows, cols, row0, kt_lo * GM_BK, tid, grid);
         if (kt_n > 1) pipe.fetch(W, W2, rows, cols, row0, (kt_lo + 1) * GM_BK, tid);
     }
     for (int kt = 0; kt < kt_n; ++kt) {
@@ -650,7 +660,7 @@ __device__ __forceinline__ void gm_tile(const u8* __restrict__ W, const u8* __re
         }
         if (PIPE && kt + 1 < kt_n) {
             pipe.store(smem + WB0 + ((kt + 1) & 1) * St::NW * St::W, St::W, rows, cols, row0,
-                       (kt_lo + kt + 1) * GM_BK, tid);
+                       (kt_lo + kt + 1) * GM_BK, tid, grid);
             if (kt + 2 < kt_n)
                 pipe.fetch(W, W2, rows, cols, row0, (kt_lo + kt + 2) * GM_BK, tid);
         }

@@ -88,7 +88,7 @@ static long check(std::mt19937& rng, int ncb, int rows) {
             GmRaw<T> raw;
             raw.fetch(b, g & 7);
             float v[32], w[32];
-            raw.decode(g & 7, v);
+            raw.decode(g & 7, v, IQ3S_GRID);
             qt_group32_block_inl(T, b, g & 7, w);
             for (int j = 0; j < 32; ++j)
                 if (memcmp(&v[j], &w[j], 4) != 0 && bad++ < 4)

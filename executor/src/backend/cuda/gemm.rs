@@ -939,7 +939,11 @@ mod tests {
             );
             assert!(pipe < sync, "{tile:?}: {pipe} vs {sync}");
         }
-        assert!(3 * smem_bytes(GgmlType::Iq3S, GemmTile::M64, 2, true) <= 227 * 1024);
+        // Three fused IQ3_S tiles a multiprocessor on Hopper (228 KiB): each with its static
+        // shared memory (the 2 KiB grid copy and the 512 bytes of row indices, by ptxas) and
+        // the 1 KiB the driver reserves per CTA.
+        let fused = smem_bytes(GgmlType::Iq3S, GemmTile::M64, 2, true) + 2560 + 1024;
+        assert!(3 * fused <= 228 * 1024, "{fused}");
     }
 
     #[test]
