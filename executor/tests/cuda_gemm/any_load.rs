@@ -12,7 +12,8 @@
 //! so `super::unit`'s Q8_0 bound applies.
 
 use super::cuda_common::{get, put, rand_vec, Carve};
-use super::{check, dev, reference, time_ms, unit, GUARD};
+use super::timings::time_ms;
+use super::{check, dev, reference, unit, GUARD};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
 use strata_exec::backend::cuda::gemm::{
