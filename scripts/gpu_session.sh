@@ -9,7 +9,7 @@
 #          run (gpu_bench.sh tests)
 #   call2: Qwen3-Next 80B (issues 17, 18, 21): llama-bench and strata-exec bench (the plan's
 #          prediction beside it) on the same file, the GM_ANY prefill products' default against
-#          --kernel-options any-sync (the old synchronous decode), a --profile pass (where the
+#          --kernel-options any-pipelined (the pipelined loader, opt-in until this A/B), a --profile pass (where the
 #          prefill and decode time goes now); then MTP speculation with every draft forced
 #          right (--spec-oracle) at N = 1..4: the verify cost
 #   call3: experts beyond VRAM (issues 16, 21): the 80B file removed, the skewed-routing 30B
@@ -68,7 +68,7 @@ call2)
     tail -3 "$out/llama_next.err"
     $bin/strata-plan --hardware plans/hardware/h200.toml --model $next --max-context 4096 \
         --batch 1 -o /tmp/next.plan | head -12 | tee "$out/next_plan.txt"
-    for o in default any-sync; do
+    for o in default any-pipelined dp4a any-pipelined,dp4a; do
         stamp "strata-exec bench next80 ($o)"
         opt=
         [ $o = default ] || opt="--kernel-options $o"

@@ -127,7 +127,7 @@ fn json_output_matches_transformers_greedy_and_refusals_exit_1() {
     );
     assert!(help.contains("--kv-host"), "{help}");
     // --kernel-options names the any-type loader's A/B switch.
-    assert!(help.contains("any-sync"), "{help}");
+    assert!(help.contains("any-pipelined"), "{help}");
 }
 
 fn json_run(args: &[&str]) -> serde_json::Value {

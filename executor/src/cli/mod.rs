@@ -125,9 +125,10 @@ pub struct PlanArgs {
     /// pinned, instead of LRU), q4k-own (one-token Q4_K products on Q4_K's own kernels instead
     /// of the K-quant lane mapping that Q5_K, Q6_K and IQ3_S share), dp4a (the decode products
     /// over Q4_K, Q6_K and IQ3_S weights on int8 activations too, as those over Q8_0 run by default),
-    /// f32-products (every decode product on f32 activations, Q8_0's too), any-sync (the
-    /// prefill products over IQ3_S, Q6_K, Q5_K and IQ4_XS weights decode each stage's weights
-    /// synchronously instead of through the pipelined loader). Every variant gives
+    /// f32-products (every decode product on f32 activations, Q8_0's too), any-pipelined (the
+    /// prefill products over IQ3_S, Q6_K, Q5_K and IQ4_XS weights load them through the
+    /// pipelined loader instead of decoding each stage's weights synchronously; not yet run on
+    /// a GPU). Every variant gives
     /// the same tokens, but the int8 products: they quantize each product input to int8 once
     /// and dot 4 quants an instruction, which rounds the inputs to 8 bits (tests/cuda_dp4a.rs
     /// states the bounds); on the H200 they decode Q8_0 weights faster and Q4_K slower.

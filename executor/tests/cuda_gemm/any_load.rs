@@ -1,5 +1,5 @@
-//! The any-type products' two weight loaders (`gemm::AnyLoad`): the pipelined default and the
-//! synchronous `any-sync`, for the four types the pipelined one covers (IQ3_S, Q6_K, Q5_K,
+//! The any-type products' two weight loaders (`gemm::AnyLoad`): the synchronous default and the
+//! pipelined `any-pipelined`, for the four types the pipelined one covers (IQ3_S, Q6_K, Q5_K,
 //! IQ4_XS). Each loader against the CPU reference (`quant::dequantize_row`, f64 sums) at odd
 //! shapes and at Qwen3-Next-80B-A3B's few-tokens-per-expert shape (512 experts, top-10), the
 //! dense products in every tile and the grouped ones as the engine runs them (fused gate + up,
@@ -202,7 +202,7 @@ fn any_type_dense_products_on_both_loaders_match_cpu_and_each_other() {
                             outs.push(got);
                         }
                         let what = format!(
-                            "gemm {ty} rows={rows} cols={cols} n_tok={n_tok} tile={tile:?} kparts={kparts}: pipelined vs any-sync"
+                            "gemm {ty} rows={rows} cols={cols} n_tok={n_tok} tile={tile:?} kparts={kparts}: pipelined vs synchronous"
                         );
                         assert_same(&what, &outs[0], &outs[1]);
                         n_cmp += 1;
@@ -255,8 +255,8 @@ fn picks(rng: &mut StdRng, n_tok: usize, k: usize, used: usize) -> Vec<i32> {
 }
 
 /// The fused gate + up (gathered x) and the down product (direct x) of one case, as the
-/// engine launches them, on both loaders from the strided stacks and on the default loader
-/// through an expert table: all bit-equal, and the default's within the CPU reference's
+/// engine launches them, on both loaders from the strided stacks and on the pipelined loader
+/// through an expert table: all bit-equal, and the pipelined's within the CPU reference's
 /// bounds.
 fn moe_any_case(
     d: &CudaDevice,

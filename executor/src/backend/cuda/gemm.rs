@@ -6,13 +6,14 @@
 //! over those tiles. Activations are f32 in and out; each product first rounds `x` into a
 //! caller-provided 16-bit scratch (f16 for Q8_0 and Q4_K weights, bf16 for BF16 weights).
 //! Each product picks its kernel by its own weight type, so types may be mixed per tensor.
-//! IQ3_S, Q6_K, Q5_K and IQ4_XS weights take the pipelined any-type loader by default
-//! ([`AnyLoad`]: raw bytes fetched into registers a stage ahead, decoded after the stage's
-//! mmas, the type fixed at compile time), in the tiles the engine uses for them (dense M64
-//! and M128, grouped M128W, fused gate + up M64); `AnyLoad::Sync` (`--kernel-options
-//! any-sync`) and the other tiles keep the synchronous loader. Both give the same f16 weights
-//! bit for bit. The pipelined loader has not run on a GPU yet (written 2026-12-05 without
-//! one); tests/cuda_gemm.rs holds it to the CPU reference and to the synchronous loader.
+//! IQ3_S, Q6_K, Q5_K and IQ4_XS weights may take the pipelined any-type loader
+//! ([`AnyLoad::Pipelined`], `--kernel-options any-pipelined`: raw bytes fetched into registers
+//! a stage ahead, decoded after the stage's mmas, the type fixed at compile time), in the
+//! tiles the engine uses for them (dense M64 and M128, grouped M128W, fused gate + up M64);
+//! the default and the other tiles keep the synchronous loader. Both give the same f16
+//! weights bit for bit. The pipelined loader has not run on a GPU yet (written 2026-12-05
+//! without one), so it is opt-in until a GPU run of tests/cuda_gemm (which holds it to the
+//! CPU reference and to the synchronous loader) and its A/B make it the default.
 //! Invariant: every launch's views are checked (bytes and alignment) against what the kernels
 //! touch before it is queued, and no launcher reads anything back from the device, so the
 //! whole MoE sequence (sort, convert, products) can be captured in a CUDA graph: its grids
@@ -71,11 +72,12 @@ impl GemmTile {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AnyLoad {
     /// IQ3_S, Q6_K, Q5_K and IQ4_XS through the pipelined loader where the tile has it
-    /// ([`any_load_pipelined`]); every other type and tile as `Sync`.
-    #[default]
+    /// ([`any_load_pipelined`]; `--kernel-options any-pipelined`); every other type and tile
+    /// as `Sync`. Not yet run on a GPU.
     Pipelined,
-    /// Each stage's weights decoded synchronously from global memory as the stage is loaded
-    /// (`--kernel-options any-sync`): the loader before the pipelined one, for comparison.
+    /// Each stage's weights decoded synchronously from global memory as the stage is loaded:
+    /// the default, until a GPU has measured and checked the pipelined loader.
+    #[default]
     Sync,
 }
 

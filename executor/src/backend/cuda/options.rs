@@ -7,8 +7,8 @@
 //! function (most bit for bit; where a variant sums in another order, its doc says so), but
 //! the int8 products ([`Int8Products`]: on by default for Q8_0 weights, `dp4a` for every type
 //! that has them, `f32-products` for none), which round the products' inputs to 8 bits and
-//! say so. `any-sync` picks the prefill products' synchronous any-type weight loader
-//! ([`AnyLoad`]) over the pipelined default, bit for bit the same.
+//! say so. `any-pipelined` picks the prefill products' pipelined any-type weight loader
+//! ([`AnyLoad`]) over the synchronous default, bit for bit the same (not yet run on a GPU).
 
 use super::gemm::AnyLoad;
 use super::handoff::HandoffPolicy;
@@ -75,7 +75,7 @@ pub struct KernelOptions {
     /// of each other (the sums run in another order; 1.7e-4 relative on the logits measured).
     pub q4k_lanes: bool,
     /// The decode products on int8 activations, for the weight types `int8` covers (Q8_0 by
-    /// default; `dp4a`: Q8_0, Q4_K and Q6_K; `f32-products`: none): each product input of
+    /// default; `dp4a`: Q8_0, Q4_K, Q6_K and IQ3_S; `f32-products`: none): each product input of
     /// 1..16 tokens quantized once to blocks of 32 (`dq_quant_q8a`, into the plan's `xh`
     /// buffer, which the tensor-core prefill alone uses otherwise) and dotted 4 quants an
     /// instruction (`dq4_*`, kernels/cuda/dp4a.cu): Q/K/V, the output projection, the
@@ -85,11 +85,11 @@ pub struct KernelOptions {
     /// products.
     pub int8: Int8Products,
     /// How the prefill's tensor-core products load weights of the types without a kernel of
-    /// their own (`gemm.rs`'s [`AnyLoad`]): IQ3_S, Q6_K, Q5_K and IQ4_XS through the pipelined
-    /// loader by default (raw bytes fetched a stage ahead into registers, decoded after the
-    /// stage's mmas), `any-sync` through the synchronous loader it replaces. The same f16
-    /// weights and so the same logits bit for bit either way. The pipelined loader has not
-    /// yet run on a GPU.
+    /// their own (`gemm.rs`'s [`AnyLoad`]): the synchronous loader by default, `any-pipelined`
+    /// for IQ3_S, Q6_K, Q5_K and IQ4_XS through the pipelined one (raw bytes fetched a stage
+    /// ahead into registers, decoded after the stage's mmas). The same f16 weights and so the
+    /// same logits bit for bit either way. The pipelined loader has not yet run on a GPU,
+    /// so it is not the default.
     pub any_load: AnyLoad,
 }
 
@@ -104,14 +104,14 @@ impl Default for KernelOptions {
             expert_lfu: false,
             q4k_lanes: true,
             int8: Int8Products::Q8_0,
-            any_load: AnyLoad::Pipelined,
+            any_load: AnyLoad::Sync,
         }
     }
 }
 
 /// The values `--kernel-options` takes, for `--help` and errors.
 pub const KERNEL_OPTIONS_HELP: &str =
-    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu, q4k-own, dp4a, f32-products, any-sync";
+    "unfused-topk, unfused-attention, attn-chunk=N, no-staging, host-pick, expert-lfu, q4k-own, dp4a, f32-products, any-pipelined";
 
 impl KernelOptions {
     /// The defaults with every product in f32 (`f32-products`): what the tests comparing the
@@ -135,7 +135,7 @@ impl KernelOptions {
                 "host-pick" => o.host_pick = true,
                 "expert-lfu" => o.expert_lfu = true,
                 "q4k-own" => o.q4k_lanes = false,
-                "any-sync" => o.any_load = AnyLoad::Sync,
+                "any-pipelined" => o.any_load = AnyLoad::Pipelined,
                 "dp4a" | "f32-products" => {
                     let want = if item == "dp4a" {
                         Int8Products::All
@@ -145,7 +145,7 @@ impl KernelOptions {
                     if let Some((other, had)) = int8 {
                         if had != want {
                             return Err(format!(
-                                "--kernel-options: `{other}` and `{item}` contradict each other (dp4a: int8 products for Q8_0, Q4_K and Q6_K; f32-products: for none): give one"
+                                "--kernel-options: `{other}` and `{item}` contradict each other (dp4a: int8 products for Q8_0, Q4_K, Q6_K and IQ3_S; f32-products: for none): give one"
                             ));
                         }
                     }
@@ -318,9 +318,9 @@ mod tests {
                 .unwrap()
                 .expert_lfu
         );
-        assert_eq!(d.any_load, AnyLoad::Pipelined);
-        let o = KernelOptions::parse(&["any-sync".into(), "no-staging".into()]).unwrap();
-        assert!(o.any_load == AnyLoad::Sync && !o.stage_inputs && o.int8 == d.int8);
-        assert!(KERNEL_OPTIONS_HELP.contains("any-sync"));
+        assert_eq!(d.any_load, AnyLoad::Sync);
+        let o = KernelOptions::parse(&["any-pipelined".into(), "no-staging".into()]).unwrap();
+        assert!(o.any_load == AnyLoad::Pipelined && !o.stage_inputs && o.int8 == d.int8);
+        assert!(KERNEL_OPTIONS_HELP.contains("any-pipelined"));
     }
 }
