@@ -204,17 +204,7 @@ if [ "$what" = predict ] || [ "$what" = all ]; then
             sed "s|^{|{\"run\":\"$run\",|" | tee -a "$out/predict.jsonl" | cut -c1-300
     done
     # Predicted against measured, one line a plan.
-    python3 - "$out/predict.jsonl" <<'PY'
-import json, sys
-print("| plan | pp512 measured / predicted | tg128 measured / predicted | hit measured / predicted |")
-for line in open(sys.argv[1]):
-    j = json.loads(line); p = j["predicted"]; e = j.get("experts") or {}
-    pp, tg = j["prefill_tok_s"]["mean"], j["decode_tok_s"]["mean"]
-    hit = e.get("hit_rate")
-    print(f"| {j['run']} | {pp:.0f} / {p['prefill_tok_s']:.0f} ({pp / p['prefill_tok_s']:.2f}) | "
-          f"{tg:.1f} / {p['decode_tok_s']:.1f} ({tg / p['decode_tok_s']:.2f}) | "
-          f"{'-' if hit is None else f'{hit:.3f}'} / {e.get('predicted_hit_rate', 1.0):.3f} |")
-PY
+    python3 scripts/predict_table.py "$out/predict.jsonl"
 fi
 if [ "$what" = offload ] || [ "$what" = all ]; then
     m=/tmp/q30-q8_0.gguf

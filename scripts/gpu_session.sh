@@ -121,18 +121,7 @@ call3)
                 grep '^{' | sed "s|^{|{\"run\":\"${gib}g$v\",|" | tee -a "$out/offload.jsonl" | cut -c1-300
         done
     done
-    python3 - "$out/offload.jsonl" <<'PY'
-import json, sys
-print("| plan | pp512 measured / predicted | tg128 measured / predicted | hit measured / predicted | GB streamed a prefill |")
-for line in open(sys.argv[1]):
-    j = json.loads(line); p = j["predicted"]; e = j.get("experts") or {}
-    pp, tg = j["prefill_tok_s"]["mean"], j["decode_tok_s"]["mean"]
-    hit = e.get("hit_rate")
-    print(f"| {j['run']} | {pp:.0f} / {p['prefill_tok_s']:.0f} ({pp / p['prefill_tok_s']:.2f}) | "
-          f"{tg:.1f} / {p['decode_tok_s']:.1f} ({tg / p['decode_tok_s']:.2f}) | "
-          f"{'-' if hit is None else f'{hit:.3f}'} / {e.get('predicted_hit_rate', 1.0):.3f} | "
-          f"{e.get('pcie_bytes_per_prefill', 0) / 1e9:.2f} |")
-PY
+    python3 scripts/predict_table.py "$out/offload.jsonl"
     ;;
 call4)
     [ -f $q8 ] || write $q8 --arch qwen3moe --preset Q8_0 --routing skewed

@@ -562,14 +562,17 @@ impl DeviceCost {
         if self.expert_layers == 0 || self.hit_rate >= 1.0 {
             return 0.0;
         }
-        let uniform;
-        let shares: &[f64] = if self.expert_shares.is_empty() {
-            uniform = crate::moe_tiles::uniform(self.n_expert, self.n_expert_used);
-            &uniform
+        crate::moe_tiles::outside_touched(&self.routing_shares(), tokens, self.hit_rate)
+    }
+
+    /// Each expert's expected uses per token, busiest first: the plan's profile
+    /// (`expert_shares`), else uniform routing.
+    fn routing_shares(&self) -> std::borrow::Cow<'_, [f64]> {
+        if self.expert_shares.is_empty() {
+            crate::moe_tiles::uniform(self.n_expert, self.n_expert_used).into()
         } else {
-            &self.expert_shares
-        };
-        crate::moe_tiles::outside_touched(shares, tokens, self.hit_rate)
+            self.expert_shares.as_slice().into()
+        }
     }
 
     /// Whether a decode step at `context` cells runs kernel by kernel (not one captured
@@ -646,14 +649,7 @@ impl DeviceCost {
         {
             return 1.0;
         }
-        let uniform;
-        let shares: &[f64] = if self.expert_shares.is_empty() {
-            uniform = crate::moe_tiles::uniform(self.n_expert, self.n_expert_used);
-            &uniform
-        } else {
-            &self.expert_shares
-        };
-        crate::moe_tiles::slowdown(shares, tokens, self.expert_gemm_ref_tpe)
+        crate::moe_tiles::slowdown(&self.routing_shares(), tokens, self.expert_gemm_ref_tpe)
     }
 }
 
