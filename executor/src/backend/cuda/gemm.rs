@@ -896,18 +896,19 @@ mod tests {
         ] {
             assert!(pipe_kernels(ty).is_some_and(|k| k.iter().all(|n| pipelined.contains(n))));
         }
-        // The engine's tiles take them by default: the fused gate + up, the down product's
-        // default tile and both dense defaults.
+        // The engine's tiles take them under `any-pipelined`: the fused gate + up, the down
+        // product's default tile and both dense defaults; the default loader is the
+        // synchronous one (the pipelined has not run on a GPU yet).
         let ty = GgmlType::Iq3S;
         assert!(any_load_pipelined(
-            AnyLoad::default(),
+            AnyLoad::Pipelined,
             ty,
             true,
             true,
             GemmTile::M64
         ));
         assert!(any_load_pipelined(
-            AnyLoad::default(),
+            AnyLoad::Pipelined,
             ty,
             true,
             false,
@@ -915,13 +916,21 @@ mod tests {
         ));
         for tile in [GemmTile::M64, GemmTile::M128] {
             assert!(any_load_pipelined(
-                AnyLoad::default(),
+                AnyLoad::Pipelined,
                 ty,
                 false,
                 false,
                 tile
             ));
         }
+        assert_eq!(AnyLoad::default(), AnyLoad::Sync);
+        assert!(!any_load_pipelined(
+            AnyLoad::default(),
+            ty,
+            true,
+            true,
+            GemmTile::M64
+        ));
     }
 
     /// The pipelined layout (X stages and two W buffers) is smaller than the synchronous
