@@ -42,18 +42,32 @@ impl Default for TinyConfig {
 }
 
 /// The hyperparameters of the tiny model.
+// A literal, not the schemas' `tiny_qwen3next` fixture: this module is part of the library
+// (other crates' serve tests use it), where `strata_schemas::gguf::testutil` is not built.
 pub fn tiny_hparams(n_vocab: u64, n_ctx: u64) -> HParams {
-    // The shared tiny Qwen3-Next's widths as a two-block Qwen3-MoE.
     HParams {
         n_layer: 2,
+        n_embd: 64,
         n_vocab,
         n_ctx_train: n_ctx,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim_k: 16,
+        head_dim_v: 16,
+        n_ff: 0,
+        n_expert: 4,
+        n_expert_used: 2,
+        n_ff_exp: 32,
         n_ff_shexp: 0,
+        n_leading_dense: 0,
         full_attention_interval: None,
         ssm: None,
         nextn_predict_layers: 0,
+        rope_theta: 10000.0,
         rope_dim: None,
-        ..strata_schemas::gguf::testutil::tiny_qwen3next()
+        rms_eps: 1e-6,
+        norm_topk_prob: true,
+        tied_embeddings: false,
     }
 }
 
