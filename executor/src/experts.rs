@@ -269,6 +269,13 @@ impl LruPolicy {
     }
 }
 
+/// Whether a pass is a scan for the expert cache ([`LruPolicy::set_scan`]): a prompt pass
+/// (`prefills`) whose `tokens x k` picks number the layer's `n_expert` experts or more, so it
+/// picks each of them about once or more. The CPU and CUDA caches both decide by this.
+pub fn pass_is_scan(prefills: bool, tokens: usize, k: usize, n_expert: usize) -> bool {
+    prefills && tokens * k >= n_expert
+}
+
 /// The host copy of one layer's three expert stacks.
 #[derive(Debug, Clone, Copy)]
 pub struct HostStacks<'h> {
@@ -500,6 +507,20 @@ mod tests {
             p.lookup(0, 6).unwrap(),
             Lookup::Miss { slot: 0, .. }
         ));
+    }
+
+    #[test]
+    fn only_prompt_passes_picking_every_expert_once_are_scans() {
+        // 128 experts, top-8: 16 prompt tokens make 128 picks.
+        assert!(pass_is_scan(true, 16, 8, 128));
+        assert!(
+            !pass_is_scan(true, 15, 8, 128),
+            "a short prompt is plain LRU"
+        );
+        assert!(
+            !pass_is_scan(false, 16, 8, 128),
+            "a 16-slot decode step is not a scan"
+        );
     }
 
     #[test]

@@ -466,9 +466,7 @@ impl<'a> Ops for CpuStage<'a> {
         )?;
         self.tally.record(layer, &is[..n * k]);
         if let (CpuExperts::Cache, Some(c)) = (src, self.cache.as_mut()) {
-            // A prompt pass that picks each of the layer's experts about once or more is a
-            // scan: its misses recycle scan slots instead of evicting the cache.
-            c.set_scan(self.kind.prefills() && n * k >= ne);
+            c.set_scan(crate::experts::pass_is_scan(self.kind.prefills(), n, k, ne));
         }
         proj[..n * e].fill(0.0);
         for ex in 0..ne {

@@ -396,11 +396,11 @@ impl CudaStage {
             c.prefetched.fill(false);
         }
         c.tally.record(layer, &c.ids[..n * k]);
-        // A prompt pass that picks each of the layer's experts about once or more is a scan
-        // (`LruPolicy::set_scan`): its misses, and the next layer's fetch ahead, recycle the
-        // slots earlier scan misses filled instead of evicting the cached experts the next
-        // pass and the decode steps need.
-        c.policy.set_scan(self.kind.prefills() && n * k >= ne);
+        // A scan's misses, and the next layer's fetch ahead, recycle the slots earlier scan
+        // misses filled instead of evicting the cached experts the next pass and the decode
+        // steps need.
+        c.policy
+            .set_scan(crate::experts::pass_is_scan(self.kind.prefills(), n, k, ne));
         let li = (layer - c.layer_first) as usize;
         let budget = c.policy.unpinned_slots();
         let stage_in = self.opts.stage_inputs && ty == GgmlType::Q8_0 && ty_up == ty;
